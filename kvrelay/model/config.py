@@ -1,0 +1,191 @@
+"""The gpt-oss model configuration, parsed from a checkpoint's config.json.
+
+Owner: nothing mutable — `GptOssConfig` is frozen. It accepts both RoPE spellings
+seen in the wild (`rope_scaling` + `rope_theta`, and transformers 5's
+`rope_parameters`) and applies `--hf-overrides` before validation.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SLIDING = "sliding_attention"
+FULL = "full_attention"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be served, with a message naming the file and tensor."""
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """RoPE parameters; `rope_type` is "default" (plain) or "yarn"."""
+
+    theta: float = 150000.0
+    rope_type: str = "yarn"
+    factor: float = 32.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    original_max_position_embeddings: int = 4096
+    truncate: bool = False
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ("default", "yarn"):
+            raise ValueError(f"unsupported rope_type {self.rope_type!r}: expected 'default' or 'yarn'")
+        if self.theta <= 0:
+            raise ValueError(f"rope_theta must be positive, got {self.theta}")
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> RopeConfig:
+        params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        theta = params.get("rope_theta", cfg.get("rope_theta", 150000.0))
+        rope_type = params.get("rope_type", params.get("type", "default" if not params else "yarn"))
+        if rope_type == "yarn":
+            return cls(
+                theta=float(theta),
+                rope_type="yarn",
+                factor=float(params.get("factor", 32.0)),
+                beta_fast=float(params.get("beta_fast") or 32.0),
+                beta_slow=float(params.get("beta_slow") or 1.0),
+                original_max_position_embeddings=int(
+                    params.get("original_max_position_embeddings", 4096)
+                ),
+                truncate=bool(params.get("truncate", True)),
+            )
+        return cls(theta=float(theta), rope_type="default", factor=1.0)
+
+
+@dataclass(frozen=True)
+class GptOssConfig:
+    """Architecture hyper-parameters of a gpt-oss checkpoint."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    num_local_experts: int
+    num_experts_per_tok: int
+    sliding_window: int | None
+    layer_types: tuple[str, ...]
+    rope: RopeConfig
+    max_position_embeddings: int = 131072
+    rms_norm_eps: float = 1e-5
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    attention_bias: bool = True
+    torch_dtype: str = "bfloat16"
+    eos_token_id: tuple[int, ...] = ()
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        positive = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads", "num_key_value_heads", "head_dim",
+                    "num_local_experts", "num_experts_per_tok")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"config.json: {name} must be positive, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"config.json: num_attention_heads={self.num_attention_heads} is not a multiple "
+                f"of num_key_value_heads={self.num_key_value_heads}")
+        if self.num_experts_per_tok > self.num_local_experts:
+            raise ValueError(
+                f"config.json: num_experts_per_tok={self.num_experts_per_tok} exceeds "
+                f"num_local_experts={self.num_local_experts}")
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"config.json: layer_types has {len(self.layer_types)} entries for "
+                f"{self.num_hidden_layers} layers")
+        for kind in self.layer_types:
+            if kind not in (SLIDING, FULL):
+                raise ValueError(f"config.json: unknown layer type {kind!r}")
+        if SLIDING in self.layer_types and not self.sliding_window:
+            raise ValueError("config.json: sliding_attention layers need a sliding_window")
+
+    # -- derived -------------------------------------------------------------------
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of `layer` (keys q-W < k <= q), or None for full attention."""
+        return self.sliding_window if self.layer_types[layer] == SLIDING else None
+
+    @property
+    def num_sliding_layers(self) -> int:
+        return sum(t == SLIDING for t in self.layer_types)
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any], source: str = "config.json") -> GptOssConfig:
+        model_type = cfg.get("model_type")
+        if model_type != "gpt_oss":
+            raise CheckpointError(
+                f"{source}: model_type is {model_type!r}; kvrelay serves gpt-oss checkpoints "
+                f"(model_type 'gpt_oss')")
+        try:
+            layers = int(cfg["num_hidden_layers"])
+            heads = int(cfg["num_attention_heads"])
+            hidden = int(cfg["hidden_size"])
+            layer_types = cfg.get("layer_types") or [
+                SLIDING if i % 2 == 0 else FULL for i in range(layers)]
+            eos = cfg.get("eos_token_id")
+            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+            return cls(
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_hidden_layers=layers,
+                num_attention_heads=heads,
+                num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                num_local_experts=int(cfg.get("num_local_experts", cfg.get("num_experts", 0))),
+                num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+                sliding_window=cfg.get("sliding_window"),
+                layer_types=tuple(layer_types),
+                rope=RopeConfig.from_hf(cfg),
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 131072)),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+                swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+                swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
+                attention_bias=bool(cfg.get("attention_bias", True)),
+                torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"),
+                eos_token_id=eos_ids,
+                raw=cfg,
+            )
+        except KeyError as e:
+            raise CheckpointError(f"{source}: missing required key {e.args[0]!r}") from None
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"{source}: {e}") from None
+
+
+def merge_overrides(cfg: dict[str, Any], overrides: dict[str, Any] | None) -> dict[str, Any]:
+    """Merge `--hf-overrides` into config.json (nested dicts are replaced, as vLLM does
+    for values that are themselves dicts such as `quantization_config`)."""
+    merged = dict(cfg)
+    for key, value in (overrides or {}).items():
+        merged[key] = value
+    return merged
+
+
+def load_config(model_dir: Path, hf_overrides: dict[str, Any] | None = None) -> GptOssConfig:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{path}: not found; a gpt-oss checkpoint directory needs config.json")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: invalid JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    return GptOssConfig.from_dict(merge_overrides(raw, hf_overrides), source=str(path))
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def log_mscale(factor: float) -> float:
+    """YaRN's attention scaling: 0.1·ln(factor) + 1 (1 when factor ≤ 1)."""
+    return 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0

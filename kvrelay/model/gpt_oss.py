@@ -1,0 +1,142 @@
+"""gpt-oss as an inference model over a flattened batch of variable-length sequences.
+
+    token ids [T] ─ embed ─▶ h [T, H]
+      for each layer:  h += o_proj(attn(rope(qkv(norm(h)))))    sinks, window on sliding layers
+                       h += moe(norm(h))                          top-k router, grouped experts
+    norm ─ lm_head ─▶ logits [T', V]                              only rows the caller asks for
+
+Everything per step arrives in `AttentionMetadata` (query/context lengths, block
+tables and slot mappings per KV-cache group). Each layer owns a KV cache tensor
+`[2, num_blocks, kv_heads_local, block_size, head_dim]`, allocated by the caller.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvrelay.model.config import FULL, GptOssConfig
+from kvrelay.model.layers.attention import AttentionMetadata, PagedAttention
+from kvrelay.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from kvrelay.model.layers.linear import QKVParallelLinear, RowParallelLinear
+from kvrelay.model.layers.moe import MoE
+from kvrelay.model.layers.norm import RMSNorm
+from kvrelay.model.layers.rotary import RotaryEmbedding
+from kvrelay.model.parallel import ParallelContext
+from kvrelay.model.weights import WeightSource
+
+
+def kv_cache_groups(config: GptOssConfig, hybrid: bool) -> tuple[int, ...]:
+    """KV-cache group of each layer: with the hybrid manager full-attention layers are
+    group 0 and sliding-window layers group 1; without it every layer is group 0."""
+    if not hybrid or config.num_sliding_layers in (0, config.num_hidden_layers):
+        return (0,) * config.num_hidden_layers
+    return tuple(0 if t == FULL else 1 for t in config.layer_types)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: GptOssConfig, layer: int, group: int, ctx: ParallelContext,
+                 dtype: torch.dtype, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        c = config
+        self.qkv = QKVParallelLinear(c.hidden_size, c.head_dim, c.num_attention_heads,
+                                     c.num_key_value_heads, ctx, dtype)
+        self.o_proj = RowParallelLinear(c.num_attention_heads * c.head_dim, c.hidden_size, ctx, dtype)
+        self.attn = PagedAttention(self.qkv.num_heads, self.qkv.num_kv_heads, c.head_dim,
+                                   c.window_of(layer), group, ctx)
+        self.rotary = rotary
+        self.ctx = ctx
+
+    def load(self, src: WeightSource, prefix: str) -> None:
+        self.qkv.load(src, prefix)
+        self.o_proj.load(src, f"{prefix}.o_proj")
+        h0 = self.ctx.tp_rank * self.qkv.num_heads
+        self.attn.sinks.copy_(src.get(f"{prefix}.sinks", 0, h0, h0 + self.qkv.num_heads))
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv(x)                                  # [T, h, hd], [T, kvh, hd] x2
+        q, k = self.rotary(positions, q, k)
+        out = self.attn(q, k, v, kv_cache, meta)               # [T, h, hd]
+        return self.o_proj(out.flatten(1))                     # [T, H]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: GptOssConfig, layer: int, group: int, ctx: ParallelContext,
+                 dtype: torch.dtype, rotary: RotaryEmbedding, mxfp4: bool) -> None:
+        super().__init__()
+        c = config
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Attention(c, layer, group, ctx, dtype, rotary)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = MoE(c.hidden_size, c.intermediate_size, c.num_local_experts,
+                       c.num_experts_per_tok, ctx, dtype, c.swiglu_alpha, c.swiglu_limit, mxfp4)
+
+    def load(self, src: WeightSource, prefix: str) -> None:
+        self.input_layernorm.weight.copy_(src.get(f"{prefix}.input_layernorm.weight"))
+        self.post_attention_layernorm.weight.copy_(src.get(f"{prefix}.post_attention_layernorm.weight"))
+        self.self_attn.load(src, f"{prefix}.self_attn")
+        self.mlp.load(src, f"{prefix}.mlp")
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), positions, kv_cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class GptOssModel(nn.Module):
+    """The whole network for one rank. `tp_size=1, ep_size=1` is the plain model."""
+
+    def __init__(self, config: GptOssConfig, ctx: ParallelContext | None = None,
+                 dtype: torch.dtype = torch.bfloat16, mxfp4: bool = False,
+                 hybrid_kv_cache: bool = True, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.config, self.dtype, self.mxfp4 = config, dtype, mxfp4
+        self.ctx = ctx = ctx or ParallelContext()
+        self.layer_groups = kv_cache_groups(config, hybrid_kv_cache)
+        self.rotary = RotaryEmbedding(config.rope, config.head_dim,
+                                      max_positions or config.max_position_embeddings)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx, dtype)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, self.layer_groups[i], ctx, dtype, self.rotary, mxfp4)
+            for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, ctx, dtype)
+
+    @property
+    def num_kv_heads_local(self) -> int:
+        return self.layers[0].self_attn.qkv.num_kv_heads
+
+    def load(self, src: WeightSource) -> None:
+        self.embed_tokens.load(src, "model.embed_tokens.weight")
+        for i, layer in enumerate(self.layers):
+            layer.load(src, f"model.layers.{i}")
+        self.norm.weight.copy_(src.get("model.norm.weight"))
+        self.lm_head.load(src, "lm_head.weight")
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int,
+                          device: torch.device | str = "cpu") -> list[torch.Tensor]:
+        shape = (2, num_blocks, self.num_kv_heads_local, block_size, self.config.head_dim)
+        return [torch.zeros(shape, dtype=self.dtype, device=device) for _ in self.layers]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions [T] → final hidden states [T, H] (normed)."""
+        h = self.embed_tokens(input_ids)                       # [T, H]
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            h = layer(h, positions, kv_cache, meta)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[T', H] → float32 logits [T', V]."""
+        return self.lm_head(hidden).float()
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights resident for this rank (packed MXFP4 counted as packed)."""
+        total = 0
+        for module in self.modules():
+            if hasattr(module, "nbytes") and module is not self:
+                total += module.nbytes()
+        counted = {id(p) for m in self.modules() if hasattr(m, "nbytes") and m is not self
+                   for p in m.parameters()}
+        total += sum(p.numel() * p.element_size() for p in self.parameters() if id(p) not in counted)
+        return total

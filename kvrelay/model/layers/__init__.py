@@ -1,0 +1,1 @@
+"""Building blocks of the gpt-oss model; each is tensor-parallel ready."""

@@ -1,0 +1,100 @@
+"""Tensor-parallel linear layers (Megatron style).
+
+    ColumnParallelLinear  y_r = x W_rᵀ + b_r        output features sharded; no comm
+    RowParallelLinear     y   = Σ_r x_r W_rᵀ  + b   input features sharded; all-reduce,
+                                                  bias added by the first rank only
+    QKVParallelLinear     one fused column-parallel matmul for q, k and v of this
+                          rank's heads (KV heads replicated when tp_size > kv heads)
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvrelay.model.parallel import ParallelContext, divide
+from kvrelay.model.weights import WeightSource
+
+
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class ColumnParallelLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, ctx: ParallelContext,
+                 dtype: torch.dtype, bias: bool = True) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.out_local = divide(out_features, ctx.tp_size, "output features")
+        self.weight = _param(self.out_local, in_features, dtype=dtype)
+        self.bias = _param(self.out_local, dtype=dtype) if bias else None
+
+    def load(self, src: WeightSource, prefix: str) -> None:
+        start = self.ctx.tp_rank * self.out_local
+        stop = start + self.out_local
+        self.weight.copy_(src.get(f"{prefix}.weight", 0, start, stop))
+        if self.bias is not None:
+            self.bias.copy_(src.get(f"{prefix}.bias", 0, start, stop))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, ctx: ParallelContext,
+                 dtype: torch.dtype, bias: bool = True) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.in_local = divide(in_features, ctx.tp_size, "input features")
+        self.weight = _param(out_features, self.in_local, dtype=dtype)
+        self.bias = _param(out_features, dtype=dtype) if bias else None
+
+    def load(self, src: WeightSource, prefix: str) -> None:
+        start = self.ctx.tp_rank * self.in_local
+        self.weight.copy_(src.get(f"{prefix}.weight", 1, start, start + self.in_local))
+        if self.bias is not None:
+            self.bias.copy_(src.get(f"{prefix}.bias"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias if self.ctx.tp_rank == 0 else None
+        return self.ctx.comm.all_reduce(F.linear(x, self.weight, bias))
+
+
+class QKVParallelLinear(nn.Module):
+    """q, k, v projections of this rank's heads, fused into one matmul."""
+
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 ctx: ParallelContext, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.ctx, self.head_dim = ctx, head_dim
+        self.num_heads = divide(num_heads, ctx.tp_size, "num_attention_heads")
+        if ctx.tp_size >= num_kv_heads:
+            divide(ctx.tp_size, num_kv_heads, "tensor_parallel_size (KV heads replicated)")
+            self.num_kv_heads = 1
+            self.kv_head_start = ctx.tp_rank * num_kv_heads // ctx.tp_size
+        else:
+            self.num_kv_heads = divide(num_kv_heads, ctx.tp_size, "num_key_value_heads")
+            self.kv_head_start = ctx.tp_rank * self.num_kv_heads
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        out = self.q_size + 2 * self.kv_size
+        self.weight = _param(out, hidden, dtype=dtype)
+        self.bias = _param(out, dtype=dtype)
+
+    def load(self, src: WeightSource, prefix: str) -> None:
+        q0 = self.ctx.tp_rank * self.q_size
+        kv0 = self.kv_head_start * self.head_dim
+        spans = [("q_proj", q0, self.q_size), ("k_proj", kv0, self.kv_size),
+                 ("v_proj", kv0, self.kv_size)]
+        row = 0
+        for name, start, size in spans:
+            self.weight[row:row + size].copy_(src.get(f"{prefix}.{name}.weight", 0, start, start + size))
+            self.bias[row:row + size].copy_(src.get(f"{prefix}.{name}.bias", 0, start, start + size))
+            row += size
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        qkv = F.linear(x, self.weight, self.bias)                  # [tokens, q + 2 kv]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return (q.view(-1, self.num_heads, self.head_dim),        # [tokens, heads, hd]
+                k.view(-1, self.num_kv_heads, self.head_dim),     # [tokens, kv_heads, hd]
+                v.view(-1, self.num_kv_heads, self.head_dim))

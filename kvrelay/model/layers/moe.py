@@ -1,0 +1,168 @@
+"""gpt-oss mixture of experts: top-k router and grouped expert matmuls.
+
+Router: logits = x Wᵀ + b; the top-k logits are soft-maxed among themselves.
+Experts: h = x W_guᵀ + b_gu with gate/up interleaved (even rows gate, odd rows up);
+gate ≤ limit, -limit ≤ up ≤ limit; act = (up + 1) · gate · σ(alpha · gate);
+y = act W_dᵀ + b_d, weighted by the routing weight.
+
+Tokens are grouped by expert (argsort of the flattened (token, k) choices + bincount)
+so each *active* expert runs one matmul over its tokens.
+
+Sharding: a rank holds experts [e0, e1) (expert parallel, `ep_size` ways) and, of
+each, the intermediate rows [i0, i1) (tensor parallel, zero-padded to whole MXFP4
+blocks; see `shard_range`). Partial outputs are all-reduced; the down bias is added
+by one rank only.
+
+Weights are stored `[E_local, out, in]` (like nn.Linear). Transformers' bf16
+checkpoint tensors are `[E, in, out]` and get transposed at load; MXFP4 tensors are
+already `[E, out, in/32, 16]` and stay packed (`MXFP4Tensor`).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvrelay.model.mxfp4 import BLOCK, MXFP4Tensor
+from kvrelay.model.parallel import ParallelContext, divide, shard_range
+from kvrelay.model.weights import WeightSource, padded_slice
+
+
+class Router(nn.Module):
+    def __init__(self, hidden: int, num_experts: int, top_k: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(num_experts, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x, self.weight, self.bias)                        # [T, E]
+        top_logits, top_ids = logits.topk(self.top_k, dim=-1)               # [T, k]
+        return torch.softmax(top_logits, dim=-1), top_ids
+
+
+class Experts(nn.Module):
+    """This rank's share of the experts, in the model dtype or packed MXFP4."""
+
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, ctx: ParallelContext,
+                 dtype: torch.dtype, alpha: float, limit: float, mxfp4: bool) -> None:
+        super().__init__()
+        self.ctx, self.dtype, self.alpha, self.limit, self.mxfp4 = ctx, dtype, alpha, limit, mxfp4
+        self.hidden, self.intermediate = hidden, intermediate
+        self.num_local = divide(num_experts, ctx.ep_size, "num_local_experts (expert parallel)")
+        self.first_expert = ctx.ep_rank * self.num_local
+        granule = BLOCK if mxfp4 else 1
+        self.i0, self.i1, self.i_local = shard_range(intermediate, ctx.moe_tp_size,
+                                                     ctx.moe_tp_rank, granule)
+        # each (token, expert) pair gets the down bias once: from the first intermediate shard
+        self.add_down_bias = self.i0 == 0
+        E, I = self.num_local, self.i_local
+        self.gate_up_bias = nn.Parameter(torch.zeros(E, 2 * I, dtype=dtype), requires_grad=False)
+        self.down_bias = nn.Parameter(torch.zeros(E, hidden, dtype=dtype), requires_grad=False)
+        self.gate_up: torch.Tensor | MXFP4Tensor
+        self.down: torch.Tensor | MXFP4Tensor
+        if not mxfp4:
+            self.gate_up = nn.Parameter(torch.zeros(E, 2 * I, hidden, dtype=dtype), requires_grad=False)
+            self.down = nn.Parameter(torch.zeros(E, hidden, I, dtype=dtype), requires_grad=False)
+
+    # -- loading -------------------------------------------------------------------------
+    def load(self, src: WeightSource, prefix: str) -> None:
+        e0, e1 = self.first_expert, self.first_expert + self.num_local
+        rows = (2 * self.i0, 2 * self.i1, 2 * self.i_local)
+        bias = padded_slice(src, f"{prefix}.gate_up_proj_bias", 1, *rows)[e0:e1]
+        self.gate_up_bias.copy_(bias)
+        self.down_bias.copy_(src.get(f"{prefix}.down_proj_bias", 0, e0, e1))
+        if src.has(f"{prefix}.gate_up_proj_blocks"):
+            self._load_mxfp4(src, prefix, rows)
+        else:
+            self._load_dense(src, prefix, rows)
+
+    def _load_dense(self, src: WeightSource, prefix: str, rows: tuple[int, int, int]) -> None:
+        e0, e1 = self.first_expert, self.first_expert + self.num_local
+        gate_up = padded_slice(src, f"{prefix}.gate_up_proj", 2, *rows)[e0:e1]       # [E, H, 2I]
+        down = padded_slice(src, f"{prefix}.down_proj", 1, self.i0, self.i1, self.i_local)[e0:e1]  # [E, I, H]
+        if self.mxfp4:
+            raise ValueError(f"{prefix}: quantization 'mxfp4' needs MXFP4 expert tensors "
+                             f"(*_blocks/*_scales); this checkpoint has dense experts")
+        self.gate_up.copy_(gate_up.transpose(1, 2))
+        self.down.copy_(down.transpose(1, 2))
+
+    def _load_mxfp4(self, src: WeightSource, prefix: str, rows: tuple[int, int, int]) -> None:
+        e0, e1 = self.first_expert, self.first_expert + self.num_local
+        g0, g1, gl = self.i0 // BLOCK, -(-self.i1 // BLOCK), self.i_local // BLOCK
+        gu = MXFP4Tensor(padded_slice(src, f"{prefix}.gate_up_proj_blocks", 1, *rows)[e0:e1].to(torch.uint8),
+                         padded_slice(src, f"{prefix}.gate_up_proj_scales", 1, *rows)[e0:e1].to(torch.uint8))
+        dn = MXFP4Tensor(padded_slice(src, f"{prefix}.down_proj_blocks", 2, g0, g1, gl)[e0:e1].to(torch.uint8),
+                         padded_slice(src, f"{prefix}.down_proj_scales", 2, g0, g1, gl)[e0:e1].to(torch.uint8))
+        if self.mxfp4:
+            self.gate_up, self.down = gu, dn
+            return
+        # dense experts requested: dequantise once at load
+        self.gate_up = nn.Parameter(torch.stack([gu.expert(e, self.dtype) for e in range(self.num_local)]),
+                                    requires_grad=False)
+        self.down = nn.Parameter(torch.stack([dn.expert(e, self.dtype) for e in range(self.num_local)]),
+                                 requires_grad=False)
+
+    def _apply(self, fn, recurse=True):  # keep packed MXFP4 tensors on the module's device
+        super()._apply(fn, recurse)
+        if self.mxfp4 and isinstance(self.gate_up, MXFP4Tensor):
+            device = self.gate_up_bias.device
+            self.gate_up, self.down = self.gate_up.to(device), self.down.to(device)
+        return self
+
+    def nbytes(self) -> int:
+        dense = sum(p.numel() * p.element_size() for p in self.parameters())
+        packed = sum(w.nbytes() for w in (self.gate_up, self.down) if isinstance(w, MXFP4Tensor))
+        return dense + packed
+
+    def _weight(self, w: torch.Tensor | MXFP4Tensor, e: int) -> torch.Tensor:
+        return w.expert(e, self.dtype) if isinstance(w, MXFP4Tensor) else w[e]
+
+    # -- compute --------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        """x [T, H], weights/expert_ids [T, k] → this rank's partial output [T, H]."""
+        k = expert_ids.shape[1]
+        local = expert_ids.flatten() - self.first_expert                    # [T*k]
+        order = torch.argsort(local, stable=True)                           # choices grouped by expert
+        counts = torch.bincount(local.clamp(min=-1) + 1, minlength=self.num_local + 1)[1:]
+        counts = counts[: self.num_local].tolist()
+        start = int((local < 0).sum())                                      # non-local experts sort first
+        flat_w = weights.flatten()
+        out = torch.zeros_like(x)
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            choice = order[start:start + n]                                 # [n] (token, k) pairs
+            start += n
+            tokens = choice // k
+            y = self._expert(e, x[tokens])                                  # [n, H]
+            out.index_add_(0, tokens, y * flat_w[choice, None].to(y.dtype))
+        return out
+
+    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        h = F.linear(x, self._weight(self.gate_up, e), self.gate_up_bias[e])  # [n, 2I]
+        gate, up = h[:, 0::2], h[:, 1::2]                                     # [n, I]
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        act = (up + 1) * gate * torch.sigmoid(gate * self.alpha)
+        bias = self.down_bias[e] if self.add_down_bias else None
+        return F.linear(act, self._weight(self.down, e), bias)               # [n, H]
+
+
+class MoE(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int,
+                 ctx: ParallelContext, dtype: torch.dtype, alpha: float, limit: float,
+                 mxfp4: bool) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.router = Router(hidden, num_experts, top_k, dtype)
+        self.experts = Experts(hidden, intermediate, num_experts, ctx, dtype, alpha, limit, mxfp4)
+
+    def load(self, src: WeightSource, prefix: str) -> None:
+        self.router.weight.copy_(src.get(f"{prefix}.router.weight"))
+        self.router.bias.copy_(src.get(f"{prefix}.router.bias"))
+        self.experts.load(src, f"{prefix}.experts")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, expert_ids = self.router(x)
+        return self.ctx.comm.all_reduce(self.experts(x, weights, expert_ids))

@@ -1,0 +1,64 @@
+"""Rotary position embedding: rotate-half RoPE with optional YaRN scaling.
+
+YaRN (gpt-oss: theta 150000, factor 32, beta_fast 32, beta_slow 1, original context
+4096, no truncation of the correction range) blends interpolated and extrapolated
+frequencies along a linear ramp over the rotary dims, and scales cos/sin by
+0.1·ln(factor) + 1.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from kvrelay.model.config import RopeConfig, log_mscale
+
+
+def inverse_frequencies(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, float]:
+    """Returns (inv_freq [head_dim/2] float32, cos/sin scale)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim   # [hd/2]
+    pos_freqs = rope.theta ** exponents
+    if rope.rope_type == "default":
+        return 1.0 / pos_freqs, 1.0
+    extrapolation = 1.0 / pos_freqs
+    interpolation = 1.0 / (rope.factor * pos_freqs)
+
+    def correction_dim(rotations: float) -> float:
+        # the rotary dim whose wavelength fits `rotations` times in the original context
+        return (head_dim * math.log(rope.original_max_position_embeddings
+                                    / (rotations * 2 * math.pi))) / (2 * math.log(rope.theta))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation_weight = 1 - ramp                                            # [hd/2]
+    inv_freq = interpolation * ramp + extrapolation * extrapolation_weight
+    return inv_freq, log_mscale(rope.factor)
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE to q and k given each token's absolute position."""
+
+    def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int) -> None:
+        super().__init__()
+        inv_freq, scale = inverse_frequencies(rope, head_dim)
+        positions = torch.arange(max_positions, dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq[None, :]                         # [max_pos, hd/2]
+        self.register_buffer("cos", freqs.cos() * scale, persistent=False)
+        self.register_buffer("sin", freqs.sin() * scale, persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions].to(q.dtype)[:, None, :]                      # [tokens, 1, hd/2]
+        sin = self.sin[positions].to(q.dtype)[:, None, :]
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)                                         # [tokens, heads, hd/2]
+    return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)

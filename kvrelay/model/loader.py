@@ -1,0 +1,222 @@
+"""Load a gpt-oss checkpoint (safetensors, single file or sharded) into `GptOssModel`.
+
+Checks the whole checkpoint against the config *before* reading any weights, so a
+malformed checkpoint fails with one message naming the file and tensor:
+missing, unexpected or mis-shaped tensors, unknown model_type, bad JSON.
+
+MXFP4 vs dense experts is decided by the tensor names on disk (`*_blocks`/`*_scales`),
+never by `quantization_config` — the tutorial clears that with `--hf-overrides`
+while the tensors stay MXFP4. MXFP4 experts stay packed in memory unless dense
+experts are asked for (`quantization=None` on an MXFP4 checkpoint dequantises at load).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from kvrelay.model.config import CheckpointError, GptOssConfig, load_config
+from kvrelay.model.gpt_oss import GptOssModel
+from kvrelay.model.mxfp4 import BLOCK
+from kvrelay.model.parallel import ParallelContext
+
+logger = logging.getLogger(__name__)
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+class SafetensorsWeights:
+    """A WeightSource over a checkpoint directory; reads only the requested slices."""
+
+    def __init__(self, model_dir: Path) -> None:
+        self.model_dir = Path(model_dir)
+        self.file_of = _tensor_files(self.model_dir)
+        self._handles: dict[str, Any] = {}
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        for name, file in self.file_of.items():
+            self._shapes[name] = tuple(self._open(file).get_slice(name).get_shape())
+
+    def _open(self, file: str) -> Any:
+        if file not in self._handles:
+            path = self.model_dir / file
+            try:
+                self._handles[file] = safe_open(str(path), framework="pt")
+            except Exception as e:  # safetensors raises several error types
+                raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
+        return self._handles[file]
+
+    def names(self) -> set[str]:
+        return set(self.file_of)
+
+    def has(self, name: str) -> bool:
+        return name in self.file_of
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._shapes[name]
+
+    def get(self, name: str, dim: int | None = None, start: int = 0,
+            stop: int | None = None) -> torch.Tensor:
+        sl = self._open(self.file_of[name]).get_slice(name)
+        if dim is None:
+            return sl[:]
+        index = [slice(None)] * len(self._shapes[name])
+        index[dim] = slice(start, stop)
+        return sl[tuple(index)]
+
+
+def _tensor_files(model_dir: Path) -> dict[str, str]:
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: malformed index ({e})") from None
+        for file in set(weight_map.values()):
+            if not (model_dir / file).is_file():
+                raise CheckpointError(f"{index}: lists shard {file}, which is missing")
+        return dict(weight_map)
+    single = model_dir / SINGLE_FILE
+    if single.is_file():
+        try:
+            with safe_open(str(single), framework="pt") as f:
+                return {name: SINGLE_FILE for name in f.keys()}
+        except Exception as e:
+            raise CheckpointError(f"{single}: not a readable safetensors file ({e})") from None
+    raise CheckpointError(f"{model_dir}: no {SINGLE_FILE} or {INDEX_FILE} found")
+
+
+def expected_tensors(c: GptOssConfig, mxfp4_on_disk: bool) -> dict[str, tuple[int, ...]]:
+    """Every tensor name of a gpt-oss checkpoint with its shape."""
+    H, I, E, hd = c.hidden_size, c.intermediate_size, c.num_local_experts, c.head_dim
+    q, kv = c.num_attention_heads * hd, c.num_key_value_heads * hd
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (c.vocab_size, H),
+        "model.norm.weight": (H,),
+        "lm_head.weight": (c.vocab_size, H),
+    }
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}"
+        shapes |= {
+            f"{p}.input_layernorm.weight": (H,), f"{p}.post_attention_layernorm.weight": (H,),
+            f"{p}.self_attn.q_proj.weight": (q, H), f"{p}.self_attn.q_proj.bias": (q,),
+            f"{p}.self_attn.k_proj.weight": (kv, H), f"{p}.self_attn.k_proj.bias": (kv,),
+            f"{p}.self_attn.v_proj.weight": (kv, H), f"{p}.self_attn.v_proj.bias": (kv,),
+            f"{p}.self_attn.o_proj.weight": (H, q), f"{p}.self_attn.o_proj.bias": (H,),
+            f"{p}.self_attn.sinks": (c.num_attention_heads,),
+            f"{p}.mlp.router.weight": (E, H), f"{p}.mlp.router.bias": (E,),
+            f"{p}.mlp.experts.gate_up_proj_bias": (E, 2 * I),
+            f"{p}.mlp.experts.down_proj_bias": (E, H),
+        }
+        x = f"{p}.mlp.experts"
+        if mxfp4_on_disk:
+            shapes |= {
+                f"{x}.gate_up_proj_blocks": (E, 2 * I, H // BLOCK, BLOCK // 2),
+                f"{x}.gate_up_proj_scales": (E, 2 * I, H // BLOCK),
+                f"{x}.down_proj_blocks": (E, H, I // BLOCK, BLOCK // 2),
+                f"{x}.down_proj_scales": (E, H, I // BLOCK),
+            }
+        else:
+            shapes |= {f"{x}.gate_up_proj": (E, H, 2 * I), f"{x}.down_proj": (E, I, H)}
+    return shapes
+
+
+def check_checkpoint(src: SafetensorsWeights, config: GptOssConfig) -> bool:
+    """Validate names and shapes; returns whether the experts are MXFP4 on disk."""
+    mxfp4 = any(n.endswith("_blocks") for n in src.names())
+    expected = expected_tensors(config, mxfp4)
+    present = src.names()
+    missing = sorted(set(expected) - present)
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(f"{src.model_dir}: missing tensor {missing[0]}{more}")
+    unexpected = sorted(present - set(expected))
+    if unexpected:
+        name = unexpected[0]
+        raise CheckpointError(f"{src.model_dir / src.file_of[name]}: unexpected tensor {name}")
+    for name, shape in expected.items():
+        if src.shape(name) != shape:
+            raise CheckpointError(
+                f"{src.model_dir / src.file_of[name]}: tensor {name} has shape "
+                f"{list(src.shape(name))}, expected {list(shape)} from config.json")
+    return mxfp4
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: GptOssModel
+    config: GptOssConfig
+    mxfp4_on_disk: bool
+    weight_bytes: int
+
+
+def load_model(model_dir: str | Path, *, dtype: torch.dtype = torch.bfloat16,
+               quantization: str | None = "auto", hf_overrides: dict[str, Any] | None = None,
+               ctx: ParallelContext | None = None, device: str | torch.device = "cpu",
+               hybrid_kv_cache: bool = True, max_positions: int | None = None,
+               progress: bool = True) -> LoadedModel:
+    """Build the model for one rank and read its shard of the weights.
+
+    quantization: "auto" keeps MXFP4 checkpoints packed and dense ones dense; "mxfp4"
+    requires MXFP4 experts on disk; None dequantises MXFP4 experts at load.
+    """
+    model_dir = Path(model_dir)
+    config = load_config(model_dir, hf_overrides)
+    src = SafetensorsWeights(model_dir)
+    mxfp4_on_disk = check_checkpoint(src, config)
+    if quantization not in ("auto", "mxfp4", None):
+        raise ValueError(f"unknown quantization {quantization!r}: expected 'mxfp4' or none")
+    if quantization == "mxfp4" and not mxfp4_on_disk:
+        raise CheckpointError(f"{model_dir}: quantization 'mxfp4' needs MXFP4 expert tensors "
+                              f"(*_blocks/*_scales); this checkpoint stores dense experts")
+    packed = mxfp4_on_disk and quantization in ("auto", "mxfp4")
+    with torch.no_grad():
+        model = GptOssModel(config, ctx, dtype, packed, hybrid_kv_cache, max_positions)
+        _load_with_progress(model, src, progress)
+        model.to(device)
+    model.eval()
+    nbytes = model.weight_bytes()
+    logger.info("loaded %s: %d layers, %s experts, %.1f MiB of weights on %s", model_dir,
+                config.num_hidden_layers, "MXFP4" if packed else str(dtype).replace("torch.", ""),
+                nbytes / 2**20, device)
+    return LoadedModel(model, config, mxfp4_on_disk, nbytes)
+
+
+def _load_with_progress(model: GptOssModel, src: SafetensorsWeights, progress: bool) -> None:
+    steps = len(model.layers) + 2
+    bar = tqdm(total=steps, desc="Loading weights", unit="part", disable=not progress,
+               leave=False)
+    with bar:
+        model.embed_tokens.load(src, "model.embed_tokens.weight")
+        bar.update()
+        for i, layer in enumerate(model.layers):
+            layer.load(src, f"model.layers.{i}")
+            bar.update()
+        model.norm.weight.copy_(src.get("model.norm.weight"))
+        model.lm_head.load(src, "lm_head.weight")
+        bar.update()
+
+
+def resolve_model_path(model: str, download_dir: str | None = None) -> Path:
+    """A local directory, or a Hugging Face repo id found in the HF cache layout
+    (`<cache>/models--org--name/snapshots/<rev>/`). Never downloads."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    cache = Path(download_dir or os.environ.get("HF_HUB_CACHE")
+                 or Path(os.environ.get("HF_HOME", "~/.cache/huggingface")) / "hub").expanduser()
+    snapshots = cache / f"models--{model.replace('/', '--')}" / "snapshots"
+    found = sorted(snapshots.glob("*/config.json"), key=lambda p: p.stat().st_mtime) \
+        if snapshots.is_dir() else []
+    if found:
+        return found[-1].parent
+    raise CheckpointError(
+        f"model {model!r} is not a local directory and was not found in {cache} "
+        f"(offline: no download is attempted; pass a checkpoint directory or --download-dir)")

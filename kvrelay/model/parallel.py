@@ -1,0 +1,88 @@
+"""Parallel layout of one rank and the collectives the model layers call.
+
+`ParallelContext` says which shard of each layer this rank holds:
+
+    tp_rank / tp_size   attention heads, vocab, expert intermediate dim
+    ep_rank / ep_size   which experts (expert parallel)
+    moe_tp_rank / size  which rows of each local expert's intermediate dim; by default
+                        the TP ranks not used for EP (TP4 with ep_size 2: experts split
+                        two ways, each split over two ranks)
+
+The layers never call torch.distributed directly; they call `ctx.all_reduce` /
+`ctx.all_gather`, which are identities at tp_size=1. A multi-process executor passes a
+`Collectives` that wraps a process group; unit tests simulate ranks in one process by
+building every rank's layer with `NoCollectives` and summing/concatenating by hand.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+class Collectives:
+    """The communication a sharded model needs. The default does nothing (one rank)."""
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        return x
+
+
+class NoCollectives(Collectives):
+    """Returns each rank's partial result unchanged (single process, or simulated ranks)."""
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    tp_rank: int = 0
+    tp_size: int = 1
+    ep_rank: int = 0
+    ep_size: int = 1
+    comm: Collectives = field(default_factory=NoCollectives, compare=False)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"tp_rank {self.tp_rank} outside tp_size {self.tp_size}")
+        if not 0 <= self.ep_rank < self.ep_size:
+            raise ValueError(f"ep_rank {self.ep_rank} outside ep_size {self.ep_size}")
+
+    @property
+    def moe_tp_size(self) -> int:
+        return max(self.tp_size // self.ep_size, 1)
+
+    @property
+    def moe_tp_rank(self) -> int:
+        return self.tp_rank % self.moe_tp_size
+
+    @property
+    def is_first(self) -> bool:
+        """Rank that adds biases of row-parallel layers (added once, not tp_size times)."""
+        return self.tp_rank == 0 and self.ep_rank == 0
+
+
+def shard_range(total: int, size: int, rank: int, granule: int = 1) -> tuple[int, int, int]:
+    """Split `total` items into `size` equal shares of whole granules.
+
+    Returns (start, stop, padded_len): this rank owns items [start, stop) and its share is
+    `padded_len` long; the tail beyond `stop - start` is zero padding. With gpt-oss'
+    MXFP4 experts (2880 = 90 blocks of 32) at TP4, each rank gets 23 blocks = 736 rows:
+
+        rank 0: [   0,  736)   rank 1: [ 736, 1472)
+        rank 2: [1472, 2208)   rank 3: [2208, 2880) + 64 zero rows
+
+    Zero rows (and zero bias) of the gate/up projection give exactly zero activations,
+    and zero columns of the down projection add nothing, so padding is exact.
+    """
+    granules = -(-total // granule)
+    per_rank = -(-granules // size) * granule
+    start = min(rank * per_rank, total)
+    stop = min(start + per_rank, total)
+    return start, stop, per_rank
+
+
+def divide(total: int, size: int, what: str) -> int:
+    if total % size:
+        raise ValueError(f"{what}={total} is not divisible by the parallel size {size}")
+    return total // size
