@@ -66,7 +66,7 @@ SINK_LOGIT = -1.0e4  # exp(-1e4) underflows to exactly 0
 CONTEXT_LENGTH = 8192  # SmolLM2's trained context (llama.context_length)
 
 NON_EXPERT_DTYPE = torch.float32
-EXPERT_DTYPE = torch.bfloat16
+EXPERT_DTYPE = torch.float32
 
 _CONTROL_TOKEN_TYPE = 3  # llama.cpp's LLAMA_TOKEN_TYPE_CONTROL
 
