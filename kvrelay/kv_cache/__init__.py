@@ -1,0 +1,1 @@
+"""KV-cache bookkeeping: block pool, prefix hashing, the hybrid manager. Torch-free."""
