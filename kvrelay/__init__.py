@@ -5,3 +5,14 @@ The package root stays light: importing `kvrelay` does not import torch.
 from __future__ import annotations
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # lazy: `from kvrelay import LLM, SamplingParams` without importing torch on `import kvrelay`
+    if name == "LLM":
+        from kvrelay.engine.llm import LLM
+        return LLM
+    if name == "SamplingParams":
+        from kvrelay.sampling_params import SamplingParams
+        return SamplingParams
+    raise AttributeError(name)

@@ -1,0 +1,534 @@
+#!/usr/bin/env python
+"""Model-forward benchmark: kvrelay (bf16 / MXFP4 experts) against transformers.
+
+Run by hand (this is not a pytest test):
+
+    python benchmarks/model_forward.py [--quick] [--out results.json] [--no-profile]
+
+What it does, in one run:
+
+1. Builds a random gpt-oss-shaped checkpoint (tests/factories.py) scaled down to a
+   small CPU: head_dim 64, GQA 8:1, sliding window 128 on even layers, YaRN, top-4 of
+   32 experts, hidden != intermediate. The experts are written in the official MXFP4
+   layout, so all three models below run on *the same* weights (MXFP4 values):
+     - kvrelay, bf16 experts   load_model(..., quantization=None)   (dequantised at load)
+     - kvrelay, MXFP4 experts  load_model(..., quantization="auto") (packed in memory)
+     - transformers            GptOssForCausalLM.from_pretrained(..., Mxfp4Config(dequantize=True),
+                               dtype=bf16, attn_implementation="eager")
+   The checkpoint is cached in a temp directory keyed by the config.
+2. Times prefill (one 512-token prompt; 4 x 128 tokens) and single-token decode steps
+   at batch 1, 16 and 64 over a 192-token context, interleaving the models repetition
+   by repetition (the machine may be shared), and reports medians.
+   kvrelay steps go through `PagedGreedyLoop.step`, transformers through
+   `model(input_ids, use_cache=True[, cache=...])`; both return logits for every fed
+   token. The decode context is a KV cache filled with random values (attention cost
+   does not depend on the values), so no long prefill is needed to set it up.
+3. Profiles kvrelay's batch-64 decode step (a per-module wall-time breakdown by forward
+   hooks, and torch.profiler's top operators).
+4. Prints a table and writes JSON with the machine, versions, config and all samples.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import hashlib
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+# -- configuration -----------------------------------------------------------------------
+
+# gpt-oss-20b: hidden 2880, intermediate 2880, 24 layers, 32 experts top-4, 64/8 heads of
+# 64, window 128, vocab 201088. Scaled so a full run takes a few minutes on 2 CPU cores
+# without native bf16 matmuls (~16 GFLOP/s in bf16 here).
+FULL_CONFIG: dict[str, Any] = dict(
+    vocab_size=32000, hidden_size=512, intermediate_size=384, head_dim=64,
+    num_attention_heads=16, num_key_value_heads=2, num_hidden_layers=8,
+    num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
+    max_position_embeddings=4096,
+)
+QUICK_CONFIG: dict[str, Any] = FULL_CONFIG | dict(
+    vocab_size=8000, hidden_size=256, intermediate_size=192, num_hidden_layers=2,
+    num_local_experts=8,
+)
+
+FULL_WORKLOAD = dict(prefill=[(1, 512), (4, 128)], decode_batches=[1, 16, 64], context=192,
+                     prefill_reps=3, decode_reps=5, warmup=1, decode_warmup=2)
+QUICK_WORKLOAD = dict(prefill=[(1, 128), (2, 64)], decode_batches=[1, 8], context=160,
+                      prefill_reps=2, decode_reps=3, warmup=1, decode_warmup=1)
+
+BLOCK_SIZE = 16
+MODELS = ("kvrelay-bf16", "kvrelay-mxfp4", "transformers-bf16")
+REFERENCE = "transformers-bf16"
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# -- machine -------------------------------------------------------------------------------
+
+def machine_info() -> dict[str, Any]:
+    import transformers
+    cpu = "unknown"
+    flags: list[str] = []
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and cpu == "unknown":
+                cpu = line.split(":", 1)[1].strip()
+            if line.startswith("flags") and not flags:
+                flags = line.split(":", 1)[1].split()
+    except OSError:
+        pass
+    mem = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                mem = round(int(line.split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    simd = [f for f in flags if f.startswith(("avx512", "amx")) or f in ("avx2", "fma")]
+    return dict(
+        cpu_model=cpu, cpu_flags_simd=sorted(simd),
+        logical_cpus=os.cpu_count(),
+        usable_cpus=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        torch_threads=torch.get_num_threads(), mem_total_gib=mem,
+        torch_cpu_capability=torch.backends.cpu.get_cpu_capability(),
+        python=platform.python_version(), platform=platform.platform(),
+        torch=torch.__version__, transformers=transformers.__version__,
+    )
+
+
+# -- checkpoint and models ----------------------------------------------------------------
+
+def build_checkpoint(config: dict[str, Any], ckpt_dir: Path | None) -> Path:
+    from tests.factories import make_hf_model, save_checkpoint
+    key = hashlib.sha1(json.dumps(config, sort_keys=True).encode()).hexdigest()[:12]
+    path = ckpt_dir or Path(tempfile.gettempdir()) / f"kvrelay-bench-{key}"
+    done = path / ".complete"
+    if done.is_file():
+        log(f"checkpoint: reusing {path}")
+        return path
+    log(f"checkpoint: building a random MXFP4 checkpoint in {path} ...")
+    t0 = time.perf_counter()
+    path.mkdir(parents=True, exist_ok=True)
+    hf = make_hf_model(seed=0, **config)
+    save_checkpoint(hf, path, mxfp4_experts=True)
+    del hf
+    gc.collect()
+    done.write_text(key)
+    log(f"checkpoint: done in {time.perf_counter() - t0:.0f} s")
+    return path
+
+
+def param_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+class KvrelayRunner:
+    """kvrelay's model driven through PagedGreedyLoop (one loop, blocks reused)."""
+
+    def __init__(self, path: Path, quantization: str | None, num_blocks: int) -> None:
+        from kvrelay.model.generate import PagedGreedyLoop
+        from kvrelay.model.loader import load_model
+        self.loaded = load_model(path, dtype=torch.bfloat16, quantization=quantization,
+                                 progress=False)
+        self.model = self.loaded.model
+        self.loop = PagedGreedyLoop(self.model, num_blocks, BLOCK_SIZE)
+        gen = torch.Generator().manual_seed(1)
+        for kv in self.loop.kv_caches:      # "context" KV for decode: random, as from a prefill
+            kv.copy_(torch.randn(kv.shape, generator=gen))
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.loaded.weight_bytes
+
+    def _free(self, seqs) -> None:
+        for s in seqs:
+            self.loop.free.extend(s.blocks)
+            s.blocks = []
+
+    def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
+        from kvrelay.model.generate import _Seq
+        seqs = [_Seq(list(p)) for p in prompts]
+        try:
+            return self.loop.step(seqs, [len(p) for p in prompts])
+        finally:
+            self._free(seqs)
+
+    def decode_setup(self, batch: int, context: int, vocab: int, steps: int) -> Any:
+        from kvrelay.model.generate import _Seq
+        gen = torch.Generator().manual_seed(batch)
+        seqs = []
+        need = -(-(context + steps) // BLOCK_SIZE)
+        for _ in range(batch):
+            s = _Seq(torch.randint(0, vocab, (context,), generator=gen).tolist())
+            s.blocks = [self.loop.free.pop() for _ in range(need)]
+            s.computed = context
+            seqs.append(s)
+        return dict(seqs=seqs, gen=gen, vocab=vocab)
+
+    def decode_step(self, state: Any) -> torch.Tensor:
+        seqs = state["seqs"]
+        for s, t in zip(seqs, torch.randint(0, state["vocab"], (len(seqs),), generator=state["gen"]).tolist()):
+            s.tokens.append(t)
+        return self.loop.step(seqs, [1] * len(seqs))
+
+    def decode_teardown(self, state: Any) -> None:
+        self._free(state["seqs"])
+
+
+class TransformersRunner:
+    """transformers' GptOssForCausalLM, bf16, eager attention, DynamicCache."""
+
+    def __init__(self, path: Path) -> None:
+        from transformers import GptOssForCausalLM, Mxfp4Config
+        self.model = GptOssForCausalLM.from_pretrained(
+            path, quantization_config=Mxfp4Config(dequantize=True), dtype=torch.bfloat16,
+            attn_implementation="eager").eval()
+        self.experts_implementation = self.model.config._experts_implementation
+        self.attn_implementation = self.model.config._attn_implementation
+
+    @property
+    def weight_bytes(self) -> int:
+        return param_bytes(self.model)
+
+    @torch.no_grad()
+    def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
+        out = self.model(input_ids=torch.tensor(prompts), use_cache=True)
+        return out.logits.flatten(0, 1)
+
+    def decode_setup(self, batch: int, context: int, vocab: int, steps: int) -> Any:
+        from transformers import DynamicCache
+        c = self.model.config
+        cache = DynamicCache(config=c)
+        gen = torch.Generator().manual_seed(batch)
+        shape = (batch, c.num_key_value_heads, context, c.head_dim)
+        for i in range(c.num_hidden_layers):
+            k = torch.randn(shape, generator=gen).to(torch.bfloat16)
+            v = torch.randn(shape, generator=gen).to(torch.bfloat16)
+            cache.update(k, v, i)
+        return dict(cache=cache, gen=gen, vocab=vocab, batch=batch)
+
+    @torch.no_grad()
+    def decode_step(self, state: Any) -> torch.Tensor:
+        ids = torch.randint(0, state["vocab"], (state["batch"], 1), generator=state["gen"])
+        out = self.model(input_ids=ids, cache=state["cache"], use_cache=True)
+        state["cache"] = out.cache
+        return out.logits.flatten(0, 1)
+
+    def decode_teardown(self, state: Any) -> None:
+        state.clear()
+
+
+# -- timing ---------------------------------------------------------------------------------
+
+def timed(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def summarize(samples: list[float]) -> dict[str, Any]:
+    return dict(median_s=statistics.median(samples), min_s=min(samples), max_s=max(samples),
+                samples_s=[round(s, 5) for s in samples])
+
+
+def run_prefill(runners: dict[str, Any], batch: int, length: int, vocab: int,
+                reps: int, warmup: int, results: list[dict], counter: list[int],
+                total: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 + batch * length)
+    prompts = torch.randint(0, vocab, (batch, length), generator=gen).tolist()
+    first: dict[str, torch.Tensor] = {}
+    for name, r in runners.items():
+        for i in range(warmup):
+            out = r.prefill(prompts)
+            if i == 0:
+                first[name] = out.float()
+    samples: dict[str, list[float]] = defaultdict(list)
+    for _ in range(reps):                                   # interleaved: A B C A B C ...
+        for name, r in runners.items():
+            samples[name].append(timed(lambda: r.prefill(prompts)))
+    for name in runners:
+        s = summarize(samples[name])
+        tokens = batch * length
+        rec = dict(kind="prefill", workload=f"prefill {batch}x{length}", batch=batch,
+                   prompt_len=length, tokens=tokens, model=name,
+                   tokens_per_s=tokens / s["median_s"], **s)
+        results.append(rec)
+        counter[0] += 1
+        log(f"[{counter[0]:2d}/{total}] {rec['workload']:<16} {name:<18} "
+            f"{s['median_s'] * 1e3:9.1f} ms  {rec['tokens_per_s']:8.1f} tok/s  (median of {reps})")
+    return first
+
+
+def run_decode(runners: dict[str, Any], batch: int, context: int, vocab: int,
+               reps: int, warmup: int, results: list[dict], counter: list[int],
+               total: int) -> None:
+    states = {name: r.decode_setup(batch, context, vocab, warmup + reps + 1)
+              for name, r in runners.items()}
+    for name, r in runners.items():
+        for _ in range(warmup):
+            r.decode_step(states[name])
+    samples: dict[str, list[float]] = defaultdict(list)
+    for _ in range(reps):
+        for name, r in runners.items():
+            samples[name].append(timed(lambda: r.decode_step(states[name])))
+    for name, r in runners.items():
+        r.decode_teardown(states[name])
+        s = summarize(samples[name])
+        rec = dict(kind="decode", workload=f"decode b={batch}", batch=batch, context=context,
+                   model=name, step_ms=s["median_s"] * 1e3,
+                   tokens_per_s=batch / s["median_s"], **s)
+        results.append(rec)
+        counter[0] += 1
+        log(f"[{counter[0]:2d}/{total}] {rec['workload']:<16} {name:<18} "
+            f"{rec['step_ms']:9.1f} ms  {rec['tokens_per_s']:8.1f} tok/s  (median of {reps})")
+
+
+# -- profiling --------------------------------------------------------------------------------
+
+def module_breakdown(runner: KvrelayRunner, batch: int, context: int, vocab: int,
+                     steps: int) -> dict[str, Any]:
+    """Wall time per kind of module (forward pre/post hooks) over `steps` decode steps."""
+    from kvrelay.model import mxfp4 as mx
+    from kvrelay.model.gpt_oss import GptOssModel
+    from kvrelay.model.layers.attention import PagedAttention
+    from kvrelay.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+    from kvrelay.model.layers.linear import QKVParallelLinear, RowParallelLinear
+    from kvrelay.model.layers.moe import Experts, Router
+    from kvrelay.model.layers.norm import RMSNorm
+    from kvrelay.model.layers.rotary import RotaryEmbedding
+    kinds = {QKVParallelLinear: "attn: qkv proj", RowParallelLinear: "attn: o proj",
+             RotaryEmbedding: "attn: rotary", PagedAttention: "attn: paged attention (+KV write)",
+             Router: "moe: router", Experts: "moe: experts", RMSNorm: "rmsnorm",
+             ParallelLMHead: "lm_head (all fed tokens)", VocabParallelEmbedding: "embedding",
+             GptOssModel: "model forward (total)"}
+    acc: dict[str, float] = defaultdict(float)
+    start: dict[int, float] = {}
+    handles = []
+    for m in runner.model.modules():
+        kind = kinds.get(type(m))
+        if kind is None:
+            continue
+        handles.append(m.register_forward_pre_hook(
+            lambda mod, args: start.__setitem__(id(mod), time.perf_counter())))
+        handles.append(m.register_forward_hook(
+            lambda mod, args, out, kind=kind: acc.__setitem__(
+                kind, acc[kind] + time.perf_counter() - start[id(mod)])))
+    orig_expert = mx.MXFP4Tensor.expert
+
+    def timed_expert(self, e, dtype):
+        t0 = time.perf_counter()
+        try:
+            return orig_expert(self, e, dtype)
+        finally:
+            acc["moe: experts > MXFP4 dequantise"] += time.perf_counter() - t0
+    mx.MXFP4Tensor.expert = timed_expert
+    state = runner.decode_setup(batch, context, vocab, steps + 2)
+    try:
+        runner.decode_step(state)                           # warm-up
+        acc.clear()
+        total = 0.0
+        for _ in range(steps):
+            total += timed(lambda: runner.decode_step(state))
+    finally:
+        mx.MXFP4Tensor.expert = orig_expert
+        for h in handles:
+            h.remove()
+        runner.decode_teardown(state)
+    per_step = {k: v / steps * 1e3 for k, v in acc.items()}
+    step_ms = total / steps * 1e3
+    inner = sum(v for k, v in per_step.items() if k != "model forward (total)" and ">" not in k)
+    per_step["other inside model (residual adds, glue)"] = per_step.get("model forward (total)", 0) - (
+        inner - per_step.get("lm_head (all fed tokens)", 0))
+    per_step["outside model (PagedGreedyLoop metadata, logits .float())"] = (
+        step_ms - per_step.get("model forward (total)", 0) - per_step.get("lm_head (all fed tokens)", 0))
+    rows = sorted(((k, v) for k, v in per_step.items() if k != "model forward (total)"),
+                  key=lambda kv: -kv[1])
+    return dict(step_ms=step_ms, modules_ms={k: round(v, 2) for k, v in rows},
+                modules_pct={k: round(100 * v / step_ms, 1) for k, v in rows})
+
+
+def op_profile(runner: KvrelayRunner, batch: int, context: int, vocab: int,
+               steps: int, top: int = 12) -> list[dict[str, Any]]:
+    """torch.profiler's operators by self CPU time over `steps` decode steps."""
+    from torch.profiler import ProfilerActivity, profile
+    state = runner.decode_setup(batch, context, vocab, steps + 2)
+    try:
+        runner.decode_step(state)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                runner.decode_step(state)
+    finally:
+        runner.decode_teardown(state)
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events)
+    rows = sorted(events, key=lambda e: -e.self_cpu_time_total)[:top]
+    return [dict(op=e.key, calls_per_step=e.count / steps,
+                 self_ms_per_step=round(e.self_cpu_time_total / steps / 1e3, 2),
+                 self_pct=round(100 * e.self_cpu_time_total / total, 1)) for e in rows]
+
+
+# -- report ---------------------------------------------------------------------------------
+
+def add_ratios(results: list[dict]) -> None:
+    ref = {r["workload"]: r for r in results if r["model"] == REFERENCE}
+    for r in results:
+        base = ref.get(r["workload"])
+        if base:
+            # >1: kvrelay faster (throughput ratio == inverse time ratio)
+            r["speed_vs_transformers"] = r["tokens_per_s"] / base["tokens_per_s"]
+            r["time_vs_transformers"] = r["median_s"] / base["median_s"]
+
+
+def table(results: list[dict], weight_bytes: dict[str, int]) -> str:
+    workloads = list(dict.fromkeys(r["workload"] for r in results))
+    by = {(r["workload"], r["model"]): r for r in results}
+    head = ["workload"] + [f"{m}" for m in MODELS] + [f"{m} / {REFERENCE} (speed)" for m in MODELS
+                                                      if m != REFERENCE]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for w in workloads:
+        cells = [w]
+        for m in MODELS:
+            r = by.get((w, m))
+            if r is None:
+                cells.append("-")
+            elif r["kind"] == "prefill":
+                cells.append(f"{r['tokens_per_s']:.0f} tok/s ({r['median_s'] * 1e3:.0f} ms)")
+            else:
+                cells.append(f"{r['step_ms']:.1f} ms ({r['tokens_per_s']:.0f} tok/s)")
+        for m in MODELS:
+            if m != REFERENCE:
+                r = by.get((w, m))
+                cells.append(f"{r['speed_vs_transformers']:.2f}x" if r and "speed_vs_transformers" in r else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    cells = ["weights"] + [f"{weight_bytes[m] / 2**20:.0f} MiB" for m in MODELS] + \
+        [f"{weight_bytes[m] / weight_bytes[REFERENCE]:.2f}x size" for m in MODELS if m != REFERENCE]
+    lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def agreement(first: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """How close the models' prefill logits are (same weights; bf16 everywhere)."""
+    ref = first[REFERENCE]
+    out = {}
+    for name, logits in first.items():
+        if name == REFERENCE:
+            continue
+        out[f"{name} vs {REFERENCE}"] = dict(
+            max_abs_diff=round((logits - ref).abs().max().item(), 4),
+            ref_max_abs=round(ref.abs().max().item(), 4),
+            argmax_agreement=round((logits.argmax(-1) == ref.argmax(-1)).float().mean().item(), 4))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="tiny config and workload (smoke test)")
+    ap.add_argument("--out", type=Path, default=None, help="write results as JSON here")
+    ap.add_argument("--ckpt-dir", type=Path, default=None,
+                    help="where to build/reuse the random checkpoint (default: a temp dir)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-profile", action="store_true", help="skip the batch-64 decode profile")
+    args = ap.parse_args()
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    config = QUICK_CONFIG if args.quick else FULL_CONFIG
+    wl = QUICK_WORKLOAD if args.quick else FULL_WORKLOAD
+    t_start = time.perf_counter()
+    info = machine_info()
+    log(f"machine: {info['cpu_model']}, {info['usable_cpus']} usable CPUs, "
+        f"torch {info['torch']} ({info['torch_threads']} threads), transformers {info['transformers']}")
+
+    path = build_checkpoint(config, args.ckpt_dir)
+    max_batch = max(wl["decode_batches"] + [b for b, _ in wl["prefill"]])
+    steps = wl["decode_warmup"] + wl["decode_reps"] + 4
+    max_len = max([wl["context"] + steps] + [n for _, n in wl["prefill"]])
+    num_blocks = max_batch * -(-max_len // BLOCK_SIZE) + 8
+    log("loading models ...")
+    runners: dict[str, Any] = {
+        "kvrelay-bf16": KvrelayRunner(path, None, num_blocks),
+        "kvrelay-mxfp4": KvrelayRunner(path, "auto", num_blocks),
+        "transformers-bf16": TransformersRunner(path),
+    }
+    hf: TransformersRunner = runners[REFERENCE]
+    assert runners["kvrelay-mxfp4"].model.mxfp4 and not runners["kvrelay-bf16"].model.mxfp4
+    weight_bytes = {name: r.weight_bytes for name, r in runners.items()}
+    log("weights: " + ", ".join(f"{n} {b / 2**20:.1f} MiB" for n, b in weight_bytes.items())
+        + f"; transformers experts implementation {hf.experts_implementation!r}, "
+          f"attention {hf.attn_implementation!r}")
+
+    results: list[dict] = []
+    total = len(MODELS) * (len(wl["prefill"]) + len(wl["decode_batches"]))
+    counter = [0]
+    vocab = config["vocab_size"]
+    agree = None
+    for batch, length in wl["prefill"]:
+        first = run_prefill(runners, batch, length, vocab, wl["prefill_reps"], wl["warmup"],
+                            results, counter, total)
+        if agree is None:
+            agree = agreement(first)
+            log(f"logit agreement (prefill {batch}x{length}): {agree}")
+    for batch in wl["decode_batches"]:
+        run_decode(runners, batch, wl["context"], vocab, wl["decode_reps"], wl["decode_warmup"],
+                   results, counter, total)
+    add_ratios(results)
+
+    profile: dict[str, Any] = {}
+    if not args.no_profile:
+        pb = max(wl["decode_batches"])
+        for name in ("kvrelay-bf16", "kvrelay-mxfp4"):
+            log(f"profiling {name} decode b={pb} ...")
+            profile[name] = dict(
+                batch=pb, context=wl["context"],
+                breakdown=module_breakdown(runners[name], pb, wl["context"], vocab, steps=3),
+                top_ops=op_profile(runners[name], pb, wl["context"], vocab, steps=2))
+
+    print()
+    print(f"config: {json.dumps(config)}")
+    print(f"transformers: experts_implementation={hf.experts_implementation!r}, "
+          f"attn_implementation={hf.attn_implementation!r}")
+    print()
+    print(table(results, weight_bytes))
+    print("\nspeed ratio = kvrelay throughput / transformers throughput (>1: kvrelay faster)")
+    if agree:
+        print(f"\nlogit agreement: {json.dumps(agree)}")
+    for name, p in profile.items():
+        print(f"\n{name} decode b={p['batch']} ctx={p['context']}: {p['breakdown']['step_ms']:.1f} ms/step")
+        for k, v in p["breakdown"]["modules_ms"].items():
+            print(f"  {v:9.2f} ms  {p['breakdown']['modules_pct'][k]:5.1f}%  {k}")
+        print("  top ops (self CPU):")
+        for row in p["top_ops"]:
+            print(f"  {row['self_ms_per_step']:9.2f} ms  {row['self_pct']:5.1f}%  "
+                  f"{row['calls_per_step']:7.0f} calls  {row['op']}")
+    elapsed = time.perf_counter() - t_start
+    print(f"\ntotal wall time {elapsed:.0f} s")
+
+    if args.out:
+        payload = dict(
+            benchmark="model_forward", date=time.strftime("%Y-%m-%d"), quick=args.quick,
+            machine=info, config=config, workload=wl, block_size=BLOCK_SIZE,
+            transformers_experts_implementation=hf.experts_implementation,
+            transformers_attn_implementation=hf.attn_implementation,
+            weight_bytes=weight_bytes, logit_agreement=agree, results=results,
+            profile=profile, wall_time_s=round(elapsed, 1))
+        args.out.write_text(json.dumps(payload, indent=2))
+        log(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""The serving core: requests, scheduler, runner, sampler, the step loop."""

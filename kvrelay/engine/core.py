@@ -1,0 +1,304 @@
+"""The engine: scheduler → runner → sampler, one step at a time (in-process).
+
+Owner of: the model runner, the scheduler (which owns the KV-cache manager), the
+tokenizer, and the fan-out of `n > 1` requests into child sequences.
+
+    add_request ─▶ Scheduler.waiting
+    step():  Scheduler.schedule() ─▶ StepInput ─▶ ModelRunner.execute() ─▶ logits
+             Sampler ─▶ tokens ─▶ Scheduler.update() ─▶ stop strings ─▶ RequestOutput
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from kvrelay.config import EngineArgs, NeuronConfig
+from kvrelay.engine.outputs import CompletionOutput, RequestOutput
+from kvrelay.engine.request import Request, Status
+from kvrelay.engine.runner import ModelRunner, StepInput, kv_bytes_per_block
+from kvrelay.engine.sampler import Sampler, top_logprobs
+from kvrelay.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kvrelay.kv_cache.manager import KVCacheGroup, KVCacheManager
+from kvrelay.model.loader import load_model, resolve_model_path
+from kvrelay.model.tokenizer import CheckpointTokenizer, load_tokenizer
+from kvrelay.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_BYTES = 1 << 30
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass
+class _Parent:
+    """An n > 1 request: the children share the prompt (and its cached KV blocks)."""
+    request_id: str
+    prompt: str | None
+    children: list[Request]
+    prompt_logprobs: list | None = None
+    texts: dict[str, str] = field(default_factory=dict)
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available")
+    return torch.device(device)
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs) -> None:
+        self.args = args
+        self.neuron = NeuronConfig.from_additional_config(args.additional_config)
+        self.device = resolve_device(args.device)
+        self.model_dir = _model_dir(args)
+        self.tokenizer: CheckpointTokenizer | None = _maybe_tokenizer(self.model_dir)
+        dtype = self._dtype()
+        quant = self.neuron.quantization or args.quantization or "auto"
+        loaded = load_model(self.model_dir, dtype=dtype, quantization=quant,
+                            hf_overrides=args.hf_overrides, device=self.device,
+                            hybrid_kv_cache=not args.disable_hybrid_kv_cache_manager,
+                            max_positions=args.max_model_len)
+        self.model, self.model_config = loaded.model, loaded.config
+        self.max_model_len = args.max_model_len or self.model_config.max_position_embeddings
+        max_batched = args.max_num_batched_tokens or min(8192, self.max_model_len)
+        self.neuron.check_buckets(max_batched, args.max_num_seqs)
+        num_blocks = self._num_blocks()
+        self.kv = KVCacheManager(num_blocks, args.block_size, self._kv_groups(),
+                                 enable_prefix_caching=args.enable_prefix_caching,
+                                 hash_seed=f"{self.model_dir.name}:{args.block_size}")
+        self.runner = ModelRunner(self.model, num_blocks, args.block_size, self.device)
+        self.scheduler = Scheduler(SchedulerConfig(max_batched, args.max_num_seqs, self.max_model_len), self.kv)
+        self.sampler = Sampler(all_greedy=self.neuron.all_greedy)
+        self.eos_token_ids = self._eos_ids()
+        self.parents: dict[str, _Parent] = {}
+        self.child_parent: dict[str, _Parent] = {}
+        self.num_steps = 0
+        if self.neuron.num_batched_tokens_buckets or self.neuron.num_seqs_buckets:
+            logger.info("neuron_config buckets validated; not needed on %s (eager, no captured "
+                        "graphs): steps are not padded", self.device.type)
+
+    # -- setup helpers --------------------------------------------------------------------
+    def _dtype(self) -> torch.dtype:
+        if self.args.dtype != "auto":
+            return TORCH_DTYPES[self.args.dtype]
+        import json
+        raw = json.loads((self.model_dir / "config.json").read_text())
+        name = str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16")
+        return TORCH_DTYPES.get(name, torch.bfloat16)
+
+    def _kv_groups(self) -> list[KVCacheGroup]:
+        groups = self.model.layer_groups
+        out = []
+        for g in range(max(groups) + 1):
+            layers = [i for i, x in enumerate(groups) if x == g]
+            windows = {self.model_config.window_of(i) for i in layers}
+            # a group mixing full and sliding layers (hybrid manager off) keeps every block
+            window = windows.pop() if len(windows) == 1 else None
+            out.append(KVCacheGroup(window=window, num_layers=len(layers)))
+        return out
+
+    def _num_blocks(self) -> int:
+        a = self.args
+        per_block = kv_bytes_per_block(self.model, a.block_size)
+        if a.num_gpu_blocks_override:
+            num_blocks = a.num_gpu_blocks_override
+        else:
+            num_blocks = (a.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES) // per_block
+        needed = -(-self.max_model_len // a.block_size) + 1
+        if num_blocks < needed:
+            raise ValueError(
+                f"the KV cache holds {num_blocks} blocks of {a.block_size} tokens but one "
+                f"sequence of max_model_len {self.max_model_len} needs {needed}; raise "
+                f"--kv-cache-memory-bytes (now {num_blocks * per_block} bytes) or lower --max-model-len")
+        return num_blocks
+
+    def _eos_ids(self) -> tuple[int, ...]:
+        if self.tokenizer and self.tokenizer.eos_token_ids:
+            return self.tokenizer.eos_token_ids
+        return self.model_config.eos_token_id
+
+    # -- requests -------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+        if request_id in self.parents:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        text, ids = (prompt, self._encode(prompt)) if isinstance(prompt, str) else (None, list(prompt))
+        self._check_params(params, ids)
+        children = []
+        for i in range(params.n):
+            child_params = params if params.n == 1 else replace(
+                params, n=1, seed=None if params.seed is None else params.seed + i)
+            child_id = request_id if params.n == 1 else f"{i}_{request_id}"
+            children.append(Request(child_id, ids, child_params, self.eos_token_ids))
+        parent = _Parent(request_id, text, children)
+        for child in children:
+            self.scheduler.add(child)
+            self.child_parent[child.request_id] = parent
+        self.parents[request_id] = parent
+
+    def _encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this checkpoint has no tokenizer.json; pass token ids")
+        return self.tokenizer.encode(text)
+
+    def _check_params(self, params: SamplingParams, ids: list[int]) -> None:
+        limit = self.args.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, name)
+            if asked is not None and limit != -1 and asked > limit:
+                hint = " (logprobs are disabled: --max-logprobs 0)" if limit == 0 else ""
+                raise ValueError(f"{name}={asked} exceeds --max-logprobs {limit}{hint}")
+        if not ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any(t < 0 or t >= vocab for t in ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}")
+        if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
+                             f"exceeds max_model_len {self.max_model_len}")
+
+    def abort_request(self, request_id: str) -> None:
+        parent = self.parents.pop(request_id, None)
+        for child in parent.children if parent else []:
+            self.scheduler.abort(child.request_id)
+            self.child_parent.pop(child.request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # -- the step ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        step = self._step_input(out)
+        logits = self.runner.execute(step)
+        sampled = self._sample(out, logits)
+        self.scheduler.update(out, sampled)
+        self.num_steps += 1
+        return self._outputs(out)
+
+    def _step_input(self, out: SchedulerOutput) -> StepInput:
+        token_ids, q_lens, starts, rows = [], [], [], []
+        tables: list[list[list[int]]] = [[] for _ in range(self.runner.num_groups)]
+        for chunk in out.chunks:
+            req = chunk.request
+            token_ids.extend(req.all_token_ids[chunk.start:chunk.start + chunk.num_tokens])
+            q_lens.append(chunk.num_tokens)
+            starts.append(chunk.start)
+            for g, ids in enumerate(self.kv.block_ids(req.request_id)):
+                tables[g].append(ids)
+            end = len(token_ids)
+            if req.params.prompt_logprobs is not None and chunk.start < req.num_prompt_tokens:
+                rows.extend(range(end - chunk.num_tokens, end - 1))   # predict the next prompt tokens
+            if chunk.completes:
+                rows.append(end - 1)
+        num_decodes = sum(1 for c in out.chunks if c.num_tokens == 1)
+        return StepInput(token_ids, q_lens, starts, tables, rows, num_decodes)
+
+    def _sample(self, out: SchedulerOutput, logits: torch.Tensor) -> dict[str, list[int]]:
+        row, sample_rows, reqs = 0, [], []
+        for chunk in out.chunks:
+            req = chunk.request
+            if req.params.prompt_logprobs is not None and chunk.start < req.num_prompt_tokens:
+                n = chunk.num_tokens - 1
+                self._prompt_logprobs(req, chunk.start, logits[row:row + n])
+                row += n
+            if chunk.completes:
+                sample_rows.append(row)
+                reqs.append(req)
+                row += 1
+        if not reqs:
+            return {}
+        result = self.sampler(logits[sample_rows], reqs)
+        for req, lp in zip(reqs, result.logprobs):
+            if lp is not None:
+                req.output_logprobs.append(lp)
+        return {r.request_id: [t] for r, t in zip(reqs, result.token_ids)}
+
+    def _prompt_logprobs(self, req: Request, start: int, logits: torch.Tensor) -> None:
+        if start == 0:
+            req.prompt_logprobs = [None]                 # the first token has no logprob
+        logp = torch.log_softmax(logits, dim=-1)
+        for j in range(logits.shape[0]):
+            nxt = req.prompt_token_ids[start + j + 1]
+            req.prompt_logprobs.append(top_logprobs(logp[j], nxt, req.params.prompt_logprobs or 0))
+
+    # -- outputs ----------------------------------------------------------------------------
+    def _outputs(self, out: SchedulerOutput) -> list[RequestOutput]:
+        touched: dict[str, _Parent] = {}
+        for chunk in out.chunks:
+            parent = self.child_parent.get(chunk.request.request_id)
+            if parent is not None:
+                self._check_stop_strings(chunk.request)
+                touched[parent.request_id] = parent
+        results = []
+        for parent in touched.values():
+            results.append(self._request_output(parent))
+            if results[-1].finished:
+                self.parents.pop(parent.request_id, None)
+                for child in parent.children:
+                    self.child_parent.pop(child.request_id, None)
+        return results
+
+    def _check_stop_strings(self, req: Request) -> None:
+        stops = req.params.stop
+        if not stops or req.status is not Status.RUNNING or self.tokenizer is None:
+            return
+        text = self.tokenizer.decode(req.output_token_ids, req.params.skip_special_tokens)
+        # only the tail can hold a stop string completed by this step's token
+        tail_from = max(len(text) - max(map(len, stops)) - 16, 0)
+        for stop in stops:
+            at = text.find(stop, tail_from)
+            if at >= 0:
+                self.scheduler.finish_stopped(req, stop)
+                return
+
+    def _text(self, req: Request) -> str:
+        if self.tokenizer is None:
+            return ""
+        text = self.tokenizer.decode(req.output_token_ids, req.params.skip_special_tokens)
+        if isinstance(req.stop_reason, str):
+            at = text.find(req.stop_reason)
+            if at >= 0:
+                text = text[:at + (len(req.stop_reason) if req.params.include_stop_str_in_output else 0)]
+        return text
+
+    def _request_output(self, parent: _Parent) -> RequestOutput:
+        outputs = []
+        for i, child in enumerate(parent.children):
+            reason = child.status.value if child.status.finished else None
+            outputs.append(CompletionOutput(
+                i, self._text(child) if reason else "", list(child.output_token_ids), reason,
+                child.stop_reason, child.output_logprobs if child.params.logprobs is not None else None))
+        first = parent.children[0]
+        return RequestOutput(
+            parent.request_id, parent.prompt, list(first.prompt_token_ids), outputs,
+            first.prompt_logprobs if first.params.prompt_logprobs is not None else None,
+            first.num_cached_tokens, all(o.finished for o in outputs))
+
+    # -- introspection ----------------------------------------------------------------------
+    def assert_no_leaks(self) -> None:
+        self.kv.assert_no_leaks()
+
+
+def _model_dir(args: EngineArgs) -> Path:
+    if args.model is None:
+        from kvrelay.model.embedded import embedded_model_dir
+        return embedded_model_dir()
+    return resolve_model_path(args.model, args.download_dir)
+
+
+def _maybe_tokenizer(model_dir: Path) -> CheckpointTokenizer | None:
+    return load_tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
+
+
+def now() -> float:
+    return time.monotonic()

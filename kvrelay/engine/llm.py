@@ -1,0 +1,54 @@
+"""The offline API, shaped like vLLM's: `LLM(model, **engine_args).generate(...)`."""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from kvrelay.config import EngineArgs
+from kvrelay.engine.core import LLMEngine
+from kvrelay.engine.outputs import RequestOutput
+from kvrelay.sampling_params import SamplingParams
+
+Prompt = str | list[int] | dict[str, Any]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        self.engine = LLMEngine(EngineArgs.from_kwargs(model=model, **engine_args))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Runs every prompt to completion; outputs come back in input order."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                 and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = list(sampling_params) if isinstance(sampling_params, Sequence) \
+            else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        order = []
+        for prompt, p in zip(prompts, params):
+            request_id = str(next(self._ids))
+            if isinstance(prompt, dict):
+                prompt = prompt.get("prompt_token_ids") or prompt["prompt"]
+            self.engine.add_request(request_id, prompt, p)
+            order.append(request_id)
+        done: dict[str, RequestOutput] = {}
+        with tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update()
+        return [done[r] for r in order]

@@ -1,0 +1,31 @@
+"""What the engine returns, shaped like vLLM's `RequestOutput`."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvrelay.engine.request import Logprob
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None           # "stop" | "length" | "abort" | None (running)
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_cached_tokens: int = 0
+    finished: bool = False

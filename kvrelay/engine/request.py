@@ -1,0 +1,63 @@
+"""A request as the engine sees it. Owner: the scheduler (status, computed tokens)."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from kvrelay.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (Status.FINISHED_STOPPED, Status.FINISHED_LENGTH, Status.FINISHED_ABORTED)
+
+
+@dataclass
+class Logprob:
+    token_id: int
+    logprob: float
+    rank: int
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    arrival: int = 0                          # admission order: older requests keep priority
+    status: Status = Status.WAITING
+    num_computed_tokens: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, Logprob] | None] = field(default_factory=list)
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0                # prompt tokens served from the prefix cache
+    generator: torch.Generator | None = None
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)

@@ -1,0 +1,113 @@
+"""Turns the logits of a step into tokens, batched over requests.
+
+    logits [N, V] float32
+      ├─ logits processors (per request, optional), min_tokens bans EOS/stop ids
+      ├─ greedy rows: argmax
+      └─ random rows: /temperature → top-k → top-p → min-p → softmax → sample
+    logprobs (optional): log_softmax of the raw logits; sampled token + top-N
+
+Sampling uses the exponential race (argmax of p / Exp(1) noise), so a row's draw
+depends only on that row's noise: a seeded request draws its noise from its own
+generator and produces the same tokens whatever else is in the batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvrelay.engine.request import Logprob, Request
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob] | None]
+
+
+def _banned_ids(req: Request) -> list[int]:
+    p = req.params
+    if len(req.output_token_ids) >= p.min_tokens:
+        return []
+    return list(p.stop_token_ids) + ([] if p.ignore_eos else list(req.eos_token_ids))
+
+
+class Sampler:
+    def __init__(self, all_greedy: bool = False) -> None:
+        self.all_greedy = all_greedy
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        raw = logits
+        logits = self._process(logits, requests)
+        greedy = torch.tensor([self.all_greedy or r.params.greedy for r in requests])
+        tokens = logits.argmax(dim=-1)                                   # [N]
+        if not bool(greedy.all()):
+            rows = (~greedy).nonzero().flatten()
+            tokens[rows] = self._sample(logits[rows], [requests[i] for i in rows.tolist()])
+        token_list = tokens.tolist()
+        return SamplerOutput(token_list, self._logprobs(raw, token_list, requests))
+
+    def _process(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        changed = False
+        for i, req in enumerate(requests):
+            banned = _banned_ids(req)
+            if not banned and not req.params.logits_processors:
+                continue
+            if not changed:
+                logits, changed = logits.clone(), True
+            for proc in req.params.logits_processors:
+                logits[i] = proc(req.output_token_ids, logits[i])
+            if banned:
+                logits[i, banned] = float("-inf")
+        return logits
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """logits [n, V] of non-greedy rows → sampled ids [n]."""
+        temps = torch.tensor([r.params.temperature for r in requests], dtype=logits.dtype)
+        logits = logits / temps[:, None]
+        top_k = [r.params.top_k for r in requests]
+        if any(top_k):
+            k = torch.tensor([t if t else logits.shape[-1] for t in top_k])
+            kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        top_p = torch.tensor([r.params.top_p for r in requests], dtype=probs.dtype)
+        if bool((top_p < 1).any()):
+            sorted_p, order = probs.sort(dim=-1, descending=True)
+            outside = (sorted_p.cumsum(-1) - sorted_p) > top_p[:, None]   # keep the smallest set ≥ p
+            probs = probs.scatter(1, order, sorted_p.masked_fill(outside, 0))
+        min_p = torch.tensor([r.params.min_p for r in requests], dtype=probs.dtype)
+        if bool((min_p > 0).any()):
+            probs = probs.masked_fill(probs < min_p[:, None] * probs.amax(-1, keepdim=True), 0)
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, r in enumerate(requests) if r.generator is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), probs.shape[-1]).exponential_()
+        for i, r in enumerate(requests):
+            if r.generator is not None:
+                noise[i] = torch.empty(probs.shape[-1]).exponential_(generator=r.generator)
+        return (probs / noise).argmax(dim=-1)
+
+    def _logprobs(self, raw: torch.Tensor, tokens: list[int],
+                  requests: list[Request]) -> list[dict[int, Logprob] | None]:
+        wanted = [r.params.logprobs for r in requests]
+        if all(w is None for w in wanted):
+            return [None] * len(requests)
+        rows = [i for i, w in enumerate(wanted) if w is not None]
+        logp = torch.log_softmax(raw[rows], dim=-1)                      # [n, V]
+        out: list[dict[int, Logprob] | None] = [None] * len(requests)
+        for j, i in enumerate(rows):
+            out[i] = top_logprobs(logp[j], tokens[i], wanted[i] or 0)
+        return out
+
+
+def top_logprobs(logp: torch.Tensor, token: int, n: int) -> dict[int, Logprob]:
+    """The chosen token's logprob and rank, plus the top-n tokens (vLLM's shape)."""
+    chosen = float(logp[token])
+    rank = int((logp > logp[token]).sum()) + 1
+    result = {token: Logprob(token, chosen, rank)}
+    if n:
+        values, ids = logp.topk(n)
+        for r, (v, t) in enumerate(zip(values.tolist(), ids.tolist()), start=1):
+            result.setdefault(t, Logprob(t, v, r))
+    return result

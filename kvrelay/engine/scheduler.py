@@ -1,0 +1,211 @@
+"""Continuous batching with chunked prefill, prefix caching and preemption.
+
+Owner of: the waiting and running queues and each request's status and
+`num_computed_tokens`. The KV-cache manager owns the blocks.
+
+One step (`schedule`), vLLM v1's unified rule — every request simply has
+`num_computed_tokens` catching up with `num_tokens`:
+
+  1. Running requests, oldest first, each get min(missing tokens, budget) tokens
+     (one for a decode; a chunk for an unfinished prefill). When the pool has no
+     blocks for one, the *newest* running request is preempted (blocks freed, back
+     to the front of the waiting queue, recomputed later) until it fits.
+  2. If nothing was preempted, waiting requests are admitted in order while the
+     token budget and `max_num_seqs` allow; each starts from its prefix-cache hit.
+
+`update` then advances the computed counts, registers full blocks in the prefix
+cache, appends sampled tokens, checks stop conditions and frees finished requests.
+"""
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvrelay.engine.request import Request, Status
+from kvrelay.kv_cache.manager import KVCacheManager
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    max_model_len: int = 8192
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+
+@dataclass
+class ScheduledChunk:
+    request: Request
+    start: int                  # first token position computed this step
+    num_tokens: int             # tokens computed this step
+
+    @property
+    def completes(self) -> bool:
+        """Whether this chunk reaches the last known token (so a token is sampled)."""
+        return self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config, self.kv = config, kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._arrivals = 0
+        self.num_preemptions = 0
+
+    # -- admission / abort --------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        if request.num_prompt_tokens == 0:
+            raise ValueError("the prompt is empty")
+        if request.num_prompt_tokens >= self.config.max_model_len:
+            raise ValueError(
+                f"the prompt has {request.num_prompt_tokens} tokens; with max_model_len "
+                f"{self.config.max_model_len} at most {self.config.max_model_len - 1} prompt tokens "
+                f"leave room for one generated token")
+        request.arrival = self._arrivals
+        self._arrivals += 1
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Finish the request now and free its blocks; unknown ids are ignored."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        self._finish(request, Status.FINISHED_ABORTED)
+        return request
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step -------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if self._allocate_or_preempt(req, n, out):
+                out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
+                budget -= n
+                i += 1
+        if not out.preempted:
+            budget = self._admit_waiting(out, budget)
+        # decodes (one new token) first: the runner attends them as one batch
+        out.chunks.sort(key=lambda c: c.num_tokens != 1)
+        return out
+
+    def _allocate_or_preempt(self, req: Request, n: int, out: SchedulerOutput) -> bool:
+        while not self.kv.allocate(req.request_id, req.num_computed_tokens, req.num_computed_tokens + n):
+            victim = self.running.pop()                  # the newest running request
+            self._preempt(victim)
+            out.preempted.append(victim.request_id)
+            if victim is req:
+                return False
+        return True
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            tokens = req.all_token_ids
+            hit = None
+            if req.params.prompt_logprobs is None:       # prompt logprobs need every position computed
+                hit = self.kv.find_prefix_hit(req.request_id, tokens)
+            start = hit.num_tokens if hit else 0
+            n = min(req.num_tokens - start, budget)
+            if not self.kv.allocate(req.request_id, start, start + n, hit):
+                break
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            req.num_computed_tokens = start
+            if req.num_preemptions == 0:
+                req.num_cached_tokens = start
+            self.running.append(req)
+            out.chunks.append(ScheduledChunk(req, start, n))
+            budget -= n
+        return budget
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req.request_id)
+        req.status = Status.WAITING
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        logger.debug("preempted %s (recomputed later)", req.request_id)
+
+    # -- after the step -------------------------------------------------------------------
+    def update(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+        """Advance the scheduled requests; `sampled[req_id]` holds the token sampled for
+        each request whose chunk completed. Returns the requests that finished."""
+        finished = []
+        for chunk in out.chunks:
+            req = chunk.request
+            if req.status is not Status.RUNNING:
+                continue                                 # aborted during the step
+            req.num_computed_tokens += chunk.num_tokens
+            self.kv.cache_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
+            if not chunk.completes:
+                continue
+            for token in sampled.get(req.request_id, []):
+                req.append_token(token)
+                status = self._check_stop(req, token)
+                if status is not None:
+                    self._finish(req, status)
+                    finished.append(req)
+                    break
+        return finished
+
+    def _check_stop(self, req: Request, token: int) -> Status | None:
+        p = req.params
+        num_out = len(req.output_token_ids)
+        if num_out >= p.min_tokens:
+            if token in p.stop_token_ids:
+                req.stop_reason = token
+                return Status.FINISHED_STOPPED
+            if not p.ignore_eos and token in req.eos_token_ids:
+                return Status.FINISHED_STOPPED
+        if (p.max_tokens is not None and num_out >= p.max_tokens) \
+                or req.num_tokens >= self.config.max_model_len:
+            return Status.FINISHED_LENGTH
+        return None
+
+    def finish_stopped(self, req: Request, stop_reason: str) -> None:
+        """Finish a request on a stop string (detected on detokenised text)."""
+        req.stop_reason = stop_reason
+        self._finish(req, Status.FINISHED_STOPPED)
+
+    def _finish(self, req: Request, status: Status) -> None:
+        req.status = status
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.requests.pop(req.request_id, None)
+        self.kv.free(req.request_id)
