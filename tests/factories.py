@@ -65,3 +65,32 @@ def dequantized_reference(path: Path):
     return GptOssForCausalLM.from_pretrained(
         path, quantization_config=Mxfp4Config(dequantize=True), dtype=torch.float32,
         attn_implementation="eager").eval()
+
+
+def add_word_tokenizer(path: Path, vocab_size: int, eos_id: int | None = None) -> Path:
+    """A word-level tokenizer.json ("w0" … "wN", space separated) for a tiny checkpoint,
+    so engine tests can use text prompts and stop strings."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    vocab = {f"w{i}": i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(path / "tokenizer.json"))
+    if eos_id is not None:
+        (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos_id]}))
+    return path
+
+
+def greedy_mismatch(hf_model, prompt: list[int], generated: list[int], eps: float = 1e-4) -> str | None:
+    """The brief's near-tie rule: `generated` must equal the reference's greedy choice at
+    every position up to the first one where the reference's top-2 logit gap is below
+    eps (after which the sequences may diverge). Returns a description of the first
+    real mismatch, or None. Teacher-forced: one reference forward over prompt+generated."""
+    logits = reference_logits(hf_model, prompt + generated)[len(prompt) - 1:]
+    for j, token in enumerate(generated):
+        top2 = logits[j].topk(2)
+        gap = float(top2.values[0] - top2.values[1])
+        if gap < eps:
+            return None
+        if token != int(top2.indices[0]):
+            return f"position {j}: got {token}, reference {int(top2.indices[0])} (gap {gap:.2e})"
+    return None

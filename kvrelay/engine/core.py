@@ -21,7 +21,7 @@ from kvrelay.engine.outputs import CompletionOutput, RequestOutput
 from kvrelay.engine.request import Request, Status
 from kvrelay.engine.runner import ModelRunner, StepInput, kv_bytes_per_block
 from kvrelay.engine.sampler import Sampler, top_logprobs
-from kvrelay.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kvrelay.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from kvrelay.kv_cache.manager import KVCacheGroup, KVCacheManager
 from kvrelay.model.loader import load_model, resolve_model_path
 from kvrelay.model.tokenizer import CheckpointTokenizer, load_tokenizer
@@ -196,8 +196,8 @@ class LLMEngine:
             for g, ids in enumerate(self.kv.block_ids(req.request_id)):
                 tables[g].append(ids)
             end = len(token_ids)
-            if req.params.prompt_logprobs is not None and chunk.start < req.num_prompt_tokens:
-                rows.extend(range(end - chunk.num_tokens, end - 1))   # predict the next prompt tokens
+            n_prompt = _prompt_logprob_rows(chunk)
+            rows.extend(range(end - chunk.num_tokens, end - chunk.num_tokens + n_prompt))
             if chunk.completes:
                 rows.append(end - 1)
         num_decodes = sum(1 for c in out.chunks if c.num_tokens == 1)
@@ -207,8 +207,8 @@ class LLMEngine:
         row, sample_rows, reqs = 0, [], []
         for chunk in out.chunks:
             req = chunk.request
-            if req.params.prompt_logprobs is not None and chunk.start < req.num_prompt_tokens:
-                n = chunk.num_tokens - 1
+            n = _prompt_logprob_rows(chunk)
+            if n:
                 self._prompt_logprobs(req, chunk.start, logits[row:row + n])
                 row += n
             if chunk.completes:
@@ -287,6 +287,15 @@ class LLMEngine:
     # -- introspection ----------------------------------------------------------------------
     def assert_no_leaks(self) -> None:
         self.kv.assert_no_leaks()
+
+
+def _prompt_logprob_rows(chunk: ScheduledChunk) -> int:
+    """Rows of this chunk whose logits score the next *prompt* token: positions
+    p in [start, start + n) with p + 1 < prompt length."""
+    req = chunk.request
+    if req.params.prompt_logprobs is None:
+        return 0
+    return max(min(chunk.start + chunk.num_tokens, req.num_prompt_tokens - 1) - chunk.start, 0)
 
 
 def _model_dir(args: EngineArgs) -> Path:
