@@ -1,8 +1,8 @@
 """The `kvrelay` command. Thin: parses flags and hands over to the package.
 
     kvrelay generate [PROMPT] [--model DIR] [--max-tokens N] [--dtype ...]
-        greedy generation on the embedded default model (or a gpt-oss checkpoint);
-        the stand-in main job until `kvrelay serve` lands.
+        greedy generation through the engine (`LLM.generate`) on the embedded default
+        model or a gpt-oss checkpoint; the main job until `kvrelay serve` lands.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="gpt-oss checkpoint directory or HF repo id (default: the embedded model)")
-    p.add_argument("--dtype", choices=DTYPES, default="auto")
+    p.add_argument("--dtype", choices=DTYPES, default="float32")
     p.add_argument("--hf-overrides", type=_json_object, default=None, metavar="JSON")
     p.add_argument("--download-dir", default=None)
     p.add_argument("--quantization", choices=("auto", "mxfp4", "none"), default="auto",
@@ -43,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", nargs="?", default="The capital of France is")
     gen.add_argument("--max-tokens", type=int, default=16)
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    gen.add_argument("--max-model-len", type=int, default=4096)
     _add_model_flags(gen)
     return parser
 
@@ -60,30 +61,26 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    import torch
+    from kvrelay.engine.llm import LLM
+    from kvrelay.sampling_params import SamplingParams
 
-    from kvrelay.model.generate import PagedGreedyLoop
-    from kvrelay.model.loader import load_model
-    from kvrelay.model.tokenizer import load_tokenizer
-
-    model_dir = _resolve(args.model, args.download_dir)
-    dtype = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16,
-             "float16": torch.float16}[args.dtype]
-    quant = None if args.quantization == "none" else args.quantization
     t0 = time.perf_counter()
-    loaded = load_model(model_dir, dtype=dtype, quantization=quant, hf_overrides=args.hf_overrides)
+    llm = LLM(args.model, dtype=args.dtype, hf_overrides=args.hf_overrides,
+              download_dir=args.download_dir, max_model_len=args.max_model_len,
+              quantization=None if args.quantization == "none" else args.quantization)
+    engine = llm.engine
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(f"model: {model_dir} ({loaded.weight_bytes / 2**20:.0f} MiB of weights, "
-          f"peak RSS {rss:.0f} MiB, loaded in {time.perf_counter() - t0:.1f}s)", file=sys.stderr)
-    tok = load_tokenizer(model_dir)
-    prompt_ids = tok.encode_chat(args.prompt) if args.chat else tok.encode(args.prompt)
-    loop = PagedGreedyLoop(loaded.model, num_blocks=-(-(len(prompt_ids) + args.max_tokens) // 16) + 1,
-                           block_size=16)
+    print(f"model: {engine.model_dir} ({engine.model.weight_bytes() / 2**20:.0f} MiB of weights, "
+          f"peak RSS {rss:.0f} MiB, ready in {time.perf_counter() - t0:.1f}s)", file=sys.stderr)
+    prompt: str | list[int] = args.prompt
+    if args.chat:
+        prompt = engine.tokenizer.encode_chat(args.prompt)
     t0 = time.perf_counter()
-    out = loop.generate(prompt_ids, args.max_tokens, stop_ids=tok.eos_token_ids)
-    elapsed = time.perf_counter() - t0
-    print(f"{args.prompt}{tok.decode(out)}")
-    print(f"({len(out)} tokens in {elapsed:.2f}s)", file=sys.stderr)
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=args.max_tokens))[0]
+    completion = out.outputs[0]
+    print(f"{args.prompt}{completion.text}" if not args.chat else completion.text)
+    print(f"({len(completion.token_ids)} tokens in {time.perf_counter() - t0:.2f}s, "
+          f"finish_reason={completion.finish_reason})", file=sys.stderr)
     return 0
 
 

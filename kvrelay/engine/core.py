@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from kvrelay import envs
 from kvrelay.config import EngineArgs, NeuronConfig
 from kvrelay.engine.outputs import CompletionOutput, RequestOutput
 from kvrelay.engine.request import Request, Status
@@ -79,6 +80,7 @@ class LLMEngine:
         self.parents: dict[str, _Parent] = {}
         self.child_parent: dict[str, _Parent] = {}
         self.num_steps = 0
+        self._warmup()
         if self.neuron.num_batched_tokens_buckets or self.neuron.num_seqs_buckets:
             logger.info("neuron_config buckets validated; not needed on %s (eager, no captured "
                         "graphs): steps are not padded", self.device.type)
@@ -123,6 +125,14 @@ class LLMEngine:
             return self.tokenizer.eos_token_ids
         return self.model_config.eos_token_id
 
+    def _warmup(self) -> None:
+        limit = envs.COMPILATION_TIMEOUT_S.as_float()
+        seconds = self.runner.warmup()
+        if limit is not None and seconds > limit:
+            raise TimeoutError(f"warm-up took {seconds:.0f}s, over the {limit:.0f}s allowed; "
+                               f"raise {envs.COMPILATION_TIMEOUT_S.shown}")
+        logger.info("warm-up done in %.2fs", seconds)
+
     # -- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
         if request_id in self.parents:
@@ -134,7 +144,8 @@ class LLMEngine:
             child_params = params if params.n == 1 else replace(
                 params, n=1, seed=None if params.seed is None else params.seed + i)
             child_id = request_id if params.n == 1 else f"{i}_{request_id}"
-            children.append(Request(child_id, ids, child_params, self.eos_token_ids))
+            children.append(Request(child_id, ids, child_params, self.eos_token_ids,
+                                    fork_of=children[0] if children else None))
         parent = _Parent(request_id, text, children)
         for child in children:
             self.scheduler.add(child)

@@ -28,7 +28,7 @@ class Logprob:
     rank: int
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
     request_id: str
     prompt_token_ids: list[int]
@@ -44,6 +44,7 @@ class Request:
     num_preemptions: int = 0
     num_cached_tokens: int = 0                # prompt tokens served from the prefix cache
     generator: torch.Generator | None = None
+    fork_of: Request | None = None            # n > 1: waits for this sibling's prompt KV
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -57,6 +58,14 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def waits_for_sibling(self) -> bool:
+        """An n > 1 child is admitted once its first sibling has computed the prompt,
+        so it starts from the prompt's cached blocks instead of recomputing them."""
+        first = self.fork_of
+        return (first is not None and not first.status.finished
+                and first.num_computed_tokens < first.num_prompt_tokens)
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -99,6 +99,18 @@ class ModelRunner:
         return self.model.compute_logits(hidden[rows]).cpu()
 
 
+    def warmup(self) -> float:
+        """One small prefill and one decode through the model (first-call kernel setup)
+        writing only into the null block; returns the seconds it took."""
+        import time
+        t0 = time.perf_counter()
+        n = min(self.block_size, 8)
+        tables = [[[0]] for _ in range(self.num_groups)]
+        self.execute(StepInput([0] * n, [n], [0], tables, [n - 1]))
+        self.execute(StepInput([0], [1], [n - 1], tables, [0], num_decodes=1))
+        return time.perf_counter() - t0
+
+
 def _pad_table(rows: list[list[int]]) -> torch.Tensor:
     width = max((len(r) for r in rows), default=0) or 1
     table = torch.zeros(len(rows), width, dtype=torch.int64)

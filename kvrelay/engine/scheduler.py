@@ -131,8 +131,11 @@ class Scheduler:
         return True
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
+        for req in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            if req.waits_for_sibling:
+                continue
             tokens = req.all_token_ids
             hit = None
             if req.params.prompt_logprobs is None:       # prompt logprobs need every position computed
@@ -141,7 +144,7 @@ class Scheduler:
             n = min(req.num_tokens - start, budget)
             if not self.kv.allocate(req.request_id, start, start + n, hit):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(req)
             req.status = Status.RUNNING
             req.num_computed_tokens = start
             if req.num_preemptions == 0:

@@ -11,10 +11,11 @@ places, and each is neutralised exactly:
 
 * Attention sinks: gpt-oss appends one learned logit per head to the softmax. A sink of
   -1e4 gets `exp(-1e4 - max) == 0` probability in float32 and bfloat16 alike.
-* The MLP is a mixture of experts. Two identical experts, top-1, zero router: the router
-  logits tie, top-k picks expert 0, and the softmax over the single chosen logit is
-  exactly 1.0, so the MoE output is that one expert's output. (Two, not one, because
-  some engines treat a one-expert MoE as a special case or reject it.)
+* The MLP is a mixture of experts. Two identical experts, top-1, zero router: the
+  router logits tie, so whichever expert top-k picks computes the same thing, and the
+  softmax over the one chosen logit is exactly 1.0, so the MoE output is SmolLM2's MLP.
+  Two rather than one keeps routing a real choice, as in every gpt-oss checkpoint, so
+  engines run their ordinary MoE path rather than a degenerate one-expert case.
 * The expert activation is gpt-oss' clamped SwiGLU
   `(clamp(up, ±L) + 1) · g · sigmoid(α·g)` with `g = min(gate, L)`, `α = 1.702`.
   With `gate = W_gate x / α`, `up = W_up x - 1` and `down = α · W_down` this is
@@ -145,6 +146,8 @@ def _build_locked(out_dir: Path) -> None:
     """Build into a sibling temporary directory, then swap it in. Caller holds the lock."""
     start = time.perf_counter()
     gguf_path = find_gguf()
+    logger.info("building the embedded model %s from %s (once; takes ~15 s)",
+                EMBEDDED_MODEL_NAME, gguf_path)
     _remove_stale_builds(out_dir)
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
@@ -158,8 +161,8 @@ def _build_locked(out_dir: Path) -> None:
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
-    logger.info("built the embedded model %s from %s into %s in %.1f s",
-                EMBEDDED_MODEL_NAME, gguf_path, out_dir, time.perf_counter() - start)
+    logger.info("built the embedded model %s into %s in %.1f s",
+                EMBEDDED_MODEL_NAME, out_dir, time.perf_counter() - start)
 
 
 def _remove_stale_builds(out_dir: Path) -> None:
@@ -204,13 +207,12 @@ class SourceSpec:
         arch = field("general.architecture")
         if arch != "llama":
             raise RuntimeError(f"{GGUF_FILENAME}: expected a llama GGUF, got {arch!r}")
-        hidden, heads = int(field("llama.embedding_length")), int(field("llama.attention.head_count"))
         return cls(
             vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data),
-            hidden_size=hidden,
+            hidden_size=int(field("llama.embedding_length")),
             intermediate_size=int(field("llama.feed_forward_length")),
             num_layers=int(field("llama.block_count")),
-            num_heads=heads,
+            num_heads=int(field("llama.attention.head_count")),
             num_kv_heads=int(field("llama.attention.head_count_kv")),
             head_dim=int(field("llama.rope.dimension_count")),
             rope_theta=float(field("llama.rope.freq_base")),
@@ -336,6 +338,8 @@ def checkpoint_tensors(src: GgufWeights, spec: SourceSpec, expert_dtype: torch.d
 
 @dataclass(frozen=True)
 class TokenizerSpec:
+    """SmolLM2's tokenizer as the GGUF metadata states it (tokens in byte-level spelling)."""
+
     tokens: list[str]
     merges: list[str]
     token_types: list[int]
@@ -352,7 +356,8 @@ class TokenizerSpec:
 
         model = get("tokenizer.ggml.model")
         if model != "gpt2":
-            raise RuntimeError(f"{GGUF_FILENAME}: expected a gpt2 (byte-level BPE) tokenizer, got {model!r}")
+            raise RuntimeError(
+                f"{GGUF_FILENAME}: expected a gpt2 (byte-level BPE) tokenizer, got {model!r}")
         return cls(
             tokens=list(get("tokenizer.ggml.tokens")),
             merges=list(get("tokenizer.ggml.merges")),
@@ -366,6 +371,11 @@ class TokenizerSpec:
 
     def token(self, token_id: int | None) -> str | None:
         return None if token_id is None else self.tokens[token_id]
+
+    def control_tokens(self) -> list[str]:
+        """`<|endoftext|>`, `<|im_start|>`, `<|im_end|>`, ...: matched whole, never split."""
+        pairs = zip(self.tokens, self.token_types, strict=True)
+        return [token for token, kind in pairs if kind == _CONTROL_TOKEN_TYPE]
 
 
 def _maybe_int(value: Any) -> int | None:
@@ -393,17 +403,15 @@ def build_tokenizer_json(tok: TokenizerSpec) -> str:
     ])
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
-    tokenizer.add_special_tokens([
-        AddedToken(token, special=True, normalized=False)
-        for token, kind in zip(tok.tokens, tok.token_types) if kind == _CONTROL_TOKEN_TYPE
-    ])
+    tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False)
+                                  for token in tok.control_tokens()])
     return tokenizer.to_str(pretty=False)
 
 
 def tokenizer_config(tok: TokenizerSpec) -> dict[str, Any]:
-    special = [t for t, kind in zip(tok.tokens, tok.token_types) if kind == _CONTROL_TOKEN_TYPE]
+    chat_markers = (tok.token(tok.bos_id), tok.token(tok.eos_id))
     return {
-        "tokenizer_class": "GPT2Tokenizer",
+        "tokenizer_class": "PreTrainedTokenizerFast",  # load tokenizer.json as written
         "add_prefix_space": False,
         "add_bos_token": False,  # tokenizer.ggml.add_bos_token; the template writes markers
         "add_eos_token": False,
@@ -411,8 +419,7 @@ def tokenizer_config(tok: TokenizerSpec) -> dict[str, Any]:
         "eos_token": tok.token(tok.eos_id),
         "unk_token": tok.token(tok.unk_id),
         "pad_token": tok.token(tok.pad_id),
-        "additional_special_tokens": [t for t in special
-                                      if t in (tok.token(tok.bos_id), tok.token(tok.eos_id))],
+        "additional_special_tokens": [t for t in tok.control_tokens() if t in chat_markers],
         "clean_up_tokenization_spaces": False,
         "model_max_length": CONTEXT_LENGTH,
         "chat_template": tok.chat_template,
@@ -479,7 +486,7 @@ def model_config(spec: SourceSpec, tok: TokenizerSpec) -> dict[str, Any]:
         "bos_token_id": tok.bos_id,
         "eos_token_id": tok.eos_id,
         "pad_token_id": tok.pad_id,
-        # Non-expert tensors are float32, experts bfloat16: float32 is the exact dtype.
+        # Every tensor is stored as float32 (exact); engines may compute in bf16.
         "torch_dtype": "float32",
         "dtype": "float32",
     }

@@ -129,6 +129,8 @@ def test_n_greater_than_one(make_llm):
     greedy = llm.generate([PROMPTS[2]], SamplingParams(n=3, temperature=0, max_tokens=6, ignore_eos=True))[0]
     assert len(greedy.outputs) == 3 and [o.index for o in greedy.outputs] == [0, 1, 2]
     assert tokens(greedy, 0) == tokens(greedy, 1) == tokens(greedy, 2)
+    # siblings start from the prompt's cached blocks: 28 of 30 tokens (block size 4) each
+    assert llm.engine.kv.stats.hits == 2 * 28
     sampled = llm.generate([PROMPTS[2]], SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8,
                                                         ignore_eos=True))[0]
     assert len({tuple(o.token_ids) for o in sampled.outputs}) == 3

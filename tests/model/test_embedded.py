@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +43,16 @@ TOKENIZER_STRINGS = [
 
 
 # -- fixtures -----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    """A 135M model gains little from a second thread, and when the cores are shared
+    (CI, parallel test runs) OpenMP's spinning threads make it several times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
 
 @dataclass
 class FirstUse:
@@ -76,12 +88,15 @@ def _first_use_in_threads(cache_root: Path, callers: int) -> FirstUse:
 
 
 @pytest.fixture(scope="module")
-def first_use(tmp_path_factory: pytest.TempPathFactory) -> FirstUse:
+def first_use(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FirstUse]:
     """The one real build of this file: two concurrent first uses of a fresh cache.
 
-    Every other test runs on the checkpoint this produced.
+    Every other test runs on the checkpoint this produced. It is deleted afterwards
+    (pytest keeps old temporary directories, and this one holds ~1 GB).
     """
-    return _first_use_in_threads(tmp_path_factory.mktemp("cache"), callers=2)
+    cache_root = tmp_path_factory.mktemp("cache")
+    yield _first_use_in_threads(cache_root, callers=2)
+    shutil.rmtree(cache_root, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +142,8 @@ _LLAMA_NAMES = {
 def _llama_state_dict(reader) -> dict[str, torch.Tensor]:
     state = {}
     for t in reader.tensors:
-        w = gguf.quants.dequantize(t.data, t.tensor_type).reshape([int(n) for n in reversed(t.shape)])
+        shape = [int(n) for n in reversed(t.shape)]  # [out, in]
+        w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
         base, suffix = t.name.rsplit(".", 1)
         if base == "token_embd":
             name = "model.embed_tokens"
@@ -210,7 +226,8 @@ def test_checkpoint_tensors(model_dir: Path) -> None:
         assert f.get_slice("model.layers.0.mlp.experts.gate_up_proj").get_shape() == [2, 576, 3072]
         assert f.get_slice("model.layers.0.mlp.experts.down_proj").get_shape() == [2, 1536, 576]
         assert f.get_slice("model.layers.0.self_attn.k_proj.weight").get_shape() == [192, 576]
-        assert torch.equal(f.get_tensor("lm_head.weight"), f.get_tensor("model.embed_tokens.weight"))
+        embed = f.get_tensor("model.embed_tokens.weight")
+        assert torch.equal(f.get_tensor("lm_head.weight"), embed)
         layer = "model.layers.7."
         assert torch.all(f.get_tensor(layer + "self_attn.sinks") == -1e4)
         assert not f.get_tensor(layer + "mlp.router.weight").any()

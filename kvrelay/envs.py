@@ -1,0 +1,77 @@
+"""Every environment variable kvrelay reads, typed, in one place.
+
+Each `KVRELAY_X` also answers to the tutorial's (vLLM / Neuron) name, so the
+tutorial's exports work unchanged; the KVRELAY_ name wins when both are set.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    alias: str | None
+    default: str | None
+    help: str
+
+    def raw(self) -> str | None:
+        for key in (self.name, self.alias):
+            if key and os.environ.get(key) not in (None, ""):
+                return os.environ[key]
+        return self.default
+
+    def as_float(self) -> float | None:
+        value = self.raw()
+        if value is None:
+            return None
+        try:
+            return float(value)
+        except ValueError:
+            raise ValueError(f"{self.shown}: expected a number, got {value!r}") from None
+
+    def as_int(self) -> int | None:
+        value = self.as_float()
+        return None if value is None else int(value)
+
+    @property
+    def shown(self) -> str:
+        """How messages name it: both names, so users raise the one they set."""
+        return f"{self.alias} (or {self.name})" if self.alias else self.name
+
+
+SIDE_CHANNEL_HOST = EnvVar("KVRELAY_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1",
+                           "listen address of the KV-transfer handshake (prefill side)")
+SIDE_CHANNEL_PORT = EnvVar("KVRELAY_NIXL_SIDE_CHANNEL_PORT", "VLLM_NIXL_SIDE_CHANNEL_PORT", "5600",
+                           "port of the KV-transfer handshake listener (one per DP rank from here)")
+ENGINE_READY_TIMEOUT_S = EnvVar("KVRELAY_ENGINE_READY_TIMEOUT_S", "VLLM_ENGINE_READY_TIMEOUT_S", "600",
+                                "seconds allowed from launch until the engine is ready")
+EXECUTE_MODEL_TIMEOUT_S = EnvVar("KVRELAY_EXECUTE_MODEL_TIMEOUT_SECONDS",
+                                 "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "300",
+                                 "seconds one engine step may take before its requests fail")
+COMPILATION_TIMEOUT_S = EnvVar("KVRELAY_COMPILATION_TIMEOUT", "VLLM_NEURON_COMPILATION_TIMEOUT", "600",
+                               "seconds allowed for warm-up / graph capture / compilation")
+VISIBLE_DEVICES = EnvVar("KVRELAY_VISIBLE_DEVICES", "NEURON_VISIBLE_DEVICES", None,
+                         "device slice: CPU core ids on CPU, GPU ids on CUDA, e.g. 0-3")
+CACHE_DIR = EnvVar("KVRELAY_CACHE_DIR", None, None, "where the embedded model is built")
+
+ALL = (SIDE_CHANNEL_HOST, SIDE_CHANNEL_PORT, ENGINE_READY_TIMEOUT_S, EXECUTE_MODEL_TIMEOUT_S,
+       COMPILATION_TIMEOUT_S, VISIBLE_DEVICES, CACHE_DIR)
+
+
+def parse_id_list(text: str) -> list[int]:
+    """"0-3,6" → [0, 1, 2, 3, 6] (the NEURON_VISIBLE_DEVICES syntax)."""
+    ids: list[int] = []
+    for part in text.replace(" ", "").split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        try:
+            start, stop = int(lo), int(hi or lo)
+        except ValueError:
+            raise ValueError(f"bad device list {text!r}: expected ids and ranges like 0-3,6") from None
+        if stop < start:
+            raise ValueError(f"bad device list {text!r}: range {part} is descending")
+        ids.extend(range(start, stop + 1))
+    return ids
