@@ -372,3 +372,44 @@ def test_missing_gguf_says_how_to_install(attr: str, value: str, tmp_path: Path,
         embedded.embedded_model_dir(tmp_path)
     assert not (tmp_path / embedded.CACHE_SUBDIR).exists()
     assert [p.name for p in (tmp_path / "models").iterdir()] == ["smollm2-135m-gpt-oss-v1.lock"]
+
+
+# -- kvrelay serves it exactly -----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def kvrelay_llm(model_dir: Path):
+    from kvrelay import LLM
+    return LLM(str(model_dir), dtype="float32", max_model_len=512, block_size=16)
+
+
+@torch.no_grad()
+def test_kvrelay_logits_match_transformers_on_it(tokenizer, converted, kvrelay_llm) -> None:
+    from kvrelay.model.generate import PagedGreedyLoop, _Seq
+    ids = tokenizer.encode(PROMPTS[1]).ids
+    want = converted(torch.tensor([ids])).logits[0]
+    loop = PagedGreedyLoop(kvrelay_llm.engine.model, 16, 16, shuffle_blocks=True)
+    got = loop.step([_Seq(ids)], [len(ids)])
+    assert (want - got).abs().max().item() < 1e-3
+    assert torch.equal(want.argmax(-1), got.argmax(-1))
+
+
+def test_kvrelay_engine_says_paris(tokenizer, reference, kvrelay_llm) -> None:
+    from kvrelay import SamplingParams
+    ids = tokenizer.encode("The capital of France is").ids
+    out = kvrelay_llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=16))[0]
+    want = reference.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0, len(ids):]
+    assert out.prompt_token_ids == ids
+    assert out.outputs[0].token_ids == want.tolist()[: len(out.outputs[0].token_ids)]
+    assert "Paris" in out.outputs[0].text
+    kvrelay_llm.engine.assert_no_leaks()
+
+
+def test_kvrelay_chat_template_and_eos(kvrelay_llm) -> None:
+    from kvrelay import SamplingParams
+    tok = kvrelay_llm.get_tokenizer()
+    rendered = tok.render_chat([{"role": "user", "content": "What is the capital of France?"}])
+    assert rendered.startswith("<|im_start|>") and rendered.endswith("<|im_start|>assistant\n")
+    out = kvrelay_llm.generate(tok.encode_chat("What is the capital of France? Answer in one word."),
+                               SamplingParams(temperature=0, max_tokens=24))[0].outputs[0]
+    assert "Paris" in out.text
+    assert out.finish_reason == "stop" and out.token_ids[-1] in tok.eos_token_ids
