@@ -9,6 +9,7 @@ tokenizer, and the fan-out of `n > 1` requests into child sequences.
 """
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass, field, replace
@@ -24,6 +25,7 @@ from kvrelay.engine.runner import ModelRunner, StepInput, kv_bytes_per_block
 from kvrelay.engine.sampler import Sampler, top_logprobs
 from kvrelay.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from kvrelay.kv_cache.manager import KVCacheGroup, KVCacheManager
+from kvrelay.kv_cache.spec import KVCacheSpec
 from kvrelay.model.loader import load_model, resolve_model_path
 from kvrelay.model.tokenizer import CheckpointTokenizer, load_tokenizer
 from kvrelay.sampling_params import SamplingParams
@@ -89,7 +91,6 @@ class LLMEngine:
     def _dtype(self) -> torch.dtype:
         if self.args.dtype != "auto":
             return TORCH_DTYPES[self.args.dtype]
-        import json
         raw = json.loads((self.model_dir / "config.json").read_text())
         name = str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16")
         return TORCH_DTYPES.get(name, torch.bfloat16)
@@ -294,6 +295,14 @@ class LLMEngine:
             parent.request_id, parent.prompt, list(first.prompt_token_ids), outputs,
             first.prompt_logprobs if first.params.prompt_logprobs is not None else None,
             first.num_cached_tokens, all(o.finished for o in outputs))
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        import hashlib
+        c = self.model_config
+        fingerprint = hashlib.sha256(json.dumps(c.raw, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        return KVCacheSpec(f"{self.model_dir.name}:{fingerprint}", str(self.model.dtype).removeprefix("torch."),
+                           self.args.block_size, c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
+                           hybrid=len(self.kv.groups) > 1, sliding_window=c.sliding_window)
 
     # -- introspection ----------------------------------------------------------------------
     def assert_no_leaks(self) -> None:

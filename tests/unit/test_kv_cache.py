@@ -185,3 +185,12 @@ def test_hybrid_hit_is_limited_by_both_groups():
     m.check_integrity()
     m.free("b")
     m.assert_no_leaks()
+
+
+def test_compat_hash_names_what_differs():
+    from kvrelay.kv_cache.spec import KVCacheSpec
+    a = KVCacheSpec("gpt-oss-20b:abc", "bfloat16", 16, 24, 8, 64, True, 128)
+    b = KVCacheSpec("gpt-oss-20b:abc", "bfloat16", 32, 24, 8, 64, False, 128)
+    assert a.compat_hash() == KVCacheSpec(**a.__dict__).compat_hash()
+    assert a.compat_hash() != b.compat_hash()
+    assert a.differences(b) == ["block_size: 16 vs 32", "hybrid: True vs False"]

@@ -1,0 +1,34 @@
+"""What two KV caches must agree on to exchange blocks (disaggregated serving).
+
+Prefill and decode servers compare `compat_hash()` during the side-channel handshake;
+a mismatch is an error naming the differing fields (`differences`), never garbage.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+
+KV_LAYOUT = "layer:[2,num_blocks,kv_heads,block_size,head_dim];hybrid-groups-share-tensors"
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    model: str                    # a fingerprint of the checkpoint (name + config hash)
+    dtype: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int             # total, before tensor-parallel sharding
+    head_size: int
+    hybrid: bool                  # sliding-window layers in their own group
+    sliding_window: int | None
+    layout: str = KV_LAYOUT
+    version: int = 1
+
+    def compat_hash(self) -> str:
+        blob = json.dumps(asdict(self), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()
+
+    def differences(self, other: KVCacheSpec) -> list[str]:
+        mine, theirs = asdict(self), asdict(other)
+        return [f"{k}: {mine[k]!r} vs {theirs[k]!r}" for k in mine if mine[k] != theirs[k]]
