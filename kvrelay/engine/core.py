@@ -19,6 +19,7 @@ import torch
 
 from kvrelay import envs
 from kvrelay.config import EngineArgs, NeuronConfig
+from kvrelay.engine.detokenizer import PROMPT_CONTEXT, IncrementalDetokenizer
 from kvrelay.engine.outputs import CompletionOutput, RequestOutput
 from kvrelay.engine.request import Request, Status
 from kvrelay.engine.runner import ModelRunner, StepInput, kv_bytes_per_block
@@ -42,8 +43,8 @@ class _Parent:
     request_id: str
     prompt: str | None
     children: list[Request]
-    prompt_logprobs: list | None = None
-    texts: dict[str, str] = field(default_factory=dict)
+    detok: dict[str, IncrementalDetokenizer] = field(default_factory=dict)
+    sent: dict[str, int] = field(default_factory=dict)     # tokens already reported per child
 
 
 def resolve_device(device: str) -> torch.device:
@@ -249,52 +250,55 @@ class LLMEngine:
         for chunk in out.chunks:
             parent = self.child_parent.get(chunk.request.request_id)
             if parent is not None:
-                self._check_stop_strings(chunk.request)
+                self._detokenize(parent, chunk.request)
                 touched[parent.request_id] = parent
+        for request_id in out.preempted:                 # outputs of preempted requests stay put
+            parent = self.child_parent.get(request_id)
+            if parent is not None:
+                touched.setdefault(parent.request_id, parent)
         results = []
         for parent in touched.values():
             results.append(self._request_output(parent))
             if results[-1].finished:
-                self.parents.pop(parent.request_id, None)
-                for child in parent.children:
-                    self.child_parent.pop(child.request_id, None)
+                self._forget(parent)
         return results
 
-    def _check_stop_strings(self, req: Request) -> None:
-        stops = req.params.stop
-        if not stops or req.status is not Status.RUNNING or self.tokenizer is None:
-            return
-        text = self.tokenizer.decode(req.output_token_ids, req.params.skip_special_tokens)
-        # only the tail can hold a stop string completed by this step's token
-        tail_from = max(len(text) - max(map(len, stops)) - 16, 0)
-        for stop in stops:
-            at = text.find(stop, tail_from)
-            if at >= 0:
-                self.scheduler.finish_stopped(req, stop)
-                return
-
-    def _text(self, req: Request) -> str:
+    def _detokenize(self, parent: _Parent, req: Request) -> None:
         if self.tokenizer is None:
-            return ""
-        text = self.tokenizer.decode(req.output_token_ids, req.params.skip_special_tokens)
-        if isinstance(req.stop_reason, str):
-            at = text.find(req.stop_reason)
-            if at >= 0:
-                text = text[:at + (len(req.stop_reason) if req.params.include_stop_str_in_output else 0)]
-        return text
+            return
+        detok = parent.detok.get(req.request_id)
+        if detok is None:
+            detok = parent.detok[req.request_id] = IncrementalDetokenizer(
+                self.tokenizer, req.prompt_token_ids, req.params.stop,
+                req.params.include_stop_str_in_output, req.params.skip_special_tokens)
+        new = req.output_token_ids[len(detok.ids) - min(len(req.prompt_token_ids), PROMPT_CONTEXT):]
+        stop = detok.add(new)
+        if stop is not None and req.status is Status.RUNNING:
+            self.scheduler.finish_stopped(req, stop)
 
     def _request_output(self, parent: _Parent) -> RequestOutput:
         outputs = []
         for i, child in enumerate(parent.children):
             reason = child.status.value if child.status.finished else None
+            detok = parent.detok.get(child.request_id)
+            sent = parent.sent.get(child.request_id, 0)
+            logprobs = child.output_logprobs if child.params.logprobs is not None else None
             outputs.append(CompletionOutput(
-                i, self._text(child) if reason else "", list(child.output_token_ids), reason,
-                child.stop_reason, child.output_logprobs if child.params.logprobs is not None else None))
+                i, detok.text if detok else "", list(child.output_token_ids), reason, child.stop_reason,
+                logprobs, delta_text=detok.take(reason is not None) if detok else "",
+                delta_token_ids=child.output_token_ids[sent:],
+                delta_logprobs=logprobs[sent:] if logprobs is not None else None))
+            parent.sent[child.request_id] = len(child.output_token_ids)
         first = parent.children[0]
         return RequestOutput(
             parent.request_id, parent.prompt, list(first.prompt_token_ids), outputs,
             first.prompt_logprobs if first.params.prompt_logprobs is not None else None,
             first.num_cached_tokens, all(o.finished for o in outputs))
+
+    def _forget(self, parent: _Parent) -> None:
+        self.parents.pop(parent.request_id, None)
+        for child in parent.children:
+            self.child_parent.pop(child.request_id, None)
 
     def kv_cache_spec(self) -> KVCacheSpec:
         import hashlib

@@ -14,6 +14,10 @@ class CompletionOutput:
     finish_reason: str | None = None           # "stop" | "length" | "abort" | None (running)
     stop_reason: int | str | None = None
     logprobs: list[dict[int, Logprob]] | None = None
+    # what this output adds to the previous one of the same request (for streaming)
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+    delta_logprobs: list[dict[int, Logprob]] | None = None
 
     @property
     def finished(self) -> bool:
