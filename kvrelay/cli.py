@@ -36,9 +36,56 @@ def _json_object(text: str) -> dict:
     return value
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors naming the flag (no usage dump)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _add_serve_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None,
+                   help="checkpoint directory or HF repo id (default: the embedded model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", nargs="+", default=None)
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1)
+    p.add_argument("--enable-expert-parallel", action="store_true")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--disable-hybrid-kv-cache-manager", action=argparse.BooleanOptionalAction, default=False)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--dtype", choices=DTYPES, default="auto")
+    p.add_argument("--max-logprobs", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hf-overrides", type=_json_object, default=None, metavar="JSON")
+    p.add_argument("--additional-config", type=_json_object, default=None, metavar="JSON")
+    p.add_argument("--kv-transfer-config", type=_json_object, default=None, metavar="JSON")
+    p.add_argument("--optimization-level", type=int, default=None)
+    p.add_argument("--download-dir", default=None)
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    p.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    p.add_argument("--quantization", choices=("mxfp4",), default=None)
+
+
+SERVE_ENGINE_FLAGS = (
+    "model", "served_model_name", "tensor_parallel_size", "data_parallel_size", "enable_expert_parallel",
+    "enable_prefix_caching", "disable_hybrid_kv_cache_manager", "max_model_len", "max_num_batched_tokens",
+    "max_num_seqs", "block_size", "dtype", "max_logprobs", "seed", "hf_overrides", "additional_config",
+    "kv_transfer_config", "optimization_level", "download_dir", "device", "kv_cache_memory_bytes",
+    "num_gpu_blocks_override", "quantization")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvrelay", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="kvrelay", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    serve = sub.add_parser("serve", help="OpenAI-compatible server (vLLM's flags)")
+    _add_serve_flags(serve)
     gen = sub.add_parser("generate", help="greedy generation with the model (no server)")
     gen.add_argument("prompt", nargs="?", default="The capital of France is")
     gen.add_argument("--max-tokens", type=int, default=16)
@@ -54,7 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return _generate(args)
-    except (ValueError, RuntimeError, OSError) as e:
+        if args.command == "serve":
+            return _serve(args)
+    except (ValueError, RuntimeError, OSError, TypeError) as e:
         print(f"kvrelay {args.command}: error: {e}", file=sys.stderr)
         return 1
     return 2
@@ -82,6 +131,16 @@ def _generate(args: argparse.Namespace) -> int:
     print(f"({len(completion.token_ids)} tokens in {time.perf_counter() - t0:.2f}s, "
           f"finish_reason={completion.finish_reason})", file=sys.stderr)
     return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from kvrelay.config import EngineArgs
+    from kvrelay.server.launch import serve
+    engine_args = EngineArgs(**{name: getattr(args, name) for name in SERVE_ENGINE_FLAGS})
+    if engine_args.tensor_parallel_size != 1 or engine_args.data_parallel_size != 1:
+        raise ValueError("--tensor-parallel-size/--data-parallel-size > 1 need the parallel "
+                         "executor, which is not built yet")
+    return serve(engine_args, args.host, args.port, args.api_key)
 
 
 def _resolve(model: str | None, download_dir: str | None):

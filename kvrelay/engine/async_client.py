@@ -1,0 +1,195 @@
+"""The API server's handle on the engine-core process.
+
+Owner of: the engine process, the pipe to it, and one asyncio queue per in-flight
+request. A reader thread receives the core's messages and hands them to the event
+loop; `generate` yields accumulated `RequestOutput`s as deltas arrive.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from kvrelay.config import EngineArgs
+from kvrelay.engine.core_proc import run_engine_core
+from kvrelay.engine.outputs import RequestOutput
+from kvrelay.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineError(RuntimeError):
+    """The engine refused a request (a client mistake) — maps to HTTP 400."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine process failed; every in-flight request fails with this."""
+
+
+@dataclass
+class _Stream:
+    queue: asyncio.Queue
+    accumulated: RequestOutput | None = None
+
+
+class AsyncEngine:
+    def __init__(self, args: EngineArgs, step_timeout_s: float | None = None) -> None:
+        self.args = args
+        self.step_timeout_s = step_timeout_s
+        self.streams: dict[str, _Stream] = {}
+        self.stats: dict[str, float] = {}
+        self.info: dict[str, Any] = {}
+        self.ready = asyncio.Event()
+        self.dead: str | None = None
+        self._send_lock = threading.Lock()
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=run_engine_core, args=(args, child, logging.getLogger().level),
+                                   name="kvrelay-engine-core", daemon=True)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.last_step = time.monotonic()          # when the core last reported a step
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self.process.start()
+        threading.Thread(target=self._reader, name="kvrelay-engine-reader", daemon=True).start()
+
+    async def wait_ready(self, timeout_s: float | None) -> None:
+        try:
+            await asyncio.wait_for(self.ready.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"the engine was not ready within {timeout_s:.0f}s") from None
+        if self.dead:
+            raise EngineDeadError(self.dead)
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        if self.process.is_alive():
+            try:
+                self._send(("shutdown",))
+            except (OSError, EngineDeadError):
+                pass
+            self.process.join(timeout_s)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(5)
+        if self.process.is_alive():
+            self.process.kill()
+
+    # -- requests ---------------------------------------------------------------------------
+    async def generate(self, request_id: str, prompt: list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        if self.dead:
+            raise EngineDeadError(self.dead)
+        if request_id in self.streams:
+            raise EngineError(f"request id {request_id!r} is already in flight")
+        if not self.streams:
+            self.last_step = time.monotonic()        # the engine was idle until now
+        stream = _Stream(asyncio.Queue())
+        self.streams[request_id] = stream
+        finished = False
+        try:
+            self._send(("add", request_id, prompt, params))
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                out = self._accumulate(stream, item)
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            self.streams.pop(request_id, None)
+            if not finished and not self.dead:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        try:
+            self._send(("abort", [request_id]))
+        except (OSError, EngineDeadError):
+            pass
+
+    def request_stats(self) -> None:
+        self._send(("stats",))
+
+    @staticmethod
+    def _accumulate(stream: _Stream, delta: RequestOutput) -> RequestOutput:
+        acc = stream.accumulated
+        if acc is None:
+            stream.accumulated = acc = delta
+            for o in acc.outputs:
+                o.text, o.token_ids = o.delta_text, list(o.delta_token_ids)
+                o.logprobs = list(o.delta_logprobs) if o.delta_logprobs is not None else None
+            return acc
+        for o, d in zip(acc.outputs, delta.outputs):
+            o.text += d.delta_text
+            o.token_ids.extend(d.delta_token_ids)
+            if d.delta_logprobs is not None:
+                o.logprobs = (o.logprobs or []) + list(d.delta_logprobs)
+            o.delta_text, o.delta_token_ids, o.delta_logprobs = d.delta_text, d.delta_token_ids, d.delta_logprobs
+            o.finish_reason, o.stop_reason = d.finish_reason, d.stop_reason
+        acc.finished = delta.finished
+        acc.num_cached_tokens = delta.num_cached_tokens
+        if delta.prompt_logprobs is not None:
+            acc.prompt_logprobs = delta.prompt_logprobs
+        return acc
+
+    # -- plumbing ---------------------------------------------------------------------------
+    def _send(self, message: tuple) -> None:
+        if self.dead:
+            raise EngineDeadError(self.dead)
+        with self._send_lock:
+            self._conn.send(message)
+
+    def _reader(self) -> None:
+        while True:
+            try:
+                message = self._conn.recv()
+            except (EOFError, OSError):
+                message = ("fatal", "the engine process exited")
+            self._loop.call_soon_threadsafe(self._dispatch, message)
+            if message[0] == "fatal":
+                return
+
+    def _dispatch(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "ready":
+            self.info, self.stats = message[1], message[1]["stats"]
+            self.ready.set()
+        elif kind == "outputs":
+            self.stats = message[2]
+            self.last_step = time.monotonic()
+            for out in message[1]:
+                stream = self.streams.get(out.request_id)
+                if stream is not None:
+                    stream.queue.put_nowait(out)
+        elif kind == "error":
+            stream = self.streams.get(message[1])
+            if stream is not None:
+                stream.queue.put_nowait(EngineError(message[2]))
+        elif kind == "fatal":
+            if self.dead is None:
+                self.dead = message[1]
+                logger.error("engine core failed: %s", message[1])
+            for stream in self.streams.values():
+                stream.queue.put_nowait(EngineDeadError(self.dead))
+            self.ready.set()
+
+    def check_stalled(self) -> None:
+        """Fail in-flight requests when the engine reported no step for longer than the
+        step timeout (a hung or pathologically slow step)."""
+        if not self.step_timeout_s or not self.streams:
+            return
+        if time.monotonic() - self.last_step > self.step_timeout_s:
+            error = EngineDeadError(
+                f"no engine step completed within {self.step_timeout_s:.0f}s; raise "
+                f"VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS (or KVRELAY_EXECUTE_MODEL_TIMEOUT_SECONDS)")
+            for stream in self.streams.values():
+                stream.queue.put_nowait(error)
+            self.last_step = time.monotonic()

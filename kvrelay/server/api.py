@@ -1,0 +1,472 @@
+"""The OpenAI-compatible HTTP API.
+
+Request path: FastAPI validates the body (pydantic) → `ServerState` tokenises /
+renders the chat and checks lengths → `AsyncEngine.generate` (engine-core process)
+yields accumulated outputs → responses are shaped as OpenAI's, streamed as SSE when
+asked. Client mistakes are 4xx with OpenAI's error object; a disconnect aborts the
+request in the engine (its KV blocks are freed at once).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvrelay.engine.async_client import AsyncEngine, EngineDeadError, EngineError
+from kvrelay.engine.outputs import RequestOutput
+from kvrelay.model.tokenizer import CheckpointTokenizer
+from kvrelay.sampling_params import SamplingParams
+from kvrelay.server.chat import ChatRenderer
+from kvrelay.server.metrics import ServerMetrics
+from kvrelay.server.protocol import (ChatCompletionRequest, CompletionRequest, OpenAIError)
+
+logger = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 32 * 1024 * 1024
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngine
+    tokenizer: CheckpointTokenizer | None
+    served_names: list[str]
+    max_model_len: int
+    max_logprobs: int
+    api_key: str | None = None
+    defaults: dict[str, Any] = field(default_factory=dict)   # generation_config.json sampling
+    chat: ChatRenderer | None = None
+    metrics: ServerMetrics | None = None
+    accepting: bool = True
+
+    @property
+    def ready(self) -> bool:
+        return self.engine.ready.is_set() and not self.engine.dead and self.accepting
+
+
+# -- helpers --------------------------------------------------------------------------------
+def _check_model(state: ServerState, model: str | None) -> str:
+    if model is None:
+        return state.served_names[0]
+    if model not in state.served_names:
+        raise OpenAIError(f"The model `{model}` does not exist.", 404, "NotFoundError", "model")
+    return model
+
+
+def _tokenize(state: ServerState, prompt: str) -> list[int]:
+    if state.tokenizer is None:
+        raise OpenAIError("this model has no tokenizer; send prompts as token ids", param="prompt")
+    return state.tokenizer.encode(prompt)
+
+
+def _prompts(state: ServerState, prompt: Any) -> list[tuple[str | None, list[int]]]:
+    if isinstance(prompt, str):
+        return [(prompt, _tokenize(state, prompt))]
+    if prompt and all(isinstance(p, int) for p in prompt):
+        return [(None, list(prompt))]
+    if prompt and all(isinstance(p, str) for p in prompt):
+        return [(p, _tokenize(state, p)) for p in prompt]
+    if prompt and all(isinstance(p, list) for p in prompt):
+        return [(None, list(p)) for p in prompt]
+    raise OpenAIError("prompt must be a non-empty string, list of strings, or token id list(s)",
+                      param="prompt")
+
+
+def _check_lengths(state: ServerState, ids: list[int], max_tokens: int | None) -> int:
+    """Validates the prompt against the context; returns the max_tokens to use."""
+    n = len(ids)
+    if n == 0:
+        raise OpenAIError("the prompt is empty", param="prompt")
+    if n >= state.max_model_len:
+        raise OpenAIError(
+            f"This model's maximum context length is {state.max_model_len} tokens. However, your "
+            f"prompt has {n} tokens, leaving no room for a completion.", param="prompt")
+    room = state.max_model_len - n
+    if max_tokens is None:
+        return room
+    if max_tokens > room:
+        raise OpenAIError(
+            f"This model's maximum context length is {state.max_model_len} tokens. However, you "
+            f"requested {n + max_tokens} tokens ({n} in the prompt, {max_tokens} in the completion). "
+            f"Please reduce the length of the prompt or max_tokens.", param="max_tokens")
+    return max_tokens
+
+
+def _sampling(state: ServerState, body: Any, max_tokens: int, logprobs: int | None,
+              prompt_logprobs: int | None = None, extra_stop_ids: list[int] | None = None) -> SamplingParams:
+    for name, asked in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+        if asked is not None and state.max_logprobs != -1 and asked > state.max_logprobs:
+            hint = " (logprobs are disabled on this server: --max-logprobs 0)" if state.max_logprobs == 0 else ""
+            raise OpenAIError(f"{name}={asked} exceeds the server's --max-logprobs "
+                              f"{state.max_logprobs}{hint}", param=name)
+    d = state.defaults
+    try:
+        return SamplingParams(
+            n=body.n,
+            temperature=body.temperature if body.temperature is not None else d.get("temperature", 1.0),
+            top_p=body.top_p if body.top_p is not None else d.get("top_p", 1.0),
+            top_k=body.top_k if body.top_k is not None else d.get("top_k", 0),
+            min_p=body.min_p if body.min_p is not None else 0.0,
+            seed=body.seed, max_tokens=max_tokens, min_tokens=body.min_tokens, stop=body.stop,
+            stop_token_ids=(body.stop_token_ids or []) + (extra_stop_ids or []),
+            ignore_eos=body.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            include_stop_str_in_output=body.include_stop_str_in_output,
+            skip_special_tokens=body.skip_special_tokens)
+    except ValueError as e:
+        raise OpenAIError(str(e)) from None
+
+
+def _token_text(state: ServerState, token_id: int) -> str:
+    return state.tokenizer.decode([token_id], skip_special_tokens=False) if state.tokenizer else str(token_id)
+
+
+def _completion_logprobs(state: ServerState, token_ids: list[int], logprobs: list | None,
+                         offset: int = 0) -> dict[str, Any] | None:
+    if logprobs is None:
+        return None
+    tokens, token_lps, tops, offsets = [], [], [], []
+    pos = offset
+    for tid, lp in zip(token_ids, logprobs):
+        text = _token_text(state, tid)
+        tokens.append(text)
+        token_lps.append(lp[tid].logprob)
+        tops.append({_token_text(state, t): v.logprob for t, v in lp.items()})
+        offsets.append(pos)
+        pos += len(text)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _chat_logprobs(state: ServerState, token_ids: list[int], logprobs: list | None,
+                   top_n: int) -> dict[str, Any] | None:
+    if logprobs is None:
+        return None
+    content = []
+    for tid, lp in zip(token_ids, logprobs):
+        text = _token_text(state, tid)
+        top = sorted(lp.values(), key=lambda v: v.rank)[:top_n] if top_n else []
+        content.append({"token": text, "logprob": lp[tid].logprob, "bytes": list(text.encode()),
+                        "top_logprobs": [{"token": _token_text(state, v.token_id), "logprob": v.logprob,
+                                          "bytes": list(_token_text(state, v.token_id).encode())}
+                                         for v in top]})
+    return {"content": content}
+
+
+async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several generators' outputs as they arrive (prompt index, output)."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in stream:
+                await queue.put((i, out))
+        except BaseException as e:  # forward to the consumer
+            await queue.put((i, e))
+        finally:
+            await queue.put((i, done))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            await s.aclose()
+
+
+class _Timing:
+    """Observes TTFT / ITL / e2e for one request into the metrics."""
+
+    def __init__(self, metrics: ServerMetrics | None) -> None:
+        self.metrics, self.start, self.last, self.tokens = metrics, time.monotonic(), None, 0
+
+    def tokens_arrived(self, n: int) -> None:
+        if not self.metrics or n <= 0:
+            return
+        now = time.monotonic()
+        if self.last is None:
+            self.metrics.ttft.observe(now - self.start)
+        else:
+            self.metrics.itl.observe((now - self.last) / n)
+        self.last, self.tokens = now, self.tokens + n
+        self.metrics.generation_tokens.inc(n)
+
+    def finished(self, prompt_tokens: int, reasons: list[str | None]) -> None:
+        if not self.metrics:
+            return
+        self.metrics.e2e.observe(time.monotonic() - self.start)
+        self.metrics.prompt_tokens.inc(prompt_tokens)
+        for reason in reasons:
+            self.metrics.request_success.labels(self.metrics.model_name, reason or "abort").inc()
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+async def _until_disconnect(request: Request, work: asyncio.Future) -> Any:
+    """Await `work`, cancelling it if the client goes away (which aborts the request)."""
+    async def watch() -> None:
+        while not await request.is_disconnected():
+            await asyncio.sleep(0.05)
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if work in done:
+            return work.result()
+        work.cancel()
+        try:
+            await work
+        except BaseException:
+            pass
+        raise OpenAIError("client disconnected", 499, "ClientClosedRequest")
+    finally:
+        watcher.cancel()
+
+
+# -- the app --------------------------------------------------------------------------------
+def build_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="kvrelay", docs_url=None, redoc_url=None)
+    app.state.kvrelay = state
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        if first.get("type") == "json_invalid":
+            message = f"malformed JSON body: {first.get('ctx', {}).get('error', 'invalid JSON')}"
+        else:
+            message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
+        return JSONResponse(OpenAIError(message, param=".".join(loc) or None).body(), status_code=400)
+
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        body = {"error": {"message": str(exc), "type": "ServiceUnavailableError", "param": None, "code": 503}}
+        return JSONResponse(body, status_code=503)
+
+    @app.middleware("http")
+    async def _edge(request: Request, call_next):
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        request.state.request_id = request_id
+        path = request.url.path
+        if state.api_key and path.startswith("/v1/"):
+            if request.headers.get("authorization") != f"Bearer {state.api_key}":
+                return JSONResponse(OpenAIError("invalid or missing API key", 401, "AuthenticationError").body(),
+                                    status_code=401)
+        length = request.headers.get("content-length")
+        if length and length.isdigit() and int(length) > MAX_BODY_BYTES:
+            return JSONResponse(OpenAIError(f"request body over {MAX_BODY_BYTES} bytes", 413,
+                                            "RequestTooLarge").body(), status_code=413)
+        if path.startswith("/v1/") and request.method == "POST" and not state.ready:
+            return JSONResponse({"error": {"message": "the server is not ready", "type": "ServiceUnavailableError",
+                                           "param": None, "code": 503}}, status_code=503)
+        response = await call_next(request)
+        response.headers["X-Request-Id"] = request_id
+        return response
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if state.ready else 503)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        now = int(time.time())
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": now, "owned_by": "kvrelay", "root": name,
+             "max_model_len": state.max_model_len} for name in state.served_names]}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render() if state.metrics else b"", media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        model = _check_model(state, body.model)
+        prompts = _prompts(state, body.prompt)
+        if body.suffix:
+            raise OpenAIError("suffix is not supported", param="suffix")
+        params = []
+        for _, ids in prompts:
+            max_tokens = _check_lengths(state, ids, body.max_tokens)
+            params.append(_sampling(state, body, max_tokens, body.logprobs, body.prompt_logprobs))
+        base_id = f"cmpl-{request.state.request_id}"
+        created = int(time.time())
+        gens = [state.engine.generate(f"{base_id}-{i}", ids, p) for i, ((_, ids), p) in enumerate(zip(prompts, params))]
+        if body.stream:
+            return StreamingResponse(_stream_completions(state, body, model, base_id, created, prompts, gens),
+                                     media_type="text/event-stream")
+        finals = await _until_disconnect(request, asyncio.ensure_future(_collect(state, gens, prompts)))
+        choices, completion_tokens = [], 0
+        for i, out in enumerate(finals):
+            text_prefix = ""
+            if body.echo:
+                text_prefix = prompts[i][0] if prompts[i][0] is not None else state.tokenizer.decode(out.prompt_token_ids) if state.tokenizer else ""
+            for o in out.outputs:
+                completion_tokens += len(o.token_ids)
+                choices.append({"index": i * body.n + o.index, "text": text_prefix + o.text,
+                                "logprobs": _completion_logprobs(state, o.token_ids, o.logprobs, len(text_prefix)),
+                                "finish_reason": o.finish_reason, "stop_reason": o.stop_reason})
+        prompt_tokens = sum(len(ids) for _, ids in prompts)
+        return {"id": base_id, "object": "text_completion", "created": created, "model": model,
+                "choices": choices, "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                                              "total_tokens": prompt_tokens + completion_tokens},
+                **({"kv_transfer_params": None} if body.kv_transfer_params else {})}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        model = _check_model(state, body.model)
+        if state.chat is None:
+            raise OpenAIError("this model has no chat template", param="messages")
+        rendered = state.chat.render(body)
+        max_tokens = _check_lengths(state, rendered.prompt_ids, body.max_new_tokens)
+        top = body.top_logprobs if body.logprobs else None
+        params = _sampling(state, body, max_tokens, top if body.logprobs else None,
+                           extra_stop_ids=rendered.stop_token_ids)
+        base_id = f"chatcmpl-{request.state.request_id}"
+        created = int(time.time())
+        gen = state.engine.generate(base_id, rendered.prompt_ids, params)
+        if body.stream:
+            return StreamingResponse(_stream_chat(state, body, model, base_id, created, rendered, gen),
+                                     media_type="text/event-stream")
+        (final,) = await _until_disconnect(request, asyncio.ensure_future(
+            _collect(state, [gen], [(None, rendered.prompt_ids)])))
+        choices, completion_tokens = [], 0
+        for o in final.outputs:
+            completion_tokens += len(o.token_ids)
+            parsed = state.chat.parse(o.token_ids, o.text)
+            message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+            if parsed.reasoning is not None:
+                message["reasoning"] = message["reasoning_content"] = parsed.reasoning
+            choices.append({"index": o.index, "message": message,
+                            "logprobs": _chat_logprobs(state, o.token_ids, o.logprobs, body.top_logprobs or 0),
+                            "finish_reason": o.finish_reason, "stop_reason": o.stop_reason})
+        prompt_tokens = len(rendered.prompt_ids)
+        return {"id": base_id, "object": "chat.completion", "created": created, "model": model,
+                "choices": choices, "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                                              "total_tokens": prompt_tokens + completion_tokens}}
+
+    return app
+
+
+async def _collect(state: ServerState, gens: list[AsyncIterator[RequestOutput]],
+                   prompts: list[tuple[str | None, list[int]]]) -> list[RequestOutput]:
+    finals: list[RequestOutput | None] = [None] * len(gens)
+    timings = [_Timing(state.metrics) for _ in gens]
+    try:
+        async for i, out in _merge(gens):
+            timings[i].tokens_arrived(sum(len(o.delta_token_ids) for o in out.outputs))
+            if out.finished:
+                finals[i] = out
+                timings[i].finished(len(prompts[i][1]), [o.finish_reason for o in out.outputs])
+    except EngineError as e:
+        raise OpenAIError(str(e)) from None
+    return finals  # type: ignore[return-value]
+
+
+async def _stream_completions(state: ServerState, body: CompletionRequest, model: str, base_id: str,
+                              created: int, prompts: list[tuple[str | None, list[int]]],
+                              gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[str]:
+    timings = [_Timing(state.metrics) for _ in gens]
+    completion_tokens = 0
+    echoed: set[int] = set()
+    offsets: dict[tuple[int, int], int] = {}
+    try:
+        async for i, out in _merge(gens):
+            new_tokens = sum(len(o.delta_token_ids) for o in out.outputs)
+            timings[i].tokens_arrived(new_tokens)
+            completion_tokens += new_tokens
+            for o in out.outputs:
+                if not o.delta_text and not o.delta_token_ids and o.finish_reason is None:
+                    continue
+                text = o.delta_text
+                if body.echo and (i, o.index) not in echoed:
+                    echoed.add((i, o.index))
+                    text = (prompts[i][0] or (state.tokenizer.decode(prompts[i][1]) if state.tokenizer else "")) + text
+                key = (i, o.index)
+                lp = _completion_logprobs(state, o.delta_token_ids, o.delta_logprobs, offsets.get(key, 0))
+                offsets[key] = offsets.get(key, 0) + len(text)
+                yield _sse({"id": base_id, "object": "text_completion", "created": created, "model": model,
+                            "choices": [{"index": i * body.n + o.index, "text": text, "logprobs": lp,
+                                         "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}]})
+            if out.finished:
+                timings[i].finished(len(prompts[i][1]), [o.finish_reason for o in out.outputs])
+    except EngineError as e:
+        yield _sse(OpenAIError(str(e)).body())
+        yield "data: [DONE]\n\n"
+        return
+    except EngineDeadError as e:
+        yield _sse({"error": {"message": str(e), "type": "ServiceUnavailableError", "param": None, "code": 503}})
+        yield "data: [DONE]\n\n"
+        return
+    if body.stream_options and body.stream_options.include_usage:
+        prompt_tokens = sum(len(ids) for _, ids in prompts)
+        yield _sse({"id": base_id, "object": "text_completion", "created": created, "model": model, "choices": [],
+                    "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                              "total_tokens": prompt_tokens + completion_tokens}})
+    yield "data: [DONE]\n\n"
+
+
+async def _stream_chat(state: ServerState, body: ChatCompletionRequest, model: str, base_id: str,
+                       created: int, rendered: Any, gen: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+    timing = _Timing(state.metrics)
+    completion_tokens = 0
+    streams = {}
+
+    def chunk(index: int, delta: dict[str, Any], finish: str | None = None, **extra: Any) -> str:
+        return _sse({"id": base_id, "object": "chat.completion.chunk", "created": created, "model": model,
+                     "choices": [{"index": index, "delta": delta, "logprobs": extra.get("logprobs"),
+                                  "finish_reason": finish, **({"stop_reason": extra["stop_reason"]} if finish else {})}]})
+
+    for index in range(body.n):
+        yield chunk(index, {"role": "assistant", "content": ""})
+    try:
+        async for _, out in _merge([gen]):
+            new_tokens = sum(len(o.delta_token_ids) for o in out.outputs)
+            timing.tokens_arrived(new_tokens)
+            completion_tokens += new_tokens
+            for o in out.outputs:
+                parser = streams.setdefault(o.index, state.chat.stream_parser())
+                lp = _chat_logprobs(state, o.delta_token_ids, o.delta_logprobs, body.top_logprobs or 0)
+                for delta in parser.feed(o.delta_token_ids, o.delta_text):
+                    yield chunk(o.index, delta, logprobs=lp)
+                    lp = None
+                if o.finish_reason is not None:
+                    for delta in parser.flush():
+                        yield chunk(o.index, delta)
+                    yield chunk(o.index, {}, o.finish_reason, stop_reason=o.stop_reason)
+            if out.finished:
+                timing.finished(len(rendered.prompt_ids), [o.finish_reason for o in out.outputs])
+    except EngineError as e:
+        yield _sse(OpenAIError(str(e)).body())
+    except EngineDeadError as e:
+        yield _sse({"error": {"message": str(e), "type": "ServiceUnavailableError", "param": None, "code": 503}})
+    else:
+        if body.stream_options and body.stream_options.include_usage:
+            prompt_tokens = len(rendered.prompt_ids)
+            yield _sse({"id": base_id, "object": "chat.completion.chunk", "created": created, "model": model,
+                        "choices": [], "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                                                 "total_tokens": prompt_tokens + completion_tokens}})
+    yield "data: [DONE]\n\n"

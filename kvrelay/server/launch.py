@@ -1,0 +1,130 @@
+"""`kvrelay serve`: resolve the model, start the engine-core process, serve HTTP.
+
+Readiness: uvicorn starts at once (so `/health` answers 503 while the model loads);
+"Application startup complete." is logged only when the engine is ready — the line
+the tutorial waits for. SIGINT/SIGTERM drain: stop accepting, let in-flight requests
+finish within the graceful-shutdown bound, stop the engine, exit 0.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from kvrelay import envs
+from kvrelay.config import EngineArgs
+from kvrelay.engine.async_client import AsyncEngine
+from kvrelay.model.tokenizer import load_tokenizer
+from kvrelay.server.api import ServerState, build_app
+from kvrelay.server.chat import make_chat_renderer
+from kvrelay.server.metrics import ServerMetrics
+
+logger = logging.getLogger("kvrelay.server")
+READY_LINE = "Application startup complete."
+GRACEFUL_SHUTDOWN_S = 30
+
+
+class _HideEarlyReadyLine(logging.Filter):
+    """uvicorn says "Application startup complete." when HTTP is up; we say it when the
+    engine is ready, so its own early line is dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return getattr(record, "kvrelay", False) or READY_LINE not in record.getMessage()
+
+
+def resolve_model_dir(args: EngineArgs) -> Path:
+    if args.model is None:
+        from kvrelay.model.embedded import embedded_model_dir
+        return embedded_model_dir()
+    from kvrelay.model.loader import resolve_model_path
+    return resolve_model_path(args.model, args.download_dir)
+
+
+def served_names(args: EngineArgs) -> list[str]:
+    names = args.served_model_name
+    if isinstance(names, str):
+        names = [names]
+    if names:
+        return list(names)
+    if args.model is None:
+        from kvrelay.model.embedded import EMBEDDED_MODEL_NAME
+        return [EMBEDDED_MODEL_NAME]
+    return [args.model]
+
+
+def sampling_defaults(model_dir: Path) -> dict[str, Any]:
+    """generation_config.json's sampling defaults (vLLM's `--generation-config auto`)."""
+    path = model_dir / "generation_config.json"
+    if not path.is_file():
+        return {}
+    cfg = json.loads(path.read_text())
+    return {k: cfg[k] for k in ("temperature", "top_p", "top_k") if k in cfg}
+
+
+def serve(args: EngineArgs, host: str, port: int, api_key: str | None) -> int:
+    model_dir = resolve_model_dir(args)
+    names = served_names(args)
+    args.model = str(model_dir)
+    tokenizer = load_tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
+    engine = AsyncEngine(args, step_timeout_s=envs.EXECUTE_MODEL_TIMEOUT_S.as_float())
+    state = ServerState(engine=engine, tokenizer=tokenizer, served_names=names, max_model_len=0,
+                       max_logprobs=args.max_logprobs, api_key=api_key, defaults=sampling_defaults(model_dir),
+                       chat=make_chat_renderer(tokenizer))
+    state.metrics = ServerMetrics(lambda: engine.stats, names[0])
+    app = build_app(state)
+    outcome = {"rc": 0}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        engine.start()
+        tasks = [asyncio.create_task(_await_ready(engine, state, server, outcome)),
+                 asyncio.create_task(_watchdog(engine))]
+        try:
+            yield
+        finally:
+            state.accepting = False
+            for t in tasks:
+                t.cancel()
+            engine.shutdown()
+
+    app.router.lifespan_context = lifespan
+    config = uvicorn.Config(app, host=host, port=port, log_level="info",
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    server = uvicorn.Server(config)
+    logging.getLogger("uvicorn.error").addFilter(_HideEarlyReadyLine())
+    logger.info("serving %s as %s on http://%s:%d", model_dir, ", ".join(names), host, port)
+    server.run()
+    return outcome["rc"]
+
+
+async def _await_ready(engine: AsyncEngine, state: ServerState, server: uvicorn.Server,
+                       outcome: dict[str, int]) -> None:
+    timeout = envs.ENGINE_READY_TIMEOUT_S.as_float()
+    try:
+        await engine.wait_ready(timeout)
+    except TimeoutError:
+        logger.error("the engine was not ready within %.0fs; raise %s", timeout,
+                     envs.ENGINE_READY_TIMEOUT_S.shown)
+        outcome["rc"] = 1
+        server.should_exit = True
+        return
+    except Exception as e:
+        logger.error("engine failed to start: %s", e)
+        outcome["rc"] = 1
+        server.should_exit = True
+        return
+    state.max_model_len = engine.info["max_model_len"]
+    logging.getLogger("uvicorn.error").info(READY_LINE, extra={"kvrelay": True})
+
+
+async def _watchdog(engine: AsyncEngine) -> None:
+    while True:
+        await asyncio.sleep(1.0)
+        engine.check_stalled()
+        if engine.dead is not None and not engine.streams:
+            continue

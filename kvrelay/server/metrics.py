@@ -1,0 +1,70 @@
+"""Prometheus metrics with vLLM's names (so dashboards and routers work) plus kvrelay's own.
+
+Engine gauges/totals are read from the engine core's latest stats snapshot at scrape
+time; latency histograms and token counters are observed by the API server.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                   5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, stats: Callable[[], dict[str, float]], model_name: str) -> None:
+        self.stats, self.model_name = stats, model_name
+
+    def collect(self) -> Iterator:
+        s = self.stats() or {}
+        labels = ["model_name", "engine"]
+        values = [self.model_name, "0"]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            g.add_metric(values, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=labels)
+            c.add_metric(values, value)
+            return c
+
+        yield gauge("vllm:num_requests_running", "Requests in the running batch.", s.get("num_requests_running", 0))
+        yield gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", s.get("num_requests_waiting", 0))
+        yield gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).", s.get("kv_cache_usage_perc", 0))
+        yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.get("prefix_cache_queries", 0))
+        yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.get("prefix_cache_hits", 0))
+        yield counter("vllm:num_preemptions", "Requests preempted (recomputed later).", s.get("num_preemptions", 0))
+        yield gauge("kvrelay:kv_blocks_free", "Free KV blocks (cached ones included).", s.get("blocks_free", 0))
+        yield gauge("kvrelay:kv_blocks_used", "KV blocks held by requests.", s.get("blocks_used", 0))
+        yield gauge("kvrelay:kv_blocks_total", "Usable KV blocks.", s.get("blocks_total", 0))
+        yield counter("kvrelay:bucket_padding_tokens", "Tokens of padding added to reach a bucket.", s.get("padded_tokens", 0))
+        yield counter("kvrelay:engine_steps", "Engine steps run.", s.get("num_steps", 0))
+
+
+class ServerMetrics:
+    def __init__(self, stats: Callable[[], dict[str, float]], model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        self.registry.register(_EngineCollector(stats, model_name))
+        labels = ["model_name"]
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", labels,
+                              buckets=LATENCY_BUCKETS, registry=self.registry).labels(model_name)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between output tokens.", labels,
+                             buckets=LATENCY_BUCKETS, registry=self.registry).labels(model_name)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Request latency.", labels,
+                             buckets=LATENCY_BUCKETS, registry=self.registry).labels(model_name)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed.", labels,
+                                     registry=self.registry).labels(model_name)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", labels,
+                                         registry=self.registry).labels(model_name)
+        self.request_success = Counter("vllm:request_success", "Finished requests by reason.",
+                                       labels + ["finished_reason"], registry=self.registry)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

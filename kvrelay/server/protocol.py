@@ -1,0 +1,104 @@
+"""OpenAI request bodies (pydantic) and the error object.
+
+Unknown fields are accepted and ignored, as vLLM does, so clients that send extra
+OpenAI fields keep working; wrong types and out-of-range values are 400s.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class OpenAIError(Exception):
+    """A client mistake (4xx) rendered as `{"error": {message, type, param, code}}`."""
+
+    def __init__(self, message: str, status: int = 400, type_: str = "BadRequestError",
+                 param: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.status, self.type, self.param = message, status, type_, param
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.status}}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingFields(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=128)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    kv_transfer_params: dict[str, Any] | None = None
+    user: str | None = None
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v: int | None) -> int | None:
+        if v == 0:
+            return -1
+        return v
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0)
+    prompt_logprobs: int | None = Field(None, ge=0)
+    suffix: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0)
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
+    add_generation_prompt: bool = True
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+def message_text(message: ChatMessage) -> str:
+    """A message's text: a string, or the text parts of a content list."""
+    if message.content is None:
+        return ""
+    if isinstance(message.content, str):
+        return message.content
+    parts = []
+    for part in message.content:
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise OpenAIError("only text content parts are supported", param="messages")
+        parts.append(part["text"])
+    return "".join(parts)
