@@ -16,7 +16,7 @@ What it does, in one run:
      - transformers            GptOssForCausalLM.from_pretrained(..., Mxfp4Config(dequantize=True),
                                dtype=bf16, attn_implementation="eager")
    The checkpoint is cached in a temp directory keyed by the config.
-2. Times prefill (one 512-token prompt; 4 x 128 tokens) and single-token decode steps
+2. Times prefill (one 256-token prompt; 4 x 64 tokens) and single-token decode steps
    at batch 1, 16 and 64 over a 192-token context, interleaving the models repetition
    by repetition (the machine may be shared), and reports medians.
    kvrelay steps go through `PagedGreedyLoop.step`, transformers through
@@ -51,10 +51,12 @@ import torch  # noqa: E402
 # -- configuration -----------------------------------------------------------------------
 
 # gpt-oss-20b: hidden 2880, intermediate 2880, 24 layers, 32 experts top-4, 64/8 heads of
-# 64, window 128, vocab 201088. Scaled so a full run takes a few minutes on 2 CPU cores
-# without native bf16 matmuls (~16 GFLOP/s in bf16 here).
+# 64, window 128, vocab 201088. Scaled so a full run takes a few minutes on 2 shared CPU
+# cores without native bf16 matmuls (~16 GFLOP/s in bf16 there). The vocab is cut with
+# the width: at 16000 the LM head is ~22% of the per-token weights read, vs ~16% for
+# gpt-oss-20b (at 32000 it would be ~37% and dominate the comparison).
 FULL_CONFIG: dict[str, Any] = dict(
-    vocab_size=32000, hidden_size=512, intermediate_size=384, head_dim=64,
+    vocab_size=16000, hidden_size=512, intermediate_size=384, head_dim=64,
     num_attention_heads=16, num_key_value_heads=2, num_hidden_layers=8,
     num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
     max_position_embeddings=4096,
@@ -64,10 +66,12 @@ QUICK_CONFIG: dict[str, Any] = FULL_CONFIG | dict(
     num_local_experts=8,
 )
 
-FULL_WORKLOAD = dict(prefill=[(1, 512), (4, 128)], decode_batches=[1, 16, 64], context=192,
-                     prefill_reps=3, decode_reps=5, warmup=1, decode_warmup=2)
+FULL_WORKLOAD = dict(prefill=[(1, 256), (4, 64)], decode_batches=[1, 16, 64], context=192,
+                     prefill_reps=3, decode_reps={1: 7, 16: 5, 64: 3}, warmup=1,
+                     decode_warmup=1, profile_steps=2)
 QUICK_WORKLOAD = dict(prefill=[(1, 128), (2, 64)], decode_batches=[1, 8], context=160,
-                      prefill_reps=2, decode_reps=3, warmup=1, decode_warmup=1)
+                      prefill_reps=2, decode_reps={1: 3, 8: 3}, warmup=1, decode_warmup=1,
+                      profile_steps=1)
 
 BLOCK_SIZE = 16
 MODELS = ("kvrelay-bf16", "kvrelay-mxfp4", "transformers-bf16")
@@ -243,7 +247,8 @@ def timed(fn: Callable[[], Any]) -> float:
 
 def summarize(samples: list[float]) -> dict[str, Any]:
     return dict(median_s=statistics.median(samples), min_s=min(samples), max_s=max(samples),
-                samples_s=[round(s, 5) for s in samples])
+                samples_s=[round(s, 5) for s in samples],
+                loadavg_1m_after=round(os.getloadavg()[0], 2))
 
 
 def run_prefill(runners: dict[str, Any], batch: int, length: int, vocab: int,
@@ -421,18 +426,40 @@ def table(results: list[dict], weight_bytes: dict[str, int]) -> str:
     return "\n".join(lines)
 
 
+def _compare(ours: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
+    return dict(max_abs_diff=round((ours - ref).abs().max().item(), 4),
+                ref_max_abs=round(ref.abs().max().item(), 4),
+                argmax_agreement=round((ours.argmax(-1) == ref.argmax(-1)).float().mean().item(), 4))
+
+
 def agreement(first: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """How close the models' prefill logits are (same weights; bf16 everywhere)."""
+    """How close the timed models' prefill logits are (same weights, all bf16).
+
+    With these random weights bf16 rounding alone changes most argmaxes (transformers
+    bf16 vs transformers fp32 disagrees as much), so only the fp32 check below says
+    whether the models compute the same function."""
     ref = first[REFERENCE]
-    out = {}
-    for name, logits in first.items():
-        if name == REFERENCE:
-            continue
-        out[f"{name} vs {REFERENCE}"] = dict(
-            max_abs_diff=round((logits - ref).abs().max().item(), 4),
-            ref_max_abs=round(ref.abs().max().item(), 4),
-            argmax_agreement=round((logits.argmax(-1) == ref.argmax(-1)).float().mean().item(), 4))
+    out = {f"{n} vs {REFERENCE} (bf16)": _compare(x, ref) for n, x in first.items() if n != REFERENCE}
+    out["kvrelay-mxfp4 vs kvrelay-bf16 (bf16)"] = _compare(first["kvrelay-mxfp4"], first["kvrelay-bf16"])
     return out
+
+
+def fp32_check(path: Path, vocab: int, length: int = 64) -> dict[str, Any]:
+    """kvrelay vs transformers in float32 on one prompt: the correctness sanity check."""
+    from transformers import GptOssForCausalLM, Mxfp4Config
+
+    from kvrelay.model.generate import PagedGreedyLoop, _Seq
+    from kvrelay.model.loader import load_model
+    prompt = torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(7)).tolist()
+    model = load_model(path, dtype=torch.float32, quantization=None, progress=False).model
+    ours = PagedGreedyLoop(model, -(-length // BLOCK_SIZE), BLOCK_SIZE).step([_Seq(prompt)], [length])
+    del model
+    hf = GptOssForCausalLM.from_pretrained(
+        path, quantization_config=Mxfp4Config(dequantize=True), dtype=torch.float32,
+        attn_implementation="eager").eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0].float()
+    return dict(prompt_len=length, **_compare(ours, ref))
 
 
 def main() -> None:
@@ -443,6 +470,7 @@ def main() -> None:
                     help="where to build/reuse the random checkpoint (default: a temp dir)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-profile", action="store_true", help="skip the batch-64 decode profile")
+    ap.add_argument("--no-check", action="store_true", help="skip the fp32 correctness check")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -451,12 +479,13 @@ def main() -> None:
     wl = QUICK_WORKLOAD if args.quick else FULL_WORKLOAD
     t_start = time.perf_counter()
     info = machine_info()
+    info["loadavg_at_start"] = [round(x, 2) for x in os.getloadavg()]
     log(f"machine: {info['cpu_model']}, {info['usable_cpus']} usable CPUs, "
         f"torch {info['torch']} ({info['torch_threads']} threads), transformers {info['transformers']}")
 
     path = build_checkpoint(config, args.ckpt_dir)
     max_batch = max(wl["decode_batches"] + [b for b, _ in wl["prefill"]])
-    steps = wl["decode_warmup"] + wl["decode_reps"] + 4
+    steps = wl["decode_warmup"] + max(wl["decode_reps"].values()) + 4
     max_len = max([wl["context"] + steps] + [n for _, n in wl["prefill"]])
     num_blocks = max_batch * -(-max_len // BLOCK_SIZE) + 8
     log("loading models ...")
@@ -466,6 +495,7 @@ def main() -> None:
         "transformers-bf16": TransformersRunner(path),
     }
     hf: TransformersRunner = runners[REFERENCE]
+    hf_experts, hf_attn = hf.experts_implementation, hf.attn_implementation
     assert runners["kvrelay-mxfp4"].model.mxfp4 and not runners["kvrelay-bf16"].model.mxfp4
     weight_bytes = {name: r.weight_bytes for name, r in runners.items()}
     log("weights: " + ", ".join(f"{n} {b / 2**20:.1f} MiB" for n, b in weight_bytes.items())
@@ -484,7 +514,7 @@ def main() -> None:
             agree = agreement(first)
             log(f"logit agreement (prefill {batch}x{length}): {agree}")
     for batch in wl["decode_batches"]:
-        run_decode(runners, batch, wl["context"], vocab, wl["decode_reps"], wl["decode_warmup"],
+        run_decode(runners, batch, wl["context"], vocab, wl["decode_reps"][batch], wl["decode_warmup"],
                    results, counter, total)
     add_ratios(results)
 
@@ -495,18 +525,28 @@ def main() -> None:
             log(f"profiling {name} decode b={pb} ...")
             profile[name] = dict(
                 batch=pb, context=wl["context"],
-                breakdown=module_breakdown(runners[name], pb, wl["context"], vocab, steps=3),
-                top_ops=op_profile(runners[name], pb, wl["context"], vocab, steps=2))
+                breakdown=module_breakdown(runners[name], pb, wl["context"], vocab,
+                                           steps=wl["profile_steps"]),
+                top_ops=op_profile(runners[name], pb, wl["context"], vocab, steps=1))
+
+    check = None
+    if not args.no_check:
+        del runners, hf
+        gc.collect()
+        log("fp32 correctness check (kvrelay vs transformers, 64-token prompt) ...")
+        check = fp32_check(path, vocab)
+        log(f"fp32 check: {check}")
 
     print()
     print(f"config: {json.dumps(config)}")
-    print(f"transformers: experts_implementation={hf.experts_implementation!r}, "
-          f"attn_implementation={hf.attn_implementation!r}")
+    print(f"transformers: experts_implementation={hf_experts!r}, attn_implementation={hf_attn!r}")
     print()
     print(table(results, weight_bytes))
     print("\nspeed ratio = kvrelay throughput / transformers throughput (>1: kvrelay faster)")
     if agree:
-        print(f"\nlogit agreement: {json.dumps(agree)}")
+        print(f"\nlogit agreement, timed bf16 prefill: {json.dumps(agree)}")
+    if check:
+        print(f"fp32 check, kvrelay vs transformers: {json.dumps(check)}")
     for name, p in profile.items():
         print(f"\n{name} decode b={p['batch']} ctx={p['context']}: {p['breakdown']['step_ms']:.1f} ms/step")
         for k, v in p["breakdown"]["modules_ms"].items():
@@ -516,15 +556,19 @@ def main() -> None:
             print(f"  {row['self_ms_per_step']:9.2f} ms  {row['self_pct']:5.1f}%  "
                   f"{row['calls_per_step']:7.0f} calls  {row['op']}")
     elapsed = time.perf_counter() - t_start
+    info["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    print(f"load average at start {info['loadavg_at_start']}, at end {info['loadavg_at_end']} "
+          f"({info['usable_cpus']} CPUs)")
     print(f"\ntotal wall time {elapsed:.0f} s")
 
     if args.out:
         payload = dict(
             benchmark="model_forward", date=time.strftime("%Y-%m-%d"), quick=args.quick,
             machine=info, config=config, workload=wl, block_size=BLOCK_SIZE,
-            transformers_experts_implementation=hf.experts_implementation,
-            transformers_attn_implementation=hf.attn_implementation,
-            weight_bytes=weight_bytes, logit_agreement=agree, results=results,
+            transformers_experts_implementation=hf_experts,
+            transformers_attn_implementation=hf_attn,
+            weight_bytes=weight_bytes, logit_agreement_bf16=agree, fp32_check=check,
+            results=results,
             profile=profile, wall_time_s=round(elapsed, 1))
         args.out.write_text(json.dumps(payload, indent=2))
         log(f"wrote {args.out}")

@@ -77,6 +77,9 @@ def add_word_tokenizer(path: Path, vocab_size: int, eos_id: int | None = None) -
     tok.save(str(path / "tokenizer.json"))
     if eos_id is not None:
         (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos_id]}))
+    template = ("{% for m in messages %}w1 {{ m['content'] }} w2 {% endfor %}"
+                "{% if add_generation_prompt %}w4{% endif %}")
+    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
     return path
 
 

@@ -1,0 +1,78 @@
+"""Start real kvrelay processes on 127.0.0.1 for tests, and always stop them."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class KvrelayProcess:
+    """`kvrelay <args>` in its own process group; `stop()` ends the group."""
+
+    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+        self.log_path = log
+        self._log = open(log, "w")
+        full_env = os.environ | {"PYTHONUNBUFFERED": "1"} | (env or {})
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvrelay.cli", *args], stdout=self._log,
+                                     stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def wait_for_line(self, text: str, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if text in self.log():
+                return
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"process exited with {self.proc.returncode}:\n{self.log()[-3000:]}")
+            time.sleep(0.2)
+        raise TimeoutError(f"no {text!r} within {timeout}s:\n{self.log()[-3000:]}")
+
+    def stop(self, timeout: float = 20) -> int | None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)     # stragglers (engine core) of the group
+        except ProcessLookupError:
+            pass
+        self._log.close()
+        return self.proc.returncode
+
+
+class Server(KvrelayProcess):
+    def __init__(self, model: str | None, extra: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        args = ["serve"] + ([model] if model else []) + ["--port", str(self.port)] + extra
+        super().__init__(args, log, env)
+
+    def wait_ready(self, timeout: float = 180) -> None:
+        self.wait_for_line("Application startup complete", timeout)
+        assert httpx.get(f"{self.url}/health").status_code == 200
+
+    def metrics(self) -> dict[str, float]:
+        from prometheus_client.parser import text_string_to_metric_families
+        text = httpx.get(f"{self.url}/metrics").text
+        values = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                values.setdefault(sample.name, sample.value)
+        return values
