@@ -40,13 +40,14 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import torch  # noqa: E402
+import torch
 
 # -- configuration -----------------------------------------------------------------------
 
@@ -55,23 +56,28 @@ import torch  # noqa: E402
 # cores without native bf16 matmuls (~16 GFLOP/s in bf16 there). The vocab is cut with
 # the width: at 16000 the LM head is ~22% of the per-token weights read, vs ~16% for
 # gpt-oss-20b (at 32000 it would be ~37% and dominate the comparison).
-FULL_CONFIG: dict[str, Any] = dict(
-    vocab_size=16000, hidden_size=512, intermediate_size=384, head_dim=64,
-    num_attention_heads=16, num_key_value_heads=2, num_hidden_layers=8,
-    num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
-    max_position_embeddings=4096,
-)
-QUICK_CONFIG: dict[str, Any] = FULL_CONFIG | dict(
-    vocab_size=8000, hidden_size=256, intermediate_size=192, num_hidden_layers=2,
-    num_local_experts=8,
-)
+FULL_CONFIG: dict[str, Any] = {
+    "vocab_size": 16000, "hidden_size": 512, "intermediate_size": 384, "head_dim": 64,
+    "num_attention_heads": 16, "num_key_value_heads": 2, "num_hidden_layers": 8,
+    "num_local_experts": 32, "num_experts_per_tok": 4, "sliding_window": 128,
+    "max_position_embeddings": 4096,
+}
+QUICK_CONFIG: dict[str, Any] = FULL_CONFIG | {
+    "vocab_size": 8000, "hidden_size": 256, "intermediate_size": 192, "num_hidden_layers": 2,
+    "num_local_experts": 8,
+}
 
-FULL_WORKLOAD = dict(prefill=[(1, 256), (4, 64)], decode_batches=[1, 16, 64], context=192,
-                     prefill_reps=3, decode_reps={1: 7, 16: 5, 64: 3}, warmup=1,
-                     decode_warmup=1, profile_steps=2)
-QUICK_WORKLOAD = dict(prefill=[(1, 128), (2, 64)], decode_batches=[1, 8], context=160,
-                      prefill_reps=2, decode_reps={1: 3, 8: 3}, warmup=1, decode_warmup=1,
-                      profile_steps=1)
+# prefill: (batch, prompt length); decode: batch -> timed steps, over `context` tokens
+FULL_WORKLOAD: dict[str, Any] = {
+    "prefill": [(1, 256), (4, 64)], "prefill_reps": 3, "warmup": 1,
+    "decode_reps": {1: 7, 16: 5, 64: 3}, "decode_warmup": 1, "context": 192,
+    "profile_steps": 2,
+}
+QUICK_WORKLOAD: dict[str, Any] = {
+    "prefill": [(1, 128), (2, 64)], "prefill_reps": 2, "warmup": 1,
+    "decode_reps": {1: 3, 8: 3}, "decode_warmup": 1, "context": 160,
+    "profile_steps": 1,
+}
 
 BLOCK_SIZE = 16
 MODELS = ("kvrelay-bf16", "kvrelay-mxfp4", "transformers-bf16")
@@ -104,15 +110,15 @@ def machine_info() -> dict[str, Any]:
     except OSError:
         pass
     simd = [f for f in flags if f.startswith(("avx512", "amx")) or f in ("avx2", "fma")]
-    return dict(
-        cpu_model=cpu, cpu_flags_simd=sorted(simd),
-        logical_cpus=os.cpu_count(),
-        usable_cpus=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        torch_threads=torch.get_num_threads(), mem_total_gib=mem,
-        torch_cpu_capability=torch.backends.cpu.get_cpu_capability(),
-        python=platform.python_version(), platform=platform.platform(),
-        torch=torch.__version__, transformers=transformers.__version__,
-    )
+    return {
+        "cpu_model": cpu, "cpu_flags_simd": sorted(simd),
+        "logical_cpus": os.cpu_count(),
+        "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "torch_threads": torch.get_num_threads(), "mem_total_gib": mem,
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "python": platform.python_version(), "platform": platform.platform(),
+        "torch": torch.__version__, "transformers": transformers.__version__,
+    }
 
 
 # -- checkpoint and models ----------------------------------------------------------------
@@ -182,11 +188,12 @@ class KvrelayRunner:
             s.blocks = [self.loop.free.pop() for _ in range(need)]
             s.computed = context
             seqs.append(s)
-        return dict(seqs=seqs, gen=gen, vocab=vocab)
+        return {"seqs": seqs, "gen": gen, "vocab": vocab}
 
     def decode_step(self, state: Any) -> torch.Tensor:
         seqs = state["seqs"]
-        for s, t in zip(seqs, torch.randint(0, state["vocab"], (len(seqs),), generator=state["gen"]).tolist()):
+        new = torch.randint(0, state["vocab"], (len(seqs),), generator=state["gen"]).tolist()
+        for s, t in zip(seqs, new):
             s.tokens.append(t)
         return self.loop.step(seqs, [1] * len(seqs))
 
@@ -224,7 +231,7 @@ class TransformersRunner:
             k = torch.randn(shape, generator=gen).to(torch.bfloat16)
             v = torch.randn(shape, generator=gen).to(torch.bfloat16)
             cache.update(k, v, i)
-        return dict(cache=cache, gen=gen, vocab=vocab, batch=batch)
+        return {"cache": cache, "gen": gen, "vocab": vocab, "batch": batch}
 
     @torch.no_grad()
     def decode_step(self, state: Any) -> torch.Tensor:
@@ -246,9 +253,9 @@ def timed(fn: Callable[[], Any]) -> float:
 
 
 def summarize(samples: list[float]) -> dict[str, Any]:
-    return dict(median_s=statistics.median(samples), min_s=min(samples), max_s=max(samples),
-                samples_s=[round(s, 5) for s in samples],
-                loadavg_1m_after=round(os.getloadavg()[0], 2))
+    return {"median_s": statistics.median(samples), "min_s": min(samples), "max_s": max(samples),
+                "samples_s": [round(s, 5) for s in samples],
+                "loadavg_1m_after": round(os.getloadavg()[0], 2)}
 
 
 def run_prefill(runners: dict[str, Any], batch: int, length: int, vocab: int,
@@ -265,7 +272,7 @@ def run_prefill(runners: dict[str, Any], batch: int, length: int, vocab: int,
     samples: dict[str, list[float]] = defaultdict(list)
     for _ in range(reps):                                   # interleaved: A B C A B C ...
         for name, r in runners.items():
-            samples[name].append(timed(lambda: r.prefill(prompts)))
+            samples[name].append(timed(lambda r=r: r.prefill(prompts)))
     for name in runners:
         s = summarize(samples[name])
         tokens = batch * length
@@ -290,7 +297,7 @@ def run_decode(runners: dict[str, Any], batch: int, context: int, vocab: int,
     samples: dict[str, list[float]] = defaultdict(list)
     for _ in range(reps):
         for name, r in runners.items():
-            samples[name].append(timed(lambda: r.decode_step(states[name])))
+            samples[name].append(timed(lambda r=r, st=states[name]: r.decode_step(st)))
     for name, r in runners.items():
         r.decode_teardown(states[name])
         s = summarize(samples[name])
@@ -356,15 +363,16 @@ def module_breakdown(runner: KvrelayRunner, batch: int, context: int, vocab: int
         runner.decode_teardown(state)
     per_step = {k: v / steps * 1e3 for k, v in acc.items()}
     step_ms = total / steps * 1e3
+    model_ms = per_step.get("model forward (total)", 0.0)
+    head_ms = per_step.get("lm_head (all fed tokens)", 0.0)
     inner = sum(v for k, v in per_step.items() if k != "model forward (total)" and ">" not in k)
-    per_step["other inside model (residual adds, glue)"] = per_step.get("model forward (total)", 0) - (
-        inner - per_step.get("lm_head (all fed tokens)", 0))
+    per_step["other inside model (residual adds, glue)"] = model_ms - (inner - head_ms)
     per_step["outside model (PagedGreedyLoop metadata, logits .float())"] = (
-        step_ms - per_step.get("model forward (total)", 0) - per_step.get("lm_head (all fed tokens)", 0))
+        step_ms - model_ms - head_ms)
     rows = sorted(((k, v) for k, v in per_step.items() if k != "model forward (total)"),
                   key=lambda kv: -kv[1])
-    return dict(step_ms=step_ms, modules_ms={k: round(v, 2) for k, v in rows},
-                modules_pct={k: round(100 * v / step_ms, 1) for k, v in rows})
+    return {"step_ms": step_ms, "modules_ms": {k: round(v, 2) for k, v in rows},
+                "modules_pct": {k: round(100 * v / step_ms, 1) for k, v in rows}}
 
 
 def op_profile(runner: KvrelayRunner, batch: int, context: int, vocab: int,
@@ -382,9 +390,9 @@ def op_profile(runner: KvrelayRunner, batch: int, context: int, vocab: int,
     events = prof.key_averages()
     total = sum(e.self_cpu_time_total for e in events)
     rows = sorted(events, key=lambda e: -e.self_cpu_time_total)[:top]
-    return [dict(op=e.key, calls_per_step=e.count / steps,
-                 self_ms_per_step=round(e.self_cpu_time_total / steps / 1e3, 2),
-                 self_pct=round(100 * e.self_cpu_time_total / total, 1)) for e in rows]
+    return [{"op": e.key, "calls_per_step": e.count / steps,
+                 "self_ms_per_step": round(e.self_cpu_time_total / steps / 1e3, 2),
+                 "self_pct": round(100 * e.self_cpu_time_total / total, 1)} for e in rows]
 
 
 # -- report ---------------------------------------------------------------------------------
@@ -418,7 +426,8 @@ def table(results: list[dict], weight_bytes: dict[str, int]) -> str:
         for m in MODELS:
             if m != REFERENCE:
                 r = by.get((w, m))
-                cells.append(f"{r['speed_vs_transformers']:.2f}x" if r and "speed_vs_transformers" in r else "-")
+                ok = r is not None and "speed_vs_transformers" in r
+                cells.append(f"{r['speed_vs_transformers']:.2f}x" if ok else "-")
         lines.append("| " + " | ".join(cells) + " |")
     cells = ["weights"] + [f"{weight_bytes[m] / 2**20:.0f} MiB" for m in MODELS] + \
         [f"{weight_bytes[m] / weight_bytes[REFERENCE]:.2f}x size" for m in MODELS if m != REFERENCE]
@@ -427,9 +436,10 @@ def table(results: list[dict], weight_bytes: dict[str, int]) -> str:
 
 
 def _compare(ours: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
-    return dict(max_abs_diff=round((ours - ref).abs().max().item(), 4),
-                ref_max_abs=round(ref.abs().max().item(), 4),
-                argmax_agreement=round((ours.argmax(-1) == ref.argmax(-1)).float().mean().item(), 4))
+    same = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    return {"max_abs_diff": round((ours - ref).abs().max().item(), 4),
+            "ref_max_abs": round(ref.abs().max().item(), 4),
+            "argmax_agreement": round(same, 4)}
 
 
 def agreement(first: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -439,8 +449,10 @@ def agreement(first: dict[str, torch.Tensor]) -> dict[str, Any]:
     bf16 vs transformers fp32 disagrees as much), so only the fp32 check below says
     whether the models compute the same function."""
     ref = first[REFERENCE]
-    out = {f"{n} vs {REFERENCE} (bf16)": _compare(x, ref) for n, x in first.items() if n != REFERENCE}
-    out["kvrelay-mxfp4 vs kvrelay-bf16 (bf16)"] = _compare(first["kvrelay-mxfp4"], first["kvrelay-bf16"])
+    out = {f"{n} vs {REFERENCE} (bf16)": _compare(x, ref)
+           for n, x in first.items() if n != REFERENCE}
+    out["kvrelay-mxfp4 vs kvrelay-bf16 (bf16)"] = _compare(first["kvrelay-mxfp4"],
+                                                           first["kvrelay-bf16"])
     return out
 
 
@@ -452,7 +464,8 @@ def fp32_check(path: Path, vocab: int, length: int = 64) -> dict[str, Any]:
     from kvrelay.model.loader import load_model
     prompt = torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(7)).tolist()
     model = load_model(path, dtype=torch.float32, quantization=None, progress=False).model
-    ours = PagedGreedyLoop(model, -(-length // BLOCK_SIZE), BLOCK_SIZE).step([_Seq(prompt)], [length])
+    loop = PagedGreedyLoop(model, -(-length // BLOCK_SIZE), BLOCK_SIZE)
+    ours = loop.step([_Seq(prompt)], [length])
     del model
     hf = GptOssForCausalLM.from_pretrained(
         path, quantization_config=Mxfp4Config(dequantize=True), dtype=torch.float32,
@@ -481,10 +494,11 @@ def main() -> None:
     info = machine_info()
     info["loadavg_at_start"] = [round(x, 2) for x in os.getloadavg()]
     log(f"machine: {info['cpu_model']}, {info['usable_cpus']} usable CPUs, "
-        f"torch {info['torch']} ({info['torch_threads']} threads), transformers {info['transformers']}")
+        f"torch {info['torch']} ({info['torch_threads']} threads), "
+        f"transformers {info['transformers']}")
 
     path = build_checkpoint(config, args.ckpt_dir)
-    max_batch = max(wl["decode_batches"] + [b for b, _ in wl["prefill"]])
+    max_batch = max(list(wl["decode_reps"]) + [b for b, _ in wl["prefill"]])
     steps = wl["decode_warmup"] + max(wl["decode_reps"].values()) + 4
     max_len = max([wl["context"] + steps] + [n for _, n in wl["prefill"]])
     num_blocks = max_batch * -(-max_len // BLOCK_SIZE) + 8
@@ -503,7 +517,7 @@ def main() -> None:
           f"attention {hf.attn_implementation!r}")
 
     results: list[dict] = []
-    total = len(MODELS) * (len(wl["prefill"]) + len(wl["decode_batches"]))
+    total = len(MODELS) * (len(wl["prefill"]) + len(list(wl["decode_reps"])))
     counter = [0]
     vocab = config["vocab_size"]
     agree = None
@@ -513,21 +527,22 @@ def main() -> None:
         if agree is None:
             agree = agreement(first)
             log(f"logit agreement (prefill {batch}x{length}): {agree}")
-    for batch in wl["decode_batches"]:
-        run_decode(runners, batch, wl["context"], vocab, wl["decode_reps"][batch], wl["decode_warmup"],
+    for batch in list(wl["decode_reps"]):
+        run_decode(runners, batch, wl["context"], vocab, wl["decode_reps"][batch],
+                   wl["decode_warmup"],
                    results, counter, total)
     add_ratios(results)
 
     profile: dict[str, Any] = {}
     if not args.no_profile:
-        pb = max(wl["decode_batches"])
+        pb = max(list(wl["decode_reps"]))
         for name in ("kvrelay-bf16", "kvrelay-mxfp4"):
             log(f"profiling {name} decode b={pb} ...")
-            profile[name] = dict(
-                batch=pb, context=wl["context"],
-                breakdown=module_breakdown(runners[name], pb, wl["context"], vocab,
+            profile[name] = {
+                "batch": pb, "context": wl["context"],
+                "breakdown": module_breakdown(runners[name], pb, wl["context"], vocab,
                                            steps=wl["profile_steps"]),
-                top_ops=op_profile(runners[name], pb, wl["context"], vocab, steps=1))
+                "top_ops": op_profile(runners[name], pb, wl["context"], vocab, steps=1)}
 
     check = None
     if not args.no_check:
@@ -548,7 +563,8 @@ def main() -> None:
     if check:
         print(f"fp32 check, kvrelay vs transformers: {json.dumps(check)}")
     for name, p in profile.items():
-        print(f"\n{name} decode b={p['batch']} ctx={p['context']}: {p['breakdown']['step_ms']:.1f} ms/step")
+        print(f"\n{name} decode b={p['batch']} ctx={p['context']}: "
+              f"{p['breakdown']['step_ms']:.1f} ms/step")
         for k, v in p["breakdown"]["modules_ms"].items():
             print(f"  {v:9.2f} ms  {p['breakdown']['modules_pct'][k]:5.1f}%  {k}")
         print("  top ops (self CPU):")
@@ -562,14 +578,14 @@ def main() -> None:
     print(f"\ntotal wall time {elapsed:.0f} s")
 
     if args.out:
-        payload = dict(
-            benchmark="model_forward", date=time.strftime("%Y-%m-%d"), quick=args.quick,
-            machine=info, config=config, workload=wl, block_size=BLOCK_SIZE,
-            transformers_experts_implementation=hf_experts,
-            transformers_attn_implementation=hf_attn,
-            weight_bytes=weight_bytes, logit_agreement_bf16=agree, fp32_check=check,
-            results=results,
-            profile=profile, wall_time_s=round(elapsed, 1))
+        payload = {
+            "benchmark": "model_forward", "date": time.strftime("%Y-%m-%d"), "quick": args.quick,
+            "machine": info, "config": config, "workload": wl, "block_size": BLOCK_SIZE,
+            "transformers_experts_implementation": hf_experts,
+            "transformers_attn_implementation": hf_attn,
+            "weight_bytes": weight_bytes, "logit_agreement_bf16": agree, "fp32_check": check,
+            "results": results,
+            "profile": profile, "wall_time_s": round(elapsed, 1)}
         args.out.write_text(json.dumps(payload, indent=2))
         log(f"wrote {args.out}")
 

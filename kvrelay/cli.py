@@ -71,6 +71,8 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     p.add_argument("--num-gpu-blocks-override", type=int, default=None)
     p.add_argument("--quantization", choices=("mxfp4",), default=None)
+    p.add_argument("--logits-processors", nargs="+", default=[], metavar="MODULE:ATTR",
+                   help="factories f(params, prompt_ids) -> logits processor, applied to every request")
 
 
 SERVE_ENGINE_FLAGS = (
@@ -78,7 +80,7 @@ SERVE_ENGINE_FLAGS = (
     "enable_prefix_caching", "disable_hybrid_kv_cache_manager", "max_model_len", "max_num_batched_tokens",
     "max_num_seqs", "block_size", "dtype", "max_logprobs", "seed", "hf_overrides", "additional_config",
     "kv_transfer_config", "optimization_level", "download_dir", "device", "kv_cache_memory_bytes",
-    "num_gpu_blocks_override", "quantization")
+    "num_gpu_blocks_override", "quantization", "logits_processors")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -118,7 +118,9 @@ class EngineArgs:
     download_dir: str | None = None
     device: str = "auto"
     quantization: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    # "module:attr" names of factories `f(params, prompt_ids) -> processor | None` applied
+    # to every request (vLLM's --logits-processors); the seam structured outputs will use
+    logits_processors: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

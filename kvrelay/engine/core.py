@@ -80,6 +80,7 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(max_batched, args.max_num_seqs, self.max_model_len), self.kv)
         self.sampler = Sampler(all_greedy=self.neuron.all_greedy)
         self.eos_token_ids = self._eos_ids()
+        self.processor_factories = [_load_object(name) for name in args.logits_processors]
         self.parents: dict[str, _Parent] = {}
         self.child_parent: dict[str, _Parent] = {}
         self.num_steps = 0
@@ -145,6 +146,9 @@ class LLMEngine:
             raise ValueError(f"duplicate request id {request_id!r}")
         text, ids = (prompt, self._encode(prompt)) if isinstance(prompt, str) else (None, list(prompt))
         self._check_params(params, ids)
+        made = [p for p in (f(params, ids) for f in self.processor_factories) if p is not None]
+        if made:
+            params = replace(params, logits_processors=list(params.logits_processors) + made)
         children = []
         for i in range(params.n):
             child_params = params if params.n == 1 else replace(
@@ -315,6 +319,18 @@ class LLMEngine:
     # -- introspection ----------------------------------------------------------------------
     def assert_no_leaks(self) -> None:
         self.kv.assert_no_leaks()
+
+
+def _load_object(name: str):
+    """"package.module:attr" → the object (for --logits-processors)."""
+    import importlib
+    module, _, attr = name.partition(":")
+    if not attr:
+        raise ValueError(f"--logits-processors: {name!r} is not of the form module:attr")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"--logits-processors: cannot load {name!r} ({e})") from None
 
 
 def _prompt_logprob_rows(chunk: ScheduledChunk) -> int:

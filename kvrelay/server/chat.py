@@ -71,11 +71,8 @@ class TemplateChat:
 def make_chat_renderer(tokenizer: CheckpointTokenizer | None) -> ChatRenderer | None:
     if tokenizer is None:
         return None
-    try:
-        from kvrelay.server.harmony_chat import HarmonyChat, is_harmony_tokenizer
-    except ImportError:
-        HarmonyChat = None  # noqa: N806
-    if HarmonyChat is not None and is_harmony_tokenizer(tokenizer):
+    from kvrelay.server.harmony_chat import HarmonyChat, is_harmony_tokenizer
+    if is_harmony_tokenizer(tokenizer):
         return HarmonyChat(tokenizer)
     if tokenizer.chat_template:
         return TemplateChat(tokenizer)
