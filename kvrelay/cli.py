@@ -138,7 +138,9 @@ def _generate(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from kvrelay.config import EngineArgs
     from kvrelay.server.launch import serve
+    from kvrelay.config import NeuronConfig
     engine_args = EngineArgs(**{name: getattr(args, name) for name in SERVE_ENGINE_FLAGS})
+    NeuronConfig.from_additional_config(engine_args.additional_config)   # fail before any process starts
     if engine_args.tensor_parallel_size != 1 or engine_args.data_parallel_size != 1:
         raise ValueError("--tensor-parallel-size/--data-parallel-size > 1 need the parallel "
                          "executor, which is not built yet")

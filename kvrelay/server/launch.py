@@ -37,6 +37,21 @@ class _HideEarlyReadyLine(logging.Filter):
         return getattr(record, "kvrelay", False) or READY_LINE not in record.getMessage()
 
 
+class _DrainingServer(uvicorn.Server):
+    """uvicorn re-raises SIGINT/SIGTERM after its graceful shutdown, which would end the
+    process "killed by signal"; a drained shutdown is a clean exit, so we swallow them."""
+
+    def capture_signals(self):  # type: ignore[override]
+        manager = super().capture_signals()
+
+        @contextlib.contextmanager
+        def without_reraise():
+            with manager:
+                yield
+                self._captured_signals.clear()
+        return without_reraise()
+
+
 def resolve_model_dir(args: EngineArgs) -> Path:
     if args.model is None:
         from kvrelay.model.embedded import embedded_model_dir
@@ -95,7 +110,7 @@ def serve(args: EngineArgs, host: str, port: int, api_key: str | None) -> int:
     app.router.lifespan_context = lifespan
     config = uvicorn.Config(app, host=host, port=port, log_level="info",
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
-    server = uvicorn.Server(config)
+    server = _DrainingServer(config)
     logging.getLogger("uvicorn.error").addFilter(_HideEarlyReadyLine())
     logger.info("serving %s as %s on http://%s:%d", model_dir, ", ".join(names), host, port)
     server.run()
