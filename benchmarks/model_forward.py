@@ -204,11 +204,12 @@ class KvrelayRunner:
 class TransformersRunner:
     """transformers' GptOssForCausalLM, bf16, eager attention, DynamicCache."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, experts_implementation: str | None = None) -> None:
         from transformers import GptOssForCausalLM, Mxfp4Config
+        extra = {"experts_implementation": experts_implementation} if experts_implementation else {}
         self.model = GptOssForCausalLM.from_pretrained(
             path, quantization_config=Mxfp4Config(dequantize=True), dtype=torch.bfloat16,
-            attn_implementation="eager").eval()
+            attn_implementation="eager", **extra).eval()
         self.experts_implementation = self.model.config._experts_implementation
         self.attn_implementation = self.model.config._attn_implementation
 
@@ -282,7 +283,8 @@ def run_prefill(runners: dict[str, Any], batch: int, length: int, vocab: int,
         results.append(rec)
         counter[0] += 1
         log(f"[{counter[0]:2d}/{total}] {rec['workload']:<16} {name:<18} "
-            f"{s['median_s'] * 1e3:9.1f} ms  {rec['tokens_per_s']:8.1f} tok/s  (median of {reps})")
+            f"{s['median_s'] * 1e3:9.1f} ms  {rec['tokens_per_s']:8.1f} tok/s  "
+            f"(median of {reps}; min {s['min_s'] * 1e3:.1f} ms; load {s['loadavg_1m_after']})")
     return first
 
 
@@ -307,7 +309,8 @@ def run_decode(runners: dict[str, Any], batch: int, context: int, vocab: int,
         results.append(rec)
         counter[0] += 1
         log(f"[{counter[0]:2d}/{total}] {rec['workload']:<16} {name:<18} "
-            f"{rec['step_ms']:9.1f} ms  {rec['tokens_per_s']:8.1f} tok/s  (median of {reps})")
+            f"{rec['step_ms']:9.1f} ms  {rec['tokens_per_s']:8.1f} tok/s  "
+            f"(median of {reps}; min {s['min_s'] * 1e3:.1f} ms; load {s['loadavg_1m_after']})")
 
 
 # -- profiling --------------------------------------------------------------------------------
@@ -482,6 +485,9 @@ def main() -> None:
     ap.add_argument("--ckpt-dir", type=Path, default=None,
                     help="where to build/reuse the random checkpoint (default: a temp dir)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--hf-experts", default=None,
+                    help="transformers experts_implementation (default: its own default, "
+                         "grouped_mm where available; 'eager' is the per-expert loop)")
     ap.add_argument("--no-profile", action="store_true", help="skip the batch-64 decode profile")
     ap.add_argument("--no-check", action="store_true", help="skip the fp32 correctness check")
     args = ap.parse_args()
@@ -506,7 +512,7 @@ def main() -> None:
     runners: dict[str, Any] = {
         "kvrelay-bf16": KvrelayRunner(path, None, num_blocks),
         "kvrelay-mxfp4": KvrelayRunner(path, "auto", num_blocks),
-        "transformers-bf16": TransformersRunner(path),
+        "transformers-bf16": TransformersRunner(path, args.hf_experts),
     }
     hf: TransformersRunner = runners[REFERENCE]
     hf_experts, hf_attn = hf.experts_implementation, hf.attn_implementation

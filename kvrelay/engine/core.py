@@ -70,7 +70,7 @@ class LLMEngine:
                             max_positions=args.max_model_len)
         self.model, self.model_config = loaded.model, loaded.config
         self.max_model_len = args.max_model_len or self.model_config.max_position_embeddings
-        max_batched = args.max_num_batched_tokens or min(8192, self.max_model_len)
+        max_batched = args.max_num_batched_tokens or 8192
         self.neuron.check_buckets(max_batched, args.max_num_seqs)
         num_blocks = self._num_blocks()
         self.kv = KVCacheManager(num_blocks, args.block_size, self._kv_groups(),

@@ -120,24 +120,37 @@ class Experts(nn.Module):
 
     # -- compute --------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
-        """x [T, H], weights/expert_ids [T, k] → this rank's partial output [T, H]."""
-        k = expert_ids.shape[1]
+        """x [T, H], weights/expert_ids [T, k] → this rank's partial output [T, H].
+
+        The T·k (token, expert) choices are sorted by expert; this rank's experts form
+        one contiguous run of the sorted order (others sort before or after it):
+
+            sorted choices:  | other experts | e0 e0 e0 | e1 | e3 e3 | other experts |
+                                             ^start
+
+        Each active expert runs one matmul over its slice; results land in their
+        choice's row with a plain (non-accumulating) scatter and the k rows of a
+        token are summed — no atomic index_add.
+        """
+        T, k = expert_ids.shape
         local = expert_ids.flatten() - self.first_expert                    # [T*k]
-        order = torch.argsort(local, stable=True)                           # choices grouped by expert
-        counts = torch.bincount(local.clamp(min=-1) + 1, minlength=self.num_local + 1)[1:]
-        counts = counts[: self.num_local].tolist()
-        start = int((local < 0).sum())                                      # non-local experts sort first
-        flat_w = weights.flatten()
-        out = torch.zeros_like(x)
+        order = torch.argsort(local, stable=True)
+        counts = torch.bincount(local.clamp(min=-1, max=self.num_local) + 1,
+                                minlength=self.num_local + 2)               # [-1 | local | above]
+        start = int(counts[0])
+        counts = counts[1:self.num_local + 1].tolist()
+        chosen = order[start:start + sum(counts)]                           # [n] local choices
+        x_sorted = x[chosen // k]                                           # [n, H]
+        y_sorted = torch.empty_like(x_sorted)
+        offset = 0
         for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            choice = order[start:start + n]                                 # [n] (token, k) pairs
-            start += n
-            tokens = choice // k
-            y = self._expert(e, x[tokens])                                  # [n, H]
-            out.index_add_(0, tokens, y * flat_w[choice, None].to(y.dtype))
-        return out
+            if n:
+                y_sorted[offset:offset + n] = self._expert(e, x_sorted[offset:offset + n])
+                offset += n
+        y_sorted *= weights.flatten()[chosen, None].to(y_sorted.dtype)
+        per_choice = x.new_zeros(T * k, x.shape[1])                         # [T*k, H]
+        per_choice[chosen] = y_sorted
+        return per_choice.view(T, k, -1).sum(dim=1)                         # [T, H]
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         h = F.linear(x, self._weight(self.gate_up, e), self.gate_up_bias[e])  # [n, 2I]
