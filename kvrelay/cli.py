@@ -141,9 +141,8 @@ def _serve(args: argparse.Namespace) -> int:
     from kvrelay.config import NeuronConfig
     engine_args = EngineArgs(**{name: getattr(args, name) for name in SERVE_ENGINE_FLAGS})
     NeuronConfig.from_additional_config(engine_args.additional_config)   # fail before any process starts
-    if engine_args.tensor_parallel_size != 1 or engine_args.data_parallel_size != 1:
-        raise ValueError("--tensor-parallel-size/--data-parallel-size > 1 need the parallel "
-                         "executor, which is not built yet")
+    if engine_args.data_parallel_size != 1:
+        raise ValueError("--data-parallel-size > 1 is not supported yet (tensor parallelism is)")
     return serve(engine_args, args.host, args.port, args.api_key)
 
 

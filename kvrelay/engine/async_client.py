@@ -50,7 +50,7 @@ class AsyncEngine:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self.process = ctx.Process(target=run_engine_core, args=(args, child, logging.getLogger().level),
-                                   name="kvrelay-engine-core", daemon=True)
+                                   name="kvrelay-engine-core", daemon=False)
         self._loop: asyncio.AbstractEventLoop | None = None
         self.last_step = time.monotonic()          # when the core last reported a step
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -25,9 +26,12 @@ from kvrelay.engine.request import Request, Status
 from kvrelay.engine.runner import ModelRunner, StepInput, kv_bytes_per_block
 from kvrelay.engine.sampler import Sampler, top_logprobs
 from kvrelay.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
+from kvrelay.distributed.executor import MultiprocExecutor, RankSpec, free_port
 from kvrelay.kv_cache.manager import KVCacheGroup, KVCacheManager
 from kvrelay.kv_cache.spec import KVCacheSpec
+from kvrelay.model.config import load_config
 from kvrelay.model.loader import load_model, resolve_model_path
+from kvrelay.model.parallel import cpu_slices, validate_layout
 from kvrelay.model.tokenizer import CheckpointTokenizer, load_tokenizer
 from kvrelay.sampling_params import SamplingParams
 
@@ -64,10 +68,15 @@ class LLMEngine:
         self.tokenizer: CheckpointTokenizer | None = _maybe_tokenizer(self.model_dir)
         dtype = self._dtype()
         quant = self.neuron.quantization or args.quantization or "auto"
-        loaded = load_model(self.model_dir, dtype=dtype, quantization=quant,
-                            hf_overrides=args.hf_overrides, device=self.device,
-                            hybrid_kv_cache=not args.disable_hybrid_kv_cache_manager,
-                            max_positions=args.max_model_len)
+        self.executor: MultiprocExecutor | None = None
+        if args.tensor_parallel_size > 1:
+            self.executor = MultiprocExecutor(self._rank_spec(dtype, quant))
+            loaded = self.executor.loaded
+        else:
+            loaded = load_model(self.model_dir, dtype=dtype, quantization=quant,
+                                hf_overrides=args.hf_overrides, device=self.device,
+                                hybrid_kv_cache=not args.disable_hybrid_kv_cache_manager,
+                                max_positions=args.max_model_len)
         self.model, self.model_config = loaded.model, loaded.config
         self.max_model_len = args.max_model_len or self.model_config.max_position_embeddings
         max_batched = args.max_num_batched_tokens or 8192
@@ -76,7 +85,10 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, args.block_size, self._kv_groups(),
                                  enable_prefix_caching=args.enable_prefix_caching,
                                  hash_seed=f"{self.model_dir.name}:{args.block_size}")
-        self.runner = ModelRunner(self.model, num_blocks, args.block_size, self.device)
+        if self.executor is not None:
+            self.runner = self.executor.start_runner(num_blocks)
+        else:
+            self.runner = ModelRunner(self.model, num_blocks, args.block_size, self.device)
         self.scheduler = Scheduler(SchedulerConfig(max_batched, args.max_num_seqs, self.max_model_len), self.kv)
         self.sampler = Sampler(all_greedy=self.neuron.all_greedy)
         self.eos_token_ids = self._eos_ids()
@@ -132,9 +144,31 @@ class LLMEngine:
             return self.tokenizer.eos_token_ids
         return self.model_config.eos_token_id
 
+    def _rank_spec(self, dtype: torch.dtype, quant: str | None) -> RankSpec:
+        a = self.args
+        cfg = load_config(self.model_dir, a.hf_overrides)
+        ep = self.neuron.ep_degree or (a.tensor_parallel_size if a.enable_expert_parallel else 1)
+        validate_layout(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_local_experts,
+                        a.tensor_parallel_size, ep)
+        visible = envs.VISIBLE_DEVICES.raw()
+        cores = envs.parse_id_list(visible) if visible else sorted(os.sched_getaffinity(0))
+        return RankSpec(str(self.model_dir), dtype, quant, a.hf_overrides,
+                        not a.disable_hybrid_kv_cache_manager,
+                        a.max_model_len or cfg.max_position_embeddings, a.tensor_parallel_size, ep,
+                        a.block_size, f"tcp://127.0.0.1:{free_port()}",
+                        cpu_slices(cores, a.tensor_parallel_size))
+
+    def _execute(self, step: StepInput) -> torch.Tensor:
+        return self.executor.execute(step) if self.executor else self.runner.execute(step)
+
+    def shutdown(self) -> None:
+        if self.executor is not None:
+            self.executor.shutdown()
+            self.executor = None
+
     def _warmup(self) -> None:
         limit = envs.COMPILATION_TIMEOUT_S.as_float()
-        seconds = self.runner.warmup()
+        seconds = self.executor.warmup() if self.executor else self.runner.warmup()
         if limit is not None and seconds > limit:
             raise TimeoutError(f"warm-up took {seconds:.0f}s, over the {limit:.0f}s allowed; "
                                f"raise {envs.COMPILATION_TIMEOUT_S.shown}")
@@ -200,7 +234,7 @@ class LLMEngine:
         if out.is_empty:
             return []
         step = self._step_input(out)
-        logits = self.runner.execute(step)
+        logits = self._execute(step)
         sampled = self._sample(out, logits)
         self.scheduler.update(out, sampled)
         self.num_steps += 1

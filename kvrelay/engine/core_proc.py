@@ -62,7 +62,10 @@ def run_engine_core(args: EngineArgs, conn: Connection, log_level: int = logging
         conn.send(("fatal", f"{type(e).__name__}: {e}"))
         logger.debug(traceback.format_exc())
         return
-    _loop(engine, conn)
+    try:
+        _loop(engine, conn)
+    finally:
+        engine.shutdown()
 
 
 def _loop(engine: Any, conn: Connection) -> None:

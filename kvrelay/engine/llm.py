@@ -20,6 +20,10 @@ class LLM:
         self.engine = LLMEngine(EngineArgs.from_kwargs(model=model, **engine_args))
         self._ids = itertools.count()
 
+    def shutdown(self) -> None:
+        """Stop tensor-parallel worker processes (if any)."""
+        self.engine.shutdown()
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

@@ -86,3 +86,32 @@ def divide(total: int, size: int, what: str) -> int:
     if total % size:
         raise ValueError(f"{what}={total} is not divisible by the parallel size {size}")
     return total // size
+
+
+def validate_layout(num_heads: int, num_kv_heads: int, num_experts: int, tp_size: int,
+                    ep_size: int) -> None:
+    """Reject layouts the model cannot be sharded into, naming the numbers."""
+    if tp_size < 1 or ep_size < 1:
+        raise ValueError(f"parallel sizes must be at least 1 (tp={tp_size}, ep={ep_size})")
+    if num_heads % tp_size:
+        raise ValueError(f"tensor_parallel_size {tp_size} does not divide the {num_heads} attention heads")
+    if tp_size > num_kv_heads and tp_size % num_kv_heads:
+        raise ValueError(f"tensor_parallel_size {tp_size} exceeds the {num_kv_heads} KV heads and is "
+                         f"not a multiple of them (KV heads are replicated in whole groups)")
+    if tp_size <= num_kv_heads and num_kv_heads % tp_size:
+        raise ValueError(f"tensor_parallel_size {tp_size} does not divide the {num_kv_heads} KV heads")
+    if num_experts % ep_size:
+        raise ValueError(f"expert-parallel width {ep_size} does not divide the {num_experts} experts")
+    if ep_size > tp_size or tp_size % ep_size:
+        raise ValueError(f"expert-parallel width {ep_size} must divide tensor_parallel_size {tp_size}")
+
+
+def cpu_slices(cores: list[int], ranks: int) -> tuple[tuple[int, ...], ...]:
+    """Split the visible CPU cores among ranks: equal contiguous slices; when ranks
+    outnumber cores, rank r shares core r % len(cores) (one thread each)."""
+    if not cores:
+        return ()
+    if ranks > len(cores):
+        return tuple((cores[r % len(cores)],) for r in range(ranks))
+    per = len(cores) // ranks
+    return tuple(tuple(cores[r * per:(r + 1) * per]) for r in range(ranks))

@@ -98,7 +98,7 @@ def serve(args: EngineArgs, host: str, port: int, api_key: str | None) -> int:
     async def lifespan(_app):
         engine.start()
         tasks = [asyncio.create_task(_await_ready(engine, state, server, outcome)),
-                 asyncio.create_task(_watchdog(engine))]
+                 asyncio.create_task(_watchdog(engine, server, outcome))]
         try:
             yield
         finally:
@@ -137,9 +137,15 @@ async def _await_ready(engine: AsyncEngine, state: ServerState, server: uvicorn.
     logging.getLogger("uvicorn.error").info(READY_LINE, extra={"kvrelay": True})
 
 
-async def _watchdog(engine: AsyncEngine) -> None:
+async def _watchdog(engine: AsyncEngine, server: uvicorn.Server, outcome: dict[str, int]) -> None:
+    """Fails stalled requests; when the engine process has died (e.g. a tensor-parallel
+    worker was killed) the in-flight requests have already failed with 503 and the
+    server shuts down with exit code 1."""
     while True:
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(0.5)
         engine.check_stalled()
-        if engine.dead is not None and not engine.streams:
-            continue
+        if engine.ready.is_set() and engine.dead is not None:
+            logger.error("stopping: %s", engine.dead)
+            outcome["rc"] = 1
+            server.should_exit = True
+            return

@@ -1,0 +1,1 @@
+"""Multi-process tensor parallelism: worker ranks, collectives, supervision."""

@@ -1,0 +1,175 @@
+"""Executors: where the model runs for a step.
+
+    UniprocExecutor     TP=1: the runner lives in the engine-core process.
+    MultiprocExecutor   TP=N: rank 0's runner lives in the engine-core process, ranks
+                        1..N-1 in worker processes; every step the scheduler's compact
+                        `StepInput` (plain lists) is broadcast, all ranks run their shard,
+                        and rank 0 returns the (all-gathered) logits.
+
+Supervision: a monitor thread watches the workers; if one dies the executor marks
+itself failed, the engine reports a clear error and every worker is stopped.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import socket
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from kvrelay.engine.runner import ModelRunner, StepInput
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerDiedError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """What one rank needs to build its shard."""
+
+    model_dir: str
+    dtype: torch.dtype
+    quantization: str | None
+    hf_overrides: dict[str, Any] | None
+    hybrid: bool
+    max_positions: int
+    tp_size: int
+    ep_size: int
+    block_size: int
+    init_method: str
+    cpu_slices: tuple[tuple[int, ...], ...]      # per rank: CPU cores to pin to (may be empty)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _setup_rank(spec: RankSpec, rank: int):
+    """Pin CPU cores, join the process group, build and load this rank's shard."""
+    import torch.distributed as dist
+
+    from kvrelay.distributed.collectives import TorchDistCollectives
+    from kvrelay.model.loader import load_model
+    from kvrelay.model.parallel import ParallelContext
+
+    cores = spec.cpu_slices[rank] if spec.cpu_slices else ()
+    if cores:
+        os.sched_setaffinity(0, cores)
+        torch.set_num_threads(len(cores))
+    dist.init_process_group("gloo", init_method=spec.init_method, rank=rank, world_size=spec.tp_size,
+                            timeout=timedelta(seconds=600))
+    ep_rank = rank * spec.ep_size // spec.tp_size
+    ctx = ParallelContext(tp_rank=rank, tp_size=spec.tp_size, ep_rank=ep_rank, ep_size=spec.ep_size,
+                          comm=TorchDistCollectives())
+    loaded = load_model(spec.model_dir, dtype=spec.dtype, quantization=spec.quantization,
+                        hf_overrides=spec.hf_overrides, ctx=ctx, hybrid_kv_cache=spec.hybrid,
+                        max_positions=spec.max_positions, progress=rank == 0)
+    return loaded
+
+
+def worker_main(spec: RankSpec, rank: int) -> None:
+    """Ranks ≥ 1: load the shard, then run every broadcast step until told to stop."""
+    import torch.distributed as dist
+    logging.basicConfig(level=logging.WARNING)
+    loaded = _setup_rank(spec, rank)
+    box: list[Any] = [None]
+    dist.broadcast_object_list(box, src=0)               # num_blocks from rank 0
+    runner = ModelRunner(loaded.model, box[0], spec.block_size)
+    while True:
+        dist.broadcast_object_list(box, src=0)
+        step = box[0]
+        if step is None:
+            break
+        runner.execute(step)
+    dist.destroy_process_group()
+
+
+class MultiprocExecutor:
+    def __init__(self, spec: RankSpec) -> None:
+        self.spec = spec
+        ctx = mp.get_context("spawn")
+        self.workers = [ctx.Process(target=worker_main, args=(spec, r), name=f"kvrelay-tp-rank{r}", daemon=True)
+                        for r in range(1, spec.tp_size)]
+        for w in self.workers:
+            w.start()
+        self.failed: str | None = None
+        self._closing = False
+        threading.Thread(target=self._monitor, name="kvrelay-tp-monitor", daemon=True).start()
+        try:
+            self.loaded = _setup_rank(spec, 0)
+        except BaseException:
+            self._closing = True
+            self._kill_all()
+            raise
+        self.model = self.loaded.model
+        self.runner: ModelRunner | None = None
+
+    def _monitor(self) -> None:
+        from multiprocessing.connection import wait
+        sentinels = {w.sentinel: w for w in self.workers}
+        while sentinels and not self._closing:
+            for s in wait(list(sentinels), timeout=1.0):
+                w = sentinels.pop(s)
+                if self._closing:
+                    continue
+                w.join(1)
+                self.failed = f"tensor-parallel worker {w.name} (pid {w.pid}) exited with code {w.exitcode}"
+                logger.error("%s; stopping the other ranks", self.failed)
+                self._kill_all()          # rank 0's pending collective then fails at once
+                return
+
+    def start_runner(self, num_blocks: int) -> ModelRunner:
+        import torch.distributed as dist
+        dist.broadcast_object_list([num_blocks], src=0)
+        self.runner = ModelRunner(self.model, num_blocks, self.spec.block_size)
+        return self.runner
+
+    def execute(self, step: StepInput) -> torch.Tensor:
+        import torch.distributed as dist
+        if self.failed:
+            raise WorkerDiedError(self.failed)
+        try:
+            dist.broadcast_object_list([step], src=0)
+            return self.runner.execute(step)
+        except RuntimeError as e:       # a collective with a dead peer
+            raise WorkerDiedError(self.failed or f"tensor-parallel collective failed: {e}") from None
+
+    def warmup(self) -> float:
+        import time
+        t0 = time.perf_counter()
+        n = min(self.spec.block_size, 8)
+        groups = self.runner.num_groups
+        self.execute(StepInput([0] * n, [n], [0], [[[0]]] * groups, [n - 1]))
+        self.execute(StepInput([0], [1], [n - 1], [[[0]]] * groups, [0], num_decodes=1))
+        return time.perf_counter() - t0
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+        if self._closing:
+            return
+        self._closing = True
+        if not self.failed:
+            try:
+                dist.broadcast_object_list([None], src=0)
+            except Exception:  # workers may be gone already
+                pass
+        for w in self.workers:
+            w.join(10)
+        self._kill_all()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def _kill_all(self) -> None:
+        for w in self.workers:
+            if w.is_alive():
+                w.kill()

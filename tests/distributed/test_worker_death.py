@@ -1,0 +1,42 @@
+"""A tensor-parallel worker that dies brings the server down cleanly."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+
+from tests.processes import Server, alive, descendants
+
+
+def test_killed_worker_fails_requests_and_stops_the_server(tiny, tmp_path):
+    s = Server(str(tiny[0]), ["--dtype", "float32", "--max-model-len", "96", "--block-size", "4", "-tp", "2"],
+               tmp_path / "serve.log")
+    try:
+        s.wait_ready()
+        family = descendants(s.proc.pid)
+        assert len(family) >= 2                          # engine core + one worker (+ helpers)
+        result = {}
+
+        def long_request():
+            result["r"] = httpx.post(f"{s.url}/v1/completions", timeout=60, json={
+                "prompt": [1, 2, 3], "max_tokens": 80, "ignore_eos": True})
+
+        t = threading.Thread(target=long_request)
+        t.start()
+        time.sleep(1.0)
+        worker = family[-1]                              # the newest: a TP rank
+        os.kill(worker, signal.SIGKILL)
+        t.join(60)
+        assert result["r"].status_code == 503
+        assert "tensor-parallel" in result["r"].json()["error"]["message"]
+        assert s.proc.wait(60) == 1
+        deadline = time.monotonic() + 20
+        while any(alive(p) for p in family) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [p for p in family if alive(p)], "orphan processes left behind"
+        assert "tensor-parallel worker" in s.log()
+    finally:
+        s.stop()
