@@ -121,6 +121,8 @@ class EngineArgs:
     # "module:attr" names of factories `f(params, prompt_ids) -> processor | None` applied
     # to every request (vLLM's --logits-processors); the seam structured outputs will use
     logits_processors: list[str] = field(default_factory=list)
+    # the device slice of this engine (set per data-parallel replica; else the env var)
+    visible_devices: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -69,6 +69,7 @@ class LLMEngine:
         dtype = self._dtype()
         quant = self.neuron.quantization or args.quantization or "auto"
         self.executor: MultiprocExecutor | None = None
+        self._pin_cpus()
         if args.tensor_parallel_size > 1:
             self.executor = MultiprocExecutor(self._rank_spec(dtype, quant))
             loaded = self.executor.loaded
@@ -144,13 +145,22 @@ class LLMEngine:
             return self.tokenizer.eos_token_ids
         return self.model_config.eos_token_id
 
+    def _pin_cpus(self) -> None:
+        """TP=1 on CPU: run on the device slice (NEURON_VISIBLE_DEVICES / per DP replica)."""
+        visible = self.args.visible_devices or envs.VISIBLE_DEVICES.raw()
+        if visible and self.device.type == "cpu" and self.args.tensor_parallel_size == 1:
+            cores = envs.parse_id_list(visible)
+            os.sched_setaffinity(0, cores)
+            torch.set_num_threads(len(cores))
+            logger.info("pinned to CPU cores %s", cores)
+
     def _rank_spec(self, dtype: torch.dtype, quant: str | None) -> RankSpec:
         a = self.args
         cfg = load_config(self.model_dir, a.hf_overrides)
         ep = self.neuron.ep_degree or (a.tensor_parallel_size if a.enable_expert_parallel else 1)
         validate_layout(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_local_experts,
                         a.tensor_parallel_size, ep)
-        visible = envs.VISIBLE_DEVICES.raw()
+        visible = a.visible_devices or envs.VISIBLE_DEVICES.raw()
         cores = envs.parse_id_list(visible) if visible else sorted(os.sched_getaffinity(0))
         return RankSpec(str(self.model_dir), dtype, quant, a.hf_overrides,
                         not a.disable_hybrid_kv_cache_manager,

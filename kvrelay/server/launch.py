@@ -86,7 +86,12 @@ def serve(args: EngineArgs, host: str, port: int, api_key: str | None) -> int:
     names = served_names(args)
     args.model = str(model_dir)
     tokenizer = load_tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
-    engine = AsyncEngine(args, step_timeout_s=envs.EXECUTE_MODEL_TIMEOUT_S.as_float())
+    timeout = envs.EXECUTE_MODEL_TIMEOUT_S.as_float()
+    if args.data_parallel_size > 1:
+        from kvrelay.engine.data_parallel import DataParallelEngine
+        engine = DataParallelEngine(args, step_timeout_s=timeout)
+    else:
+        engine = AsyncEngine(args, step_timeout_s=timeout)
     state = ServerState(engine=engine, tokenizer=tokenizer, served_names=names, max_model_len=0,
                        max_logprobs=args.max_logprobs, api_key=api_key, defaults=sampling_defaults(model_dir),
                        chat=make_chat_renderer(tokenizer))
