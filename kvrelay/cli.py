@@ -141,6 +141,8 @@ def _serve(args: argparse.Namespace) -> int:
     from kvrelay.config import NeuronConfig
     engine_args = EngineArgs(**{name: getattr(args, name) for name in SERVE_ENGINE_FLAGS})
     NeuronConfig.from_additional_config(engine_args.additional_config)   # fail before any process starts
+    from kvrelay.disagg.params import KVTransferConfig
+    KVTransferConfig.from_json(engine_args.kv_transfer_config)
     if engine_args.data_parallel_size > 1 and engine_args.enable_expert_parallel:
         raise ValueError("--data-parallel-size > 1 with --enable-expert-parallel (experts sharded across "
                          "replicas) is not supported yet; drop one of the two flags")

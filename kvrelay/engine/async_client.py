@@ -27,6 +27,10 @@ class EngineError(RuntimeError):
     """The engine refused a request (a client mistake) — maps to HTTP 400."""
 
 
+class KVTransferFailed(RuntimeError):
+    """The request's KV transfer failed (policy "fail") — maps to HTTP 502."""
+
+
 class EngineDeadError(RuntimeError):
     """The engine process failed; every in-flight request fails with this."""
 
@@ -82,8 +86,8 @@ class AsyncEngine:
             self.process.kill()
 
     # -- requests ---------------------------------------------------------------------------
-    async def generate(self, request_id: str, prompt: list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
+                       kv_transfer_params: dict | None = None) -> AsyncIterator[RequestOutput]:
         if self.dead:
             raise EngineDeadError(self.dead)
         if request_id in self.streams:
@@ -94,13 +98,15 @@ class AsyncEngine:
         self.streams[request_id] = stream
         finished = False
         try:
-            self._send(("add", request_id, prompt, params))
+            self._send(("add", request_id, prompt, params, kv_transfer_params))
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     raise item
                 out = self._accumulate(stream, item)
                 finished = out.finished
+                if out.error:
+                    raise KVTransferFailed(out.error)
                 yield out
                 if finished:
                     return
@@ -114,6 +120,9 @@ class AsyncEngine:
             self._send(("abort", [request_id]))
         except (OSError, EngineDeadError):
             pass
+
+    def free_remote(self, request_id: str) -> None:
+        self._send(("free_remote", request_id))
 
     def request_stats(self) -> None:
         self._send(("stats",))
@@ -136,6 +145,8 @@ class AsyncEngine:
             o.finish_reason, o.stop_reason = d.finish_reason, d.stop_reason
         acc.finished = delta.finished
         acc.num_cached_tokens = delta.num_cached_tokens
+        acc.kv_transfer_params = delta.kv_transfer_params or acc.kv_transfer_params
+        acc.error = delta.error
         if delta.prompt_logprobs is not None:
             acc.prompt_logprobs = delta.prompt_logprobs
         return acc

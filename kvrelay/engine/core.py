@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import time
+import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -26,6 +27,8 @@ from kvrelay.engine.request import Request, Status
 from kvrelay.engine.runner import ModelRunner, StepInput, kv_bytes_per_block
 from kvrelay.engine.sampler import Sampler, top_logprobs
 from kvrelay.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
+from kvrelay.disagg.connector import KVConnector
+from kvrelay.disagg.params import KVTransferConfig, KVTransferParams
 from kvrelay.distributed.executor import MultiprocExecutor, RankSpec, free_port
 from kvrelay.kv_cache.manager import KVCacheGroup, KVCacheManager
 from kvrelay.kv_cache.spec import KVCacheSpec
@@ -91,6 +94,8 @@ class LLMEngine:
         else:
             self.runner = ModelRunner(self.model, num_blocks, args.block_size, self.device)
         self.scheduler = Scheduler(SchedulerConfig(max_batched, args.max_num_seqs, self.max_model_len), self.kv)
+        self.kv_transfer = KVTransferConfig.from_json(args.kv_transfer_config)
+        self.connector: KVConnector | None = None
         self.sampler = Sampler(all_greedy=self.neuron.all_greedy)
         self.eos_token_ids = self._eos_ids()
         self.processor_factories = [_load_object(name) for name in args.logits_processors]
@@ -98,6 +103,8 @@ class LLMEngine:
         self.child_parent: dict[str, _Parent] = {}
         self.num_steps = 0
         self._warmup()
+        if self.kv_transfer is not None:
+            self._start_connector()
         if self.neuron.num_batched_tokens_buckets or self.neuron.num_seqs_buckets:
             logger.info("neuron_config buckets validated; not needed on %s (eager, no captured "
                         "graphs): steps are not padded", self.device.type)
@@ -145,6 +152,15 @@ class LLMEngine:
             return self.tokenizer.eos_token_ids
         return self.model_config.eos_token_id
 
+    def _start_connector(self) -> None:
+        if self.executor is not None:
+            raise ValueError("--kv-transfer-config with --tensor-parallel-size > 1 is not supported yet")
+        engine_id = self.kv_transfer.engine_id or f"kvrelay-{uuid.uuid4().hex[:12]}"
+        self.connector = KVConnector(self.kv_transfer, engine_id, self.kv_cache_spec(),
+                                     self.runner.kv_tensors, tp_size=self.args.tensor_parallel_size)
+        logger.info("KV transfer: role %s, engine id %s, transport %s", self.kv_transfer.kv_role,
+                    engine_id, self.connector.transport.name)
+
     def _pin_cpus(self) -> None:
         """TP=1 on CPU: run on the device slice (NEURON_VISIBLE_DEVICES / per DP replica)."""
         visible = self.args.visible_devices or envs.VISIBLE_DEVICES.raw()
@@ -172,6 +188,9 @@ class LLMEngine:
         return self.executor.execute(step) if self.executor else self.runner.execute(step)
 
     def shutdown(self) -> None:
+        if self.connector is not None:
+            self.connector.close()
+            self.connector = None
         if self.executor is not None:
             self.executor.shutdown()
             self.executor = None
@@ -185,11 +204,13 @@ class LLMEngine:
         logger.info("warm-up done in %.2fs", seconds)
 
     # -- requests -------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    kv_transfer_params: dict | None = None) -> None:
         if request_id in self.parents:
             raise ValueError(f"duplicate request id {request_id!r}")
         text, ids = (prompt, self._encode(prompt)) if isinstance(prompt, str) else (None, list(prompt))
         self._check_params(params, ids)
+        transfer = self._check_transfer(KVTransferParams.from_dict(kv_transfer_params))
         made = [p for p in (f(params, ids) for f in self.processor_factories) if p is not None]
         if made:
             params = replace(params, logits_processors=list(params.logits_processors) + made)
@@ -199,12 +220,36 @@ class LLMEngine:
                 params, n=1, seed=None if params.seed is None else params.seed + i)
             child_id = request_id if params.n == 1 else f"{i}_{request_id}"
             children.append(Request(child_id, ids, child_params, self.eos_token_ids,
-                                    fork_of=children[0] if children else None))
+                                    fork_of=children[0] if children else None,
+                                    kv_transfer=transfer if not children else None))
         parent = _Parent(request_id, text, children)
         for child in children:
             self.scheduler.add(child)
             self.child_parent[child.request_id] = parent
         self.parents[request_id] = parent
+
+    def _check_transfer(self, p: KVTransferParams | None) -> KVTransferParams | None:
+        if p is None or not (p.do_remote_decode or p.do_remote_prefill):
+            return None
+        cfg = self.kv_transfer
+        if p.do_remote_decode and not (cfg and cfg.is_producer):
+            raise ValueError("kv_transfer_params.do_remote_decode needs a server started with "
+                             "--kv-transfer-config kv_role kv_producer or kv_both")
+        if p.do_remote_prefill and not (cfg and cfg.is_consumer):
+            raise ValueError("kv_transfer_params.do_remote_prefill needs a server started with "
+                             "--kv-transfer-config kv_role kv_consumer or kv_both")
+        if p.do_remote_prefill and len(p.remote_block_ids) != len(self.kv.groups):
+            raise ValueError(f"kv_transfer_params.remote_block_ids has {len(p.remote_block_ids)} lists; this "
+                             f"server has {len(self.kv.groups)} KV-cache groups (hybrid KV cache manager "
+                             f"settings must match)")
+        return p
+
+    def free_remote(self, request_id: str) -> bool:
+        """Prefill side: an explicit free from the proxy or decode (client gone, decode failed)."""
+        if self.connector is not None:
+            self.connector.released(request_id)
+            self.connector.stats.explicit_frees += 1
+        return self.scheduler.release_held(request_id)
 
     def _encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -234,21 +279,74 @@ class LLMEngine:
         for child in parent.children if parent else []:
             self.scheduler.abort(child.request_id)
             self.child_parent.pop(child.request_id, None)
+            if self.connector is not None:
+                self.connector.cancel(child.request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished
 
+    @property
+    def transfer_busy(self) -> bool:
+        """KV loads in flight or blocks held for decode servers (needs periodic polling)."""
+        return self.connector is not None and self.connector.busy
+
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        failed = self._poll_transfers()
         out = self.scheduler.schedule()
+        failed += self._start_loads(out)
         if out.is_empty:
-            return []
+            return self._failed_outputs(failed)
         step = self._step_input(out)
         logits = self._execute(step)
         sampled = self._sample(out, logits)
         self.scheduler.update(out, sampled)
         self.num_steps += 1
-        return self._outputs(out)
+        return self._outputs(out) + self._failed_outputs(failed)
+
+    def _poll_transfers(self) -> list[Request]:
+        """Finished KV loads (decode) and read-done notices / lease expiries (prefill)."""
+        if self.connector is None:
+            return []
+        failed = []
+        for request_id, error in self.connector.poll_loads():
+            req = self.scheduler.loading.get(request_id)
+            self.scheduler.finish_load(request_id, error, self.kv_transfer.kv_load_failure_policy == "recompute")
+            if req is not None and req.error:
+                failed.append(req)
+        for request_id in self.connector.read_done() + self.connector.expired():
+            self.connector.released(request_id)
+            self.scheduler.release_held(request_id)
+        return failed
+
+    def _start_loads(self, out: SchedulerOutput) -> list[Request]:
+        failed = []
+        for load in out.loads:
+            req = load.request
+            try:
+                self.connector.start_load(req.request_id, req.kv_transfer, self.kv.block_ids(req.request_id),
+                                          self.kv.groups, load.hit_tokens, req.num_prompt_tokens,
+                                          self.args.block_size)
+            except Exception as e:  # handshake/transport errors fail (or recompute) this request only
+                logger.error("KV load for %s failed to start: %s", req.request_id, e)
+                self.connector.stats.failed += 1
+                self.scheduler.finish_load(req.request_id, str(e),
+                                           self.kv_transfer.kv_load_failure_policy == "recompute")
+                if req.error:
+                    failed.append(req)
+        return failed
+
+    def _failed_outputs(self, failed: list[Request]) -> list[RequestOutput]:
+        outputs = []
+        for req in failed:
+            parent = self.child_parent.get(req.request_id)
+            if parent is not None:
+                out = self._request_output(parent)
+                out.error = req.error
+                outputs.append(out)
+                if out.finished:
+                    self._forget(parent)
+        return outputs
 
     def _step_input(self, out: SchedulerOutput) -> StepInput:
         token_ids, q_lens, starts, rows = [], [], [], []
@@ -342,10 +440,15 @@ class LLMEngine:
                 delta_logprobs=logprobs[sent:] if logprobs is not None else None))
             parent.sent[child.request_id] = len(child.output_token_ids)
         first = parent.children[0]
-        return RequestOutput(
+        out = RequestOutput(
             parent.request_id, parent.prompt, list(first.prompt_token_ids), outputs,
             first.prompt_logprobs if first.params.prompt_logprobs is not None else None,
             first.num_cached_tokens, all(o.finished for o in outputs))
+        if out.finished and first.remote_decode and first.request_id in self.scheduler.held:
+            out.kv_transfer_params = {"do_remote_prefill": True, "do_remote_decode": False,
+                                      "remote_block_ids": self.kv.block_ids(first.request_id),
+                                      **self.connector.hold(first.request_id)}
+        return out
 
     def _forget(self, parent: _Parent) -> None:
         self.parents.pop(parent.request_id, None)

@@ -38,7 +38,22 @@ def engine_stats(engine: Any) -> dict[str, float]:
         "num_preemptions": sched.num_preemptions,
         "num_steps": engine.num_steps,
         "padded_tokens": 0,
+        **transfer_stats(engine),
     }
+
+
+def transfer_stats(engine: Any) -> dict[str, float]:
+    c = engine.connector
+    if c is None:
+        return {}
+    held = sum(engine.kv.num_blocks_held(r) for r in engine.scheduler.held)
+    s = c.stats
+    return {"kv_transfers": s.transfers, "kv_transfer_failures": s.failed, "kv_transfer_bytes": s.bytes,
+            "kv_transfer_seconds": s.seconds, "kv_handshakes": s.handshakes,
+            "kv_handshake_errors": s.handshake_errors, "kv_transport_fallbacks": s.transport_fallbacks,
+            "kv_blocks_held_for_remote": held, "kv_requests_held_for_remote": len(engine.scheduler.held),
+            "kv_leases_expired": s.leases_expired, "kv_read_done_notices": s.read_done_notices,
+            "kv_loads_in_flight": len(c.loads)}
 
 
 def as_delta(out: RequestOutput) -> RequestOutput:
@@ -69,9 +84,11 @@ def run_engine_core(args: EngineArgs, conn: Connection, log_level: int = logging
 
 
 def _loop(engine: Any, conn: Connection) -> None:
+    last_stats: dict[str, float] = {}
     while True:
         if not engine.has_unfinished_requests():
-            conn.poll(None)                              # idle: sleep until a message
+            # idle: sleep until a message (or poll transfers/leases every 10 ms)
+            conn.poll(0.01 if engine.transfer_busy else None)
         while conn.poll(0):
             try:
                 message = conn.recv()
@@ -80,24 +97,30 @@ def _loop(engine: Any, conn: Connection) -> None:
             if message[0] == "shutdown":
                 return
             _handle(engine, conn, message)
-        if engine.has_unfinished_requests():
+        if engine.has_unfinished_requests() or engine.transfer_busy:
             try:
                 outputs = engine.step()
             except BaseException as e:
                 conn.send(("fatal", f"engine step failed: {type(e).__name__}: {e}"))
                 logger.error(traceback.format_exc())
                 return
-            conn.send(("outputs", [as_delta(o) for o in outputs], engine_stats(engine)))
+            stats = engine_stats(engine)
+            if outputs or stats != last_stats:
+                conn.send(("outputs", [as_delta(o) for o in outputs], stats))
+                last_stats = stats
 
 
 def _handle(engine: Any, conn: Connection, message: tuple) -> None:
     kind = message[0]
     if kind == "add":
-        _, request_id, prompt, params = message
+        _, request_id, prompt, params, kv_transfer_params = message
         try:
-            engine.add_request(request_id, prompt, params)
+            engine.add_request(request_id, prompt, params, kv_transfer_params)
         except ValueError as e:
             conn.send(("error", request_id, str(e)))
+    elif kind == "free_remote":
+        engine.free_remote(message[1])
+        conn.send(("outputs", [], engine_stats(engine)))
     elif kind == "abort":
         for request_id in message[1]:
             engine.abort_request(request_id)

@@ -87,15 +87,19 @@ class DataParallelEngine:
     def pick(self) -> AsyncEngine:
         return min(self.replicas, key=lambda r: (len(r.streams), r.stats.get("num_requests_waiting", 0)))
 
-    async def generate(self, request_id: str, prompt: list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
+                       kv_transfer_params: dict | None = None) -> AsyncIterator[RequestOutput]:
         replica = self.pick()
         self.placement[request_id] = replica
         try:
-            async for out in replica.generate(request_id, prompt, params):
+            async for out in replica.generate(request_id, prompt, params, kv_transfer_params):
                 yield out
         finally:
             self.placement.pop(request_id, None)
+
+    def free_remote(self, request_id: str) -> None:
+        for r in self.replicas:
+            r.free_remote(request_id)
 
     def abort(self, request_id: str) -> None:
         replica = self.placement.get(request_id)

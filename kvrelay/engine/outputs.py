@@ -33,3 +33,5 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int = 0
     finished: bool = False
+    kv_transfer_params: dict | None = None    # prefill side: where a decode server pulls the KV
+    error: str | None = None                  # a failed request (e.g. its KV transfer)

@@ -6,11 +6,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvrelay.disagg.params import KVTransferParams
 from kvrelay.sampling_params import SamplingParams
 
 
 class Status(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"   # decode: pulling the prompt's KV
     RUNNING = "running"
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
@@ -45,6 +47,8 @@ class Request:
     num_cached_tokens: int = 0                # prompt tokens served from the prefix cache
     generator: torch.Generator | None = None
     fork_of: Request | None = None            # n > 1: waits for this sibling's prompt KV
+    kv_transfer: KVTransferParams | None = None   # disaggregated serving (see kvrelay/disagg)
+    error: str | None = None                  # why an aborted request failed (reported to the client)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -58,6 +62,16 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def remote_prefill(self) -> bool:
+        """Decode side: the prompt's KV is to be pulled from a prefill server."""
+        return bool(self.kv_transfer and self.kv_transfer.do_remote_prefill)
+
+    @property
+    def remote_decode(self) -> bool:
+        """Prefill side: keep the KV blocks for a decode server when finished."""
+        return bool(self.kv_transfer and self.kv_transfer.do_remote_decode)
 
     @property
     def waits_for_sibling(self) -> bool:

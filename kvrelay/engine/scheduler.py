@@ -53,9 +53,17 @@ class ScheduledChunk:
 
 
 @dataclass
+class KVLoad:
+    """Decode side: pull the prompt's KV for tokens [hit_tokens, prompt_len - 1)."""
+    request: Request
+    hit_tokens: int
+
+
+@dataclass
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    loads: list[KVLoad] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -72,6 +80,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.loading: dict[str, Request] = {}        # decode: pulling remote KV
+        self.held: dict[str, Request] = {}           # prefill: finished, blocks kept for a decode
         self._arrivals = 0
         self.num_preemptions = 0
 
@@ -101,7 +111,7 @@ class Scheduler:
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     # -- one step -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -132,9 +142,13 @@ class Scheduler:
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
         for req in list(self.waiting):
-            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+            if budget <= 0 or self._num_active >= self.config.max_num_seqs:
                 break
             if req.waits_for_sibling:
+                continue
+            if req.remote_prefill:
+                if not self._admit_remote(req, out):
+                    break
                 continue
             tokens = req.all_token_ids
             hit = None
@@ -154,8 +168,60 @@ class Scheduler:
             budget -= n
         return budget
 
+    @property
+    def _num_active(self) -> int:
+        return len(self.running) + len(self.loading)
+
+    def _admit_remote(self, req: Request, out: SchedulerOutput) -> bool:
+        """Decode side: allocate the whole prompt (its own prefix hits first) and ask the
+        connector to pull the rest; the last prompt token is recomputed afterwards."""
+        P = req.num_prompt_tokens
+        hit = self.kv.find_prefix_hit(req.request_id, req.all_token_ids)
+        if not self.kv.allocate(req.request_id, P - 1, P, hit):
+            return False
+        self.waiting.remove(req)
+        req.status = Status.WAITING_FOR_REMOTE_KV
+        req.num_computed_tokens = hit.num_tokens
+        req.num_cached_tokens = hit.num_tokens
+        self.loading[req.request_id] = req
+        out.loads.append(KVLoad(req, hit.num_tokens))
+        return True
+
+    def finish_load(self, request_id: str, error: str | None, recompute: bool) -> None:
+        """A remote KV load ended: the request runs from its last prompt token, or (on
+        failure) recomputes its prompt locally or fails, per the failure policy."""
+        req = self.loading.pop(request_id, None)
+        if req is None:
+            return                                      # aborted meanwhile
+        if error is None:
+            req.num_computed_tokens = req.num_prompt_tokens - 1
+            self.kv.cache_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
+            req.status = Status.RUNNING
+            self.running.append(req)
+            return
+        if recompute:
+            logger.warning("KV load for %s failed (%s); recomputing the prompt locally", request_id, error)
+            self.kv.free(request_id)
+            req.kv_transfer = None
+            req.num_computed_tokens = 0
+            req.status = Status.WAITING
+            self.waiting.appendleft(req)
+            return
+        req.error = f"KV transfer from the prefill server failed: {error}"
+        self._finish(req, Status.FINISHED_ABORTED)
+
+    def release_held(self, request_id: str) -> bool:
+        """Prefill side: free the blocks kept for a remote decode (read done, explicit
+        free, or lease expired). Returns whether anything was held."""
+        if self.held.pop(request_id, None) is None:
+            return False
+        self.kv.free(request_id)
+        return True
+
     def _preempt(self, req: Request) -> None:
         self.kv.free(req.request_id)
+        if req.remote_prefill:
+            req.kv_transfer = None                       # its pulled KV is gone: recompute locally
         req.status = Status.WAITING
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -210,5 +276,9 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        self.loading.pop(req.request_id, None)
         self.requests.pop(req.request_id, None)
+        if req.remote_decode and status is not Status.FINISHED_ABORTED:
+            self.held[req.request_id] = req              # the decode server will read these blocks
+            return
         self.kv.free(req.request_id)

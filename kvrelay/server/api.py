@@ -21,7 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvrelay.engine.async_client import AsyncEngine, EngineDeadError, EngineError
+from kvrelay.engine.async_client import AsyncEngine, EngineDeadError, EngineError, KVTransferFailed
 from kvrelay.engine.outputs import RequestOutput
 from kvrelay.model.tokenizer import CheckpointTokenizer
 from kvrelay.sampling_params import SamplingParams
@@ -262,6 +262,11 @@ def build_app(state: ServerState) -> FastAPI:
             message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
         return JSONResponse(OpenAIError(message, param=".".join(loc) or None).body(), status_code=400)
 
+    @app.exception_handler(KVTransferFailed)
+    async def _kv_failed(_: Request, exc: KVTransferFailed) -> JSONResponse:
+        body = {"error": {"message": str(exc), "type": "KVTransferError", "param": None, "code": 502}}
+        return JSONResponse(body, status_code=502)
+
     @app.exception_handler(EngineDeadError)
     async def _engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
         body = {"error": {"message": str(exc), "type": "ServiceUnavailableError", "param": None, "code": 503}}
@@ -314,7 +319,10 @@ def build_app(state: ServerState) -> FastAPI:
             params.append(_sampling(state, body, max_tokens, body.logprobs, body.prompt_logprobs))
         base_id = f"cmpl-{request.state.request_id}"
         created = int(time.time())
-        gens = [state.engine.generate(f"{base_id}-{i}", ids, p) for i, ((_, ids), p) in enumerate(zip(prompts, params))]
+        if body.kv_transfer_params and len(prompts) > 1:
+            raise OpenAIError("kv_transfer_params needs a single prompt", param="prompt")
+        gens = [state.engine.generate(f"{base_id}-{i}", ids, p, body.kv_transfer_params)
+                for i, ((_, ids), p) in enumerate(zip(prompts, params))]
         if body.stream:
             return StreamingResponse(_stream_completions(state, body, model, base_id, created, prompts, gens),
                                      media_type="text/event-stream")
@@ -333,7 +341,7 @@ def build_app(state: ServerState) -> FastAPI:
         return {"id": base_id, "object": "text_completion", "created": created, "model": model,
                 "choices": choices, "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                                               "total_tokens": prompt_tokens + completion_tokens},
-                **({"kv_transfer_params": None} if body.kv_transfer_params else {})}
+                **({"kv_transfer_params": finals[0].kv_transfer_params} if body.kv_transfer_params else {})}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -347,7 +355,7 @@ def build_app(state: ServerState) -> FastAPI:
                            extra_stop_ids=rendered.stop_token_ids)
         base_id = f"chatcmpl-{request.state.request_id}"
         created = int(time.time())
-        gen = state.engine.generate(base_id, rendered.prompt_ids, params)
+        gen = state.engine.generate(base_id, rendered.prompt_ids, params, body.kv_transfer_params)
         if body.stream:
             return StreamingResponse(_stream_chat(state, body, model, base_id, created, rendered, gen),
                                      media_type="text/event-stream")
@@ -366,7 +374,20 @@ def build_app(state: ServerState) -> FastAPI:
         prompt_tokens = len(rendered.prompt_ids)
         return {"id": base_id, "object": "chat.completion", "created": created, "model": model,
                 "choices": choices, "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                                              "total_tokens": prompt_tokens + completion_tokens}}
+                                              "total_tokens": prompt_tokens + completion_tokens},
+                **({"kv_transfer_params": final.kv_transfer_params} if body.kv_transfer_params else {})}
+
+    @app.post("/v1/kv_transfer/free")
+    async def kv_transfer_free(request: Request):
+        """Prefill side: release blocks held for a decode that will not read them."""
+        try:
+            body = await request.json()
+            request_id = body["remote_request_id"]
+            assert isinstance(request_id, str) and request_id
+        except Exception:
+            raise OpenAIError("expected {\"remote_request_id\": \"...\"}", param="remote_request_id") from None
+        state.engine.free_remote(request_id)
+        return {"ok": True}
 
     return app
 
@@ -417,8 +438,9 @@ async def _stream_completions(state: ServerState, body: CompletionRequest, model
         yield _sse(OpenAIError(str(e)).body())
         yield "data: [DONE]\n\n"
         return
-    except EngineDeadError as e:
-        yield _sse({"error": {"message": str(e), "type": "ServiceUnavailableError", "param": None, "code": 503}})
+    except (EngineDeadError, KVTransferFailed) as e:
+        kind, code = ("KVTransferError", 502) if isinstance(e, KVTransferFailed) else ("ServiceUnavailableError", 503)
+        yield _sse({"error": {"message": str(e), "type": kind, "param": None, "code": code}})
         yield "data: [DONE]\n\n"
         return
     if body.stream_options and body.stream_options.include_usage:
@@ -461,8 +483,9 @@ async def _stream_chat(state: ServerState, body: ChatCompletionRequest, model: s
                 timing.finished(len(rendered.prompt_ids), [o.finish_reason for o in out.outputs])
     except EngineError as e:
         yield _sse(OpenAIError(str(e)).body())
-    except EngineDeadError as e:
-        yield _sse({"error": {"message": str(e), "type": "ServiceUnavailableError", "param": None, "code": 503}})
+    except (EngineDeadError, KVTransferFailed) as e:
+        kind, code = ("KVTransferError", 502) if isinstance(e, KVTransferFailed) else ("ServiceUnavailableError", 503)
+        yield _sse({"error": {"message": str(e), "type": kind, "param": None, "code": code}})
     else:
         if body.stream_options and body.stream_options.include_usage:
             prompt_tokens = len(rendered.prompt_ids)

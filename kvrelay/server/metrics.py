@@ -45,6 +45,18 @@ class _EngineCollector(Collector):
         yield gauge("kvrelay:kv_blocks_total", "Usable KV blocks.", s.get("blocks_total", 0))
         yield counter("kvrelay:bucket_padding_tokens", "Tokens of padding added to reach a bucket.", s.get("padded_tokens", 0))
         yield counter("kvrelay:engine_steps", "Engine steps run.", s.get("num_steps", 0))
+        if "kv_transfers" in s:
+            yield counter("kvrelay:kv_transfers", "KV loads completed (decode side).", s["kv_transfers"])
+            yield counter("kvrelay:kv_transfer_failures", "KV loads that failed.", s["kv_transfer_failures"])
+            yield counter("kvrelay:kv_transfer_bytes", "Bytes of KV pulled.", s["kv_transfer_bytes"])
+            yield counter("kvrelay:kv_transfer_seconds", "Seconds spent pulling KV.", s["kv_transfer_seconds"])
+            yield counter("kvrelay:kv_handshakes", "Side-channel handshakes done.", s["kv_handshakes"])
+            yield counter("kvrelay:kv_handshake_errors", "Side-channel handshakes refused.", s["kv_handshake_errors"])
+            yield gauge("kvrelay:kv_transport_fallback", "1 if the requested KV backend fell back.", s["kv_transport_fallbacks"])
+            yield gauge("kvrelay:kv_blocks_held_for_remote", "Blocks kept for decode servers (prefill).", s["kv_blocks_held_for_remote"])
+            yield gauge("kvrelay:kv_requests_held_for_remote", "Requests whose KV awaits a decode read.", s["kv_requests_held_for_remote"])
+            yield counter("kvrelay:kv_leases_expired", "Held requests freed by lease expiry.", s["kv_leases_expired"])
+            yield counter("kvrelay:kv_read_done_notices", "Held requests freed by decode's read-done notice.", s["kv_read_done_notices"])
 
 
 class ServerMetrics:

@@ -1,0 +1,103 @@
+"""`kv_transfer_params` (vLLM's wire format) and `--kv-transfer-config`, as dataclasses.
+
+    proxy → prefill:  {"do_remote_decode": true, "do_remote_prefill": false, remote_*: null}
+    prefill → proxy:  {"do_remote_prefill": true, "do_remote_decode": false, "remote_engine_id",
+                       "remote_block_ids": [[...full group...], [...sliding group...]],
+                       "remote_host", "remote_port", "remote_request_id", "tp_size"}
+    proxy → decode:   the prefill's params, unchanged
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+ROLES = ("kv_producer", "kv_consumer", "kv_both")
+FAILURE_POLICIES = ("fail", "recompute")
+
+
+@dataclass(frozen=True)
+class KVTransferParams:
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    remote_engine_id: str | None = None
+    remote_block_ids: list[list[int]] | None = None
+    remote_host: str | None = None
+    remote_port: int | None = None
+    remote_request_id: str | None = None
+    tp_size: int | None = None
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> KVTransferParams | None:
+        if raw is None:
+            return None
+        if not isinstance(raw, dict):
+            raise ValueError("kv_transfer_params must be an object")
+        p = cls(**{k: raw.get(k) for k in cls.__dataclass_fields__ if k in raw})
+        if p.do_remote_prefill:
+            missing = [k for k in ("remote_engine_id", "remote_block_ids", "remote_host", "remote_port",
+                                   "remote_request_id") if getattr(p, k) in (None, "")]
+            if missing:
+                raise ValueError(f"kv_transfer_params.do_remote_prefill needs {', '.join(missing)}")
+            ids = p.remote_block_ids
+            if not isinstance(ids, list) or not all(isinstance(g, list) and all(isinstance(b, int) and b >= 0
+                                                                               for b in g) for g in ids):
+                raise ValueError("kv_transfer_params.remote_block_ids must be a list of block-id lists "
+                                 "(one per KV-cache group)")
+            if not isinstance(p.remote_port, int) or not 0 < p.remote_port < 65536:
+                raise ValueError("kv_transfer_params.remote_port must be a TCP port")
+        return p
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    kv_connector: str = "NixlConnector"
+    kv_role: str = "kv_both"
+    kv_buffer_device: str = "cuda"
+    backends: tuple[str, ...] = ("UCX",)
+    kv_load_failure_policy: str = "fail"
+    lease_s: float = 120.0                 # prefill frees held blocks at the latest after this
+    load_timeout_s: float = 60.0           # decode gives up waiting for a transfer after this
+    engine_id: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any] | None) -> KVTransferConfig | None:
+        if raw is None:
+            return None
+        known = {"kv_connector", "kv_role", "kv_buffer_device", "kv_connector_extra_config",
+                 "kv_load_failure_policy", "engine_id", "kv_rank", "kv_parallel_size", "kv_ip", "kv_port"}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"--kv-transfer-config: unknown key {unknown[0]!r}")
+        if raw.get("kv_connector", "NixlConnector") not in ("NixlConnector", "TcpConnector"):
+            raise ValueError(f"--kv-transfer-config: kv_connector {raw['kv_connector']!r} is not supported "
+                             f"(NixlConnector or TcpConnector)")
+        role = raw.get("kv_role", "kv_both")
+        if role not in ROLES:
+            raise ValueError(f"--kv-transfer-config: kv_role must be one of {', '.join(ROLES)}, got {role!r}")
+        device = raw.get("kv_buffer_device", "cuda")
+        if device not in ("cuda", "cpu"):
+            raise ValueError(f"--kv-transfer-config: kv_buffer_device must be cuda or cpu, got {device!r}")
+        extra = dict(raw.get("kv_connector_extra_config") or {})
+        policy = raw.get("kv_load_failure_policy", extra.pop("kv_load_failure_policy", "fail"))
+        if policy not in FAILURE_POLICIES:
+            raise ValueError(f"--kv-transfer-config: kv_load_failure_policy must be fail or recompute, "
+                             f"got {policy!r}")
+        backends = extra.pop("backends", ["UCX"] if raw.get("kv_connector") != "TcpConnector" else ["TCP"])
+        if not isinstance(backends, list) or not backends:
+            raise ValueError("--kv-transfer-config: kv_connector_extra_config.backends must be a non-empty list")
+        return cls(kv_connector=raw.get("kv_connector", "NixlConnector"), kv_role=role, kv_buffer_device=device,
+                   backends=tuple(str(b).upper() for b in backends), kv_load_failure_policy=policy,
+                   lease_s=float(extra.pop("lease_s", 120.0)), load_timeout_s=float(extra.pop("load_timeout_s", 60.0)),
+                   engine_id=raw.get("engine_id"), extra=extra)

@@ -1,0 +1,167 @@
+"""Backends, how the proxy picks them, and how it rewrites request bodies.
+
+Pure bookkeeping (no I/O), so the rules are unit-tested with exact values:
+
+- `expand_endpoints`: the `--prefiller-host/--prefiller-port` (and decoder) pairing rules.
+- `RoundRobin` (prefill) and `LeastInFlight` (decode): an ordered list of backends to try.
+- `prefill_body` / `decode_body`: the vLLM-compatible KV-transfer wire format.
+"""
+from __future__ import annotations
+
+import copy
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+# What the proxy asks a prefill server for: compute the prompt's KV, keep it for a remote decode.
+PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+# Sampling fields a one-token prefill must not see (vLLM's proxy drops them too).
+PREFILL_DROPPED_FIELDS = ("stream_options", "min_tokens", "min_completion_tokens")
+# Addresses a prefill may advertise that a decode server cannot dial.
+UNROUTABLE_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]"})
+# After a connection failure a backend is tried last for this long (the others first).
+COOLDOWN_S = 5.0
+
+
+class EndpointError(ValueError):
+    """A host/port flag combination that does not describe a set of servers."""
+
+
+@dataclass(eq=False)
+class Backend:
+    """One prefill or decode server, with its shared HTTP client and live counters."""
+
+    role: str                      # "prefill" | "decode"
+    host: str
+    port: int
+    client: httpx.AsyncClient | None = None
+    in_flight: int = 0
+    failures: int = 0
+    down_until: float = 0.0        # monotonic time until which it is tried last
+
+    @property
+    def name(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def cooling(self, now: float | None = None) -> bool:
+        return (time.monotonic() if now is None else now) < self.down_until
+
+    def mark_failed(self) -> None:
+        self.failures += 1
+        self.down_until = time.monotonic() + COOLDOWN_S
+
+    def mark_ok(self) -> None:
+        self.down_until = 0.0
+
+
+def expand_endpoints(hosts: list[str], ports: list[int], flag: str) -> list[tuple[str, int]]:
+    """Pair `--{flag}-host` values with `--{flag}-port` values.
+
+    one host + N ports → N servers on that host; N hosts + N ports → pairs;
+    N hosts + 1 port → each host on that port. Anything else is an `EndpointError`.
+    """
+    if not hosts or not ports:
+        raise EndpointError(f"--{flag}-host and --{flag}-port each need at least one value")
+    if len(hosts) == len(ports):
+        pairs = list(zip(hosts, ports))
+    elif len(hosts) == 1:
+        pairs = [(hosts[0], p) for p in ports]
+    elif len(ports) == 1:
+        pairs = [(h, ports[0]) for h in hosts]
+    else:
+        raise EndpointError(
+            f"--{flag}-host has {len(hosts)} values and --{flag}-port has {len(ports)}: "
+            f"give one host, one port, or as many hosts as ports")
+    for host, port in pairs:
+        if not host:
+            raise EndpointError(f"--{flag}-host: empty host name")
+        if not 1 <= port <= 65535:
+            raise EndpointError(f"--{flag}-port: {port} is not a TCP port (1-65535)")
+    dupes = sorted({f"{h}:{p}" for h, p in pairs if pairs.count((h, p)) > 1})
+    if dupes:
+        raise EndpointError(f"--{flag}-host/--{flag}-port: {', '.join(dupes)} listed twice")
+    return pairs
+
+
+@dataclass
+class RoundRobin:
+    """Each call starts one server further along; servers cooling down after a
+    connection failure go to the end of the list (still tried when all else fails)."""
+
+    backends: list[Backend]
+    _counter: itertools.count = field(default_factory=itertools.count, repr=False)
+
+    def order(self) -> list[Backend]:
+        start = next(self._counter) % len(self.backends)
+        rotated = self.backends[start:] + self.backends[:start]
+        now = time.monotonic()
+        return sorted(rotated, key=lambda b: b.cooling(now))     # stable: keeps the rotation
+
+
+@dataclass
+class LeastInFlight:
+    """Fewest requests in flight first; ties broken round-robin; cooling servers last."""
+
+    backends: list[Backend]
+    _counter: itertools.count = field(default_factory=itertools.count, repr=False)
+
+    def order(self) -> list[Backend]:
+        start = next(self._counter) % len(self.backends)
+        n = len(self.backends)
+        now = time.monotonic()
+        ranked = sorted(range(n), key=lambda i: (self.backends[i].cooling(now), self.backends[i].in_flight,
+                                                 (i - start) % n))
+        return [self.backends[i] for i in ranked]
+
+
+def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The client's body as the prefill server gets it: one token, not streamed, KV kept."""
+    out = copy.deepcopy(body)
+    for name in PREFILL_DROPPED_FIELDS:
+        out.pop(name, None)
+    out["max_tokens"] = 1
+    if "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    out["stream"] = False
+    out["kv_transfer_params"] = dict(PREFILL_KV_TRANSFER_PARAMS)
+    return out
+
+
+def routable_kv_params(kv_params: dict[str, Any], prefill_host: str) -> dict[str, Any]:
+    """The prefill's `kv_transfer_params` with a wildcard/empty `remote_host` replaced by
+    the prefill host the proxy reached (so decode can dial it)."""
+    out = dict(kv_params)
+    host = out.get("remote_host")
+    if host is None or (isinstance(host, str) and host.strip() in UNROUTABLE_HOSTS):
+        out["remote_host"] = prefill_host
+    return out
+
+
+def decode_body(body: dict[str, Any], kv_params: dict[str, Any]) -> dict[str, Any]:
+    """The client's original body with the prefill's `kv_transfer_params`."""
+    out = dict(body)
+    out["kv_transfer_params"] = kv_params
+    return out
+
+
+def free_notice(kv_params: dict[str, Any]) -> dict[str, Any] | None:
+    """Body of `POST /v1/kv_transfer/free` to the prefill, or None when there is no id."""
+    if not kv_params.get("remote_request_id"):
+        return None
+    return {"remote_request_id": kv_params["remote_request_id"],
+            "remote_engine_id": kv_params.get("remote_engine_id")}
