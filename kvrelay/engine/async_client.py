@@ -12,7 +12,7 @@ import multiprocessing as mp
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvrelay.config import EngineArgs
@@ -39,6 +39,12 @@ class EngineDeadError(RuntimeError):
 class _Stream:
     queue: asyncio.Queue
     accumulated: RequestOutput | None = None
+
+
+def _snapshot(out: RequestOutput) -> RequestOutput:
+    """Own copies of the per-step fields (deltas, finish reasons); the cumulative token
+    and logprob lists are shared and only final outputs should read them."""
+    return replace(out, outputs=[replace(o) for o in out.outputs])
 
 
 class AsyncEngine:
@@ -103,7 +109,8 @@ class AsyncEngine:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     raise item
-                out = self._accumulate(stream, item)
+                # a snapshot: consumers may read it after the next delta has arrived
+                out = _snapshot(self._accumulate(stream, item))
                 finished = out.finished
                 if out.error:
                     raise KVTransferFailed(out.error)

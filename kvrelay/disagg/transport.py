@@ -1,0 +1,290 @@
+"""The KV transport: one-sided, batched reads of registered KV memory from a peer.
+
+One `KVTransport` per rank. The producer (prefill) registers its KV tensors and
+publishes `metadata()` over the side channel; the consumer (decode) registers its own
+KV tensors, `add_peer`s the producer's metadata and pulls bytes with `start_read`,
+polling the returned handle until it is done. When a read completes, the producer
+receives the read's `notify` message through `take_notifications()` (the signal that
+its blocks may be freed).
+
+A `ReadDesc` names a region by index (the same index on both sides: the i-th
+registered tensor) and byte offsets into it on each side. Every descriptor is checked
+against both sides' registered regions before anything moves: a bad one is a
+`TransferError`, never an out-of-bounds access.
+
+Implementations: `NixlTransport` (NIXL, normally its UCX backend; `nixl.py`) and
+`TcpTransport` (plain TCP scatter/gather, for machines without NIXL; `tcp.py`).
+`make_transport` picks one from the configured backend names, falling back (with a
+logged WARNING and `.fallback_from` set) when the requested one is unavailable.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+METADATA_VERSION = 1
+MAX_NOTIFY_BYTES = 64 * 1024
+
+
+class TransferError(RuntimeError):
+    """A KV transfer (or its setup) failed; the message says what and where."""
+
+
+class TransportUnavailable(RuntimeError):
+    """The requested transport (NIXL, or one of its backends) cannot be used here."""
+
+
+@dataclass(frozen=True)
+class Region:
+    """One registered memory region (a KV tensor)."""
+    addr: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class ReadDesc:
+    """Copy `nbytes` from the peer's region `region` at `remote_offset` into this side's
+    region `region` at `local_offset`."""
+    region: int
+    remote_offset: int
+    local_offset: int
+    nbytes: int
+
+
+@dataclass(eq=False)
+class ReadHandle:
+    """What `start_read` returns. Timing fields are for metrics (monotonic seconds)."""
+    peer_id: str
+    num_descs: int
+    nbytes: int
+    started_at: float = field(default_factory=time.monotonic)
+    finished_at: float | None = None
+    released: bool = False
+    error: str | None = None
+
+    @property
+    def seconds(self) -> float | None:
+        return None if self.finished_at is None else self.finished_at - self.started_at
+
+
+class KVTransport(ABC):
+    """One per rank. Safe to call from several threads (each method takes a lock)."""
+
+    name: str                       # "nixl" | "tcp"
+    fallback_from: str | None = None    # set by make_transport when it fell back
+
+    @abstractmethod
+    def register(self, tensors: list[torch.Tensor]) -> None:
+        """Register the KV tensors (contiguous, CPU or CUDA), once."""
+
+    @property
+    @abstractmethod
+    def regions(self) -> list[Region]:
+        """This side's registered regions, in registration order."""
+
+    @abstractmethod
+    def metadata(self) -> dict:
+        """JSON-able: what a peer needs to read from this side."""
+
+    @abstractmethod
+    def add_peer(self, peer_id: str, metadata: dict) -> None:
+        """Make a remote transport readable (idempotent; new metadata replaces old)."""
+
+    @abstractmethod
+    def has_peer(self, peer_id: str) -> bool: ...
+
+    @abstractmethod
+    def remove_peer(self, peer_id: str) -> None: ...
+
+    @abstractmethod
+    def start_read(self, peer_id: str, descs: Sequence[ReadDesc], notify: bytes) -> ReadHandle:
+        """Start one batched one-sided READ; `notify` reaches the peer when it is done.
+        An empty `descs` only delivers `notify`."""
+
+    @abstractmethod
+    def poll(self, handle: ReadHandle) -> str:
+        """"pending" or "done"; raises TransferError if the read failed."""
+
+    @abstractmethod
+    def release(self, handle: ReadHandle) -> None:
+        """Free the handle; an unfinished read is cancelled first (best effort for NIXL;
+        for TCP no byte lands in local memory after release returns)."""
+
+    @abstractmethod
+    def take_notifications(self) -> list[bytes]:
+        """Producer side: notify messages of reads that peers completed since last call."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    def wait(self, handle: ReadHandle, timeout: float = 30.0, interval: float = 0.0005) -> None:
+        """Poll until done (tests, tools); TransferError on failure or timeout."""
+        deadline = time.monotonic() + timeout
+        while self.poll(handle) != "done":
+            if time.monotonic() > deadline:
+                raise TransferError(f"KV read from peer {handle.peer_id!r} not done after {timeout:.0f}s")
+            time.sleep(interval)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------------------------------
+# helpers shared by the implementations
+
+
+def tensor_regions(tensors: Sequence[torch.Tensor]) -> list[Region]:
+    """Regions of `tensors`, checking that they can be registered."""
+    if not tensors:
+        raise ValueError("register() needs at least one tensor")
+    device_type = tensors[0].device.type
+    out = []
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"KV region {i}: expected a torch.Tensor, got {type(t).__name__}")
+        if not t.is_contiguous():
+            raise ValueError(f"KV region {i}: tensor must be contiguous (shape {tuple(t.shape)})")
+        if t.device.type != device_type:
+            raise ValueError(f"KV region {i}: all tensors must be on one device type "
+                             f"({t.device} vs {tensors[0].device})")
+        if t.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"KV region {i}: device {t.device} is not supported (cpu or cuda)")
+        nbytes = t.numel() * t.element_size()
+        if nbytes == 0:
+            raise ValueError(f"KV region {i}: tensor is empty")
+        out.append(Region(addr=t.data_ptr(), nbytes=nbytes))
+    return out
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def check_descs(descs: Sequence[ReadDesc], local: Sequence[int], remote: Sequence[int],
+                peer_id: str) -> int:
+    """Check every descriptor against the local and remote region sizes; total bytes."""
+    total = 0
+    for i, d in enumerate(descs):
+        if not isinstance(d, ReadDesc):
+            raise TransferError(f"read from peer {peer_id!r}: descriptor {i} is a "
+                                f"{type(d).__name__}, not a ReadDesc")
+        if not all(_is_int(v) for v in (d.region, d.remote_offset, d.local_offset, d.nbytes)):
+            raise TransferError(f"read from peer {peer_id!r}: descriptor {i} has non-integer fields: {d}")
+        if d.nbytes <= 0 or d.remote_offset < 0 or d.local_offset < 0:
+            raise TransferError(f"read from peer {peer_id!r}: descriptor {i} has a negative offset "
+                                f"or non-positive size: {d}")
+        if not 0 <= d.region < len(local):
+            raise TransferError(f"read from peer {peer_id!r}: descriptor {i} names region {d.region}, "
+                                f"but this side registered {len(local)} regions")
+        if d.region >= len(remote):
+            raise TransferError(f"read from peer {peer_id!r}: descriptor {i} names region {d.region}, "
+                                f"but the peer registered {len(remote)} regions")
+        if d.local_offset + d.nbytes > local[d.region]:
+            raise TransferError(f"read from peer {peer_id!r}: descriptor {i} writes bytes "
+                                f"[{d.local_offset}, {d.local_offset + d.nbytes}) of local region "
+                                f"{d.region}, which has {local[d.region]} bytes")
+        if d.remote_offset + d.nbytes > remote[d.region]:
+            raise TransferError(f"read from peer {peer_id!r}: descriptor {i} reads bytes "
+                                f"[{d.remote_offset}, {d.remote_offset + d.nbytes}) of the peer's "
+                                f"region {d.region}, which has {remote[d.region]} bytes")
+        total += d.nbytes
+    return total
+
+
+def check_notify(notify: bytes) -> bytes:
+    if isinstance(notify, str):
+        notify = notify.encode()
+    if not isinstance(notify, (bytes, bytearray, memoryview)):
+        raise TransferError(f"notify must be bytes, got {type(notify).__name__}")
+    notify = bytes(notify)
+    if len(notify) > MAX_NOTIFY_BYTES:
+        raise TransferError(f"notify message of {len(notify)} bytes exceeds {MAX_NOTIFY_BYTES}")
+    return notify
+
+
+def check_metadata(metadata: object, expected: str, peer_id: str) -> dict:
+    """Common checks of a peer's metadata dict."""
+    if not isinstance(metadata, dict):
+        raise TransferError(f"peer {peer_id!r}: transport metadata must be a dict, "
+                            f"got {type(metadata).__name__}")
+    kind = metadata.get("transport")
+    if kind != expected:
+        raise TransferError(
+            f"peer {peer_id!r} uses KV transport {kind!r} but this side uses {expected!r}: both "
+            f"sides must use the same transport (check the kv_connector_extra_config backends and "
+            f"whether NIXL is installed on both hosts)")
+    if metadata.get("version") != METADATA_VERSION:
+        raise TransferError(f"peer {peer_id!r}: transport metadata version "
+                            f"{metadata.get('version')!r}, this side speaks {METADATA_VERSION}")
+    return metadata
+
+
+# ---------------------------------------------------------------------------------------
+# choosing a transport
+
+def make_transport(backends: Sequence[str] | None = None, *, agent_name: str | None = None,
+                   backend_options: dict[str, dict[str, str]] | None = None,
+                   host: str = "127.0.0.1", port: int = 0) -> KVTransport:
+    """The transport for `backends` (vLLM's `kv_connector_extra_config["backends"]`,
+    default ["UCX"]).
+
+    - ["TCP"] → TcpTransport(host, port).
+    - NIXL backends (["UCX"], ["LIBFABRIC"], several) → NixlTransport with those whose
+      plugins load; if none loads, NIXL UCX; if NIXL is missing or UCX does not load
+      either, TcpTransport. Each fallback logs a WARNING naming what was asked for and
+      what is used, and sets `.fallback_from` to the requested names ("LIBFABRIC",
+      "UCX", "LIBFABRIC,UCX") so the caller can count it in a metric.
+
+    `host`/`port` are where a TcpTransport listens (it serves reads to peers).
+    """
+    from kvrelay.disagg.tcp import TcpTransport
+
+    requested = [str(b).upper() for b in (backends or ["UCX"])]
+    if not requested:
+        requested = ["UCX"]
+    asked = ",".join(requested)
+    if requested == ["TCP"]:
+        return TcpTransport(host=host, port=port)
+    if "TCP" in requested:
+        raise ValueError(f"KV transport backends {requested}: TCP cannot be combined with NIXL backends")
+
+    from kvrelay.disagg import nixl as nixl_mod
+
+    missing = nixl_mod.nixl_import_error()
+    if missing is not None:
+        logger.warning("KV transfer: NIXL backend %s requested but NIXL is not installed (%s); "
+                       "falling back to kvrelay's TCP transport. Install NIXL with `pip install "
+                       "nixl-cu12==1.5.1 && pip install --no-deps nixl==1.5.1`.", asked, missing)
+        t = TcpTransport(host=host, port=port)
+        t.fallback_from = asked
+        return t
+
+    try:
+        return nixl_mod.NixlTransport(agent_name, backends=requested, backend_options=backend_options)
+    except TransportUnavailable as e:
+        reason = str(e)
+    if requested != ["UCX"]:
+        try:
+            t = nixl_mod.NixlTransport(agent_name, backends=["UCX"], backend_options=backend_options)
+        except TransportUnavailable as e:
+            reason += f"; UCX: {e}"
+        else:
+            logger.warning("KV transfer: NIXL backend %s is not available here (%s); falling back "
+                           "to NIXL UCX.", asked, reason)
+            t.fallback_from = asked
+            return t
+    logger.warning("KV transfer: NIXL backend %s is not available here (%s); falling back to "
+                   "kvrelay's TCP transport.", asked, reason)
+    t = TcpTransport(host=host, port=port)
+    t.fallback_from = asked
+    return t

@@ -1,0 +1,574 @@
+"""The disaggregated prefill/decode proxy (`kvrelay proxy`): FastAPI app.
+
+One completion or chat request, vLLM's wire format:
+
+```
+client ──POST /v1/completions──▶ proxy        X-Request-Id: the client's, else a new uuid
+                                   │
+   1. prefill (round-robin; a server that cannot be reached or answers 5xx is skipped)
+                                   ├──▶ prefill  body: max_tokens 1, stream false, no stream_options /
+                                   │             min_tokens / min_completion_tokens,
+                                   │             kv_transfer_params {do_remote_decode: true, ...null}
+                                   │◀── 200 {..., kv_transfer_params {do_remote_prefill: true,
+                                   │        remote_engine_id, remote_block_ids, remote_host,
+                                   │        remote_port, remote_request_id, tp_size}}
+                                   │    4xx → returned to the client as is (no decode)
+                                   │    every server down / 5xx → 503
+   2. decode (least in-flight, ties round-robin; unreachable → the next one)
+                                   ├──▶ decode   the ORIGINAL body + the prefill's kv_transfer_params
+                                   │             (remote_host 0.0.0.0/empty → the prefill host used)
+client ◀── SSE chunks / JSON ──────┘◀── decode pulls the KV over NIXL and streams; relayed unbuffered
+```
+
+Failures after a successful prefill (decode unreachable, decode error status, stream cut,
+client gone) send a best-effort `POST /v1/kv_transfer/free {remote_request_id,
+remote_engine_id}` to that prefill server so it frees the blocks it holds for decode.
+A client that disconnects cancels the backend request in flight (the backend sees its
+connection close and aborts).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import anyio
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.requests import ClientDisconnect
+from starlette.types import Receive, Scope, Send
+
+from kvrelay.proxy.routing import (Backend, LeastInFlight, RoundRobin, decode_body, free_notice,
+                                   prefill_body, routable_kv_params)
+
+logger = logging.getLogger("kvrelay.proxy")
+T = TypeVar("T")
+
+CONNECT_TIMEOUT_S = 5.0
+WRITE_TIMEOUT_S = 60.0
+HEALTH_TIMEOUT_S = 2.0
+FREE_TIMEOUT_S = 5.0
+MAX_CONNECTIONS = 1024           # per backend
+MAX_KEEPALIVE = 256
+MAX_BODY_BYTES = 32 * 2**20
+FREE_PATH = "/v1/kv_transfer/free"
+CLIENT_CLOSED = 499              # nginx's "client closed request", for metrics and logs
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                   20.0, 40.0, 80.0, 160.0, 320.0)
+
+
+class ClientGone(Exception):
+    """The client closed its connection while the proxy was waiting on a backend."""
+
+
+class _StreamCut(RuntimeError):
+    """The decode stream broke mid-event; the client connection is dropped."""
+
+
+# ---------------------------------------------------------------------------- metrics
+
+class ProxyMetrics:
+    """`kvrelay_proxy:*` metrics in a registry of this app's own."""
+
+    def __init__(self, backends: list[Backend]) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("kvrelay_proxy:requests", "Client requests by endpoint and status returned.",
+                                ["endpoint", "status"], registry=r)
+        self.in_flight = Gauge("kvrelay_proxy:backend_in_flight", "Requests in flight per backend server.",
+                               ["role", "backend"], registry=r)
+        self.prefill_latency = Histogram("kvrelay_proxy:prefill_latency_seconds",
+                                         "Prefill leg: request sent to response read.", ["backend"],
+                                         buckets=LATENCY_BUCKETS, registry=r)
+        self.decode_latency = Histogram("kvrelay_proxy:decode_latency_seconds",
+                                        "Decode leg: request sent to last byte relayed.", ["backend"],
+                                        buckets=LATENCY_BUCKETS, registry=r)
+        self.failures = Counter("kvrelay_proxy:backend_failures", "Backend attempts that failed, by reason.",
+                                ["role", "backend", "reason"], registry=r)
+        self.free_notices = Counter("kvrelay_proxy:kv_free_notices",
+                                    "Free notices sent to prefill servers after a failed decode.",
+                                    ["result"], registry=r)
+        for b in backends:
+            self.in_flight.labels(b.role, b.name).set(0)
+            (self.prefill_latency if b.role == "prefill" else self.decode_latency).labels(b.name)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+# ---------------------------------------------------------------------------- state
+
+@dataclass
+class ProxyState:
+    prefill: list[Backend]
+    decode: list[Backend]
+    metrics: ProxyMetrics
+    prefill_order: RoundRobin
+    decode_order: LeastInFlight
+    health_client: httpx.AsyncClient | None = None
+    tasks: set[asyncio.Task] = field(default_factory=set)
+
+    @classmethod
+    def create(cls, prefill: list[tuple[str, int]], decode: list[tuple[str, int]]) -> ProxyState:
+        p = [Backend("prefill", h, port) for h, port in prefill]
+        d = [Backend("decode", h, port) for h, port in decode]
+        return cls(p, d, ProxyMetrics(p + d), RoundRobin(p), LeastInFlight(d))
+
+    @property
+    def backends(self) -> list[Backend]:
+        return self.prefill + self.decode
+
+    def acquire(self, b: Backend) -> None:
+        b.in_flight += 1
+        self.metrics.in_flight.labels(b.role, b.name).inc()
+
+    def release(self, b: Backend) -> None:
+        b.in_flight -= 1
+        self.metrics.in_flight.labels(b.role, b.name).dec()
+
+    def failed(self, b: Backend, reason: str) -> None:
+        b.mark_failed()
+        self.metrics.failures.labels(b.role, b.name, reason).inc()
+
+    def spawn(self, coro: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def open(self) -> None:
+        for b in self.backends:
+            b.client = _backend_client(b)
+        self.health_client = httpx.AsyncClient(timeout=HEALTH_TIMEOUT_S, trust_env=False)
+
+    async def close(self) -> None:
+        if self.tasks:
+            await asyncio.wait(self.tasks, timeout=FREE_TIMEOUT_S)
+        for b in self.backends:
+            if b.client is not None:
+                await b.client.aclose()
+        if self.health_client is not None:
+            await self.health_client.aclose()
+
+
+def _backend_client(b: Backend) -> httpx.AsyncClient:
+    return httpx.AsyncClient(
+        base_url=b.url, trust_env=False,    # never route backend traffic through an HTTP(S)_PROXY
+        timeout=httpx.Timeout(connect=CONNECT_TIMEOUT_S, read=None, write=WRITE_TIMEOUT_S, pool=None),
+        limits=httpx.Limits(max_connections=MAX_CONNECTIONS, max_keepalive_connections=MAX_KEEPALIVE),
+        headers={"Accept-Encoding": "identity"})
+
+
+# ---------------------------------------------------------------------------- helpers
+
+def _error(status: int, message: str, type_: str, request_id: str | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": type_, "param": None, "code": status}}
+    return JSONResponse(body, status_code=status, headers=_id_header(request_id))
+
+
+def _id_header(request_id: str | None) -> dict[str, str]:
+    return {"X-Request-Id": request_id} if request_id else {}
+
+
+def _copy_response(resp: httpx.Response, content: bytes, request_id: str) -> Response:
+    """A backend's status, body and content type, as they came."""
+    return Response(content, status_code=resp.status_code, headers=_id_header(request_id),
+                    media_type=resp.headers.get("content-type"))
+
+
+def _describe(e: Exception) -> str:
+    if isinstance(e, httpx.ConnectTimeout | httpx.PoolTimeout):
+        return "connection timed out"
+    if isinstance(e, httpx.ConnectError):
+        return "connection refused" if "refused" in str(e).lower() else f"cannot connect: {e}"
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
+def _is_connect_error(e: Exception) -> bool:
+    return isinstance(e, httpx.ConnectError | httpx.ConnectTimeout)
+
+
+def _backend_headers(request: Request, request_id: str) -> dict[str, str]:
+    """X-Request-Id for both legs, and the client's Authorization (else $OPENAI_API_KEY,
+    as vLLM's toy proxy sends)."""
+    headers = {"X-Request-Id": request_id}
+    auth = request.headers.get("authorization")
+    if auth is None and os.environ.get("OPENAI_API_KEY"):
+        auth = f"Bearer {os.environ['OPENAI_API_KEY']}"
+    if auth:
+        headers["Authorization"] = auth
+    return headers
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(receive: Receive, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it (which closes its backend connection) if the client leaves."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
+    raise ClientGone
+
+
+async def _read_body(request: Request, request_id: str) -> dict[str, Any] | Response:
+    length = request.headers.get("content-length")
+    if length and length.isdigit() and int(length) > MAX_BODY_BYTES:
+        return _error(413, f"request body over {MAX_BODY_BYTES} bytes", "RequestTooLarge", request_id)
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return _error(400, f"malformed JSON body: {e}", "BadRequestError", request_id)
+    if not isinstance(body, dict):
+        return _error(400, "the request body must be a JSON object", "BadRequestError", request_id)
+    return body
+
+
+# ---------------------------------------------------------------------------- prefill leg
+
+@dataclass
+class Prefilled:
+    backend: Backend
+    kv_params: dict[str, Any]       # as the prefill returned them, remote_host made routable
+
+
+async def _prefill(state: ProxyState, path: str, body: dict[str, Any], headers: dict[str, str],
+                   request_id: str) -> Prefilled | Response:
+    """Try each prefill server in round-robin order until one answers below 500."""
+    payload = prefill_body(body)
+    failures: list[str] = []
+    for backend in state.prefill_order.order():
+        try:
+            resp = await _post_prefill(state, backend, path, payload, headers)
+        except httpx.TransportError as e:
+            state.failed(backend, "connect" if _is_connect_error(e) else "transport")
+            failures.append(f"{backend.name} ({_describe(e)})")
+            logger.warning("request %s: prefill server %s failed: %s", request_id, backend.name, _describe(e))
+            continue
+        if resp.status_code >= 500:
+            state.failed(backend, f"http_{resp.status_code}")
+            failures.append(f"{backend.name} (HTTP {resp.status_code})")
+            logger.warning("request %s: prefill server %s answered %d", request_id, backend.name,
+                           resp.status_code)
+            continue
+        backend.mark_ok()
+        return _prefill_result(backend, resp, request_id)
+    return _error(503, "no prefill server could take the request: " + "; ".join(failures),
+                  "ServiceUnavailableError", request_id)
+
+
+async def _post_prefill(state: ProxyState, backend: Backend, path: str, payload: dict[str, Any],
+                        headers: dict[str, str]) -> httpx.Response:
+    assert backend.client is not None
+    state.acquire(backend)
+    t0 = time.monotonic()
+    try:
+        resp = await backend.client.post(path, json=payload, headers=headers)
+    finally:
+        state.release(backend)
+    state.metrics.prefill_latency.labels(backend.name).observe(time.monotonic() - t0)
+    return resp
+
+
+def _prefill_result(backend: Backend, resp: httpx.Response, request_id: str) -> Prefilled | Response:
+    if not resp.is_success:
+        return _copy_response(resp, resp.content, request_id)       # a client mistake: as is
+    try:
+        kv_params = resp.json().get("kv_transfer_params")
+    except (ValueError, AttributeError):
+        kv_params = None
+    if not isinstance(kv_params, dict):
+        return _error(502, f"prefill server {backend.name} answered without kv_transfer_params; is it "
+                      "started with --kv-transfer-config (kv_role kv_producer or kv_both)?",
+                      "BadGatewayError", request_id)
+    return Prefilled(backend, routable_kv_params(kv_params, backend.host))
+
+
+# ---------------------------------------------------------------------------- decode leg
+
+@dataclass
+class DecodeLeg:
+    backend: Backend
+    response: httpx.Response        # headers read, body not yet
+    started: float
+
+
+async def _open_decode(state: ProxyState, path: str, payload: dict[str, Any], headers: dict[str, str],
+                       request_id: str) -> DecodeLeg | Response:
+    """Send the decode request to the least-busy decode server; only a server that could not
+    be connected to (the request never reached it) is replaced by the next one."""
+    failures: list[str] = []
+    for backend in state.decode_order.order():
+        assert backend.client is not None
+        state.acquire(backend)
+        t0 = time.monotonic()
+        try:
+            request = backend.client.build_request("POST", path, json=payload, headers=headers)
+            resp = await backend.client.send(request, stream=True)
+        except httpx.TransportError as e:
+            state.release(backend)
+            state.failed(backend, "connect" if _is_connect_error(e) else "transport")
+            logger.warning("request %s: decode server %s failed: %s", request_id, backend.name, _describe(e))
+            failures.append(f"{backend.name} ({_describe(e)})")
+            if _is_connect_error(e):
+                continue
+            return _error(502, f"decode server {backend.name} failed: {_describe(e)}", "BadGatewayError",
+                          request_id)
+        except BaseException:
+            state.release(backend)
+            raise
+        backend.mark_ok()
+        return DecodeLeg(backend, resp, t0)
+    return _error(503, "no decode server could take the request: " + "; ".join(failures),
+                  "ServiceUnavailableError", request_id)
+
+
+class RelayStream(Response):
+    """Relays a decode server's streamed body chunk by chunk (no buffering). Watches the client
+    connection meanwhile: a disconnect closes the decode stream at once, so decode aborts."""
+
+    def __init__(self, leg: DecodeLeg, request_id: str, on_end: Callable[[str], None]) -> None:
+        self.leg, self.on_end = leg, on_end
+        self.status_code = leg.response.status_code
+        self.media_type = leg.response.headers.get("content-type")
+        self.background = None
+        self.init_headers(_id_header(request_id))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        outcome = "disconnected"
+        try:
+            outcome = await _unless_disconnected(receive, self._relay(send))
+        except (ClientGone, OSError):      # ASGI 2.4 servers report a closed connection on send
+            outcome = "disconnected"
+        except _StreamCut:
+            outcome = "upstream_error"
+            raise
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.leg.response.aclose()
+            self.on_end(outcome)
+
+    async def _relay(self, send: Send) -> str:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        last = b"\n\n"
+        try:
+            async for chunk in self.leg.response.aiter_raw():
+                if chunk:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    last = chunk
+        except httpx.TransportError as e:
+            return await self._cut(send, e, last)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return "done"
+
+    async def _cut(self, send: Send, e: httpx.TransportError, last: bytes) -> str:
+        """The decode stream broke. Between SSE events, end it the way kvrelay serve reports a
+        failed stream (an error event, then [DONE]); mid-event, drop the connection."""
+        message = f"decode server {self.leg.backend.name} broke off the stream: {_describe(e)}"
+        logger.warning(message)
+        sse = (self.media_type or "").startswith("text/event-stream")
+        if not (sse and last.endswith(b"\n\n")):
+            raise _StreamCut(message) from e
+        event = {"error": {"message": message, "type": "ServiceUnavailableError", "param": None, "code": 503}}
+        tail = f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode()
+        await send({"type": "http.response.body", "body": tail, "more_body": False})
+        return "upstream_error"
+
+
+# ---------------------------------------------------------------------------- free notice
+
+async def _send_free(state: ProxyState, prefilled: Prefilled, headers: dict[str, str], request_id: str) -> None:
+    body = free_notice(prefilled.kv_params)
+    backend = prefilled.backend
+    if body is None or backend.client is None:
+        return
+    try:
+        resp = await backend.client.post(FREE_PATH, json=body, headers=headers, timeout=FREE_TIMEOUT_S)
+        result = "sent" if resp.is_success else ("not_found" if resp.status_code == 404 else "rejected")
+    except httpx.HTTPError as e:
+        result = "error"
+        logger.debug("request %s: free notice to %s failed: %s", request_id, backend.name, _describe(e))
+    state.metrics.free_notices.labels(result).inc()
+    logger.debug("request %s: free notice to %s: %s", request_id, backend.name, result)
+
+
+# ---------------------------------------------------------------------------- one request
+
+async def relay_completion(state: ProxyState, request: Request, path: str) -> Response:
+    """Prefill, then decode; returns what the client gets (see the module docstring)."""
+    request_id = request.headers.get("x-request-id") or str(uuid.uuid4())
+    try:
+        body = await _read_body(request, request_id)
+    except ClientDisconnect:
+        return _finish(state, path, Response(status_code=CLIENT_CLOSED))
+    if isinstance(body, Response):
+        return _finish(state, path, body)
+    headers = _backend_headers(request, request_id)
+    try:
+        prefilled = await _unless_disconnected(request.receive, _prefill(state, path, body, headers, request_id))
+    except ClientGone:
+        logger.debug("request %s: client left during prefill", request_id)
+        return _finish(state, path, Response(status_code=CLIENT_CLOSED))
+    if isinstance(prefilled, Response):
+        return _finish(state, path, prefilled)
+    logger.debug("request %s: prefilled on %s, kv_transfer_params %s", request_id, prefilled.backend.name,
+                 prefilled.kv_params)
+    payload = decode_body(body, prefilled.kv_params)
+    return _finish(state, path, await _decode(state, request, path, payload, headers, prefilled, request_id))
+
+
+async def _decode(state: ProxyState, request: Request, path: str, payload: dict[str, Any],
+                  headers: dict[str, str], prefilled: Prefilled, request_id: str) -> Response:
+    def free() -> None:
+        state.spawn(_send_free(state, prefilled, headers, request_id))
+
+    try:
+        leg = await _unless_disconnected(request.receive, _open_decode(state, path, payload, headers, request_id))
+    except ClientGone:
+        free()
+        return Response(status_code=CLIENT_CLOSED)
+    if isinstance(leg, Response):
+        free()
+        return leg
+
+    def end(outcome: str) -> None:
+        state.release(leg.backend)
+        state.metrics.decode_latency.labels(leg.backend.name).observe(time.monotonic() - leg.started)
+        logger.debug("request %s: decode on %s: %s", request_id, leg.backend.name, outcome)
+        if outcome != "done":
+            free()
+
+    if leg.response.is_success and payload.get("stream"):
+        return RelayStream(leg, request_id, end)
+    return await _decode_whole(request, leg, request_id, end)
+
+
+async def _decode_whole(request: Request, leg: DecodeLeg, request_id: str,
+                        end: Callable[[str], None]) -> Response:
+    """A non-streamed decode answer (or a decode error), read whole and returned as is."""
+    outcome = "disconnected"
+    try:
+        content = await _unless_disconnected(request.receive, leg.response.aread())
+        outcome = "done" if leg.response.is_success else f"http_{leg.response.status_code}"
+        return _copy_response(leg.response, content, request_id)
+    except ClientGone:
+        return Response(status_code=CLIENT_CLOSED)
+    except httpx.TransportError as e:
+        outcome = "upstream_error"
+        return _error(502, f"decode server {leg.backend.name} failed: {_describe(e)}", "BadGatewayError",
+                      request_id)
+    finally:
+        with anyio.CancelScope(shield=True):
+            await leg.response.aclose()
+        end(outcome)
+
+
+def _finish(state: ProxyState, path: str, response: Response) -> Response:
+    state.metrics.requests.labels(path, str(response.status_code)).inc()
+    return response
+
+
+# ---------------------------------------------------------------------------- health, models
+
+async def _probe(state: ProxyState, backend: Backend) -> str | None:
+    """None when `GET /health` answers 200 within HEALTH_TIMEOUT_S, else why not."""
+    assert state.health_client is not None
+    try:
+        resp = await state.health_client.get(f"{backend.url}/health")
+    except httpx.TimeoutException:
+        return f"no answer within {HEALTH_TIMEOUT_S:g}s"
+    except httpx.TransportError as e:
+        return _describe(e)
+    return None if resp.status_code == 200 else f"HTTP {resp.status_code}"
+
+
+async def health(state: ProxyState) -> JSONResponse:
+    reasons = await asyncio.gather(*(_probe(state, b) for b in state.backends))
+    servers = [{"role": b.role, "server": b.name, "healthy": r is None, **({"error": r} if r else {})}
+               for b, r in zip(state.backends, reasons)]
+    down = [s for s in servers if not s["healthy"]]
+    status = 503 if down else 200
+    body = {"status": "unavailable" if down else "ok", "down": down, "servers": servers}
+    return _finish(state, "/health", JSONResponse(body, status_code=status))
+
+
+async def models(state: ProxyState, request: Request) -> Response:
+    """`GET /v1/models` of a decode server (the next one if it cannot be reached)."""
+    request_id = request.headers.get("x-request-id") or str(uuid.uuid4())
+    headers = _backend_headers(request, request_id)
+    failures: list[str] = []
+    for backend in state.decode_order.order():
+        assert backend.client is not None
+        try:
+            resp = await backend.client.get("/v1/models", headers=headers, timeout=HEALTH_TIMEOUT_S * 5)
+        except httpx.TransportError as e:
+            state.failed(backend, "connect" if _is_connect_error(e) else "transport")
+            failures.append(f"{backend.name} ({_describe(e)})")
+            continue
+        return _finish(state, "/v1/models", _copy_response(resp, resp.content, request_id))
+    return _finish(state, "/v1/models", _error(503, "no decode server answered: " + "; ".join(failures),
+                                               "ServiceUnavailableError", request_id))
+
+
+# ---------------------------------------------------------------------------- the app
+
+def build_app(prefill: list[tuple[str, int]], decode: list[tuple[str, int]]) -> FastAPI:
+    """The proxy app for these (host, port) prefill and decode servers."""
+    state = ProxyState.create(prefill, decode)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        await state.open()
+        logger.info("prefill servers (round-robin): %s", ", ".join(b.url for b in state.prefill))
+        logger.info("decode servers (least in-flight): %s", ", ".join(b.url for b in state.decode))
+        try:
+            yield
+        finally:
+            await state.close()
+
+    app = FastAPI(title="kvrelay proxy", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.proxy = state
+
+    @app.get("/health")
+    async def _health() -> Response:
+        return await health(state)
+
+    @app.get("/v1/models")
+    async def _models(request: Request) -> Response:
+        return await models(state, request)
+
+    @app.post("/v1/completions")
+    async def _completions(request: Request) -> Response:
+        return await relay_completion(state, request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def _chat(request: Request) -> Response:
+        return await relay_completion(state, request, "/v1/chat/completions")
+
+    @app.get("/metrics")
+    async def _metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

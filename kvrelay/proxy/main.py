@@ -1,0 +1,119 @@
+"""`kvrelay proxy`: flags, logging, and the uvicorn server around `build_app`.
+
+    kvrelay proxy --host 0.0.0.0 --port 8000 \\
+        --prefiller-host PREFILL_HOST --prefiller-port 8100 8101 8102 \\
+        --decoder-host DECODE_HOST --decoder-port 8200
+
+`main(argv)` returns the exit status: 0 after SIGINT/SIGTERM, 2 for bad flags, 1 when
+the server cannot start (e.g. the port is taken).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from dataclasses import dataclass
+from types import FrameType
+
+import uvicorn
+
+from kvrelay.proxy.routing import EndpointError, expand_endpoints
+
+logger = logging.getLogger("kvrelay.proxy")
+PROG = "kvrelay proxy"
+GRACEFUL_SHUTDOWN_S = 10
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+@dataclass
+class ProxySettings:
+    host: str
+    port: int
+    prefill: list[tuple[str, int]]
+    decode: list[tuple[str, int]]
+    log_level: str = "info"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors naming the flag (no usage dump)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def add_proxy_flags(p: argparse.ArgumentParser) -> None:
+    """The proxy's flags (vLLM toy_proxy_server.py's names; the plural spellings too)."""
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
+    p.add_argument("--prefiller-host", "--prefiller-hosts", dest="prefiller_host", nargs="+",
+                   default=["127.0.0.1"], metavar="HOST", help="prefill server host(s)")
+    p.add_argument("--prefiller-port", "--prefiller-ports", dest="prefiller_port", nargs="+", type=int,
+                   default=[8100], metavar="PORT", help="prefill server port(s)")
+    p.add_argument("--decoder-host", "--decoder-hosts", dest="decoder_host", nargs="+",
+                   default=["127.0.0.1"], metavar="HOST", help="decode server host(s)")
+    p.add_argument("--decoder-port", "--decoder-ports", dest="decoder_port", nargs="+", type=int,
+                   default=[8200], metavar="PORT", help="decode server port(s)")
+    p.add_argument("--log-level", choices=LOG_LEVELS, default="info",
+                   help="debug logs one line per request leg")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog=PROG, description="Disaggregated prefill/decode proxy (vLLM's wire format).")
+    add_proxy_flags(parser)
+    return parser
+
+
+def settings_from_args(args: argparse.Namespace) -> ProxySettings:
+    """Raises EndpointError (a one-line message naming the flags) for unpairable hosts/ports."""
+    if not 0 <= args.port <= 65535:
+        raise EndpointError(f"--port: {args.port} is not a TCP port")
+    return ProxySettings(host=args.host, port=args.port,
+                         prefill=expand_endpoints(args.prefiller_host, args.prefiller_port, "prefiller"),
+                         decode=expand_endpoints(args.decoder_host, args.decoder_port, "decoder"),
+                         log_level=args.log_level)
+
+
+class _ProxyServer(uvicorn.Server):
+    """uvicorn re-raises SIGINT/SIGTERM after its graceful shutdown, which would end the
+    process "killed by signal"; for the proxy a signal is the normal way out (exit 0)."""
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        super().handle_exit(sig, frame)
+        self._captured_signals.clear()
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logger.setLevel(level.upper())
+
+
+def serve(settings: ProxySettings) -> int:
+    from kvrelay.proxy.app import build_app
+    app = build_app(settings.prefill, settings.decode)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, lifespan="on")
+    server = _ProxyServer(config)
+    logger.info("kvrelay proxy on http://%s:%d", settings.host, settings.port)
+    try:
+        server.run()
+    except SystemExit as e:          # uvicorn exits this way when it cannot bind or start
+        return e.code if isinstance(e.code, int) and e.code else 1
+    return 0 if server.started else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`kvrelay proxy [flags]`; `argv` excludes the program and the `proxy` word."""
+    try:
+        args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+        settings = settings_from_args(args)
+    except SystemExit as e:          # --help (0) or a flag error (2), already printed
+        return e.code if isinstance(e.code, int) else 2
+    except EndpointError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    _setup_logging(settings.log_level)
+    return serve(settings)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
