@@ -1,8 +1,11 @@
 """The `kvrelay` command. Thin: parses flags and hands over to the package.
 
+    kvrelay serve [MODEL] [vLLM's serve flags]
+        the OpenAI-compatible server (single instance, TP/DP, or a DI prefill/decode role)
+    kvrelay proxy --prefiller-host H --prefiller-port P... --decoder-host H --decoder-port P...
+        the disaggregated-serving proxy
     kvrelay generate [PROMPT] [--model DIR] [--max-tokens N] [--dtype ...]
-        greedy generation through the engine (`LLM.generate`) on the embedded default
-        model or a gpt-oss checkpoint; the main job until `kvrelay serve` lands.
+        greedy generation through the engine (`LLM.generate`), no server
 """
 from __future__ import annotations
 
@@ -86,6 +89,7 @@ SERVE_ENGINE_FLAGS = (
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kvrelay", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    sub.add_parser("proxy", help="disaggregated-serving proxy (kvrelay proxy --help)")
     serve = sub.add_parser("serve", help="OpenAI-compatible server (vLLM's flags)")
     _add_serve_flags(serve)
     gen = sub.add_parser("generate", help="greedy generation with the model (no server)")
@@ -98,6 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["proxy"]:                   # the proxy parses its own flags (and needs no torch)
+        from kvrelay.proxy.main import main as proxy_main
+        return proxy_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
