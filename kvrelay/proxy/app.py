@@ -17,7 +17,7 @@ client ──POST /v1/completions──▶ proxy        X-Request-Id: the client
    2. decode (least in-flight, ties round-robin; unreachable → the next one)
                                    ├──▶ decode   the ORIGINAL body + the prefill's kv_transfer_params
                                    │             (remote_host 0.0.0.0/empty → the prefill host used)
-client ◀── SSE chunks / JSON ──────┘◀── decode pulls the KV over NIXL and streams; relayed unbuffered
+client ◀── SSE chunks / JSON ──────┘◀── decode pulls the KV over NIXL, streams; relayed unbuffered
 ```
 
 Failures after a successful prefill (decode unreachable, decode error status, stream cut,
@@ -43,13 +43,26 @@ import anyio
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
-from kvrelay.proxy.routing import (Backend, LeastInFlight, RoundRobin, decode_body, free_notice,
-                                   prefill_body, routable_kv_params)
+from kvrelay.proxy.routing import (
+    Backend,
+    LeastInFlight,
+    RoundRobin,
+    decode_body,
+    free_notice,
+    prefill_body,
+    routable_kv_params,
+)
 
 logger = logging.getLogger("kvrelay.proxy")
 T = TypeVar("T")
@@ -62,6 +75,7 @@ MAX_CONNECTIONS = 1024           # per backend
 MAX_KEEPALIVE = 256
 MAX_BODY_BYTES = 32 * 2**20
 FREE_PATH = "/v1/kv_transfer/free"
+FREE_RESULTS = ("sent", "not_found", "rejected", "error")
 CLIENT_CLOSED = 499              # nginx's "client closed request", for metrics and logs
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0, 160.0, 320.0)
@@ -69,10 +83,6 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0
 
 class ClientGone(Exception):
     """The client closed its connection while the proxy was waiting on a backend."""
-
-
-class _StreamCut(RuntimeError):
-    """The decode stream broke mid-event; the client connection is dropped."""
 
 
 # ---------------------------------------------------------------------------- metrics
@@ -97,6 +107,8 @@ class ProxyMetrics:
         self.free_notices = Counter("kvrelay_proxy:kv_free_notices",
                                     "Free notices sent to prefill servers after a failed decode.",
                                     ["result"], registry=r)
+        for result in FREE_RESULTS:
+            self.free_notices.labels(result)
         for b in backends:
             self.in_flight.labels(b.role, b.name).set(0)
             (self.prefill_latency if b.role == "prefill" else self.decode_latency).labels(b.name)
@@ -188,8 +200,24 @@ def _describe(e: Exception) -> str:
     if isinstance(e, httpx.ConnectTimeout | httpx.PoolTimeout):
         return "connection timed out"
     if isinstance(e, httpx.ConnectError):
-        return "connection refused" if "refused" in str(e).lower() else f"cannot connect: {e}"
+        cause = _root_os_error(e)
+        if isinstance(cause, ConnectionRefusedError):
+            return "connection refused"
+        return f"cannot connect: {cause.strerror or cause}" if cause else f"cannot connect: {e}"
     return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
+def _root_os_error(e: BaseException) -> OSError | None:
+    """httpx says "All connection attempts failed"; the OSError underneath says why."""
+    seen: set[int] = set()
+    found: OSError | None = None
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, OSError):
+            found = cur                      # the deepest one carries the errno
+        cur = cur.__cause__ or cur.__context__
+    return found
 
 
 def _is_connect_error(e: Exception) -> bool:
@@ -252,6 +280,7 @@ async def _read_body(request: Request, request_id: str) -> dict[str, Any] | Resp
 class Prefilled:
     backend: Backend
     kv_params: dict[str, Any]       # as the prefill returned them, remote_host made routable
+    seconds: float = 0.0
 
 
 async def _prefill(state: ProxyState, path: str, body: dict[str, Any], headers: dict[str, str],
@@ -274,7 +303,7 @@ async def _prefill(state: ProxyState, path: str, body: dict[str, Any], headers: 
                            resp.status_code)
             continue
         backend.mark_ok()
-        return _prefill_result(backend, resp, request_id)
+        return _prefill_result(backend, resp, request_id, resp.elapsed.total_seconds())
     return _error(503, "no prefill server could take the request: " + "; ".join(failures),
                   "ServiceUnavailableError", request_id)
 
@@ -292,7 +321,8 @@ async def _post_prefill(state: ProxyState, backend: Backend, path: str, payload:
     return resp
 
 
-def _prefill_result(backend: Backend, resp: httpx.Response, request_id: str) -> Prefilled | Response:
+def _prefill_result(backend: Backend, resp: httpx.Response, request_id: str,
+                    seconds: float) -> Prefilled | Response:
     if not resp.is_success:
         return _copy_response(resp, resp.content, request_id)       # a client mistake: as is
     try:
@@ -303,7 +333,7 @@ def _prefill_result(backend: Backend, resp: httpx.Response, request_id: str) -> 
         return _error(502, f"prefill server {backend.name} answered without kv_transfer_params; is it "
                       "started with --kv-transfer-config (kv_role kv_producer or kv_both)?",
                       "BadGatewayError", request_id)
-    return Prefilled(backend, routable_kv_params(kv_params, backend.host))
+    return Prefilled(backend, routable_kv_params(kv_params, backend.host), seconds)
 
 
 # ---------------------------------------------------------------------------- decode leg
@@ -362,9 +392,6 @@ class RelayStream(Response):
             outcome = await _unless_disconnected(receive, self._relay(send))
         except (ClientGone, OSError):      # ASGI 2.4 servers report a closed connection on send
             outcome = "disconnected"
-        except _StreamCut:
-            outcome = "upstream_error"
-            raise
         finally:
             with anyio.CancelScope(shield=True):
                 await self.leg.response.aclose()
@@ -372,34 +399,34 @@ class RelayStream(Response):
 
     async def _relay(self, send: Send) -> str:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        last = b"\n\n"
+        tail = b"\n\n"                   # the last two bytes relayed: are we between SSE events?
         try:
             async for chunk in self.leg.response.aiter_raw():
                 if chunk:
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                    last = chunk
+                    tail = (tail + chunk)[-2:]
         except httpx.TransportError as e:
-            return await self._cut(send, e, last)
+            return await self._cut(send, e, tail == b"\n\n")
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         return "done"
 
-    async def _cut(self, send: Send, e: httpx.TransportError, last: bytes) -> str:
+    async def _cut(self, send: Send, e: httpx.TransportError, between_events: bool) -> str:
         """The decode stream broke. Between SSE events, end it the way kvrelay serve reports a
-        failed stream (an error event, then [DONE]); mid-event, drop the connection."""
+        failed stream (an error event, then [DONE]); otherwise leave the response incomplete,
+        which makes the server drop the connection so the client sees the failure."""
         message = f"decode server {self.leg.backend.name} broke off the stream: {_describe(e)}"
         logger.warning(message)
-        sse = (self.media_type or "").startswith("text/event-stream")
-        if not (sse and last.endswith(b"\n\n")):
-            raise _StreamCut(message) from e
-        event = {"error": {"message": message, "type": "ServiceUnavailableError", "param": None, "code": 503}}
-        tail = f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode()
-        await send({"type": "http.response.body", "body": tail, "more_body": False})
+        if between_events and (self.media_type or "").startswith("text/event-stream"):
+            error = {"message": message, "type": "ServiceUnavailableError", "param": None, "code": 503}
+            tail = f"data: {json.dumps({'error': error})}\n\ndata: [DONE]\n\n".encode()
+            await send({"type": "http.response.body", "body": tail, "more_body": False})
         return "upstream_error"
 
 
 # ---------------------------------------------------------------------------- free notice
 
-async def _send_free(state: ProxyState, prefilled: Prefilled, headers: dict[str, str], request_id: str) -> None:
+async def _send_free(state: ProxyState, prefilled: Prefilled, headers: dict[str, str],
+                     request_id: str) -> None:
     body = free_notice(prefilled.kv_params)
     backend = prefilled.backend
     if body is None or backend.client is None:
@@ -427,16 +454,20 @@ async def relay_completion(state: ProxyState, request: Request, path: str) -> Re
         return _finish(state, path, body)
     headers = _backend_headers(request, request_id)
     try:
-        prefilled = await _unless_disconnected(request.receive, _prefill(state, path, body, headers, request_id))
+        prefilled = await _unless_disconnected(request.receive,
+                                               _prefill(state, path, body, headers, request_id))
     except ClientGone:
         logger.debug("request %s: client left during prefill", request_id)
         return _finish(state, path, Response(status_code=CLIENT_CLOSED))
     if isinstance(prefilled, Response):
         return _finish(state, path, prefilled)
-    logger.debug("request %s: prefilled on %s, kv_transfer_params %s", request_id, prefilled.backend.name,
-                 prefilled.kv_params)
+    kv = prefilled.kv_params
+    logger.debug("request %s: prefill on %s took %.3fs (remote_request_id %s, KV at %s:%s)",
+                 request_id, prefilled.backend.name, prefilled.seconds, kv.get("remote_request_id"),
+                 kv.get("remote_host"), kv.get("remote_port"))
     payload = decode_body(body, prefilled.kv_params)
-    return _finish(state, path, await _decode(state, request, path, payload, headers, prefilled, request_id))
+    response = await _decode(state, request, path, payload, headers, prefilled, request_id)
+    return _finish(state, path, response)
 
 
 async def _decode(state: ProxyState, request: Request, path: str, payload: dict[str, Any],
@@ -445,7 +476,8 @@ async def _decode(state: ProxyState, request: Request, path: str, payload: dict[
         state.spawn(_send_free(state, prefilled, headers, request_id))
 
     try:
-        leg = await _unless_disconnected(request.receive, _open_decode(state, path, payload, headers, request_id))
+        leg = await _unless_disconnected(request.receive,
+                                         _open_decode(state, path, payload, headers, request_id))
     except ClientGone:
         free()
         return Response(status_code=CLIENT_CLOSED)
@@ -454,9 +486,11 @@ async def _decode(state: ProxyState, request: Request, path: str, payload: dict[
         return leg
 
     def end(outcome: str) -> None:
+        seconds = time.monotonic() - leg.started
         state.release(leg.backend)
-        state.metrics.decode_latency.labels(leg.backend.name).observe(time.monotonic() - leg.started)
-        logger.debug("request %s: decode on %s: %s", request_id, leg.backend.name, outcome)
+        state.metrics.decode_latency.labels(leg.backend.name).observe(seconds)
+        logger.debug("request %s: decode on %s: %s after %.3fs", request_id, leg.backend.name, outcome,
+                     seconds)
         if outcome != "done":
             free()
 

@@ -85,6 +85,8 @@ class _ProxyServer(uvicorn.Server):
 def _setup_logging(level: str) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logger.setLevel(level.upper())
+    for noisy in ("httpx", "httpcore"):          # a line per backend call; the proxy logs its own
+        logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
 def serve(settings: ProxySettings) -> int:
@@ -92,12 +94,19 @@ def serve(settings: ProxySettings) -> int:
     app = build_app(settings.prefill, settings.decode)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, lifespan="on")
-    server = _ProxyServer(config)
-    logger.info("kvrelay proxy on http://%s:%d", settings.host, settings.port)
     try:
-        server.run()
-    except SystemExit as e:          # uvicorn exits this way when it cannot bind or start
-        return e.code if isinstance(e.code, int) and e.code else 1
+        sock = config.bind_socket()      # before startup: a taken port never logs "startup complete"
+    except SystemExit:
+        logger.error("the proxy cannot listen on %s:%d", settings.host, settings.port)
+        return 1
+    server = _ProxyServer(config)
+    try:
+        server.run(sockets=[sock])
+    except SystemExit as e:          # uvicorn's way out when startup fails
+        logger.error("the proxy could not start (exit status %s)", e.code)
+        return 1
+    finally:
+        sock.close()
     return 0 if server.started else 1
 
 

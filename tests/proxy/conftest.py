@@ -1,0 +1,79 @@
+"""Fixtures: fake backends (threads) and real proxy processes, all stopped on teardown.
+
+Topologies (started once per session, in parallel):
+- `main`:     prefill 127.0.0.1 × 3 ports (A B C), decode D
+- `skipping`: prefill [refused, A], decode [refused, D]   (dead servers are skipped)
+- `no_prefill`: prefill [refused, refused], decode D       (every prefill down → 503)
+- `no_decode`:  prefill A, decode [refused]                (decode down → 503 + free notice)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from tests.processes import free_port
+from tests.proxy.fakes import FakeBackend, ProxyProcess, proxy_args, refused_port
+
+LOCAL = "127.0.0.1"
+
+
+@dataclass
+class Fakes:
+    prefill: list[FakeBackend]
+    decode: FakeBackend
+    refused: list[int]
+
+    @property
+    def all(self) -> list[FakeBackend]:
+        return [*self.prefill, self.decode]
+
+
+@pytest.fixture(scope="session")
+def fakes():
+    started: list[FakeBackend] = []
+    sockets = []
+    try:
+        for role in ("prefill", "prefill", "prefill", "decode"):
+            started.append(FakeBackend(role).start())
+        for _ in range(2):
+            sockets.append(refused_port())
+        yield Fakes(started[:3], started[3], [port for _, port in sockets])
+    finally:
+        for fake in started:
+            fake.stop()
+        for s, _ in sockets:
+            s.close()
+
+
+@pytest.fixture(scope="session")
+def proxies(fakes, tmp_path_factory):
+    a, b, c = (f.port for f in fakes.prefill)
+    d = fakes.decode.port
+    dead1, dead2 = fakes.refused
+    topologies = {
+        "main": ([LOCAL], [a, b, c], [LOCAL], [d]),
+        "skipping": ([LOCAL], [dead1, a], [LOCAL], [dead2, d]),
+        "no_prefill": ([LOCAL, LOCAL], [dead1, dead2], [LOCAL], [d]),
+        "no_decode": ([LOCAL], [a], [LOCAL], [dead1]),
+    }
+    logs = tmp_path_factory.mktemp("proxy")
+    running: dict[str, ProxyProcess] = {}
+    try:
+        for name, (ph, pp, dh, dp) in topologies.items():
+            running[name] = ProxyProcess(proxy_args(free_port(), ph, pp, dh, dp), logs / f"{name}.log")
+        for proc in running.values():
+            proc.wait_ready()
+        yield running
+    finally:
+        for proc in running.values():
+            proc.stop()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_fakes(request):
+    """Each end-to-end test starts with default scripts and empty records."""
+    if "fakes" in request.fixturenames:
+        for fake in request.getfixturevalue("fakes").all:
+            fake.reset()
+    yield
