@@ -81,7 +81,9 @@ class KVConnector:
 
     def __post_init__(self) -> None:
         from kvrelay.disagg.transport import make_transport
-        self.transport = make_transport(list(self.config.backends), name=self.engine_id)
+        # a TCP transport serves reads where the side channel listens (0.0.0.0 in the tutorial)
+        bind = (envs.SIDE_CHANNEL_HOST.raw() or "127.0.0.1") if self.config.is_producer else "127.0.0.1"
+        self.transport = make_transport(list(self.config.backends), agent_name=self.engine_id, host=bind)
         if getattr(self.transport, "fallback_from", None):
             self.stats.transport_fallbacks += 1
         self.transport.register(self.kv_tensors)
@@ -113,7 +115,7 @@ class KVConnector:
         if message.get("version") != HANDSHAKE_VERSION:
             return {"ok": False, "error": f"handshake version {message.get('version')} != {HANDSHAKE_VERSION}"}
         theirs = message.get("spec") or {}
-        mismatch = _spec_differences(self.spec, theirs)
+        mismatch = _spec_differences(self.spec, theirs, "prefill", "decode")
         if mismatch:
             logger.error("refused a KV handshake from %s: incompatible KV cache (%s)",
                          message.get("engine_id"), "; ".join(mismatch))
@@ -157,7 +159,7 @@ class KVConnector:
         if not reply.get("ok"):
             self.stats.handshake_errors += 1
             raise HandshakeError(f"prefill engine at {host}:{port} refused the handshake: {reply.get('error')}")
-        mismatch = _spec_differences(self.spec, reply.get("spec") or {})
+        mismatch = _spec_differences(self.spec, reply.get("spec") or {}, "decode", "prefill")
         if mismatch:
             self.stats.handshake_errors += 1
             raise HandshakeError("incompatible KV cache: " + "; ".join(mismatch))
@@ -244,12 +246,17 @@ def needed_blocks(window: int | None, hit_tokens: int, prompt_len: int, block_si
     return range(max(hit_tokens // block_size, first), last + 1)
 
 
-def _spec_differences(mine: KVCacheSpec, theirs: dict[str, Any]) -> list[str]:
+def _spec_differences(mine: KVCacheSpec, theirs: dict[str, Any], me: str, them: str) -> list[str]:
+    """What differs, phrased the same on both sides: "block_size: prefill 4, decode 8"."""
     fields = mine.__dict__
-    diffs = [f"{k}: {fields[k]!r} here vs {theirs.get(k)!r} there" for k in fields
-             if k != "model" and fields[k] != theirs.get(k)]
+
+    def say(key: str, a: Any, b: Any) -> str:
+        pair = {me: a, them: b}
+        return f"{key}: prefill {pair['prefill']!r}, decode {pair['decode']!r}"
+
+    diffs = [say(k, fields[k], theirs.get(k)) for k in fields if k != "model" and fields[k] != theirs.get(k)]
     if fields["model"].split(":")[-1] != str(theirs.get("model", "")).split(":")[-1]:
-        diffs.insert(0, f"model config: {fields['model']!r} here vs {theirs.get('model')!r} there")
+        diffs.insert(0, say("model config", fields["model"], theirs.get("model")))
     return diffs
 
 

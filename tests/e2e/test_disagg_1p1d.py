@@ -119,11 +119,11 @@ def test_handshake_mismatch_is_a_clear_error(tiny, pair, tmp_path):
         d = httpx.post(f"{other.url}/v1/completions", timeout=60, json={
             "prompt": _prompt(20), "max_tokens": 3, "kv_transfer_params": params})
         assert d.status_code == 502
-        assert "block_size: 8 here vs 4 there" in d.json()["error"]["message"]
+        assert "incompatible KV cache: block_size: prefill 4, decode 8" in d.json()["error"]["message"]
         deadline = time.monotonic() + 5
         while "incompatible KV cache" not in prefill.log() and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert "block_size: 4 here vs 8 there" in prefill.log()
+        assert "block_size: prefill 4, decode 8" in prefill.log()
         httpx.post(f"{prefill.url}/v1/kv_transfer/free", json={"remote_request_id": params["remote_request_id"]})
     finally:
         other.stop()
