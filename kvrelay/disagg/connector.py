@@ -22,6 +22,8 @@ releases blocks below the window of its own last chunk).
 from __future__ import annotations
 
 import base64
+import collections
+import concurrent.futures
 import logging
 import time
 from dataclasses import dataclass, field
@@ -94,6 +96,8 @@ class KVConnector:
         self.leases: dict[str, float] = {}
         self.server = None
         self.advertised: tuple[str, int] | None = None
+        self._released: collections.deque[str] = collections.deque()   # filled by the side channel thread
+        self._notifier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvrelay-kv-release")
         if self.config.is_producer:
             self._listen()
 
@@ -110,6 +114,12 @@ class KVConnector:
                     bound_host, bound_port, *self.advertised, self.transport.name)
 
     def _handle(self, message: dict[str, Any]) -> dict[str, Any]:
+        if message.get("type") == "release":          # decode needed none of the blocks
+            request_id = message.get("request_id")
+            if not isinstance(request_id, str):
+                return {"ok": False, "error": "release needs a request_id string"}
+            self._released.append(request_id)
+            return {"ok": True}
         if message.get("type") != "handshake":
             return {"ok": False, "error": f"unknown message type {message.get('type')!r}"}
         if message.get("version") != HANDSHAKE_VERSION:
@@ -135,8 +145,10 @@ class KVConnector:
     def read_done(self) -> list[str]:
         """Requests whose blocks a decode server finished reading."""
         done = []
-        for notice in self.transport.take_notifications():
-            request_id = notice.decode(errors="replace")
+        notices = [n.decode(errors="replace") for n in self.transport.take_notifications()]
+        while self._released:
+            notices.append(self._released.popleft())
+        for request_id in notices:
             if request_id in self.leases:
                 self.stats.read_done_notices += 1
                 done.append(request_id)
@@ -192,8 +204,25 @@ class KVConnector:
                         descs.append(ReadDesc(tensor, (kv * peer.num_blocks + remote) * self.block_bytes,
                                               (kv * self.num_blocks + local) * self.block_bytes, self.block_bytes))
         nbytes = sum(d.nbytes for d in descs)
-        handle = self.transport.start_read(peer.engine_id, descs, params.remote_request_id.encode()) if descs else None
+        if descs:
+            handle = self.transport.start_read(peer.engine_id, descs, params.remote_request_id.encode())
+        else:          # our own prefix cache had it all: tell the prefill to free its copy
+            handle = None
+            self.release_remote(params)
         self.loads[request_id] = _Load(request_id, handle, time.monotonic(), nbytes)
+
+    def release_remote(self, params: Any) -> None:
+        """Ask the prefill (in the background) to free blocks we will not read."""
+        from kvrelay.disagg.side_channel import side_channel_call
+
+        def send() -> None:
+            try:
+                side_channel_call(params.remote_host, params.remote_port,
+                                  {"type": "release", "request_id": params.remote_request_id}, timeout=5)
+            except Exception as e:  # the prefill's lease frees them anyway
+                logger.warning("could not ask %s:%s to free %s: %s", params.remote_host, params.remote_port,
+                               params.remote_request_id, e)
+        self._notifier.submit(send)
 
     def poll_loads(self) -> list[tuple[str, str | None]]:
         """Finished loads as (request id, error or None)."""
@@ -222,10 +251,13 @@ class KVConnector:
                 finished.append((request_id, error))
         return finished
 
-    def cancel(self, request_id: str) -> None:
+    def cancel(self, request_id: str, params: Any = None) -> None:
+        """The request was aborted while loading: drop the read, free the prefill's blocks."""
         load = self.loads.pop(request_id, None)
         if load is not None and load.handle is not None:
             self.transport.release(load.handle)
+        if load is not None and params is not None:
+            self.release_remote(params)
 
     @property
     def busy(self) -> bool:
@@ -234,6 +266,7 @@ class KVConnector:
     def close(self) -> None:
         if self.server is not None:
             self.server.close()
+        self._notifier.shutdown(wait=False)
         self.transport.close()
 
 

@@ -280,7 +280,7 @@ class LLMEngine:
             self.scheduler.abort(child.request_id)
             self.child_parent.pop(child.request_id, None)
             if self.connector is not None:
-                self.connector.cancel(child.request_id)
+                self.connector.cancel(child.request_id, child.kv_transfer)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished
