@@ -85,7 +85,11 @@ class KVConnector:
         from kvrelay.disagg.transport import make_transport
         # a TCP transport serves reads where the side channel listens (0.0.0.0 in the tutorial)
         bind = (envs.SIDE_CHANNEL_HOST.raw() or "127.0.0.1") if self.config.is_producer else "127.0.0.1"
-        self.transport = make_transport(list(self.config.backends), agent_name=self.engine_id, host=bind)
+        # UCX error mode "none": control traffic over shared memory, ~100x faster first read;
+        # a vanished peer is still caught by the load timeout (kv_connector_extra_config.load_timeout_s)
+        options = self.config.extra.get("backend_options") or {"UCX": {"ucx_error_handling_mode": "none"}}
+        self.transport = make_transport(list(self.config.backends), agent_name=self.engine_id, host=bind,
+                                        backend_options=options)
         if getattr(self.transport, "fallback_from", None):
             self.stats.transport_fallbacks += 1
         self.transport.register(self.kv_tensors)

@@ -242,8 +242,9 @@ def make_transport(backends: Sequence[str] | None = None, *, agent_name: str | N
     - NIXL backends (["UCX"], ["LIBFABRIC"], several) → NixlTransport with those whose
       plugins load; if none loads, NIXL UCX; if NIXL is missing or UCX does not load
       either, TcpTransport. Each fallback logs a WARNING naming what was asked for and
-      what is used, and sets `.fallback_from` to the requested names ("LIBFABRIC",
-      "UCX", "LIBFABRIC,UCX") so the caller can count it in a metric.
+      what is used, and sets `.fallback_from` to the requested names not in use
+      ("LIBFABRIC", "UCX", "LIBFABRIC,UCX"; None when all are) so the caller can count
+      it in a metric.
 
     `host`/`port` are where a TcpTransport listens (it serves reads to peers).
     """
@@ -270,9 +271,13 @@ def make_transport(backends: Sequence[str] | None = None, *, agent_name: str | N
         return t
 
     try:
-        return nixl_mod.NixlTransport(agent_name, backends=requested, backend_options=backend_options)
+        t = nixl_mod.NixlTransport(agent_name, backends=requested, backend_options=backend_options)
     except TransportUnavailable as e:
         reason = str(e)
+    else:
+        if t.unavailable_backends:          # some of several loaded: NixlTransport warned
+            t.fallback_from = ",".join(t.unavailable_backends)
+        return t
     if requested != ["UCX"]:
         try:
             t = nixl_mod.NixlTransport(agent_name, backends=["UCX"], backend_options=backend_options)

@@ -1,0 +1,355 @@
+"""The KV side channel: a small request/response service on the prefill server's
+`VLLM_NIXL_SIDE_CHANNEL_HOST:PORT` where decode servers fetch transport metadata.
+
+Wire format: each message is one frame — a 4-byte big-endian length, then that many
+bytes of UTF-8 JSON encoding an object. Frames over `max_frame` bytes (16 MiB by
+default) or that are not a JSON object are rejected with an error reply; an oversized
+frame also closes the connection (its body is never read). Nothing is unpickled.
+
+A request is any JSON object; the server answers `{"ok": true, "result": {...}}` with
+what the handler returned, or `{"ok": false, "error": "..."}` when the request was
+malformed or the handler raised (`SideChannelError` messages are passed verbatim, so a
+handler can refuse a peer with a clear reason). `side_channel_call` returns the result
+or raises `SideChannelError`.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import struct
+import threading
+from collections.abc import Callable
+
+logger = logging.getLogger(__name__)
+
+MAX_FRAME = 16 * 1024 * 1024
+_HEADER = struct.Struct(">I")
+ADVERTISE_HOST_ENV = "KVRELAY_SIDE_CHANNEL_ADVERTISE_HOST"
+_ENV_HINT = "VLLM_NIXL_SIDE_CHANNEL_HOST/VLLM_NIXL_SIDE_CHANNEL_PORT"
+
+
+class SideChannelError(RuntimeError):
+    """A side-channel call failed; the message names the address and the reason."""
+
+
+class FrameError(SideChannelError):
+    """A frame was oversized or not a JSON object."""
+
+
+class OversizedFrame(FrameError):
+    """A frame's announced length exceeds the limit (its body was not read)."""
+
+
+# ---------------------------------------------------------------------------------------
+# framing (also used by the TCP transport)
+
+
+def encode_frame(obj: dict, max_frame: int = MAX_FRAME) -> bytes:
+    if not isinstance(obj, dict):
+        raise TypeError(f"a side-channel message must be a dict, got {type(obj).__name__}")
+    body = json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+    if len(body) > max_frame:
+        raise OversizedFrame(f"message of {len(body)} bytes exceeds the {max_frame}-byte frame limit")
+    return _HEADER.pack(len(body)) + body
+
+
+def send_frame(sock: socket.socket, obj: dict, max_frame: int = MAX_FRAME) -> None:
+    sock.sendall(encode_frame(obj, max_frame))
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes | None:
+    """Exactly n bytes; None on EOF before the first byte; ConnectionError on EOF inside."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            if got == 0:
+                return None
+            raise ConnectionError(f"connection closed after {got} of {n} bytes")
+        got += k
+    return bytes(buf)
+
+
+def recv_frame(sock: socket.socket, max_frame: int = MAX_FRAME) -> dict | None:
+    """One frame as a dict; None on clean EOF. FrameError when the frame is oversized
+    (body left unread) or is not a JSON object (body consumed)."""
+    head = recv_exact(sock, _HEADER.size)
+    if head is None:
+        return None
+    (n,) = _HEADER.unpack(head)
+    if n > max_frame:
+        raise OversizedFrame(f"frame of {n} bytes exceeds the {max_frame}-byte limit")
+    body = recv_exact(sock, n) if n else b""
+    if body is None:
+        raise ConnectionError("connection closed inside a frame")
+    try:
+        obj = json.loads(body)
+    except (ValueError, RecursionError) as e:
+        raise FrameError(f"frame is not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
+    if not isinstance(obj, dict):
+        raise FrameError(f"frame must hold a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def _family(host: str) -> int:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+# ---------------------------------------------------------------------------------------
+# addresses
+
+
+def advertised_host(bind_host: str) -> str:
+    """The address peers should dial for a listener bound to `bind_host`.
+
+    `KVRELAY_SIDE_CHANNEL_ADVERTISE_HOST` wins when set. A wildcard bind (0.0.0.0, ::,
+    empty) advertises the IP of the interface that carries the default route (found by
+    `connect`ing a UDP socket to a documentation address: no packet is sent), else
+    127.0.0.1. Any other bind address is advertised as is.
+    """
+    env = os.environ.get(ADVERTISE_HOST_ENV, "").strip()
+    if env:
+        return env
+    if bind_host not in ("0.0.0.0", "::", "", "*", "[::]"):
+        return bind_host
+    probes = [(socket.AF_INET, ("192.0.2.1", 9))]
+    if bind_host in ("::", "[::]"):
+        probes.insert(0, (socket.AF_INET6, ("2001:db8::1", 9)))
+    for family, target in probes:
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                s.connect(target)
+                ip = s.getsockname()[0]
+        except OSError:
+            continue
+        if ip and ip not in ("0.0.0.0", "::"):
+            return ip
+    return "127.0.0.1"
+
+
+# ---------------------------------------------------------------------------------------
+# server
+
+
+class SideChannelServer:
+    """Serves `handler(request) -> reply` on host:port, a thread per connection, many
+    requests per connection. `port=0` picks a free port (see `.address`)."""
+
+    def __init__(self, host: str, port: int, handler: Callable[[dict], dict], *,
+                 max_frame: int = MAX_FRAME, idle_timeout: float = 300.0,
+                 max_connections: int = 256, name: str = "kv-side-channel") -> None:
+        self.host, self.port = host, int(port)
+        self.handler = handler
+        self.max_frame = max_frame
+        self.idle_timeout = idle_timeout
+        self.max_connections = max_connections
+        self.name = name
+        self._sock: socket.socket | None = None
+        self._stop = threading.Event()
+        self._accept_thread: threading.Thread | None = None
+        self._conns: dict[socket.socket, threading.Thread] = {}
+        self._lock = threading.Lock()
+
+    def start(self) -> SideChannelServer:
+        if self._sock is not None:
+            return self
+        sock = socket.socket(_family(self.host), socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((self.host, self.port))
+            sock.listen(128)
+        except OSError as e:
+            sock.close()
+            raise SideChannelError(f"KV side channel cannot listen on {self.host}:{self.port} "
+                                   f"({e.strerror or e}); set {_ENV_HINT} to a free address") from e
+        sock.settimeout(0.2)
+        self._sock = sock
+        self.port = sock.getsockname()[1]
+        self._accept_thread = threading.Thread(target=self._accept_loop, name=f"{self.name}-accept",
+                                               daemon=True)
+        self._accept_thread.start()
+        logger.debug("side channel listening on %s:%d", self.host, self.port)
+        return self
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """(bind host, bound port)."""
+        return self.host, self.port
+
+    @property
+    def advertised_address(self) -> tuple[str, int]:
+        """(host peers should dial, port)."""
+        return advertised_host(self.host), self.port
+
+    def _accept_loop(self) -> None:
+        assert self._sock is not None
+        while not self._stop.is_set():
+            try:
+                conn, peer = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                if self._stop.is_set():
+                    return
+                continue
+            with self._lock:
+                if self._stop.is_set() or len(self._conns) >= self.max_connections:
+                    full = not self._stop.is_set()
+                    conn.close()
+                    if full:
+                        logger.warning("side channel %s:%d: refusing %s, %d connections open",
+                                       self.host, self.port, peer, len(self._conns))
+                    continue
+                t = threading.Thread(target=self._serve, args=(conn, peer), daemon=True,
+                                     name=f"{self.name}-conn")
+                self._conns[conn] = t
+            t.start()
+
+    def _serve(self, conn: socket.socket, peer) -> None:
+        try:
+            conn.settimeout(self.idle_timeout)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            while not self._stop.is_set():
+                try:
+                    msg = recv_frame(conn, self.max_frame)
+                except FrameError as e:
+                    logger.warning("side channel: bad frame from %s: %s", peer, e)
+                    try:
+                        send_frame(conn, {"ok": False, "error": str(e)})
+                    except OSError:
+                        return
+                    if isinstance(e, OversizedFrame):
+                        return          # the body was not read: the stream cannot continue
+                    continue
+                if msg is None:
+                    return
+                reply = self._dispatch(msg)
+                try:
+                    frame = encode_frame(reply, self.max_frame)
+                except (FrameError, TypeError, ValueError) as e:
+                    frame = encode_frame({"ok": False, "error": f"reply could not be sent: {e}"})
+                conn.sendall(frame)
+        except (OSError, ConnectionError):
+            return
+        finally:
+            with self._lock:
+                self._conns.pop(conn, None)
+            try:
+                conn.close()
+            except OSError:
+                pass
+
+    def _dispatch(self, msg: dict) -> dict:
+        try:
+            result = self.handler(msg)
+        except SideChannelError as e:
+            return {"ok": False, "error": str(e)}
+        except Exception as e:
+            logger.exception("side channel handler failed on %s", str(msg)[:200])
+            return {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        if not isinstance(result, dict):
+            return {"ok": False, "error": f"handler returned {type(result).__name__}, not a dict"}
+        return {"ok": True, "result": result}
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._sock is not None:
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)   # wakes a blocked accept()
+            except OSError:
+                pass
+            try:
+                self._sock.close()
+            except OSError:
+                pass
+        if self._accept_thread is not None:
+            self._accept_thread.join(timeout=5)
+        with self._lock:
+            conns = list(self._conns.items())
+        for conn, _ in conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for _, t in conns:
+            t.join(timeout=5)
+
+    def __enter__(self) -> SideChannelServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------------------------------
+# client
+
+
+def _connect_error(host: str, port: int, e: BaseException, timeout: float) -> SideChannelError:
+    where = f"KV side channel {host}:{port}"
+    if isinstance(e, ConnectionRefusedError):
+        why = ("connection refused: nothing listens there. Check that the prefill server is up "
+               f"and that {_ENV_HINT} (on the prefill server) and the remote_host/remote_port it "
+               "advertises point at it")
+    elif isinstance(e, socket.gaierror):
+        why = f"cannot resolve host {host!r} ({e}); check {_ENV_HINT}"
+    elif isinstance(e, TimeoutError):
+        why = f"no answer within {timeout:g}s (host unreachable or firewalled?); check {_ENV_HINT}"
+    else:
+        why = f"{type(e).__name__}: {e}; check {_ENV_HINT}"
+    return SideChannelError(f"{where}: {why}")
+
+
+class SideChannelClient:
+    """A connection to a side channel, for several calls."""
+
+    def __init__(self, host: str, port: int, timeout: float = 10.0,
+                 max_frame: int = MAX_FRAME) -> None:
+        self.host, self.port, self.timeout, self.max_frame = host, int(port), timeout, max_frame
+        try:
+            self._sock = socket.create_connection((host, self.port), timeout=timeout)
+        except OSError as e:
+            raise _connect_error(host, self.port, e, timeout) from e
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def call(self, message: dict) -> dict:
+        where = f"KV side channel {self.host}:{self.port}"
+        frame = encode_frame(message, self.max_frame)
+        try:
+            self._sock.sendall(frame)
+            reply = recv_frame(self._sock, self.max_frame)
+        except FrameError as e:
+            raise SideChannelError(f"{where}: bad reply: {e}") from e
+        except TimeoutError as e:
+            raise SideChannelError(f"{where}: no reply within {self.timeout:g}s") from e
+        except OSError as e:
+            raise SideChannelError(f"{where}: connection failed ({type(e).__name__}: {e})") from e
+        if reply is None:
+            raise SideChannelError(f"{where}: the server closed the connection without a reply")
+        if reply.get("ok") is True and isinstance(reply.get("result"), dict):
+            return reply["result"]
+        if reply.get("ok") is False:
+            raise SideChannelError(f"{where} answered with an error: {reply.get('error')}")
+        raise SideChannelError(f"{where}: malformed reply (keys {sorted(reply)[:5]})")
+
+    def close(self) -> None:
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+
+    def __enter__(self) -> SideChannelClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def side_channel_call(host: str, port: int, message: dict, timeout: float = 10.0) -> dict:
+    """One request on a fresh connection; the handler's reply, or SideChannelError."""
+    with SideChannelClient(host, port, timeout) as client:
+        return client.call(message)
