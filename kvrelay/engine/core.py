@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import time
 import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -499,6 +498,3 @@ def _model_dir(args: EngineArgs) -> Path:
 def _maybe_tokenizer(model_dir: Path) -> CheckpointTokenizer | None:
     return load_tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
 
-
-def now() -> float:
-    return time.monotonic()

@@ -81,9 +81,6 @@ class Experts(nn.Module):
         e0, e1 = self.first_expert, self.first_expert + self.num_local
         gate_up = padded_slice(src, f"{prefix}.gate_up_proj", 2, *rows)[e0:e1]       # [E, H, 2I]
         down = padded_slice(src, f"{prefix}.down_proj", 1, self.i0, self.i1, self.i_local)[e0:e1]  # [E, I, H]
-        if self.mxfp4:
-            raise ValueError(f"{prefix}: quantization 'mxfp4' needs MXFP4 expert tensors "
-                             f"(*_blocks/*_scales); this checkpoint has dense experts")
         self.gate_up.copy_(gate_up.transpose(1, 2))
         self.down.copy_(down.transpose(1, 2))
 
