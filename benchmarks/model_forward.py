@@ -4,6 +4,7 @@
 Run by hand (this is not a pytest test):
 
     python benchmarks/model_forward.py [--quick] [--out results.json] [--no-profile]
+                                       [--no-check] [--hf-experts eager]
 
 What it does, in one run:
 
@@ -17,15 +18,19 @@ What it does, in one run:
                                dtype=bf16, attn_implementation="eager")
    The checkpoint is cached in a temp directory keyed by the config.
 2. Times prefill (one 256-token prompt; 4 x 64 tokens) and single-token decode steps
-   at batch 1, 16 and 64 over a 192-token context, interleaving the models repetition
-   by repetition (the machine may be shared), and reports medians.
+   at batch 1, 16 and 64 over a 192-token context, interleaving the models round by
+   round, and reports medians. The machine may be shared: each sample records how much
+   CPU other processes used meanwhile, contended rounds are repeated and each model
+   keeps its least-contended samples (`Contention`).
    kvrelay steps go through `PagedGreedyLoop.step`, transformers through
    `model(input_ids, use_cache=True[, cache=...])`; both return logits for every fed
    token. The decode context is a KV cache filled with random values (attention cost
    does not depend on the values), so no long prefill is needed to set it up.
 3. Profiles kvrelay's batch-64 decode step (a per-module wall-time breakdown by forward
    hooks, and torch.profiler's top operators).
-4. Prints a table and writes JSON with the machine, versions, config and all samples.
+4. Checks kvrelay against transformers in fp32 on a 64-token prompt (bf16 logits of
+   these random weights are too chaotic to compare).
+5. Prints a table and writes JSON with the machine, versions, config and all samples.
 """
 from __future__ import annotations
 
@@ -558,7 +563,9 @@ def fp32_check(path: Path, vocab: int, length: int = 64) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny config and workload (smoke test)")
-    ap.add_argument("--out", type=Path, default=None, help="write results as JSON here")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="write results as JSON here (default: benchmarks/results/"
+                         "model_forward[_quick].json)")
     ap.add_argument("--ckpt-dir", type=Path, default=None,
                     help="where to build/reuse the random checkpoint (default: a temp dir)")
     ap.add_argument("--threads", type=int, default=2)
@@ -670,18 +677,20 @@ def main() -> None:
           f"({info['usable_cpus']} CPUs)")
     print(f"\ntotal wall time {elapsed:.0f} s")
 
-    if args.out:
-        payload = {
-            "benchmark": "model_forward", "date": time.strftime("%Y-%m-%d"), "quick": args.quick,
-            "machine": info, "config": config, "workload": wl, "block_size": BLOCK_SIZE,
-            "transformers_experts_implementation": hf_experts,
-            "transformers_attn_implementation": hf_attn,
-            "weight_bytes": weight_bytes, "logit_agreement_bf16": agree, "fp32_check": check,
-            "busy_threshold": args.busy_threshold, "waited_for_quiet_s": cont.waited_s,
-            "results": results,
-            "profile": profile, "wall_time_s": round(elapsed, 1)}
-        args.out.write_text(json.dumps(payload, indent=2))
-        log(f"wrote {args.out}")
+    out = args.out or ROOT / "benchmarks" / "results" / (
+        "model_forward_quick.json" if args.quick else "model_forward.json")
+    payload = {
+        "benchmark": "model_forward", "date": time.strftime("%Y-%m-%d"), "quick": args.quick,
+        "machine": info, "config": config, "workload": wl, "block_size": BLOCK_SIZE,
+        "transformers_experts_implementation": hf_experts,
+        "transformers_attn_implementation": hf_attn,
+        "weight_bytes": weight_bytes, "logit_agreement_bf16": agree, "fp32_check": check,
+        "busy_threshold": args.busy_threshold, "waited_for_quiet_s": cont.waited_s,
+        "results": results,
+        "profile": profile, "wall_time_s": round(elapsed, 1)}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(payload, indent=2))
+    log(f"wrote {out}")
 
 
 if __name__ == "__main__":
