@@ -410,12 +410,12 @@ def summarize_profile(raw: Path, top: int = 15) -> dict[str, Any]:
             continue
         n = int(count)
         frames = stack.split(";")
-        if any("threading.py" in f for f in frames[-4:]):
+        py = [f for f in frames if ".py:" in f]
+        if py and "threading.py" in py[-1]:
             continue                      # an idle helper thread (tqdm monitor, queue waits)
         total += n
         leaf = _frame_name(frames[-1])
         self_t[leaf] = self_t.get(leaf, 0) + n
-        py = [f for f in frames if ".py:" in f]
         if py:
             key = _frame_name(py[-1], with_line=True)
             line_t[key] = line_t.get(key, 0) + n

@@ -382,7 +382,8 @@ def report(results: dict[str, Any], concs: list[int]) -> None:
                           f"{r['median_tpot_ms']:8.1f} {r['p99_tpot_ms']:8.1f}")
         off = res_m.get("kvrelay_offline", {})
         if off.get("output_throughput"):
-            print(f"kvrelay offline (64 at once): {off['output_throughput']:.1f} output tok/s")
+            print(f"kvrelay offline ({results['workload']['num_prompts']} requests at once): "
+                  f"{off['output_throughput']:.1f} output tok/s")
         for k, v in res_m.get("derived", {}).items():
             print(f"  {k}: {v if not isinstance(v, float) else f'{v:.2f}'}")
 

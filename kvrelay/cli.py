@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kvrelay", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     sub.add_parser("proxy", help="disaggregated-serving proxy (kvrelay proxy --help)")
+    sub.add_parser("bench", help="serving benchmark (kvrelay bench serve --help)")
+    sub.add_parser("deploy", help="stand up a topology on this machine (kvrelay deploy --help)")
+    sub.add_parser("validate", help="the tutorial's 'Confirm your work' checks (kvrelay validate --help)")
     serve = sub.add_parser("serve", help="OpenAI-compatible server (vLLM's flags)")
     _add_serve_flags(serve)
     gen = sub.add_parser("generate", help="greedy generation with the model (no server)")
@@ -106,6 +109,15 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["proxy"]:                   # the proxy parses its own flags (and needs no torch)
         from kvrelay.proxy.main import main as proxy_main
         return proxy_main(argv[1:])
+    if argv[:1] == ["bench"]:                   # these parse their own flags and need no torch either
+        from kvrelay.bench.main import main as bench_main
+        return bench_main(argv[1:])
+    if argv[:1] == ["deploy"]:
+        from kvrelay.deploy.main import main as deploy_main
+        return deploy_main(argv[1:])
+    if argv[:1] == ["validate"]:
+        from kvrelay.deploy.validate import main as validate_main
+        return validate_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
