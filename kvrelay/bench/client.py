@@ -1,0 +1,153 @@
+"""Streaming OpenAI-compatible requests, timed chunk by chunk.
+
+Works against kvrelay, vLLM and any server that streams `/v1/completions` or
+`/v1/chat/completions` as SSE. Every failure (connection, HTTP status, an error event,
+a malformed chunk, a stream with no text) becomes a failed `RequestResult` with its
+message; nothing here raises.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from kvrelay.bench.datasets import SampleRequest
+from kvrelay.bench.metrics import RequestResult
+from kvrelay.bench.sse import SSEParser
+
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """The parts of every request body that come from flags."""
+
+    endpoint: str = "/v1/completions"
+    model: str = ""
+    ignore_eos: bool = False
+    temperature: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.endpoint not in ENDPOINTS:
+            raise ValueError(f"--endpoint must be one of {', '.join(ENDPOINTS)}; got {self.endpoint}")
+
+    @property
+    def chat(self) -> bool:
+        return self.endpoint == "/v1/chat/completions"
+
+    def body(self, req: SampleRequest) -> dict[str, Any]:
+        body: dict[str, Any] = {"model": self.model, "stream": True,
+                                "stream_options": {"include_usage": True},
+                                "temperature": self.temperature}
+        if self.chat:
+            body["messages"] = req.chat_messages()
+            body["max_completion_tokens"] = req.output_len
+        else:
+            body["prompt"] = req.prompt
+            body["max_tokens"] = req.output_len
+        if self.ignore_eos:
+            body["ignore_eos"] = True
+        return body
+
+
+def chunk_text(chunk: dict[str, Any]) -> str:
+    """The generated text a chunk carries: completions' `text`, or chat's delta content and
+    reasoning (gpt-oss streams its analysis channel as `reasoning`/`reasoning_content`)."""
+    text = ""
+    for choice in chunk.get("choices") or []:
+        if "text" in choice:
+            text += choice.get("text") or ""
+        delta = choice.get("delta") or {}
+        for key in ("content", "reasoning", "reasoning_content"):
+            value = delta.get(key)
+            if isinstance(value, str):
+                text += value
+                if key == "reasoning":
+                    break                         # a server sending both names sends the same text
+    return text
+
+
+def _error_text(resp: httpx.Response, body: bytes) -> str:
+    try:
+        err = json.loads(body).get("error")
+        message = err.get("message") if isinstance(err, dict) else err
+    except (ValueError, AttributeError):
+        message = body.decode(errors="replace")[:300]
+    return f"HTTP {resp.status_code}: {message}"
+
+
+async def send(client: httpx.AsyncClient, url: str, opts: RequestOptions, req: SampleRequest,
+               t0: float, count_tokens=None) -> RequestResult:
+    """POST one streaming request; `t0` is the benchmark's start (perf_counter) for the
+    result's start/chunk times. `count_tokens(text)` counts output tokens when the server
+    sends no usage (else: one token per text chunk)."""
+    result = RequestResult(prompt_len=req.prompt_len)
+    start = time.perf_counter()
+    result.start_time = start - t0
+    usage: dict[str, Any] | None = None
+    last = start
+    texts: list[str] = []
+    try:
+        async with client.stream("POST", url, json=opts.body(req)) as resp:
+            if resp.status_code != 200:
+                result.error = _error_text(resp, await resp.aread())
+                result.latency = time.perf_counter() - start
+                return result
+            parser = SSEParser()
+            async for piece in resp.aiter_text():
+                now = time.perf_counter()
+                for data in parser.feed(piece):
+                    if data.strip() == "[DONE]":
+                        continue
+                    chunk = json.loads(data)
+                    if "error" in chunk and not chunk.get("choices"):
+                        err = chunk["error"]
+                        raise RuntimeError(err.get("message", str(err)) if isinstance(err, dict) else str(err))
+                    if chunk.get("usage"):
+                        usage = chunk["usage"]
+                    text = chunk_text(chunk)
+                    if not text:
+                        continue
+                    if not texts:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+                    texts.append(text)
+                    result.chunk_times.append(now - t0)
+            for data in parser.flush():
+                if data.strip() != "[DONE]" and (chunk := json.loads(data)).get("usage"):
+                    usage = chunk["usage"]
+        result.latency = time.perf_counter() - start
+    except (httpx.HTTPError, OSError, ValueError, RuntimeError) as e:
+        result.latency = time.perf_counter() - start
+        result.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        return result
+    result.generated_text = "".join(texts)
+    if not texts:
+        result.error = "the stream carried no generated text"
+        return result
+    result.success = True
+    if usage and usage.get("completion_tokens") is not None:
+        result.output_len = int(usage["completion_tokens"])
+    elif count_tokens is not None:
+        result.output_len = count_tokens(result.generated_text)
+    else:
+        result.output_len = len(texts)
+    if usage and usage.get("prompt_tokens") is not None:
+        result.prompt_len = int(usage["prompt_tokens"])
+    return result
+
+
+async def first_model(client: httpx.AsyncClient, base_url: str) -> str:
+    """The first model id of GET /v1/models (the default --model)."""
+    resp = await client.get(f"{base_url}/v1/models", timeout=30)
+    if resp.status_code != 200:
+        raise RuntimeError(f"GET {base_url}/v1/models: {_error_text(resp, resp.content)}")
+    data = resp.json().get("data") or []
+    if not data:
+        raise RuntimeError(f"GET {base_url}/v1/models lists no model; pass --model")
+    return data[0]["id"]

@@ -1,0 +1,98 @@
+"""Runs a benchmark: arrivals, the concurrency cap, the progress bar, the server's counters.
+
+    t=0 ─ conversation 0 arrives ─▶ turn 0 ▶ turn 1 ▶ …   (a turn starts when the previous ends)
+          conversation 1 arrives at arrival_offsets[1] ─▶ turn 0 ▶ …
+    every request first takes a slot of --max-concurrency (when given), then streams.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import httpx
+
+from kvrelay.bench import server_metrics
+from kvrelay.bench.arrivals import arrival_offsets
+from kvrelay.bench.client import RequestOptions, send
+from kvrelay.bench.datasets import Conversation
+from kvrelay.bench.metrics import RequestResult
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    base_url: str
+    options: RequestOptions
+    request_rate: float = math.inf
+    burstiness: float = 1.0
+    max_concurrency: int | None = None
+    seed: int = 0
+    disable_tqdm: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError("--max-concurrency must be >= 1")
+
+
+@dataclass
+class RunOutcome:
+    results: list[RequestResult]          # in dataset order (conversation by conversation)
+    duration: float
+    prefix_queries: float | None
+    prefix_hits: float | None
+    prefix_hit_rate: float | None
+    prefix_sources: tuple[str, ...]
+
+
+def _client(cfg: RunConfig, n_requests: int) -> httpx.AsyncClient:
+    conns = cfg.max_concurrency or max(1, n_requests)
+    headers = {}
+    if key := os.environ.get("OPENAI_API_KEY"):
+        headers["Authorization"] = f"Bearer {key}"
+    return httpx.AsyncClient(timeout=httpx.Timeout(6 * 3600, connect=30), headers=headers,
+                             limits=httpx.Limits(max_connections=conns + 4, max_keepalive_connections=conns + 4),
+                             trust_env=False)
+
+
+def _progress(total: int, disable: bool):
+    from tqdm import tqdm
+    return tqdm(total=total, disable=disable, file=sys.stderr, desc="requests", unit="req")
+
+
+async def run(cfg: RunConfig, conversations: list[Conversation],
+              count_tokens: Callable[[str], int] | None = None) -> RunOutcome:
+    n_requests = sum(len(c) for c in conversations)
+    url = cfg.base_url + cfg.options.endpoint
+    offsets = arrival_offsets(len(conversations), cfg.request_rate, cfg.burstiness, cfg.seed)
+    slots = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
+    results: list[list[RequestResult]] = [[] for _ in conversations]
+    async with _client(cfg, n_requests) as client:
+        before = await server_metrics.snapshot(client, cfg.base_url)
+        bar = _progress(n_requests, cfg.disable_tqdm)
+        t0 = time.perf_counter()
+
+        async def one(req) -> RequestResult:
+            if slots is None:
+                return await send(client, url, cfg.options, req, t0, count_tokens)
+            async with slots:
+                return await send(client, url, cfg.options, req, t0, count_tokens)
+
+        async def conversation(i: int) -> None:
+            delay = offsets[i] - (time.perf_counter() - t0)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            for req in conversations[i]:
+                results[i].append(await one(req))
+                bar.update(1)
+
+        await asyncio.gather(*(conversation(i) for i in range(len(conversations))))
+        duration = time.perf_counter() - t0
+        bar.close()
+        after = await server_metrics.snapshot(client, cfg.base_url)
+    queries, hits, rate = server_metrics.hit_rate(before, after)
+    return RunOutcome([r for conv in results for r in conv], duration, queries, hits, rate,
+                      after.sources if after and queries is not None else ())

@@ -1,0 +1,129 @@
+"""Token counting and random prompt text, with or without a tokenizer.
+
+`--tokenizer PATH` (a tokenizer.json, or a model directory holding one) loads it with the
+`tokenizers` library: prompt lengths are then exact for that tokenizer. Without one the
+client cannot know the server's tokens, so it works in *units*: a unit is a word or a
+punctuation mark (the regex `\\w+|[^\\w\\s]`), which is about one token of an English BPE
+vocabulary and exactly one token of a word-level one. Random prompts are then random
+words. Either way the reported input/output token counts come from the server's `usage`
+(requested with `stream_options.include_usage`) whenever the server sends it.
+"""
+from __future__ import annotations
+
+import random
+import re
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+from typing import Protocol
+
+_UNIT = re.compile(r"\w+|[^\w\s]")
+
+
+class TokenCounter(Protocol):
+    exact: bool
+    name: str
+
+    def count(self, text: str) -> int: ...
+
+    def random_units(self, rng: random.Random, n: int) -> list: ...
+
+    def render(self, units: list, target: int | None = None) -> tuple[str, int]:
+        """Text for these units and its length; with `target`, adjusted to that many tokens
+        where the tokenizer allows (re-encoding decoded BPE ids may merge or split)."""
+        ...
+
+
+def poem_lines(text: str) -> list[str]:
+    """The verse lines of a sonnet text: no blank lines, "#" comments or numeral headings."""
+    return [ln.strip() for ln in text.splitlines()
+            if ln.strip() and not ln.strip().isupper() and not ln.startswith("#")]
+
+
+@lru_cache(maxsize=1)
+def bundled_sonnets() -> tuple[str, ...]:
+    text = resources.files("kvrelay.bench").joinpath("data", "sonnets.txt").read_text(encoding="utf-8")
+    return tuple(poem_lines(text))
+
+
+@lru_cache(maxsize=1)
+def word_list() -> tuple[str, ...]:
+    """Distinct lower-case words of the bundled sonnets: the vocabulary of random prompts."""
+    words = {w.lower() for line in bundled_sonnets() for w in re.findall(r"[A-Za-z]+", line)}
+    return tuple(sorted(w for w in words if len(w) > 1))
+
+
+class WordCounter:
+    """No tokenizer: one unit = one word or punctuation mark."""
+
+    exact = False
+    name = "words (no tokenizer)"
+
+    def count(self, text: str) -> int:
+        return len(_UNIT.findall(text))
+
+    def random_units(self, rng: random.Random, n: int) -> list[str]:
+        words = word_list()
+        return [rng.choice(words) for _ in range(n)]
+
+    def render(self, units: list, target: int | None = None) -> tuple[str, int]:
+        text = " ".join(units)
+        return text, len(units)
+
+    def truncate(self, text: str, n: int) -> str:
+        pieces = list(_UNIT.finditer(text))
+        return text if len(pieces) <= n else text[:pieces[n].start()].rstrip()
+
+
+class HFTokenCounter:
+    """A Hugging Face `tokenizers` tokenizer (no transformers, no torch)."""
+
+    exact = True
+
+    def __init__(self, path: str) -> None:
+        from tokenizers import Tokenizer
+        p = Path(path)
+        file = p / "tokenizer.json" if p.is_dir() else p
+        if not file.is_file():
+            raise ValueError(f"--tokenizer {path}: no tokenizer.json there (give the file or the "
+                             "model directory holding it)")
+        self.name = str(p)
+        self.tok = Tokenizer.from_file(str(file))
+        special = set(self.tok.get_added_tokens_decoder())
+        self.normal_ids = sorted(set(self.tok.get_vocab(with_added_tokens=False).values()) - special)
+        if not self.normal_ids:
+            raise ValueError(f"--tokenizer {path}: the tokenizer has no ordinary tokens")
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def count(self, text: str) -> int:
+        return len(self.encode(text))
+
+    def random_units(self, rng: random.Random, n: int) -> list[int]:
+        return [rng.choice(self.normal_ids) for _ in range(n)]
+
+    def render(self, units: list, target: int | None = None) -> tuple[str, int]:
+        text = self.tok.decode(units)
+        if target is None:
+            return text, self.count(text)
+        ids = self.encode(text)
+        fill = random.Random(len(units))
+        for _ in range(8):                       # decode(ids) may re-encode to a different length
+            if len(ids) == target:
+                break
+            if len(ids) > target:
+                ids = ids[:target]
+            else:
+                ids = ids + [fill.choice(self.normal_ids) for _ in range(target - len(ids))]
+            text = self.tok.decode(ids)
+            ids = self.encode(text)
+        return text, len(ids)
+
+    def truncate(self, text: str, n: int) -> str:
+        ids = self.encode(text)
+        return text if len(ids) <= n else self.tok.decode(ids[:n])
+
+
+def make_counter(tokenizer: str | None) -> WordCounter | HFTokenCounter:
+    return HFTokenCounter(tokenizer) if tokenizer else WordCounter()
