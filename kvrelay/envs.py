@@ -55,9 +55,13 @@ COMPILATION_TIMEOUT_S = EnvVar("KVRELAY_COMPILATION_TIMEOUT", "VLLM_NEURON_COMPI
 VISIBLE_DEVICES = EnvVar("KVRELAY_VISIBLE_DEVICES", "NEURON_VISIBLE_DEVICES", None,
                          "device slice: CPU core ids on CPU, GPU ids on CUDA, e.g. 0-3")
 CACHE_DIR = EnvVar("KVRELAY_CACHE_DIR", None, None, "where the embedded model is built")
+CPU_HALF_MATMUL = EnvVar("KVRELAY_CPU_HALF_MATMUL", None, "auto",
+                         "bf16/fp16 weights on CPU: 'native' half-precision GEMMs, 'fp32' (upcast the "
+                         "weights per matmul, keep them half in memory) or 'auto' (fp32 unless oneDNN "
+                         "has a native bf16 path on this CPU)")
 
 ALL = (SIDE_CHANNEL_HOST, SIDE_CHANNEL_PORT, ENGINE_READY_TIMEOUT_S, EXECUTE_MODEL_TIMEOUT_S,
-       COMPILATION_TIMEOUT_S, VISIBLE_DEVICES, CACHE_DIR)
+       COMPILATION_TIMEOUT_S, VISIBLE_DEVICES, CACHE_DIR, CPU_HALF_MATMUL)
 
 
 def parse_id_list(text: str) -> list[int]:

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvrelay.model.layers.linear import linear
 from kvrelay.model.parallel import ParallelContext, shard_range
 from kvrelay.model.weights import WeightSource, padded_slice
 
@@ -38,7 +39,7 @@ class VocabParallelEmbedding(_VocabShard):
 
 class ParallelLMHead(_VocabShard):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)                              # [tokens, V/tp]
+        logits = linear(hidden, self.weight)                              # [tokens, V/tp]
         if self.ctx.tp_size == 1:
             return logits
         return self.ctx.comm.all_gather(logits, dim=-1)[:, : self.vocab]

@@ -5,15 +5,50 @@
                                                   bias added by the first rank only
     QKVParallelLinear     one fused column-parallel matmul for q, k and v of this
                           rank's heads (KV heads replicated when tp_size > kv heads)
+
+Every matmul of the model goes through `linear`: on a CPU without a native bf16 GEMM
+(oneDNN needs AVX-512 or AVX-NE-CONVERT; AVX2-only x86 falls back to a scalar-ish dot
+product at ~1/7 of fp32 speed) half-precision weights are upcast per matmul and the
+product is computed in fp32 — weights stay half in memory, results are rounded back to
+the activation dtype. `KVRELAY_CPU_HALF_MATMUL=native|fp32|auto` overrides the choice.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvrelay import envs
 from kvrelay.model.parallel import ParallelContext, divide
 from kvrelay.model.weights import WeightSource
+
+_HALF = (torch.bfloat16, torch.float16)
+
+
+@functools.cache
+def cpu_half_matmul_in_fp32() -> bool:
+    """Whether bf16/fp16 matmuls on the CPU run as fp32 (see the module docstring)."""
+    mode = envs.CPU_HALF_MATMUL.raw()
+    if mode not in ("auto", "native", "fp32"):
+        raise ValueError(f"{envs.CPU_HALF_MATMUL.shown}: expected auto, native or fp32, got {mode!r}")
+    if mode != "auto":
+        return mode == "fp32"
+    native = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return not native
+
+
+def upcasts(weight: torch.Tensor) -> bool:
+    return weight.dtype in _HALF and weight.device.type == "cpu" and cpu_half_matmul_in_fp32()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear`, in fp32 for half-precision weights where the CPU lacks a fast half GEMM."""
+    if not upcasts(weight):
+        return F.linear(x, weight, bias)
+    out = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    return out.to(x.dtype)
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -37,7 +72,7 @@ class ColumnParallelLinear(nn.Module):
             self.bias.copy_(src.get(f"{prefix}.bias", 0, start, stop))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -57,7 +92,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.ctx.tp_rank == 0 else None
-        return self.ctx.comm.all_reduce(F.linear(x, self.weight, bias))
+        return self.ctx.comm.all_reduce(linear(x, self.weight, bias))
 
 
 class QKVParallelLinear(nn.Module):
@@ -93,7 +128,7 @@ class QKVParallelLinear(nn.Module):
             row += size
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        qkv = F.linear(x, self.weight, self.bias)                  # [tokens, q + 2 kv]
+        qkv = linear(x, self.weight, self.bias)                  # [tokens, q + 2 kv]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         return (q.view(-1, self.num_heads, self.head_dim),        # [tokens, heads, hd]
                 k.view(-1, self.num_kv_heads, self.head_dim),     # [tokens, kv_heads, hd]

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvrelay.model.layers.linear import linear, upcasts
 from kvrelay.model.mxfp4 import BLOCK, MXFP4Tensor
 from kvrelay.model.parallel import ParallelContext, divide, shard_range
 from kvrelay.model.weights import WeightSource, padded_slice
@@ -36,7 +37,7 @@ class Router(nn.Module):
         self.bias = nn.Parameter(torch.zeros(num_experts, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x, self.weight, self.bias)                        # [T, E]
+        logits = linear(x, self.weight, self.bias)                        # [T, E]
         top_logits, top_ids = logits.topk(self.top_k, dim=-1)               # [T, k]
         return torch.softmax(top_logits, dim=-1), top_ids
 
@@ -112,8 +113,8 @@ class Experts(nn.Module):
         packed = sum(w.nbytes() for w in (self.gate_up, self.down) if isinstance(w, MXFP4Tensor))
         return dense + packed
 
-    def _weight(self, w: torch.Tensor | MXFP4Tensor, e: int) -> torch.Tensor:
-        return w.expert(e, self.dtype) if isinstance(w, MXFP4Tensor) else w[e]
+    def _weight(self, w: torch.Tensor | MXFP4Tensor, e: int, dtype: torch.dtype) -> torch.Tensor:
+        return w.expert(e, dtype) if isinstance(w, MXFP4Tensor) else w[e].to(dtype)
 
     # -- compute --------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
@@ -127,8 +128,12 @@ class Experts(nn.Module):
 
         Each active expert runs one matmul over its slice; results land in their
         choice's row with a plain (non-accumulating) scatter and the k rows of a
-        token are summed — no atomic index_add.
+        token are summed — no atomic index_add. Where half-precision matmuls run in
+        fp32 on this CPU (see `layers.linear`), the whole expert computation does.
         """
+        out_dtype = x.dtype
+        if upcasts(self.gate_up_bias):
+            x = x.float()
         T, k = expert_ids.shape
         local = expert_ids.flatten() - self.first_expert                    # [T*k]
         order = torch.argsort(local, stable=True)
@@ -147,16 +152,17 @@ class Experts(nn.Module):
         y_sorted *= weights.flatten()[chosen, None].to(y_sorted.dtype)
         per_choice = x.new_zeros(T * k, x.shape[1])                         # [T*k, H]
         per_choice[chosen] = y_sorted
-        return per_choice.view(T, k, -1).sum(dim=1)                         # [T, H]
+        return per_choice.view(T, k, -1).sum(dim=1).to(out_dtype)           # [T, H]
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        h = F.linear(x, self._weight(self.gate_up, e), self.gate_up_bias[e])  # [n, 2I]
+        dt = x.dtype
+        h = F.linear(x, self._weight(self.gate_up, e, dt), self.gate_up_bias[e].to(dt))  # [n, 2I]
         gate, up = h[:, 0::2], h[:, 1::2]                                     # [n, I]
         gate = gate.clamp(max=self.limit)
         up = up.clamp(min=-self.limit, max=self.limit)
         act = (up + 1) * gate * torch.sigmoid(gate * self.alpha)
-        bias = self.down_bias[e] if self.add_down_bias else None
-        return F.linear(act, self._weight(self.down, e), bias)               # [n, H]
+        bias = self.down_bias[e].to(dt) if self.add_down_bias else None
+        return F.linear(act, self._weight(self.down, e, dt), bias)          # [n, H]
 
 
 class MoE(nn.Module):
