@@ -1,0 +1,194 @@
+"""Start the planned processes on this machine, await readiness, stop them all.
+
+Every process is `python -m kvrelay.cli <args>` in a session (process group) of its own,
+its output in `<log dir>/<name>.log`. Stopping sends SIGTERM to each group (the proxy
+first; servers drain in-flight requests), then SIGKILL to whatever is left of each group
+after the grace period. Nothing is found by name: only the PIDs started here are signalled.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvrelay import envs
+from kvrelay.deploy.plan import Plan, ProxyPlan
+
+logger = logging.getLogger(__name__)
+READY_LINE = "Application startup complete"
+STOP_GRACE_S = 35.0          # kvrelay serve drains in-flight requests for up to 30 s
+TAIL_LINES = 25
+
+
+class DeployFailure(RuntimeError):
+    """A component exited or was not ready in time; the message names it and shows its log tail."""
+
+
+@dataclass(eq=False)
+class Component:
+    """One started process (a process-group leader) and its log file."""
+
+    name: str
+    args: tuple[str, ...]
+    env: dict[str, str]
+    log_path: Path
+    proc: subprocess.Popen | None = None
+    _seen: str = field(default="", repr=False)
+    is_ready: bool = False
+
+    def start(self) -> None:
+        with open(self.log_path, "wb") as log:      # the child keeps its own copy of the descriptor
+            self.proc = subprocess.Popen([sys.executable, "-m", "kvrelay.cli", *self.args], stdout=log,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env,
+                                         start_new_session=True)
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def poll(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def check_ready(self) -> bool:
+        if not self.is_ready:
+            self.is_ready = READY_LINE in self.log_text()
+        return self.is_ready
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def tail(self, lines: int = TAIL_LINES) -> str:
+        return "\n".join("    " + line for line in self.log_text().splitlines()[-lines:])
+
+    def signal_group(self, sig: int) -> bool:
+        """Signal this component's process group; False when it no longer exists."""
+        if self.proc is None:
+            return False
+        try:
+            os.killpg(self.pid, sig)
+        except ProcessLookupError:
+            return False
+        return True
+
+
+def child_env(exports: tuple[tuple[str, str], ...], own: tuple[tuple[str, str], ...]) -> dict[str, str]:
+    """This process's environment plus the plan's variables. A KVRELAY_ twin of a variable the
+    plan sets by its tutorial name is dropped, since the KVRELAY_ name would win."""
+    env = dict(os.environ)
+    twins = {v.alias: v.name for v in envs.ALL if v.alias}
+    for name, value in exports + own:
+        env.pop(twins.get(name, ""), None)
+        env[name] = value
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def ports_in_use(plan: Plan) -> list[str]:
+    """The planned ports something on this machine already listens on."""
+    claims = [(s.port, f"{s.name} HTTP") for s in plan.servers]
+    claims += [(p, f"{s.name} side channel") for s in plan.servers for p in s.side_channel_ports]
+    if plan.proxy:
+        claims.append((plan.proxy.port, "proxy HTTP"))
+    busy = []
+    for port, what in claims:
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                busy.append(f"{what} port {port} is already in use on this machine")
+    return busy
+
+
+class Deployment:
+    """Owner of every process deploy started on this machine (by PID; each its own group)."""
+
+    def __init__(self, plan: Plan, log_dir: Path) -> None:
+        if not plan.topology.local:
+            raise ValueError("deploy starts processes on this machine only; for other hosts use --dry-run "
+                             "and run the printed commands there")
+        self.plan = plan
+        self.log_dir = log_dir
+        self.components: list[Component] = []
+        self.force = threading.Event()           # a second Ctrl-C: SIGKILL at once
+
+    # -- starting ------------------------------------------------------------------------
+    def start_servers(self) -> list[Component]:
+        """Every server at once (decode first: it has no dependency on prefill at startup)."""
+        order = sorted(self.plan.servers, key=lambda s: s.role != "decode")
+        started = [self._start(s.name, s.args, child_env(self.plan.exports, s.env)) for s in order]
+        return started
+
+    def start_proxy(self) -> Component:
+        proxy = self.plan.proxy
+        assert isinstance(proxy, ProxyPlan)
+        return self._start("proxy", proxy.args, child_env((), ()))
+
+    def _start(self, name: str, args: tuple[str, ...], env: dict[str, str]) -> Component:
+        c = Component(name, args, env, self.log_dir / f"{name}.log")
+        c.start()
+        self.components.append(c)
+        logger.info("started %s (pid %d), log %s", name, c.pid, c.log_path)
+        return c
+
+    def await_ready(self, components: list[Component], timeout: float, stop: threading.Event) -> bool:
+        """True once each logged "Application startup complete"; False if `stop` was set.
+        Raises DeployFailure when one exits first or the timeout passes."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if stop.is_set():
+                return False
+            pending = [c for c in components if not c.check_ready()]
+            if not pending:
+                return True
+            for c in pending:
+                rc = c.poll()
+                if rc is not None:
+                    raise DeployFailure(f"{c.name} exited with status {rc} before it was ready; "
+                                        f"last lines of {c.log_path}:\n{c.tail()}")
+            if time.monotonic() > deadline:
+                c = pending[0]
+                raise DeployFailure(
+                    f"{', '.join(p.name for p in pending)} not ready within {timeout:.0f}s (raise "
+                    f"--engine-ready-timeout or {envs.ENGINE_READY_TIMEOUT_S.shown}); last lines of "
+                    f"{c.log_path}:\n{c.tail()}")
+            time.sleep(0.25)
+
+    def watch(self, stop: threading.Event) -> Component | None:
+        """Wait until `stop` is set (None) or a component exits (that component)."""
+        while not stop.wait(0.5):
+            for c in self.components:
+                if c.poll() is not None:
+                    return c
+        return None
+
+    # -- stopping ------------------------------------------------------------------------
+    def stop(self, grace: float = STOP_GRACE_S) -> None:
+        """SIGTERM every group (proxy first), wait up to `grace`, then SIGKILL what is left."""
+        for c in reversed(self.components):
+            if c.poll() is None:
+                c.signal_group(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for c in reversed(self.components):
+            while c.poll() is None and time.monotonic() < deadline and not self.force.is_set():
+                time.sleep(0.1)
+            if c.poll() is None:
+                logger.warning("%s (pid %d) did not stop within %.0fs: killing it", c.name, c.pid, grace)
+        for c in self.components:
+            c.signal_group(signal.SIGKILL)          # the leader if still there, and stragglers of its group
+            if c.proc is not None:
+                try:
+                    c.proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    logger.error("%s (pid %d) survived SIGKILL", c.name, c.pid)

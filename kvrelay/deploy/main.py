@@ -1,0 +1,306 @@
+"""`kvrelay deploy`: stand up a single instance, 1P1D or xPyD on this machine with one command,
+or print (`--dry-run`) every process's exact command and environment for any machines.
+
+    kvrelay deploy --model DIR --prefill 2 --decode 1 -- --max-model-len 4096
+    kvrelay deploy --config topo.yaml
+    kvrelay deploy --model openai/gpt-oss-120b --prefill 16 --prefill-tp 4 --decode 1 --decode-tp 8 \\
+        --decode-dp 8 --enable-expert-parallel --devices 0-63 \\
+        --hosts prefill=PREFILL_HOST decode=DECODE_HOST --dry-run
+
+Steps: check the layout against the model's config (plan.py), start the decode and
+prefill servers at once, await each one's "Application startup complete", start the
+proxy, run `kvrelay validate` against it, print the endpoints, and on SIGINT/SIGTERM stop
+everything it started. Exit status: 0 after a signal, 1 when something failed (the
+failing component's log tail is shown and the rest are stopped), 2 for bad flags.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from kvrelay import envs
+from kvrelay.deploy.plan import Plan, describe_layout, format_ids, make_plan, render, role_layout
+from kvrelay.deploy.shapes import TUTORIAL, model_config
+from kvrelay.deploy.topology import (PRESETS, TopologyError, merge_settings, ports_from_bases,
+                                     topology_from_settings)
+
+PROG = "kvrelay deploy"
+logger = logging.getLogger("kvrelay.deploy")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, usage=f"{PROG} [flags] [-- serve flags for every server]",
+                description="Stand up a kvrelay topology on this machine, or print its commands (--dry-run).")
+    p.add_argument("--config", type=Path, default=None, help="topology YAML (flags given here override it)")
+    p.add_argument("--model", default=None, help="checkpoint directory or openai/gpt-oss-120b | openai/gpt-oss-20b")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--prefill", type=int, default=None, metavar="N", help="prefill servers (kv_producer)")
+    p.add_argument("--decode", type=int, default=None, metavar="N", help="decode servers (kv_consumer)")
+    p.add_argument("--prefill-tp", type=int, default=None, metavar="N")
+    p.add_argument("--prefill-dp", type=int, default=None, metavar="N")
+    p.add_argument("--prefill-ep-degree", type=int, default=None, metavar="N",
+                   help="neuron_config.ep_degree of the prefill servers (the tutorial: 2)")
+    p.add_argument("--decode-tp", type=int, default=None, metavar="N")
+    p.add_argument("--decode-dp", type=int, default=None, metavar="N")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, metavar="N",
+                   help="single instance (no --prefill/--decode): its TP size")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=None, metavar="N",
+                   help="single instance: its DP size")
+    p.add_argument("--enable-expert-parallel", action="store_true", default=None,
+                   help="--enable-expert-parallel on every server")
+    p.add_argument("--base-port", type=int, default=None, metavar="P",
+                   help="proxy P, prefill P+100…, decode P+200… (default 8000: 8000/8100/8200)")
+    p.add_argument("--side-channel-port", type=int, default=None, metavar="P",
+                   help="KV side channels: prefill P…, decode P+100… (default 5559: 5559/5659)")
+    p.add_argument("--devices", default=None, metavar="IDS",
+                   help="device ids of each host, e.g. 0-63 (default: this machine's CPU cores)")
+    p.add_argument("--hosts", nargs="+", default=None, metavar="ROLE=HOST[,HOST]",
+                   help="hosts per role (prefill, decode, single, proxy) for --dry-run layouts across machines")
+    p.add_argument("--connector", choices=("nixl", "tcp"), default=None, help="KV transport (default nixl)")
+    p.add_argument("--kv-backend", default=None, help="NIXL backend (default UCX; LIBFABRIC with --preset tutorial)")
+    p.add_argument("--preset", choices=PRESETS, default=None,
+                   help="tutorial: the tutorial's serve flags and neuron_config (default for the built-in ids)")
+    p.add_argument("--log-dir", type=Path, default=None, help="where each process logs (default: a new temp dir)")
+    p.add_argument("--dry-run", action="store_true", help="check the topology and print every command; start nothing")
+    p.add_argument("--no-validate", action="store_true", help="skip `kvrelay validate` once everything is up")
+    p.add_argument("--validate-requests", type=int, default=16, metavar="N",
+                   help="requests of validate's traffic check")
+    p.add_argument("--engine-ready-timeout", type=float, default=None, metavar="S",
+                   help=f"seconds each server may take to be ready (default: {envs.ENGINE_READY_TIMEOUT_S.shown})")
+    return p
+
+
+def flag_settings(args: argparse.Namespace, serve_args: list[str]) -> dict[str, Any]:
+    """The flags given, in the YAML schema (absent flags leave the file's values alone)."""
+    s: dict[str, Any] = {k: v for k, v in {
+        "model": args.model, "served_model_name": args.served_model_name, "preset": args.preset,
+        "connector": args.connector, "kv_backend": args.kv_backend, "devices": args.devices,
+        "hosts": args.hosts}.items() if v is not None}
+    ports = ports_from_bases(args.base_port, args.side_channel_port)
+    if ports:
+        s["ports"] = ports
+    roles = {
+        "prefill": {"count": args.prefill, "tp": args.prefill_tp, "dp": args.prefill_dp,
+                    "ep_degree": args.prefill_ep_degree},
+        "decode": {"count": args.decode, "tp": args.decode_tp, "dp": args.decode_dp},
+        "single": {"tp": args.tensor_parallel_size, "dp": args.data_parallel_size},
+    }
+    for role, values in roles.items():
+        given = {k: v for k, v in values.items() if v is not None}
+        if given:
+            s[role] = given
+    if args.enable_expert_parallel:
+        for role in ("prefill", "decode", "single"):
+            s.setdefault(role, {})["enable_expert_parallel"] = True
+    if serve_args:
+        s["serve_args"] = list(serve_args)
+    return s
+
+
+def load_yaml(path: Path) -> dict[str, Any]:
+    import yaml
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as e:
+        raise TopologyError([f"{path}: {e.strerror}"]) from None
+    except yaml.YAMLError as e:
+        raise TopologyError([f"{path}: not valid YAML ({e})"]) from None
+    if not isinstance(data, dict):
+        raise TopologyError([f"{path}: expected a mapping at the top (model:, prefill:, decode: …)"])
+    return data
+
+
+def build_plan(args: argparse.Namespace, serve_args: list[str]) -> Plan:
+    settings = load_yaml(args.config) if args.config else {}
+    flags = flag_settings(args, serve_args)
+    if "serve_args" in settings and "serve_args" in flags:     # the file's first, then the command line's
+        flags["serve_args"] = list(settings["serve_args"]) + flags["serve_args"]
+    settings = merge_settings(settings, flags)
+    _drop_implicit_roles(settings, args)
+    model = settings.get("model")
+    served = settings.get("served_model_name")
+    default_preset = "tutorial" if model in TUTORIAL or served in TUTORIAL else "none"
+    topo = topology_from_settings(settings, default_preset)
+    try:
+        cfg = model_config(topo.model, topo.served_model_name)
+    except ValueError as e:
+        raise TopologyError([str(e)]) from None
+    return make_plan(topo, cfg)
+
+
+def _drop_implicit_roles(settings: dict[str, Any], args: argparse.Namespace) -> None:
+    """--enable-expert-parallel touches every role; keep only the roles the topology has."""
+    if not args.enable_expert_parallel:
+        return
+    di = any(isinstance(settings.get(r), dict) and set(settings[r]) - {"enable_expert_parallel"}
+             for r in ("prefill", "decode"))
+    for role in (("single",) if di else ("prefill", "decode")):
+        if isinstance(settings.get(role), dict) and set(settings[role]) == {"enable_expert_parallel"}:
+            del settings[role]
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    serve_args: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, serve_args = argv[:cut], argv[cut + 1:]
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 2
+    try:
+        plan = build_plan(args, serve_args)
+    except TopologyError as e:
+        print(f"{PROG}: error: invalid topology:", file=sys.stderr)
+        for problem in e.problems:
+            print(f"  {problem}", file=sys.stderr)
+        return 1
+    if args.dry_run:
+        print(render(plan))
+        return 0
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    return launch(plan, args)
+
+
+# ---------------------------------------------------------------------------- launching
+
+def launch(plan: Plan, args: argparse.Namespace) -> int:
+    from kvrelay.deploy.launcher import DeployFailure, Deployment, ports_in_use
+    if not plan.topology.local:
+        print(f"{PROG}: error: hosts other than this machine ({', '.join(_hosts(plan))}): deploy starts "
+              f"processes here only; use --dry-run and run the printed commands on each host", file=sys.stderr)
+        return 1
+    busy = ports_in_use(plan)
+    if busy:
+        print(f"{PROG}: error: " + "; ".join(busy) + " (choose others with --base-port / --side-channel-port)",
+              file=sys.stderr)
+        return 1
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="kvrelay-deploy-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    _print_summary(plan, log_dir)
+    timeout = _ready_timeout(plan, args)
+    if args.engine_ready_timeout is not None:
+        plan = _with_export(plan, "VLLM_ENGINE_READY_TIMEOUT_S", f"{args.engine_ready_timeout:g}")
+    stop = threading.Event()
+    deployment = Deployment(plan, log_dir)
+    previous = _install_handlers(stop, deployment)
+    try:
+        rc = _run(plan, args, deployment, stop, timeout)
+    except DeployFailure as e:
+        _say(f"error: {e}")
+        rc = 1
+    finally:
+        deployment.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    _say(f"stopped {len(deployment.components)} process(es); logs in {log_dir}")
+    return rc
+
+
+def _run(plan: Plan, args: argparse.Namespace, deployment, stop: threading.Event, timeout: float) -> int:
+    """Start, await, validate, then wait for a signal (0) or a component's death (1)."""
+    t0 = time.monotonic()
+    servers = deployment.start_servers()
+    if not deployment.await_ready(servers, timeout, stop):
+        return 0
+    _say(f"{len(servers)} server(s) ready in {time.monotonic() - t0:.1f}s")
+    if plan.proxy and not deployment.await_ready([deployment.start_proxy()], 60, stop):
+        return 0
+    if not args.no_validate and not _validate(plan, args, stop):
+        return 0 if stop.is_set() else 1
+    _print_endpoints(plan, deployment, time.monotonic() - t0)
+    died = deployment.watch(stop)
+    if died is None:
+        return 0
+    _say(f"{died.name} exited with status {died.poll()}; stopping the rest. Last lines of "
+         f"{died.log_path}:\n{died.tail()}")
+    return 1
+
+
+def _install_handlers(stop: threading.Event, deployment) -> dict[int, Any]:
+    def handler(signum: int, _frame) -> None:
+        if stop.is_set():
+            deployment.force.set()          # a second Ctrl-C: no more waiting for drains
+        stop.set()
+        _say(f"{signal.Signals(signum).name}: stopping everything")
+    return {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+
+def _validate(plan: Plan, args: argparse.Namespace, stop: threading.Event) -> bool:
+    """`kvrelay validate` against the entry point, in a thread so a signal is not held up by it."""
+    from kvrelay.deploy.validate import ValidateOptions, run_checks
+    entry = plan.entry
+    options = ValidateOptions(
+        base_url=f"http://{entry.host}:{entry.port}", model=plan.served_name, expect_di=plan.proxy is not None,
+        decode_urls=tuple(s.url for s in plan.role_servers("decode")),
+        prefill_urls=tuple(s.url for s in plan.role_servers("prefill")),
+        num_requests=args.validate_requests)
+    results: list = []
+    worker = threading.Thread(target=lambda: results.extend(run_checks(options)), daemon=True,
+                              name="kvrelay-validate")
+    worker.start()
+    while worker.is_alive() and not stop.is_set():
+        worker.join(0.25)
+    if stop.is_set():
+        return False
+    for r in results:
+        _say(f"validate: {r.line()}")
+    return bool(results) and all(r.ok for r in results)
+
+
+def _ready_timeout(plan: Plan, args: argparse.Namespace) -> float:
+    """The servers' own engine-ready limit plus a margin, so a server says why it gave up first."""
+    if args.engine_ready_timeout is not None:
+        return args.engine_ready_timeout + 15
+    exported = dict(plan.exports).get("VLLM_ENGINE_READY_TIMEOUT_S")
+    return float(exported or envs.ENGINE_READY_TIMEOUT_S.as_float() or 600) + 15
+
+
+def _with_export(plan: Plan, name: str, value: str) -> Plan:
+    from dataclasses import replace
+    return replace(plan, exports=tuple(kv for kv in plan.exports if kv[0] != name) + ((name, value),))
+
+
+def _hosts(plan: Plan) -> list[str]:
+    return sorted({s.host for s in plan.servers} | ({plan.proxy.host} if plan.proxy else set()))
+
+
+def _print_summary(plan: Plan, log_dir: Path) -> None:
+    topo = plan.topology
+    for spec in topo.roles:
+        _say(f"{spec.role} × {spec.count}: {describe_layout(role_layout(topo, spec), plan.config)}")
+    for w in plan.warnings:
+        _say(f"warning: {w}")
+    _say(f"starting {len(plan.servers)} server(s){' and the proxy' if plan.proxy else ''}; logs in {log_dir}")
+
+
+def _print_endpoints(plan: Plan, deployment, seconds: float) -> None:
+    logs = {c.name: c.log_path for c in deployment.components}
+    _say(f"ready in {seconds:.1f}s")
+    if plan.proxy:
+        _say(f"  proxy      {plan.proxy.url}  (log {logs['proxy']})")
+    for s in plan.servers:
+        side = f"  side channel {','.join(map(str, s.side_channel_ports))}" if s.side_channel_ports else ""
+        _say(f"  {s.name:<10} {s.url}  {s.layout}, devices {format_ids(s.devices)}{side}  (log {logs[s.name]})")
+    _say(f"OpenAI base URL: {plan.entry.url}/v1 (model {plan.served_name}). Ctrl-C stops everything.")
+
+
+def _say(text: str) -> None:
+    print(f"{PROG}: {text}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

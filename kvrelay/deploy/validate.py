@@ -1,0 +1,477 @@
+"""`kvrelay validate`: the tutorial's "Confirm your work" checks against a running deployment.
+
+    kvrelay validate --base-url http://PREFILL_HOST:8000 --model openai/gpt-oss-120b --expect-di
+
+Checks, in order (one line each: `PASS name: detail` or `FAIL name: detail`; exit 0 only
+when every check passed):
+
+    health       GET /health answers 200 (through a proxy: every prefill and decode server is up)
+    models       GET /v1/models lists the model (or names the one to use when --model is absent)
+    completion   the tutorial's request ("The capital of France is ", max_tokens 16): OpenAI
+                 shape, non-empty choices[0].text, finish_reason length|stop, usage populated
+    chat         a chat completion of the same shape (content, or harmony reasoning, non-empty)
+    traffic      --num-requests concurrent requests, mixed prompt and output lengths, completions
+                 and chat, streamed (SSE to [DONE], usage chunk) and not: zero failures
+    kv-transfer  (--expect-di) the decode servers pulled KV during this run, with no transfer
+                 failures and no handshake errors (their /metrics; the servers come from
+                 --decode-url/--prefill-url or from the proxy's /health listing)
+
+The checks use plain httpx, no torch, so validate runs from any machine that reaches the URL.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+PROG = "kvrelay validate"
+TUTORIAL_PROMPT = "The capital of France is "
+CHAT_MESSAGE = "What is the capital of France? Answer in one word."
+FINISH_REASONS = ("length", "stop")
+WORDS = ("the quick brown fox jumps over the lazy dog while seven wise owls count "
+         "silver stars above a quiet harbour full of boats").split()
+PROMPT_WORDS = (8, 24, 48)            # traffic prompt lengths, in words
+TRAFFIC_MAX_TOKENS = (8, 16, 32)      # and output lengths
+KINDS = ("completion", "completion-stream", "chat", "chat-stream")
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    name: str
+    ok: bool
+    detail: str
+
+    def line(self) -> str:
+        return f"{'PASS' if self.ok else 'FAIL'} {self.name}: {self.detail}"
+
+
+@dataclass(frozen=True)
+class ValidateOptions:
+    base_url: str
+    model: str | None = None
+    expect_di: bool = False
+    decode_urls: tuple[str, ...] = ()
+    prefill_urls: tuple[str, ...] = ()
+    num_requests: int = 16
+    timeout: float = 120.0
+    api_key: str | None = None
+    prompt: str = TUTORIAL_PROMPT
+    max_tokens: int = 16
+
+
+class ShapeError(ValueError):
+    """A response that is not the OpenAI shape the tutorial expects."""
+
+
+# ---------------------------------------------------------------------------- response shapes
+
+def check_completion(body: Any) -> tuple[str, str, dict[str, int]]:
+    """(text, finish_reason, usage) of a /v1/completions JSON body, or ShapeError saying why not."""
+    choice = _first_choice(body)
+    text = choice.get("text")
+    if not isinstance(text, str) or not text:
+        raise ShapeError(f"choices[0].text is empty ({text!r})")
+    return text, _finish_reason(choice), _usage(body)
+
+
+def check_chat(body: Any) -> tuple[str, str, dict[str, int]]:
+    """(content or reasoning, finish_reason, usage) of a /v1/chat/completions JSON body."""
+    message = _first_choice(body).get("message")
+    if not isinstance(message, dict):
+        raise ShapeError("choices[0].message is missing")
+    text = _message_text(message)
+    if not text:
+        raise ShapeError("choices[0].message has no content (nor reasoning)")
+    return text, _finish_reason(_first_choice(body)), _usage(body)
+
+
+def _first_choice(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise ShapeError("the body is not a JSON object")
+    if "error" in body:
+        raise ShapeError(f"error object: {body['error']}")
+    choices = body.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        raise ShapeError("choices is missing or empty")
+    return choices[0]
+
+
+def _message_text(message: dict[str, Any]) -> str:
+    """Content, else the harmony analysis channel (a short max_tokens may end inside it)."""
+    for key in ("content", "reasoning_content", "reasoning"):
+        value = message.get(key)
+        if isinstance(value, str) and value:
+            return value
+    return ""
+
+
+def _finish_reason(choice: dict[str, Any]) -> str:
+    reason = choice.get("finish_reason")
+    if reason not in FINISH_REASONS:
+        raise ShapeError(f"choices[0].finish_reason is {reason!r}, expected length or stop")
+    return reason
+
+
+def _usage(body: dict[str, Any]) -> dict[str, int]:
+    usage = body.get("usage")
+    if not isinstance(usage, dict):
+        raise ShapeError("usage is missing")
+    for key in ("prompt_tokens", "completion_tokens"):
+        value = usage.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ShapeError(f"usage.{key} is {value!r}, expected a positive integer")
+    total = usage.get("total_tokens")
+    if total is not None and total != usage["prompt_tokens"] + usage["completion_tokens"]:
+        raise ShapeError(f"usage.total_tokens {total} != prompt_tokens + completion_tokens")
+    return usage
+
+
+def _short(text: str, n: int = 40) -> str:
+    return repr(text if len(text) <= n else text[:n] + "…")
+
+
+def _http_error(resp: httpx.Response) -> str:
+    return f"HTTP {resp.status_code}: {resp.text[:200].strip()}"
+
+
+# ---------------------------------------------------------------------------- metrics
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text → {sample name: value summed over labels}."""
+    from prometheus_client.parser import text_string_to_metric_families
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            values[sample.name] = values.get(sample.name, 0.0) + sample.value
+    return values
+
+
+TRANSFERS = "kvrelay:kv_transfers_total"
+FAILURES = "kvrelay:kv_transfer_failures_total"
+HANDSHAKE_ERRORS = "kvrelay:kv_handshake_errors_total"
+TRANSFER_BYTES = "kvrelay:kv_transfer_bytes_total"
+FALLBACK = "kvrelay:kv_transport_fallback"
+
+
+# ---------------------------------------------------------------------------- the checks
+
+@dataclass
+class Validator:
+    """Runs the checks against `options.base_url`; owns its HTTP client."""
+
+    options: ValidateOptions
+    model: str | None = None
+    results: list[CheckResult] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        headers = {"Authorization": f"Bearer {self.options.api_key}"} if self.options.api_key else {}
+        self.headers = headers
+        self.client = httpx.Client(base_url=self.options.base_url.rstrip("/"), timeout=self.options.timeout,
+                                   headers=headers, trust_env=False)
+        self.model = self.options.model
+
+    def run(self) -> list[CheckResult]:
+        try:
+            self._check("health", self.health)
+            self._check("models", self.models)
+            before = self._di_snapshot() if self.options.expect_di else None
+            self._check("completion", self.completion)
+            self._check("chat", self.chat)
+            self._check("traffic", self.traffic)
+            if before is not None:
+                self._check("kv-transfer", lambda: self.kv_transfer(before))
+        finally:
+            self.client.close()
+        return self.results
+
+    def _check(self, name: str, fn) -> None:
+        try:
+            ok, detail = fn()
+        except ShapeError as e:
+            ok, detail = False, str(e)
+        except httpx.HTTPError as e:
+            ok, detail = False, f"{type(e).__name__}: {e or 'no detail'}"
+        self.results.append(CheckResult(name, ok, detail))
+
+    # -- health and models ----------------------------------------------------------------
+    def health(self) -> tuple[bool, str]:
+        resp = self.client.get("/health")
+        if resp.status_code != 200:
+            down = _down_servers(resp)
+            return False, f"HTTP {resp.status_code}" + (f"; down: {down}" if down else "")
+        servers = self._listed_servers(resp)
+        listing = f" ({len(servers['prefill'])} prefill, {len(servers['decode'])} decode behind it)" \
+            if servers["prefill"] or servers["decode"] else ""
+        return True, f"HTTP 200{listing}"
+
+    def models(self) -> tuple[bool, str]:
+        resp = self.client.get("/v1/models")
+        if resp.status_code != 200:
+            return False, _http_error(resp)
+        ids = [m.get("id") for m in resp.json().get("data", []) if isinstance(m, dict)]
+        if not ids:
+            return False, "no models listed"
+        if self.model is None:
+            self.model = ids[0]
+            return True, f"serving {', '.join(ids)}; using {self.model}"
+        if self.model not in ids:
+            return False, f"{self.model!r} is not served (served: {', '.join(map(str, ids))})"
+        return True, f"serving {', '.join(ids)}"
+
+    # -- the tutorial's requests ----------------------------------------------------------------
+    def completion(self) -> tuple[bool, str]:
+        body = {"model": self.model, "prompt": self.options.prompt, "max_tokens": self.options.max_tokens}
+        resp = self.client.post("/v1/completions", json=body)
+        if resp.status_code != 200:
+            return False, _http_error(resp)
+        text, reason, usage = check_completion(resp.json())
+        return True, (f"{usage['completion_tokens']} tokens, finish_reason {reason}, "
+                      f"prompt_tokens {usage['prompt_tokens']}: {_short(text)}")
+
+    def chat(self) -> tuple[bool, str]:
+        body = {"model": self.model, "messages": [{"role": "user", "content": CHAT_MESSAGE}],
+                "max_tokens": self.options.max_tokens}
+        resp = self.client.post("/v1/chat/completions", json=body)
+        if resp.status_code != 200:
+            return False, _http_error(resp)
+        text, reason, usage = check_chat(resp.json())
+        return True, f"{usage['completion_tokens']} tokens, finish_reason {reason}: {_short(text)}"
+
+    # -- representative traffic ----------------------------------------------------------------
+    def traffic(self) -> tuple[bool, str]:
+        n = self.options.num_requests
+        if n < 1:
+            return True, "skipped (--num-requests 0)"
+        t0 = time.perf_counter()
+        outcomes = asyncio.run(self._traffic(n))
+        wall = time.perf_counter() - t0
+        failed = [(i, kind, err) for i, (kind, err, _, _) in enumerate(outcomes) if err]
+        tokens = sum(o[2] for o in outcomes)
+        latencies = sorted(o[3] for o in outcomes)
+        streamed = sum(k.endswith("stream") for k, *_ in outcomes)
+        if failed:
+            shown = "; ".join(f"#{i} {kind}: {err}" for i, kind, err in failed[:3])
+            more = f" (+{len(failed) - 3} more)" if len(failed) > 3 else ""
+            return False, f"{len(failed)}/{n} failed: {shown}{more}"
+        return True, (f"{n}/{n} ok ({streamed} streamed) in {wall:.1f}s; {tokens} completion tokens, "
+                      f"{tokens / wall:.1f} tok/s; latency p50 {latencies[len(latencies) // 2]:.2f}s "
+                      f"max {latencies[-1]:.2f}s")
+
+    async def _traffic(self, n: int) -> list[tuple[str, str | None, int, float]]:
+        nonce = uuid.uuid4().hex[:8]
+        limits = httpx.Limits(max_connections=n)
+        async with httpx.AsyncClient(base_url=self.options.base_url.rstrip("/"), timeout=self.options.timeout,
+                                     headers=self.headers, trust_env=False, limits=limits) as client:
+            return await asyncio.gather(*(self._one(client, i, nonce) for i in range(n)))
+
+    async def _one(self, client: httpx.AsyncClient, i: int, nonce: str) -> tuple[str, str | None, int, float]:
+        kind = KINDS[i % len(KINDS)]
+        words = PROMPT_WORDS[i % len(PROMPT_WORDS)]
+        text = f"Request {nonce} {i}: " + " ".join(WORDS[(i + k) % len(WORDS)] for k in range(words))
+        body: dict[str, Any] = {"model": self.model, "max_tokens": TRAFFIC_MAX_TOKENS[(i // 2) % len(TRAFFIC_MAX_TOKENS)]}
+        chat = kind.startswith("chat")
+        if chat:
+            body["messages"] = [{"role": "user", "content": text}]
+        else:
+            body["prompt"] = text
+        stream = kind.endswith("stream")
+        if stream:
+            body |= {"stream": True, "stream_options": {"include_usage": True}}
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        t0 = time.perf_counter()
+        try:
+            if stream:
+                tokens = await _streamed(client, path, body, chat)
+            else:
+                resp = await client.post(path, json=body)
+                if resp.status_code != 200:
+                    raise ShapeError(_http_error(resp))
+                tokens = (check_chat if chat else check_completion)(resp.json())[2]["completion_tokens"]
+        except (ShapeError, httpx.HTTPError, json.JSONDecodeError) as e:
+            error = str(e) if isinstance(e, ShapeError) else f"{type(e).__name__}: {e}"
+            return kind, error, 0, time.perf_counter() - t0
+        return kind, None, tokens, time.perf_counter() - t0
+
+    # -- disaggregation ------------------------------------------------------------------------
+    def _servers(self) -> dict[str, list[str]]:
+        servers = {"prefill": list(self.options.prefill_urls), "decode": list(self.options.decode_urls)}
+        if servers["decode"]:
+            return servers
+        try:
+            listed = self._listed_servers(self.client.get("/health"))
+        except httpx.HTTPError:
+            return servers
+        return {role: servers[role] or listed[role] for role in servers}
+
+    def _listed_servers(self, resp: httpx.Response) -> dict[str, list[str]]:
+        """The backends `kvrelay proxy` lists in its /health body ({"servers": [{role, server}]})."""
+        out: dict[str, list[str]] = {"prefill": [], "decode": []}
+        try:
+            body = resp.json()
+        except ValueError:
+            return out
+        for s in body.get("servers", []) if isinstance(body, dict) else []:
+            if isinstance(s, dict) and s.get("role") in out and isinstance(s.get("server"), str):
+                out[s["role"]].append(f"http://{s['server']}")
+        return out
+
+    def _di_snapshot(self) -> dict[str, dict[str, float] | str]:
+        """Each known server's metrics now (or why they could not be read)."""
+        servers = self._servers()
+        snap: dict[str, dict[str, float] | str] = {}
+        for role in ("decode", "prefill"):
+            for url in servers[role]:
+                snap[f"{role} {url}"] = self._metrics(url)
+        return snap
+
+    def _metrics(self, url: str) -> dict[str, float] | str:
+        try:
+            resp = httpx.get(f"{url}/metrics", timeout=10, trust_env=False, headers=self.headers)
+        except httpx.HTTPError as e:
+            return f"{type(e).__name__}: {e}"
+        if resp.status_code != 200:
+            return f"HTTP {resp.status_code}"
+        return parse_metrics(resp.text)
+
+    def kv_transfer(self, before: dict[str, dict[str, float] | str]) -> tuple[bool, str]:
+        if not any(k.startswith("decode ") for k in before):
+            return False, (f"no decode servers known: pass --decode-url (the server at {self.options.base_url} "
+                           f"lists none in /health)")
+        after = self._di_snapshot()
+        problems, pulled, nbytes, notes = [], 0.0, 0.0, []
+        for key, now in after.items():
+            then = before.get(key)
+            if isinstance(now, str) or isinstance(then, str) or then is None:
+                problems.append(f"{key}: metrics unreadable ({now if isinstance(now, str) else then})")
+                continue
+            if key.startswith("decode ") and TRANSFERS not in now:
+                problems.append(f"{key}: no {TRANSFERS} metric (not a kv_consumer?)")
+                continue
+            if now.get(HANDSHAKE_ERRORS, 0):
+                problems.append(f"{key}: {now[HANDSHAKE_ERRORS]:.0f} handshake errors")
+            failed = now.get(FAILURES, 0) - then.get(FAILURES, 0)
+            if failed:
+                problems.append(f"{key}: {failed:.0f} KV transfer failures during this run")
+            if now.get(FALLBACK, 0):
+                notes.append(f"{key.split()[1]} fell back from the requested KV backend")
+            if key.startswith("decode "):
+                pulled += now.get(TRANSFERS, 0) - then.get(TRANSFERS, 0)
+                nbytes += now.get(TRANSFER_BYTES, 0) - then.get(TRANSFER_BYTES, 0)
+        if not problems and pulled < 1:
+            problems.append("the decode servers pulled no KV during this run (kvrelay:kv_transfers unchanged): "
+                            "requests are not going through prefill → decode")
+        decodes = sum(k.startswith("decode ") for k in after)
+        if problems:
+            return False, "; ".join(problems)
+        note = f"; note: {', '.join(notes)}" if notes else ""
+        return True, (f"{decodes} decode server(s) pulled KV {pulled:.0f} times ({nbytes / 2**20:.2f} MiB) "
+                      f"during this run; 0 transfer failures, 0 handshake errors on {len(after)} server(s){note}")
+
+
+def _down_servers(resp: httpx.Response) -> str:
+    try:
+        body = resp.json()
+    except ValueError:
+        return ""
+    down = body.get("down") if isinstance(body, dict) else None
+    if not isinstance(down, list):
+        return ""
+    return ", ".join(f"{d.get('role')} {d.get('server')} ({d.get('error')})" for d in down if isinstance(d, dict))
+
+
+async def _streamed(client: httpx.AsyncClient, path: str, body: dict[str, Any], chat: bool) -> int:
+    """Read an SSE response to [DONE]; returns the usage chunk's completion_tokens."""
+    reason, usage, text, done = None, None, "", False
+    async with client.stream("POST", path, json=body) as resp:
+        if resp.status_code != 200:
+            await resp.aread()
+            raise ShapeError(_http_error(resp))
+        async for line in resp.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                done = True
+                break
+            event = json.loads(data)
+            if "error" in event:
+                raise ShapeError(f"error event in the stream: {event['error']}")
+            usage = event.get("usage") or usage
+            for choice in event.get("choices") or []:
+                piece = choice.get("delta", {}) if chat else choice
+                text += _message_text(piece) if chat else (piece.get("text") or "")
+                reason = choice.get("finish_reason") or reason
+    if not done:
+        raise ShapeError("the stream ended without data: [DONE]")
+    if reason not in FINISH_REASONS:
+        raise ShapeError(f"stream finish_reason {reason!r}, expected length or stop")
+    if not text:
+        raise ShapeError("the stream carried no text")
+    if not isinstance(usage, dict):
+        raise ShapeError("no usage chunk (stream_options.include_usage)")
+    return _usage({"usage": usage})["completion_tokens"]
+
+
+def run_checks(options: ValidateOptions) -> list[CheckResult]:
+    return Validator(options).run()
+
+
+# ---------------------------------------------------------------------------- the command
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, description="The tutorial's 'Confirm your work' checks against a server or proxy.")
+    p.add_argument("--base-url", required=True, help="the proxy (DI) or the server, e.g. http://127.0.0.1:8000")
+    p.add_argument("--model", default=None, help="model name for requests (default: the first of /v1/models)")
+    p.add_argument("--expect-di", action="store_true",
+                   help="also check that decode servers pulled KV with no failures or handshake errors")
+    p.add_argument("--decode-url", action="append", default=[], metavar="URL",
+                   help="a decode server whose /metrics to read (repeatable; default: the proxy's listing)")
+    p.add_argument("--prefill-url", action="append", default=[], metavar="URL",
+                   help="a prefill server whose /metrics to read (repeatable; default: the proxy's listing)")
+    p.add_argument("--num-requests", type=int, default=16, help="concurrent requests of the traffic check")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds allowed for each request")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                   help="bearer token (default: $OPENAI_API_KEY)")
+    p.add_argument("--prompt", default=TUTORIAL_PROMPT, help="the completion check's prompt")
+    p.add_argument("--max-tokens", type=int, default=16, help="max_tokens of the completion and chat checks")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`kvrelay validate [flags]`; exit 0 when every check passed, 1 otherwise, 2 for bad flags."""
+    try:
+        args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 2
+    if args.num_requests < 0 or args.timeout <= 0 or args.max_tokens < 1:
+        print(f"{PROG}: error: --num-requests must be ≥ 0, --timeout and --max-tokens positive", file=sys.stderr)
+        return 2
+    options = ValidateOptions(
+        base_url=args.base_url, model=args.model, expect_di=args.expect_di,
+        decode_urls=tuple(u.rstrip("/") for u in args.decode_url),
+        prefill_urls=tuple(u.rstrip("/") for u in args.prefill_url), num_requests=args.num_requests,
+        timeout=args.timeout, api_key=args.api_key, prompt=args.prompt, max_tokens=args.max_tokens)
+    results = run_checks(options)
+    for r in results:
+        print(r.line(), flush=True)
+    ok = all(r.ok for r in results)
+    print(f"{'PASS' if ok else 'FAIL'}: {sum(r.ok for r in results)}/{len(results)} checks passed "
+          f"against {args.base_url}", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
