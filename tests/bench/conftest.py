@@ -1,0 +1,1 @@
+from tests.engine.conftest import tiny  # noqa: F401  (the tiny checkpoint fixture)
