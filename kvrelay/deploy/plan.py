@@ -147,7 +147,7 @@ def describe_layout(layout: RoleLayout, cfg: GptOssConfig) -> str:
     experts = cfg.num_local_experts // layout.ep_width if layout.ep_width else cfg.num_local_experts
     split = s.tp // layout.ep_inner if s.dp == 1 or not s.expert_parallel else 1
     moe = f"{experts} experts per rank" + (f" (each split over {split} ranks)" if split > 1 else "")
-    return (f"{layout.label}: {s.ranks} device{"s" if s.ranks > 1 else ""} per server; per rank {cfg.num_attention_heads // s.tp} "
+    return (f"{layout.label}: {s.ranks} device{'s' if s.ranks > 1 else ''} per server; per rank {cfg.num_attention_heads // s.tp} "
             f"heads, {kv:g} KV heads, {moe}")
 
 
@@ -390,7 +390,7 @@ def shell_command(args: tuple[str, ...], env: tuple[tuple[str, str], ...] = (), 
     lines: list[list[str]] = [words]
     for a in args:
         if a.startswith("-") and not a.lstrip("-").isdigit():
-            lines.append([a])
+            lines.append([shlex.quote(a)])
         else:
             lines[-1].append(shlex.quote(a))
     first, *rest = lines
