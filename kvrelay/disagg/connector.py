@@ -1,17 +1,22 @@
 """The engine's side of disaggregated serving (the KV-connector seam's user).
 
-Owner of: the transport (NIXL or TCP) with this engine's KV tensors registered once,
-the side-channel listener (prefill), the peers handshaken so far (decode), and the
-in-flight KV loads (decode) and held requests' lease deadlines (prefill).
+Owner of: the side-channel listener (prefill), the peers handshaken so far (decode), the
+in-flight KV loads and their per-rank completion (decode), the held requests' leases and
+read-done counts (prefill), and rank 0's `KVWorker`. Ranks 1..N-1 have their own
+`KVWorker` (kvrelay/disagg/worker.py); this class sends them `KVWork` through the engine
+(`take_work`, shipped with the next step) and hears back through `RankLink.kv_events`.
 
-    prefill (kv_producer)                         decode (kv_consumer)
-    ─────────────────────                         ────────────────────
+    prefill (kv_producer, TP a)                   decode (kv_consumer, TP b = m·a)
+    ───────────────────────────                   ────────────────────────────────
     run prompt, finish, hold blocks ─params─▶ proxy ─▶ admit: allocate, KVLoad
     side channel: handshake ◀──────────────────────── once per prefill engine:
-        reply {spec, transport metadata}                compare compat hash
-    transport: serve READs ◀─────────────────────────── start_read(descs, notify=req id)
-    take_notifications → release held blocks          poll → finish_load → recompute
-    lease expiry → release held blocks                  last prompt token, decode
+        reply {spec, tp a, every rank's                 compare spec, TP sizes, pairing hash
+               transport metadata}
+    each rank serves READs ◀──────────────────────── each decode rank d reads its heads from
+                                                        prefill rank d // m (notify "<id>:b")
+    count notices per request; all b in →         all b ranks done → finish_load → recompute
+        release held blocks                         last prompt token, decode
+    lease expiry → release held blocks
 
 Block maths (block size B, prompt length P, decode prefix hit of h tokens): decode
 needs the KV of tokens [0, P-1) (it recomputes token P-1). Of group g it reads the
@@ -24,38 +29,52 @@ from __future__ import annotations
 import base64
 import collections
 import concurrent.futures
+import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from kvrelay import envs
+from kvrelay.disagg.layout import tp_mismatch
 from kvrelay.disagg.params import KVTransferConfig
+from kvrelay.disagg.worker import (
+    GroupPull,
+    KVWork,
+    KVWorker,
+    KVWorkerSetup,
+    LoadEvent,
+    PeerInfo,
+    PullOrder,
+)
 from kvrelay.kv_cache.spec import KVCacheSpec
 
 logger = logging.getLogger(__name__)
 
-HANDSHAKE_VERSION = 1
+HANDSHAKE_VERSION = 2       # 2: every rank's transport metadata, TP sizes, pairing hash
 
 
 class HandshakeError(RuntimeError):
     pass
 
 
-@dataclass
-class _Peer:
-    engine_id: str
-    spec: dict[str, Any]
-    num_blocks: int
-    tp_size: int
+class RankLink(Protocol):
+    """What the connector needs from a multi-process executor (TP > 1)."""
+
+    def start_kv(self, setup: KVWorkerSetup, own: dict[str, Any]) -> list[dict[str, Any]]:
+        """Start every rank's KVWorker; every rank's transport metadata (rank 0's is `own`)."""
+
+    def kv_events(self) -> list[tuple]:
+        """("load", LoadEvent) and ("notify", [bytes]) reported by ranks 1..N-1 so far."""
 
 
 @dataclass
 class _Load:
     request_id: str
-    handle: Any
     started: float
-    nbytes: int
+    waiting: set[int]                  # ranks whose read has not finished
+    nbytes: int = 0
+    error: str | None = None
 
 
 @dataclass
@@ -72,36 +91,54 @@ class TransferStats:
     explicit_frees: int = 0
 
 
+def pairing_hash(spec: dict[str, Any], prefill_tp: int, decode_tp: int) -> str:
+    """The handshake's compatibility hash: the KV-cache spec and both TP sizes."""
+    blob = repr((sorted(spec.items()), prefill_tp, decode_tp)).encode()
+    return hashlib.sha256(blob).hexdigest()
+
+
+def notify_message(remote_request_id: str, decode_tp: int) -> bytes:
+    """What each decode rank's read tells the prefill: the request and how many ranks read."""
+    return f"{remote_request_id}:{decode_tp}".encode()
+
+
+def parse_notify(raw: bytes) -> tuple[str, int]:
+    """(request id, number of notices that complete it); a bare id counts as one."""
+    text = raw.decode(errors="replace")
+    rid, sep, count = text.rpartition(":")
+    if sep and count.isdigit() and int(count) > 0:
+        return rid, int(count)
+    return text, 1
+
+
 @dataclass
 class KVConnector:
     config: KVTransferConfig
     engine_id: str
     spec: KVCacheSpec
-    kv_tensors: list[Any]
+    kv_tensors: list[Any]                  # rank 0's KV tensors
     tp_size: int = 1
+    link: RankLink | None = None           # ranks 1..N-1 (None at TP=1)
     stats: TransferStats = field(default_factory=TransferStats)
 
     def __post_init__(self) -> None:
-        from kvrelay.disagg.transport import make_transport
-        # a TCP transport serves reads where the side channel listens (0.0.0.0 in the tutorial)
-        bind = (envs.SIDE_CHANNEL_HOST.raw() or "127.0.0.1") if self.config.is_producer else "127.0.0.1"
-        # UCX error mode "none": control traffic over shared memory, ~100x faster first read;
-        # a vanished peer is still caught by the load timeout (kv_connector_extra_config.load_timeout_s)
-        options = self.config.extra.get("backend_options") or {"UCX": {"ucx_error_handling_mode": "none"}}
-        self.transport = make_transport(list(self.config.backends), agent_name=self.engine_id, host=bind,
-                                        backend_options=options)
-        if getattr(self.transport, "fallback_from", None):
-            self.stats.transport_fallbacks += 1
-        self.transport.register(self.kv_tensors)
-        self.block_bytes = self.kv_tensors[0][0, 0].nbytes
-        self.num_blocks = self.kv_tensors[0].shape[1]
-        self.peers: dict[str, _Peer] = {}
+        setup = KVWorkerSetup(self.config, self.engine_id, self.spec.num_kv_heads, self.tp_size)
+        self.local = KVWorker(setup, 0, self.kv_tensors)
+        self.transport = self.local.transport
+        own = self.local.metadata()
+        self.rank_metadata = self.link.start_kv(setup, own) if self.link is not None else [own]
+        self.stats.transport_fallbacks += int(self.local.fell_back)
+        self.num_blocks = self.local.num_blocks
+        self.peers: dict[str, PeerInfo] = {}
         self.loads: dict[str, _Load] = {}
         self.leases: dict[str, float] = {}
+        self.notices: collections.Counter[str] = collections.Counter()
+        self.outbox = KVWork()                 # for ranks 1..N-1, shipped with the next step
         self.server = None
         self.advertised: tuple[str, int] | None = None
         self._released: collections.deque[str] = collections.deque()   # filled by the side channel thread
         self._notifier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvrelay-kv-release")
+        self._pending_events: list[tuple] = []
         if self.config.is_producer:
             self._listen()
 
@@ -114,8 +151,8 @@ class KVConnector:
         self.server.start()
         bound_host, bound_port = self.server.address
         self.advertised = (advertised_host(host), bound_port)
-        logger.info("KV side channel listening on %s:%d (advertised %s:%d), transport %s",
-                    bound_host, bound_port, *self.advertised, self.transport.name)
+        logger.info("KV side channel listening on %s:%d (advertised %s:%d), transport %s, %d rank(s)",
+                    bound_host, bound_port, *self.advertised, self.transport.name, self.tp_size)
 
     def _handle(self, message: dict[str, Any]) -> dict[str, Any]:
         if message.get("type") == "release":          # decode needed none of the blocks
@@ -127,15 +164,22 @@ class KVConnector:
         if message.get("type") != "handshake":
             return {"ok": False, "error": f"unknown message type {message.get('type')!r}"}
         if message.get("version") != HANDSHAKE_VERSION:
-            return {"ok": False, "error": f"handshake version {message.get('version')} != {HANDSHAKE_VERSION}"}
+            return {"ok": False, "error": f"handshake version {message.get('version')} != {HANDSHAKE_VERSION} "
+                                          f"(prefill and decode run different kvrelay versions)"}
         theirs = message.get("spec") or {}
-        mismatch = _spec_differences(self.spec, theirs, "prefill", "decode")
-        if mismatch:
+        problems = _spec_differences(self.spec, theirs, "prefill", "decode")
+        decode_tp = message.get("tp_size")
+        tp_problem = tp_mismatch(self.tp_size, decode_tp) if isinstance(decode_tp, int) else \
+            f"decode sent tp_size {decode_tp!r}"
+        if tp_problem:
+            problems.append(tp_problem)
+        if problems:
             logger.error("refused a KV handshake from %s: incompatible KV cache (%s)",
-                         message.get("engine_id"), "; ".join(mismatch))
-            return {"ok": False, "error": "incompatible KV cache: " + "; ".join(mismatch)}
+                         message.get("engine_id"), "; ".join(problems))
+            return {"ok": False, "error": "incompatible KV cache: " + "; ".join(problems)}
         return {"ok": True, "engine_id": self.engine_id, "spec": self.spec.__dict__, "tp_size": self.tp_size,
-                "num_blocks": self.num_blocks, "transport": _encode(self.transport.metadata())}
+                "num_blocks": self.num_blocks, "ranks": [_encode(md) for md in self.rank_metadata],
+                "compat_hash": pairing_hash(self.spec.__dict__, self.tp_size, decode_tp)}
 
     def hold(self, request_id: str) -> dict[str, Any]:
         self.leases[request_id] = time.monotonic() + self.config.lease_s
@@ -145,17 +189,26 @@ class KVConnector:
 
     def released(self, request_id: str) -> None:
         self.leases.pop(request_id, None)
+        self.notices.pop(request_id, None)
 
     def read_done(self) -> list[str]:
-        """Requests whose blocks a decode server finished reading."""
+        """Held requests every decode rank finished reading (or that decode released)."""
         done = []
-        notices = [n.decode(errors="replace") for n in self.transport.take_notifications()]
-        while self._released:
-            notices.append(self._released.popleft())
-        for request_id in notices:
-            if request_id in self.leases:
-                self.stats.read_done_notices += 1
+        raw = list(self.local.notifications())
+        for notices in self._events("notify"):
+            raw.extend(notices)
+        for note in raw:
+            request_id, needed = parse_notify(note)
+            if request_id not in self.leases:
+                continue
+            self.notices[request_id] += 1
+            if self.notices[request_id] == needed:
                 done.append(request_id)
+        while self._released:
+            request_id = self._released.popleft()
+            if request_id in self.leases and request_id not in done:
+                done.append(request_id)
+        self.stats.read_done_notices += len(done)
         return done
 
     def expired(self) -> list[str]:
@@ -165,55 +218,76 @@ class KVConnector:
         return gone
 
     # -- decode side --------------------------------------------------------------------
-    def peer(self, engine_id: str, host: str, port: int) -> _Peer:
+    def peer(self, engine_id: str, host: str, port: int) -> PeerInfo:
         if engine_id in self.peers:
             return self.peers[engine_id]
         from kvrelay.disagg.side_channel import side_channel_call
         reply = side_channel_call(host, port, {"type": "handshake", "version": HANDSHAKE_VERSION,
-                                               "engine_id": self.engine_id, "spec": self.spec.__dict__})
+                                               "engine_id": self.engine_id, "spec": self.spec.__dict__,
+                                               "tp_size": self.tp_size})
         self.stats.handshakes += 1
         if not reply.get("ok"):
             self.stats.handshake_errors += 1
             raise HandshakeError(f"prefill engine at {host}:{port} refused the handshake: {reply.get('error')}")
-        mismatch = _spec_differences(self.spec, reply.get("spec") or {}, "decode", "prefill")
-        if mismatch:
+        problems = _spec_differences(self.spec, reply.get("spec") or {}, "decode", "prefill")
+        prefill_tp = reply.get("tp_size")
+        tp_problem = tp_mismatch(prefill_tp, self.tp_size) if isinstance(prefill_tp, int) else \
+            f"prefill sent tp_size {prefill_tp!r}"
+        if tp_problem:
+            problems.append(tp_problem)
+        ranks = reply.get("ranks")
+        if not problems and (not isinstance(ranks, list) or len(ranks) != prefill_tp):
+            problems.append(f"prefill sent transport metadata for {len(ranks or [])} of its {prefill_tp} ranks")
+        if not problems and reply.get("compat_hash") != pairing_hash(self.spec.__dict__, prefill_tp, self.tp_size):
+            problems.append("compatibility hash differs (KV cache spec serialised differently)")
+        if problems:
             self.stats.handshake_errors += 1
-            raise HandshakeError("incompatible KV cache: " + "; ".join(mismatch))
-        if reply.get("tp_size") != self.tp_size:
-            self.stats.handshake_errors += 1
-            raise HandshakeError(f"prefill tp_size {reply.get('tp_size')} != decode tp_size {self.tp_size} "
-                                 f"(different TP sizes are not supported yet)")
-        self.transport.add_peer(engine_id, _decode(reply["transport"]))
-        peer = _Peer(engine_id, reply["spec"], int(reply["num_blocks"]), int(reply["tp_size"]))
+            raise HandshakeError("incompatible KV cache: " + "; ".join(problems))
+        peer = PeerInfo(engine_id, prefill_tp, int(reply["num_blocks"]), tuple(_decode(md) for md in ranks))
+        self.local.apply(KVWork(peers=[peer]))
+        if engine_id in self.local.peer_errors:
+            raise HandshakeError(self.local.peer_errors[engine_id])
+        if self.link is not None:
+            self.outbox.peers.append(peer)
         self.peers[engine_id] = peer
-        logger.info("KV handshake with %s at %s:%d done (transport %s)", engine_id, host, port, self.transport.name)
+        logger.info("KV handshake with %s at %s:%d done (transport %s, prefill TP %d, decode TP %d)",
+                    engine_id, host, port, self.transport.name, prefill_tp, self.tp_size)
         return peer
 
     def start_load(self, request_id: str, params: Any, local_tables: list[list[int]], groups: list[Any],
                    hit_tokens: int, prompt_len: int, block_size: int) -> None:
-        from kvrelay.disagg.transport import ReadDesc
         peer = self.peer(params.remote_engine_id, params.remote_host, params.remote_port)
         remote_tables = params.remote_block_ids
         if len(remote_tables) != len(local_tables):
             raise HandshakeError(f"prefill sent {len(remote_tables)} block lists, decode has "
                                  f"{len(local_tables)} KV-cache groups")
-        descs = []
+        pulls = []
         for g, group in enumerate(groups):
-            for i in needed_blocks(group.window, hit_tokens, prompt_len, block_size):
+            blocks = needed_blocks(group.window, hit_tokens, prompt_len, block_size)
+            for i in blocks:
                 if i >= len(remote_tables[g]) or remote_tables[g][i] == 0:
                     raise HandshakeError(f"prefill did not keep block {i} of KV-cache group {g}")
-                remote, local = remote_tables[g][i], local_tables[g][i]
-                for tensor in range(group.num_layers):
-                    for kv in (0, 1):
-                        descs.append(ReadDesc(tensor, (kv * peer.num_blocks + remote) * self.block_bytes,
-                                              (kv * self.num_blocks + local) * self.block_bytes, self.block_bytes))
-        nbytes = sum(d.nbytes for d in descs)
-        if descs:
-            handle = self.transport.start_read(peer.engine_id, descs, params.remote_request_id.encode())
-        else:          # our own prefix cache had it all: tell the prefill to free its copy
-            handle = None
+                if remote_tables[g][i] >= peer.num_blocks:
+                    raise HandshakeError(f"prefill block id {remote_tables[g][i]} is outside its "
+                                         f"{peer.num_blocks} blocks")
+            if len(blocks):
+                pulls.append(GroupPull(group.num_layers, tuple(remote_tables[g][i] for i in blocks),
+                                       tuple(local_tables[g][i] for i in blocks)))
+        if not pulls:         # our own prefix cache had it all: tell the prefill to free its copy
             self.release_remote(params)
-        self.loads[request_id] = _Load(request_id, handle, time.monotonic(), nbytes)
+            self.loads[request_id] = _Load(request_id, time.monotonic(), set())
+            return
+        order = PullOrder(request_id, peer.engine_id, notify_message(params.remote_request_id, self.tp_size),
+                          tuple(pulls))
+        self.loads[request_id] = _Load(request_id, time.monotonic(), set(range(self.tp_size)))
+        self._pending_events.extend(("load", e) for e in self.local.apply(KVWork(pulls=[order])))
+        if self.link is not None:
+            self.outbox.pulls.append(order)
+
+    def take_work(self) -> KVWork | None:
+        """KV work for ranks 1..N-1 accumulated since the last call (None when there is none)."""
+        work, self.outbox = self.outbox, KVWork()
+        return work if work else None
 
     def release_remote(self, params: Any) -> None:
         """Ask the prefill (in the background) to free blocks we will not read."""
@@ -228,50 +302,69 @@ class KVConnector:
                                params.remote_request_id, e)
         self._notifier.submit(send)
 
+    def _events(self, kind: str) -> list[Any]:
+        """Rank events of one kind (the others are kept for the next call)."""
+        if self.link is not None:
+            self._pending_events.extend(self.link.kv_events())
+        mine = [p for k, p in self._pending_events if k == kind]
+        self._pending_events = [(k, p) for k, p in self._pending_events if k != kind]
+        return mine
+
     def poll_loads(self) -> list[tuple[str, str | None]]:
-        """Finished loads as (request id, error or None)."""
-        from kvrelay.disagg.transport import TransferError
+        """Loads every rank finished as (request id, error or None). A load fails when a
+        rank's read fails or it times out; the other ranks' reads are cancelled."""
+        events: list[LoadEvent] = self.local.poll() + self._events("load")
+        for e in events:
+            load = self.loads.get(e.request_id)
+            if load is None or e.rank not in load.waiting:
+                continue                                  # cancelled or failed meanwhile
+            load.waiting.discard(e.rank)
+            load.nbytes += e.nbytes
+            if e.error is not None and load.error is None:
+                load.error = e.error
         finished = []
         now = time.monotonic()
         for request_id, load in list(self.loads.items()):
-            try:
-                state = "done" if load.handle is None else self.transport.poll(load.handle)
-            except TransferError as e:
-                state, error = "error", str(e)
-            if state == "pending" and now - load.started > self.config.load_timeout_s:
-                state, error = "error", f"timed out after {self.config.load_timeout_s:.0f}s"
-            if state == "pending":
+            if load.waiting and load.error is None and now - load.started > self.config.load_timeout_s:
+                load.error = f"timed out after {self.config.load_timeout_s:.0f}s"
+            if load.waiting and load.error is None:
                 continue
-            if load.handle is not None:
-                self.transport.release(load.handle)
+            if load.waiting:
+                self._cancel_reads(request_id)
             del self.loads[request_id]
-            if state == "done":
+            if load.error is None:
                 self.stats.transfers += 1
                 self.stats.bytes += load.nbytes
                 self.stats.seconds += now - load.started
-                finished.append((request_id, None))
             else:
                 self.stats.failed += 1
-                finished.append((request_id, error))
+            finished.append((request_id, load.error))
         return finished
 
+    def _cancel_reads(self, request_id: str) -> None:
+        self.local.cancel(request_id)
+        if self.link is not None:
+            self.outbox.cancels.append(request_id)
+
     def cancel(self, request_id: str, params: Any = None) -> None:
-        """The request was aborted while loading: drop the read, free the prefill's blocks."""
+        """The request was aborted while loading: drop the reads, free the prefill's blocks."""
         load = self.loads.pop(request_id, None)
-        if load is not None and load.handle is not None:
-            self.transport.release(load.handle)
-        if load is not None and params is not None:
+        if load is None:
+            return
+        if load.waiting:
+            self._cancel_reads(request_id)
+        if params is not None:
             self.release_remote(params)
 
     @property
     def busy(self) -> bool:
-        return bool(self.loads or self.leases)
+        return bool(self.loads or self.leases or self.outbox)
 
     def close(self) -> None:
         if self.server is not None:
             self.server.close()
         self._notifier.shutdown(wait=False)
-        self.transport.close()
+        self.local.close()
 
 
 def needed_blocks(window: int | None, hit_tokens: int, prompt_len: int, block_size: int) -> range:

@@ -108,8 +108,10 @@ def advertised_host(bind_host: str) -> str:
 
     `KVRELAY_SIDE_CHANNEL_ADVERTISE_HOST` wins when set. A wildcard bind (0.0.0.0, ::,
     empty) advertises the IP of the interface that carries the default route (found by
-    `connect`ing a UDP socket to a documentation address: no packet is sent), else
-    127.0.0.1. Any other bind address is advertised as is.
+    `connect`ing a UDP socket to a documentation address: no packet is sent); without a
+    default route (a private network, e.g. hosts joined by one veth or a cluster fabric)
+    the first non-loopback IPv4 address of an interface that is up; else 127.0.0.1.
+    Any other bind address is advertised as is.
     """
     env = os.environ.get(ADVERTISE_HOST_ENV, "").strip()
     if env:
@@ -128,7 +130,31 @@ def advertised_host(bind_host: str) -> str:
             continue
         if ip and ip not in ("0.0.0.0", "::"):
             return ip
-    return "127.0.0.1"
+    addresses = interface_addresses()
+    return addresses[0][1] if addresses else "127.0.0.1"
+
+
+def interface_addresses() -> list[tuple[str, str]]:
+    """(interface, IPv4 address) of every interface that is up, loopback excluded, in
+    interface-index order (Linux ioctls; empty elsewhere)."""
+    try:
+        import fcntl
+    except ImportError:
+        return []
+    siocgifflags, siocgifaddr, iff_up, iff_loopback = 0x8913, 0x8915, 0x1, 0x8
+    out = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            req = struct.pack("256s", name.encode()[:15])
+            try:
+                flags = struct.unpack("H", fcntl.ioctl(s.fileno(), siocgifflags, req)[16:18])[0]
+                if not flags & iff_up or flags & iff_loopback:
+                    continue
+                addr = socket.inet_ntoa(fcntl.ioctl(s.fileno(), siocgifaddr, req)[20:24])
+            except OSError:                      # no IPv4 address on this interface
+                continue
+            out.append((name, addr))
+    return out
 
 
 # ---------------------------------------------------------------------------------------

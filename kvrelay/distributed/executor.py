@@ -77,20 +77,33 @@ def _setup_rank(spec: RankSpec, rank: int):
     return loaded
 
 
-def worker_main(spec: RankSpec, rank: int) -> None:
-    """Ranks ≥ 1: load the shard, then run every broadcast step until told to stop."""
+def worker_main(spec: RankSpec, rank: int, kv_events: Any = None) -> None:
+    """Ranks ≥ 1: load the shard, then run every broadcast step until told to stop.
+    Other broadcasts are KV-transfer messages (kvrelay/disagg/worker.py); this rank
+    reports its KV progress on `kv_events`."""
     import torch.distributed as dist
     logging.basicConfig(level=logging.WARNING)
     loaded = _setup_rank(spec, rank)
     box: list[Any] = [None]
     dist.broadcast_object_list(box, src=0)               # num_blocks from rank 0
     runner = ModelRunner(loaded.model, box[0], spec.block_size)
-    while True:
-        dist.broadcast_object_list(box, src=0)
-        step = box[0]
-        if step is None:
-            break
-        runner.execute(step)
+    kv = None
+    try:
+        while True:
+            dist.broadcast_object_list(box, src=0)
+            step = box[0]
+            if step is None:
+                break
+            if not isinstance(step, StepInput):
+                from kvrelay.disagg.worker import serve_kv_message
+                kv = serve_kv_message(step, kv, rank, runner.kv_tensors, kv_events)
+                continue
+            if step.kv_work is not None and kv is not None:
+                kv.apply(step.kv_work)                   # start this rank's reads before computing
+            runner.execute(step)
+    finally:
+        if kv is not None:
+            kv.close()
     dist.destroy_process_group()
 
 
@@ -98,7 +111,9 @@ class MultiprocExecutor:
     def __init__(self, spec: RankSpec) -> None:
         self.spec = spec
         ctx = mp.get_context("spawn")
-        self.workers = [ctx.Process(target=worker_main, args=(spec, r), name=f"kvrelay-tp-rank{r}", daemon=True)
+        self.kv_queue = ctx.Queue()                  # ranks' KV-transfer progress (disaggregation)
+        self.workers = [ctx.Process(target=worker_main, args=(spec, r, self.kv_queue), name=f"kvrelay-tp-rank{r}",
+                                    daemon=True)
                         for r in range(1, spec.tp_size)]
         for w in self.workers:
             w.start()
@@ -142,6 +157,32 @@ class MultiprocExecutor:
             dist.broadcast_object_list([step], src=0)
             return self.runner.execute(step)
         except RuntimeError as e:       # a collective with a dead peer
+            raise WorkerDiedError(self.failed or f"tensor-parallel collective failed: {e}") from None
+
+    # -- KV transfer (kvrelay/disagg/worker.py): the connector's RankLink ------------------
+    def start_kv(self, setup: Any, own: dict[str, Any]) -> list[dict[str, Any]]:
+        """Every rank starts its KV transport; returns each rank's transport metadata."""
+        import torch.distributed as dist
+        self._broadcast(setup)
+        gathered: list[Any] = [None] * self.spec.tp_size
+        dist.gather_object(own, gathered, dst=0)
+        return gathered
+
+    def send_kv(self, work: Any) -> None:
+        """KV work for ranks 1..N-1 when no step follows to carry it."""
+        self._broadcast(work)
+
+    def kv_events(self) -> list[tuple]:
+        from kvrelay.disagg.worker import drain
+        return drain(self.kv_queue)
+
+    def _broadcast(self, message: Any) -> None:
+        import torch.distributed as dist
+        if self.failed:
+            raise WorkerDiedError(self.failed)
+        try:
+            dist.broadcast_object_list([message], src=0)
+        except RuntimeError as e:
             raise WorkerDiedError(self.failed or f"tensor-parallel collective failed: {e}") from None
 
     def warmup(self) -> float:

@@ -152,11 +152,12 @@ class LLMEngine:
         return self.model_config.eos_token_id
 
     def _start_connector(self) -> None:
-        if self.executor is not None:
-            raise ValueError("--kv-transfer-config with --tensor-parallel-size > 1 is not supported yet")
+        """Every TP rank registers its KV shard with its own transport (the executor
+        starts ranks 1..N-1's); the side channel listens here, on rank 0's process."""
         engine_id = self.kv_transfer.engine_id or f"kvrelay-{uuid.uuid4().hex[:12]}"
         self.connector = KVConnector(self.kv_transfer, engine_id, self.kv_cache_spec(),
-                                     self.runner.kv_tensors, tp_size=self.args.tensor_parallel_size)
+                                     self.runner.kv_tensors, tp_size=self.args.tensor_parallel_size,
+                                     link=self.executor)
         logger.info("KV transfer: role %s, engine id %s, transport %s", self.kv_transfer.kv_role,
                     engine_id, self.connector.transport.name)
 
@@ -294,9 +295,13 @@ class LLMEngine:
         failed = self._poll_transfers()
         out = self.scheduler.schedule()
         failed += self._start_loads(out)
+        kv_work = self.connector.take_work() if self.connector is not None else None
         if out.is_empty:
+            if kv_work is not None and self.executor is not None:
+                self.executor.send_kv(kv_work)
             return self._failed_outputs(failed)
         step = self._step_input(out)
+        step.kv_work = kv_work            # ranks ≥ 1 start their KV reads before computing
         logits = self._execute(step)
         sampled = self._sample(out, logits)
         self.scheduler.update(out, sampled)

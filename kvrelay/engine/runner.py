@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -39,6 +40,8 @@ class StepInput:
     block_tables: list[list[list[int]]]      # [group][chunk] → block ids
     logits_rows: list[int]                   # flattened token indices whose logits are wanted
     num_decodes: int = 0                     # leading chunks with one token each
+    kv_work: Any = None                      # disaggregation: KV reads for ranks ≥ 1 to start
+                                             # before this step (kvrelay/disagg/worker.KVWork)
 
 
 def kv_tensor_index(layer_groups: tuple[int, ...]) -> tuple[list[int], int]:
