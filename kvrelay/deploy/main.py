@@ -28,8 +28,13 @@ from typing import Any
 from kvrelay import envs
 from kvrelay.deploy.plan import Plan, describe_layout, format_ids, make_plan, render, role_layout
 from kvrelay.deploy.shapes import TUTORIAL, model_config
-from kvrelay.deploy.topology import (PRESETS, TopologyError, merge_settings, ports_from_bases,
-                                     topology_from_settings)
+from kvrelay.deploy.topology import (
+    PRESETS,
+    TopologyError,
+    merge_settings,
+    ports_from_bases,
+    topology_from_settings,
+)
 
 PROG = "kvrelay deploy"
 logger = logging.getLogger("kvrelay.deploy")

@@ -117,7 +117,7 @@ def role_layout(topo: Topology, spec: RoleSpec) -> RoleLayout:
 
 def check_layout(layout: RoleLayout, cfg: GptOssConfig) -> list[str]:
     """Problems of one role's layout against the model, each naming the numbers."""
-    from kvrelay.model.parallel import validate_layout     # torch is imported here only
+    from kvrelay.model.parallel import validate_layout  # torch is imported here only
     s, name = layout.spec, layout.spec.role
     problems = []
     try:
@@ -146,9 +146,13 @@ def describe_layout(layout: RoleLayout, cfg: GptOssConfig) -> str:
     kv = cfg.num_key_value_heads / s.tp if s.tp <= cfg.num_key_value_heads else 1
     experts = cfg.num_local_experts // layout.ep_width if layout.ep_width else cfg.num_local_experts
     split = s.tp // layout.ep_inner if s.dp == 1 or not s.expert_parallel else 1
-    moe = f"{experts} experts per rank" + (f" (each split over {split} ranks)" if split > 1 else "")
-    return (f"{layout.label}: {s.ranks} device{'s' if s.ranks > 1 else ''} per server; per rank {cfg.num_attention_heads // s.tp} "
-            f"heads, {kv:g} KV heads, {moe}")
+    moe = f"{_count(experts, 'expert')} per rank" + (f" (each split over {split} ranks)" if split > 1 else "")
+    return (f"{layout.label}: {_count(s.ranks, 'device')} per server; per rank "
+            f"{_count(cfg.num_attention_heads // s.tp, 'head')}, {_count(kv, 'KV head')}, {moe}")
+
+
+def _count(n: float, what: str) -> str:
+    return f"{n:g} {what}{'' if n == 1 else 's'}"
 
 
 # ---------------------------------------------------------------------------- the plan
@@ -317,8 +321,8 @@ def _tested_layout_warnings(topo: Topology, layouts: dict[str, RoleLayout]) -> l
     decode = layouts.get("decode")
     if tutorial is None or decode is None or decode.ep_width in (1, tutorial.decode_ep):
         return []
-    return [f"decode EP{decode.ep_width}: the tutorial tested EP{tutorial.decode_ep} for this model "
-            f"(TP{tutorial.decode_tp} DP{tutorial.decode_dp}); other EP degrees have produced degenerate output"]
+    return [(f"decode EP{decode.ep_width}: the tutorial tested EP{tutorial.decode_ep} for this model "
+            f"(TP{tutorial.decode_tp} DP{tutorial.decode_dp}); other EP degrees have produced degenerate output")]
 
 
 def _proxy(topo: Topology, servers: list[ServerPlan]) -> ProxyPlan:
@@ -403,9 +407,9 @@ def shell_command(args: tuple[str, ...], env: tuple[tuple[str, str], ...] = (), 
 def render(plan: Plan) -> str:
     """The dry-run's report: the layout, then per host its exports and exact commands."""
     topo, cfg = plan.topology, plan.config
-    out = [f"model {topo.model}: {cfg.num_hidden_layers} layers, {cfg.num_attention_heads} heads, "
+    out = [(f"model {topo.model}: {cfg.num_hidden_layers} layers, {cfg.num_attention_heads} heads, "
            f"{cfg.num_key_value_heads} KV heads, head_dim {cfg.head_dim}, hidden {cfg.hidden_size}, "
-           f"{cfg.num_local_experts} experts top-{cfg.num_experts_per_tok}, vocab {cfg.vocab_size}"]
+           f"{cfg.num_local_experts} experts top-{cfg.num_experts_per_tok}, vocab {cfg.vocab_size}")]
     for spec in topo.roles:
         layout = role_layout(topo, spec)
         out.append(f"  {spec.role} × {spec.count}: {describe_layout(layout, cfg)}")

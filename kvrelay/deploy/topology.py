@@ -128,8 +128,8 @@ def topology_from_settings(s: dict[str, Any], default_preset: str, this_machine:
         raise TopologyError([f"unknown setting {unknown[0]!r} (known: {', '.join(sorted(TOP_KEYS))})"])
     model = s.get("model")
     if not model or not isinstance(model, str):
-        raise TopologyError(["no model: pass --model (a checkpoint directory or openai/gpt-oss-120b, "
-                             "openai/gpt-oss-20b) or set `model:` in the config file"])
+        raise TopologyError([("no model: pass --model (a checkpoint directory or openai/gpt-oss-120b, "
+                             "openai/gpt-oss-20b) or set `model:` in the config file")])
     preset = s.get("preset") or default_preset
     connector = s.get("connector") or "nixl"
     if preset not in PRESETS:
@@ -204,7 +204,7 @@ def _hosts(raw: Any, problems: list[str]) -> dict[str, list[str]]:
     if isinstance(raw, (list, tuple)):
         parsed: dict[str, list[str]] = {}
         for item in raw:
-            role, sep, names = str(item).rpartition("=") if "=" in str(item) else ("all", "", str(item))
+            role, _sep, names = str(item).rpartition("=") if "=" in str(item) else ("all", "", str(item))
             parsed.setdefault(role or "all", []).extend(h for h in names.split(",") if h)
         raw = parsed
     if not isinstance(raw, dict):

@@ -36,8 +36,7 @@ PROG = "kvrelay validate"
 TUTORIAL_PROMPT = "The capital of France is "
 CHAT_MESSAGE = "What is the capital of France? Answer in one word."
 FINISH_REASONS = ("length", "stop")
-WORDS = ("the quick brown fox jumps over the lazy dog while seven wise owls count "
-         "silver stars above a quiet harbour full of boats").split()
+WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog", "while", "seven", "wise", "owls", "count", "silver", "stars", "above", "a", "quiet", "harbour", "full", "of", "boats"]
 PROMPT_WORDS = (8, 24, 48)            # traffic prompt lengths, in words
 TRAFFIC_MAX_TOKENS = (8, 16, 32)      # and output lengths
 KINDS = ("completion", "completion-stream", "chat", "chat-stream")

@@ -68,7 +68,7 @@ def test_tutorial_120b_16p1d_dry_run(capsys):
     assert len(serve) == 17
     assert [c[1][0] for c in cmds].count("proxy") == 1 and cmds[-1][1][0] == "validate"
     assert "layout OK: 17 server(s), 128 ranks, 1 proxy" in out
-    assert "decode × 1: TP8 DP8 EP64: 64 devices per server; per rank 8 heads, 1 KV heads, 2 experts per rank" in out
+    assert "decode × 1: TP8 DP8 EP64: 64 devices per server; per rank 8 heads, 1 KV head, 2 experts per rank" in out
     for i, (env, argv) in enumerate(serve[:16]):
         assert env == {"NEURON_VISIBLE_DEVICES": f"{4 * i}-{4 * i + 3}", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(5559 + i)}
         assert argv[:2] == ["serve", "openai/gpt-oss-120b"]
@@ -117,7 +117,7 @@ def test_tutorial_20b_variant(capsys):
     decode = serve[16]
     assert "--optimization-level" not in decode and flag(decode, "--data-parallel-size") == ["4"]
     assert json.loads(flag(decode, "--additional-config")[0])["neuron_config"]["lm_head_dp_size"] == 4
-    assert "decode × 1: TP8 DP4 EP32: 32 devices per server; per rank 8 heads, 1 KV heads, 1 experts per rank" in out
+    assert "decode × 1: TP8 DP4 EP32: 32 devices per server; per rank 8 heads, 1 KV head, 1 expert per rank" in out
     assert "warning" not in out
 
 
@@ -175,8 +175,8 @@ def test_local_2p1d_ports_side_channels_and_shared_cores(tiny_config_dir):
         ("prefill-1", "127.0.0.1", 9101, (9301,), (1,), {"NEURON_VISIBLE_DEVICES": "1", "VLLM_NIXL_SIDE_CHANNEL_PORT": "9301"}),
         ("decode-0", "127.0.0.1", 9200, (9400,), (0,), {"NEURON_VISIBLE_DEVICES": "0", "VLLM_NIXL_SIDE_CHANNEL_PORT": "9400"}),
     ]
-    assert plan.warnings == ("host 127.0.0.1: 3 ranks on 2 devices (0-1): device slices overlap, so CPU cores are "
-                             "shared (one thread per rank); on Neuron or GPUs this layout needs 3 devices per host",)
+    assert plan.warnings == (("host 127.0.0.1: 3 ranks on 2 devices (0-1): device slices overlap, so CPU cores are "
+                             "shared (one thread per rank); on Neuron or GPUs this layout needs 3 devices per host"),)
     assert dict(plan.exports) == {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}
     assert plan.proxy.args == ("proxy", "--port", "9000", "--host", "127.0.0.1", "--prefiller-host", "127.0.0.1",
                                "--prefiller-port", "9100", "9101", "--decoder-host", "127.0.0.1",
@@ -184,8 +184,8 @@ def test_local_2p1d_ports_side_channels_and_shared_cores(tiny_config_dir):
     prefill = plan.servers[0].args
     assert prefill[:12] == ("serve", str(tiny_config_dir), "--host", "127.0.0.1", "--port", "9100",
                             "--tensor-parallel-size", "1", "--data-parallel-size", "1", "--kv-transfer-config",
-                            '{"kv_connector": "NixlConnector", "kv_role": "kv_producer", "kv_buffer_device": "cuda", '
-                            '"kv_connector_extra_config": {"backends": ["UCX"]}}')
+                            ('{"kv_connector": "NixlConnector", "kv_role": "kv_producer", "kv_buffer_device": "cuda", '
+                            '"kv_connector_extra_config": {"backends": ["UCX"]}}'))
 
 
 def test_servers_spread_over_their_hosts_and_fill_devices_in_order(tiny_config_dir):
@@ -253,17 +253,17 @@ def test_port_collisions_on_one_host(capsys):
 
 
 @pytest.mark.parametrize("settings, problem", [
-    ({"prefill": {"count": 2}}, "disaggregated serving needs at least one decode server (--decode N); "
-                                "for a single instance leave out --prefill and --decode"),
-    ({"single": {"tp": 2}, "decode": {"count": 1}}, "single together with prefill/decode: a topology is either one "
-                                                     "server or prefill + decode"),
+    ({"prefill": {"count": 2}}, ("disaggregated serving needs at least one decode server (--decode N); "
+                                "for a single instance leave out --prefill and --decode")),
+    ({"single": {"tp": 2}, "decode": {"count": 1}}, ("single together with prefill/decode: a topology is either one "
+                                                     "server or prefill + decode")),
     ({"prefill": {"count": 1, "tp": 0}, "decode": {}}, "prefill.tp: expected a positive integer, got 0"),
-    ({"prefill": {"count": 1, "pt": 2}, "decode": {}}, "prefill: unknown setting 'pt' (known: args, count, dp, "
-                                                        "enable_expert_parallel, ep_degree, max_num_seqs, tp)"),
+    ({"prefill": {"count": 1, "pt": 2}, "decode": {}}, ("prefill: unknown setting 'pt' (known: args, count, dp, "
+                                                        "enable_expert_parallel, ep_degree, max_num_seqs, tp)")),
     ({"ports": {"proxy": 70000}}, "ports.proxy: 70000 is not a TCP port"),
     ({"devices": "3-1"}, "devices: bad device list '3-1': range 3-1 is descending"),
-    ({"flavour": 1}, "unknown setting 'flavour' (known: connector, decode, devices, env, hosts, kv_backend, model, "
-                     "ports, prefill, preset, serve_args, served_model_name, single)"),
+    ({"flavour": 1}, ("unknown setting 'flavour' (known: connector, decode, devices, env, hosts, kv_backend, model, "
+                     "ports, prefill, preset, serve_args, served_model_name, single)")),
 ])
 def test_bad_settings_are_refused(tiny_config_dir, settings, problem):
     with pytest.raises(TopologyError) as e:

@@ -87,7 +87,8 @@ def test_traffic_counts_failed_requests(fake):
     fake.script = Script(fail_every=5)          # requests 5, 10, 15 of 18 (all in the traffic run)
     v = failed(verdicts(fake))
     assert list(v) == ["traffic"]
-    assert v["traffic"].startswith("3/16 failed: #2 chat: HTTP 503")
+    # which three fail depends on arrival order; the first three failures are shown
+    assert v["traffic"].startswith("3/16 failed: #") and v["traffic"].count(": HTTP 503: ") == 3
 
 
 def test_traffic_needs_streams_to_end_with_done(fake):
