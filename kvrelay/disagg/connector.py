@@ -127,6 +127,17 @@ class KVConnector:
         self.transport = self.local.transport
         own = self.local.metadata()
         self.rank_metadata = self.link.start_kv(setup, own) if self.link is not None else [own]
+        for rank, md in enumerate(self.rank_metadata):
+            if "error" in md:
+                self.local.close()
+                raise RuntimeError(f"KV transfer: tensor-parallel rank {rank} could not start its transport: "
+                                   f"{md['error']}")
+        kinds = {md.get("transport") for md in self.rank_metadata}
+        if len(kinds) > 1:
+            self.local.close()
+            raise RuntimeError(f"KV transfer: the tensor-parallel ranks use different transports "
+                               f"{[md.get('transport') for md in self.rank_metadata]} (a NIXL backend loads in "
+                               f"some processes only?)")
         self.stats.transport_fallbacks += int(self.local.fell_back)
         self.num_blocks = self.local.num_blocks
         self.peers: dict[str, PeerInfo] = {}

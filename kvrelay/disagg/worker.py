@@ -223,6 +223,7 @@ class WorkerKV:
     def __init__(self, setup: KVWorkerSetup, rank: int, kv_tensors: list[Any], events: Any) -> None:
         self.worker = KVWorker(setup, rank, kv_tensors)
         self.events = events
+        events.cancel_join_thread()      # never block this process's exit on unread reports
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._report, name=f"kvrelay-kv-rank{rank}", daemon=True)
         self._thread.start()
@@ -258,8 +259,12 @@ def serve_kv_message(message: Any, state: WorkerKV | None, rank: int, kv_tensors
     transport, then gather its metadata to rank 0) or `KVWork`. Returns the new state."""
     import torch.distributed as dist
     if isinstance(message, KVWorkerSetup):
-        state = WorkerKV(message, rank, kv_tensors, events)
-        dist.gather_object(state.worker.metadata(), None, dst=0)
+        try:
+            state = WorkerKV(message, rank, kv_tensors, events)
+            metadata = state.worker.metadata()
+        except Exception as e:      # reported by the engine, which then stops every rank
+            state, metadata = None, {"error": f"{type(e).__name__}: {e}"}
+        dist.gather_object(metadata, None, dst=0)
         return state
     if isinstance(message, KVWork):
         if state is not None:

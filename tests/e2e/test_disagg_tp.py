@@ -129,3 +129,28 @@ def test_prefill_tp2_to_decode_tp1_is_refused(tiny, servers, tmp_path):
         assert wait_metric(prefill, "kvrelay:kv_blocks_used", 0)["kvrelay:kv_blocks_used"] == 0
     finally:
         decode.stop()
+
+
+def test_tcp_transport_prefill_tp2_to_decode_tp2(tiny, tmp_path):
+    """The TCP fallback: each rank listens on its own port; same results, nothing held."""
+    prefill = start(str(tiny[0]), "kv_producer", tmp_path / "prefill.log", "TCP", flags=["-tp", "2"])
+    decode = start(str(tiny[0]), "kv_consumer", tmp_path / "decode.log", "TCP", flags=["-tp", "2"])
+    try:
+        prefill.wait_ready(timeout=300)
+        decode.wait_ready(timeout=300)
+        lens = [6, 13]
+        prompts = [_prompt(n, 120 + n) for n in lens]
+        for n, prompt, ref in zip(lens, prompts, _reference(tiny, prompts)):
+            body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "logprobs": 0}
+            _, d = prefill_then_decode(prefill, decode, body, f"tcp-{n}")
+            assert d.status_code == 200, d.text
+            got = _token_ids(d.json())
+            if got != ref:
+                assert greedy_mismatch(tiny[1], prompt, got) is None, f"prompt length {n}"
+        m = decode.metrics()
+        assert m["kvrelay:kv_transfers_total"] == len(lens) and m["kvrelay:kv_transport_fallback"] == 0
+        assert m["kvrelay:kv_transfer_bytes_total"] == sum(_expected_bytes(n) for n in lens)
+        assert wait_metric(prefill, "kvrelay:kv_blocks_used", 0)["kvrelay:kv_blocks_used"] == 0
+    finally:
+        prefill.stop()
+        decode.stop()
