@@ -119,6 +119,7 @@ class KVConnector:
     kv_tensors: list[Any]                  # rank 0's KV tensors
     tp_size: int = 1
     link: RankLink | None = None           # ranks 1..N-1 (None at TP=1)
+    port_offset: int = 0                   # data-parallel replica r listens on SIDE_CHANNEL_PORT + r
     stats: TransferStats = field(default_factory=TransferStats)
 
     def __post_init__(self) -> None:
@@ -158,6 +159,7 @@ class KVConnector:
         from kvrelay.disagg.side_channel import SideChannelServer, advertised_host
         host = envs.SIDE_CHANNEL_HOST.raw() or "127.0.0.1"
         port = envs.SIDE_CHANNEL_PORT.as_int() or 0
+        port = port + self.port_offset if port else 0
         self.server = SideChannelServer(host, port, self._handle)
         self.server.start()
         bound_host, bound_port = self.server.address

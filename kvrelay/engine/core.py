@@ -157,7 +157,7 @@ class LLMEngine:
         engine_id = self.kv_transfer.engine_id or f"kvrelay-{uuid.uuid4().hex[:12]}"
         self.connector = KVConnector(self.kv_transfer, engine_id, self.kv_cache_spec(),
                                      self.runner.kv_tensors, tp_size=self.args.tensor_parallel_size,
-                                     link=self.executor)
+                                     link=self.executor, port_offset=getattr(self.args, "data_parallel_rank", 0))
         logger.info("KV transfer: role %s, engine id %s, transport %s", self.kv_transfer.kv_role,
                     engine_id, self.connector.transport.name)
 

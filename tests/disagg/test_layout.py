@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from kvrelay.disagg.connector import notify_message, pairing_hash, parse_notify
-from kvrelay.disagg.layout import HeadRange, HeadSlice, TPMismatch, head_slice, rank_heads, tp_mismatch
+from kvrelay.disagg.layout import (
+    HeadRange,
+    HeadSlice,
+    TPMismatch,
+    head_slice,
+    rank_heads,
+    tp_mismatch,
+)
 from kvrelay.disagg.params import KVTransferConfig
 from kvrelay.disagg.worker import GroupPull, KVWork, KVWorker, KVWorkerSetup, PeerInfo, PullOrder
 

@@ -165,3 +165,10 @@ def test_wildcard_server_reachable_at_advertised_address(monkeypatch):
         host, port = srv.advertised_address
         assert host != "0.0.0.0"
         assert side_channel_call(host, port, {"op": "echo", "payload": "hi"}) == {"echo": "hi"}
+
+
+def test_interface_addresses_skip_loopback():
+    from kvrelay.disagg.side_channel import interface_addresses
+    for name, ip in interface_addresses():
+        socket.inet_aton(ip)
+        assert not ip.startswith("127.") and name != "lo"
