@@ -82,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-validate", action="store_true", help="skip `kvrelay validate` once everything is up")
     p.add_argument("--validate-requests", type=int, default=16, metavar="N",
                    help="requests of validate's traffic check")
+    p.add_argument("--validate-timeout", type=float, default=300.0, metavar="S",
+                   help="seconds validate allows each request")
     p.add_argument("--engine-ready-timeout", type=float, default=None, metavar="S",
                    help=f"seconds each server may take to be ready (default: {envs.ENGINE_READY_TIMEOUT_S.shown})")
     return p
@@ -225,7 +227,10 @@ def _run(plan: Plan, args: argparse.Namespace, deployment, stop: threading.Event
     if plan.proxy and not deployment.await_ready([deployment.start_proxy()], 60, stop):
         return 0
     if not args.no_validate and not _validate(plan, args, stop):
-        return 0 if stop.is_set() else 1
+        if stop.is_set():
+            return 0
+        _say("validation failed: stopping (--no-validate starts a deployment without it)")
+        return 1
     _print_endpoints(plan, deployment, time.monotonic() - t0)
     died = deployment.watch(stop)
     if died is None:
@@ -252,7 +257,7 @@ def _validate(plan: Plan, args: argparse.Namespace, stop: threading.Event) -> bo
         base_url=f"http://{entry.host}:{entry.port}", model=plan.served_name, expect_di=plan.proxy is not None,
         decode_urls=tuple(s.url for s in plan.role_servers("decode")),
         prefill_urls=tuple(s.url for s in plan.role_servers("prefill")),
-        num_requests=args.validate_requests)
+        num_requests=args.validate_requests, timeout=args.validate_timeout)
     results: list = []
     worker = threading.Thread(target=lambda: results.extend(run_checks(options)), daemon=True,
                               name="kvrelay-validate")

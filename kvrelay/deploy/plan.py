@@ -27,7 +27,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-from kvrelay.deploy.shapes import tutorial_defaults
+from kvrelay.deploy.shapes import served_name_of, tutorial_defaults
 from kvrelay.deploy.topology import LOOPBACK, RoleSpec, Topology, TopologyError
 from kvrelay.model.config import GptOssConfig
 
@@ -86,7 +86,7 @@ class Plan:
 
     @property
     def served_name(self) -> str:
-        return self.topology.served_model_name or self.topology.model
+        return served_name_of(self.topology.model, self.topology.served_model_name)
 
 
 # ---------------------------------------------------------------------------- layout
@@ -202,7 +202,7 @@ def _servers(topo: Topology, layouts: dict[str, RoleLayout], warnings: list[str]
 
 def _serve_args(topo: Topology, layout: RoleLayout, host: str, port: int) -> tuple[str, ...]:
     spec = layout.spec
-    args = ["serve", topo.model, "--host", listen_host(topo), "--port", str(port)]
+    args = ["serve", *([topo.model] if topo.model else []), "--host", listen_host(topo), "--port", str(port)]
     if topo.served_model_name:
         args += ["--served-model-name", topo.served_model_name]
     args += ["--tensor-parallel-size", str(spec.tp), "--data-parallel-size", str(spec.dp)]
@@ -407,7 +407,7 @@ def shell_command(args: tuple[str, ...], env: tuple[tuple[str, str], ...] = (), 
 def render(plan: Plan) -> str:
     """The dry-run's report: the layout, then per host its exports and exact commands."""
     topo, cfg = plan.topology, plan.config
-    out = [(f"model {topo.model}: {cfg.num_hidden_layers} layers, {cfg.num_attention_heads} heads, "
+    out = [(f"model {plan.served_name}: {cfg.num_hidden_layers} layers, {cfg.num_attention_heads} heads, "
            f"{cfg.num_key_value_heads} KV heads, head_dim {cfg.head_dim}, hidden {cfg.hidden_size}, "
            f"{cfg.num_local_experts} experts top-{cfg.num_experts_per_tok}, vocab {cfg.vocab_size}")]
     for spec in topo.roles:

@@ -12,6 +12,8 @@ from typing import Any
 
 from kvrelay.model.config import GptOssConfig, load_config
 
+EMBEDDED_MODEL_NAME = "kvrelay/smollm2-135m-gpt-oss"     # as kvrelay.model.embedded (which imports torch)
+
 _GPT_OSS_COMMON: dict[str, Any] = {
     "model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"],
     "vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880, "head_dim": 64,
@@ -50,9 +52,13 @@ TUTORIAL: dict[str, TutorialDefaults] = {
 }
 
 
-def model_config(model: str, served_name: str | None = None) -> GptOssConfig:
+def model_config(model: str | None, served_name: str | None = None) -> GptOssConfig:
     """The config of `model`: a checkpoint directory's config.json, else a built-in id
-    (the directory's served name may be a built-in id too, but its own file wins)."""
+    (the directory's served name may be a built-in id too, but its own file wins); None is
+    kvrelay serve's embedded default model (built into the cache on first use)."""
+    if model is None:
+        from kvrelay.model.embedded import embedded_model_dir  # imports torch; builds once
+        return load_config(embedded_model_dir())
     path = Path(model).expanduser()
     if (path / "config.json").is_file():
         return load_config(path)
@@ -64,5 +70,10 @@ def model_config(model: str, served_name: str | None = None) -> GptOssConfig:
                      f"pass a checkpoint directory")
 
 
-def tutorial_defaults(model: str, served_name: str | None = None) -> TutorialDefaults | None:
-    return TUTORIAL.get(model) or TUTORIAL.get(served_name or "")
+def served_name_of(model: str | None, served_name: str | None) -> str:
+    """The name requests must use: --served-model-name, else the model as given."""
+    return served_name or model or EMBEDDED_MODEL_NAME
+
+
+def tutorial_defaults(model: str | None, served_name: str | None = None) -> TutorialDefaults | None:
+    return TUTORIAL.get(model or "") or TUTORIAL.get(served_name or "")

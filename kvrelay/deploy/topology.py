@@ -3,7 +3,7 @@
 Flags and the YAML file are both turned into one settings mapping (the YAML schema;
 flags given on the command line override the file), then into a `Topology`:
 
-    model: openai/gpt-oss-120b          # checkpoint dir or hub id
+    model: openai/gpt-oss-120b          # checkpoint dir or hub id (absent: the embedded model)
     served_model_name: null             # --served-model-name for every server
     preset: tutorial                    # tutorial | none (default: tutorial for the built-in ids)
     connector: nixl                     # nixl | tcp
@@ -81,7 +81,7 @@ class Ports:
 
 @dataclass(frozen=True)
 class Topology:
-    model: str
+    model: str | None                       # None: kvrelay serve's embedded default model
     roles: tuple[RoleSpec, ...]
     served_model_name: str | None = None
     preset: str = "none"
@@ -127,9 +127,9 @@ def topology_from_settings(s: dict[str, Any], default_preset: str, this_machine:
     if unknown:
         raise TopologyError([f"unknown setting {unknown[0]!r} (known: {', '.join(sorted(TOP_KEYS))})"])
     model = s.get("model")
-    if not model or not isinstance(model, str):
-        raise TopologyError([("no model: pass --model (a checkpoint directory or openai/gpt-oss-120b, "
-                             "openai/gpt-oss-20b) or set `model:` in the config file")])
+    if model is not None and (not model or not isinstance(model, str)):
+        raise TopologyError([(f"model: expected a checkpoint directory or a hub id such as openai/gpt-oss-120b, "
+                             f"got {model!r}")])
     preset = s.get("preset") or default_preset
     connector = s.get("connector") or "nixl"
     if preset not in PRESETS:

@@ -197,7 +197,7 @@ class Validator:
         except ShapeError as e:
             ok, detail = False, str(e)
         except httpx.HTTPError as e:
-            ok, detail = False, f"{type(e).__name__}: {e or 'no detail'}"
+            ok, detail = False, _describe(e, self.options.timeout)
         self.results.append(CheckResult(name, ok, detail))
 
     # -- health and models ----------------------------------------------------------------
@@ -295,7 +295,7 @@ class Validator:
                     raise ShapeError(_http_error(resp))
                 tokens = (check_chat if chat else check_completion)(resp.json())[2]["completion_tokens"]
         except (ShapeError, httpx.HTTPError, json.JSONDecodeError) as e:
-            error = str(e) if isinstance(e, ShapeError) else f"{type(e).__name__}: {e}"
+            error = _describe(e, self.options.timeout)
             return kind, error, 0, time.perf_counter() - t0
         return kind, None, tokens, time.perf_counter() - t0
 
@@ -373,6 +373,14 @@ class Validator:
         note = f"; note: {', '.join(notes)}" if notes else ""
         return True, (f"{decodes} decode server(s) pulled KV {pulled:.0f} times ({nbytes / 2**20:.2f} MiB) "
                       f"during this run; 0 transfer failures, 0 handshake errors on {len(after)} server(s){note}")
+
+
+def _describe(e: Exception, timeout: float) -> str:
+    if isinstance(e, ShapeError):
+        return str(e)
+    if isinstance(e, httpx.TimeoutException):
+        return f"no answer within {timeout:g}s ({type(e).__name__}; raise --timeout on a slow machine)"
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
 
 
 def _down_servers(resp: httpx.Response) -> str:

@@ -283,8 +283,13 @@ def test_unknown_model_and_bad_flags(capsys, tmp_path):
     assert rc == 1 and "no config.json there and not a built-in id (openai/gpt-oss-120b, openai/gpt-oss-20b)" in err
     rc, _, err = dry_run(capsys, ["--model", "x", "--prefill", "two"])
     assert rc == 2 and "--prefill: invalid int value: 'two'" in err
-    rc, _, err = dry_run(capsys, ["--dry-run"])
-    assert rc == 1 and "no model: pass --model" in err
+
+
+def test_without_a_model_the_servers_serve_the_embedded_one(tiny_config_dir):
+    topo = topology_from_settings({"prefill": {}, "decode": {}}, "none", this_machine=(0, 1))
+    plan = make_plan(topo, model_config(str(tiny_config_dir)))   # the embedded model's config is not needed here
+    assert topo.model is None and plan.served_name == "kvrelay/smollm2-135m-gpt-oss"
+    assert [s.args[:3] for s in plan.servers] == [("serve", "--host", "127.0.0.1")] * 2
 
 
 def _override(argv: list[str], changes: list[str]) -> list[str]:
