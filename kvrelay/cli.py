@@ -56,6 +56,16 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1)
     p.add_argument("--enable-expert-parallel", action="store_true")
+    p.add_argument("--data-parallel-size-local", "-dpl", type=int, default=None,
+                   help="replicas on this node (default: all); the rest run on --headless nodes")
+    p.add_argument("--data-parallel-start-rank", "-dpr", type=int, default=0,
+                   help="first replica rank on this node (a --headless node)")
+    p.add_argument("--data-parallel-address", "-dpa", default="127.0.0.1",
+                   help="the head node's address (headless nodes connect to it)")
+    p.add_argument("--data-parallel-rpc-port", "-dpp", type=int, default=29550,
+                   help="the head's port for headless nodes")
+    p.add_argument("--headless", action="store_true",
+                   help="run only this node's replicas (no API server); they join the head")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--disable-hybrid-kv-cache-manager", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--max-model-len", type=int, default=None)
@@ -80,6 +90,8 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
 
 SERVE_ENGINE_FLAGS = (
     "model", "served_model_name", "tensor_parallel_size", "data_parallel_size", "enable_expert_parallel",
+    "data_parallel_size_local", "data_parallel_start_rank", "data_parallel_address", "data_parallel_rpc_port",
+    "headless",
     "enable_prefix_caching", "disable_hybrid_kv_cache_manager", "max_model_len", "max_num_batched_tokens",
     "max_num_seqs", "block_size", "dtype", "max_logprobs", "seed", "hf_overrides", "additional_config",
     "kv_transfer_config", "optimization_level", "download_dir", "device", "kv_cache_memory_bytes",
@@ -163,10 +175,29 @@ def _serve(args: argparse.Namespace) -> int:
     NeuronConfig.from_additional_config(engine_args.additional_config)   # fail before any process starts
     from kvrelay.disagg.params import KVTransferConfig
     KVTransferConfig.from_json(engine_args.kv_transfer_config)
-    if engine_args.data_parallel_size > 1 and engine_args.enable_expert_parallel:
-        raise ValueError("--data-parallel-size > 1 with --enable-expert-parallel (experts sharded across "
-                         "replicas) is not supported yet; drop one of the two flags")
+    _check_layout(engine_args)                                            # ... and this too
+    if engine_args.headless:
+        from kvrelay.engine.dp_remote import run_headless
+        return run_headless(engine_args)
     return serve(engine_args, args.host, args.port, args.api_key)
+
+
+def _check_layout(engine_args) -> None:
+    """TP/DP/EP against the checkpoint's heads and experts, naming the numbers."""
+    from kvrelay.config import NeuronConfig
+    from kvrelay.model.config import load_config
+    from kvrelay.model.parallel import validate_layout
+    a = engine_args
+    neuron = NeuronConfig.from_additional_config(a.additional_config)
+    neuron.check_layout(a.tensor_parallel_size, a.data_parallel_size, a.enable_expert_parallel)
+    cfg = load_config(_resolve(a.model, a.download_dir), a.hf_overrides)
+    tp, dp = a.tensor_parallel_size, a.data_parallel_size
+    if a.experts_across_replicas:
+        ep = tp * dp
+    else:
+        ep = neuron.ep_degree or (tp if a.enable_expert_parallel else 1)
+    validate_layout(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_local_experts, tp, ep,
+                    dp if a.experts_across_replicas else 1)
 
 
 def _resolve(model: str | None, download_dir: str | None):

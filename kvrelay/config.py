@@ -70,6 +70,28 @@ class NeuronConfig:
             all_greedy=bool(sampling.get("all_greedy", False)),
         )
 
+    def check_layout(self, tensor_parallel_size: int, data_parallel_size: int,
+                     enable_expert_parallel: bool) -> None:
+        """The DP-related keys against the flags. kvrelay keeps the embedding and the LM
+        head in every data-parallel replica (vocab-sharded over that replica's TP ranks),
+        which is what `embedding_dp_size = lm_head_dp_size = --data-parallel-size` asks for."""
+        for name in ("embedding_dp_size", "lm_head_dp_size", "ep_degree"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"neuron_config.{name} must be a positive integer, got {value!r}")
+        for name in ("embedding_dp_size", "lm_head_dp_size"):
+            value = getattr(self, name)
+            if value is not None and value != data_parallel_size:
+                raise ValueError(f"neuron_config.{name} {value} must equal --data-parallel-size "
+                                 f"{data_parallel_size} (the layer is replicated in every data-parallel "
+                                 f"replica and vocab-sharded over its {tensor_parallel_size} TP ranks)")
+        across = tensor_parallel_size * data_parallel_size
+        if (self.ep_degree is not None and enable_expert_parallel and data_parallel_size > 1
+                and self.ep_degree != across):
+            raise ValueError(f"neuron_config.ep_degree {self.ep_degree} conflicts with --enable-expert-parallel "
+                             f"across {data_parallel_size} data-parallel replicas (EP = TP {tensor_parallel_size} "
+                             f"× DP {data_parallel_size} = {across}); drop ep_degree")
+
     def check_buckets(self, max_num_batched_tokens: int, max_num_seqs: int) -> None:
         expect = {"num_batched_tokens_buckets": max_num_batched_tokens,
                   "num_seqs_buckets": max_num_seqs,
@@ -121,8 +143,20 @@ class EngineArgs:
     # "module:attr" names of factories `f(params, prompt_ids) -> processor | None` applied
     # to every request (vLLM's --logits-processors); the seam structured outputs will use
     logits_processors: list[str] = field(default_factory=list)
+    # vLLM's multi-node data-parallel flags: this node runs replicas
+    # [data_parallel_start_rank, + data_parallel_size_local); the head (start rank 0) also
+    # runs the API server and listens for headless nodes on address:rpc_port
+    data_parallel_size_local: int | None = None
+    data_parallel_start_rank: int = 0
+    data_parallel_address: str = "127.0.0.1"
+    data_parallel_rpc_port: int = 29550
+    headless: bool = False
     # the device slice of this engine (set per data-parallel replica; else the env var)
     visible_devices: str | None = None
+    # set per replica by the data-parallel launcher: this replica's rank, and the port of
+    # the expert world (experts sharded across replicas) on data_parallel_address
+    data_parallel_rank: int = 0
+    data_parallel_master_port: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -139,6 +173,38 @@ class EngineArgs:
             raise ValueError(f"max_logprobs must be -1 (unlimited) or ≥ 0, got {self.max_logprobs}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        self._check_data_parallel()
+
+    def _check_data_parallel(self) -> None:
+        dp, local, start = self.data_parallel_size, self.local_replicas, self.data_parallel_start_rank
+        if self.tensor_parallel_size < 1 or dp < 1:
+            raise ValueError(f"--tensor-parallel-size ({self.tensor_parallel_size}) and --data-parallel-size "
+                             f"({dp}) must be at least 1")
+        if not 1 <= local <= dp:
+            raise ValueError(f"--data-parallel-size-local {local} must be between 1 and --data-parallel-size {dp}")
+        if start < 0 or start + local > dp:
+            raise ValueError(f"--data-parallel-start-rank {start} + --data-parallel-size-local {local} exceeds "
+                             f"--data-parallel-size {dp}")
+        if self.headless and start == 0:
+            raise ValueError("--headless needs --data-parallel-start-rank ≥ 1 (rank 0 runs on the head node "
+                             "with the API server)")
+        if not self.headless and start != 0:
+            raise ValueError(f"--data-parallel-start-rank {start} is for a --headless node; the head node "
+                             f"runs ranks from 0")
+        if not 0 < self.data_parallel_rpc_port < 65536:
+            raise ValueError(f"--data-parallel-rpc-port must be a TCP port, got {self.data_parallel_rpc_port}")
+
+    @property
+    def local_replicas(self) -> int:
+        """Replicas this node runs (--data-parallel-size-local, default: all of them)."""
+        if self.data_parallel_size_local is None:
+            return self.data_parallel_size
+        return self.data_parallel_size_local
+
+    @property
+    def experts_across_replicas(self) -> bool:
+        """Experts sharded over every rank of every DP replica (EP = TP × DP)."""
+        return self.enable_expert_parallel and self.data_parallel_size > 1
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:

@@ -46,6 +46,7 @@ class RankSpec:
     block_size: int
     init_method: str
     cpu_slices: tuple[tuple[int, ...], ...]      # per rank: CPU cores to pin to (may be empty)
+    expert_world: Any = None                     # ExpertWorld: experts span all DP replicas
 
 
 def free_port() -> int:
@@ -68,12 +69,21 @@ def _setup_rank(spec: RankSpec, rank: int):
         torch.set_num_threads(len(cores))
     dist.init_process_group("gloo", init_method=spec.init_method, rank=rank, world_size=spec.tp_size,
                             timeout=timedelta(seconds=600))
-    ep_rank = rank * spec.ep_size // spec.tp_size
-    ctx = ParallelContext(tp_rank=rank, tp_size=spec.tp_size, ep_rank=ep_rank, ep_size=spec.ep_size,
-                          comm=TorchDistCollectives())
+    if spec.expert_world is not None:
+        from kvrelay.distributed.collectives import GlooExpertGroup
+        w = spec.expert_world
+        ctx = ParallelContext.across_replicas(rank, spec.tp_size, w.dp_rank, w.dp_size,
+                                              TorchDistCollectives(), GlooExpertGroup(w, rank))
+    else:
+        ep_rank = rank * spec.ep_size // spec.tp_size
+        ctx = ParallelContext(tp_rank=rank, tp_size=spec.tp_size, ep_rank=ep_rank, ep_size=spec.ep_size,
+                              comm=TorchDistCollectives())
     loaded = load_model(spec.model_dir, dtype=spec.dtype, quantization=spec.quantization,
                         hf_overrides=spec.hf_overrides, ctx=ctx, hybrid_kv_cache=spec.hybrid,
                         max_positions=spec.max_positions, progress=rank == 0)
+    if spec.expert_world is not None:
+        from kvrelay.model.layers.ep_dispatch import report_expert_layout
+        report_expert_layout(loaded.model, ctx)
     return loaded
 
 

@@ -71,15 +71,21 @@ class LLMEngine:
         dtype = self._dtype()
         quant = self.neuron.quantization or args.quantization or "auto"
         self.executor: MultiprocExecutor | None = None
+        self.expert_world = self._expert_world()          # experts span all DP replicas
+        self.num_dummy_steps = 0
         self._pin_cpus()
         if args.tensor_parallel_size > 1:
             self.executor = MultiprocExecutor(self._rank_spec(dtype, quant))
             loaded = self.executor.loaded
         else:
+            ctx = self._replica_context()
             loaded = load_model(self.model_dir, dtype=dtype, quantization=quant,
                                 hf_overrides=args.hf_overrides, device=self.device,
                                 hybrid_kv_cache=not args.disable_hybrid_kv_cache_manager,
-                                max_positions=args.max_model_len)
+                                max_positions=args.max_model_len, ctx=ctx)
+            if ctx is not None:
+                from kvrelay.model.layers.ep_dispatch import report_expert_layout
+                report_expert_layout(loaded.model, ctx)
         self.model, self.model_config = loaded.model, loaded.config
         self.max_model_len = args.max_model_len or self.model_config.max_position_embeddings
         max_batched = args.max_num_batched_tokens or 8192
@@ -170,19 +176,48 @@ class LLMEngine:
             torch.set_num_threads(len(cores))
             logger.info("pinned to CPU cores %s", cores)
 
+    def _expert_world(self):
+        """EP across DP replicas: where this replica's ranks meet the others' (None otherwise)."""
+        a = self.args
+        if not a.experts_across_replicas:
+            return None
+        from kvrelay.distributed.collectives import ExpertWorld
+        if a.data_parallel_master_port is None:
+            raise ValueError("expert parallelism across replicas needs the expert world's port "
+                             "(set by the data-parallel launcher)")
+        cfg = load_config(self.model_dir, a.hf_overrides)
+        validate_layout(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_local_experts,
+                        a.tensor_parallel_size, a.tensor_parallel_size * a.data_parallel_size,
+                        a.data_parallel_size)
+        timeout = envs.EXECUTE_MODEL_TIMEOUT_S.as_float() or 600.0
+        return ExpertWorld(a.data_parallel_address, a.data_parallel_master_port, a.data_parallel_rank,
+                           a.data_parallel_size, a.tensor_parallel_size,
+                           max(timeout, envs.ENGINE_READY_TIMEOUT_S.as_float() or 0.0))
+
+    def _replica_context(self):
+        """TP=1 with experts across replicas: this process is one rank of the expert group."""
+        if self.expert_world is None:
+            return None
+        from kvrelay.distributed.collectives import GlooExpertGroup
+        from kvrelay.model.parallel import NoCollectives, ParallelContext
+        w = self.expert_world
+        return ParallelContext.across_replicas(0, 1, w.dp_rank, w.dp_size, NoCollectives(),
+                                               GlooExpertGroup(w, 0))
+
     def _rank_spec(self, dtype: torch.dtype, quant: str | None) -> RankSpec:
         a = self.args
         cfg = load_config(self.model_dir, a.hf_overrides)
         ep = self.neuron.ep_degree or (a.tensor_parallel_size if a.enable_expert_parallel else 1)
-        validate_layout(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_local_experts,
-                        a.tensor_parallel_size, ep)
+        if self.expert_world is None:
+            validate_layout(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_local_experts,
+                            a.tensor_parallel_size, ep)
         visible = a.visible_devices or envs.VISIBLE_DEVICES.raw()
         cores = envs.parse_id_list(visible) if visible else sorted(os.sched_getaffinity(0))
         return RankSpec(str(self.model_dir), dtype, quant, a.hf_overrides,
                         not a.disable_hybrid_kv_cache_manager,
                         a.max_model_len or cfg.max_position_embeddings, a.tensor_parallel_size, ep,
                         a.block_size, f"tcp://127.0.0.1:{free_port()}",
-                        cpu_slices(cores, a.tensor_parallel_size))
+                        cpu_slices(cores, a.tensor_parallel_size), expert_world=self.expert_world)
 
     def _execute(self, step: StepInput) -> torch.Tensor:
         return self.executor.execute(step) if self.executor else self.runner.execute(step)
@@ -197,7 +232,10 @@ class LLMEngine:
 
     def _warmup(self) -> None:
         limit = envs.COMPILATION_TIMEOUT_S.as_float()
-        seconds = self.executor.warmup() if self.executor else self.runner.warmup()
+        if self.expert_world is not None:
+            seconds = self._warmup_in_lockstep()
+        else:
+            seconds = self.executor.warmup() if self.executor else self.runner.warmup()
         if limit is not None and seconds > limit:
             raise TimeoutError(f"warm-up took {seconds:.0f}s, over the {limit:.0f}s allowed; "
                                f"raise {envs.COMPILATION_TIMEOUT_S.shown}")
@@ -340,6 +378,52 @@ class LLMEngine:
                     failed.append(req)
         return failed
 
+    # -- lockstep steps: experts across data-parallel replicas (engine/lockstep.py) ----------
+    def plan_step(self) -> StepPlan:
+        """The first half of `step()`: schedule; the token count goes to the other replicas."""
+        failed = self._poll_transfers()
+        out = self.scheduler.schedule()
+        failed += self._start_loads(out)
+        kv_work = self.connector.take_work() if self.connector is not None else None
+        return StepPlan(out, None if out.is_empty else self._step_input(out), failed, kv_work)
+
+    def run_planned(self, plan: StepPlan, dp_token_counts: tuple[int, ...]) -> list[RequestOutput]:
+        """The second half: when any replica has tokens every replica runs a forward —
+        this one a dummy token (output discarded) if it has none — so the MoE
+        collectives line up."""
+        if max(dp_token_counts) == 0:
+            if plan.kv_work is not None and self.executor is not None:
+                self.executor.send_kv(plan.kv_work)
+            return self._failed_outputs(plan.failed)
+        step = plan.step or self._dummy_step()
+        step.dp_token_counts = tuple(dp_token_counts)
+        step.kv_work = plan.kv_work
+        logits = self._execute(step)
+        if plan.step is None:
+            self.num_dummy_steps += 1
+            return self._failed_outputs(plan.failed)
+        sampled = self._sample(plan.out, logits)
+        self.scheduler.update(plan.out, sampled)
+        self.num_steps += 1
+        return self._outputs(plan.out) + self._failed_outputs(plan.failed)
+
+    def _dummy_step(self) -> StepInput:
+        """One padding token written to the null block (as warm-up does)."""
+        tables = [[[0]] for _ in range(self.runner.num_groups)]
+        return StepInput([0], [1], [0], tables, [0], num_decodes=1)
+
+    def _warmup_in_lockstep(self) -> float:
+        """Every replica warms up with the same two forwards at the same time."""
+        import time
+        t0 = time.perf_counter()
+        n, dp = min(self.args.block_size, 8), self.args.data_parallel_size
+        tables = [[[0]] for _ in range(self.runner.num_groups)]
+        for step in (StepInput([0] * n, [n], [0], tables, [n - 1]),
+                     StepInput([0], [1], [n - 1], tables, [0], num_decodes=1)):
+            step.dp_token_counts = (len(step.token_ids),) * dp
+            self._execute(step)
+        return time.perf_counter() - t0
+
     def _failed_outputs(self, failed: list[Request]) -> list[RequestOutput]:
         outputs = []
         for req in failed:
@@ -470,6 +554,19 @@ class LLMEngine:
     # -- introspection ----------------------------------------------------------------------
     def assert_no_leaks(self) -> None:
         self.kv.assert_no_leaks()
+
+
+@dataclass
+class StepPlan:
+    """A scheduled step not yet run (lockstep stepping)."""
+    out: SchedulerOutput
+    step: StepInput | None           # None: nothing to compute here this step
+    failed: list[Request]
+    kv_work: object = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.step.token_ids) if self.step is not None else 0
 
 
 def _load_object(name: str):

@@ -37,6 +37,7 @@ def engine_stats(engine: Any) -> dict[str, float]:
         "prefix_cache_hits": kv.stats.hits,
         "num_preemptions": sched.num_preemptions,
         "num_steps": engine.num_steps,
+        "dp_dummy_steps": getattr(engine, "num_dummy_steps", 0),
         "padded_tokens": 0,
         **transfer_stats(engine),
     }
@@ -78,7 +79,11 @@ def run_engine_core(args: EngineArgs, conn: Connection, log_level: int = logging
         logger.debug(traceback.format_exc())
         return
     try:
-        _loop(engine, conn)
+        if getattr(engine, "expert_world", None) is not None:   # experts across DP replicas
+            from kvrelay.engine.lockstep import run_lockstep
+            run_lockstep(engine, conn, _handle, engine_stats)
+        else:
+            _loop(engine, conn)
     finally:
         engine.shutdown()
 

@@ -1,16 +1,28 @@
 """Data parallelism: N engine replicas behind one API server.
 
-Owner of: the replicas (each an `AsyncEngine`: its own engine-core process, scheduler,
-KV cache and tensor-parallel ranks) and the placement of requests. A request goes to
-the replica with the fewest requests in flight (ties: fewest waiting in its scheduler),
+Owner of: the replicas and the placement of requests. A replica is an `AsyncEngine`
+(its own engine-core process, scheduler, KV cache and tensor-parallel ranks) on this
+node, or a `RemoteReplica` run by a headless node (`kvrelay/engine/dp_remote.py`)
+that connected to this head over --data-parallel-rpc-port. A request goes to the
+replica with the fewest requests in flight (ties: fewest waiting in its scheduler),
 and stays there. It offers `AsyncEngine`'s interface, so the server does not know.
 
-Replica r's device slice is the r-th equal share of the visible devices. Expert
-parallelism across replicas (lockstep MoE steps) is not built yet and is refused.
+    node 0 (head): API server + replicas [0, local)      listens on address:rpc_port
+    node k (--headless): replicas [start, start + local)  connects to the head
+
+Expert parallelism across replicas (`--enable-expert-parallel` with DP > 1): the
+experts are sharded over all TP × DP ranks, which meet in one expert world at
+--data-parallel-address (port chosen here, sent to headless nodes). The replicas step
+in lockstep (`engine/lockstep.py`); this class wakes all of them after every add.
+
+Replica r's device slice is the r-th equal share (among this node's replicas) of the
+visible devices.
 """
 from __future__ import annotations
 
 import asyncio
+import logging
+import socket
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
@@ -20,6 +32,8 @@ from kvrelay.config import EngineArgs
 from kvrelay.engine.async_client import AsyncEngine
 from kvrelay.engine.outputs import RequestOutput
 from kvrelay.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 def replica_devices(visible: str | None, dp: int, rank: int) -> str | None:
@@ -32,18 +46,65 @@ def replica_devices(visible: str | None, dp: int, rank: int) -> str | None:
     return ",".join(str(i) for i in ids[rank * per:(rank + 1) * per])
 
 
+def free_port(address: str) -> int:
+    with socket.socket() as s:
+        s.bind((address, 0))
+        return s.getsockname()[1]
+
+
+def replica_args(args: EngineArgs, rank: int) -> EngineArgs:
+    """The engine arguments of replica `rank` on this node (its device slice among
+    this node's replicas)."""
+    visible = envs.VISIBLE_DEVICES.raw()
+    local_index = rank - args.data_parallel_start_rank
+    return replace(args, data_parallel_rank=rank,
+                   visible_devices=replica_devices(visible, args.local_replicas, local_index))
+
+
+class _Waking:
+    """Mixin for replicas in lockstep: after an add, every replica gets a wake."""
+
+    group: DataParallelEngine | None = None
+
+    def _send(self, message: tuple) -> None:
+        super()._send(message)  # type: ignore[misc]
+        if message[0] == "add" and self.group is not None:
+            self.group.wake_all()
+
+
+class LocalReplica(_Waking, AsyncEngine):
+    pass
+
+
 class DataParallelEngine:
     def __init__(self, args: EngineArgs, step_timeout_s: float | None = None) -> None:
-        if args.enable_expert_parallel:
-            raise ValueError("--data-parallel-size > 1 with --enable-expert-parallel (experts sharded "
-                             "across replicas) is not supported yet; drop one of the two flags")
-        visible = envs.VISIBLE_DEVICES.raw()
-        self.replicas = [AsyncEngine(replace(args, data_parallel_size=1,
-                                             visible_devices=replica_devices(visible, args.data_parallel_size, r)),
-                                     step_timeout_s)
-                         for r in range(args.data_parallel_size)]
+        self.args = args
+        self.lockstep = args.experts_across_replicas
+        if self.lockstep and args.data_parallel_master_port is None:
+            args = replace(args, data_parallel_master_port=free_port(args.data_parallel_address))
+            self.args = args
+        local = args.local_replicas
+        self.replicas: list[Any] = [LocalReplica(replica_args(args, r), step_timeout_s) for r in range(local)]
+        self.listener = None
+        if local < args.data_parallel_size:
+            from kvrelay.engine.dp_remote import HeadListener, RemoteReplica
+            remote = [RemoteReplica(r, step_timeout_s) for r in range(local, args.data_parallel_size)]
+            self.replicas += remote
+            self.listener = HeadListener(args, remote)
+        for r in self.replicas:
+            r.group = self if self.lockstep else None
         self.ready = asyncio.Event()
         self.placement: dict[str, AsyncEngine] = {}
+        self.wave = 0
+
+    def wake_all(self) -> None:
+        """Lockstep: tell every replica a request was added somewhere (wave number w)."""
+        self.wave += 1
+        for r in self.replicas:
+            try:
+                r._send(("wake", self.wave))
+            except Exception as e:  # a dead replica; the watchdog stops the server
+                logger.debug("wake not delivered to a replica: %s", e)
 
     # -- the AsyncEngine interface ---------------------------------------------------------
     @property
@@ -71,6 +132,8 @@ class DataParallelEngine:
     def start(self) -> None:
         for r in self.replicas:
             r.start()
+        if self.listener is not None:            # after the replicas can take messages
+            self.listener.start()
 
     async def wait_ready(self, timeout_s: float | None) -> None:
         await asyncio.gather(*(r.wait_ready(timeout_s) for r in self.replicas))
@@ -79,6 +142,8 @@ class DataParallelEngine:
     def shutdown(self) -> None:
         for r in self.replicas:
             r.shutdown()
+        if self.listener is not None:
+            self.listener.close()
 
     def check_stalled(self) -> None:
         for r in self.replicas:

@@ -7,6 +7,9 @@
     moe_tp_rank / size  which rows of each local expert's intermediate dim; by default
                         the TP ranks not used for EP (TP4 with ep_size 2: experts split
                         two ways, each split over two ranks)
+    dp_rank / dp_size   which data-parallel replica; with `expert_group` set, experts are
+                        sharded over every rank of every replica (EP = TP × DP, the
+                        tutorial's decode TP8 DP8 EP64): ep_rank = dp_rank · tp_size + tp_rank
 
 The layers never call torch.distributed directly; they call `ctx.all_reduce` /
 `ctx.all_gather`, which are identities at tp_size=1. A multi-process executor passes a
@@ -34,6 +37,33 @@ class NoCollectives(Collectives):
     """Returns each rank's partial result unchanged (single process, or simulated ranks)."""
 
 
+class ExpertGroup:
+    """The expert-parallel group spanning all ranks of all DP replicas (global rank
+    g = dp_rank · tp_size + tp_rank), and what the MoE layers need to know per step:
+    how many tokens each replica runs (`token_counts`, identical on every rank; a
+    replica in a dummy step counts 0). Set by the runner before each forward."""
+
+    size: int = 1
+    rank: int = 0
+
+    def __init__(self) -> None:
+        self.token_counts: tuple[int, ...] = ()
+
+    def begin_step(self, token_counts: tuple[int, ...]) -> None:
+        self.token_counts = tuple(token_counts)
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[n, ...] from every rank → [size · n, ...] in global rank order."""
+        raise NotImplementedError
+
+    def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """[size · n, ...] partial sums → this rank's share [n, ...] of the total."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
 @dataclass(frozen=True)
 class ParallelContext:
     tp_rank: int = 0
@@ -41,12 +71,25 @@ class ParallelContext:
     ep_rank: int = 0
     ep_size: int = 1
     comm: Collectives = field(default_factory=NoCollectives, compare=False)
+    dp_rank: int = 0
+    dp_size: int = 1
+    expert_group: ExpertGroup | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"tp_rank {self.tp_rank} outside tp_size {self.tp_size}")
         if not 0 <= self.ep_rank < self.ep_size:
             raise ValueError(f"ep_rank {self.ep_rank} outside ep_size {self.ep_size}")
+        if not 0 <= self.dp_rank < self.dp_size:
+            raise ValueError(f"dp_rank {self.dp_rank} outside dp_size {self.dp_size}")
+
+    @classmethod
+    def across_replicas(cls, tp_rank: int, tp_size: int, dp_rank: int, dp_size: int,
+                        comm: Collectives, group: ExpertGroup) -> ParallelContext:
+        """Experts sharded over all tp_size × dp_size ranks (one expert group)."""
+        return cls(tp_rank=tp_rank, tp_size=tp_size, ep_rank=dp_rank * tp_size + tp_rank,
+                   ep_size=tp_size * dp_size, comm=comm, dp_rank=dp_rank, dp_size=dp_size,
+                   expert_group=group)
 
     @property
     def moe_tp_size(self) -> int:
@@ -89,8 +132,11 @@ def divide(total: int, size: int, what: str) -> int:
 
 
 def validate_layout(num_heads: int, num_kv_heads: int, num_experts: int, tp_size: int,
-                    ep_size: int) -> None:
-    """Reject layouts the model cannot be sharded into, naming the numbers."""
+                    ep_size: int, dp_size: int = 1) -> None:
+    """Reject layouts the model cannot be sharded into, naming the numbers.
+
+    ep_size == tp_size × dp_size (dp_size > 1) is expert parallelism across replicas;
+    otherwise the EP width must divide the TP ranks of one replica."""
     if tp_size < 1 or ep_size < 1:
         raise ValueError(f"parallel sizes must be at least 1 (tp={tp_size}, ep={ep_size})")
     if num_heads % tp_size:
@@ -100,9 +146,11 @@ def validate_layout(num_heads: int, num_kv_heads: int, num_experts: int, tp_size
                          f"not a multiple of them (KV heads are replicated in whole groups)")
     if tp_size <= num_kv_heads and num_kv_heads % tp_size:
         raise ValueError(f"tensor_parallel_size {tp_size} does not divide the {num_kv_heads} KV heads")
+    across = dp_size > 1 and ep_size == tp_size * dp_size
     if num_experts % ep_size:
-        raise ValueError(f"expert-parallel width {ep_size} does not divide the {num_experts} experts")
-    if ep_size > tp_size or tp_size % ep_size:
+        how = f" (TP {tp_size} × DP {dp_size})" if across else ""
+        raise ValueError(f"expert-parallel width {ep_size}{how} does not divide the {num_experts} experts")
+    if not across and (ep_size > tp_size or tp_size % ep_size):
         raise ValueError(f"expert-parallel width {ep_size} must divide tensor_parallel_size {tp_size}")
 
 

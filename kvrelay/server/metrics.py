@@ -45,6 +45,9 @@ class _EngineCollector(Collector):
         yield gauge("kvrelay:kv_blocks_total", "Usable KV blocks.", s.get("blocks_total", 0))
         yield counter("kvrelay:bucket_padding_tokens", "Tokens of padding added to reach a bucket.", s.get("padded_tokens", 0))
         yield counter("kvrelay:engine_steps", "Engine steps run.", s.get("num_steps", 0))
+        if "dp_dummy_steps" in s:
+            yield counter("kvrelay:dp_dummy_steps", "Forwards of an idle replica so that experts "
+                          "spanning data-parallel replicas step in lockstep.", s["dp_dummy_steps"])
         if "kv_transfers" in s:
             yield counter("kvrelay:kv_transfers", "KV loads completed (decode side).", s["kv_transfers"])
             yield counter("kvrelay:kv_transfer_failures", "KV loads that failed.", s["kv_transfer_failures"])

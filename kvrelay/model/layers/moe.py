@@ -11,7 +11,8 @@ so each *active* expert runs one matmul over its tokens.
 Sharding: a rank holds experts [e0, e1) (expert parallel, `ep_size` ways) and, of
 each, the intermediate rows [i0, i1) (tensor parallel, zero-padded to whole MXFP4
 blocks; see `shard_range`). Partial outputs are all-reduced; the down bias is added
-by one rank only.
+by one rank only. With experts sharded across data-parallel replicas the tokens of
+all replicas are gathered first (`ep_dispatch.py`).
 
 Weights are stored `[E_local, out, in]` (like nn.Linear). Transformers' bf16
 checkpoint tensors are `[E, in, out]` and get transposed at load; MXFP4 tensors are
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvrelay.model.layers.linear import linear, upcasts
+from kvrelay.model.layers.ep_dispatch import moe_across_replicas
 from kvrelay.model.mxfp4 import BLOCK, MXFP4Tensor
 from kvrelay.model.parallel import ParallelContext, divide, shard_range
 from kvrelay.model.weights import WeightSource, padded_slice
@@ -180,5 +182,7 @@ class MoE(nn.Module):
         self.experts.load(src, f"{prefix}.experts")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ctx.expert_group is not None:      # experts span every DP replica's ranks
+            return moe_across_replicas(self.router, self.experts, x, self.ctx)
         weights, expert_ids = self.router(x)
         return self.ctx.comm.all_reduce(self.experts(x, weights, expert_ids))

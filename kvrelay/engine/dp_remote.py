@@ -1,0 +1,456 @@
+"""Data-parallel replicas on other nodes: the head's listener and the headless node.
+
+    head (kvrelay serve -dp N -dpl L --data-parallel-rpc-port P)
+        API server, replicas [0, L), HeadListener on address:P
+    headless node (kvrelay serve -dp N -dpl L' --data-parallel-start-rank S --headless
+                   --data-parallel-address HEAD --data-parallel-rpc-port P)
+        replicas [S, S + L'), no API server; connects to the head and relays
+
+Wire format: length-prefixed JSON frames (4-byte big-endian length, then UTF-8 JSON
+object) — never pickle over the network. The headless node opens with
+
+    {"type": "hello", "version": 1, "layout": {data_parallel_size, tensor_parallel_size,
+     enable_expert_parallel, model_config}, "start_rank": S, "local_size": L'}
+
+and the head answers {"type": "welcome", "master_port": port | null} or
+{"type": "reject", "error": "..."} (the headless node exits 1 with that message; the
+head logs it and keeps waiting). After that, both directions carry the engine-core
+messages of `core_proc.py` as {"type": kind, "replica": rank, ...fields}.
+
+Failure: a headless node that loses the head stops its replicas and exits 1; a head
+that loses a headless node fails that node's replicas (the server then stops, as for
+any dead replica). Shutdown: the head sends "shutdown" to each remote replica; the
+headless node stops its replicas and exits 0 when all have exited.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import multiprocessing as mp
+import os
+import signal
+import socket
+import struct
+import threading
+import time
+from dataclasses import asdict, fields, replace
+from multiprocessing.connection import Connection
+from typing import Any
+
+from kvrelay import envs
+from kvrelay.config import EngineArgs
+from kvrelay.engine.async_client import AsyncEngine, EngineDeadError
+from kvrelay.engine.outputs import CompletionOutput, RequestOutput
+from kvrelay.engine.request import Logprob
+from kvrelay.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+VERSION = 1
+MAX_FRAME = 64 << 20
+
+
+# -- framing ---------------------------------------------------------------------------------
+class FrameError(ConnectionError):
+    pass
+
+
+def send_frame(sock: socket.socket, obj: dict[str, Any]) -> None:
+    body = json.dumps(obj, separators=(",", ":")).encode()
+    sock.sendall(struct.pack(">I", len(body)) + body)
+
+
+def recv_frame(sock: socket.socket) -> dict[str, Any]:
+    (n,) = struct.unpack(">I", _recv_exact(sock, 4))
+    if n > MAX_FRAME:
+        raise FrameError(f"frame of {n} bytes exceeds the {MAX_FRAME}-byte limit")
+    try:
+        obj = json.loads(_recv_exact(sock, n))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise FrameError(f"malformed frame: {e}") from None
+    if not isinstance(obj, dict) or not isinstance(obj.get("type"), str):
+        raise FrameError("malformed frame: expected an object with a 'type'")
+    return obj
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("connection closed")
+        buf += chunk
+    return bytes(buf)
+
+
+# -- engine-core messages ⇄ JSON ---------------------------------------------------------------
+_PARAM_FIELDS = [f.name for f in fields(SamplingParams) if f.name != "logits_processors"]
+
+
+def _logprobs_out(lps: list | None) -> list | None:
+    if lps is None:
+        return None
+    return [None if d is None else [[lp.token_id, lp.logprob, lp.rank] for lp in d.values()] for d in lps]
+
+
+def _logprobs_in(lps: list | None) -> list | None:
+    if lps is None:
+        return None
+    return [None if d is None else {int(t): Logprob(int(t), float(p), int(r)) for t, p, r in d} for d in lps]
+
+
+def _output_out(o: RequestOutput) -> dict[str, Any]:
+    d = asdict(replace(o, outputs=[], prompt_logprobs=None))
+    d["outputs"] = [{**{k: v for k, v in asdict(replace(c, logprobs=None, delta_logprobs=None)).items()},
+                     "logprobs": _logprobs_out(c.logprobs), "delta_logprobs": _logprobs_out(c.delta_logprobs)}
+                    for c in o.outputs]
+    d["prompt_logprobs"] = _logprobs_out(o.prompt_logprobs)
+    return d
+
+
+def _output_in(d: dict[str, Any]) -> RequestOutput:
+    outputs = [CompletionOutput(**{**c, "logprobs": _logprobs_in(c["logprobs"]),
+                                   "delta_logprobs": _logprobs_in(c["delta_logprobs"])}) for c in d["outputs"]]
+    return RequestOutput(**{**d, "outputs": outputs, "prompt_logprobs": _logprobs_in(d["prompt_logprobs"])})
+
+
+def encode(message: tuple, replica: int) -> dict[str, Any]:
+    """An engine-core pipe message (either direction) → a JSON frame."""
+    kind, rest = message[0], message[1:]
+    frame: dict[str, Any] = {"type": kind, "replica": replica}
+    if kind == "add":
+        request_id, prompt, params, kv_transfer_params = rest
+        if params.logits_processors:
+            raise ValueError("per-request logits processors cannot be sent to a replica on another node")
+        frame.update(id=request_id, prompt=list(prompt), kv=kv_transfer_params,
+                     params={k: getattr(params, k) for k in _PARAM_FIELDS})
+    elif kind == "outputs":
+        frame.update(outputs=[_output_out(o) for o in rest[0]], stats=rest[1])
+    elif kind in ("abort", "free_remote", "wake", "ready", "fatal"):
+        frame["value"] = rest[0]
+    elif kind == "error":
+        frame.update(id=rest[0], error=rest[1])
+    elif kind not in ("shutdown", "stats"):
+        raise ValueError(f"unknown engine message {kind!r}")
+    return frame
+
+
+def decode(frame: dict[str, Any]) -> tuple:
+    kind = frame["type"]
+    if kind == "add":
+        return ("add", str(frame["id"]), [int(t) for t in frame["prompt"]],
+                SamplingParams(**frame["params"]), frame.get("kv"))
+    if kind == "outputs":
+        return ("outputs", [_output_in(o) for o in frame["outputs"]], frame["stats"])
+    if kind in ("abort", "free_remote", "wake", "ready", "fatal"):
+        return (kind, frame["value"])
+    if kind == "error":
+        return ("error", frame["id"], frame["error"])
+    if kind in ("shutdown", "stats"):
+        return (kind,)
+    raise FrameError(f"unknown message type {kind!r}")
+
+
+# -- the layout both sides must agree on -------------------------------------------------------
+def _model_dir(args: EngineArgs):
+    if args.model is None:
+        from kvrelay.model.embedded import embedded_model_dir
+        return embedded_model_dir()
+    from kvrelay.model.loader import resolve_model_path
+    return resolve_model_path(args.model, args.download_dir)
+
+
+def layout_of(args: EngineArgs) -> dict[str, Any]:
+    raw = (_model_dir(args) / "config.json").read_bytes()
+    return {"data_parallel_size": args.data_parallel_size, "tensor_parallel_size": args.tensor_parallel_size,
+            "enable_expert_parallel": args.enable_expert_parallel,
+            "model_config": hashlib.sha256(raw).hexdigest()[:16]}
+
+
+def check_hello(hello: dict[str, Any], mine: dict[str, Any], claimed: set[int], head_local: int) -> list[int]:
+    """The replica ranks a headless node may run, or ValueError naming the mismatch."""
+    if hello.get("type") != "hello" or hello.get("version") != VERSION:
+        raise ValueError(f"expected a version {VERSION} hello, got {hello.get('type')!r} "
+                         f"version {hello.get('version')!r}")
+    theirs = hello.get("layout") or {}
+    names = {"data_parallel_size": "--data-parallel-size", "tensor_parallel_size": "--tensor-parallel-size",
+             "enable_expert_parallel": "--enable-expert-parallel", "model_config": "the model's config.json"}
+    for key, flag in names.items():
+        if theirs.get(key) != mine[key]:
+            raise ValueError(f"{flag} differs: the head has {mine[key]}, the headless node {theirs.get(key)}")
+    start, local = int(hello.get("start_rank", -1)), int(hello.get("local_size", 0))
+    ranks = list(range(start, start + local))
+    dp = mine["data_parallel_size"]
+    if not ranks or start < head_local or start + local > dp:
+        raise ValueError(f"replica ranks [{start}, {start + local}) are not in [{head_local}, {dp}) "
+                         f"(the head runs ranks [0, {head_local}) of --data-parallel-size {dp})")
+    taken = sorted(claimed & set(ranks))
+    if taken:
+        raise ValueError(f"replica rank {taken[0]} is already run by another headless node")
+    return ranks
+
+
+# -- head side ---------------------------------------------------------------------------------
+class RemoteNode:
+    """One connected headless node: the socket, a send lock, a reader thread."""
+
+    def __init__(self, sock: socket.socket, replicas: dict[int, RemoteReplica]) -> None:
+        self.sock, self.replicas = sock, replicas
+        self.lock = threading.Lock()
+        self.closed = False
+        threading.Thread(target=self._reader, name="kvrelay-dp-node", daemon=True).start()
+
+    def send(self, frame: dict[str, Any]) -> None:
+        if self.closed:
+            raise ConnectionError("the headless node is gone")
+        with self.lock:
+            send_frame(self.sock, frame)
+
+    def _reader(self) -> None:
+        why = "the headless node closed the connection"
+        try:
+            while True:
+                frame = recv_frame(self.sock)
+                replica = self.replicas.get(frame.get("replica"))
+                if replica is not None:
+                    replica.deliver(decode(frame))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            if not isinstance(e, ConnectionError) or str(e) != "connection closed":
+                why = f"lost the headless node: {e}"
+        self.closed = True
+        for replica in self.replicas.values():
+            replica.deliver(("fatal", f"data-parallel replica {replica.rank}: {why}"))
+
+    def close(self) -> None:
+        self.closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+class RemoteReplica(AsyncEngine):
+    """A replica run by a headless node; the same interface as a local `AsyncEngine`."""
+
+    group: Any = None
+
+    def __init__(self, rank: int, step_timeout_s: float | None = None) -> None:  # noqa: D107
+        # the AsyncEngine state, without an engine process of our own
+        import asyncio
+        self.rank = rank
+        self.args = None
+        self.step_timeout_s = step_timeout_s
+        self.streams, self.stats, self.info = {}, {}, {}
+        self.ready = asyncio.Event()
+        self.dead: str | None = None
+        self._send_lock = threading.Lock()
+        self._loop = None
+        self.last_step = time.monotonic()
+        self.node: RemoteNode | None = None
+
+    def start(self) -> None:
+        import asyncio
+        self._loop = asyncio.get_running_loop()
+
+    def deliver(self, message: tuple) -> None:
+        if self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._dispatch, message)
+            except RuntimeError:          # the server's event loop has ended
+                pass
+
+    def _send(self, message: tuple) -> None:
+        if self.dead:
+            raise EngineDeadError(self.dead)
+        if self.node is None:
+            raise EngineDeadError(f"data-parallel replica {self.rank}: its headless node has not connected")
+        try:
+            self.node.send(encode(message, self.rank))
+        except OSError as e:
+            raise EngineDeadError(f"data-parallel replica {self.rank}: {e}") from None
+        if message[0] == "add" and self.group is not None:
+            self.group.wake_all()
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        if self.node is not None and not self.node.closed:
+            try:
+                self.node.send(encode(("shutdown",), self.rank))
+            except OSError:
+                pass
+
+
+class HeadListener:
+    """Accepts headless nodes on --data-parallel-address:--data-parallel-rpc-port."""
+
+    def __init__(self, args: EngineArgs, remote: list[RemoteReplica]) -> None:
+        self.args, self.remote = args, {r.rank: r for r in remote}
+        self.layout = layout_of(args)
+        self.nodes: list[RemoteNode] = []
+        self.claimed: set[int] = set()
+        self.sock = socket.create_server((args.data_parallel_address, args.data_parallel_rpc_port))
+        self.closed = False
+        logger.info("waiting for headless nodes with data-parallel ranks [%d, %d) on %s:%d",
+                    args.local_replicas, args.data_parallel_size, args.data_parallel_address,
+                    args.data_parallel_rpc_port)
+
+    def start(self) -> None:
+        threading.Thread(target=self._accept, name="kvrelay-dp-listener", daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self.closed:
+            try:
+                conn, peer = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._welcome, args=(conn, peer), daemon=True).start()
+
+    def _welcome(self, conn: socket.socket, peer: tuple) -> None:
+        conn.settimeout(30)
+        try:
+            hello = recv_frame(conn)
+            ranks = check_hello(hello, self.layout, self.claimed, self.args.local_replicas)
+        except (OSError, ValueError) as e:
+            logger.error("refused a headless node at %s:%d: %s", peer[0], peer[1], e)
+            try:
+                send_frame(conn, {"type": "reject", "error": str(e)})
+            except OSError:
+                pass
+            conn.close()
+            return
+        self.claimed |= set(ranks)
+        send_frame(conn, {"type": "welcome", "master_port": self.args.data_parallel_master_port})
+        conn.settimeout(None)
+        node = RemoteNode(conn, {r: self.remote[r] for r in ranks})
+        for r in ranks:
+            self.remote[r].node = node
+        self.nodes.append(node)
+        logger.info("headless node %s:%d joined with data-parallel ranks %s", peer[0], peer[1], ranks)
+
+    def close(self) -> None:
+        self.closed = True
+        self.sock.close()
+        deadline = time.monotonic() + 15             # let the nodes stop their replicas
+        for node in self.nodes:
+            while not node.closed and time.monotonic() < deadline:
+                time.sleep(0.05)
+            node.close()
+
+
+# -- headless side -----------------------------------------------------------------------------
+def connect_to_head(args: EngineArgs, timeout_s: float) -> socket.socket:
+    address, port = args.data_parallel_address, args.data_parallel_rpc_port
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return socket.create_connection((address, port), timeout=5)
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise ConnectionError(
+                    f"cannot reach the data-parallel head at {address}:{port} (--data-parallel-address / "
+                    f"--data-parallel-rpc-port): {e.strerror or e}; gave up after {timeout_s:.0f}s "
+                    f"({envs.ENGINE_READY_TIMEOUT_S.shown})") from None
+            time.sleep(0.5)
+
+
+def run_headless(args: EngineArgs) -> int:
+    """Run this node's replicas for the head; returns the exit code."""
+    from kvrelay.engine.core_proc import run_engine_core
+    from kvrelay.engine.data_parallel import replica_args
+    timeout = envs.ENGINE_READY_TIMEOUT_S.as_float() or 600.0
+    sock = connect_to_head(args, timeout)
+    sock.settimeout(60)
+    send_frame(sock, {"type": "hello", "version": VERSION, "layout": layout_of(args),
+                      "start_rank": args.data_parallel_start_rank, "local_size": args.local_replicas})
+    answer = recv_frame(sock)
+    if answer["type"] != "welcome":
+        sock.close()
+        raise ValueError(f"the data-parallel head refused this node: {answer.get('error')}")
+    sock.settimeout(None)
+    args = replace(args, data_parallel_master_port=answer.get("master_port"))
+    ranks = range(args.data_parallel_start_rank, args.data_parallel_start_rank + args.local_replicas)
+    ctx = mp.get_context("spawn")
+    cores: dict[int, tuple[mp.process.BaseProcess, Connection]] = {}
+    for r in ranks:
+        mine, theirs = ctx.Pipe()
+        p = ctx.Process(target=run_engine_core, args=(replica_args(args, r), theirs, logging.getLogger().level),
+                        name=f"kvrelay-engine-core-dp{r}", daemon=False)
+        p.start()
+        cores[r] = (p, mine)
+    logger.info("headless: data-parallel ranks %s joined the head at %s:%d", list(ranks),
+                args.data_parallel_address, args.data_parallel_rpc_port)
+    return _relay(sock, cores)
+
+
+def _relay(sock: socket.socket, cores: dict[int, tuple[Any, Connection]]) -> int:
+    send_lock = threading.Lock()
+    stopping = threading.Event()
+    shut: set[int] = set()                                   # replicas told to shut down
+
+    def pump(rank: int, conn: Connection) -> None:          # engine core → head
+        while True:
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                if stopping.is_set() or rank in shut:
+                    return
+                message = ("fatal", f"the engine process of data-parallel replica {rank} exited")
+            try:
+                with send_lock:
+                    send_frame(sock, encode(message, rank))
+            except OSError:
+                return
+            if message[0] == "fatal":
+                return
+
+    for rank, (_, conn) in cores.items():
+        threading.Thread(target=pump, args=(rank, conn), daemon=True).start()
+
+    def on_signal(signum, _frame):
+        stopping.set()
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    rc = 0
+    try:
+        while len(shut) < len(cores):
+            frame = recv_frame(sock)
+            rank = frame.get("replica")
+            if rank not in cores:
+                raise FrameError(f"message for replica {rank!r}, which this node does not run")
+            message = decode(frame)
+            if message[0] == "shutdown":
+                shut.add(rank)
+            try:
+                cores[rank][1].send(message)
+            except OSError:
+                pass
+    except (OSError, ValueError) as e:
+        if not stopping.is_set():
+            logger.error("lost the data-parallel head: %s; stopping this node's replicas", e)
+            rc = 1
+    stopping.set()
+    _stop_cores(cores)
+    sock.close()
+    return rc
+
+
+def _stop_cores(cores: dict[int, tuple[Any, Connection]]) -> None:
+    for p, conn in cores.values():
+        try:
+            conn.send(("shutdown",))
+        except OSError:
+            pass
+    deadline = time.monotonic() + 15
+    for p, _ in cores.values():
+        p.join(max(deadline - time.monotonic(), 0.1))
+        if p.is_alive():
+            p.terminate()
+            p.join(5)
+        if p.is_alive():
+            os.kill(p.pid, signal.SIGKILL)

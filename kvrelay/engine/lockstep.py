@@ -1,0 +1,99 @@
+"""The engine-core loop of a replica whose MoE layers span every data-parallel replica
+(`--data-parallel-size N --enable-expert-parallel`: EP = TP × DP).
+
+Attention stays per replica (own scheduler, own KV cache); the MoE layers gather the
+tokens of all replicas, so every replica must run a forward in the same steps. One
+round per step:
+
+    drain the pipe ─▶ plan_step() (schedule) ─▶ all-gather [tokens, wave, busy]
+        ─▶ run_planned(): a forward if any replica has tokens (dummy token if this one has none)
+
+Waking up without spinning. Idle replicas sleep on their pipe. The API side sends
+every replica ("wake", w) right after it adds a request anywhere (w counts up), so an
+add is always followed by a wake on every pipe. A round is *live* — another round
+follows at once — while any replica has tokens, or some replica has not yet received
+the newest wake (lo < hi: it is on its way, and that replica may carry the new
+request). When no replica has tokens and all have seen the same wave, all stop
+together, and each sleeps until a wave newer than that one arrives. Replicas with
+unfinished-but-unschedulable work or KV transfers in flight keep the group polling
+every 10 ms (as the single-replica loop does).
+
+Every replica runs exactly the same sequence of rounds, because each decision is
+made from the same all-gathered rows.
+"""
+from __future__ import annotations
+
+import logging
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+BUSY_POLL_S = 0.01        # some replica waits on KV transfers or blocks: poll this often
+IN_FLIGHT_POLL_S = 0.001  # a wake is on its way to some replica
+
+
+class _Pipe:
+    """Drains the API pipe; owner of the wave number this replica has seen."""
+
+    def __init__(self, engine: Any, conn: Connection, handle: Callable) -> None:
+        self.engine, self.conn, self.handle = engine, conn, handle
+        self.seen = 0
+        self.closed = False
+
+    def drain(self, timeout: float | None = 0.0) -> None:
+        """Handle what is in the pipe; with a timeout, first wait that long for a message."""
+        if timeout != 0.0 and not self.conn.poll(timeout):
+            return
+        while not self.closed and self.conn.poll(0):
+            try:
+                message = self.conn.recv()
+            except EOFError:
+                self.closed = True
+                return
+            if message[0] == "shutdown":
+                self.closed = True
+            elif message[0] == "wake":
+                self.seen = max(self.seen, int(message[1]))
+            else:
+                self.handle(self.engine, self.conn, message)
+
+
+def run_lockstep(engine: Any, conn: Connection, handle: Callable, stats_of: Callable) -> None:
+    from kvrelay.distributed.collectives import ReplicaSync
+    sync = ReplicaSync(engine.expert_world)
+    pipe = _Pipe(engine, conn, handle)
+    synced, live, last_stats = 0, False, {}
+    logger.info("replica %d of %d steps in lockstep with the others (experts across replicas)",
+                engine.expert_world.dp_rank, engine.expert_world.dp_size)
+    while not pipe.closed:
+        if not live:
+            while pipe.seen <= synced and not pipe.closed:     # asleep until a newer wave
+                pipe.drain(timeout=None)
+            if pipe.closed:
+                return
+        pipe.drain()
+        plan = engine.plan_step()
+        busy = engine.transfer_busy or (engine.has_unfinished_requests() and plan.num_tokens == 0)
+        try:
+            rows = sync.all_gather([plan.num_tokens, pipe.seen, int(busy)])
+            counts = tuple(r[0] for r in rows)
+            outputs = engine.run_planned(plan, counts)
+        except BaseException as e:
+            conn.send(("fatal", f"engine step failed: {type(e).__name__}: {e}"))
+            logger.error(traceback.format_exc())
+            return
+        stats = stats_of(engine)
+        if outputs or stats != last_stats:
+            from kvrelay.engine.core_proc import as_delta
+            conn.send(("outputs", [as_delta(o) for o in outputs], stats))
+            last_stats = stats
+        waves = [r[1] for r in rows]
+        any_busy = any(r[2] for r in rows)
+        live = any(counts) or any_busy or min(waves) < max(waves)
+        if live and not any(counts):
+            pipe.drain(timeout=IN_FLIGHT_POLL_S if min(waves) < max(waves) else BUSY_POLL_S)
+        if not live:
+            synced = max(waves)
