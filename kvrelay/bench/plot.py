@@ -33,11 +33,12 @@ def save_figure(results: list[RequestResult], duration: float, path: Path, title
         ax.set_ylabel("count")
         ax.set_title(f"{label.split()[0]} distribution (n={len(values)})")
     ax = axes.flat[3]
-    timeline = output_timeline(results, duration)
-    ax.plot([i + 0.5 for i in range(len(timeline))], timeline, marker=".", color="tab:green")
+    bucket = max(1.0, round(duration / 60))           # ~60 points whatever the run's length
+    timeline = output_timeline(results, duration, bucket)
+    ax.plot([(i + 0.5) * bucket for i in range(len(timeline))], timeline, marker=".", color="tab:green")
     ax.set_xlabel("time since start (s)")
     ax.set_ylabel("output tokens / s")
-    ax.set_title("output throughput over time (1 s buckets)")
+    ax.set_title(f"output throughput over time ({bucket:g} s buckets)")
     fig.suptitle(title)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
