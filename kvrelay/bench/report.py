@@ -106,7 +106,7 @@ def summary_table(d: dict[str, Any], percentile_metrics: list[str], percentiles:
 
 
 def _int_or_none(x: float | None) -> int | None:
-    return None if x is None else int(round(x))
+    return None if x is None else round(x)
 
 
 def default_filename(d: dict[str, Any]) -> str:

@@ -34,7 +34,7 @@ class SSEParser:
             else:
                 name, _, value = line.partition(":")
                 if name == "data":
-                    self._data.append(value[1:] if value.startswith(" ") else value)
+                    self._data.append(value.removeprefix(" "))
 
     def flush(self) -> list[str]:
         """The last event when the stream ended without its blank line."""

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from itertools import pairwise
 
 import pytest
 
@@ -10,7 +11,7 @@ from kvrelay.bench.arrivals import arrival_offsets
 
 
 def _intervals(offsets: list[float]) -> list[float]:
-    return [b - a for a, b in zip(offsets, offsets[1:])]
+    return [b - a for a, b in pairwise(offsets)]
 
 
 def test_infinite_rate_sends_everything_at_once():
@@ -37,7 +38,7 @@ def test_seeded_and_starting_at_zero():
     a = arrival_offsets(50, 2.0, seed=7)
     assert a == arrival_offsets(50, 2.0, seed=7)
     assert a != arrival_offsets(50, 2.0, seed=8)
-    assert a[0] == 0.0 and all(x < y for x, y in zip(a, a[1:]))
+    assert a[0] == 0.0 and all(x < y for x, y in pairwise(a))
 
 
 @pytest.mark.parametrize("rate,burst", [(0, 1), (-1, 1), (1, 0)])

@@ -30,7 +30,7 @@ def _conv(i: int, turns: int) -> dict:
 
 def _truncated_file(tmp_path, n: int, turns: int = 3):
     text = json.dumps([_conv(i, turns) for i in range(n)], indent=2)
-    cut = text.index('"id": "c%d"' % (n - 1)) + 40          # mid-way through the last record
+    cut = text.index(f'"id": "c{n - 1}"') + 40          # mid-way through the last record
     path = tmp_path / "sharegpt.json"
     path.write_text(text[:cut])
     with pytest.raises(json.JSONDecodeError):

@@ -5,8 +5,16 @@ import math
 
 import pytest
 
-from kvrelay.bench.metrics import (RequestResult, compute_metrics, meets_slos, output_timeline, parse_goodput,
-                                   peak_concurrency, percentile, summarize)
+from kvrelay.bench.metrics import (
+    RequestResult,
+    compute_metrics,
+    meets_slos,
+    output_timeline,
+    parse_goodput,
+    peak_concurrency,
+    percentile,
+    summarize,
+)
 
 
 def ok(ttft: float, latency: float, out: int, prompt: int = 10, itl: list[float] | None = None,
