@@ -20,6 +20,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.datastructures import Headers, MutableHeaders
 
 from kvrelay.engine.async_client import AsyncEngine, EngineDeadError, EngineError, KVTransferFailed
 from kvrelay.engine.outputs import RequestOutput
@@ -161,6 +162,13 @@ def _chat_logprobs(state: ServerState, token_ids: list[int], logprobs: list | No
 
 async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Interleave several generators' outputs as they arrive (prompt index, output)."""
+    if len(streams) == 1:                      # the common case: no pump task, no queue
+        try:
+            async for out in streams[0]:
+                yield 0, out
+        finally:
+            await streams[0].aclose()
+        return
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 
@@ -242,6 +250,48 @@ async def _until_disconnect(request: Request, work: asyncio.Future) -> Any:
         watcher.cancel()
 
 
+class _Edge:
+    """Checks at the door, as a pure ASGI middleware (starlette's BaseHTTPMiddleware
+    re-queues every streamed chunk through a memory stream — a quarter of the API
+    process's CPU per token at 64 streams): request id, API key, body-size limit and
+    readiness, and `X-Request-Id` on every response."""
+
+    def __init__(self, app: Any, state: ServerState) -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        request_id = headers.get("x-request-id") or uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+
+        async def send_with_id(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                MutableHeaders(scope=message).append("X-Request-Id", request_id)
+            await send(message)
+
+        refusal = self._refusal(scope["path"], scope["method"], headers)
+        app = refusal or self.app
+        await app(scope, receive, send_with_id)
+
+    def _refusal(self, path: str, method: str, headers: Headers) -> JSONResponse | None:
+        state = self.state
+        if state.api_key and path.startswith("/v1/"):
+            if headers.get("authorization") != f"Bearer {state.api_key}":
+                return JSONResponse(OpenAIError("invalid or missing API key", 401, "AuthenticationError").body(),
+                                    status_code=401)
+        length = headers.get("content-length")
+        if length and length.isdigit() and int(length) > MAX_BODY_BYTES:
+            return JSONResponse(OpenAIError(f"request body over {MAX_BODY_BYTES} bytes", 413,
+                                            "RequestTooLarge").body(), status_code=413)
+        if path.startswith("/v1/") and method == "POST" and not state.ready:
+            return JSONResponse({"error": {"message": "the server is not ready", "type": "ServiceUnavailableError",
+                                           "param": None, "code": 503}}, status_code=503)
+        return None
+
+
 # -- the app --------------------------------------------------------------------------------
 def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="kvrelay", docs_url=None, redoc_url=None)
@@ -272,25 +322,7 @@ def build_app(state: ServerState) -> FastAPI:
         body = {"error": {"message": str(exc), "type": "ServiceUnavailableError", "param": None, "code": 503}}
         return JSONResponse(body, status_code=503)
 
-    @app.middleware("http")
-    async def _edge(request: Request, call_next):
-        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-        request.state.request_id = request_id
-        path = request.url.path
-        if state.api_key and path.startswith("/v1/"):
-            if request.headers.get("authorization") != f"Bearer {state.api_key}":
-                return JSONResponse(OpenAIError("invalid or missing API key", 401, "AuthenticationError").body(),
-                                    status_code=401)
-        length = request.headers.get("content-length")
-        if length and length.isdigit() and int(length) > MAX_BODY_BYTES:
-            return JSONResponse(OpenAIError(f"request body over {MAX_BODY_BYTES} bytes", 413,
-                                            "RequestTooLarge").body(), status_code=413)
-        if path.startswith("/v1/") and request.method == "POST" and not state.ready:
-            return JSONResponse({"error": {"message": "the server is not ready", "type": "ServiceUnavailableError",
-                                           "param": None, "code": 503}}, status_code=503)
-        response = await call_next(request)
-        response.headers["X-Request-Id"] = request_id
-        return response
+    app.add_middleware(_Edge, state=state)
 
     @app.get("/health")
     async def health() -> Response:
