@@ -221,11 +221,15 @@ def _run(plan: Plan, args: argparse.Namespace, deployment, stop: threading.Event
     """Start, await, validate, then wait for a signal (0) or a component's death (1)."""
     t0 = time.monotonic()
     servers = deployment.start_servers()
+    _say("started " + ", ".join(f"{c.name} (pid {c.pid})" for c in servers))
     if not deployment.await_ready(servers, timeout, stop):
         return 0
     _say(f"{len(servers)} server(s) ready in {time.monotonic() - t0:.1f}s")
-    if plan.proxy and not deployment.await_ready([deployment.start_proxy()], 60, stop):
-        return 0
+    if plan.proxy:
+        proxy = deployment.start_proxy()
+        _say(f"started proxy (pid {proxy.pid})")
+        if not deployment.await_ready([proxy], 60, stop):
+            return 0
     if not args.no_validate and not _validate(plan, args, stop):
         if stop.is_set():
             return 0

@@ -1,0 +1,87 @@
+"""What deploy does before and when things go wrong: taken ports and other hosts refused
+before anything starts; a server that fails at startup stops the rest, with its log tail."""
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from kvrelay.deploy.launcher import child_env
+from kvrelay.deploy.main import main
+from tests.factories import TINY
+from tests.processes import alive
+
+
+@pytest.fixture()
+def config_dir(tmp_path):
+    """A checkpoint directory with only config.json: enough to plan, and for serve to parse its flags."""
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps({"model_type": "gpt_oss"} | TINY))
+    return tmp_path / "ckpt"
+
+
+def test_a_taken_port_is_refused_before_anything_starts(config_dir, capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        rc = main(["--model", str(config_dir), "--prefill", "1", "--decode", "1", "--base-port", str(port - 100),
+                   "--side-channel-port", str(port + 1000)])
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert f"prefill-0 HTTP port {port} is already in use on this machine" in err
+
+
+def test_other_hosts_need_dry_run(config_dir, capsys):
+    rc = main(["--model", str(config_dir), "--prefill", "1", "--decode", "1", "--hosts", "decode=10.0.0.2"])
+    assert rc == 1
+    assert "use --dry-run and run the printed commands on each host" in capsys.readouterr().err
+
+
+def test_the_plan_overrides_kvrelay_twins_of_its_variables(monkeypatch):
+    monkeypatch.setenv("KVRELAY_VISIBLE_DEVICES", "5")
+    monkeypatch.setenv("KVRELAY_NIXL_SIDE_CHANNEL_PORT", "1")
+    env = child_env((("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1"),),
+                    (("NEURON_VISIBLE_DEVICES", "0-3"), ("VLLM_NIXL_SIDE_CHANNEL_PORT", "5559")))
+    assert "KVRELAY_VISIBLE_DEVICES" not in env and "KVRELAY_NIXL_SIDE_CHANNEL_PORT" not in env
+    assert env["NEURON_VISIBLE_DEVICES"] == "0-3" and env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5559"
+
+
+def test_a_server_that_fails_stops_the_rest_and_shows_its_log(config_dir, tmp_path):
+    r = subprocess.run(
+        [sys.executable, "-m", "kvrelay.cli", "deploy", "--model", str(config_dir), "--prefill", "1", "--decode", "1",
+         "--base-port", str(_free_block()), "--side-channel-port", str(_free_block()),
+         "--log-dir", str(tmp_path / "logs"), "--", "--no-such-flag"],
+        capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 1, r.stdout + r.stderr
+    out = r.stdout
+    assert "exited with status 1 before it was ready; last lines of" in out
+    assert "unrecognized arguments: --no-such-flag" in out               # the server's own message, in the tail
+    assert "stopped 2 process(es)" in out
+    started = next(line for line in out.splitlines() if line.startswith("kvrelay deploy: started "))
+    pids = [int(p.split(")")[0]) for p in started.split("(pid ")[1:]]
+    assert len(pids) == 2 and [p for p in pids if alive(p)] == []
+
+
+def _free_block() -> int:
+    """A port P with P, P+1, P+100, P+200 free."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + 200 < 65536 and all(_free(base + o) for o in (0, 1, 100, 200)):
+            return base
+    raise RuntimeError("no free ports")
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
