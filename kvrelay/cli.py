@@ -168,9 +168,8 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from kvrelay.config import EngineArgs
+    from kvrelay.config import EngineArgs, NeuronConfig
     from kvrelay.server.launch import serve
-    from kvrelay.config import NeuronConfig
     engine_args = EngineArgs(**{name: getattr(args, name) for name in SERVE_ENGINE_FLAGS})
     NeuronConfig.from_additional_config(engine_args.additional_config)   # fail before any process starts
     from kvrelay.disagg.params import KVTransferConfig

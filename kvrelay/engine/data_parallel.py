@@ -103,13 +103,16 @@ class DataParallelEngine:
         for r in self.replicas:
             try:
                 r._send(("wake", self.wave))
-            except Exception as e:  # a dead replica; the watchdog stops the server
+            except (OSError, RuntimeError) as e:  # a dead replica; the watchdog stops the server
                 logger.debug("wake not delivered to a replica: %s", e)
 
     # -- the AsyncEngine interface ---------------------------------------------------------
     @property
     def dead(self) -> str | None:
-        return next((r.dead for r in self.replicas if r.dead), None)
+        """Why a replica failed; the one that names an exited process first (with experts
+        across replicas the others fail too, with a collective error)."""
+        dead = [r.dead for r in self.replicas if r.dead]
+        return next((d for d in dead if "exited" in d), dead[0] if dead else None)
 
     @property
     def info(self) -> dict[str, Any]:

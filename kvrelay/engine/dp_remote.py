@@ -236,7 +236,7 @@ class RemoteReplica(AsyncEngine):
 
     group: Any = None
 
-    def __init__(self, rank: int, step_timeout_s: float | None = None) -> None:  # noqa: D107
+    def __init__(self, rank: int, step_timeout_s: float | None = None) -> None:
         # the AsyncEngine state, without an engine process of our own
         import asyncio
         self.rank = rank

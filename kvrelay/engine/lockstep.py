@@ -81,7 +81,7 @@ def run_lockstep(engine: Any, conn: Connection, handle: Callable, stats_of: Call
             rows = sync.all_gather([plan.num_tokens, pipe.seen, int(busy)])
             counts = tuple(r[0] for r in rows)
             outputs = engine.run_planned(plan, counts)
-        except BaseException as e:
+        except BaseException as e:  # noqa: BLE001 -- any failure ends this replica, reported in one line
             conn.send(("fatal", f"engine step failed: {type(e).__name__}: {e}"))
             logger.error(traceback.format_exc())
             return

@@ -9,8 +9,13 @@ import time
 import pytest
 
 from kvrelay.cli import main
-from tests.distributed.test_expert_parallel_dp import (BASE, PROMPTS, check_layout, check_tokens, run_workload,
-                                                        tp1_tokens)  # noqa: F401
+from tests.distributed.test_expert_parallel_dp import (
+    BASE,
+    check_layout,
+    check_tokens,
+    run_workload,
+    tp1_tokens,  # noqa: F401
+)
 from tests.processes import KvrelayProcess, Server, alive, descendants, free_port
 
 
@@ -54,8 +59,9 @@ def test_headless_node_with_other_sizes_is_refused(tiny, tmp_path):
     try:
         assert node.proc.wait(120) == 1
         lines = [ln for ln in node.log().splitlines() if "error" in ln]
-        assert lines == ["kvrelay serve: error: the data-parallel head refused this node: --data-parallel-size "
-                         "differs: the head has 2, the headless node 3"], node.log()[-2000:]
+        want = ("kvrelay serve: error: the data-parallel head refused this node: --data-parallel-size "
+                "differs: the head has 2, the headless node 3")
+        assert lines == [want], node.log()[-2000:]
         head.wait_for_line("refused a headless node", 30)
     finally:
         head.stop()
@@ -80,8 +86,8 @@ def test_unreachable_head_is_a_clear_error(tiny, tmp_path):
      "expert-parallel width 6 (TP 2 × DP 3) does not divide the 4 experts"),
     (["-dp", "2", "--enable-expert-parallel", "--additional-config",
       json.dumps({"neuron_config": {"ep_degree": 2, "embedding_dp_size": 2}}), "-tp", "2"],
-     "neuron_config.ep_degree 2 conflicts with --enable-expert-parallel across 2 data-parallel replicas "
-     "(EP = TP 2 × DP 2 = 4)"),
+     ("neuron_config.ep_degree 2 conflicts with --enable-expert-parallel across 2 data-parallel replicas "
+      "(EP = TP 2 × DP 2 = 4)")),
     (["-dp", "2", "--additional-config", json.dumps({"neuron_config": {"lm_head_dp_size": 4}})],
      "neuron_config.lm_head_dp_size 4 must equal --data-parallel-size 2"),
     (["-dp", "2", "--data-parallel-size-local", "3"],

@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvrelay.model.layers.linear import linear, upcasts
 from kvrelay.model.layers.ep_dispatch import moe_across_replicas
+from kvrelay.model.layers.linear import linear, upcasts
 from kvrelay.model.mxfp4 import BLOCK, MXFP4Tensor
 from kvrelay.model.parallel import ParallelContext, divide, shard_range
 from kvrelay.model.weights import WeightSource, padded_slice
@@ -72,7 +72,7 @@ class Experts(nn.Module):
     def load(self, src: WeightSource, prefix: str) -> None:
         e0, e1 = self.first_expert, self.first_expert + self.num_local
         rows = (2 * self.i0, 2 * self.i1, 2 * self.i_local)
-        bias = padded_slice(src, f"{prefix}.gate_up_proj_bias", 1, *rows)[e0:e1]
+        bias = self._local_slice(src, f"{prefix}.gate_up_proj_bias", 1, *rows)
         self.gate_up_bias.copy_(bias)
         self.down_bias.copy_(src.get(f"{prefix}.down_proj_bias", 0, e0, e1))
         if src.has(f"{prefix}.gate_up_proj_blocks"):
@@ -80,20 +80,28 @@ class Experts(nn.Module):
         else:
             self._load_dense(src, prefix, rows)
 
-    def _load_dense(self, src: WeightSource, prefix: str, rows: tuple[int, int, int]) -> None:
+    def _local_slice(self, src: WeightSource, name: str, dim: int, start: int, stop: int,
+                     length: int) -> torch.Tensor:
+        """This rank's experts, rows [start, stop) along `dim` zero-padded to `length`.
+        When the rows are whole (expert parallel: a rank holds whole experts) only this
+        rank's experts are read from disk."""
         e0, e1 = self.first_expert, self.first_expert + self.num_local
-        gate_up = padded_slice(src, f"{prefix}.gate_up_proj", 2, *rows)[e0:e1]       # [E, H, 2I]
-        down = padded_slice(src, f"{prefix}.down_proj", 1, self.i0, self.i1, self.i_local)[e0:e1]  # [E, I, H]
+        if start == 0 and stop == length == src.shape(name)[dim]:
+            return src.get(name, 0, e0, e1)
+        return padded_slice(src, name, dim, start, stop, length)[e0:e1]
+
+    def _load_dense(self, src: WeightSource, prefix: str, rows: tuple[int, int, int]) -> None:
+        gate_up = self._local_slice(src, f"{prefix}.gate_up_proj", 2, *rows)       # [E, H, 2I]
+        down = self._local_slice(src, f"{prefix}.down_proj", 1, self.i0, self.i1, self.i_local)  # [E, I, H]
         self.gate_up.copy_(gate_up.transpose(1, 2))
         self.down.copy_(down.transpose(1, 2))
 
     def _load_mxfp4(self, src: WeightSource, prefix: str, rows: tuple[int, int, int]) -> None:
-        e0, e1 = self.first_expert, self.first_expert + self.num_local
         g0, g1, gl = self.i0 // BLOCK, -(-self.i1 // BLOCK), self.i_local // BLOCK
-        gu = MXFP4Tensor(padded_slice(src, f"{prefix}.gate_up_proj_blocks", 1, *rows)[e0:e1].to(torch.uint8),
-                         padded_slice(src, f"{prefix}.gate_up_proj_scales", 1, *rows)[e0:e1].to(torch.uint8))
-        dn = MXFP4Tensor(padded_slice(src, f"{prefix}.down_proj_blocks", 2, g0, g1, gl)[e0:e1].to(torch.uint8),
-                         padded_slice(src, f"{prefix}.down_proj_scales", 2, g0, g1, gl)[e0:e1].to(torch.uint8))
+        gu = MXFP4Tensor(self._local_slice(src, f"{prefix}.gate_up_proj_blocks", 1, *rows).to(torch.uint8),
+                         self._local_slice(src, f"{prefix}.gate_up_proj_scales", 1, *rows).to(torch.uint8))
+        dn = MXFP4Tensor(self._local_slice(src, f"{prefix}.down_proj_blocks", 2, g0, g1, gl).to(torch.uint8),
+                         self._local_slice(src, f"{prefix}.down_proj_scales", 2, g0, g1, gl).to(torch.uint8))
         if self.mxfp4:
             self.gate_up, self.down = gu, dn
             return
