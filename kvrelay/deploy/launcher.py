@@ -15,7 +15,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvrelay import envs
@@ -40,7 +40,6 @@ class Component:
     env: dict[str, str]
     log_path: Path
     proc: subprocess.Popen | None = None
-    _seen: str = field(default="", repr=False)
     is_ready: bool = False
 
     def start(self) -> None:

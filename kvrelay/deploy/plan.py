@@ -108,35 +108,33 @@ class RoleLayout:
 
 
 def role_layout(topo: Topology, spec: RoleSpec) -> RoleLayout:
+    """EP as `kvrelay serve` derives it: TP × DP with --enable-expert-parallel and DP > 1
+    (experts across replicas), else neuron_config.ep_degree, else TP with EP, else 1."""
     neuron = _neuron_config(topo, spec)
-    ep_degree = neuron.get("ep_degree")
-    ep_inner = ep_degree or (spec.tp if spec.expert_parallel and spec.dp == 1 else 1)
-    ep_width = spec.tp * spec.dp if spec.expert_parallel and spec.dp > 1 else ep_inner
+    across = spec.expert_parallel and spec.dp > 1
+    ep_inner = 1 if across else neuron.get("ep_degree") or (spec.tp if spec.expert_parallel else 1)
+    ep_width = spec.tp * spec.dp if across else ep_inner
     return RoleLayout(spec, neuron, ep_inner, ep_width)
 
 
 def check_layout(layout: RoleLayout, cfg: GptOssConfig) -> list[str]:
-    """Problems of one role's layout against the model, each naming the numbers."""
+    """Problems of one role's layout against the model, each naming the numbers: the
+    checks `kvrelay serve` runs at startup (NeuronConfig's keys, validate_layout)."""
+    from kvrelay.config import NeuronConfig
     from kvrelay.model.parallel import validate_layout  # torch is imported here only
     s, name = layout.spec, layout.spec.role
     problems = []
     try:
-        validate_layout(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_local_experts,
-                        s.tp, layout.ep_inner)
+        neuron = NeuronConfig.from_additional_config({"neuron_config": layout.neuron})
+        neuron.check_layout(s.tp, s.dp, s.expert_parallel)
     except ValueError as e:
         problems.append(f"{name}: {e}")
-    if s.expert_parallel and s.dp > 1:
-        if layout.neuron.get("ep_degree"):
-            problems.append(f"{name}: neuron_config.ep_degree {layout.neuron['ep_degree']} with "
-                            f"--enable-expert-parallel and DP{s.dp}: the expert-parallel width is then "
-                            f"TP × DP ({layout.ep_width}); drop ep_degree")
-        if cfg.num_local_experts % layout.ep_width:
-            problems.append(f"{name}: expert-parallel width {layout.ep_width} (TP{s.tp} × DP{s.dp}) does not "
-                            f"divide the {cfg.num_local_experts} experts")
-    for key in ("embedding_dp_size", "lm_head_dp_size"):
-        value = layout.neuron.get(key)
-        if value is not None and value != s.dp:
-            problems.append(f"{name}: neuron_config.{key} {value} must equal the data-parallel size {s.dp}")
+    across = s.expert_parallel and s.dp > 1
+    try:
+        validate_layout(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_local_experts,
+                        s.tp, layout.ep_width, s.dp if across else 1)
+    except ValueError as e:
+        problems.append(f"{name}: {e}")
     return problems
 
 
@@ -191,7 +189,7 @@ def _servers(topo: Topology, layouts: dict[str, RoleLayout], warnings: list[str]
             if sides:
                 env.append(("VLLM_NIXL_SIDE_CHANNEL_PORT", str(sides[0])))
             out.append(ServerPlan(name, spec.role, host, port, sides, devices, tuple(env),
-                                  _serve_args(topo, layout, host, port), layout.label))
+                                  _serve_args(topo, layout, port), layout.label))
     for host, n in used.items():
         if n > len(topo.devices):
             warnings.append(f"host {host}: {n} ranks on {len(topo.devices)} devices "
@@ -200,7 +198,7 @@ def _servers(topo: Topology, layouts: dict[str, RoleLayout], warnings: list[str]
     return out
 
 
-def _serve_args(topo: Topology, layout: RoleLayout, host: str, port: int) -> tuple[str, ...]:
+def _serve_args(topo: Topology, layout: RoleLayout, port: int) -> tuple[str, ...]:
     spec = layout.spec
     args = ["serve", *([topo.model] if topo.model else []), "--host", listen_host(topo), "--port", str(port)]
     if topo.served_model_name:

@@ -126,7 +126,7 @@ def test_20b_with_the_120b_decode_layout_is_refused(capsys):
     rc, out, err = dry_run(capsys, argv)
     assert rc == 1 and out == ""
     assert err == ("kvrelay deploy: error: invalid topology:\n"
-                   "  decode: expert-parallel width 64 (TP8 × DP8) does not divide the 32 experts\n")
+                   "  decode: expert-parallel width 64 (TP 8 × DP 8) does not divide the 32 experts\n")
 
 
 def test_yaml_config_gives_the_same_commands(capsys, tmp_path):
@@ -232,15 +232,28 @@ def test_format_ids():
 
 @pytest.mark.parametrize("argv, problems", [
     (["--prefill-tp", "3"], ["prefill: tensor_parallel_size 3 does not divide the 64 attention heads"]),
-    (["--decode-dp", "3"], ["decode: expert-parallel width 24 (TP8 × DP3) does not divide the 128 experts"]),
+    (["--decode-dp", "3"], ["decode: expert-parallel width 24 (TP 8 × DP 3) does not divide the 128 experts"]),
     (["--decode-tp", "16", "--decode-dp", "16"],
-     ["decode: expert-parallel width 256 (TP16 × DP16) does not divide the 128 experts"]),
+     ["decode: expert-parallel width 256 (TP 16 × DP 16) does not divide the 128 experts"]),
     (["--prefill-ep-degree", "8"], ["prefill: expert-parallel width 8 must divide tensor_parallel_size 4"]),
 ])
 def test_invalid_tutorial_variants_are_refused_naming_the_numbers(capsys, argv, problems):
     rc, out, err = dry_run(capsys, _override(TUTORIAL_120B, argv))
     assert rc == 1 and out == ""
     assert err.splitlines()[1:] == [f"  {p}" for p in problems]
+
+
+def test_neuron_config_is_checked_as_serve_checks_it(capsys):
+    extra = '{"neuron_config": {"lm_head_dp_size": 4, "ep_degree": 4}}'
+    rc, _, err = dry_run(capsys, TUTORIAL_120B + ["--", "--additional-config", extra])
+    assert rc == 1
+    assert err.splitlines()[1:] == [
+        ("  prefill: neuron_config.lm_head_dp_size 4 must equal --data-parallel-size 1 (the layer is replicated in "
+        "every data-parallel replica and vocab-sharded over its 4 TP ranks)"),
+        ("  decode: neuron_config.lm_head_dp_size 4 must equal --data-parallel-size 8 (the layer is replicated in "
+        "every data-parallel replica and vocab-sharded over its 8 TP ranks)")]
+    rc, _, err = dry_run(capsys, TUTORIAL_120B + ["--", "--additional-config", '{"neuron_config": {"colour": 1}}'])
+    assert rc == 1 and "  prefill: --additional-config: unknown neuron_config key 'colour'" in err.splitlines()
 
 
 def test_port_collisions_on_one_host(capsys):
