@@ -61,7 +61,7 @@ def deployment(tiny_no_eos, tmp_path_factory):
         proc = subprocess.Popen(
             [sys.executable, "-m", "kvrelay.cli", "deploy", "--model", str(tiny_no_eos), "--prefill", "2", "--decode",
              "1", "--base-port", str(base), "--side-channel-port", str(side), "--log-dir", str(logs),
-             "--validate-requests", "4", "--", "--dtype", "float32", "--max-model-len", "256", "--block-size", "4"],
+             "--validate-requests", "2", "--", "--dtype", "float32", "--max-model-len", "256", "--block-size", "4"],
             stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     info = {"proc": proc, "base": base, "side": side, "out": out_path, "url": f"http://127.0.0.1:{base}"}
     try:
@@ -91,7 +91,7 @@ def test_deploy_validated_its_own_topology(deployment):
 
 
 def test_validate_expect_di_against_the_proxy(deployment):
-    r = _kvrelay("validate", "--base-url", deployment["url"], "--expect-di", "--num-requests", "8", timeout=120)
+    r = _kvrelay("validate", "--base-url", deployment["url"], "--expect-di", "--num-requests", "4", timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     lines = r.stdout.splitlines()
     assert [line.split(":")[0] for line in lines[:6]] == [

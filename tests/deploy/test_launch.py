@@ -58,7 +58,7 @@ def test_a_server_that_fails_stops_the_rest_and_shows_its_log(config_dir, tmp_pa
         capture_output=True, text=True, timeout=120, check=False)
     assert r.returncode == 1, r.stdout + r.stderr
     out = r.stdout
-    assert "exited with status 1 before it was ready; last lines of" in out
+    assert "exited with status 2 before it was ready; last lines of" in out
     assert "unrecognized arguments: --no-such-flag" in out               # the server's own message, in the tail
     assert "stopped 2 process(es)" in out
     started = next(line for line in out.splitlines() if line.startswith("kvrelay deploy: started "))
