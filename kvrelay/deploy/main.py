@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import tempfile
@@ -108,9 +109,6 @@ def flag_settings(args: argparse.Namespace, serve_args: list[str]) -> dict[str, 
         given = {k: v for k, v in values.items() if v is not None}
         if given:
             s[role] = given
-    if args.enable_expert_parallel:
-        for role in ("prefill", "decode", "single"):
-            s.setdefault(role, {})["enable_expert_parallel"] = True
     if serve_args:
         s["serve_args"] = list(serve_args)
     return s
@@ -135,7 +133,8 @@ def build_plan(args: argparse.Namespace, serve_args: list[str]) -> Plan:
     if "serve_args" in settings and "serve_args" in flags:     # the file's first, then the command line's
         flags["serve_args"] = list(settings["serve_args"]) + flags["serve_args"]
     settings = merge_settings(settings, flags)
-    _drop_implicit_roles(settings, args)
+    if args.enable_expert_parallel:
+        _enable_expert_parallel(settings)
     model = settings.get("model")
     served = settings.get("served_model_name")
     default_preset = "tutorial" if model in TUTORIAL or served in TUTORIAL else "none"
@@ -147,15 +146,11 @@ def build_plan(args: argparse.Namespace, serve_args: list[str]) -> Plan:
     return make_plan(topo, cfg)
 
 
-def _drop_implicit_roles(settings: dict[str, Any], args: argparse.Namespace) -> None:
-    """--enable-expert-parallel touches every role; keep only the roles the topology has."""
-    if not args.enable_expert_parallel:
-        return
-    di = any(isinstance(settings.get(r), dict) and set(settings[r]) - {"enable_expert_parallel"}
-             for r in ("prefill", "decode"))
-    for role in (("single",) if di else ("prefill", "decode")):
-        if isinstance(settings.get(role), dict) and set(settings[role]) == {"enable_expert_parallel"}:
-            del settings[role]
+def _enable_expert_parallel(settings: dict[str, Any]) -> None:
+    """--enable-expert-parallel: on every role the topology has (a single instance if none)."""
+    roles = [r for r in ("single", "prefill", "decode") if isinstance(settings.get(r), dict)] or ["single"]
+    for role in roles:
+        settings[role] = dict(settings.get(role) or {}, enable_expert_parallel=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -176,7 +171,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {problem}", file=sys.stderr)
         return 1
     if args.dry_run:
-        print(render(plan))
+        try:
+            print(render(plan), flush=True)
+        except BrokenPipeError:               # `| head`: the reader left; not an error
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     return launch(plan, args)
