@@ -113,7 +113,8 @@ def test_sigint_stops_everything(deployment):
     children = descendants(proc.pid)
     assert len(children) >= 4                       # 3 servers (+ engine cores) and the proxy
     ports = [deployment["base"] + o for o in OFFSETS]
-    assert all(_listening(p) for p in ports)
+    side_channels = [deployment["side"] + o for o in SIDE_OFFSETS[:2]]      # the prefill servers listen
+    assert all(_listening(p) for p in ports + side_channels)
     os.killpg(proc.pid, signal.SIGINT)              # deploy's own group: what Ctrl-C in its terminal does
     assert proc.wait(60) == 0, deployment["out"].read_text()
     text = deployment["out"].read_text()
@@ -122,4 +123,4 @@ def test_sigint_stops_everything(deployment):
     while any(alive(pid) for pid in children) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert [pid for pid in children if alive(pid)] == []
-    assert [p for p in ports if _listening(p)] == []
+    assert [p for p in ports + side_channels if _listening(p)] == []
