@@ -50,9 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog=PROG, usage=f"{PROG} [flags] [-- serve flags for every server]",
                 description="Stand up a kvrelay topology on this machine, or print its commands (--dry-run).")
     p.add_argument("--config", type=Path, default=None, help="topology YAML (flags given here override it)")
-    p.add_argument("--model", default=None, help="checkpoint directory or openai/gpt-oss-120b | openai/gpt-oss-20b")
+    p.add_argument("--model", default=None, help="checkpoint directory, or openai/gpt-oss-120b | openai/gpt-oss-20b (built-in configs for "
+                        "--dry-run); default: the embedded model")
     p.add_argument("--served-model-name", default=None)
-    p.add_argument("--prefill", type=int, default=None, metavar="N", help="prefill servers (kv_producer)")
+    p.add_argument("--prefill", type=int, default=None, metavar="N", help="prefill servers (kv_producer); no --prefill/--decode: a single instance")
     p.add_argument("--decode", type=int, default=None, metavar="N", help="decode servers (kv_consumer)")
     p.add_argument("--prefill-tp", type=int, default=None, metavar="N")
     p.add_argument("--prefill-dp", type=int, default=None, metavar="N")
@@ -226,7 +227,7 @@ def _run(plan: Plan, args: argparse.Namespace, deployment, stop: threading.Event
     if plan.proxy:
         proxy = deployment.start_proxy()
         _say(f"started proxy (pid {proxy.pid})")
-        if not deployment.await_ready([proxy], 60, stop):
+        if not deployment.await_ready([proxy], timeout, stop):
             return 0
     if not args.no_validate and not _validate(plan, args, stop):
         if stop.is_set():
