@@ -64,6 +64,9 @@ class RankLink(Protocol):
     def start_kv(self, setup: KVWorkerSetup, own: dict[str, Any]) -> list[dict[str, Any]]:
         """Start every rank's KVWorker; every rank's transport metadata (rank 0's is `own`)."""
 
+    def send_kv(self, work: KVWork) -> None:
+        """Deliver `work` to ranks 1..N-1 now (a KV-only broadcast)."""
+
     def kv_events(self) -> list[tuple]:
         """("load", LoadEvent) and ("notify", [bytes]) reported by ranks 1..N-1 so far."""
 
@@ -75,6 +78,8 @@ class _Load:
     waiting: set[int]                  # ranks whose read has not finished
     nbytes: int = 0
     error: str | None = None
+    # rank → (read started, read took, report seen), seconds relative to `started`
+    ranks: dict[int, tuple[float, float, float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -145,7 +150,7 @@ class KVConnector:
         self.loads: dict[str, _Load] = {}
         self.leases: dict[str, float] = {}
         self.notices: collections.Counter[str] = collections.Counter()
-        self.outbox = KVWork()                 # for ranks 1..N-1, shipped with the next step
+        self.outbox = KVWork()                 # for ranks 1..N-1: cancels ride with the next step
         self.server = None
         self.advertised: tuple[str, int] | None = None
         self._released: collections.deque[str] = collections.deque()   # filled by the side channel thread
@@ -293,9 +298,13 @@ class KVConnector:
         order = PullOrder(request_id, peer.engine_id, notify_message(params.remote_request_id, self.tp_size),
                           tuple(pulls))
         self.loads[request_id] = _Load(request_id, time.monotonic(), set(range(self.tp_size)))
-        self._pending_events.extend(("load", e) for e in self.local.apply(KVWork(pulls=[order])))
         if self.link is not None:
+            # ranks ≥ 1 get the order at once (with any queued peers/cancels), before rank 0
+            # builds its own read: waiting for rank 0's read setup, or for the next step,
+            # delayed rank 1's start by 60-160 ms on this machine
             self.outbox.pulls.append(order)
+            self.link.send_kv(self.take_work())
+        self._pending_events.extend(("load", e) for e in self.local.apply(KVWork(pulls=[order])))
 
     def take_work(self) -> KVWork | None:
         """KV work for ranks 1..N-1 accumulated since the last call (None when there is none)."""
@@ -333,6 +342,7 @@ class KVConnector:
                 continue                                  # cancelled or failed meanwhile
             load.waiting.discard(e.rank)
             load.nbytes += e.nbytes
+            load.ranks[e.rank] = (e.started - load.started, e.seconds, time.monotonic() - load.started)
             if e.error is not None and load.error is None:
                 load.error = e.error
         finished = []
@@ -345,6 +355,11 @@ class KVConnector:
             if load.waiting:
                 self._cancel_reads(request_id)
             del self.loads[request_id]
+            if logger.isEnabledFor(logging.DEBUG):
+                timings = {r: tuple(round(1000 * x, 1) for x in v) for r, v in sorted(load.ranks.items())}
+                logger.debug("KV load %s: %d bytes in %.1f ms (per rank: started +ms, read ms, seen +ms: "
+                             "%s)%s", request_id, load.nbytes, 1000 * (now - load.started), timings,
+                             f", failed: {load.error}" if load.error else "")
             if load.error is None:
                 self.stats.transfers += 1
                 self.stats.bytes += load.nbytes

@@ -86,6 +86,8 @@ class LoadEvent:
     request_id: str
     error: str | None
     nbytes: int
+    seconds: float = 0.0            # start_read → seen done by this rank
+    started: float = 0.0            # time.monotonic() at start_read (one clock for all processes)
 
 
 @dataclass
@@ -202,7 +204,8 @@ class KVWorker:
                 if self.reads.pop(request_id, None) is None:
                     continue                                  # cancelled meanwhile
             self.transport.release(read.handle)
-            events.append(LoadEvent(self.rank, request_id, error, read.nbytes if error is None else 0))
+            events.append(LoadEvent(self.rank, request_id, error, read.nbytes if error is None else 0,
+                                    time.monotonic() - read.handle.started_at, read.handle.started_at))
         return events
 
     def notifications(self) -> list[bytes]:

@@ -24,11 +24,14 @@ class FakeLink:
     """Ranks 1..tp-1 of an engine: metadata copies of rank 0's, events fed by the test."""
 
     def __init__(self, tp: int) -> None:
-        self.tp, self.events, self.setup = tp, [], None
+        self.tp, self.events, self.setup, self.sent = tp, [], None, []
 
     def start_kv(self, setup, own):
         self.setup = setup
         return [own] * self.tp
+
+    def send_kv(self, work):
+        self.sent.append(work)
 
     def kv_events(self):
         out, self.events = self.events, []
@@ -80,8 +83,9 @@ def test_load_waits_for_every_rank_and_prefill_for_every_notice(pair):
     prefill, decode = pair(1, 2)
     p = params(prefill, "r1", [3, 4, 5])
     decode.start_load("d1", p, [[7, 8, 9]], [KVCacheGroup(None, 2)], 0, 10, 4)
-    work = decode.take_work()
+    [work] = decode.link.sent                                # sent at once, with the new peer
     assert [o.request_id for o in work.pulls] == ["d1"] and work.peers[0].tp_size == 1
+    assert decode.take_work() is None
     assert work.pulls[0].notify == b"r1:2"
     deadline = time.monotonic() + 10
     while decode.loads["d1"].waiting != {1} and time.monotonic() < deadline:
@@ -107,7 +111,6 @@ def test_a_failed_rank_fails_the_load_and_cancels_the_others(pair):
     prefill, decode = pair(1, 2)
     p = params(prefill, "r2", [3])
     decode.start_load("d2", p, [[5]], [KVCacheGroup(None, 2)], 0, 5, 4)
-    decode.take_work()
     decode.link.events.append(("load", LoadEvent(1, "d2", "rank 1: peer went away", 0)))
     done = wait_loads(decode)
     assert done == [("d2", "rank 1: peer went away")] and decode.stats.failed == 1
@@ -120,7 +123,6 @@ def test_abort_while_loading_cancels_every_rank(pair):
     prefill, decode = pair(1, 2)
     p = params(prefill, "r3", [3])
     decode.start_load("d3", p, [[5]], [KVCacheGroup(None, 2)], 0, 5, 4)
-    decode.take_work()
     decode.cancel("d3", p)
     assert decode.take_work().cancels == ["d3"] and "d3" not in decode.loads
     deadline = time.monotonic() + 5

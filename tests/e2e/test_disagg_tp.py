@@ -154,3 +154,29 @@ def test_tcp_transport_prefill_tp2_to_decode_tp2(tiny, tmp_path):
     finally:
         prefill.stop()
         decode.stop()
+
+
+def test_decode_tp4_with_replicated_kv_heads(tiny, servers, tmp_path):
+    """2 KV heads over 4 decode ranks: ranks 0,1 hold head 0 and read it from prefill rank 0,
+    ranks 2,3 head 1 from prefill rank 1; the bytes pulled count each replica."""
+    prefill = servers["prefill2"]
+    decode = start(str(tiny[0]), "kv_consumer", tmp_path / "decode-tp4.log", flags=["-tp", "4"])
+    try:
+        decode.wait_ready(timeout=300)
+        lens = [7, 14]
+        prompts = [_prompt(n, 90 + n) for n in lens]
+        for n, prompt, ref in zip(lens, prompts, _reference(tiny, prompts)):
+            body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+                    "logprobs": 0}
+            _, d = prefill_then_decode(prefill, decode, body, f"tp4-{n}")
+            assert d.status_code == 200, d.text
+            got = _token_ids(d.json())
+            if got != ref:
+                assert greedy_mismatch(tiny[1], prompt, got) is None, f"prompt length {n}"
+        m = decode.metrics()
+        assert m["kvrelay:kv_transfers_total"] == len(lens)
+        assert m["kvrelay:kv_transfer_bytes_total"] == 2 * sum(_expected_bytes(n) for n in lens)
+        m = wait_metric(prefill, "kvrelay:kv_requests_held_for_remote", 0)    # 4 notices each
+        assert m["kvrelay:kv_requests_held_for_remote"] == 0 and m["kvrelay:kv_blocks_used"] == 0
+    finally:
+        decode.stop()
