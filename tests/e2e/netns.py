@@ -22,7 +22,10 @@ CLIENT = Path(__file__).with_name("netns_client.py")
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30, check=check)
+    r = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30, check=False)
+    if check and r.returncode != 0:
+        raise RuntimeError(f"`ip {' '.join(args)}` failed: {r.stderr.strip()}")
+    return r
 
 
 @dataclass
