@@ -27,6 +27,9 @@ from kvrelay.engine.runner import ModelRunner, StepInput
 logger = logging.getLogger(__name__)
 
 
+IDLE_SAFE_TIMEOUT = timedelta(days=30)
+
+
 class WorkerDiedError(RuntimeError):
     pass
 
@@ -67,8 +70,12 @@ def _setup_rank(spec: RankSpec, rank: int):
     if cores:
         os.sched_setaffinity(0, cores)
         torch.set_num_threads(len(cores))
+    # The timeout bounds every pending op, including a worker's wait for the next step:
+    # 600 s made a TP server that stayed idle for 10 minutes lose its workers. A dead
+    # peer still fails ops at once (gloo sees the closed connection; the monitor reports
+    # it) and a hung step fails its requests through VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS.
     dist.init_process_group("gloo", init_method=spec.init_method, rank=rank, world_size=spec.tp_size,
-                            timeout=timedelta(seconds=600))
+                            timeout=IDLE_SAFE_TIMEOUT)
     if spec.expert_world is not None:
         from kvrelay.distributed.collectives import GlooExpertGroup
         w = spec.expert_world
