@@ -10,15 +10,17 @@
 #      (90 % of every prompt is shared), 32 prompts, 8 output tokens, 4 in flight.
 #   2. sharegpt multi-turn: conversations sent turn by turn with the growing history as the
 #      prompt, 24 requests, 8 output tokens, 4 in flight.
-# Environment: PORT (8000), OUT (benchmarks/results/prefix_caching), KVRELAY (kvrelay),
+# Environment: PORT (8000; the server without caching listens on PORT_OFF, default PORT+1),
+#   OUT (benchmarks/results/prefix_caching), KVRELAY (kvrelay),
 #   SERVE_FLAGS (extra serve flags, default "--dtype float32"), NUM_PROMPTS (32),
 #   CONCURRENCY (4), OUTPUT_LEN (8), MULTI_TURN_PROMPTS (24; 0 skips the workload).
+# On a machine shared with other jobs set OMP_NUM_THREADS=1: OpenMP threads spinning at
+# barriers on oversubscribed cores make every step many times slower.
 set -euo pipefail
 
 MODEL="${1:-}"
 PORT="${PORT:-8000}"
 HOST=127.0.0.1
-URL="http://$HOST:$PORT"
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 OUT="${OUT:-$ROOT/benchmarks/results/prefix_caching}"
 KVRELAY="${KVRELAY:-kvrelay}"
@@ -36,58 +38,75 @@ else
   TOKENIZER="$(python -c 'from kvrelay.model.embedded import embedded_model_dir; print(embedded_model_dir())')"
 fi
 
-SERVER_PID=""
-stop_server() {
-  if [[ -n "$SERVER_PID" ]] && kill -0 "$SERVER_PID" 2>/dev/null; then
-    kill -TERM -- "-$SERVER_PID" 2>/dev/null || kill -TERM "$SERVER_PID"
-    for _ in $(seq 60); do kill -0 "$SERVER_PID" 2>/dev/null || break; sleep 0.5; done
-    kill -KILL -- "-$SERVER_PID" 2>/dev/null || true
-  fi
-  SERVER_PID=""
+# Both servers run at once (an idle one takes no CPU) and the runs alternate on, off, on, off:
+# on a shared machine the load drifts, and adjacent runs see the same drift.
+PIDS=()
+stop_servers() {
+  for pid in "${PIDS[@]}"; do
+    kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
+  done
+  for pid in "${PIDS[@]}"; do
+    for _ in $(seq 60); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
+    kill -KILL -- "-$pid" 2>/dev/null || true
+  done
+  PIDS=()
 }
-trap stop_server EXIT INT TERM
+trap stop_servers EXIT INT TERM
 
-start_server() {   # $1: on | off
+start_server() {   # $1: on | off, $2: port
   local flag=--enable-prefix-caching
   [[ "$1" == off ]] && flag=--no-enable-prefix-caching
   # shellcheck disable=SC2086  # SERVE_FLAGS is a list of flags
-  setsid $KVRELAY serve $MODEL --host "$HOST" --port "$PORT" --served-model-name bench \
+  setsid $KVRELAY serve $MODEL --host "$HOST" --port "$2" --served-model-name bench \
       --max-model-len 2048 $flag $SERVE_FLAGS > "$OUT/serve_$1.log" 2>&1 &
-  SERVER_PID=$!
-  for _ in $(seq 600); do
-    if curl -sf "$URL/health" > /dev/null 2>&1; then return 0; fi
-    kill -0 "$SERVER_PID" 2>/dev/null || { echo "server exited; see $OUT/serve_$1.log" >&2; exit 1; }
+  PIDS+=($!)
+}
+
+wait_ready() {     # $1: on | off, $2: port
+  for _ in $(seq 900); do
+    if curl -sf "http://$HOST:$2/health" > /dev/null 2>&1; then return 0; fi
     sleep 1
   done
-  echo "server not ready after 600 s; see $OUT/serve_$1.log" >&2
+  echo "server ($1) not ready after 900 s; see $OUT/serve_$1.log" >&2
   exit 1
 }
 
-bench() {          # $1: result name, then flags
-  local name=$1; shift
-  $KVRELAY bench serve --base-url "$URL" --model bench --tokenizer "$TOKENIZER" --seed 0 \
+bench() {          # $1: on | off, $2: result name, then flags
+  local port=$PORT_ON name=$2
+  [[ "$1" == off ]] && port=$PORT_OFF
+  shift 2
+  $KVRELAY bench serve --base-url "http://$HOST:$port" --model bench --tokenizer "$TOKENIZER" --seed 0 \
       --ignore-eos --disable-tqdm --save-result --result-dir "$OUT" --result-filename "$name.json" "$@" \
       > "$OUT/$name.txt"
-  tail -n +2 "$OUT/$name.txt" | grep -E "Successful|Failed|Median TTFT|Output token throughput|hit rate"
+  echo "--- $name"
+  grep -E "Successful|Failed|Median TTFT|Output token throughput|hit rate" "$OUT/$name.txt"
 }
 
+PORT_ON=$PORT
+PORT_OFF="${PORT_OFF:-$((PORT + 1))}"
+start_server on "$PORT_ON"
+start_server off "$PORT_OFF"
+wait_ready on "$PORT_ON"
+wait_ready off "$PORT_OFF"
+for port in "$PORT_ON" "$PORT_OFF"; do   # warm-up: first-request costs out of the measurement
+  $KVRELAY bench serve --base-url "http://$HOST:$port" --model bench --dataset-name random \
+      --random-input-len 16 --random-output-len 2 --num-prompts 2 --disable-tqdm > /dev/null
+done
+
 for mode in on off; do
-  echo "=== prefix caching $mode ==="
-  start_server "$mode"
-  # warm-up: first-request costs out of the measurement (random prompts share nothing)
-  $KVRELAY bench serve --base-url "$URL" --model bench --dataset-name random --random-input-len 16 \
-      --random-output-len 2 --num-prompts 2 --disable-tqdm > /dev/null
-  bench "prefix_repetition_$mode" --dataset-name prefix_repetition \
+  bench "$mode" "prefix_repetition_$mode" --dataset-name prefix_repetition \
       --prefix-repetition-prefix-len 460 --prefix-repetition-suffix-len 52 \
       --prefix-repetition-num-prefixes 4 --prefix-repetition-output-len "$OUTPUT_LEN" \
       --num-prompts "$NUM_PROMPTS" --max-concurrency "$CONCURRENCY"
-  if [[ "$MULTI_TURN_PROMPTS" -gt 0 ]]; then
-    bench "sharegpt_multi_turn_$mode" --dataset-name sharegpt --sharegpt-multi-turn \
+done
+if [[ "$MULTI_TURN_PROMPTS" -gt 0 ]]; then
+  for mode in on off; do
+    bench "$mode" "sharegpt_multi_turn_$mode" --dataset-name sharegpt --sharegpt-multi-turn \
         --sharegpt-output-len "$OUTPUT_LEN" --sharegpt-max-total-len 1536 --sharegpt-max-prompt-len 1536 \
         --num-prompts "$MULTI_TURN_PROMPTS" --max-concurrency "$CONCURRENCY"
-  fi
-  stop_server
-done
+  done
+fi
+stop_servers
 
 python - "$OUT" <<'PY'
 import json, sys
