@@ -171,7 +171,10 @@ class AsyncEngine:
                 message = self._conn.recv()
             except (EOFError, OSError):
                 message = ("fatal", "the engine process exited")
-            self._loop.call_soon_threadsafe(self._dispatch, message)
+            try:
+                self._loop.call_soon_threadsafe(self._dispatch, message)
+            except RuntimeError:                     # the event loop closed: the server is gone
+                return
             if message[0] == "fatal":
                 return
 
