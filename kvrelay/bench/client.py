@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,7 +81,7 @@ def _error_text(resp: httpx.Response, body: bytes) -> str:
 
 
 async def send(client: httpx.AsyncClient, url: str, opts: RequestOptions, req: SampleRequest,
-               t0: float, count_tokens=None) -> RequestResult:
+               t0: float, count_tokens: Callable[[str], int] | None = None) -> RequestResult:
     """POST one streaming request; `t0` is the benchmark's start (perf_counter) for the
     result's start/chunk times. `count_tokens(text)` counts output tokens when the server
     sends no usage (else: one token per text chunk)."""

@@ -115,7 +115,7 @@ class OutputConfig:
         return cls(names, ps, parse_goodput(args.goodput))
 
 
-def build_dataset(args: argparse.Namespace, counter) -> list[datasets.Conversation]:
+def build_dataset(args: argparse.Namespace, counter: datasets.Counter) -> list[datasets.Conversation]:
     n, seed = args.num_prompts, args.seed
     if n < 1:
         raise ValueError("--num-prompts must be >= 1")

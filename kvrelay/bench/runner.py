@@ -15,11 +15,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
+from tqdm import tqdm
 
 from kvrelay.bench import server_metrics
 from kvrelay.bench.arrivals import arrival_offsets
 from kvrelay.bench.client import RequestOptions, send
-from kvrelay.bench.datasets import Conversation
+from kvrelay.bench.datasets import Conversation, SampleRequest
 from kvrelay.bench.metrics import RequestResult
 
 
@@ -58,8 +59,7 @@ def _client(cfg: RunConfig, n_requests: int) -> httpx.AsyncClient:
                              trust_env=False)
 
 
-def _progress(total: int, disable: bool):
-    from tqdm import tqdm
+def _progress(total: int, disable: bool) -> tqdm:
     return tqdm(total=total, disable=disable, file=sys.stderr, desc="requests", unit="req")
 
 
@@ -75,7 +75,7 @@ async def run(cfg: RunConfig, conversations: list[Conversation],
         bar = _progress(n_requests, cfg.disable_tqdm)
         t0 = time.perf_counter()
 
-        async def one(req) -> RequestResult:
+        async def one(req: SampleRequest) -> RequestResult:
             if slots is None:
                 return await send(client, url, cfg.options, req, t0, count_tokens)
             async with slots:
