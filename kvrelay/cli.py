@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import logging
 import resource
@@ -136,6 +137,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "generate":
             return _generate(args)
         if args.command == "serve":
+            # A server's engine shares the cores with its API process (and, here, often with
+            # other servers): OpenMP threads that spin at every barrier then burn the CPU the
+            # others need (6.3 vs 1.1 ms of engine CPU per token at 64 streams on 2 cores,
+            # docs/benchmarks.md). The user's own OMP_WAIT_POLICY wins.
+            os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
             return _serve(args)
     except (ValueError, RuntimeError, OSError, TypeError) as e:
         print(f"kvrelay {args.command}: error: {e}", file=sys.stderr)

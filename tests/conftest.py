@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 
 import pytest
 import torch
@@ -13,14 +14,14 @@ torch.set_num_threads(1)
 
 # transformers warns about the tiny configs' YaRN context ratio; it is irrelevant here
 logging.getLogger("transformers").setLevel(logging.ERROR)
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")     # read when a test first imports it
 
 
 @pytest.fixture(autouse=True)
 def _quiet_transformers():
-    try:
+    """Quiet transformers for the tests that use it, without importing it for the rest."""
+    if "transformers" in sys.modules:
         from transformers.utils import logging as hf_logging
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
-    except ImportError:
-        pass
     yield
