@@ -160,6 +160,11 @@ def make_plan(topo: Topology, cfg: GptOssConfig) -> Plan:
     layouts = {spec.role: role_layout(topo, spec) for spec in topo.roles}
     problems = [p for lay in layouts.values() for p in check_layout(lay, cfg)]
     problems += _reserved_flag_problems(topo)
+    if "prefill" in layouts and "decode" in layouts:       # the KV handshake's own rule
+        from kvrelay.disagg.layout import tp_mismatch
+        mismatch = tp_mismatch(layouts["prefill"].spec.tp, layouts["decode"].spec.tp)
+        if mismatch:
+            problems.append(mismatch)
     warnings = _tested_layout_warnings(topo, layouts)
     servers = _servers(topo, layouts, warnings)
     proxy = _proxy(topo, servers) if topo.disaggregated else None

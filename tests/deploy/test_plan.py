@@ -191,10 +191,10 @@ def test_local_2p1d_ports_side_channels_and_shared_cores(tiny_config_dir):
 def test_servers_spread_over_their_hosts_and_fill_devices_in_order(tiny_config_dir):
     plan = plan_of({"model": str(tiny_config_dir), "devices": "0-7",
                     "hosts": {"prefill": ["A", "B"], "decode": "C"},
-                    "prefill": {"count": 4, "tp": 4}, "decode": {"count": 2, "tp": 2, "dp": 2}})
+                    "prefill": {"count": 4, "tp": 2}, "decode": {"count": 2, "tp": 2, "dp": 2}})
     got = [(s.name, s.host, format_ids(s.devices), s.side_channel_ports) for s in plan.servers]
-    assert got == [("prefill-0", "A", "0-3", (5559,)), ("prefill-1", "A", "4-7", (5560,)),
-                   ("prefill-2", "B", "0-3", (5561,)), ("prefill-3", "B", "4-7", (5562,)),
+    assert got == [("prefill-0", "A", "0-1", (5559,)), ("prefill-1", "A", "2-3", (5560,)),
+                   ("prefill-2", "B", "0-1", (5561,)), ("prefill-3", "B", "2-3", (5562,)),
                    ("decode-0", "C", "0-3", (5659, 5660)), ("decode-1", "C", "4-7", (5661, 5662))]
     assert plan.warnings == ()
     assert plan.proxy.host == "A" and dict(plan.exports)["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "0.0.0.0"
@@ -231,7 +231,12 @@ def test_format_ids():
 # ---------------------------------------------------------------------------- refusals
 
 @pytest.mark.parametrize("argv, problems", [
-    (["--prefill-tp", "3"], ["prefill: tensor_parallel_size 3 does not divide the 64 attention heads"]),
+    (["--prefill-tp", "3"], ["prefill: tensor_parallel_size 3 does not divide the 64 attention heads",
+                             "tensor_parallel_size: prefill 3, decode 8: the decode TP size must be a multiple of "
+                             "the prefill TP size (each decode rank reads its KV heads from one prefill rank)"]),
+    (["--decode-tp", "2", "--decode-dp", "32"],
+     ["tensor_parallel_size: prefill 4, decode 2: the decode TP size must be a multiple of the prefill TP size "
+      "(each decode rank reads its KV heads from one prefill rank)"]),
     (["--decode-dp", "3"], ["decode: expert-parallel width 24 (TP 8 × DP 3) does not divide the 128 experts"]),
     (["--decode-tp", "16", "--decode-dp", "16"],
      ["decode: expert-parallel width 256 (TP 16 × DP 16) does not divide the 128 experts"]),
