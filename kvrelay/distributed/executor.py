@@ -16,6 +16,7 @@ import multiprocessing as mp
 import os
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -146,6 +147,17 @@ class MultiprocExecutor:
         self.model = self.loaded.model
         self.runner: ModelRunner | None = None
 
+    def _why_failed(self, error: Exception, wait_s: float = 2.0) -> str:
+        """A failed collective usually means a peer died: name the worker that exited
+        (the monitor may not have seen it yet) rather than the socket error."""
+        deadline = time.monotonic() + wait_s
+        while not self.failed and time.monotonic() < deadline:
+            dead = next((w for w in self.workers if w.exitcode is not None), None)
+            if dead is not None:
+                return f"tensor-parallel worker {dead.name} (pid {dead.pid}) exited with code {dead.exitcode}"
+            time.sleep(0.05)
+        return self.failed or f"tensor-parallel collective failed: {error}"
+
     def _monitor(self) -> None:
         from multiprocessing.connection import wait
         sentinels = {w.sentinel: w for w in self.workers}
@@ -174,7 +186,7 @@ class MultiprocExecutor:
             dist.broadcast_object_list([step], src=0)
             return self.runner.execute(step)
         except RuntimeError as e:       # a collective with a dead peer
-            raise WorkerDiedError(self.failed or f"tensor-parallel collective failed: {e}") from None
+            raise WorkerDiedError(self._why_failed(e)) from None
 
     # -- KV transfer (kvrelay/disagg/worker.py): the connector's RankLink ------------------
     def start_kv(self, setup: Any, own: dict[str, Any]) -> list[dict[str, Any]]:
@@ -200,7 +212,7 @@ class MultiprocExecutor:
         try:
             dist.broadcast_object_list([message], src=0)
         except RuntimeError as e:
-            raise WorkerDiedError(self.failed or f"tensor-parallel collective failed: {e}") from None
+            raise WorkerDiedError(self._why_failed(e)) from None
 
     def warmup(self) -> float:
         import time
