@@ -61,9 +61,14 @@ class ExpertWorld:
         return self.dp_rank * self.tp_size + tp_rank
 
 
-def _store(world: ExpertWorld, is_master: bool) -> dist.Store:
-    return dist.TCPStore(world.address, world.port, None, is_master,
-                         timeout=timedelta(seconds=world.timeout_s), wait_for_workers=False)
+def _store(world: ExpertWorld, is_master: bool) -> tuple[dist.Store, socket.socket | None]:
+    """The rendezvous store; the master serves it on `address` only (a TCPStore left to
+    itself listens on every interface)."""
+    listener = socket.create_server((world.address, world.port)) if is_master else None
+    store = dist.TCPStore(world.address, world.port, None, is_master,
+                          timeout=timedelta(seconds=world.timeout_s), wait_for_workers=False,
+                          master_listen_fd=listener.fileno() if listener else None)
+    return store, listener
 
 
 def _gloo(store: dist.Store, prefix: str, rank: int, size: int, world: ExpertWorld) -> dist.ProcessGroup:
@@ -89,7 +94,7 @@ class GlooExpertGroup(ExpertGroup):
     def __init__(self, world: ExpertWorld, tp_rank: int) -> None:
         super().__init__()
         self.size, self.rank = world.size, world.global_rank(tp_rank)
-        self.store = _store(world, is_master=self.rank == 0)
+        self.store, self._listener = _store(world, is_master=self.rank == 0)
         self.pg = _gloo(self.store, "experts", self.rank, self.size, world)
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
@@ -110,7 +115,7 @@ class ReplicaSync:
     """The replicas' engine cores: one small all-gather of int64 rows per step."""
 
     def __init__(self, world: ExpertWorld) -> None:
-        self.store = _store(world, is_master=False)
+        self.store, _ = _store(world, is_master=False)
         self.pg = _gloo(self.store, "replicas", world.dp_rank, world.dp_size, world)
         self.size = world.dp_size
 
