@@ -138,10 +138,12 @@ def main(argv: list[str] | None = None) -> int:
             return _generate(args)
         if args.command == "serve":
             # A server's engine shares the cores with its API process (and, here, often with
-            # other servers): OpenMP threads that spin at every barrier then burn the CPU the
-            # others need (6.3 vs 1.1 ms of engine CPU per token at 64 streams on 2 cores,
-            # docs/benchmarks.md). The user's own OMP_WAIT_POLICY wins.
-            os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+            # other servers): OpenMP threads that spin ~300k rounds at every barrier (libgomp's
+            # default) burn the CPU the others need — under load 6.3 vs 1.1 ms of engine CPU
+            # per token at 64 streams; fully passive threads pay a wake-up per op instead.
+            # A short spin keeps both (docs/serving.md). The user's own settings win.
+            if "OMP_WAIT_POLICY" not in os.environ:
+                os.environ.setdefault("GOMP_SPINCOUNT", "20000")
             return _serve(args)
     except (ValueError, RuntimeError, OSError, TypeError) as e:
         print(f"kvrelay {args.command}: error: {e}", file=sys.stderr)

@@ -70,3 +70,10 @@ def test_experts_agree_across_modes(mode):
     err = {m: (o.float() - ref).abs().max().item() for m, o in outs.items()}
     assert err["fp32"] <= err["native"] + 1e-6
     assert err["fp32"] < 0.05
+
+
+def test_few_rows_keep_the_half_kernel(mode):
+    mode("fp32")
+    x, w, b = _inputs()
+    few = x[: L.UPCAST_MIN_ROWS - 1]
+    assert torch.equal(L.linear(few, w, b), F.linear(few, w, b))

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvrelay.model.layers.ep_dispatch import moe_across_replicas
-from kvrelay.model.layers.linear import linear, upcasts
+from kvrelay.model.layers.linear import UPCAST_MIN_ROWS, linear, upcasts
 from kvrelay.model.mxfp4 import BLOCK, MXFP4Tensor
 from kvrelay.model.parallel import ParallelContext, divide, shard_range
 from kvrelay.model.weights import WeightSource, padded_slice
@@ -142,8 +142,8 @@ class Experts(nn.Module):
         fp32 on this CPU (see `layers.linear`), the whole expert computation does.
         """
         out_dtype = x.dtype
-        if upcasts(self.gate_up_bias):
-            x = x.float()
+        work_dtype = torch.float32 if upcasts(self.gate_up_bias) else x.dtype
+        x = x.to(work_dtype)
         T, k = expert_ids.shape
         local = expert_ids.flatten() - self.first_expert                    # [T*k]
         order = torch.argsort(local, stable=True)
@@ -157,7 +157,8 @@ class Experts(nn.Module):
         offset = 0
         for e, n in enumerate(counts):
             if n:
-                y_sorted[offset:offset + n] = self._expert(e, x_sorted[offset:offset + n])
+                dt = work_dtype if n >= UPCAST_MIN_ROWS else self.dtype    # see layers.linear
+                y_sorted[offset:offset + n] = self._expert(e, x_sorted[offset:offset + n].to(dt))
                 offset += n
         y_sorted *= weights.flatten()[chosen, None].to(y_sorted.dtype)
         per_choice = x.new_zeros(T * k, x.shape[1])                         # [T*k, H]
