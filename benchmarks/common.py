@@ -124,16 +124,32 @@ def loadavg() -> float:
     return float(Path("/proc/loadavg").read_text().split()[0])
 
 
-def wait_for_quiet(limit: float = 1.5, max_wait_s: float = 600.0, poll_s: float = 30.0) -> float:
-    """Waits (up to max_wait_s) until the 1-min load is below `limit`; returns the load
-    seen when the wait ended (measurements go ahead anyway, with the load recorded)."""
+def cpu_jiffies() -> tuple[int, int]:
+    """(busy, total) jiffies over all CPUs from /proc/stat."""
+    parts = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = parts[3] + parts[4]
+    return sum(parts) - idle, sum(parts)
+
+
+def others_busy_cores(seconds: float = 5.0) -> float:
+    """Cores kept busy by processes that are not ours (nothing of ours runs meanwhile)."""
+    b0, t0 = cpu_jiffies()
+    time.sleep(seconds)
+    b1, t1 = cpu_jiffies()
+    return (os.cpu_count() or 1) * (b1 - b0) / max(t1 - t0, 1)
+
+
+def wait_for_quiet(max_wait_s: float, max_busy: float = 0.75) -> dict[str, float]:
+    """Waits (up to max_wait_s) until other processes keep at most `max_busy` cores busy;
+    measurements go ahead anyway, with what was seen recorded."""
     t0 = time.monotonic()
-    load = loadavg()
-    while load > limit and time.monotonic() - t0 < max_wait_s:
-        log(f"load {load:.2f} > {limit}; waiting {poll_s:.0f}s")
-        time.sleep(poll_s)
-        load = loadavg()
-    return load
+    busy = others_busy_cores()
+    while busy > max_busy and time.monotonic() - t0 < max_wait_s:
+        log(f"other processes keep {busy:.2f} cores busy (load {loadavg():.2f}); waiting 30 s")
+        time.sleep(30)
+        busy = others_busy_cores()
+    return {"others_busy_cores_before": round(busy, 2), "loadavg_before": loadavg(),
+            "waited_s": round(time.monotonic() - t0, 1)}
 
 
 def cpu_model() -> str:

@@ -51,7 +51,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (CONFIGS, QUICK_CONFIGS, ROOT, THREADS, VLLM_PYTHON, build_checkpoint,  # noqa: E402
-                    loadavg, log, machine_info, make_workload, measure_limits)
+                    cpu_jiffies, loadavg, log, machine_info, make_workload, measure_limits)
+from common import wait_for_quiet as common_wait_for_quiet  # noqa: E402
 
 ENGINES = ("kvrelay", "transformers", "vllm")
 MAX_NUM_SEQS = 64
@@ -276,34 +277,11 @@ def worker(spec_path: Path, out_path: Path) -> None:
 # =========================================================================================
 # orchestrator side
 # =========================================================================================
-def cpu_jiffies() -> tuple[int, int]:
-    """(busy, total) jiffies over all CPUs from /proc/stat."""
-    parts = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    idle = parts[3] + parts[4]
-    return sum(parts) - idle, sum(parts)
-
-
-def others_busy_cores(seconds: float = 5.0) -> float:
-    """Cores kept busy by processes that are not ours (nothing of ours runs meanwhile)."""
-    b0, t0 = cpu_jiffies()
-    time.sleep(seconds)
-    b1, t1 = cpu_jiffies()
-    return (os.cpu_count() or 1) * (b1 - b0) / max(t1 - t0, 1)
-
-
 MAX_WAIT_S = 600.0      # set from --max-wait
 
 
-def wait_for_quiet(max_busy: float = 0.75, max_wait_s: float | None = None) -> dict[str, float]:
-    max_wait_s = MAX_WAIT_S if max_wait_s is None else max_wait_s
-    t0 = time.monotonic()
-    busy = others_busy_cores()
-    while busy > max_busy and time.monotonic() - t0 < max_wait_s:
-        log(f"other processes keep {busy:.2f} cores busy (load {loadavg():.2f}); waiting 30 s")
-        time.sleep(30)
-        busy = others_busy_cores()
-    return {"others_busy_cores_before": round(busy, 2), "loadavg_before": loadavg(),
-            "waited_s": round(time.monotonic() - t0, 1)}
+def wait_for_quiet() -> dict[str, float]:
+    return common_wait_for_quiet(MAX_WAIT_S)
 
 
 def children_cpu_s() -> float:

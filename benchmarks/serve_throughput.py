@@ -50,7 +50,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (CONFIGS, QUICK_CONFIGS, ROOT, THREADS, VLLM_PYTHON, build_checkpoint,  # noqa: E402
-                    loadavg, log, machine_info)
+                    loadavg, log, machine_info, wait_for_quiet)
 
 VLLM_BIN = str(Path(VLLM_PYTHON).parent / "vllm")
 SERVER_FLAGS = ["--dtype", "bfloat16", "--max-num-seqs", "64", "--max-model-len", "512"]
@@ -239,27 +239,6 @@ def kvrelay_offline(path: Path, num: int, input_len: int, output_len: int) -> di
 
 
 # -- main -----------------------------------------------------------------------------------
-def others_busy_cores(seconds: float = 5.0) -> float:
-    def jiffies() -> tuple[int, int]:
-        parts = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-        return sum(parts) - parts[3] - parts[4], sum(parts)
-    b0, t0 = jiffies()
-    time.sleep(seconds)
-    b1, t1 = jiffies()
-    return (os.cpu_count() or 1) * (b1 - b0) / max(t1 - t0, 1)
-
-
-def wait_for_quiet(max_wait_s: float, max_busy: float = 0.75) -> dict[str, float]:
-    t0 = time.monotonic()
-    busy = others_busy_cores()
-    while busy > max_busy and time.monotonic() - t0 < max_wait_s:
-        log(f"other processes keep {busy:.2f} cores busy (load {loadavg():.2f}); waiting 30 s")
-        time.sleep(30)
-        busy = others_busy_cores()
-    return {"others_busy_cores_before": round(busy, 2), "loadavg_before": loadavg(),
-            "waited_s": round(time.monotonic() - t0, 1)}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny model only, 16 prompts, concurrency 1,8")
