@@ -3,6 +3,10 @@
 Owner of: the engine process, the pipe to it, and one asyncio queue per in-flight
 request. A reader thread receives the core's messages and hands them to the event
 loop; `generate` yields accumulated `RequestOutput`s as deltas arrive.
+
+Request ids: the engine's id of a request is the caller's id plus a random suffix,
+so requests that arrive with the same client id (a gateway retrying with one
+X-Request-Id) never meet in the engine; callers keep using their own id.
 """
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import logging
 import multiprocessing as mp
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -24,7 +29,16 @@ logger = logging.getLogger(__name__)
 
 
 class EngineError(RuntimeError):
-    """The engine refused a request (a client mistake) — maps to HTTP 400."""
+    """The engine refused a request (a client mistake) — maps to HTTP 400; `param`
+    names the request field when the engine knows it."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class RequestFailed(RuntimeError):
+    """This request failed inside the engine, which went on serving the others — HTTP 500."""
 
 
 class KVTransferFailed(RuntimeError):
@@ -96,8 +110,7 @@ class AsyncEngine:
                        kv_transfer_params: dict | None = None) -> AsyncIterator[RequestOutput]:
         if self.dead:
             raise EngineDeadError(self.dead)
-        if request_id in self.streams:
-            raise EngineError(f"request id {request_id!r} is already in flight")
+        request_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
         if not self.streams:
             self.last_step = time.monotonic()        # the engine was idle until now
         stream = _Stream(asyncio.Queue())
@@ -113,7 +126,7 @@ class AsyncEngine:
                 out = _snapshot(self._accumulate(stream, item))
                 finished = out.finished
                 if out.error:
-                    raise KVTransferFailed(out.error)
+                    raise (RequestFailed if out.error_status == 500 else KVTransferFailed)(out.error)
                 yield out
                 if finished:
                     return
@@ -153,7 +166,7 @@ class AsyncEngine:
         acc.finished = delta.finished
         acc.num_cached_tokens = delta.num_cached_tokens
         acc.kv_transfer_params = delta.kv_transfer_params or acc.kv_transfer_params
-        acc.error = delta.error
+        acc.error, acc.error_status = delta.error, delta.error_status
         if delta.prompt_logprobs is not None:
             acc.prompt_logprobs = delta.prompt_logprobs
         return acc
@@ -193,7 +206,9 @@ class AsyncEngine:
         elif kind == "error":
             stream = self.streams.get(message[1])
             if stream is not None:
-                stream.queue.put_nowait(EngineError(message[2]))
+                status, param = (message[3], message[4]) if len(message) > 4 else (400, None)
+                error = EngineError(message[2], param) if status < 500 else RequestFailed(message[2])
+                stream.queue.put_nowait(error)
         elif kind == "fatal":
             if self.dead is None:
                 self.dead = message[1]

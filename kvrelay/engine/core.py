@@ -6,6 +6,17 @@ tokenizer, and the fan-out of `n > 1` requests into child sequences.
     add_request ─▶ Scheduler.waiting
     step():  Scheduler.schedule() ─▶ StepInput ─▶ ModelRunner.execute() ─▶ logits
              Sampler ─▶ tokens ─▶ Scheduler.update() ─▶ stop strings ─▶ RequestOutput
+
+Failure isolation: one request must not take the engine down. `add_request`
+validates everything against the model (vocabulary, lengths, logprobs) and adds all
+of a request's sequences or none. Inside a step, the phases that depend on one
+request's own parameters — the forward when it runs in this process, sampling
+(logits processors, logit_bias, top-k, logprobs), prompt logprobs, detokenising and
+stop strings, output assembly — attribute a failure to the request that caused it
+(`_fail_request`: its sequences are aborted, its blocks freed, its client gets an
+error output with status 500) and the step goes on for the others. Scheduling and
+KV-cache bookkeeping are shared state: an exception there, or a KV pool that fails
+its integrity check after a request was failed, still ends the engine.
 """
 from __future__ import annotations
 
@@ -35,7 +46,12 @@ from kvrelay.model.config import load_config
 from kvrelay.model.loader import load_model, resolve_model_path
 from kvrelay.model.parallel import cpu_slices, validate_layout
 from kvrelay.model.tokenizer import CheckpointTokenizer, load_tokenizer
-from kvrelay.sampling_params import SamplingParams
+from kvrelay.sampling_params import (
+    SamplingParams,
+    SamplingParamsError,
+    check_token_ids,
+    validate_for_model,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +122,7 @@ class LLMEngine:
         self.processor_factories = [_load_object(name) for name in args.logits_processors]
         self.parents: dict[str, _Parent] = {}
         self.child_parent: dict[str, _Parent] = {}
+        self._failures: list[RequestOutput] = []        # requests failed during this step
         self.num_steps = 0
         self._warmup()
         if self.kv_transfer is not None:
@@ -260,11 +277,26 @@ class LLMEngine:
             children.append(Request(child_id, ids, child_params, self.eos_token_ids,
                                     fork_of=children[0] if children else None,
                                     kv_transfer=transfer if not children else None))
-        parent = _Parent(request_id, text, children)
         for child in children:
-            self.scheduler.add(child)
-            self.child_parent[child.request_id] = parent
+            # a finished prefill request holding blocks for a decode still owns its id
+            if self._id_in_use(child.request_id):
+                raise ValueError(f"duplicate request id {child.request_id!r} (still running or "
+                                 f"holding KV blocks)")
+        parent = _Parent(request_id, text, children)
+        try:
+            for child in children:
+                self.scheduler.add(child)
+                self.child_parent[child.request_id] = parent
+        except BaseException:                            # all of the request's sequences or none
+            for child in children:
+                if self.child_parent.pop(child.request_id, None) is not None:
+                    self.scheduler.abort(child.request_id)
+            raise
         self.parents[request_id] = parent
+
+    def _id_in_use(self, request_id: str) -> bool:
+        s = self.scheduler
+        return request_id in s.requests or request_id in s.held or request_id in self.child_parent
 
     def _check_transfer(self, p: KVTransferParams | None) -> KVTransferParams | None:
         if p is None or not (p.do_remote_decode or p.do_remote_prefill):
@@ -295,22 +327,18 @@ class LLMEngine:
         return self.tokenizer.encode(text)
 
     def _check_params(self, params: SamplingParams, ids: list[int]) -> None:
-        limit = self.args.max_logprobs
-        for name in ("logprobs", "prompt_logprobs"):
-            asked = getattr(params, name)
-            if asked is not None and limit != -1 and asked > limit:
-                hint = " (logprobs are disabled: --max-logprobs 0)" if limit == 0 else ""
-                raise ValueError(f"{name}={asked} exceeds --max-logprobs {limit}{hint}")
+        """Everything about a request that could fail later in a step, checked now."""
         if not ids:
-            raise ValueError("the prompt is empty")
+            raise SamplingParamsError("the prompt is empty", "prompt")
         vocab = self.model_config.vocab_size
-        if any(t < 0 or t >= vocab for t in ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        check_token_ids(ids, vocab, "prompt")
+        validate_for_model(params, vocab, self.args.max_logprobs)
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}")
+            raise SamplingParamsError(f"the prompt has {len(ids)} tokens; max_model_len is "
+                                      f"{self.max_model_len}", "prompt")
         if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
-                             f"exceeds max_model_len {self.max_model_len}")
+            raise SamplingParamsError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
+                                      f"exceeds max_model_len {self.max_model_len}", "max_tokens")
 
     def abort_request(self, request_id: str) -> None:
         parent = self.parents.pop(request_id, None)
@@ -340,11 +368,76 @@ class LLMEngine:
             return self._failed_outputs(failed)
         step = self._step_input(out)
         step.kv_work = kv_work            # ranks ≥ 1 start their KV reads before computing
-        logits = self._execute(step)
+        logits = self._forward(out, step)
         sampled = self._sample(out, logits)
         self.scheduler.update(out, sampled)
         self.num_steps += 1
-        return self._outputs(out) + self._failed_outputs(failed)
+        return self._outputs(out) + self._failed_outputs(failed) + self._take_failures()
+
+    def _forward(self, out: SchedulerOutput, step: StepInput) -> torch.Tensor:
+        """The model forward, with a failure attributed to the requests that cause it.
+
+        With TP worker ranks or experts across replicas a failed forward is fatal: the
+        ranks' collectives cannot be replayed for a subset of the batch. In this process
+        (TP=1) each chunk is re-run alone; a chunk that fails alone fails its request,
+        the others keep their logits (concatenated in chunk order, the row layout
+        `_sample` expects). Re-running is safe: a forward writes K/V only to the slots of
+        its own new tokens, which no other request shares and the prefix cache does not
+        hold yet, and rewriting them gives the same values. When every chunk of a
+        multi-chunk step fails alone too, the fault is not a request's: fatal.
+        """
+        if self.executor is not None or self.expert_world is not None:
+            return self._execute(step)
+        try:
+            return self._execute(step)
+        except Exception as error:                      # attributed per chunk below
+            if len(out.chunks) > 1:
+                logger.warning("a forward of %d chunks failed (%s: %s); re-running each alone",
+                               len(out.chunks), type(error).__name__, error)
+            alone = []
+            for chunk in out.chunks:
+                try:
+                    alone.append((chunk, self._execute(self._step_input(SchedulerOutput([chunk]))), None))
+                except Exception as e:  # noqa: BLE001 -- this chunk's own failure
+                    alone.append((chunk, None, e))
+            if len(alone) > 1 and all(e is not None for _, _, e in alone):
+                raise                                    # every chunk fails alone: not attributable
+            kept, parts = [], []
+            for chunk, logits, e in alone:
+                if e is not None:
+                    self._fail_request(chunk.request, e, "the model forward")
+                else:
+                    kept.append(chunk)
+                    parts.append(logits)
+            out.chunks = kept
+            return torch.cat(parts) if parts else torch.empty(0)
+
+    def _fail_request(self, req: Request, error: BaseException, where: str) -> None:
+        """Fail the client request `req` belongs to (all of its n sequences): abort them,
+        free their blocks, and queue an error output; the engine keeps serving the rest."""
+        parent = self.child_parent.get(req.request_id)
+        logger.error("request %s failed in %s: %s: %s", req.request_id, where,
+                     type(error).__name__, error, exc_info=error)
+        if parent is None:
+            self.scheduler.abort(req.request_id)
+            return
+        self.abort_request(parent.request_id)
+        for child in parent.children:
+            if child.request_id in self.scheduler.held:  # finished prefill: its held blocks
+                if self.connector is not None:
+                    self.connector.released(child.request_id)
+                self.scheduler.release_held(child.request_id)
+        self._forget(parent)
+        self._failures.append(_error_output(parent, f"the request failed in {where}: "
+                                                    f"{type(error).__name__}: {error}"))
+
+    def _take_failures(self) -> list[RequestOutput]:
+        """This step's failed requests' outputs. Failing them freed blocks mid-step: the
+        KV pool must still be consistent, otherwise the failure was not theirs alone."""
+        failures, self._failures = self._failures, []
+        if failures:
+            self.kv.check_integrity()
+        return failures
 
     def _poll_transfers(self) -> list[Request]:
         """Finished KV loads (decode) and read-done notices / lease expiries (prefill)."""
@@ -405,7 +498,7 @@ class LLMEngine:
         sampled = self._sample(plan.out, logits)
         self.scheduler.update(plan.out, sampled)
         self.num_steps += 1
-        return self._outputs(plan.out) + self._failed_outputs(plan.failed)
+        return self._outputs(plan.out) + self._failed_outputs(plan.failed) + self._take_failures()
 
     def _dummy_step(self) -> StepInput:
         """One padding token written to the null block (as warm-up does)."""
@@ -455,12 +548,17 @@ class LLMEngine:
         return StepInput(token_ids, q_lens, starts, tables, rows, num_decodes)
 
     def _sample(self, out: SchedulerOutput, logits: torch.Tensor) -> dict[str, list[int]]:
+        """Tokens for the chunks that complete; a request whose prompt logprobs or
+        sampling fails is failed alone (`Sampler.isolated`) and gets no token."""
         row, sample_rows, reqs = 0, [], []
         for chunk in out.chunks:
             req = chunk.request
             n = _prompt_logprob_rows(chunk)
             if n:
-                self._prompt_logprobs(req, chunk.start, logits[row:row + n])
+                try:
+                    self._prompt_logprobs(req, chunk.start, logits[row:row + n])
+                except Exception as e:  # noqa: BLE001 -- this request's failure only
+                    self._fail_request(req, e, "computing prompt logprobs")
                 row += n
             if chunk.completes:
                 sample_rows.append(row)
@@ -468,11 +566,17 @@ class LLMEngine:
                 row += 1
         if not reqs:
             return {}
-        result = self.sampler(logits[sample_rows], reqs)
-        for req, lp in zip(reqs, result.logprobs):
+        result, errors = self.sampler.isolated(logits[sample_rows], reqs)
+        for i, e in errors.items():
+            self._fail_request(reqs[i], e, "sampling")
+        sampled = {}
+        for i, (req, token, lp) in enumerate(zip(reqs, result.token_ids, result.logprobs)):
+            if i in errors:
+                continue
             if lp is not None:
                 req.output_logprobs.append(lp)
-        return {r.request_id: [t] for r, t in zip(reqs, result.token_ids)}
+            sampled[req.request_id] = [token]
+        return sampled
 
     def _prompt_logprobs(self, req: Request, start: int, logits: torch.Tensor) -> None:
         if start == 0:
@@ -488,7 +592,11 @@ class LLMEngine:
         for chunk in out.chunks:
             parent = self.child_parent.get(chunk.request.request_id)
             if parent is not None:
-                self._detokenize(parent, chunk.request)
+                try:
+                    self._detokenize(parent, chunk.request)
+                except Exception as e:  # noqa: BLE001 -- e.g. a stop string; this request only
+                    self._fail_request(chunk.request, e, "detokenizing")
+                    continue
                 touched[parent.request_id] = parent
         for request_id in out.preempted:                 # outputs of preempted requests stay put
             parent = self.child_parent.get(request_id)
@@ -496,8 +604,15 @@ class LLMEngine:
                 touched.setdefault(parent.request_id, parent)
         results = []
         for parent in touched.values():
-            results.append(self._request_output(parent))
-            if results[-1].finished:
+            if self.parents.get(parent.request_id) is not parent:
+                continue                                 # failed after it was touched
+            try:
+                result = self._request_output(parent)
+            except Exception as e:  # noqa: BLE001 -- this request's failure only
+                self._fail_request(parent.children[0], e, "building its output")
+                continue
+            results.append(result)
+            if result.finished:
                 self._forget(parent)
         return results
 
@@ -567,6 +682,14 @@ class StepPlan:
     @property
     def num_tokens(self) -> int:
         return len(self.step.token_ids) if self.step is not None else 0
+
+
+def _error_output(parent: _Parent, message: str) -> RequestOutput:
+    """The final output of a request failed inside the engine (HTTP 500 for its client)."""
+    first = parent.children[0]
+    outputs = [CompletionOutput(i, "", [], "abort") for i in range(len(parent.children))]
+    return RequestOutput(parent.request_id, parent.prompt, list(first.prompt_token_ids), outputs,
+                         finished=True, error=message, error_status=500)
 
 
 def _load_object(name: str):

@@ -3,6 +3,13 @@
     API process ──("add" | "abort" | "shutdown")──▶ engine core (this module)
     API process ◀──("ready" | "outputs" | "error" | "fatal")── engine core
 
+("error", request_id, message, status, param) refuses one request: status 400 for a
+request the engine rejects (`param` names the field), 500 when adding it raised
+anything else (nothing of it stays in the engine). Failures inside a step come back
+as that request's final output with `error` set (see `LLMEngine._fail_request`);
+"fatal" is kept for what breaks shared state (a scheduler or KV-cache exception,
+a failed KV pool integrity check) and ends the engine.
+
 Messages are small picklable tuples over a `multiprocessing` pipe; outputs carry only
 what changed in the step (new token ids, new text, new logprobs), never tensors. The
 loop blocks on the pipe when idle and only polls it between steps when busy, so the
@@ -72,6 +79,7 @@ def run_engine_core(args: EngineArgs, conn: Connection, log_level: int = logging
         conn.send(("ready", {
             "max_model_len": engine.max_model_len, "model_dir": str(engine.model_dir),
             "pid": os.getpid(), "stats": engine_stats(engine),
+            "vocab_size": engine.model_config.vocab_size,
             "kv_cache_spec": engine.kv_cache_spec().__dict__,
         }))
     except BaseException as e:  # report any startup failure in one line, then exit
@@ -101,7 +109,12 @@ def _loop(engine: Any, conn: Connection) -> None:
                 return
             if message[0] == "shutdown":
                 return
-            _handle(engine, conn, message)
+            try:
+                _handle(engine, conn, message)
+            except BaseException as e:
+                conn.send(("fatal", f"engine failed handling {message[0]!r}: {type(e).__name__}: {e}"))
+                logger.error(traceback.format_exc())
+                return
         if engine.has_unfinished_requests() or engine.transfer_busy:
             try:
                 outputs = engine.step()
@@ -118,12 +131,32 @@ def _loop(engine: Any, conn: Connection) -> None:
 def _handle(engine: Any, conn: Connection, message: tuple) -> None:
     kind = message[0]
     if kind == "add":
-        _, request_id, prompt, params, kv_transfer_params = message
-        try:
-            engine.add_request(request_id, prompt, params, kv_transfer_params)
-        except ValueError as e:
-            conn.send(("error", request_id, str(e)))
-    elif kind == "free_remote":
+        _add(engine, conn, message)
+        return
+    try:
+        _control(engine, conn, message)
+    except Exception:  # noqa: BLE001 -- survivable only if the KV pool is still consistent
+        logger.error("handling %r failed:\n%s", kind, traceback.format_exc())
+        engine.kv.check_integrity()
+        conn.send(("outputs", [], engine_stats(engine)))
+
+
+def _add(engine: Any, conn: Connection, message: tuple) -> None:
+    """add_request is all-or-nothing, so a refused or failed add touches no one else."""
+    _, request_id, prompt, params, kv_transfer_params = message
+    try:
+        engine.add_request(request_id, prompt, params, kv_transfer_params)
+    except ValueError as e:                      # the request is invalid: the client's mistake
+        conn.send(("error", request_id, str(e), 400, getattr(e, "param", None)))
+    except Exception as e:  # noqa: BLE001 -- e.g. a logits-processor factory that raised
+        logger.error("adding request %s failed:\n%s", request_id, traceback.format_exc())
+        message = f"the engine could not add the request: {type(e).__name__}: {e}"
+        conn.send(("error", request_id, message, 500, None))
+
+
+def _control(engine: Any, conn: Connection, message: tuple) -> None:
+    kind = message[0]
+    if kind == "free_remote":
         engine.free_remote(message[1])
         conn.send(("outputs", [], engine_stats(engine)))
     elif kind == "abort":

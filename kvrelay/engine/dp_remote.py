@@ -130,7 +130,8 @@ def encode(message: tuple, replica: int) -> dict[str, Any]:
     elif kind in ("abort", "free_remote", "wake", "ready", "fatal"):
         frame["value"] = rest[0]
     elif kind == "error":
-        frame.update(id=rest[0], error=rest[1])
+        frame.update(id=rest[0], error=rest[1], status=rest[2] if len(rest) > 2 else 400,
+                     param=rest[3] if len(rest) > 3 else None)
     elif kind not in ("shutdown", "stats"):
         raise ValueError(f"unknown engine message {kind!r}")
     return frame
@@ -146,7 +147,7 @@ def decode(frame: dict[str, Any]) -> tuple:
     if kind in ("abort", "free_remote", "wake", "ready", "fatal"):
         return (kind, frame["value"])
     if kind == "error":
-        return ("error", frame["id"], frame["error"])
+        return ("error", frame["id"], frame["error"], int(frame.get("status", 400)), frame.get("param"))
     if kind in ("shutdown", "stats"):
         return (kind,)
     raise FrameError(f"unknown message type {kind!r}")

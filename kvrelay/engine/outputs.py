@@ -35,3 +35,6 @@ class RequestOutput:
     finished: bool = False
     kv_transfer_params: dict | None = None    # prefill side: where a decode server pulls the KV
     error: str | None = None                  # a failed request (e.g. its KV transfer)
+    # the HTTP status its client gets: 502 its KV transfer failed, 500 it failed inside a
+    # step (the engine went on serving the others)
+    error_status: int = 502

@@ -1,7 +1,7 @@
 """Turns the logits of a step into tokens, batched over requests.
 
     logits [N, V] float32
-      ├─ logits processors (per request, optional), min_tokens bans EOS/stop ids
+      ├─ logits processors (per request, optional), logit_bias, min_tokens bans EOS/stop ids
       ├─ greedy rows: argmax
       └─ random rows: /temperature → top-k → top-p → min-p → softmax → sample
     logprobs (optional): log_softmax of the raw logits; sampled token + top-N
@@ -12,11 +12,14 @@ generator and produces the same tokens whatever else is in the batch.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from kvrelay.engine.request import Logprob, Request
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -47,16 +50,49 @@ class Sampler:
         token_list = tokens.tolist()
         return SamplerOutput(token_list, self._logprobs(raw, token_list, requests))
 
+    def isolated(self, logits: torch.Tensor,
+                 requests: list[Request]) -> tuple[SamplerOutput, dict[int, Exception]]:
+        """`self(logits, requests)`, but a failure caused by some rows (a logits processor
+        that raises, say) fails only those rows: the batch is re-sampled row by row and
+        the rows that fail alone come back as {row: exception} (their token is -1).
+        Seeded generators are rewound before the re-run, so every other row draws exactly
+        what it would have drawn in the batch (a row's draw depends only on its noise)."""
+        states = {i: r.generator.get_state() for i, r in enumerate(requests) if r.generator is not None}
+        try:
+            return self(logits, requests), {}
+        except Exception as e:  # noqa: BLE001 -- attributed to rows below
+            logger.warning("sampling a batch of %d failed (%s: %s); sampling row by row",
+                           len(requests), type(e).__name__, e)
+        for i, state in states.items():
+            requests[i].generator.set_state(state)  # type: ignore[union-attr]
+        tokens: list[int] = []
+        logprobs: list[dict[int, Logprob] | None] = []
+        errors: dict[int, Exception] = {}
+        for i, req in enumerate(requests):
+            try:
+                one = self(logits[i:i + 1], [req])
+            except Exception as e:  # noqa: BLE001 -- this row's own failure
+                errors[i] = e
+                tokens.append(-1)
+                logprobs.append(None)
+                continue
+            tokens.append(one.token_ids[0])
+            logprobs.append(one.logprobs[0])
+        return SamplerOutput(tokens, logprobs), errors
+
     def _process(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         changed = False
         for i, req in enumerate(requests):
             banned = _banned_ids(req)
-            if not banned and not req.params.logits_processors:
+            bias = req.params.logit_bias
+            if not banned and not bias and not req.params.logits_processors:
                 continue
             if not changed:
                 logits, changed = logits.clone(), True
             for proc in req.params.logits_processors:
                 logits[i] = proc(req.output_token_ids, logits[i])
+            if bias:
+                logits[i, list(bias)] += torch.tensor(list(bias.values()), dtype=logits.dtype)
             if banned:
                 logits[i, banned] = float("-inf")
         return logits
@@ -66,8 +102,10 @@ class Sampler:
         temps = torch.tensor([r.params.temperature for r in requests], dtype=logits.dtype)
         logits = logits / temps[:, None]
         top_k = [r.params.top_k for r in requests]
-        if any(top_k):
-            k = torch.tensor([t if t else logits.shape[-1] for t in top_k])
+        vocab = logits.shape[-1]
+        if any(0 < t < vocab for t in top_k):
+            # off (0) and at least the vocabulary size both keep every token (vLLM clamps)
+            k = torch.tensor([t if 0 < t < vocab else vocab for t in top_k])
             kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
             logits = logits.masked_fill(logits < kth, float("-inf"))
         probs = torch.softmax(logits, dim=-1)

@@ -5,6 +5,14 @@ renders the chat and checks lengths → `AsyncEngine.generate` (engine-core proc
 yields accumulated outputs → responses are shaped as OpenAI's, streamed as SSE when
 asked. Client mistakes are 4xx with OpenAI's error object; a disconnect aborts the
 request in the engine (its KV blocks are freed at once).
+
+Every error leaves as OpenAI's error object, whatever raised it: the door (`_Edge`:
+auth, body size as it streams, JSON that parses to something the tokenizer and
+pydantic can take — `body_guard.py`), pydantic validation, FastAPI's 404/405, the
+engine (400 naming the field, 500 for a request that failed inside the engine while
+the others went on, 502 a failed KV transfer, 503 a dead engine) and anything
+unexpected (500). Sampling parameters and token ids are validated against the model
+(`validate_for_model`) before a request reaches the engine.
 """
 from __future__ import annotations
 
@@ -21,18 +29,35 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.datastructures import Headers, MutableHeaders
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvrelay.engine.async_client import AsyncEngine, EngineDeadError, EngineError, KVTransferFailed
+from kvrelay.engine.async_client import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineError,
+    KVTransferFailed,
+    RequestFailed,
+)
 from kvrelay.engine.outputs import RequestOutput
 from kvrelay.model.tokenizer import CheckpointTokenizer
-from kvrelay.sampling_params import SamplingParams
+from kvrelay.sampling_params import (
+    SamplingParams,
+    SamplingParamsError,
+    check_token_ids,
+    validate_for_model,
+)
+from kvrelay.server import body_guard
+from kvrelay.server.body_guard import MAX_BODY_BYTES
 from kvrelay.server.chat import ChatRenderer
 from kvrelay.server.metrics import ServerMetrics
-from kvrelay.server.protocol import (ChatCompletionRequest, CompletionRequest, OpenAIError)
+from kvrelay.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIError,
+    error_type_for,
+)
 
 logger = logging.getLogger(__name__)
-
-MAX_BODY_BYTES = 32 * 1024 * 1024
 
 
 @dataclass
@@ -43,6 +68,7 @@ class ServerState:
     max_model_len: int
     max_logprobs: int
     api_key: str | None = None
+    vocab_size: int = 0          # from the engine once ready; 0: not known (the engine checks)
     defaults: dict[str, Any] = field(default_factory=dict)   # generation_config.json sampling
     chat: ChatRenderer | None = None
     metrics: ServerMetrics | None = None
@@ -65,10 +91,21 @@ def _check_model(state: ServerState, model: str | None) -> str:
 def _tokenize(state: ServerState, prompt: str) -> list[int]:
     if state.tokenizer is None:
         raise OpenAIError("this model has no tokenizer; send prompts as token ids", param="prompt")
-    return state.tokenizer.encode(prompt)
+    try:
+        return state.tokenizer.encode(prompt)
+    except Exception as e:  # noqa: BLE001 -- text the tokenizer cannot take is the client's
+        raise OpenAIError(f"the prompt could not be tokenized: {e}", param="prompt") from None
 
 
 def _prompts(state: ServerState, prompt: Any) -> list[tuple[str | None, list[int]]]:
+    prompts = _prompt_list(state, prompt)
+    if state.vocab_size:
+        for _, ids in prompts:                   # every list of a batch, before any is sent
+            _check(check_token_ids, ids, state.vocab_size, "prompt")
+    return prompts
+
+
+def _prompt_list(state: ServerState, prompt: Any) -> list[tuple[str | None, list[int]]]:
     if isinstance(prompt, str):
         return [(prompt, _tokenize(state, prompt))]
     if prompt and all(isinstance(p, int) for p in prompt):
@@ -79,6 +116,16 @@ def _prompts(state: ServerState, prompt: Any) -> list[tuple[str | None, list[int
         return [(None, list(p)) for p in prompt]
     raise OpenAIError("prompt must be a non-empty string, list of strings, or token id list(s)",
                       param="prompt")
+
+
+def _check(check: Any, *args: Any) -> Any:
+    """Run a sampling_params check; its SamplingParamsError becomes a 400 naming the field."""
+    try:
+        return check(*args)
+    except SamplingParamsError as e:
+        raise OpenAIError(str(e), param=e.param) from None
+    except ValueError as e:
+        raise OpenAIError(str(e)) from None
 
 
 def _check_lengths(state: ServerState, ids: list[int], max_tokens: int | None) -> int:
@@ -102,27 +149,36 @@ def _check_lengths(state: ServerState, ids: list[int], max_tokens: int | None) -
 
 
 def _sampling(state: ServerState, body: Any, max_tokens: int, logprobs: int | None,
-              prompt_logprobs: int | None = None, extra_stop_ids: list[int] | None = None) -> SamplingParams:
-    for name, asked in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+              prompt_logprobs: int | None = None, extra_stop_ids: list[int] | None = None,
+              logprobs_param: str = "logprobs") -> SamplingParams:
+    for name, asked in ((logprobs_param, logprobs), ("prompt_logprobs", prompt_logprobs)):
         if asked is not None and state.max_logprobs != -1 and asked > state.max_logprobs:
             hint = " (logprobs are disabled on this server: --max-logprobs 0)" if state.max_logprobs == 0 else ""
             raise OpenAIError(f"{name}={asked} exceeds the server's --max-logprobs "
                               f"{state.max_logprobs}{hint}", param=name)
+    if body.best_of is not None and body.best_of > 1:
+        # vLLM's V1 engine refuses it too; silently returning n samples would mislead
+        raise OpenAIError("best_of > 1 is not supported; use n", param="best_of")
+    params = _check(_make_sampling, state, body, max_tokens, logprobs, prompt_logprobs, extra_stop_ids)
+    if state.vocab_size:
+        _check(validate_for_model, params, state.vocab_size, state.max_logprobs, logprobs_param)
+    return params
+
+
+def _make_sampling(state: ServerState, body: Any, max_tokens: int, logprobs: int | None,
+                   prompt_logprobs: int | None, extra_stop_ids: list[int] | None) -> SamplingParams:
     d = state.defaults
-    try:
-        return SamplingParams(
-            n=body.n,
-            temperature=body.temperature if body.temperature is not None else d.get("temperature", 1.0),
-            top_p=body.top_p if body.top_p is not None else d.get("top_p", 1.0),
-            top_k=body.top_k if body.top_k is not None else d.get("top_k", 0),
-            min_p=body.min_p if body.min_p is not None else 0.0,
-            seed=body.seed, max_tokens=max_tokens, min_tokens=body.min_tokens, stop=body.stop,
-            stop_token_ids=(body.stop_token_ids or []) + (extra_stop_ids or []),
-            ignore_eos=body.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-            include_stop_str_in_output=body.include_stop_str_in_output,
-            skip_special_tokens=body.skip_special_tokens)
-    except ValueError as e:
-        raise OpenAIError(str(e)) from None
+    return SamplingParams(
+        n=body.n,
+        temperature=body.temperature if body.temperature is not None else d.get("temperature", 1.0),
+        top_p=body.top_p if body.top_p is not None else d.get("top_p", 1.0),
+        top_k=body.top_k if body.top_k is not None else d.get("top_k", 0),
+        min_p=body.min_p if body.min_p is not None else 0.0,
+        seed=body.seed, max_tokens=max_tokens, min_tokens=body.min_tokens, stop=body.stop,
+        stop_token_ids=(body.stop_token_ids or []) + (extra_stop_ids or []),
+        ignore_eos=body.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+        include_stop_str_in_output=body.include_stop_str_in_output,
+        skip_special_tokens=body.skip_special_tokens, logit_bias=body.logit_bias)
 
 
 def _token_text(state: ServerState, token_id: int) -> str:
@@ -195,6 +251,9 @@ async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[t
     finally:
         for t in tasks:
             t.cancel()
+        # a generator still running in its pump cannot be closed; once the cancelled
+        # pumps have ended every generator has run its own cleanup (the aborts)
+        await asyncio.gather(*tasks, return_exceptions=True)
         for s in streams:
             await s.aclose()
 
@@ -273,6 +332,17 @@ class _Edge:
             await send(message)
 
         refusal = self._refusal(scope["path"], scope["method"], headers)
+        if refusal is None and scope["method"] in ("POST", "PUT", "PATCH"):
+            try:
+                body = await body_guard.read_body(receive)
+            except body_guard.ClientGone:
+                return
+            except OpenAIError as e:             # over the limit while streaming in (chunked)
+                refusal = _error_response(e)
+            else:
+                bad = body_guard.check_json(body) if body_guard.is_json(headers.get("content-type")) else None
+                refusal = _error_response(bad) if bad else None
+                receive = body_guard.replay(body, receive)
         app = refusal or self.app
         await app(scope, receive, send_with_id)
 
@@ -284,22 +354,59 @@ class _Edge:
                                     status_code=401)
         length = headers.get("content-length")
         if length and length.isdigit() and int(length) > MAX_BODY_BYTES:
-            return JSONResponse(OpenAIError(f"request body over {MAX_BODY_BYTES} bytes", 413,
-                                            "RequestTooLarge").body(), status_code=413)
+            return _error_response(body_guard.too_large())
         if path.startswith("/v1/") and method == "POST" and not state.ready:
             return JSONResponse({"error": {"message": "the server is not ready", "type": "ServiceUnavailableError",
                                            "param": None, "code": 503}}, status_code=503)
         return None
 
 
+def _error_response(error: OpenAIError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    """Whatever goes wrong, the client gets OpenAI's error object (never FastAPI's
+    `{"detail": ...}` or a plain-text 500)."""
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
+        return _error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        error = OpenAIError(str(exc.detail), exc.status_code, error_type_for(exc.status_code))
+        return _error_response(error, exc.headers)         # 405 keeps its Allow header
+
+    @app.exception_handler(EngineError)
+    async def _engine_refused(_: Request, exc: EngineError) -> JSONResponse:
+        return _error_response(OpenAIError(str(exc), param=exc.param))
+
+    @app.exception_handler(RequestFailed)
+    async def _request_failed(_: Request, exc: RequestFailed) -> JSONResponse:
+        return _error_response(OpenAIError(str(exc), 500, "InternalServerError"))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.error("%s %s failed: %s: %s", request.method, request.url.path, type(exc).__name__, exc,
+                     exc_info=exc)
+        return _error_response(OpenAIError("internal server error", 500, "InternalServerError"))
+
+
+def _stream_error(e: Exception) -> dict[str, Any]:
+    """The error event a stream ends with when the engine fails its request."""
+    if isinstance(e, EngineError):
+        return OpenAIError(str(e), param=e.param).body()
+    kind, code = {KVTransferFailed: ("KVTransferError", 502),
+                  RequestFailed: ("InternalServerError", 500)}.get(type(e), ("ServiceUnavailableError", 503))
+    return {"error": {"message": str(e), "type": kind, "param": None, "code": code}}
+
+
 # -- the app --------------------------------------------------------------------------------
 def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="kvrelay", docs_url=None, redoc_url=None)
     app.state.kvrelay = state
-
-    @app.exception_handler(OpenAIError)
-    async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+    _install_error_handlers(app)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -384,7 +491,7 @@ def build_app(state: ServerState) -> FastAPI:
         max_tokens = _check_lengths(state, rendered.prompt_ids, body.max_new_tokens)
         top = body.top_logprobs if body.logprobs else None
         params = _sampling(state, body, max_tokens, top if body.logprobs else None,
-                           extra_stop_ids=rendered.stop_token_ids)
+                           extra_stop_ids=rendered.stop_token_ids, logprobs_param="top_logprobs")
         base_id = f"chatcmpl-{request.state.request_id}"
         created = int(time.time())
         gen = state.engine.generate(base_id, rendered.prompt_ids, params, body.kv_transfer_params)
@@ -435,7 +542,7 @@ async def _collect(state: ServerState, gens: list[AsyncIterator[RequestOutput]],
                 finals[i] = out
                 timings[i].finished(len(prompts[i][1]), [o.finish_reason for o in out.outputs])
     except EngineError as e:
-        raise OpenAIError(str(e)) from None
+        raise OpenAIError(str(e), param=e.param) from None
     return finals  # type: ignore[return-value]
 
 
@@ -466,13 +573,8 @@ async def _stream_completions(state: ServerState, body: CompletionRequest, model
                                          "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}]})
             if out.finished:
                 timings[i].finished(len(prompts[i][1]), [o.finish_reason for o in out.outputs])
-    except EngineError as e:
-        yield _sse(OpenAIError(str(e)).body())
-        yield "data: [DONE]\n\n"
-        return
-    except (EngineDeadError, KVTransferFailed) as e:
-        kind, code = ("KVTransferError", 502) if isinstance(e, KVTransferFailed) else ("ServiceUnavailableError", 503)
-        yield _sse({"error": {"message": str(e), "type": kind, "param": None, "code": code}})
+    except (EngineError, EngineDeadError, KVTransferFailed, RequestFailed) as e:
+        yield _sse(_stream_error(e))
         yield "data: [DONE]\n\n"
         return
     if body.stream_options and body.stream_options.include_usage:
@@ -513,11 +615,8 @@ async def _stream_chat(state: ServerState, body: ChatCompletionRequest, model: s
                     yield chunk(o.index, {}, o.finish_reason, stop_reason=o.stop_reason)
             if out.finished:
                 timing.finished(len(rendered.prompt_ids), [o.finish_reason for o in out.outputs])
-    except EngineError as e:
-        yield _sse(OpenAIError(str(e)).body())
-    except (EngineDeadError, KVTransferFailed) as e:
-        kind, code = ("KVTransferError", 502) if isinstance(e, KVTransferFailed) else ("ServiceUnavailableError", 503)
-        yield _sse({"error": {"message": str(e), "type": kind, "param": None, "code": code}})
+    except (EngineError, EngineDeadError, KVTransferFailed, RequestFailed) as e:
+        yield _sse(_stream_error(e))
     else:
         if body.stream_options and body.stream_options.include_usage:
             prompt_tokens = len(rendered.prompt_ids)

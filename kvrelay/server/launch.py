@@ -139,6 +139,7 @@ async def _await_ready(engine: AsyncEngine, state: ServerState, server: uvicorn.
         server.should_exit = True
         return
     state.max_model_len = engine.info["max_model_len"]
+    state.vocab_size = engine.info.get("vocab_size", 0)
     logging.getLogger("uvicorn.error").info(READY_LINE, extra={"kvrelay": True})
 
 

@@ -5,9 +5,27 @@ OpenAI fields keep working; wrong types and out-of-range values are 400s.
 """
 from __future__ import annotations
 
+from http import HTTPStatus
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from kvrelay.sampling_params import INT64_MAX, INT64_MIN
+
+_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
+                404: "NotFoundError", 405: "MethodNotAllowedError", 413: "RequestTooLarge",
+                422: "UnprocessableEntityError", 429: "RateLimitError", 500: "InternalServerError",
+                503: "ServiceUnavailableError"}
+
+
+def error_type_for(status: int) -> str:
+    """OpenAI's error `type` for an HTTP status (e.g. 404 → NotFoundError)."""
+    if status in _ERROR_TYPES:
+        return _ERROR_TYPES[status]
+    try:
+        return HTTPStatus(status).phrase.title().replace(" ", "").replace("-", "") + "Error"
+    except ValueError:
+        return "APIError"
 
 
 class OpenAIError(Exception):
@@ -37,7 +55,7 @@ class _SamplingFields(BaseModel):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0, le=1)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -48,6 +66,8 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     kv_transfer_params: dict[str, Any] | None = None
     user: str | None = None
+    logit_bias: dict[str, float] | None = None   # token id (as a string, as OpenAI) -> bias
+    best_of: int | None = Field(None, ge=1)      # only 1 is served (as vLLM's V1 engine)
 
     @field_validator("top_k")
     @classmethod

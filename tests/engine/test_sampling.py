@@ -62,10 +62,10 @@ def test_prompt_logprobs_match_reference(tiny, make_llm):
 
 def test_logprobs_beyond_max_logprobs_are_rejected(make_llm):
     llm = make_llm(max_logprobs=0)
-    with pytest.raises(ValueError, match=r"logprobs=1 exceeds --max-logprobs 0 \(logprobs are disabled"):
+    with pytest.raises(ValueError, match=r"logprobs=1 exceeds the server.s --max-logprobs 0 \(logprobs are disabled"):
         llm.generate([PROMPTS[0]], SamplingParams(logprobs=1))
     llm = make_llm(max_logprobs=2)
-    with pytest.raises(ValueError, match="logprobs=3 exceeds --max-logprobs 2"):
+    with pytest.raises(ValueError, match="logprobs=3 exceeds the server.s --max-logprobs 2"):
         llm.generate([PROMPTS[0]], SamplingParams(logprobs=3))
 
 
