@@ -38,6 +38,7 @@ class Script:
     health: int = 200
     mode: str = "normal"      # prefill: normal | slow; decode: normal | slow_stream | break | break_mid_event
     chunk_delay_s: float = 0.08          # decode streams: pause between SSE events
+    extra_kv: dict[str, Any] = field(default_factory=dict)   # prefill: more kv_transfer_params keys
 
 
 @dataclass
@@ -165,7 +166,7 @@ async def prefill_answer(fake: FakeBackend, request: Request, body: dict[str, An
                 return Response(status_code=499)
             await asyncio.sleep(0.05)
     out = _completion_json(STREAM_TOKENS[0], chat, 1)
-    out["kv_transfer_params"] = kv_params_of(fake, request.headers.get("x-request-id", ""))
+    out["kv_transfer_params"] = kv_params_of(fake, request.headers.get("x-request-id", "")) | fake.script.extra_kv
     return JSONResponse(out)
 
 
