@@ -5,7 +5,7 @@ One completion or chat request, vLLM's wire format:
 ```
 client ──POST /v1/completions──▶ proxy        X-Request-Id: the client's, else a new uuid
                                    │
-   1. prefill (round-robin; only a server that cannot be connected to is skipped)
+   1. prefill (round-robin; only a server that fails before answering is skipped)
                                    ├──▶ prefill  body: max_tokens 1, stream false, no stream_options /
                                    │             min_tokens / min_completion_tokens,
                                    │             kv_transfer_params {do_remote_decode: true, ...null}
@@ -14,8 +14,8 @@ client ──POST /v1/completions──▶ proxy        X-Request-Id: the client
                                    │        remote_port, remote_request_id, tp_size}}
                                    │    4xx/5xx → returned to the client as is (no decode, and
                                    │    never re-sent elsewhere: the request reached a server)
-                                   │    every server refusing connections → 503
-   2. decode (least in-flight, ties round-robin; unreachable → the next one)
+                                   │    every server failing before answering → 503
+   2. decode (least in-flight, ties round-robin; failing before answering → the next one)
                                    ├──▶ decode   the ORIGINAL body + the prefill's kv_transfer_params
                                    │             (remote_host 0.0.0.0/empty → the prefill host used)
 client ◀── SSE chunks / JSON ──────┘◀── decode pulls the KV over NIXL, streams; relayed unbuffered
@@ -338,26 +338,39 @@ class Prefilled:
     seconds: float = 0.0
 
 
+class AnswerBroken(Exception):
+    """A backend sent its status line, then the connection broke: it answered, so the
+    request is not sent elsewhere."""
+
+    def __init__(self, error: httpx.TransportError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 async def _prefill(state: ProxyState, path: str, body: dict[str, Any], headers: dict[str, str],
                    request_id: str) -> Prefilled | Response:
     """Send the prefill request to the next server in round-robin order. Only a server that
-    could not be connected to (the request never reached it) is replaced by the next one: a
-    server that answered, whatever the status, or broke off after the request was sent, may
-    have acted on it, and a request that crashes servers must not go round all of them."""
+    failed before sending any response (refused or reset the connection, or a pooled
+    keep-alive connection to it had died) is replaced by the next one: a server that
+    answered, whatever the status, may have acted on the request, and a request that makes
+    servers fail must not go round all of them."""
     payload = prefill_body(body)
     failures: list[str] = []
     for backend in state.prefill_order.order():
         try:
             resp = await _post_prefill(state, backend, path, payload, headers)
         except httpx.TransportError as e:
-            connect = _is_connect_error(e)
-            state.failed(backend, "connect" if connect else "transport")
-            logger.warning("request %s: prefill server %s failed: %s", request_id, backend.name, _describe(e))
-            if not connect:
-                return _error(502, f"prefill server {backend.name} failed: {_describe(e)}",
-                              "BadGatewayError", request_id)
+            state.failed(backend, "connect" if _is_connect_error(e) else "transport")
+            logger.warning("request %s: prefill server %s failed before answering: %s", request_id,
+                           backend.name, _describe(e))
             failures.append(f"{backend.name} ({_describe(e)})")
             continue
+        except AnswerBroken as e:
+            state.failed(backend, "transport")
+            logger.warning("request %s: prefill server %s broke off its answer: %s", request_id,
+                           backend.name, _describe(e.error))
+            return _error(502, f"prefill server {backend.name} broke off its answer: {_describe(e.error)}",
+                          "BadGatewayError", request_id)
         if resp.status_code >= 500:
             state.metrics.failures.labels(backend.role, backend.name, f"http_{resp.status_code}").inc()
             logger.warning("request %s: prefill server %s answered %d (returned as is, not retried)",
@@ -371,11 +384,20 @@ async def _prefill(state: ProxyState, path: str, body: dict[str, Any], headers: 
 
 async def _post_prefill(state: ProxyState, backend: Backend, path: str, payload: dict[str, Any],
                         headers: dict[str, str]) -> httpx.Response:
+    """The prefill's whole answer. httpx.TransportError: no response came (safe to send
+    elsewhere); AnswerBroken: the response started, then broke."""
     assert backend.client is not None
     state.acquire(backend)
     t0 = time.monotonic()
     try:
-        resp = await backend.client.post(path, json=payload, headers=headers)
+        request = backend.client.build_request("POST", path, json=payload, headers=headers)
+        resp = await backend.client.send(request, stream=True)
+        try:
+            await resp.aread()
+        except httpx.TransportError as e:
+            raise AnswerBroken(e) from e
+        finally:
+            await resp.aclose()
     finally:
         state.release(backend)
     state.metrics.prefill_latency.labels(backend.name).observe(time.monotonic() - t0)
@@ -408,8 +430,8 @@ class DecodeLeg:
 
 async def _open_decode(state: ProxyState, path: str, payload: dict[str, Any], headers: dict[str, str],
                        request_id: str) -> DecodeLeg | Response:
-    """Send the decode request to the least-busy decode server; only a server that could not
-    be connected to (the request never reached it) is replaced by the next one."""
+    """Send the decode request to the least-busy decode server; only a server that failed
+    before any response (as for prefill) is replaced by the next one."""
     failures: list[str] = []
     for backend in state.decode_order.order():
         assert backend.client is not None
@@ -418,15 +440,13 @@ async def _open_decode(state: ProxyState, path: str, payload: dict[str, Any], he
         try:
             request = backend.client.build_request("POST", path, json=payload, headers=headers)
             resp = await backend.client.send(request, stream=True)
-        except httpx.TransportError as e:
+        except httpx.TransportError as e:         # no response started: try the next one
             state.release(backend)
             state.failed(backend, "connect" if _is_connect_error(e) else "transport")
-            logger.warning("request %s: decode server %s failed: %s", request_id, backend.name, _describe(e))
+            logger.warning("request %s: decode server %s failed before answering: %s", request_id,
+                           backend.name, _describe(e))
             failures.append(f"{backend.name} ({_describe(e)})")
-            if _is_connect_error(e):
-                continue
-            return _error(502, f"decode server {backend.name} failed: {_describe(e)}", "BadGatewayError",
-                          request_id)
+            continue
         except BaseException:
             state.release(backend)
             raise
@@ -614,7 +634,7 @@ async def _probe(state: ProxyState, backend: Backend) -> str | None:
     return None if resp.status_code == 200 else f"HTTP {resp.status_code}"
 
 
-async def health(state: ProxyState) -> JSONResponse:
+async def health(state: ProxyState) -> Response:
     reasons = await asyncio.gather(*(_probe(state, b) for b in state.backends))
     servers = [{"role": b.role, "server": b.name, "healthy": r is None, **({"error": r} if r else {})}
                for b, r in zip(state.backends, reasons)]

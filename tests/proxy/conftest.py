@@ -7,6 +7,7 @@ Topologies (started once per session, in parallel):
 - `no_decode`:  prefill A, decode [refused]                (decode down → 503 + free notice)
 - `keyed`:      as `main`, with --api-key (and OPENAI_API_KEY, the backends' key)
 - `open_with_backend_key`: as `main`, no --api-key, OPENAI_API_KEY set
+- `dropping`:   prefill [dropper, A], decode [dropper, D]  (closed without an answer → the next)
 
 All but `main` and `keyed` run without the background health probe, so their requests meet
 the dead servers themselves (the connection-failure path).
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 import pytest
 
 from tests.processes import free_port
-from tests.proxy.fakes import FakeBackend, ProxyProcess, proxy_args, refused_port
+from tests.proxy.fakes import Dropper, FakeBackend, ProxyProcess, proxy_args, refused_port
 
 LOCAL = "127.0.0.1"
 PROXY_KEY = "sk-proxy-clients"
@@ -30,6 +31,7 @@ class Fakes:
     prefill: list[FakeBackend]
     decode: FakeBackend
     refused: list[int]
+    dropper: Dropper
 
     @property
     def all(self) -> list[FakeBackend]:
@@ -40,13 +42,15 @@ class Fakes:
 def fakes():
     started: list[FakeBackend] = []
     sockets = []
+    dropper = Dropper()
     try:
         for role in ("prefill", "prefill", "prefill", "decode"):
             started.append(FakeBackend(role).start())
         for _ in range(2):
             sockets.append(refused_port())
-        yield Fakes(started[:3], started[3], [port for _, port in sockets])
+        yield Fakes(started[:3], started[3], [port for _, port in sockets], dropper)
     finally:
+        dropper.stop()
         for fake in started:
             fake.stop()
         for s, _ in sockets:
@@ -67,6 +71,7 @@ def proxies(fakes, tmp_path_factory):
         "keyed": ([LOCAL], [a, b, c], [LOCAL], [d], ["--api-key", PROXY_KEY],
                   {"OPENAI_API_KEY": BACKEND_KEY}),
         "open_with_backend_key": ([LOCAL], [a], [LOCAL], [d], no_probe, {"OPENAI_API_KEY": BACKEND_KEY}),
+        "dropping": ([LOCAL], [fakes.dropper.port, a], [LOCAL], [fakes.dropper.port, d], no_probe, {}),
     }
     logs = tmp_path_factory.mktemp("proxy")
     running: dict[str, ProxyProcess] = {}

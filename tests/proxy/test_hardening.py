@@ -57,6 +57,27 @@ def test_a_refused_connection_is_retried_on_the_next_prefill(fakes, proxies):
                                           (("backend", dead), ("reason", "connect"), ("role", "prefill")))] >= 1
 
 
+def test_a_server_that_closes_without_answering_is_retried_on_the_next(fakes, proxies):
+    """No response byte came back: the request may go elsewhere (a dead server's stale
+    keep-alive connection looks the same)."""
+    with client() as c:
+        for i in range(2):
+            r = c.post(f"{proxies['dropping'].url}/v1/completions", json=BODY, headers={"X-Request-Id": f"dr-{i}"})
+            assert r.status_code == 200, r.text
+    assert len(fakes.prefill[0].completions()) == 2 and len(fakes.decode.completions()) == 2
+    assert fakes.dropper.dropped >= 2                    # both legs met it at least once
+
+
+def test_a_prefill_answer_broken_mid_body_is_502_and_not_retried(fakes, proxies):
+    for f in fakes.prefill:
+        f.script.mode = "break_body"
+    with client() as c:
+        r = c.post(f"{proxies['main'].url}/v1/completions", json=BODY)
+    error = assert_openai_error(r, 502, "BadGatewayError")
+    assert "broke off its answer" in error["message"]
+    assert prefill_attempts(fakes) == 1 and fakes.decode.completions() == []
+
+
 def test_unhealthy_prefill_gets_no_requests(fakes, proxies):
     sick = fakes.prefill[1]
     label = ("kvrelay_proxy:backend_healthy", (("backend", f"127.0.0.1:{sick.port}"), ("role", "prefill")))
