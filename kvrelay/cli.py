@@ -176,6 +176,9 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    if not args.headless:                   # a taken port: one line now, not after the model loads
+        from kvrelay.ports import check_serve_ports
+        check_serve_ports(args)
     from kvrelay.config import EngineArgs, NeuronConfig
     from kvrelay.server.launch import serve
     engine_args = EngineArgs(**{name: getattr(args, name) for name in SERVE_ENGINE_FLAGS})

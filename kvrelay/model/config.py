@@ -20,6 +20,22 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be served, with a message naming the file and tensor."""
 
 
+# transformers' GptOssConfig (5.24) defaults: a config.json that omits one of these keys is
+# read with this value, exactly as transformers (and vLLM, through it) reads it.
+HF_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880, "num_hidden_layers": 36,
+    "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64, "num_local_experts": 128,
+    "num_experts_per_tok": 4, "sliding_window": 128, "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5, "swiglu_alpha": 1.702, "swiglu_limit": 7.0, "attention_bias": True,
+}
+# ... and its RoPE when config.json has neither `rope_scaling` nor `rope_parameters`
+HF_DEFAULT_ROPE: dict[str, Any] = {
+    "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+    "original_max_position_embeddings": 4096,
+}
+HF_DEFAULT_THETA = 150000.0
+
+
 @dataclass(frozen=True)
 class RopeConfig:
     """RoPE parameters; `rope_type` is "default" (plain) or "yarn"."""
@@ -31,6 +47,7 @@ class RopeConfig:
     beta_slow: float = 1.0
     original_max_position_embeddings: int = 4096
     truncate: bool = False
+    attention_factor: float | None = None     # cos/sin scale; None: YaRN's 0.1·ln(factor) + 1
 
     def __post_init__(self) -> None:
         if self.rope_type not in ("default", "yarn"):
@@ -38,24 +55,48 @@ class RopeConfig:
         if self.theta <= 0:
             raise ValueError(f"rope_theta must be positive, got {self.theta}")
 
+    @property
+    def scale(self) -> float:
+        """What cos and sin are multiplied by (1 for plain RoPE)."""
+        if self.rope_type == "default":
+            return 1.0
+        return self.attention_factor if self.attention_factor is not None else log_mscale(self.factor)
+
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> RopeConfig:
-        params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        theta = params.get("rope_theta", cfg.get("rope_theta", 150000.0))
-        rope_type = params.get("rope_type", params.get("type", "default" if not params else "yarn"))
-        if rope_type == "yarn":
-            return cls(
-                theta=float(theta),
-                rope_type="yarn",
-                factor=float(params.get("factor", 32.0)),
-                beta_fast=float(params.get("beta_fast") or 32.0),
-                beta_slow=float(params.get("beta_slow") or 1.0),
-                original_max_position_embeddings=int(
-                    params.get("original_max_position_embeddings", 4096)
-                ),
-                truncate=bool(params.get("truncate", True)),
-            )
-        return cls(theta=float(theta), rope_type="default", factor=1.0)
+        """transformers' reading (PreTrainedConfig.convert_rope_params_to_dict and
+        _compute_yarn_parameters): `rope_scaling` wins over `rope_parameters`; neither (or
+        both empty) is gpt-oss's YaRN; a dict without a type is plain RoPE; `rope_theta`
+        inside the dict wins over the top-level one; a YaRN dict lacking a key gets YaRN's
+        own defaults (beta 32/1, truncate true, original context = max_position_embeddings),
+        not gpt-oss's."""
+        params = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or HF_DEFAULT_ROPE)
+        theta = params["rope_theta"] if "rope_theta" in params else cfg.get("rope_theta",
+                                                                            HF_DEFAULT_THETA)
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type != "yarn":
+            return cls(theta=float(theta), rope_type=str(rope_type), factor=1.0)
+        if "factor" not in params:
+            raise ValueError("rope_scaling: rope_type 'yarn' needs a 'factor'")
+        max_positions = int(cfg.get("max_position_embeddings", HF_DEFAULTS["max_position_embeddings"]))
+        original = int(params.get("original_max_position_embeddings", max_positions))
+        factor = params["factor"]
+        if factor is None:          # DeepSeek-style: implied by the two context lengths
+            factor = max_positions / original
+        attention = params.get("attention_factor")
+        if attention is None and params.get("mscale") and params.get("mscale_all_dim"):
+            attention = (_mscale(float(factor), float(params["mscale"]))
+                         / _mscale(float(factor), float(params["mscale_all_dim"])))
+        return cls(
+            theta=float(theta),
+            rope_type="yarn",
+            factor=float(factor),
+            beta_fast=float(params.get("beta_fast") or 32.0),
+            beta_slow=float(params.get("beta_slow") or 1.0),
+            original_max_position_embeddings=original,
+            truncate=bool(params.get("truncate", True)),
+            attention_factor=None if attention is None else float(attention),
+        )
 
 
 @dataclass(frozen=True)
@@ -125,39 +166,54 @@ class GptOssConfig:
                 f"{source}: model_type is {model_type!r}; kvrelay serves gpt-oss checkpoints "
                 f"(model_type 'gpt_oss')")
         try:
-            layers = int(cfg["num_hidden_layers"])
-            heads = int(cfg["num_attention_heads"])
-            hidden = int(cfg["hidden_size"])
-            layer_types = cfg.get("layer_types") or [
-                SLIDING if i % 2 == 0 else FULL for i in range(layers)]
-            eos = cfg.get("eos_token_id")
-            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-            return cls(
-                vocab_size=int(cfg["vocab_size"]),
-                hidden_size=hidden,
-                intermediate_size=int(cfg["intermediate_size"]),
-                num_hidden_layers=layers,
-                num_attention_heads=heads,
-                num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
-                head_dim=int(cfg.get("head_dim") or hidden // heads),
-                num_local_experts=int(cfg.get("num_local_experts", cfg.get("num_experts", 0))),
-                num_experts_per_tok=int(cfg["num_experts_per_tok"]),
-                sliding_window=cfg.get("sliding_window"),
-                layer_types=tuple(layer_types),
-                rope=RopeConfig.from_hf(cfg),
-                max_position_embeddings=int(cfg.get("max_position_embeddings", 131072)),
-                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-                swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
-                swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
-                attention_bias=bool(cfg.get("attention_bias", True)),
-                torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"),
-                eos_token_id=eos_ids,
-                raw=cfg,
-            )
-        except KeyError as e:
-            raise CheckpointError(f"{source}: missing required key {e.args[0]!r}") from None
+            return cls._from_checked_dict(cfg)
         except (TypeError, ValueError) as e:
             raise CheckpointError(f"{source}: {e}") from None
+
+    @classmethod
+    def _from_checked_dict(cls, cfg: dict[str, Any]) -> GptOssConfig:
+        """Every key as transformers' GptOssConfig reads it: an absent key takes HF_DEFAULTS'
+        value (not one derived from other keys: no head_dim means 64, not hidden/heads); an
+        explicit null num_key_value_heads means one per attention head and a null head_dim
+        hidden/heads (the class's __post_init__); `num_experts` is an alias of
+        num_local_experts. OpenAI's own `experts_per_token` is not read (transformers ignores it)."""
+        aliases = {"num_local_experts": "num_experts"}
+
+        def get(key: str) -> Any:
+            if key not in cfg and aliases.get(key) in cfg:
+                return cfg[aliases[key]]
+            return cfg.get(key, HF_DEFAULTS[key])
+
+        layers, heads = int(get("num_hidden_layers")), int(get("num_attention_heads"))
+        hidden = int(get("hidden_size"))
+        kv_heads = get("num_key_value_heads")
+        head_dim = get("head_dim")
+        layer_types = cfg.get("layer_types") or [SLIDING if i % 2 == 0 else FULL for i in range(layers)]
+        window = get("sliding_window")
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return cls(
+            vocab_size=int(get("vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=int(get("intermediate_size")),
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=heads if kv_heads is None else int(kv_heads),
+            head_dim=hidden // heads if head_dim is None else int(head_dim),
+            num_local_experts=int(get("num_local_experts")),
+            num_experts_per_tok=int(get("num_experts_per_tok")),
+            sliding_window=None if window is None else int(window),
+            layer_types=tuple(layer_types),
+            rope=RopeConfig.from_hf(cfg),
+            max_position_embeddings=int(get("max_position_embeddings")),
+            rms_norm_eps=float(get("rms_norm_eps")),
+            swiglu_alpha=float(get("swiglu_alpha")),
+            swiglu_limit=float(get("swiglu_limit")),
+            attention_bias=bool(get("attention_bias")),
+            torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"),
+            eos_token_id=eos_ids,
+            raw=cfg,
+        )
 
 
 def merge_overrides(cfg: dict[str, Any], overrides: dict[str, Any] | None) -> dict[str, Any]:
@@ -189,3 +245,7 @@ def ceil_div(a: int, b: int) -> int:
 def log_mscale(factor: float) -> float:
     """YaRN's attention scaling: 0.1·ln(factor) + 1 (1 when factor ≤ 1)."""
     return 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
+
+
+def _mscale(factor: float, mscale: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0

@@ -5,16 +5,17 @@ One completion or chat request, vLLM's wire format:
 ```
 client ──POST /v1/completions──▶ proxy        X-Request-Id: the client's, else a new uuid
                                    │
-   1. prefill (round-robin; a server that cannot be reached or answers 5xx is skipped)
+   1. prefill (round-robin; only a server that fails before answering is skipped)
                                    ├──▶ prefill  body: max_tokens 1, stream false, no stream_options /
                                    │             min_tokens / min_completion_tokens,
                                    │             kv_transfer_params {do_remote_decode: true, ...null}
                                    │◀── 200 {..., kv_transfer_params {do_remote_prefill: true,
                                    │        remote_engine_id, remote_block_ids, remote_host,
                                    │        remote_port, remote_request_id, tp_size}}
-                                   │    4xx → returned to the client as is (no decode)
-                                   │    every server down / 5xx → 503
-   2. decode (least in-flight, ties round-robin; unreachable → the next one)
+                                   │    4xx/5xx → returned to the client as is (no decode, and
+                                   │    never re-sent elsewhere: the request reached a server)
+                                   │    every server failing before answering → 503
+   2. decode (least in-flight, ties round-robin; failing before answering → the next one)
                                    ├──▶ decode   the ORIGINAL body + the prefill's kv_transfer_params
                                    │             (remote_host 0.0.0.0/empty → the prefill host used)
 client ◀── SSE chunks / JSON ──────┘◀── decode pulls the KV over NIXL, streams; relayed unbuffered
@@ -24,7 +25,15 @@ Failures after a successful prefill (decode unreachable, decode error status, st
 client gone) send a best-effort `POST /v1/kv_transfer/free {remote_request_id,
 remote_engine_id}` to that prefill server so it frees the blocks it holds for decode.
 A client that disconnects cancels the backend request in flight (the backend sees its
-connection close and aborts).
+connection close and aborts); it is counted and logged as status 499.
+
+Clients: with an API key (`--api-key` or $KVRELAY_API_KEY / $VLLM_API_KEY) every `/v1/` request
+must present `Authorization: Bearer KEY` (else 401); the backends then get $OPENAI_API_KEY when
+set, else the client's header. Without a key the client's own Authorization is forwarded and
+$OPENAI_API_KEY is never sent: the proxy does not lend its credentials to clients it has not
+authenticated. A background probe of every backend's `/health` (every `health_interval_s`)
+puts servers that are down or not ready at the end of the order until they answer 200 again.
+Every error the proxy itself returns is an OpenAI error body.
 """
 from __future__ import annotations
 
@@ -32,7 +41,7 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -42,6 +51,7 @@ from typing import Any, TypeVar
 import anyio
 import httpx
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -51,9 +61,12 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
+from kvrelay.proxy.body import BodyError, parse_object, read_limited
 from kvrelay.proxy.routing import (
     Backend,
     LeastInFlight,
@@ -73,7 +86,7 @@ HEALTH_TIMEOUT_S = 2.0
 FREE_TIMEOUT_S = 5.0
 MAX_CONNECTIONS = 1024           # per backend
 MAX_KEEPALIVE = 256
-MAX_BODY_BYTES = 32 * 2**20
+HEALTH_INTERVAL_S = 2.0          # background /health probe of every backend
 FREE_PATH = "/v1/kv_transfer/free"
 FREE_RESULTS = ("sent", "not_found", "rejected", "error")
 CLIENT_CLOSED = 499              # nginx's "client closed request", for metrics and logs
@@ -104,6 +117,9 @@ class ProxyMetrics:
                                         buckets=LATENCY_BUCKETS, registry=r)
         self.failures = Counter("kvrelay_proxy:backend_failures", "Backend attempts that failed, by reason.",
                                 ["role", "backend", "reason"], registry=r)
+        self.healthy = Gauge("kvrelay_proxy:backend_healthy",
+                             "1 when the backend's last background /health probe answered 200.",
+                             ["role", "backend"], registry=r)
         self.free_notices = Counter("kvrelay_proxy:kv_free_notices",
                                     "Free notices sent to prefill servers after a failed decode.",
                                     ["result"], registry=r)
@@ -111,6 +127,7 @@ class ProxyMetrics:
             self.free_notices.labels(result)
         for b in backends:
             self.in_flight.labels(b.role, b.name).set(0)
+            self.healthy.labels(b.role, b.name).set(1)
             (self.prefill_latency if b.role == "prefill" else self.decode_latency).labels(b.name)
 
     def render(self) -> bytes:
@@ -119,6 +136,28 @@ class ProxyMetrics:
 
 # ---------------------------------------------------------------------------- state
 
+@dataclass(frozen=True)
+class ProxyAuth:
+    """Who may use the proxy, and what it tells the backends.
+
+    `api_key`: the Bearer key clients must present on /v1/ (None: no check). `backend_key`:
+    the proxy's own key for the backends ($OPENAI_API_KEY), sent only for authenticated
+    clients, i.e. only when `api_key` is set."""
+
+    api_key: str | None = None
+    backend_key: str | None = None
+
+    def admits(self, authorization: str | None) -> bool:
+        if self.api_key is None:
+            return True
+        return secrets.compare_digest((authorization or "").encode(), f"Bearer {self.api_key}".encode())
+
+    def backend_authorization(self, client_authorization: str | None) -> str | None:
+        if self.api_key is not None and self.backend_key:
+            return f"Bearer {self.backend_key}"
+        return client_authorization
+
+
 @dataclass
 class ProxyState:
     prefill: list[Backend]
@@ -126,14 +165,19 @@ class ProxyState:
     metrics: ProxyMetrics
     prefill_order: RoundRobin
     decode_order: LeastInFlight
+    auth: ProxyAuth = field(default_factory=ProxyAuth)
+    health_interval_s: float = HEALTH_INTERVAL_S
     health_client: httpx.AsyncClient | None = None
+    prober: asyncio.Task | None = None
     tasks: set[asyncio.Task] = field(default_factory=set)
 
     @classmethod
-    def create(cls, prefill: list[tuple[str, int]], decode: list[tuple[str, int]]) -> ProxyState:
+    def create(cls, prefill: list[tuple[str, int]], decode: list[tuple[str, int]],
+               auth: ProxyAuth | None = None, health_interval_s: float = HEALTH_INTERVAL_S) -> ProxyState:
         p = [Backend("prefill", h, port) for h, port in prefill]
         d = [Backend("decode", h, port) for h, port in decode]
-        return cls(p, d, ProxyMetrics(p + d), RoundRobin(p), LeastInFlight(d))
+        return cls(p, d, ProxyMetrics(p + d), RoundRobin(p), LeastInFlight(d), auth or ProxyAuth(),
+                   health_interval_s)
 
     @property
     def backends(self) -> list[Backend]:
@@ -160,8 +204,27 @@ class ProxyState:
         for b in self.backends:
             b.client = _backend_client(b)
         self.health_client = httpx.AsyncClient(timeout=HEALTH_TIMEOUT_S, trust_env=False)
+        if self.health_interval_s > 0:
+            self.prober = asyncio.ensure_future(self._probe_forever())
+
+    async def _probe_forever(self) -> None:
+        """Every backend's /health, all the time: a server that is down (or restarting, or
+        still loading) goes to the end of the order until it answers 200 again."""
+        while True:
+            reasons = await asyncio.gather(*(_probe(self, b) for b in self.backends))
+            for b, reason in zip(self.backends, reasons):
+                if b.healthy != (reason is None):
+                    logger.info("%s server %s is %s", b.role, b.name,
+                                "healthy again" if reason is None else f"unhealthy ({reason})")
+                b.healthy = reason is None
+                self.metrics.healthy.labels(b.role, b.name).set(int(b.healthy))
+            await asyncio.sleep(self.health_interval_s)
 
     async def close(self) -> None:
+        if self.prober is not None:
+            self.prober.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.prober
         if self.tasks:
             await asyncio.wait(self.tasks, timeout=FREE_TIMEOUT_S)
         for b in self.backends:
@@ -224,13 +287,10 @@ def _is_connect_error(e: Exception) -> bool:
     return isinstance(e, httpx.ConnectError | httpx.ConnectTimeout)
 
 
-def _backend_headers(request: Request, request_id: str) -> dict[str, str]:
-    """X-Request-Id for both legs, and the client's Authorization (else $OPENAI_API_KEY,
-    as vLLM's toy proxy sends)."""
+def _backend_headers(state: ProxyState, request: Request, request_id: str) -> dict[str, str]:
+    """X-Request-Id for both legs, and the Authorization `ProxyAuth` chooses."""
     headers = {"X-Request-Id": request_id}
-    auth = request.headers.get("authorization")
-    if auth is None and os.environ.get("OPENAI_API_KEY"):
-        auth = f"Bearer {os.environ['OPENAI_API_KEY']}"
+    auth = state.auth.backend_authorization(request.headers.get("authorization"))
     if auth:
         headers["Authorization"] = auth
     return headers
@@ -261,17 +321,12 @@ async def _unless_disconnected(receive: Receive, work: Awaitable[T]) -> T:
 
 
 async def _read_body(request: Request, request_id: str) -> dict[str, Any] | Response:
-    length = request.headers.get("content-length")
-    if length and length.isdigit() and int(length) > MAX_BODY_BYTES:
-        return _error(413, f"request body over {MAX_BODY_BYTES} bytes", "RequestTooLarge", request_id)
-    raw = await request.body()
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        return _error(400, f"malformed JSON body: {e}", "BadRequestError", request_id)
-    if not isinstance(body, dict):
-        return _error(400, "the request body must be a JSON object", "BadRequestError", request_id)
-    return body
+        raw = await read_limited(request.headers.get("content-length"), request.stream())
+        return parse_object(raw)
+    except BodyError as e:
+        type_ = "RequestTooLarge" if e.status == 413 else "BadRequestError"
+        return _error(e.status, str(e), type_, request_id)
 
 
 # ---------------------------------------------------------------------------- prefill leg
@@ -283,9 +338,22 @@ class Prefilled:
     seconds: float = 0.0
 
 
+class AnswerBroken(Exception):
+    """A backend sent its status line, then the connection broke: it answered, so the
+    request is not sent elsewhere."""
+
+    def __init__(self, error: httpx.TransportError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 async def _prefill(state: ProxyState, path: str, body: dict[str, Any], headers: dict[str, str],
                    request_id: str) -> Prefilled | Response:
-    """Try each prefill server in round-robin order until one answers below 500."""
+    """Send the prefill request to the next server in round-robin order. Only a server that
+    failed before sending any response (refused or reset the connection, or a pooled
+    keep-alive connection to it had died) is replaced by the next one: a server that
+    answered, whatever the status, may have acted on the request, and a request that makes
+    servers fail must not go round all of them."""
     payload = prefill_body(body)
     failures: list[str] = []
     for backend in state.prefill_order.order():
@@ -293,16 +361,22 @@ async def _prefill(state: ProxyState, path: str, body: dict[str, Any], headers: 
             resp = await _post_prefill(state, backend, path, payload, headers)
         except httpx.TransportError as e:
             state.failed(backend, "connect" if _is_connect_error(e) else "transport")
+            logger.warning("request %s: prefill server %s failed before answering: %s", request_id,
+                           backend.name, _describe(e))
             failures.append(f"{backend.name} ({_describe(e)})")
-            logger.warning("request %s: prefill server %s failed: %s", request_id, backend.name, _describe(e))
             continue
+        except AnswerBroken as e:
+            state.failed(backend, "transport")
+            logger.warning("request %s: prefill server %s broke off its answer: %s", request_id,
+                           backend.name, _describe(e.error))
+            return _error(502, f"prefill server {backend.name} broke off its answer: {_describe(e.error)}",
+                          "BadGatewayError", request_id)
         if resp.status_code >= 500:
-            state.failed(backend, f"http_{resp.status_code}")
-            failures.append(f"{backend.name} (HTTP {resp.status_code})")
-            logger.warning("request %s: prefill server %s answered %d", request_id, backend.name,
-                           resp.status_code)
-            continue
-        backend.mark_ok()
+            state.metrics.failures.labels(backend.role, backend.name, f"http_{resp.status_code}").inc()
+            logger.warning("request %s: prefill server %s answered %d (returned as is, not retried)",
+                           request_id, backend.name, resp.status_code)
+        else:
+            backend.mark_ok()
         return _prefill_result(backend, resp, request_id, resp.elapsed.total_seconds())
     return _error(503, "no prefill server could take the request: " + "; ".join(failures),
                   "ServiceUnavailableError", request_id)
@@ -310,11 +384,20 @@ async def _prefill(state: ProxyState, path: str, body: dict[str, Any], headers: 
 
 async def _post_prefill(state: ProxyState, backend: Backend, path: str, payload: dict[str, Any],
                         headers: dict[str, str]) -> httpx.Response:
+    """The prefill's whole answer. httpx.TransportError: no response came (safe to send
+    elsewhere); AnswerBroken: the response started, then broke."""
     assert backend.client is not None
     state.acquire(backend)
     t0 = time.monotonic()
     try:
-        resp = await backend.client.post(path, json=payload, headers=headers)
+        request = backend.client.build_request("POST", path, json=payload, headers=headers)
+        resp = await backend.client.send(request, stream=True)
+        try:
+            await resp.aread()
+        except httpx.TransportError as e:
+            raise AnswerBroken(e) from e
+        finally:
+            await resp.aclose()
     finally:
         state.release(backend)
     state.metrics.prefill_latency.labels(backend.name).observe(time.monotonic() - t0)
@@ -347,8 +430,8 @@ class DecodeLeg:
 
 async def _open_decode(state: ProxyState, path: str, payload: dict[str, Any], headers: dict[str, str],
                        request_id: str) -> DecodeLeg | Response:
-    """Send the decode request to the least-busy decode server; only a server that could not
-    be connected to (the request never reached it) is replaced by the next one."""
+    """Send the decode request to the least-busy decode server; only a server that failed
+    before any response (as for prefill) is replaced by the next one."""
     failures: list[str] = []
     for backend in state.decode_order.order():
         assert backend.client is not None
@@ -357,15 +440,13 @@ async def _open_decode(state: ProxyState, path: str, payload: dict[str, Any], he
         try:
             request = backend.client.build_request("POST", path, json=payload, headers=headers)
             resp = await backend.client.send(request, stream=True)
-        except httpx.TransportError as e:
+        except httpx.TransportError as e:         # no response started: try the next one
             state.release(backend)
             state.failed(backend, "connect" if _is_connect_error(e) else "transport")
-            logger.warning("request %s: decode server %s failed: %s", request_id, backend.name, _describe(e))
+            logger.warning("request %s: decode server %s failed before answering: %s", request_id,
+                           backend.name, _describe(e))
             failures.append(f"{backend.name} ({_describe(e)})")
-            if _is_connect_error(e):
-                continue
-            return _error(502, f"decode server {backend.name} failed: {_describe(e)}", "BadGatewayError",
-                          request_id)
+            continue
         except BaseException:
             state.release(backend)
             raise
@@ -449,16 +530,15 @@ async def relay_completion(state: ProxyState, request: Request, path: str) -> Re
     try:
         body = await _read_body(request, request_id)
     except ClientDisconnect:
-        return _finish(state, path, Response(status_code=CLIENT_CLOSED))
+        return _finish(state, path, _client_closed(request_id, "while sending its body"))
     if isinstance(body, Response):
         return _finish(state, path, body)
-    headers = _backend_headers(request, request_id)
+    headers = _backend_headers(state, request, request_id)
     try:
         prefilled = await _unless_disconnected(request.receive,
                                                _prefill(state, path, body, headers, request_id))
     except ClientGone:
-        logger.debug("request %s: client left during prefill", request_id)
-        return _finish(state, path, Response(status_code=CLIENT_CLOSED))
+        return _finish(state, path, _client_closed(request_id, "during prefill"))
     if isinstance(prefilled, Response):
         return _finish(state, path, prefilled)
     kv = prefilled.kv_params
@@ -467,6 +547,8 @@ async def relay_completion(state: ProxyState, request: Request, path: str) -> Re
                  kv.get("remote_host"), kv.get("remote_port"))
     payload = decode_body(body, prefilled.kv_params)
     response = await _decode(state, request, path, payload, headers, prefilled, request_id)
+    if isinstance(response, RelayStream):
+        return response              # counted when the stream ends (a client that leaves: 499)
     return _finish(state, path, response)
 
 
@@ -480,7 +562,7 @@ async def _decode(state: ProxyState, request: Request, path: str, payload: dict[
                                          _open_decode(state, path, payload, headers, request_id))
     except ClientGone:
         free()
-        return Response(status_code=CLIENT_CLOSED)
+        return _client_closed(request_id, "before decode answered")
     if isinstance(leg, Response):
         free()
         return leg
@@ -494,8 +576,15 @@ async def _decode(state: ProxyState, request: Request, path: str, payload: dict[
         if outcome != "done":
             free()
 
+    def end_stream(outcome: str) -> None:
+        end(outcome)
+        if outcome == "disconnected":
+            _client_closed(request_id, "mid-stream")
+        status = CLIENT_CLOSED if outcome == "disconnected" else leg.response.status_code
+        state.metrics.requests.labels(path, str(status)).inc()
+
     if leg.response.is_success and payload.get("stream"):
-        return RelayStream(leg, request_id, end)
+        return RelayStream(leg, request_id, end_stream)
     return await _decode_whole(request, leg, request_id, end)
 
 
@@ -508,7 +597,7 @@ async def _decode_whole(request: Request, leg: DecodeLeg, request_id: str,
         outcome = "done" if leg.response.is_success else f"http_{leg.response.status_code}"
         return _copy_response(leg.response, content, request_id)
     except ClientGone:
-        return Response(status_code=CLIENT_CLOSED)
+        return _client_closed(request_id, "before decode finished")
     except httpx.TransportError as e:
         outcome = "upstream_error"
         return _error(502, f"decode server {leg.backend.name} failed: {_describe(e)}", "BadGatewayError",
@@ -517,6 +606,13 @@ async def _decode_whole(request: Request, leg: DecodeLeg, request_id: str,
         with anyio.CancelScope(shield=True):
             await leg.response.aclose()
         end(outcome)
+
+
+def _client_closed(request_id: str, when: str) -> Response:
+    """What a request whose client went away ends with (nobody reads it; metrics and the
+    log say 499, nginx's "client closed request")."""
+    logger.info("request %s: client closed the connection %s (%d)", request_id, when, CLIENT_CLOSED)
+    return Response(status_code=CLIENT_CLOSED)
 
 
 def _finish(state: ProxyState, path: str, response: Response) -> Response:
@@ -538,7 +634,7 @@ async def _probe(state: ProxyState, backend: Backend) -> str | None:
     return None if resp.status_code == 200 else f"HTTP {resp.status_code}"
 
 
-async def health(state: ProxyState) -> JSONResponse:
+async def health(state: ProxyState) -> Response:
     reasons = await asyncio.gather(*(_probe(state, b) for b in state.backends))
     servers = [{"role": b.role, "server": b.name, "healthy": r is None, **({"error": r} if r else {})}
                for b, r in zip(state.backends, reasons)]
@@ -551,7 +647,7 @@ async def health(state: ProxyState) -> JSONResponse:
 async def models(state: ProxyState, request: Request) -> Response:
     """`GET /v1/models` of a decode server (the next one if it cannot be reached)."""
     request_id = request.headers.get("x-request-id") or str(uuid.uuid4())
-    headers = _backend_headers(request, request_id)
+    headers = _backend_headers(state, request, request_id)
     failures: list[str] = []
     for backend in state.decode_order.order():
         assert backend.client is not None
@@ -568,22 +664,78 @@ async def models(state: ProxyState, request: Request) -> Response:
 
 # ---------------------------------------------------------------------------- the app
 
-def build_app(prefill: list[tuple[str, int]], decode: list[tuple[str, int]]) -> FastAPI:
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+               405: "MethodNotAllowedError", 413: "RequestTooLarge", 422: "UnprocessableEntityError"}
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
+
+
+class _RequireKey:
+    """ASGI middleware: every /v1/ request presents the proxy's key (401 otherwise). Pure
+    ASGI, so streamed responses and disconnect detection pass through untouched."""
+
+    def __init__(self, app: Any, state: ProxyState) -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            headers = Headers(scope=scope)
+            if not self.state.auth.admits(headers.get("authorization")):
+                response = _error(401, "invalid or missing API key: send 'Authorization: Bearer KEY' "
+                                  "with the proxy's --api-key", "AuthenticationError",
+                                  headers.get("x-request-id"))
+                if scope["path"] in ENDPOINTS:
+                    _finish(self.state, scope["path"], response)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    """Every error the proxy answers itself is an OpenAI error body (FastAPI's default is
+    `{"detail": ...}`)."""
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        return _error(exc.status_code, str(exc.detail), ERROR_TYPES.get(exc.status_code, "HTTPError"),
+                      request.headers.get("x-request-id"))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
+        first = (exc.errors() or [{}])[0]
+        return _error(400, f"invalid request: {first.get('msg', 'malformed body')}", "BadRequestError",
+                      request.headers.get("x-request-id"))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception) -> Response:
+        logger.exception("internal error on %s %s", request.method, request.url.path)
+        return _error(500, f"internal proxy error: {type(exc).__name__}", "InternalServerError",
+                      request.headers.get("x-request-id"))
+
+
+def build_app(prefill: list[tuple[str, int]], decode: list[tuple[str, int]], auth: ProxyAuth | None = None,
+              health_interval_s: float = HEALTH_INTERVAL_S) -> FastAPI:
     """The proxy app for these (host, port) prefill and decode servers."""
-    state = ProxyState.create(prefill, decode)
+    state = ProxyState.create(prefill, decode, auth, health_interval_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         await state.open()
         logger.info("prefill servers (round-robin): %s", ", ".join(b.url for b in state.prefill))
         logger.info("decode servers (least in-flight): %s", ", ".join(b.url for b in state.decode))
+        if state.auth.api_key is None and state.auth.backend_key:
+            logger.warning("OPENAI_API_KEY is set but the proxy has no --api-key: it is not sent to the "
+                           "backends (clients the proxy does not authenticate must present their own key); "
+                           "set --api-key (or KVRELAY_API_KEY) to make the proxy check clients and use it")
         try:
             yield
         finally:
             await state.close()
 
-    app = FastAPI(title="kvrelay proxy", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="kvrelay proxy", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
     app.state.proxy = state
+    _install_error_handlers(app)
+    app.add_middleware(_RequireKey, state=state)
 
     @app.get("/health")
     async def _health() -> Response:

@@ -5,18 +5,23 @@
         --decoder-host DECODE_HOST --decoder-port 8200
 
 `main(argv)` returns the exit status: 0 after SIGINT/SIGTERM, 2 for bad flags, 1 when
-the server cannot start (e.g. the port is taken).
+the server cannot start (a taken port: one line, before anything else starts).
+
+`--api-key KEY` (or $KVRELAY_API_KEY / $VLLM_API_KEY): clients must send
+`Authorization: Bearer KEY`; the backends then get $OPENAI_API_KEY if set (see app.py).
 """
 from __future__ import annotations
 
 import argparse
 import logging
+import socket
 import sys
 from dataclasses import dataclass
 from types import FrameType
 
 import uvicorn
 
+from kvrelay import envs
 from kvrelay.proxy.routing import EndpointError, expand_endpoints
 
 logger = logging.getLogger("kvrelay.proxy")
@@ -32,6 +37,8 @@ class ProxySettings:
     prefill: list[tuple[str, int]]
     decode: list[tuple[str, int]]
     log_level: str = "info"
+    api_key: str | None = None
+    health_interval_s: float = 2.0
 
 
 class _Parser(argparse.ArgumentParser):
@@ -55,6 +62,13 @@ def add_proxy_flags(p: argparse.ArgumentParser) -> None:
                    default=[8200], metavar="PORT", help="decode server port(s)")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info",
                    help="debug logs one line per request leg")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help=f"clients must send 'Authorization: Bearer KEY' (default: ${envs.PROXY_API_KEY.name} "
+                        f"or ${envs.PROXY_API_KEY.alias}; none: no check). $OPENAI_API_KEY, the key for the "
+                        f"backends, is only sent for clients authenticated this way")
+    p.add_argument("--health-interval", type=float, default=2.0, metavar="S",
+                   help="seconds between /health probes of every backend (0: no background probe); "
+                        "servers that fail them are tried last")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,10 +81,13 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
     """Raises EndpointError (a one-line message naming the flags) for unpairable hosts/ports."""
     if not 0 <= args.port <= 65535:
         raise EndpointError(f"--port: {args.port} is not a TCP port")
+    if args.health_interval < 0:
+        raise EndpointError(f"--health-interval: {args.health_interval:g} is negative")
     return ProxySettings(host=args.host, port=args.port,
                          prefill=expand_endpoints(args.prefiller_host, args.prefiller_port, "prefiller"),
                          decode=expand_endpoints(args.decoder_host, args.decoder_port, "decoder"),
-                         log_level=args.log_level)
+                         log_level=args.log_level, api_key=args.api_key or envs.PROXY_API_KEY.raw(),
+                         health_interval_s=args.health_interval)
 
 
 class _ProxyServer(uvicorn.Server):
@@ -89,16 +106,34 @@ def _setup_logging(level: str) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+def _listen(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the app is even imported (uvicorn's own bind error
+    comes with a second line of ours, after its startup)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host.strip("[]"), port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
 def serve(settings: ProxySettings) -> int:
-    from kvrelay.proxy.app import build_app
-    app = build_app(settings.prefill, settings.decode)
+    try:
+        sock = _listen(settings.host, settings.port)
+    except OSError as e:
+        print(f"{PROG}: error: cannot listen on {settings.host}:{settings.port}: "
+              f"{(e.strerror or str(e)).lower()}", file=sys.stderr, flush=True)
+        return 1
+    from kvrelay.proxy.app import ProxyAuth, build_app
+    auth = ProxyAuth(api_key=settings.api_key, backend_key=envs.PROXY_BACKEND_KEY.raw())
+    app = build_app(settings.prefill, settings.decode, auth, settings.health_interval_s)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, lifespan="on")
-    try:
-        sock = config.bind_socket()      # before startup: a taken port never logs "startup complete"
-    except SystemExit:
-        logger.error("the proxy cannot listen on %s:%d", settings.host, settings.port)
-        return 1
     server = _ProxyServer(config)
     try:
         server.run(sockets=[sock])

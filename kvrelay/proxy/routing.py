@@ -48,6 +48,7 @@ class Backend:
     in_flight: int = 0
     failures: int = 0
     down_until: float = 0.0        # monotonic time until which it is tried last
+    healthy: bool = True           # the last background /health probe answered 200
 
     @property
     def name(self) -> str:
@@ -59,7 +60,8 @@ class Backend:
         return f"http://{host}:{self.port}"
 
     def cooling(self, now: float | None = None) -> bool:
-        return (time.monotonic() if now is None else now) < self.down_until
+        """Tried last: its /health probe failed, or a connection to it failed lately."""
+        return not self.healthy or (time.monotonic() if now is None else now) < self.down_until
 
     def mark_failed(self) -> None:
         self.failures += 1
@@ -101,7 +103,8 @@ def expand_endpoints(hosts: list[str], ports: list[int], flag: str) -> list[tupl
 @dataclass
 class RoundRobin:
     """Each call starts one server further along; servers cooling down after a
-    connection failure go to the end of the list (still tried when all else fails)."""
+    connection failure, or failing their health probe, go to the end of the list (still
+    tried when all else fails)."""
 
     backends: list[Backend]
     _counter: itertools.count = field(default_factory=itertools.count, repr=False)

@@ -5,6 +5,12 @@ Topologies (started once per session, in parallel):
 - `skipping`: prefill [refused, A], decode [refused, D]   (dead servers are skipped)
 - `no_prefill`: prefill [refused, refused], decode D       (every prefill down → 503)
 - `no_decode`:  prefill A, decode [refused]                (decode down → 503 + free notice)
+- `keyed`:      as `main`, with --api-key (and OPENAI_API_KEY, the backends' key)
+- `open_with_backend_key`: as `main`, no --api-key, OPENAI_API_KEY set
+- `dropping`:   prefill [dropper, A], decode [dropper, D]  (closed without an answer → the next)
+
+All but `main` and `keyed` run without the background health probe, so their requests meet
+the dead servers themselves (the connection-failure path).
 """
 from __future__ import annotations
 
@@ -13,9 +19,11 @@ from dataclasses import dataclass
 import pytest
 
 from tests.processes import free_port
-from tests.proxy.fakes import FakeBackend, ProxyProcess, proxy_args, refused_port
+from tests.proxy.fakes import Dropper, FakeBackend, ProxyProcess, proxy_args, refused_port
 
 LOCAL = "127.0.0.1"
+PROXY_KEY = "sk-proxy-clients"
+BACKEND_KEY = "sk-backends-only"
 
 
 @dataclass
@@ -23,6 +31,7 @@ class Fakes:
     prefill: list[FakeBackend]
     decode: FakeBackend
     refused: list[int]
+    dropper: Dropper
 
     @property
     def all(self) -> list[FakeBackend]:
@@ -33,13 +42,15 @@ class Fakes:
 def fakes():
     started: list[FakeBackend] = []
     sockets = []
+    dropper = Dropper()
     try:
         for role in ("prefill", "prefill", "prefill", "decode"):
             started.append(FakeBackend(role).start())
         for _ in range(2):
             sockets.append(refused_port())
-        yield Fakes(started[:3], started[3], [port for _, port in sockets])
+        yield Fakes(started[:3], started[3], [port for _, port in sockets], dropper)
     finally:
+        dropper.stop()
         for fake in started:
             fake.stop()
         for s, _ in sockets:
@@ -51,17 +62,23 @@ def proxies(fakes, tmp_path_factory):
     a, b, c = (f.port for f in fakes.prefill)
     d = fakes.decode.port
     dead1, dead2 = fakes.refused
+    no_probe = ["--health-interval", "0"]
     topologies = {
-        "main": ([LOCAL], [a, b, c], [LOCAL], [d]),
-        "skipping": ([LOCAL], [dead1, a], [LOCAL], [dead2, d]),
-        "no_prefill": ([LOCAL, LOCAL], [dead1, dead2], [LOCAL], [d]),
-        "no_decode": ([LOCAL], [a], [LOCAL], [dead1]),
+        "main": ([LOCAL], [a, b, c], [LOCAL], [d], ["--health-interval", "0.2"], {}),
+        "skipping": ([LOCAL], [dead1, a], [LOCAL], [dead2, d], no_probe, {}),
+        "no_prefill": ([LOCAL, LOCAL], [dead1, dead2], [LOCAL], [d], no_probe, {}),
+        "no_decode": ([LOCAL], [a], [LOCAL], [dead1], no_probe, {}),
+        "keyed": ([LOCAL], [a, b, c], [LOCAL], [d], ["--api-key", PROXY_KEY],
+                  {"OPENAI_API_KEY": BACKEND_KEY}),
+        "open_with_backend_key": ([LOCAL], [a], [LOCAL], [d], no_probe, {"OPENAI_API_KEY": BACKEND_KEY}),
+        "dropping": ([LOCAL], [fakes.dropper.port, a], [LOCAL], [fakes.dropper.port, d], no_probe, {}),
     }
     logs = tmp_path_factory.mktemp("proxy")
     running: dict[str, ProxyProcess] = {}
     try:
-        for name, (ph, pp, dh, dp) in topologies.items():
-            running[name] = ProxyProcess(proxy_args(free_port(), ph, pp, dh, dp), logs / f"{name}.log")
+        for name, (ph, pp, dh, dp, extra, env) in topologies.items():
+            running[name] = ProxyProcess(proxy_args(free_port(), ph, pp, dh, dp) + extra, logs / f"{name}.log",
+                                         env=env)
         for proc in running.values():
             proc.wait_ready()
         yield running

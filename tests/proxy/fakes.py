@@ -36,8 +36,9 @@ class Script:
     status: int = 200                    # completions: answer this status (non-200: an error body)
     remote_host: str | None = "10.1.2.3"  # prefill: the kv_transfer_params.remote_host it advertises
     health: int = 200
-    mode: str = "normal"      # prefill: normal | slow; decode: normal | slow_stream | break | break_mid_event
+    mode: str = "normal"      # prefill: normal | slow | break_body; decode: normal | slow_stream | break | break_mid_event
     chunk_delay_s: float = 0.08          # decode streams: pause between SSE events
+    extra_kv: dict[str, Any] = field(default_factory=dict)   # prefill: more kv_transfer_params keys
 
 
 @dataclass
@@ -158,6 +159,12 @@ def _completion_json(text: str, chat: bool, tokens: int) -> dict[str, Any]:
 
 
 async def prefill_answer(fake: FakeBackend, request: Request, body: dict[str, Any], chat: bool) -> Response:
+    if fake.script.mode == "break_body":   # the status line and part of the body, then the crash
+        async def broken():
+            yield b'{"id": "cmpl-fake", '
+            await asyncio.sleep(0.05)
+            raise RuntimeError("scripted prefill crash mid-answer")
+        return StreamingResponse(broken(), media_type="application/json")
     if fake.script.mode == "slow":        # holds the request; notes when the proxy gives up on it
         for _ in range(200):
             if await request.is_disconnected():
@@ -165,7 +172,7 @@ async def prefill_answer(fake: FakeBackend, request: Request, body: dict[str, An
                 return Response(status_code=499)
             await asyncio.sleep(0.05)
     out = _completion_json(STREAM_TOKENS[0], chat, 1)
-    out["kv_transfer_params"] = kv_params_of(fake, request.headers.get("x-request-id", ""))
+    out["kv_transfer_params"] = kv_params_of(fake, request.headers.get("x-request-id", "")) | fake.script.extra_kv
     return JSONResponse(out)
 
 
@@ -196,6 +203,41 @@ async def sse_events(fake: FakeBackend, chat: bool):
     except asyncio.CancelledError:
         fake.events.append("stream_cancelled")
         raise
+
+
+class Dropper:
+    """A server that reads each request and closes the connection without answering (what a
+    dead server's stale keep-alive connection, or a crash before the response, looks like)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.sock.settimeout(0.2)
+        self.port: int = self.sock.getsockname()[1]
+        self.dropped = 0
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except (TimeoutError, OSError):
+                continue
+            with conn:
+                conn.settimeout(2)
+                try:
+                    conn.recv(65536)
+                except OSError:
+                    pass
+                self.dropped += 1
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.thread.join(5)
+        self.sock.close()
 
 
 def refused_port() -> tuple[socket.socket, int]:

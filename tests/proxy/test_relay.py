@@ -233,12 +233,13 @@ def test_every_prefill_down_is_503(fakes, proxies):
     assert fakes.decode.completions() == []
 
 
-def test_prefill_5xx_everywhere_is_503(fakes, proxies):
+def test_prefill_5xx_after_a_refused_server_is_returned_as_is(fakes, proxies):
     fakes.prefill[0].script.status = 500
     with client() as c:
         r = c.post(f"{proxies['skipping'].url}/v1/completions", json={"prompt": "x", "max_tokens": 3})
-    assert r.status_code == 503
-    assert "HTTP 500" in r.json()["error"]["message"]
+    assert r.status_code == 500
+    assert r.json()["error"]["message"] == "scripted 500 from prefill"
+    assert len(fakes.prefill[0].completions()) == 1
     assert fakes.decode.completions() == []
 
 
@@ -274,6 +275,9 @@ def test_health_200_only_when_every_backend_is_up(fakes, proxies):
                                      "healthy": False, "error": "HTTP 503"}]
         fakes.prefill[1].script.health = 200
         assert c.get(url).status_code == 200
+        wait_for(lambda: _samples(proxies["main"])[("kvrelay_proxy:backend_healthy", (
+            ("backend", f"127.0.0.1:{fakes.prefill[1].port}"), ("role", "prefill")))] == 1,
+            what="the background probe to see it healthy again")
         r = c.get(f"{proxies['skipping'].url}/health")
     assert r.status_code == 503
     assert {s["server"] for s in r.json()["down"]} == {f"127.0.0.1:{p}" for p in fakes.refused}
@@ -301,7 +305,8 @@ def test_metrics_parse(fakes, proxies):
     assert families == {"kvrelay_proxy:requests": "counter", "kvrelay_proxy:backend_in_flight": "gauge",
                         "kvrelay_proxy:prefill_latency_seconds": "histogram",
                         "kvrelay_proxy:decode_latency_seconds": "histogram",
-                        "kvrelay_proxy:backend_failures": "counter", "kvrelay_proxy:kv_free_notices": "counter"}
+                        "kvrelay_proxy:backend_failures": "counter", "kvrelay_proxy:kv_free_notices": "counter",
+                        "kvrelay_proxy:backend_healthy": "gauge"}
     samples = _samples(proxies["main"])
     assert samples[("kvrelay_proxy:requests_total", (("endpoint", "/v1/completions"), ("status", "200")))] >= 1
     decode = f"127.0.0.1:{fakes.decode.port}"

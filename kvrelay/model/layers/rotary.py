@@ -12,7 +12,7 @@ import math
 import torch
 from torch import nn
 
-from kvrelay.model.config import RopeConfig, log_mscale
+from kvrelay.model.config import RopeConfig
 
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, float]:
@@ -38,7 +38,7 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, 
     ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
     extrapolation_weight = 1 - ramp                                            # [hd/2]
     inv_freq = interpolation * ramp + extrapolation * extrapolation_weight
-    return inv_freq, log_mscale(rope.factor)
+    return inv_freq, rope.scale
 
 
 class RotaryEmbedding(nn.Module):
