@@ -59,9 +59,12 @@ CPU_HALF_MATMUL = EnvVar("KVRELAY_CPU_HALF_MATMUL", None, "auto",
                          "bf16/fp16 weights on CPU: 'native' half-precision GEMMs, 'fp32' (upcast the "
                          "weights per matmul, keep them half in memory) or 'auto' (fp32 unless oneDNN "
                          "has a native bf16 path on this CPU)")
+KV_SECRET = EnvVar("KVRELAY_KV_SECRET", None, None,
+                   "shared secret of one topology's KV plane: side channel and KV transports "
+                   "authenticate peers with it (kvrelay deploy generates one); unset: no authentication")
 
 ALL = (SIDE_CHANNEL_HOST, SIDE_CHANNEL_PORT, ENGINE_READY_TIMEOUT_S, EXECUTE_MODEL_TIMEOUT_S,
-       COMPILATION_TIMEOUT_S, VISIBLE_DEVICES, CACHE_DIR, CPU_HALF_MATMUL)
+       COMPILATION_TIMEOUT_S, VISIBLE_DEVICES, CACHE_DIR, CPU_HALF_MATMUL, KV_SECRET)
 
 
 def parse_id_list(text: str) -> list[int]:
