@@ -3,7 +3,8 @@
     proxy → prefill:  {"do_remote_decode": true, "do_remote_prefill": false, remote_*: null}
     prefill → proxy:  {"do_remote_prefill": true, "do_remote_decode": false, "remote_engine_id",
                        "remote_block_ids": [[...full group...], [...sliding group...]],
-                       "remote_host", "remote_port", "remote_request_id", "tp_size"}
+                       "remote_host", "remote_port", "remote_request_id", "tp_size",
+                       "remote_capability"}   (kvrelay's extra key: see docs/security.md)
     proxy → decode:   the prefill's params, unchanged
 """
 from __future__ import annotations

@@ -376,3 +376,22 @@ def test_hold_share_is_validated():
 
 def test_auth_error_is_a_connection_error():
     assert issubclass(AuthError, ConnectionError)
+
+
+@pytest.mark.parametrize("host,secret,warned", [("0.0.0.0", None, 1), ("0.0.0.0", "s", 0),
+                                                ("127.0.0.1", None, 0)])
+def test_one_warning_when_the_kv_plane_is_exposed_without_a_secret(monkeypatch, caplog, host, secret, warned):
+    monkeypatch.setattr(auth, "_warned", set())
+    monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_HOST", host)
+    monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", "0")
+    if secret:
+        monkeypatch.setenv("KVRELAY_KV_SECRET", secret)
+    else:
+        monkeypatch.delenv("KVRELAY_KV_SECRET", raising=False)
+    with caplog.at_level("WARNING"):
+        c = KVConnector(tcp("kv_producer"), "P", SPEC, [torch.zeros(2, NB, 2, 4, 8) for _ in range(2)])
+        c.close()
+    found = [r for r in caplog.records if "KVRELAY_KV_SECRET" in r.getMessage()]
+    assert len(found) == warned
+    if warned:
+        assert host in found[0].getMessage() and "without authentication" in found[0].getMessage()
