@@ -65,9 +65,13 @@ PROXY_API_KEY = EnvVar("KVRELAY_API_KEY", "VLLM_API_KEY", None,
 PROXY_BACKEND_KEY = EnvVar("OPENAI_API_KEY", None, None,
                            "kvrelay proxy's key for its backends, sent only for clients it authenticated "
                            "with --api-key")
+KV_SECRET = EnvVar("KVRELAY_KV_SECRET", None, None,
+                   "shared secret of one topology's KV plane: side channel and KV transports "
+                   "authenticate peers with it (kvrelay deploy generates one); unset: no authentication")
 
 ALL = (SIDE_CHANNEL_HOST, SIDE_CHANNEL_PORT, ENGINE_READY_TIMEOUT_S, EXECUTE_MODEL_TIMEOUT_S,
-       COMPILATION_TIMEOUT_S, VISIBLE_DEVICES, CACHE_DIR, CPU_HALF_MATMUL, PROXY_API_KEY, PROXY_BACKEND_KEY)
+       COMPILATION_TIMEOUT_S, VISIBLE_DEVICES, CACHE_DIR, CPU_HALF_MATMUL, PROXY_API_KEY,
+       PROXY_BACKEND_KEY, KV_SECRET)
 
 
 def parse_id_list(text: str) -> list[int]:

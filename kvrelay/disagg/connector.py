@@ -30,7 +30,10 @@ import base64
 import collections
 import concurrent.futures
 import hashlib
+import hmac
 import logging
+import secrets
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -56,6 +59,22 @@ HANDSHAKE_VERSION = 2       # 2: every rank's transport metadata, TP sizes, pair
 
 class HandshakeError(RuntimeError):
     pass
+
+
+class HoldRefused(RuntimeError):
+    """Holding a finished request's blocks for a decode would exceed the hold share."""
+
+
+REFUSED = "unknown request or wrong capability"     # all a peer learns about a bad claim/release
+
+
+@dataclass
+class _Grant:
+    """What the prefill issued for one held request: the capability a decode must present
+    and the blocks it may read. A grant is claimed (read) once."""
+    capability: str
+    block_ids: list[list[int]]
+    claimed: bool = False
 
 
 class RankLink(Protocol):
@@ -102,18 +121,22 @@ def pairing_hash(spec: dict[str, Any], prefill_tp: int, decode_tp: int) -> str:
     return hashlib.sha256(blob).hexdigest()
 
 
-def notify_message(remote_request_id: str, decode_tp: int) -> bytes:
-    """What each decode rank's read tells the prefill: the request and how many ranks read."""
-    return f"{remote_request_id}:{decode_tp}".encode()
+def notify_message(remote_request_id: str, decode_tp: int, capability: str) -> bytes:
+    """What each decode rank's read tells the prefill: the request, how many ranks read,
+    and the request's capability (a notice without the right one frees nothing)."""
+    return f"{remote_request_id}:{decode_tp}:{capability}".encode()
 
 
-def parse_notify(raw: bytes) -> tuple[str, int]:
-    """(request id, number of notices that complete it); a bare id counts as one."""
-    text = raw.decode(errors="replace")
-    rid, sep, count = text.rpartition(":")
-    if sep and count.isdigit() and int(count) > 0:
-        return rid, int(count)
-    return text, 1
+def parse_notify(raw: bytes) -> tuple[str, int, str] | None:
+    """(request id, number of notices that complete it, capability); None if malformed."""
+    parts = raw.decode(errors="replace").rsplit(":", 2)
+    if len(parts) != 3 or not parts[1].isdigit() or int(parts[1]) < 1:
+        return None
+    return parts[0], int(parts[1]), parts[2]
+
+
+def _same(a: object, b: str) -> bool:
+    return isinstance(a, str) and hmac.compare_digest(a.encode(), b.encode())
 
 
 @dataclass
@@ -128,6 +151,8 @@ class KVConnector:
     stats: TransferStats = field(default_factory=TransferStats)
 
     def __post_init__(self) -> None:
+        from kvrelay.disagg.auth import load_secret
+        self.secret = load_secret(self.config.extra)
         setup = KVWorkerSetup(self.config, self.engine_id, self.spec.num_kv_heads, self.tp_size)
         self.local = KVWorker(setup, 0, self.kv_tensors)
         self.transport = self.local.transport
@@ -150,6 +175,9 @@ class KVConnector:
         self.loads: dict[str, _Load] = {}
         self.leases: dict[str, float] = {}
         self.notices: collections.Counter[str] = collections.Counter()
+        self.grants: dict[str, _Grant] = {}              # prefill: per held request
+        self.held_blocks: collections.Counter[int] = collections.Counter()
+        self._grant_lock = threading.Lock()              # the side channel's threads read grants
         self.outbox = KVWork()                 # for ranks 1..N-1: cancels ride with the next step
         self.server = None
         self.advertised: tuple[str, int] | None = None
@@ -165,7 +193,10 @@ class KVConnector:
         host = envs.SIDE_CHANNEL_HOST.raw() or "127.0.0.1"
         port = envs.SIDE_CHANNEL_PORT.as_int() or 0
         port = port + self.port_offset if port else 0
-        self.server = SideChannelServer(host, port, self._handle)
+        from kvrelay.disagg.auth import warn_if_exposed
+        warn_if_exposed(host, self.secret, "side channel")
+        self.server = SideChannelServer(host, port, self._handle, secret=self.secret,
+                                        max_connections=self.config.max_connections)
         self.server.start()
         bound_host, bound_port = self.server.address
         self.advertised = (advertised_host(host), bound_port)
@@ -173,13 +204,14 @@ class KVConnector:
                     bound_host, bound_port, *self.advertised, self.transport.name, self.tp_size)
 
     def _handle(self, message: dict[str, Any]) -> dict[str, Any]:
-        if message.get("type") == "release":          # decode needed none of the blocks
-            request_id = message.get("request_id")
-            if not isinstance(request_id, str):
-                return {"ok": False, "error": "release needs a request_id string"}
-            self._released.append(request_id)
+        kind = message.get("type")
+        if kind == "release":                          # decode needed none of the blocks
+            self._grant(message, claim=False)
+            self._released.append(message["request_id"])
             return {"ok": True}
-        if message.get("type") != "handshake":
+        if kind == "claim":                            # decode is about to read
+            return {"ok": True, "block_ids": self._grant(message, claim=True).block_ids}
+        if kind != "handshake":
             return {"ok": False, "error": f"unknown message type {message.get('type')!r}"}
         if message.get("version") != HANDSHAKE_VERSION:
             return {"ok": False, "error": f"handshake version {message.get('version')} != {HANDSHAKE_VERSION} "
@@ -199,25 +231,68 @@ class KVConnector:
                 "num_blocks": self.num_blocks, "ranks": [_encode(md) for md in self.rank_metadata],
                 "compat_hash": pairing_hash(self.spec.__dict__, self.tp_size, decode_tp)}
 
-    def hold(self, request_id: str) -> dict[str, Any]:
+    def _grant(self, message: dict[str, Any], claim: bool) -> _Grant:
+        """The live grant `message` names with its capability (side-channel thread);
+        SideChannelError with nothing but REFUSED otherwise. A grant is claimed once."""
+        from kvrelay.disagg.side_channel import SideChannelError, warn_limited
+        request_id, capability = message.get("request_id"), message.get("capability")
+        with self._grant_lock:
+            grant = self.grants.get(request_id) if isinstance(request_id, str) else None
+            if grant is None or not _same(capability, grant.capability) or (claim and grant.claimed):
+                warn_limited("KV side channel: refused a %s for request %.100r: %s",
+                             message.get("type"), request_id, REFUSED)
+                raise SideChannelError(REFUSED)
+            grant.claimed = grant.claimed or claim
+            return grant
+
+    def hold(self, request_id: str, block_ids: list[list[int]]) -> dict[str, Any]:
+        """Hold a finished prefill's blocks for a decode: its kv_transfer_params (without
+        the block ids) including a fresh capability. HoldRefused when the blocks held for
+        decodes would exceed `hold_share` of the pool (the caller frees them)."""
+        blocks = {b for ids in block_ids for b in ids if b}
+        with self._grant_lock:
+            new = sum(1 for b in blocks if b not in self.held_blocks)
+            limit = int(self.config.hold_share * self.num_blocks)
+            if len(self.held_blocks) + new > limit:
+                raise HoldRefused(
+                    f"KV hold refused: {len(self.held_blocks)} of this prefill server's {self.num_blocks} "
+                    f"KV blocks are already held for decode servers and this request needs {new} more "
+                    f"(at most {limit}: kv_connector_extra_config.hold_share {self.config.hold_share:g}); "
+                    f"retry later")
+            grant = _Grant(secrets.token_urlsafe(32), [list(ids) for ids in block_ids])
+            self.grants[request_id] = grant
+            self.held_blocks.update(blocks)
         self.leases[request_id] = time.monotonic() + self.config.lease_s
         host, port = self.advertised or ("127.0.0.1", 0)
         return {"remote_engine_id": self.engine_id, "remote_host": host, "remote_port": port,
-                "remote_request_id": request_id, "tp_size": self.tp_size}
+                "remote_request_id": request_id, "tp_size": self.tp_size,
+                "remote_capability": grant.capability}
 
     def released(self, request_id: str) -> None:
         self.leases.pop(request_id, None)
         self.notices.pop(request_id, None)
+        with self._grant_lock:
+            grant = self.grants.pop(request_id, None)
+            if grant is not None:
+                self.held_blocks.subtract({b for ids in grant.block_ids for b in ids if b})
+                self.held_blocks += collections.Counter()        # drop zero counts
 
     def read_done(self) -> list[str]:
         """Held requests every decode rank finished reading (or that decode released)."""
+        from kvrelay.disagg.side_channel import warn_limited
         done = []
         raw = list(self.local.notifications())
         for notices in self._events("notify"):
             raw.extend(notices)
         for note in raw:
-            request_id, needed = parse_notify(note)
-            if request_id not in self.leases:
+            parsed = parse_notify(note)
+            with self._grant_lock:
+                grant = self.grants.get(parsed[0]) if parsed else None
+            if grant is None or parsed is None:
+                continue                  # malformed, or released already (lease, explicit free)
+            request_id, needed, capability = parsed
+            if not _same(capability, grant.capability):
+                warn_limited("ignored a KV read-done notice for %.100r with a wrong capability", request_id)
                 continue
             self.notices[request_id] += 1
             if self.notices[request_id] == needed:
@@ -242,7 +317,7 @@ class KVConnector:
         from kvrelay.disagg.side_channel import side_channel_call
         reply = side_channel_call(host, port, {"type": "handshake", "version": HANDSHAKE_VERSION,
                                                "engine_id": self.engine_id, "spec": self.spec.__dict__,
-                                               "tp_size": self.tp_size})
+                                               "tp_size": self.tp_size}, secret=self.secret)
         self.stats.handshakes += 1
         if not reply.get("ok"):
             self.stats.handshake_errors += 1
@@ -295,7 +370,9 @@ class KVConnector:
             self.release_remote(params)
             self.loads[request_id] = _Load(request_id, time.monotonic(), set())
             return
-        order = PullOrder(request_id, peer.engine_id, notify_message(params.remote_request_id, self.tp_size),
+        self.claim(params)
+        order = PullOrder(request_id, peer.engine_id,
+                          notify_message(params.remote_request_id, self.tp_size, params.remote_capability),
                           tuple(pulls))
         self.loads[request_id] = _Load(request_id, time.monotonic(), set(range(self.tp_size)))
         if self.link is not None:
@@ -305,6 +382,22 @@ class KVConnector:
             self.outbox.pulls.append(order)
             self.link.send_kv(self.take_work())
         self._pending_events.extend(("load", e) for e in self.local.apply(KVWork(pulls=[order])))
+
+    def claim(self, params: Any) -> None:
+        """Before any read: present the request's capability to the prefill, which answers
+        with the blocks it issued for that request (once). Block ids that a client put in
+        kv_transfer_params are read only if they are exactly those."""
+        from kvrelay.disagg.side_channel import SideChannelError, side_channel_call
+        try:
+            reply = side_channel_call(params.remote_host, params.remote_port,
+                                      {"type": "claim", "request_id": params.remote_request_id,
+                                       "capability": params.remote_capability}, secret=self.secret)
+        except SideChannelError as e:
+            raise HandshakeError(f"the prefill refused to hand over request {params.remote_request_id!r}'s "
+                                 f"KV: {e}") from None
+        if reply.get("block_ids") != params.remote_block_ids:
+            raise HandshakeError(f"kv_transfer_params.remote_block_ids are not the blocks the prefill issued "
+                                 f"for request {params.remote_request_id!r}")
 
     def take_work(self) -> KVWork | None:
         """KV work for ranks 1..N-1 accumulated since the last call (None when there is none)."""
@@ -318,7 +411,8 @@ class KVConnector:
         def send() -> None:
             try:
                 side_channel_call(params.remote_host, params.remote_port,
-                                  {"type": "release", "request_id": params.remote_request_id}, timeout=5)
+                                  {"type": "release", "request_id": params.remote_request_id,
+                                   "capability": params.remote_capability}, timeout=5, secret=self.secret)
             except Exception as e:  # the prefill's lease frees them anyway
                 logger.warning("could not ask %s:%s to free %s: %s", params.remote_host, params.remote_port,
                                params.remote_request_id, e)

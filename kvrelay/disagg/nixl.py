@@ -95,6 +95,36 @@ def _avoid_exit_segfault() -> None:
         os.environ["UCX_MODULES"] = "^ib"
 
 
+def ucx_interface(host: str) -> str | None:
+    """The network interface that carries `host` (an IPv4 address): "lo" for loopback,
+    else the interface holding that address; None when no interface does."""
+    from kvrelay.disagg.side_channel import interface_addresses
+    if host.startswith("127.") or host == "localhost":
+        return "lo"
+    for name, addr in interface_addresses():
+        if addr == host:
+            return name
+    return None
+
+
+def restrict_ucx_interface(host: str) -> None:
+    """Make UCX (NIXL's UCX backend) open its network transports, and so listen, only on
+    the interface of `host` — the side channel's advertised address — by setting
+    UCX_NET_DEVICES before the first UCX context is created. Left to itself UCX listens
+    on every interface's address. A UCX_NET_DEVICES the user set wins. Shared-memory
+    transports (same host) are not network devices and stay available."""
+    if os.environ.get("UCX_NET_DEVICES"):
+        return
+    iface = ucx_interface(host)
+    if iface is None:
+        logger.warning("NIXL/UCX: no interface holds the KV side channel's address %s; UCX may "
+                       "listen on every interface (set UCX_NET_DEVICES to restrict it)", host)
+        return
+    os.environ["UCX_NET_DEVICES"] = iface
+    logger.info("NIXL/UCX: network transports restricted to %s (the interface of %s); set "
+                "UCX_NET_DEVICES to override", iface, host)
+
+
 def nixl_import_error() -> str | None:
     """None when `nixl._api` imports, else why not (one line)."""
     try:
@@ -153,8 +183,11 @@ class NixlTransport(KVTransport):
     name = "nixl"
 
     def __init__(self, agent_name: str | None = None, backends: Sequence[str] = ("UCX",),
-                 backend_options: dict[str, dict[str, str]] | None = None) -> None:
+                 backend_options: dict[str, dict[str, str]] | None = None,
+                 ucx_host: str | None = None) -> None:
         api = _nixl_api()
+        if ucx_host is not None:
+            restrict_ucx_interface(ucx_host)
         self.agent_name = agent_name or f"kvrelay-{uuid.uuid4().hex[:12]}"
         self._lock = threading.RLock()
         self._closed = False

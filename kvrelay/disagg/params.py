@@ -3,7 +3,8 @@
     proxy → prefill:  {"do_remote_decode": true, "do_remote_prefill": false, remote_*: null}
     prefill → proxy:  {"do_remote_prefill": true, "do_remote_decode": false, "remote_engine_id",
                        "remote_block_ids": [[...full group...], [...sliding group...]],
-                       "remote_host", "remote_port", "remote_request_id", "tp_size"}
+                       "remote_host", "remote_port", "remote_request_id", "tp_size",
+                       "remote_capability"}   (kvrelay's extra key: see docs/security.md)
     proxy → decode:   the prefill's params, unchanged
 """
 from __future__ import annotations
@@ -25,6 +26,9 @@ class KVTransferParams:
     remote_port: int | None = None
     remote_request_id: str | None = None
     tp_size: int | None = None
+    # kvrelay's extra key: the prefill's unguessable per-request capability. Decode must
+    # present it to read or release the request's blocks (vLLM's proxy passes it through).
+    remote_capability: str | None = None
 
     @classmethod
     def from_dict(cls, raw: Any) -> KVTransferParams | None:
@@ -35,7 +39,7 @@ class KVTransferParams:
         p = cls(**{k: raw.get(k) for k in cls.__dataclass_fields__ if k in raw})
         if p.do_remote_prefill:
             missing = [k for k in ("remote_engine_id", "remote_block_ids", "remote_host", "remote_port",
-                                   "remote_request_id") if getattr(p, k) in (None, "")]
+                                   "remote_request_id", "remote_capability") if getattr(p, k) in (None, "")]
             if missing:
                 raise ValueError(f"kv_transfer_params.do_remote_prefill needs {', '.join(missing)}")
             ids = p.remote_block_ids
@@ -45,6 +49,8 @@ class KVTransferParams:
                                  "(one per KV-cache group)")
             if not isinstance(p.remote_port, int) or not 0 < p.remote_port < 65536:
                 raise ValueError("kv_transfer_params.remote_port must be a TCP port")
+            if not isinstance(p.remote_capability, str) or len(p.remote_capability) > 256:
+                raise ValueError("kv_transfer_params.remote_capability must be the string the prefill issued")
         return p
 
     def to_dict(self) -> dict[str, Any]:
@@ -60,6 +66,10 @@ class KVTransferConfig:
     kv_load_failure_policy: str = "fail"
     lease_s: float = 120.0                 # prefill frees held blocks at the latest after this
     load_timeout_s: float = 60.0           # decode gives up waiting for a transfer after this
+    # prefill: blocks held for decode servers may fill at most this share of the KV pool;
+    # a finished do_remote_decode request over it gets its blocks freed and an error
+    hold_share: float = 0.5
+    max_connections: int = 256             # per KV listener (side channel); TCP transport: 64
     engine_id: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -97,7 +107,26 @@ class KVTransferConfig:
         backends = extra.pop("backends", ["UCX"] if raw.get("kv_connector") != "TcpConnector" else ["TCP"])
         if not isinstance(backends, list) or not backends:
             raise ValueError("--kv-transfer-config: kv_connector_extra_config.backends must be a non-empty list")
+        hold_share = _number(extra.pop("hold_share", 0.5), "hold_share")
+        if not 0 < hold_share <= 1:
+            raise ValueError(f"--kv-transfer-config: kv_connector_extra_config.hold_share must be in (0, 1], "
+                             f"got {hold_share}")
+        max_connections = _number(extra.pop("max_connections", 256), "max_connections")
+        if max_connections < 1 or max_connections != int(max_connections):
+            raise ValueError(f"--kv-transfer-config: kv_connector_extra_config.max_connections must be a "
+                             f"positive integer, got {max_connections}")
+        secret_file = extra.get("secret_file")
+        if secret_file is not None and (not isinstance(secret_file, str) or not secret_file):
+            raise ValueError("--kv-transfer-config: kv_connector_extra_config.secret_file must be a path")
         return cls(kv_connector=raw.get("kv_connector", "NixlConnector"), kv_role=role, kv_buffer_device=device,
                    backends=tuple(str(b).upper() for b in backends), kv_load_failure_policy=policy,
                    lease_s=float(extra.pop("lease_s", 120.0)), load_timeout_s=float(extra.pop("load_timeout_s", 60.0)),
+                   hold_share=hold_share, max_connections=int(max_connections),
                    engine_id=raw.get("engine_id"), extra=extra)
+
+
+def _number(value: Any, key: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"--kv-transfer-config: kv_connector_extra_config.{key} must be a number, "
+                         f"got {value!r}")
+    return float(value)

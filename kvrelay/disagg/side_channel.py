@@ -2,9 +2,12 @@
 `VLLM_NIXL_SIDE_CHANNEL_HOST:PORT` where decode servers fetch transport metadata.
 
 Wire format: each message is one frame — a 4-byte big-endian length, then that many
-bytes of UTF-8 JSON encoding an object. Frames over `max_frame` bytes (16 MiB by
-default) or that are not a JSON object are rejected with an error reply; an oversized
-frame also closes the connection (its body is never read). Nothing is unpickled.
+bytes of UTF-8 JSON encoding an object. Frames over the limit (requests to the server:
+64 KiB; replies: 16 MiB; the authentication exchange: 4 KiB) or that are not a JSON
+object are rejected with an error reply; an oversized frame also closes the connection
+(its body is never read). A frame's buffer grows as its bytes arrive. Nothing is
+unpickled. With a KV secret, a connection authenticates before its first request
+(`kvrelay.disagg.auth`).
 
 A request is any JSON object; the server answers `{"ok": true, "result": {...}}` with
 what the handler returned, or `{"ok": false, "error": "..."}` when the request was
@@ -20,7 +23,9 @@ import os
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 
@@ -59,31 +64,43 @@ def send_frame(sock: socket.socket, obj: dict, max_frame: int = MAX_FRAME) -> No
     sock.sendall(encode_frame(obj, max_frame))
 
 
-def recv_exact(sock: socket.socket, n: int) -> bytes | None:
-    """Exactly n bytes; None on EOF before the first byte; ConnectionError on EOF inside."""
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = sock.recv_into(view[got:], n - got)
-        if k == 0:
-            if got == 0:
+_CHUNK = 64 * 1024
+
+
+def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes | None:
+    """Exactly n bytes; None on EOF before the first byte; ConnectionError on EOF inside.
+
+    The buffer grows as bytes arrive (at most 64 KiB per receive), so a peer that
+    announces a large frame and sends nothing costs nothing. With a `deadline`
+    (time.monotonic()) the whole read must finish by then (TimeoutError), however
+    slowly the bytes trickle in."""
+    buf = bytearray()
+    while len(buf) < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no complete frame within the time allowed ({len(buf)} of {n} bytes)")
+            sock.settimeout(left)
+        chunk = sock.recv(min(n - len(buf), _CHUNK))
+        if not chunk:
+            if not buf:
                 return None
-            raise ConnectionError(f"connection closed after {got} of {n} bytes")
-        got += k
+            raise ConnectionError(f"connection closed after {len(buf)} of {n} bytes")
+        buf += chunk
     return bytes(buf)
 
 
-def recv_frame(sock: socket.socket, max_frame: int = MAX_FRAME) -> dict | None:
+def recv_frame(sock: socket.socket, max_frame: int = MAX_FRAME,
+               deadline: float | None = None) -> dict | None:
     """One frame as a dict; None on clean EOF. FrameError when the frame is oversized
-    (body left unread) or is not a JSON object (body consumed)."""
-    head = recv_exact(sock, _HEADER.size)
+    (body left unread) or is not a JSON object (body consumed). `deadline`: see recv_exact."""
+    head = recv_exact(sock, _HEADER.size, deadline)
     if head is None:
         return None
     (n,) = _HEADER.unpack(head)
     if n > max_frame:
         raise OversizedFrame(f"frame of {n} bytes exceeds the {max_frame}-byte limit")
-    body = recv_exact(sock, n) if n else b""
+    body = recv_exact(sock, n, deadline) if n else b""
     if body is None:
         raise ConnectionError("connection closed inside a frame")
     try:
@@ -161,23 +178,79 @@ def interface_addresses() -> list[tuple[str, str]]:
 # server
 
 
+REQUEST_MAX_FRAME = 64 * 1024     # a request to a side channel is < 2 KiB; replies may be larger
+
+
+@dataclass
+class _Conn:
+    thread: threading.Thread
+    opened: float
+    authenticated: bool = False
+    evicted: bool = False
+
+
+def admit_connection(conns: dict[socket.socket, _Conn], limit: int, evict_pending: bool, peer,
+                     what: str) -> bool:
+    """Under the caller's lock: may a new connection be served? At the limit, evict the
+    oldest connection that has not authenticated yet (`evict_pending`: the listener
+    authenticates) — its thread sees EOF and exits — else refuse."""
+    if len(conns) < limit:
+        return True
+    pending = [(c.opened, s) for s, c in conns.items() if not (c.authenticated or c.evicted)]
+    if evict_pending and pending:
+        _, oldest = min(pending, key=lambda x: x[0])
+        try:
+            oldest.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        conns[oldest].evicted = True
+        logger.debug("%s: connection limit %d reached, evicted an unauthenticated one", what, limit)
+        return True
+    warn_limited(f"{what}: refusing %s, %d connections open (the limit)", peer, len(conns))
+    return False
+
+
+_last_logged: dict[str, float] = {}
+
+
+def warn_limited(fmt: str, *args) -> None:
+    """A WARNING at most once a minute per message format: a flood of bad peers must not
+    flood the log."""
+    now = time.monotonic()
+    if now - _last_logged.get(fmt, -60.0) < 60.0:
+        return
+    _last_logged[fmt] = now
+    logger.warning(fmt + " (repeats of this warning are suppressed for a minute)", *args)
+
+
 class SideChannelServer:
-    """Serves `handler(request) -> reply` on host:port, a thread per connection, many
-    requests per connection. `port=0` picks a free port (see `.address`)."""
+    """Serves `handler(request) -> reply` on host:port, a thread per connection (at most
+    `max_connections`), many requests per connection. `port=0` picks a free port (see
+    `.address`).
+
+    With a `secret` every connection first runs the mutual challenge–response of
+    `kvrelay.disagg.auth` (small frames, a few seconds); a peer that fails it is told
+    "authentication failed" and disconnected before any request is read. When the
+    connection limit is reached a new connection evicts the oldest one that has not
+    authenticated yet (so a flood of idle connections cannot lock honest peers out);
+    without such a connection it is refused. Requests are at most `max_frame` bytes and
+    a connection idle for `idle_timeout` seconds is closed."""
 
     def __init__(self, host: str, port: int, handler: Callable[[dict], dict], *,
-                 max_frame: int = MAX_FRAME, idle_timeout: float = 300.0,
-                 max_connections: int = 256, name: str = "kv-side-channel") -> None:
+                 max_frame: int = REQUEST_MAX_FRAME, idle_timeout: float = 60.0,
+                 max_connections: int = 256, name: str = "kv-side-channel",
+                 secret: bytes | None = None) -> None:
         self.host, self.port = host, int(port)
         self.handler = handler
         self.max_frame = max_frame
         self.idle_timeout = idle_timeout
         self.max_connections = max_connections
         self.name = name
+        self.secret = secret
         self._sock: socket.socket | None = None
         self._stop = threading.Event()
         self._accept_thread: threading.Thread | None = None
-        self._conns: dict[socket.socket, threading.Thread] = {}
+        self._conns: dict[socket.socket, _Conn] = {}
         self._lock = threading.Lock()
 
     def start(self) -> SideChannelServer:
@@ -223,27 +296,26 @@ class SideChannelServer:
                     return
                 continue
             with self._lock:
-                if self._stop.is_set() or len(self._conns) >= self.max_connections:
-                    full = not self._stop.is_set()
+                if self._stop.is_set() or not admit_connection(self._conns, self.max_connections,
+                                                                  self.secret is not None, peer, self.name):
                     conn.close()
-                    if full:
-                        logger.warning("side channel %s:%d: refusing %s, %d connections open",
-                                       self.host, self.port, peer, len(self._conns))
                     continue
                 t = threading.Thread(target=self._serve, args=(conn, peer), daemon=True,
                                      name=f"{self.name}-conn")
-                self._conns[conn] = t
+                self._conns[conn] = _Conn(t, time.monotonic())
             t.start()
 
     def _serve(self, conn: socket.socket, peer) -> None:
         try:
-            conn.settimeout(self.idle_timeout)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self.secret is not None and not self._authenticate(conn, peer):
+                return
+            conn.settimeout(self.idle_timeout)
             while not self._stop.is_set():
                 try:
                     msg = recv_frame(conn, self.max_frame)
                 except FrameError as e:
-                    logger.warning("side channel: bad frame from %s: %s", peer, e)
+                    warn_limited("side channel: bad frame from %s: %s", peer, e)
                     try:
                         send_frame(conn, {"ok": False, "error": str(e)})
                     except OSError:
@@ -255,7 +327,7 @@ class SideChannelServer:
                     return
                 reply = self._dispatch(msg)
                 try:
-                    frame = encode_frame(reply, self.max_frame)
+                    frame = encode_frame(reply, MAX_FRAME)
                 except (FrameError, TypeError, ValueError) as e:
                     frame = encode_frame({"ok": False, "error": f"reply could not be sent: {e}"})
                 conn.sendall(frame)
@@ -268,6 +340,21 @@ class SideChannelServer:
                 conn.close()
             except OSError:
                 pass
+
+    def _authenticate(self, conn: socket.socket, peer) -> bool:
+        from kvrelay.disagg.auth import AuthError, server_authenticate
+        assert self.secret is not None
+        try:
+            server_authenticate(conn, self.secret)
+        except AuthError as e:
+            warn_limited("side channel %s:%d: refused %s: %s", self.host, self.port, peer, e)
+            return False
+        with self._lock:
+            state = self._conns.get(conn)
+            if state is None or state.evicted:
+                return False
+            state.authenticated = True
+        return True
 
     def _dispatch(self, msg: dict) -> dict:
         try:
@@ -301,8 +388,8 @@ class SideChannelServer:
                 conn.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-        for _, t in conns:
-            t.join(timeout=5)
+        for _, c in conns:
+            c.thread.join(timeout=5)
 
     def __enter__(self) -> SideChannelServer:
         return self.start()
@@ -331,16 +418,26 @@ def _connect_error(host: str, port: int, e: BaseException, timeout: float) -> Si
 
 
 class SideChannelClient:
-    """A connection to a side channel, for several calls."""
+    """A connection to a side channel, for several calls. With a `secret` the connection
+    authenticates first (SideChannelError "... authentication failed" otherwise)."""
 
     def __init__(self, host: str, port: int, timeout: float = 10.0,
-                 max_frame: int = MAX_FRAME) -> None:
+                 max_frame: int = MAX_FRAME, secret: bytes | None = None) -> None:
         self.host, self.port, self.timeout, self.max_frame = host, int(port), timeout, max_frame
         try:
             self._sock = socket.create_connection((host, self.port), timeout=timeout)
         except OSError as e:
             raise _connect_error(host, self.port, e, timeout) from e
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if secret is not None:
+            from kvrelay.disagg.auth import AuthError, client_authenticate
+            try:
+                client_authenticate(self._sock, secret)
+            except AuthError as e:
+                self.close()
+                raise SideChannelError(f"KV side channel {host}:{self.port}: {e} (is "
+                                       f"KVRELAY_KV_SECRET the same on every server?)") from None
+            self._sock.settimeout(timeout)
 
     def call(self, message: dict) -> dict:
         where = f"KV side channel {self.host}:{self.port}"
@@ -375,7 +472,8 @@ class SideChannelClient:
         self.close()
 
 
-def side_channel_call(host: str, port: int, message: dict, timeout: float = 10.0) -> dict:
+def side_channel_call(host: str, port: int, message: dict, timeout: float = 10.0,
+                      secret: bytes | None = None) -> dict:
     """One request on a fresh connection; the handler's reply, or SideChannelError."""
-    with SideChannelClient(host, port, timeout) as client:
+    with SideChannelClient(host, port, timeout, secret=secret) as client:
         return client.call(message)

@@ -35,9 +35,12 @@ from kvrelay.disagg.side_channel import (
     MAX_FRAME,
     FrameError,
     OversizedFrame,
+    _Conn,
+    admit_connection,
     advertised_host,
     recv_frame,
     send_frame,
+    warn_limited,
 )
 from kvrelay.disagg.transport import (
     METADATA_VERSION,
@@ -57,6 +60,9 @@ logger = logging.getLogger(__name__)
 MAX_DESCS = 1 << 20          # per read request
 _IOV_BATCH = 512             # buffers per sendmsg / recvmsg_into call (IOV_MAX is 1024)
 _STAGE_BYTES = 8 << 20       # host staging chunk for CUDA regions
+MAX_CONNECTIONS = 64         # served connections (one thread each); readers pool a few per peer
+IDLE_TIMEOUT_S = 120.0       # a served connection idle this long is closed
+POOLED_MAX_AGE_S = 30.0      # readers reuse an idle connection only this long (< IDLE_TIMEOUT_S)
 
 
 def _is_int(x) -> bool:
@@ -102,7 +108,7 @@ class _TcpPeer:
     host: str
     port: int
     regions: list[int]
-    idle: list[socket.socket] = field(default_factory=list)
+    idle: list[tuple[socket.socket, float]] = field(default_factory=list)   # (socket, pooled at)
 
 
 @dataclass(eq=False)
@@ -116,9 +122,15 @@ class TcpTransport(KVTransport):
     name = "tcp"
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, timeout: float = 30.0,
-                 max_workers: int = 4, max_frame: int = MAX_FRAME) -> None:
+                 max_workers: int = 4, max_frame: int = MAX_FRAME, secret: bytes | None = None,
+                 serve: bool = True, max_connections: int = MAX_CONNECTIONS,
+                 idle_timeout: float = IDLE_TIMEOUT_S) -> None:
         self.host = host
         self.timeout = timeout
+        self.secret = secret            # peers authenticate (both directions) before any request
+        self.serve_reads = serve        # False on a kv_consumer: its KV is nobody's to read
+        self.max_connections = max_connections
+        self.idle_timeout = idle_timeout
         self.max_frame = max_frame
         self.max_descs = MAX_DESCS
         self._lock = threading.RLock()
@@ -130,7 +142,7 @@ class TcpTransport(KVTransport):
         self._notifs: list[bytes] = []
         self._inflight: set[TcpReadHandle] = set()
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kv-tcp-read")
-        self._conns: dict[socket.socket, threading.Thread] = {}
+        self._conns: dict[socket.socket, _Conn] = {}
         self._stop = threading.Event()
 
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
@@ -195,18 +207,24 @@ class TcpTransport(KVTransport):
                 if self._stop.is_set():
                     conn.close()
                     return
-                self._conns[conn] = t
+                if not admit_connection(self._conns, self.max_connections, self.secret is not None,
+                                        peer, f"TCP KV transport {self.host}:{self.port}"):
+                    conn.close()
+                    continue
+                self._conns[conn] = _Conn(t, time.monotonic())
             t.start()
 
     def _serve(self, conn: socket.socket, peer) -> None:
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.settimeout(None)   # idle connections stay pooled by the reader
+            if self.secret is not None and not self._authenticate(conn, peer):
+                return
+            conn.settimeout(self.idle_timeout)    # readers pool idle connections for less than this
             while not self._stop.is_set():
                 try:
                     msg = recv_frame(conn, self.max_frame)
                 except FrameError as e:
-                    logger.warning("TCP KV transport: bad request from %s: %s", peer, e)
+                    warn_limited("TCP KV transport: bad request from %s: %s", peer, e)
                     send_frame(conn, {"ok": False, "error": str(e)})
                     if isinstance(e, OversizedFrame):
                         return
@@ -215,7 +233,7 @@ class TcpTransport(KVTransport):
                     return
                 conn.settimeout(self.timeout)
                 self._handle_request(conn, msg)
-                conn.settimeout(None)
+                conn.settimeout(self.idle_timeout)
         except (OSError, ConnectionError) as e:
             if not self._stop.is_set():
                 logger.debug("TCP KV transport: connection from %s ended: %s", peer, e)
@@ -230,8 +248,26 @@ class TcpTransport(KVTransport):
             except OSError:
                 pass
 
+    def _authenticate(self, conn: socket.socket, peer) -> bool:
+        from kvrelay.disagg.auth import AuthError, server_authenticate
+        assert self.secret is not None
+        try:
+            server_authenticate(conn, self.secret)
+        except AuthError as e:
+            warn_limited("TCP KV transport %s:%d: refused %s: %s", self.host, self.port, peer, e)
+            return False
+        with self._lock:
+            state = self._conns.get(conn)
+            if state is None or state.evicted:
+                return False
+            state.authenticated = True
+        return True
+
     def _handle_request(self, conn: socket.socket, msg: dict) -> None:
         op = msg.get("op")
+        if not self.serve_reads:
+            send_frame(conn, {"ok": False, "error": "this KV transport serves no reads"})
+            return
         if op not in ("notify", "read"):
             send_frame(conn, {"ok": False, "error": f"unknown op {op!r}"})
             return
@@ -336,7 +372,7 @@ class TcpTransport(KVTransport):
 
     @staticmethod
     def _close_idle(peer: _TcpPeer) -> None:
-        for s in peer.idle:
+        for s, _ in peer.idle:
             try:
                 s.close()
             except OSError:
@@ -362,15 +398,27 @@ class TcpTransport(KVTransport):
         return handle
 
     def _connect(self, peer: _TcpPeer) -> socket.socket:
+        now = time.monotonic()
         with self._lock:
-            if peer.idle:
-                return peer.idle.pop()
+            while peer.idle:
+                s, since = peer.idle.pop()
+                if now - since < POOLED_MAX_AGE_S:
+                    return s
+                self._discard(s)           # the server may have closed it by now
         try:
             s = socket.create_connection((peer.host, peer.port), timeout=self.timeout)
         except OSError as e:
             raise TransferError(f"TCP KV transport cannot connect to {peer.host}:{peer.port} "
                                 f"({type(e).__name__}: {e})") from e
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self.secret is not None:
+            from kvrelay.disagg.auth import AuthError, client_authenticate
+            try:
+                client_authenticate(s, self.secret)
+            except AuthError as e:
+                self._discard(s)
+                raise TransferError(f"TCP KV transport {peer.host}:{peer.port}: {e} (is "
+                                    f"KVRELAY_KV_SECRET the same on every server?)") from None
         return s
 
     def _do_read(self, handle: TcpReadHandle, peer: _TcpPeer, descs: list[ReadDesc],
@@ -421,7 +469,7 @@ class TcpTransport(KVTransport):
         with self._lock:
             if not self._closed and peer is self._peers.get(handle.peer_id):
                 sock.settimeout(None)
-                peer.idle.append(sock)
+                peer.idle.append((sock, time.monotonic()))
             else:
                 self._discard(sock)
 
@@ -526,6 +574,6 @@ class TcpTransport(KVTransport):
                 conn.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-        for _, t in conns:
-            t.join(timeout=5)
+        for _, c in conns:
+            c.thread.join(timeout=5)
         self._views, self._flat = [], []

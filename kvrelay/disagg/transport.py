@@ -234,7 +234,8 @@ def check_metadata(metadata: object, expected: str, peer_id: str) -> dict:
 
 def make_transport(backends: Sequence[str] | None = None, *, agent_name: str | None = None,
                    backend_options: dict[str, dict[str, str]] | None = None,
-                   host: str = "127.0.0.1", port: int = 0) -> KVTransport:
+                   host: str = "127.0.0.1", port: int = 0, secret: bytes | None = None,
+                   serve: bool = True, ucx_host: str | None = None) -> KVTransport:
     """The transport for `backends` (vLLM's `kv_connector_extra_config["backends"]`,
     default ["UCX"]).
 
@@ -246,7 +247,9 @@ def make_transport(backends: Sequence[str] | None = None, *, agent_name: str | N
       ("LIBFABRIC", "UCX", "LIBFABRIC,UCX"; None when all are) so the caller can count
       it in a metric.
 
-    `host`/`port` are where a TcpTransport listens (it serves reads to peers).
+    `host`/`port` are where a TcpTransport listens (it serves reads to peers unless
+    `serve` is False; with a `secret` its peers authenticate first). `ucx_host`: the
+    address whose interface NIXL's UCX may listen on (`NixlTransport`).
     """
     from kvrelay.disagg.tcp import TcpTransport
 
@@ -255,7 +258,7 @@ def make_transport(backends: Sequence[str] | None = None, *, agent_name: str | N
         requested = ["UCX"]
     asked = ",".join(requested)
     if requested == ["TCP"]:
-        return TcpTransport(host=host, port=port)
+        return TcpTransport(host=host, port=port, secret=secret, serve=serve)
     if "TCP" in requested:
         raise ValueError(f"KV transport backends {requested}: TCP cannot be combined with NIXL backends")
 
@@ -266,12 +269,13 @@ def make_transport(backends: Sequence[str] | None = None, *, agent_name: str | N
         logger.warning("KV transfer: NIXL backend %s requested but NIXL is not installed (%s); "
                        "falling back to kvrelay's TCP transport. Install NIXL with `pip install "
                        "nixl-cu12==1.5.1 && pip install --no-deps nixl==1.5.1`.", asked, missing)
-        t = TcpTransport(host=host, port=port)
+        t = TcpTransport(host=host, port=port, secret=secret, serve=serve)
         t.fallback_from = asked
         return t
 
     try:
-        t = nixl_mod.NixlTransport(agent_name, backends=requested, backend_options=backend_options)
+        t = nixl_mod.NixlTransport(agent_name, backends=requested, backend_options=backend_options,
+                                   ucx_host=ucx_host)
     except TransportUnavailable as e:
         reason = str(e)
     else:
@@ -280,7 +284,8 @@ def make_transport(backends: Sequence[str] | None = None, *, agent_name: str | N
         return t
     if requested != ["UCX"]:
         try:
-            t = nixl_mod.NixlTransport(agent_name, backends=["UCX"], backend_options=backend_options)
+            t = nixl_mod.NixlTransport(agent_name, backends=["UCX"], backend_options=backend_options,
+                                       ucx_host=ucx_host)
         except TransportUnavailable as e:
             reason += f"; UCX: {e}"
         else:
@@ -290,6 +295,6 @@ def make_transport(backends: Sequence[str] | None = None, *, agent_name: str | N
             return t
     logger.warning("KV transfer: NIXL backend %s is not available here (%s); falling back to "
                    "kvrelay's TCP transport.", asked, reason)
-    t = TcpTransport(host=host, port=port)
+    t = TcpTransport(host=host, port=port, secret=secret, serve=serve)
     t.fallback_from = asked
     return t

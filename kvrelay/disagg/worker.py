@@ -98,6 +98,8 @@ class _Read:
 
 class KVWorker:
     def __init__(self, setup: KVWorkerSetup, rank: int, kv_tensors: list[Any]) -> None:
+        from kvrelay.disagg.auth import load_secret, warn_if_exposed
+        from kvrelay.disagg.side_channel import advertised_host
         from kvrelay.disagg.transport import make_transport
         cfg = setup.config
         self.setup, self.rank = setup, rank
@@ -106,8 +108,15 @@ class KVWorker:
         # UCX error mode "none": control traffic over shared memory, ~100x faster first read;
         # a vanished peer is still caught by the load timeout (kv_connector_extra_config.load_timeout_s)
         options = cfg.extra.get("backend_options") or {"UCX": {"ucx_error_handling_mode": "none"}}
+        secret = load_secret(cfg.extra)
+        if cfg.is_producer:
+            warn_if_exposed(bind, secret, "KV transport")
+        # a producer's UCX listens only on the interface its side channel advertises; a pure
+        # consumer dials out and follows UCX_NET_DEVICES
         self.transport = make_transport(list(cfg.backends), agent_name=f"{setup.engine_id}-rank{rank}",
-                                        host=bind, backend_options=options)
+                                        host=bind, backend_options=options, secret=secret,
+                                        serve=cfg.is_producer,
+                                        ucx_host=advertised_host(bind) if cfg.is_producer else None)
         self.transport.register(kv_tensors)
         first = kv_tensors[0]                                     # [2, num_blocks, heads, B, hd]
         self.num_blocks, self.num_heads = first.shape[1], first.shape[2]

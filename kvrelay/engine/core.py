@@ -37,7 +37,7 @@ from kvrelay.engine.request import Request, Status
 from kvrelay.engine.runner import ModelRunner, StepInput, kv_bytes_per_block
 from kvrelay.engine.sampler import Sampler, top_logprobs
 from kvrelay.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
-from kvrelay.disagg.connector import KVConnector
+from kvrelay.disagg.connector import HoldRefused, KVConnector
 from kvrelay.disagg.params import KVTransferConfig, KVTransferParams
 from kvrelay.distributed.executor import MultiprocExecutor, RankSpec, free_port
 from kvrelay.kv_cache.manager import KVCacheGroup, KVCacheManager
@@ -648,9 +648,14 @@ class LLMEngine:
             first.prompt_logprobs if first.params.prompt_logprobs is not None else None,
             first.num_cached_tokens, all(o.finished for o in outputs))
         if out.finished and first.remote_decode and first.request_id in self.scheduler.held:
-            out.kv_transfer_params = {"do_remote_prefill": True, "do_remote_decode": False,
-                                      "remote_block_ids": self.kv.block_ids(first.request_id),
-                                      **self.connector.hold(first.request_id)}
+            block_ids = self.kv.block_ids(first.request_id)
+            try:
+                out.kv_transfer_params = {"do_remote_prefill": True, "do_remote_decode": False,
+                                          "remote_block_ids": block_ids,
+                                          **self.connector.hold(first.request_id, block_ids)}
+            except HoldRefused as e:        # over the hold share: free now, the request fails
+                self.scheduler.release_held(first.request_id)
+                out.error = str(e)
         return out
 
     def _forget(self, parent: _Parent) -> None:

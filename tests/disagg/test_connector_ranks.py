@@ -65,7 +65,7 @@ def pair(monkeypatch):
 
 
 def params(prefill: KVConnector, rid: str, blocks: list[int]) -> SimpleNamespace:
-    held = prefill.hold(rid)
+    held = prefill.hold(rid, [blocks])
     return SimpleNamespace(remote_block_ids=[blocks], **held)
 
 
@@ -86,7 +86,7 @@ def test_load_waits_for_every_rank_and_prefill_for_every_notice(pair):
     [work] = decode.link.sent                                # sent at once, with the new peer
     assert [o.request_id for o in work.pulls] == ["d1"] and work.peers[0].tp_size == 1
     assert decode.take_work() is None
-    assert work.pulls[0].notify == b"r1:2"
+    assert work.pulls[0].notify == f"r1:2:{p.remote_capability}".encode()
     deadline = time.monotonic() + 10
     while decode.loads["d1"].waiting != {1} and time.monotonic() < deadline:
         assert decode.poll_loads() == []                    # not done while rank 1 is not
@@ -103,7 +103,7 @@ def test_load_waits_for_every_rank_and_prefill_for_every_notice(pair):
         time.sleep(0.01)
     assert done == [] and prefill.notices["r1"] == 1
     # the other decode rank read from the same prefill rank: its notice arrives there too
-    prefill.transport._notifs.append(b"r1:2")
+    prefill.transport._notifs.append(f"r1:2:{p.remote_capability}".encode())
     assert prefill.read_done() == ["r1"]
 
 

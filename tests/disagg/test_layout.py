@@ -96,9 +96,10 @@ def test_tp_mismatch_names_the_sizes():
 
 
 def test_notify_counts_and_pairing_hash():
-    assert parse_notify(notify_message("cmpl-abc-0", 4)) == ("cmpl-abc-0", 4)
-    assert parse_notify(b"cmpl-abc-0") == ("cmpl-abc-0", 1)                  # a bare id: one reader
-    assert parse_notify(b"id:with:colons:2") == ("id:with:colons", 2)
+    assert parse_notify(notify_message("cmpl-abc-0", 4, "cap-x_Y")) == ("cmpl-abc-0", 4, "cap-x_Y")
+    assert parse_notify(b"cmpl-abc-0") is None                  # no count, no capability: ignored
+    assert parse_notify(b"cmpl-abc-0:2") is None
+    assert parse_notify(b"id:with:colons:2:cap") == ("id:with:colons", 2, "cap")
     spec = {"block_size": 4, "num_kv_heads": 2}
     assert pairing_hash(spec, 1, 2) == pairing_hash(dict(spec), 1, 2)
     assert pairing_hash(spec, 1, 2) != pairing_hash(spec, 2, 2)
@@ -134,7 +135,7 @@ def test_rank_reads_assemble_the_decode_shards(a, b, k):
         peer = PeerInfo("P", a, NUM_BLOCKS, tuple(w.metadata() for w in prefill))
         # group 0 (3 layers): remote 1,2,5 → local 7,3,4; group 1 (2 layers): remote 4 → local 1
         groups = (GroupPull(3, (1, 2, 5), (7, 3, 4)), GroupPull(2, (4,), (1,)))
-        order = PullOrder("req", "P", notify_message("remote-req", b), groups)
+        order = PullOrder("req", "P", notify_message("remote-req", b, "cap"), groups)
         for w in decode:
             assert w.apply(KVWork(peers=[peer], pulls=[order])) == []
         events = []
@@ -158,7 +159,7 @@ def test_rank_reads_assemble_the_decode_shards(a, b, k):
             if len(notes) == b:
                 break
             time.sleep(0.005)
-        assert notes == [b"remote-req:%d" % b] * b                         # one per decode rank
+        assert notes == [b"remote-req:%d:cap" % b] * b                         # one per decode rank
     finally:
         for w in prefill + decode:
             w.close()

@@ -90,9 +90,9 @@ def test_oversized_frame_rejected_and_server_still_serves(server):
     assert side_channel_call(*server.address, {"op": "echo", "payload": 2}) == {"echo": 2}
 
 
-def test_default_limit_is_16_mib():
+def test_default_request_limit_is_64_kib():
     with SideChannelServer("127.0.0.1", 0, handler) as srv, raw(srv) as s:
-        s.sendall(struct.pack(">I", 16 * 1024 * 1024 + 1))
+        s.sendall(struct.pack(">I", 64 * 1024 + 1))
         assert "exceeds" in recv_frame(s)["error"]
 
 

@@ -1,0 +1,248 @@
+"""The KV plane under attack, with real processes on 127.0.0.1 (NIXL/UCX and TCP): a 1P1D
+pair sharing KVRELAY_KV_SECRET serves honest requests token-exactly, while strangers on
+its KV ports, forged kv_transfer_params, forged releases, hold floods and connection
+floods get nothing (docs/security.md names each claim's test)."""
+from __future__ import annotations
+
+import socket
+import struct
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvrelay import LLM, SamplingParams
+from kvrelay.disagg.auth import AUTH_FAILED, client_authenticate
+from kvrelay.disagg.side_channel import SideChannelError, recv_frame, send_frame, side_channel_call
+from tests.e2e.disagg import prefill_then_decode, start, wait_metric
+from tests.factories import greedy_mismatch
+from tests.processes import Server, descendants, free_port
+
+SECRET = "e2e-kv-secret-4f9c"
+NUM_BLOCKS = 64                 # the prefill's pool: hold_share 0.5 → at most 32 blocks held
+MAX_TOKENS = 4
+
+
+def _prompt(n: int, seed: int = 0) -> list[int]:
+    return [(7 * i + 3 + 11 * seed) % 150 + 5 for i in range(n)]
+
+
+def listening(server: Server) -> dict[int, list[str]]:
+    """pid → the TCP addresses it listens on, for the server's whole process tree."""
+    pids = {server.proc.pid, *descendants(server.proc.pid)}
+    out: dict[int, list[str]] = {}
+    lines = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
+    for line in lines.splitlines():
+        for pid in pids:
+            if f"pid={pid}," in line:
+                out.setdefault(pid, []).append(line.split()[3])
+    return out
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for {pid}")
+
+
+@pytest.fixture(scope="module", params=["UCX", "TCP"])
+def secured(request, tiny, tmp_path_factory):
+    """A prefill and a decode with the same KV secret. The prefill's UCX_NET_DEVICES is
+    left unset: kvrelay must restrict UCX to the side channel's interface itself."""
+    logs = tmp_path_factory.mktemp(f"kvsec-{request.param}")
+    side = free_port()
+    prefill = start(str(tiny[0]), "kv_producer", logs / "prefill.log", request.param,
+                    flags=["--num-gpu-blocks-override", str(NUM_BLOCKS)],
+                    env={"KVRELAY_KV_SECRET": SECRET, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side),
+                         "UCX_NET_DEVICES": ""}, lease_s=30)
+    decode = start(str(tiny[0]), "kv_consumer", logs / "decode.log", request.param,
+                   env={"KVRELAY_KV_SECRET": SECRET})
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+        yield request.param, prefill, decode, ("127.0.0.1", side)
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny):
+    llm = LLM(str(tiny[0]), dtype="float32", max_model_len=96, block_size=4)
+    lens = [3, 9, 13]
+    outs = llm.generate([_prompt(n) for n in lens],
+                        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    return {n: o.outputs[0].token_ids for n, o in zip(lens, outs)}
+
+
+def _ids(body: dict) -> list[int]:
+    return [int(t.strip().removeprefix("w")) for t in body["choices"][0]["logprobs"]["tokens"]]
+
+
+def _body(n: int, seed: int = 0) -> dict:
+    return {"prompt": _prompt(n, seed), "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+            "logprobs": 0}
+
+
+def _prefill_leg(prefill: Server, body: dict) -> httpx.Response:
+    return httpx.post(f"{prefill.url}/v1/completions", timeout=60,
+                      json=dict(body, max_tokens=1, kv_transfer_params={"do_remote_decode": True}))
+
+
+def test_honest_requests_with_a_secret_equal_single_instance(tiny, secured, reference):
+    _, prefill, decode, _ = secured
+    for n, want in reference.items():
+        params, d = prefill_then_decode(prefill, decode, _body(n), f"honest-{n}")
+        assert d.status_code == 200, d.text
+        assert isinstance(params["remote_capability"], str) and len(params["remote_capability"]) >= 40
+        got = _ids(d.json())
+        if got != want:
+            assert greedy_mismatch(tiny[1], _prompt(n), got) is None, f"prompt length {n}"
+    m = wait_metric(prefill, "kvrelay:kv_requests_held_for_remote", 0)
+    assert m["kvrelay:kv_requests_held_for_remote"] == 0 and m["kvrelay:kv_blocks_used"] == 0
+    assert decode.metrics()["kvrelay:kv_handshake_errors_total"] == 0
+
+
+def test_strangers_on_the_kv_ports_learn_only_authentication_failed(secured):
+    kind, prefill, decode, side = secured
+    hello = {"type": "handshake", "version": 2, "engine_id": "x", "tp_size": 1,
+             "spec": {"block_size": 999}}
+    for secret in (None, b"wrong"):
+        with pytest.raises(SideChannelError) as e:
+            side_channel_call(*side, hello, secret=secret)
+        assert AUTH_FAILED in str(e.value) and "block_size" not in str(e.value)
+    with socket.create_connection(side, timeout=5) as s:           # the raw reply, exactly
+        send_frame(s, hello)
+        assert recv_frame(s) == {"ok": False, "error": AUTH_FAILED}
+        assert s.recv(1) == b""
+    # with the secret, a wrong spec is explained (only to an authenticated peer)
+    explained = side_channel_call(*side, hello, secret=SECRET.encode())
+    assert explained["ok"] is False and "block_size: prefill 4, decode 999" in explained["error"]
+    if kind != "TCP":
+        return
+    # both TCP KV listeners: the prefill's (from the authenticated handshake) and the decode's
+    ports = [int(a.rsplit(":", 1)[1]) for pid, addrs in listening(prefill).items() for a in addrs
+             if not a.endswith(f":{side[1]}") and not a.endswith(f":{prefill.port}")]
+    ports += [int(a.rsplit(":", 1)[1]) for pid, addrs in listening(decode).items() for a in addrs
+              if not a.endswith(f":{decode.port}")]
+    assert len(ports) >= 2, ports
+    for port in ports:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            send_frame(s, {"op": "read", "descs": [[0, 0, 64]], "notify": "eA=="})
+            reply = recv_frame(s)
+            assert reply == {"ok": False, "error": AUTH_FAILED}, (port, reply)
+
+
+def test_forged_kv_transfer_params_read_nothing(tiny, secured):
+    """A client sends a decode server params naming the prefill: without the capability
+    (400), with a guessed one (502), or with its own capability but another request's
+    block ids (502). The victim's request still completes exactly afterwards. (Prompts the
+    decode has not seen: a prefix-cache hit there would need no KV from the prefill.)"""
+    _, prefill, decode, _ = secured
+    victim_body = _body(13, seed=5)
+    victim = _prefill_leg(prefill, victim_body).json()["kv_transfer_params"]
+    mine = _prefill_leg(prefill, _body(9, seed=6)).json()["kv_transfer_params"]
+    no_cap = {k: v for k, v in victim.items() if k != "remote_capability"}
+    r = httpx.post(f"{decode.url}/v1/completions", timeout=60, json=dict(victim_body, kv_transfer_params=no_cap))
+    assert r.status_code == 400 and "remote_capability" in r.json()["error"]["message"]
+    for forged in (dict(victim, remote_capability="A" * 43),
+                   dict(mine, remote_block_ids=victim["remote_block_ids"])):
+        r = httpx.post(f"{decode.url}/v1/completions", timeout=60, json=dict(victim_body, kv_transfer_params=forged))
+        assert r.status_code == 502, r.text
+        assert "wrong capability" in r.text or "not the blocks the prefill issued" in r.text
+    d = httpx.post(f"{decode.url}/v1/completions", timeout=60, json=dict(victim_body, kv_transfer_params=victim))
+    assert d.status_code == 200, d.text
+    assert greedy_mismatch(tiny[1], victim_body["prompt"], _ids(d.json())) is None
+    # the capability is single-use: replaying the victim's params (new prompt tokens after
+    # the shared prefix so the decode's cache cannot serve it) reads nothing
+    replay_body = dict(victim_body, prompt=victim_body["prompt"][:1] + [7] * 12)
+    r = httpx.post(f"{decode.url}/v1/completions", timeout=60, json=dict(replay_body, kv_transfer_params=victim))
+    assert r.status_code == 502 and "wrong capability" in r.text, r.text
+    httpx.post(f"{prefill.url}/v1/kv_transfer/free", json={"remote_request_id": mine["remote_request_id"]})
+    assert wait_metric(prefill, "kvrelay:kv_blocks_used", 0)["kvrelay:kv_blocks_used"] == 0
+
+
+def test_forged_release_frees_nothing(secured):
+    _, prefill, decode, side = secured
+    params = _prefill_leg(prefill, _body(9, seed=2)).json()["kv_transfer_params"]
+    held = prefill.metrics()["kvrelay:kv_blocks_used"]
+    assert held > 0
+    key = SECRET.encode()
+    for cap in (None, "", "forged", params["remote_capability"][:-1] + "x"):
+        with pytest.raises(SideChannelError, match="unknown request or wrong capability"):
+            side_channel_call(*side, {"type": "release", "request_id": params["remote_request_id"],
+                                      "capability": cap}, secret=key)
+    with pytest.raises(SideChannelError, match=AUTH_FAILED):           # and strangers cannot even ask
+        side_channel_call(*side, {"type": "release", "request_id": params["remote_request_id"],
+                                  "capability": params["remote_capability"]})
+    time.sleep(0.5)
+    assert prefill.metrics()["kvrelay:kv_blocks_used"] == held
+    d = httpx.post(f"{decode.url}/v1/completions", timeout=60, json=dict(_body(9, seed=2), kv_transfer_params=params))
+    assert d.status_code == 200, d.text
+    assert wait_metric(prefill, "kvrelay:kv_blocks_used", 0)["kvrelay:kv_blocks_used"] == 0
+
+
+def test_connection_flood_keeps_memory_flat_and_handshakes_working(tiny, secured, reference):
+    """200 connections each announce a frame just under 16 MiB (the old limit) and send two
+    bytes: the prefill's engine process grows by < 40 MiB and a 1P1D request still works."""
+    _, prefill, decode, side = secured
+    owner = [pid for pid, addrs in listening(prefill).items() if any(a.endswith(f":{side[1]}") for a in addrs)]
+    assert len(owner) == 1
+    before = rss_mib(owner[0])
+    flood = []
+    try:
+        for _ in range(200):
+            s = socket.create_connection(side, timeout=5)
+            s.sendall(struct.pack(">I", 16 * 1024 * 1024 - 1) + b'{"')
+            flood.append(s)
+        time.sleep(1.0)
+        grown = rss_mib(owner[0]) - before
+        params, d = prefill_then_decode(prefill, decode, _body(3), "after-flood")
+        assert d.status_code == 200, d.text
+        assert _ids(d.json()) == reference[3] or greedy_mismatch(tiny[1], _prompt(3), _ids(d.json())) is None
+    finally:
+        for s in flood:
+            s.close()
+    assert grown < 40, f"engine RSS grew {grown:.0f} MiB"
+    # an authenticated peer's channel still answers after the flood
+    with socket.create_connection(side, timeout=5) as s:
+        client_authenticate(s, SECRET.encode())
+
+
+def test_ucx_listens_only_where_the_side_channel_does(secured):
+    kind, prefill, _, _ = secured
+    if kind != "UCX":
+        pytest.skip("NIXL only")
+    addrs = [a for found in listening(prefill).values() for a in found]
+    assert addrs and all(a.startswith("127.0.0.1:") for a in addrs), addrs
+    assert "NIXL/UCX: network transports restricted to lo" in prefill.log()
+
+
+def test_direct_hold_flood_is_bounded(secured):
+    """do_remote_decode requests sent straight to the prefill (no decode ever reads) hold
+    at most hold_share of its pool; past it the request fails with an OpenAI error body
+    and its blocks are freed at once; plain requests keep being served."""
+    _, prefill, _, _ = secured
+    ids, refused = [], None
+    for seed in range(40):
+        r = _prefill_leg(prefill, _body(30, seed=seed + 10))
+        if r.status_code != 200:
+            refused = r
+            break
+        ids.append(r.json()["kv_transfer_params"]["remote_request_id"])
+        assert prefill.metrics()["kvrelay:kv_blocks_used"] <= NUM_BLOCKS // 2
+    assert refused is not None and ids, "the hold share never applied"
+    err = refused.json()["error"]
+    assert "hold_share" in err["message"] and set(err) == {"message", "type", "param", "code"}
+    m = prefill.metrics()
+    assert m["kvrelay:kv_blocks_used"] <= NUM_BLOCKS // 2
+    assert m["kvrelay:kv_requests_held_for_remote"] == len(ids)
+    t0 = time.monotonic()
+    plain = httpx.post(f"{prefill.url}/v1/completions", timeout=60, json=_body(30, seed=99))
+    assert plain.status_code == 200 and time.monotonic() - t0 < 20
+    for rid in ids:
+        httpx.post(f"{prefill.url}/v1/kv_transfer/free", json={"remote_request_id": rid})
+    assert wait_metric(prefill, "kvrelay:kv_blocks_used", 0)["kvrelay:kv_blocks_used"] == 0
