@@ -59,9 +59,14 @@ CPU_HALF_MATMUL = EnvVar("KVRELAY_CPU_HALF_MATMUL", None, "auto",
                          "bf16/fp16 weights on CPU: 'native' half-precision GEMMs, 'fp32' (upcast the "
                          "weights per matmul, keep them half in memory) or 'auto' (fp32 unless oneDNN "
                          "has a native bf16 path on this CPU)")
+STRUCTURED_ANALYSIS_BUDGET = EnvVar("KVRELAY_STRUCTURED_ANALYSIS_BUDGET", None, "1024",
+                                    "harmony + structured outputs: most tokens of the analysis "
+                                    "message before the constrained answer (at most half of "
+                                    "max_tokens)")
 
 ALL = (SIDE_CHANNEL_HOST, SIDE_CHANNEL_PORT, ENGINE_READY_TIMEOUT_S, EXECUTE_MODEL_TIMEOUT_S,
-       COMPILATION_TIMEOUT_S, VISIBLE_DEVICES, CACHE_DIR, CPU_HALF_MATMUL)
+       COMPILATION_TIMEOUT_S, VISIBLE_DEVICES, CACHE_DIR, CPU_HALF_MATMUL,
+       STRUCTURED_ANALYSIS_BUDGET)
 
 
 def parse_id_list(text: str) -> list[int]:
