@@ -29,6 +29,8 @@ from kvrelay.sampling_params import SamplingParams
 from kvrelay.server.chat import ChatRenderer
 from kvrelay.server.metrics import ServerMetrics
 from kvrelay.server.protocol import (ChatCompletionRequest, CompletionRequest, OpenAIError)
+from kvrelay.server.structured import is_harmony_chat, request_constraint
+from kvrelay.structured.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +104,8 @@ def _check_lengths(state: ServerState, ids: list[int], max_tokens: int | None) -
 
 
 def _sampling(state: ServerState, body: Any, max_tokens: int, logprobs: int | None,
-              prompt_logprobs: int | None = None, extra_stop_ids: list[int] | None = None) -> SamplingParams:
+              prompt_logprobs: int | None = None, extra_stop_ids: list[int] | None = None,
+              structured: StructuredOutputsParams | None = None) -> SamplingParams:
     for name, asked in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
         if asked is not None and state.max_logprobs != -1 and asked > state.max_logprobs:
             hint = " (logprobs are disabled on this server: --max-logprobs 0)" if state.max_logprobs == 0 else ""
@@ -120,7 +123,7 @@ def _sampling(state: ServerState, body: Any, max_tokens: int, logprobs: int | No
             stop_token_ids=(body.stop_token_ids or []) + (extra_stop_ids or []),
             ignore_eos=body.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             include_stop_str_in_output=body.include_stop_str_in_output,
-            skip_special_tokens=body.skip_special_tokens)
+            skip_special_tokens=body.skip_special_tokens, structured_outputs=structured)
     except ValueError as e:
         raise OpenAIError(str(e)) from None
 
@@ -346,9 +349,11 @@ def build_app(state: ServerState) -> FastAPI:
         if body.suffix:
             raise OpenAIError("suffix is not supported", param="suffix")
         params = []
+        structured = request_constraint(body)
         for _, ids in prompts:
             max_tokens = _check_lengths(state, ids, body.max_tokens)
-            params.append(_sampling(state, body, max_tokens, body.logprobs, body.prompt_logprobs))
+            params.append(_sampling(state, body, max_tokens, body.logprobs, body.prompt_logprobs,
+                                    structured=structured))
         base_id = f"cmpl-{request.state.request_id}"
         created = int(time.time())
         if body.kv_transfer_params and len(prompts) > 1:
@@ -384,7 +389,8 @@ def build_app(state: ServerState) -> FastAPI:
         max_tokens = _check_lengths(state, rendered.prompt_ids, body.max_new_tokens)
         top = body.top_logprobs if body.logprobs else None
         params = _sampling(state, body, max_tokens, top if body.logprobs else None,
-                           extra_stop_ids=rendered.stop_token_ids)
+                           extra_stop_ids=rendered.stop_token_ids,
+                           structured=request_constraint(body, is_harmony_chat(state.chat)))
         base_id = f"chatcmpl-{request.state.request_id}"
         created = int(time.time())
         gen = state.engine.generate(base_id, rendered.prompt_ids, params, body.kv_transfer_params)

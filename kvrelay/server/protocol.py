@@ -48,6 +48,13 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     kv_transfer_params: dict[str, Any] | None = None
     user: str | None = None
+    # structured outputs (kvrelay/server/structured.py): OpenAI's, vLLM's, vLLM's older names
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("top_k")
     @classmethod

@@ -57,10 +57,10 @@ def _format_grammar(p: StructuredOutputsParams) -> dict[str, Any] | None:
     if p.choice is not None:
         return {"lark_grammar": "start: " + " | ".join(_lark_string(c) for c in p.choice)}
     if p.grammar is not None:
-        from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
+        from llguidance.gbnf_to_lark import any_to_lark
         try:
             return {"lark_grammar": any_to_lark(p.grammar)}
-        except (GbnfToLarkError, ValueError, KeyError) as e:
+        except Exception as e:  # noqa: BLE001 - the converter raises bare Exception on bad EBNF
             raise GrammarError(f"grammar: {e}") from None
     return None
 
