@@ -68,10 +68,14 @@ PROXY_BACKEND_KEY = EnvVar("OPENAI_API_KEY", None, None,
 KV_SECRET = EnvVar("KVRELAY_KV_SECRET", None, None,
                    "shared secret of one topology's KV plane: side channel and KV transports "
                    "authenticate peers with it (kvrelay deploy generates one); unset: no authentication")
+STRUCTURED_ANALYSIS_BUDGET = EnvVar("KVRELAY_STRUCTURED_ANALYSIS_BUDGET", None, "1024",
+                                    "harmony + structured outputs: most tokens of the analysis "
+                                    "message before the constrained answer (at most half of "
+                                    "max_tokens)")
 
 ALL = (SIDE_CHANNEL_HOST, SIDE_CHANNEL_PORT, ENGINE_READY_TIMEOUT_S, EXECUTE_MODEL_TIMEOUT_S,
        COMPILATION_TIMEOUT_S, VISIBLE_DEVICES, CACHE_DIR, CPU_HALF_MATMUL, PROXY_API_KEY,
-       PROXY_BACKEND_KEY, KV_SECRET)
+       PROXY_BACKEND_KEY, KV_SECRET, STRUCTURED_ANALYSIS_BUDGET)
 
 
 def parse_id_list(text: str) -> list[int]:

@@ -52,6 +52,7 @@ from kvrelay.sampling_params import (
     check_token_ids,
     validate_for_model,
 )
+from kvrelay.structured.manager import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +120,8 @@ class LLMEngine:
         self.connector: KVConnector | None = None
         self.sampler = Sampler(all_greedy=self.neuron.all_greedy)
         self.eos_token_ids = self._eos_ids()
+        self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size,
+                                            self.eos_token_ids)
         self.processor_factories = [_load_object(name) for name in args.logits_processors]
         self.parents: dict[str, _Parent] = {}
         self.child_parent: dict[str, _Parent] = {}
@@ -240,6 +243,7 @@ class LLMEngine:
         return self.executor.execute(step) if self.executor else self.runner.execute(step)
 
     def shutdown(self) -> None:
+        self.sampler.masks.close()
         if self.connector is not None:
             self.connector.close()
             self.connector = None
@@ -266,6 +270,7 @@ class LLMEngine:
         text, ids = (prompt, self._encode(prompt)) if isinstance(prompt, str) else (None, list(prompt))
         self._check_params(params, ids)
         transfer = self._check_transfer(KVTransferParams.from_dict(kv_transfer_params))
+        grammar = self.structured.matcher(params)       # ValueError: a bad schema / regex
         made = [p for p in (f(params, ids) for f in self.processor_factories) if p is not None]
         if made:
             params = replace(params, logits_processors=list(params.logits_processors) + made)
@@ -276,7 +281,8 @@ class LLMEngine:
             child_id = request_id if params.n == 1 else f"{i}_{request_id}"
             children.append(Request(child_id, ids, child_params, self.eos_token_ids,
                                     fork_of=children[0] if children else None,
-                                    kv_transfer=transfer if not children else None))
+                                    kv_transfer=transfer if not children else None,
+                                    grammar=grammar.fork() if grammar else None))
         for child in children:
             # a finished prefill request holding blocks for a decode still owns its id
             if self._id_in_use(child.request_id):
@@ -368,6 +374,7 @@ class LLMEngine:
             return self._failed_outputs(failed)
         step = self._step_input(out)
         step.kv_work = kv_work            # ranks ≥ 1 start their KV reads before computing
+        self.sampler.prepare(_sampling_requests(out))    # grammar masks fill during the forward
         logits = self._forward(out, step)
         sampled = self._sample(out, logits)
         self.scheduler.update(out, sampled)
@@ -491,6 +498,7 @@ class LLMEngine:
         step = plan.step or self._dummy_step()
         step.dp_token_counts = tuple(dp_token_counts)
         step.kv_work = plan.kv_work
+        self.sampler.prepare(_sampling_requests(plan.out))
         logits = self._execute(step)
         if plan.step is None:
             self.num_dummy_steps += 1
@@ -707,6 +715,11 @@ def _load_object(name: str):
         return getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as e:
         raise ValueError(f"--logits-processors: cannot load {name!r} ({e})") from None
+
+
+def _sampling_requests(out: SchedulerOutput) -> list[Request]:
+    """The requests that sample this step, in `_sample`'s row order."""
+    return [c.request for c in out.chunks if c.completes]
 
 
 def _prompt_logprob_rows(chunk: ScheduledChunk) -> int:

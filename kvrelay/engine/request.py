@@ -3,11 +3,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvrelay.disagg.params import KVTransferParams
 from kvrelay.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvrelay.structured.backend import GrammarMatcher
 
 
 class Status(enum.Enum):
@@ -49,6 +53,7 @@ class Request:
     fork_of: Request | None = None            # n > 1: waits for this sibling's prompt KV
     kv_transfer: KVTransferParams | None = None   # disaggregated serving (see kvrelay/disagg)
     error: str | None = None                  # why an aborted request failed (reported to the client)
+    grammar: GrammarMatcher | None = None     # structured outputs: advanced with every token
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -84,3 +89,5 @@ class Request:
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)

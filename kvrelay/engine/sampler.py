@@ -2,6 +2,7 @@
 
     logits [N, V] float32
       ├─ logits processors (per request, optional), logit_bias, min_tokens bans EOS/stop ids
+      ├─ grammar masks (structured outputs: kvrelay/structured/masks.py)
       ├─ greedy rows: argmax
       └─ random rows: /temperature → top-k → top-p → min-p → softmax → sample
     logprobs (optional): log_softmax of the raw logits; sampled token + top-N
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from kvrelay.engine.request import Logprob, Request
+from kvrelay.structured.masks import TokenMasks
 
 logger = logging.getLogger(__name__)
 
@@ -30,14 +32,20 @@ class SamplerOutput:
 
 def _banned_ids(req: Request) -> list[int]:
     p = req.params
-    if len(req.output_token_ids) >= p.min_tokens:
-        return []
+    if len(req.output_token_ids) >= p.min_tokens or req.grammar is not None:
+        return []                       # a grammar decides alone when the output may end
     return list(p.stop_token_ids) + ([] if p.ignore_eos else list(req.eos_token_ids))
 
 
 class Sampler:
     def __init__(self, all_greedy: bool = False) -> None:
         self.all_greedy = all_greedy
+        self.masks = TokenMasks()
+
+    def prepare(self, requests: list[Request]) -> None:
+        """Before the forward: start the grammar masks of the step's sampling requests
+        (in the order `__call__` will get them), so they fill while the model runs."""
+        self.masks.start(requests)
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         raw = logits
@@ -81,6 +89,8 @@ class Sampler:
         return SamplerOutput(tokens, logprobs), errors
 
     def _process(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        if any(r.grammar is not None for r in requests):
+            logits = self.masks.apply(logits.clone(), requests)   # raw stays for logprobs
         changed = False
         for i, req in enumerate(requests):
             banned = _banned_ids(req)

@@ -260,6 +260,8 @@ class Scheduler:
                 return Status.FINISHED_STOPPED
             if not p.ignore_eos and token in req.eos_token_ids:
                 return Status.FINISHED_STOPPED
+        if req.grammar is not None and (req.grammar.terminated or req.grammar.failed):
+            return Status.FINISHED_STOPPED               # the grammar is complete (or broken)
         if (p.max_tokens is not None and num_out >= p.max_tokens) \
                 or req.num_tokens >= self.config.max_model_len:
             return Status.FINISHED_LENGTH

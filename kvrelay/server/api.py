@@ -56,6 +56,8 @@ from kvrelay.server.protocol import (
     OpenAIError,
     error_type_for,
 )
+from kvrelay.server.structured import is_harmony_chat, request_constraint
+from kvrelay.structured.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -150,7 +152,8 @@ def _check_lengths(state: ServerState, ids: list[int], max_tokens: int | None) -
 
 def _sampling(state: ServerState, body: Any, max_tokens: int, logprobs: int | None,
               prompt_logprobs: int | None = None, extra_stop_ids: list[int] | None = None,
-              logprobs_param: str = "logprobs") -> SamplingParams:
+              logprobs_param: str = "logprobs",
+              structured: StructuredOutputsParams | None = None) -> SamplingParams:
     for name, asked in ((logprobs_param, logprobs), ("prompt_logprobs", prompt_logprobs)):
         if asked is not None and state.max_logprobs != -1 and asked > state.max_logprobs:
             hint = " (logprobs are disabled on this server: --max-logprobs 0)" if state.max_logprobs == 0 else ""
@@ -159,14 +162,16 @@ def _sampling(state: ServerState, body: Any, max_tokens: int, logprobs: int | No
     if body.best_of is not None and body.best_of > 1:
         # vLLM's V1 engine refuses it too; silently returning n samples would mislead
         raise OpenAIError("best_of > 1 is not supported; use n", param="best_of")
-    params = _check(_make_sampling, state, body, max_tokens, logprobs, prompt_logprobs, extra_stop_ids)
+    params = _check(_make_sampling, state, body, max_tokens, logprobs, prompt_logprobs, extra_stop_ids,
+                    structured)
     if state.vocab_size:
         _check(validate_for_model, params, state.vocab_size, state.max_logprobs, logprobs_param)
     return params
 
 
 def _make_sampling(state: ServerState, body: Any, max_tokens: int, logprobs: int | None,
-                   prompt_logprobs: int | None, extra_stop_ids: list[int] | None) -> SamplingParams:
+                   prompt_logprobs: int | None, extra_stop_ids: list[int] | None,
+                   structured: StructuredOutputsParams | None) -> SamplingParams:
     d = state.defaults
     return SamplingParams(
         n=body.n,
@@ -178,7 +183,8 @@ def _make_sampling(state: ServerState, body: Any, max_tokens: int, logprobs: int
         stop_token_ids=(body.stop_token_ids or []) + (extra_stop_ids or []),
         ignore_eos=body.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
         include_stop_str_in_output=body.include_stop_str_in_output,
-        skip_special_tokens=body.skip_special_tokens, logit_bias=body.logit_bias)
+        skip_special_tokens=body.skip_special_tokens, logit_bias=body.logit_bias,
+        structured_outputs=structured)
 
 
 def _token_text(state: ServerState, token_id: int) -> str:
@@ -453,9 +459,11 @@ def build_app(state: ServerState) -> FastAPI:
         if body.suffix:
             raise OpenAIError("suffix is not supported", param="suffix")
         params = []
+        structured = request_constraint(body)
         for _, ids in prompts:
             max_tokens = _check_lengths(state, ids, body.max_tokens)
-            params.append(_sampling(state, body, max_tokens, body.logprobs, body.prompt_logprobs))
+            params.append(_sampling(state, body, max_tokens, body.logprobs, body.prompt_logprobs,
+                                    structured=structured))
         base_id = f"cmpl-{request.state.request_id}"
         created = int(time.time())
         if body.kv_transfer_params and len(prompts) > 1:
@@ -491,7 +499,8 @@ def build_app(state: ServerState) -> FastAPI:
         max_tokens = _check_lengths(state, rendered.prompt_ids, body.max_new_tokens)
         top = body.top_logprobs if body.logprobs else None
         params = _sampling(state, body, max_tokens, top if body.logprobs else None,
-                           extra_stop_ids=rendered.stop_token_ids, logprobs_param="top_logprobs")
+                           extra_stop_ids=rendered.stop_token_ids, logprobs_param="top_logprobs",
+                           structured=request_constraint(body, is_harmony_chat(state.chat)))
         base_id = f"chatcmpl-{request.state.request_id}"
         created = int(time.time())
         gen = state.engine.generate(base_id, rendered.prompt_ids, params, body.kv_transfer_params)

@@ -68,6 +68,13 @@ class _SamplingFields(BaseModel):
     user: str | None = None
     logit_bias: dict[str, float] | None = None   # token id (as a string, as OpenAI) -> bias
     best_of: int | None = Field(None, ge=1)      # only 1 is served (as vLLM's V1 engine)
+    # structured outputs (kvrelay/server/structured.py): OpenAI's, vLLM's, vLLM's older names
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("top_k")
     @classmethod
