@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvrelay.structured.params import StructuredOutputsParams
+
 # (output token ids so far, logits [V] float32) -> logits [V]
 LogitsProcessor = Callable[[Sequence[int], torch.Tensor], torch.Tensor]
 
@@ -28,12 +30,16 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logits_processors: list[LogitsProcessor] = field(default_factory=list)
+    # what the output must look like (JSON schema, regex, choice, grammar, tool call)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.structured_outputs, dict):      # from a JSON frame
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         if self.top_k == -1:
             self.top_k = 0
         checks = [

@@ -1,0 +1,1 @@
+"""Structured outputs: constraints on what a request may generate (params.py, torch-free)."""
