@@ -59,15 +59,9 @@ CPU_HALF_MATMUL = EnvVar("KVRELAY_CPU_HALF_MATMUL", None, "auto",
                          "bf16/fp16 weights on CPU: 'native' half-precision GEMMs, 'fp32' (upcast the "
                          "weights per matmul, keep them half in memory) or 'auto' (fp32 unless oneDNN "
                          "has a native bf16 path on this CPU)")
-RESPONSES_STORE = EnvVar("KVRELAY_ENABLE_RESPONSES_API_STORE", "VLLM_ENABLE_RESPONSES_API_STORE",
-                         "1", "0: /v1/responses keeps nothing (no store, previous_response_id or "
-                         "GET); on by default here (vLLM's default is off)")
-RESPONSES_STORE_MAX_ENTRIES = EnvVar("KVRELAY_RESPONSES_STORE_MAX_ENTRIES", None, "1000",
-                                     "responses kept in memory; the oldest are evicted")
 
 ALL = (SIDE_CHANNEL_HOST, SIDE_CHANNEL_PORT, ENGINE_READY_TIMEOUT_S, EXECUTE_MODEL_TIMEOUT_S,
-       COMPILATION_TIMEOUT_S, VISIBLE_DEVICES, CACHE_DIR, CPU_HALF_MATMUL, RESPONSES_STORE,
-       RESPONSES_STORE_MAX_ENTRIES)
+       COMPILATION_TIMEOUT_S, VISIBLE_DEVICES, CACHE_DIR, CPU_HALF_MATMUL)
 
 
 def parse_id_list(text: str) -> list[int]:
@@ -85,3 +79,14 @@ def parse_id_list(text: str) -> list[int]:
             raise ValueError(f"bad device list {text!r}: range {part} is descending")
         ids.extend(range(start, stop + 1))
     return ids
+
+
+# -- the Responses API store (kvrelay/server/responses.py); kept apart from the table above so
+# that additions there and here do not collide
+RESPONSES_STORE = EnvVar("KVRELAY_ENABLE_RESPONSES_API_STORE", "VLLM_ENABLE_RESPONSES_API_STORE",
+                         "1", "0: /v1/responses keeps nothing (no store, previous_response_id or "
+                         "GET); on by default here (vLLM's default is off)")
+RESPONSES_STORE_MAX_ENTRIES = EnvVar("KVRELAY_RESPONSES_STORE_MAX_ENTRIES", None, "1000",
+                                     "responses kept in memory; the least recently used are "
+                                     "evicted first")
+ALL = (*ALL, RESPONSES_STORE, RESPONSES_STORE_MAX_ENTRIES)

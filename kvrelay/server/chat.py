@@ -11,16 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvrelay.model.tokenizer import CheckpointTokenizer
+from kvrelay.server import structured_hooks
 from kvrelay.server.protocol import ChatCompletionRequest, OpenAIError, message_text
-from kvrelay.server.tools import (
-    NO_TOOLS,
-    ToolCallOut,
-    ToolSpec,
-    arguments_schema,
-    calls_array_schema,
-    calls_from_json_array,
-    tool_spec,
-)
+from kvrelay.server.tools import NO_TOOLS, ToolCallOut, ToolSpec, calls_from_json_array, tool_spec
 
 
 @dataclass
@@ -96,29 +89,18 @@ class _TextStream:
 
 
 class _ForcedCallStream:
-    """A template model's output under `tool_choice` required / named (the grammar makes it
-    JSON): named streams the arguments as they come; required is a JSON list of calls,
-    returned when complete."""
+    """A template model's output under `tool_choice` required / named: the grammar makes it
+    vLLM's JSON list of calls, returned as tool calls once complete (text if it is not)."""
 
-    def __init__(self, tools: ToolSpec) -> None:
-        self.tools, self.text, self.call = tools, [], None
+    def __init__(self) -> None:
+        self.text: list[str] = []
         self.made_calls = False
 
     def feed(self, token_ids: list[int], text: str) -> list[dict[str, Any]]:
-        if not text:
-            return []
         self.text.append(text)
-        if self.tools.choice.mode != "named":
-            return []
-        first = self.call is None
-        if first:
-            self.call = ToolCallOut(self.tools.choice.name or "", "")
-            self.made_calls = True
-        return [tool_call_deltas(0, self.call, text, first)]
+        return []
 
     def flush(self) -> list[dict[str, Any]]:
-        if self.tools.choice.mode == "named":
-            return []
         text = "".join(self.text)
         calls = calls_from_json_array(text)
         if calls is None:
@@ -146,7 +128,7 @@ class TemplateChat:
                                               **({"tools": tools} if tools else {}))
         except Exception as e:  # template errors are the client's (e.g. unsupported roles)
             raise OpenAIError(f"could not render the chat template: {e}", param="messages") from None
-        return Rendered(self.tokenizer.encode(text), tools=spec, structured=_template_constraint(spec))
+        return Rendered(self.tokenizer.encode(text), tools=spec, structured=structured_hooks.tool_call(spec, harmony=False))
 
     def _message(self, raw: dict[str, Any]) -> dict[str, Any]:
         """A chat message for the template: text content; without a tool syntax in the
@@ -165,26 +147,14 @@ class TemplateChat:
         return out
 
     def parse(self, token_ids: list[int], text: str, tools: ToolSpec = NO_TOOLS) -> Parsed:
-        if tools.choice.mode == "named":
-            return Parsed("", tool_calls=[ToolCallOut(tools.choice.name or "", text)])
-        if tools.choice.mode == "required":
+        if tools.choice.forces_call:
             calls = calls_from_json_array(text)
             if calls is not None:
                 return Parsed("", tool_calls=calls)
         return Parsed(text)
 
     def stream_parser(self, tools: ToolSpec = NO_TOOLS) -> StreamParser:
-        return _ForcedCallStream(tools) if tools.choice.forces_call else _TextStream()
-
-
-def _template_constraint(spec: ToolSpec) -> Any:
-    """Required / named choice for a template model: its whole output is the JSON."""
-    from kvrelay.server import structured_hooks
-    if spec.choice.mode == "named":
-        return structured_hooks.json_schema(arguments_schema(spec.tool(spec.choice.name or "")))
-    if spec.choice.mode == "required":
-        return structured_hooks.json_schema(calls_array_schema(spec.tools))
-    return None
+        return _ForcedCallStream() if tools.choice.forces_call else _TextStream()
 
 
 def make_chat_renderer(tokenizer: CheckpointTokenizer | None) -> ChatRenderer | None:

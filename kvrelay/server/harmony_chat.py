@@ -8,6 +8,7 @@ from typing import Any
 
 from kvrelay import harmony
 from kvrelay.model.tokenizer import CheckpointTokenizer
+from kvrelay.server import structured_hooks
 from kvrelay.server.chat import Parsed, Rendered, request_tools, tool_call_deltas
 from kvrelay.server.protocol import ChatCompletionRequest, OpenAIError
 from kvrelay.server.tools import NO_TOOLS, ToolCallOut, ToolSpec
@@ -92,9 +93,8 @@ class HarmonyChat:
             ids = render_harmony(body, tools)
         except ValueError as e:
             raise OpenAIError(str(e), param="messages") from None
-        from kvrelay.server import structured_hooks
         return Rendered(list(ids), harmony.stop_token_ids(), tools=tools,
-                        structured=structured_hooks.harmony_tool_call(tools))
+                        structured=structured_hooks.tool_call(tools, harmony=True))
 
     def parse(self, token_ids: list[int], text: str, tools: ToolSpec = NO_TOOLS) -> Parsed:
         result = harmony.parse_completion(token_ids)

@@ -264,12 +264,11 @@ class _OutputBuilder:
         self._text(kind, delta.message, delta.text, name)
 
     def text(self, text: str) -> None:
-        """A template model's output: its text, or under a forced choice the call."""
+        """A template model's output: its text, or under a forced choice the JSON list of
+        calls (items when complete)."""
         if not text:
             return
-        if self.tools.choice.mode == "named":
-            self._text("function_call", 0, text, self.tools.choice.name)
-        elif self.tools.choice.mode == "required":
+        if self.tools.choice.forces_call:
             self._pending.append(text)
         else:
             self._text("message", 0, text, None)
@@ -459,9 +458,8 @@ def _prepare(state: api.ServerState, store: ResponseStore, body: ResponsesReques
     rendered = state.chat.render(chat)
     schema = _text_format(body)
     if rendered.structured is None and schema is not None:
-        rendered.structured = (structured_hooks.harmony_final_json(schema)
-                               if isinstance(state.chat, HarmonyChat)
-                               else structured_hooks.json_schema(schema))
+        rendered.structured = structured_hooks.json_format(
+            schema, isinstance(state.chat, HarmonyChat), tools)
     max_tokens = api._check_lengths(state, rendered.prompt_ids, body.max_output_tokens)
     params = structured_hooks.attach(
         api._sampling(state, chat, max_tokens, None, extra_stop_ids=rendered.stop_token_ids),

@@ -196,25 +196,13 @@ class ToolCallOut:
                 "function": {"name": self.name, "arguments": self.arguments}}
 
 
-# ------------------------------------------------------------------ schemas for the grammar
-
-
-def arguments_schema(tool: FunctionTool) -> dict[str, Any]:
-    """The JSON schema a call's arguments must satisfy (an object when the tool has none)."""
-    return tool.parameters if tool.parameters is not None else {"type": "object"}
-
-
-def calls_array_schema(tools: Sequence[FunctionTool]) -> dict[str, Any]:
-    """For templates without a tool syntax: `[{"name": N, "parameters": {...}}, ...]`, one or
-    more calls (vLLM's schema for `tool_choice: "required"`)."""
-    return {"type": "array", "minItems": 1, "items": {"anyOf": [
-        {"type": "object", "properties": {"name": {"type": "string", "enum": [t.name]},
-                                          "parameters": arguments_schema(t)},
-         "required": ["name", "parameters"]} for t in tools]}}
+# ------------------------------------------------------------------ template models
 
 
 def calls_from_json_array(text: str) -> list[ToolCallOut] | None:
-    """Parses the output of `calls_array_schema`; None when it is not such an array."""
+    """A template model's calls under a forced choice: vLLM's JSON list
+    `[{"name": N, "parameters": {...}}, ...]` (what the grammar makes it write); None when
+    the text is not such a list."""
     try:
         value = json.loads(text)
     except ValueError:
