@@ -48,7 +48,8 @@ def finish_reason(engine_reason: str | None, made_calls: bool) -> str | None:
 
 
 class StreamParser(Protocol):
-    made_calls: bool
+    @property
+    def made_calls(self) -> bool: ...   # whether the output so far held tool calls
 
     def feed(self, token_ids: list[int], text: str) -> list[dict[str, Any]]: ...
 

@@ -314,6 +314,8 @@ class _OutputBuilder:
                                 "delta": text})
 
     def _open(self, kind: str, name: str | None) -> None:
+        item: dict[str, Any]
+        part: dict[str, Any] | None
         if kind == "reasoning":
             item = {"type": "reasoning", "id": _id("rs"), "summary": [], "content": [],
                     "status": "in_progress"}
@@ -345,6 +347,7 @@ class _OutputBuilder:
         text = "".join(item.text)
         base = {"item_id": item.id, "output_index": item.index}
         status = "incomplete" if incomplete else "completed"
+        part: dict[str, Any] | None
         if item.kind == "reasoning":
             part = {"type": "reasoning_text", "text": text}
             self.events.append({"type": "response.reasoning_text.done", **base,

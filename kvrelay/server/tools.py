@@ -159,7 +159,8 @@ def parse_tool_choice(raw: Any, tools: Sequence[FunctionTool],
                               f"got {raw!r}", param=param)
         if raw == "required" and not tools:
             raise OpenAIError(f"{param}: 'required' needs at least one tool in 'tools'", param=param)
-        return ToolChoice(raw)
+        return {"auto": ToolChoice("auto"), "none": ToolChoice("none"),
+                "required": ToolChoice("required")}[raw]
     if isinstance(raw, Mapping) and raw.get("type") == "function":
         fn = raw.get("function", raw)
         name = fn.get("name") if isinstance(fn, Mapping) else None

@@ -230,3 +230,20 @@ def test_openai_client_raises_bad_request():
     _, client, _ = _harmony(scripted_harmony_answer("", "Hi"))
     with pytest.raises(openai.BadRequestError):
         client.responses.create(model=MODEL, input=[{"type": "item_reference", "id": "x"}])
+
+
+@pytest.mark.parametrize("api, effort, line", [
+    ("chat", None, "Reasoning: medium"), ("chat", "high", "Reasoning: high"),
+    ("responses", None, "Reasoning: medium"), ("responses", "low", "Reasoning: low"),
+])
+def test_reasoning_effort_sets_the_harmony_system_message(api, effort, line):
+    engine, client, _ = _harmony(scripted_harmony_answer("", "Hi"))
+    if api == "chat":
+        extra = {"reasoning_effort": effort} if effort else {}
+        client.chat.completions.create(model=MODEL, messages=USER, **extra)
+    else:
+        out = client.responses.create(model=MODEL, input="x",
+                                      **({"reasoning": {"effort": effort}} if effort else {}))
+        assert out.reasoning.effort == (effort or "medium")
+    system = _decode(engine.requests[-1][0]).split("# Valid channels")[0]
+    assert line in system and system.count("Reasoning:") == 1
