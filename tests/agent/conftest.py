@@ -5,8 +5,12 @@ import json
 import pytest
 
 from tests.factories import make_hf_model, save_checkpoint
-from tests.harmony_factories import (GPT_OSS_VOCAB_SIZE, make_o200k_tokenizer_json,
-                                     scripted_harmony_answer, scripted_tool_call)
+from tests.harmony_factories import (
+    GPT_OSS_VOCAB_SIZE,
+    make_o200k_tokenizer_json,
+    scripted_harmony_answer,
+    scripted_tool_call,
+)
 from tests.processes import Server
 
 MODEL = "gpt-oss-tiny"

@@ -6,6 +6,7 @@ chosen from the prompt's tokens, so an agent loop (call → tool result → answ
 deterministically through the real engine on a random-weight model."""
 from __future__ import annotations
 
+import itertools
 import json
 import os
 
@@ -15,7 +16,7 @@ START, FUNCTIONS, NAMESPACE, SPACE_FUNCTIONS = 200006, 44580, 4797, 9964
 
 
 def _has(ids: list[int], pair: tuple[int, int]) -> bool:
-    return any(a == pair[0] and b == pair[1] for a, b in zip(ids, ids[1:]))
+    return any((a, b) == pair for a, b in itertools.pairwise(ids))
 
 
 def choose(prompt_ids: list[int]) -> str:

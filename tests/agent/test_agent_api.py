@@ -12,8 +12,16 @@ import pytest
 from kvrelay.harmony import get_encoding
 from kvrelay.server.tools import AgentOptions
 from kvrelay.structured.params import FunctionSpec, StructuredOutputsParams, ToolCallConstraint
-from tests.agent.fakes import (EOS, MODEL, PLAIN_TEMPLATE, TOOL_TEMPLATE, ScriptedEngine,
-                               char_tokenizer, make_state, openai_client)
+from tests.agent.fakes import (
+    EOS,
+    MODEL,
+    PLAIN_TEMPLATE,
+    TOOL_TEMPLATE,
+    ScriptedEngine,
+    char_tokenizer,
+    make_state,
+    openai_client,
+)
 from tests.harmony_factories import scripted_harmony_answer, scripted_tool_call
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}

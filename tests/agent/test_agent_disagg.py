@@ -10,7 +10,14 @@ import json
 import openai
 import pytest
 
-from tests.agent.conftest import AGENT_FLAGS, ANSWER, CALL_ARGS, MODEL, WEATHER_SCHEMA, agent_scripts
+from tests.agent.conftest import (
+    AGENT_FLAGS,
+    ANSWER,
+    CALL_ARGS,
+    MODEL,
+    WEATHER_SCHEMA,
+    agent_scripts,
+)
 from tests.e2e.disagg import start
 from tests.processes import KvrelayProcess, free_port
 

@@ -25,8 +25,14 @@ def client(agent_server):
 
 
 def test_chat_tool_call(client):
-    from openai_harmony import (Conversation, DeveloperContent, Message, Role, SystemContent,
-                                ToolDescription)
+    from openai_harmony import (
+        Conversation,
+        DeveloperContent,
+        Message,
+        Role,
+        SystemContent,
+        ToolDescription,
+    )
 
     from kvrelay.harmony import get_encoding
     out = client.chat.completions.create(model=MODEL, tools=TOOLS, messages=[

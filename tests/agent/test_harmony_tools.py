@@ -8,8 +8,16 @@ import json
 
 import pytest
 from openai.types.chat import ChatCompletionChunk, ChatCompletionMessage
-from openai_harmony import (Author, Conversation, DeveloperContent, Message, ReasoningEffort, Role,
-                            SystemContent, ToolDescription)
+from openai_harmony import (
+    Author,
+    Conversation,
+    DeveloperContent,
+    Message,
+    ReasoningEffort,
+    Role,
+    SystemContent,
+    ToolDescription,
+)
 from pydantic import TypeAdapter
 
 from kvrelay.harmony import get_encoding
@@ -157,7 +165,7 @@ def test_responses_items_render_like_the_equal_chat(enc, chat):
              {"type": "function_call_output", "call_id": "call_a", "output": '{"temp": 21}'}]
     body = ChatCompletionRequest.model_validate({"messages": input_messages(items),
                                                  "tools": TOOLS})
-    fields, messages = CASES["call then result"]
+    _, messages = CASES["call then result"]
     assert chat.render(body).prompt_ids == _harmony_ids(enc, *messages())
 
 
