@@ -147,7 +147,7 @@ def test_responses_text_answer_stream(client):
     assert [i.type for i in final.output] == ["reasoning", "message"]
 
 
-def _run_agent(agent_server, model_class: str) -> tuple[str, list[dict]]:
+def _run_agent(agent_server, model_class: str, streamed: bool = False) -> tuple[str, list[dict]]:
     from agents import Agent, ModelSettings, Runner, function_tool, set_tracing_disabled
     from agents.models.openai_chatcompletions import OpenAIChatCompletionsModel
     from agents.models.openai_responses import OpenAIResponsesModel
@@ -169,7 +169,12 @@ def _run_agent(agent_server, model_class: str) -> tuple[str, list[dict]]:
                       model=cls(model=MODEL, openai_client=client),
                       model_settings=ModelSettings(temperature=0.0))
         try:
-            result = await Runner.run(agent, "Weather in Paris?", max_turns=4)
+            if streamed:
+                result = Runner.run_streamed(agent, "Weather in Paris?", max_turns=4)
+                async for _ in result.stream_events():
+                    pass
+            else:
+                result = await Runner.run(agent, "Weather in Paris?", max_turns=4)
         finally:
             await client.close()
         return result.final_output
@@ -177,9 +182,11 @@ def _run_agent(agent_server, model_class: str) -> tuple[str, list[dict]]:
     return asyncio.run(run()), seen
 
 
-@pytest.mark.parametrize("model_class", ["responses", "chat_completions"])
-def test_agents_sdk_loop(agent_server, model_class):
-    final, seen = _run_agent(agent_server, model_class)
+@pytest.mark.parametrize("model_class, streamed", [
+    ("responses", False), ("chat_completions", False), ("responses", True),
+    ("chat_completions", True)])
+def test_agents_sdk_loop(agent_server, model_class, streamed):
+    final, seen = _run_agent(agent_server, model_class, streamed)
     assert seen == [{"city": "Paris"}]      # the tool ran once, with schema-valid arguments
     assert final == ANSWER
 
