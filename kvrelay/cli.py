@@ -85,6 +85,14 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     p.add_argument("--num-gpu-blocks-override", type=int, default=None)
     p.add_argument("--quantization", choices=("mxfp4",), default=None)
+    # function calling and reasoning, with vLLM's names (kvrelay/server/tools.py)
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="let the model decide to call tools (tool_choice 'auto' on chat)")
+    p.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                   help="how tool calls are read from the output: 'openai' (gpt-oss harmony)")
+    p.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                   help="'openai_gptoss': reasoning from harmony's analysis channel "
+                        "(harmony checkpoints always split it)")
     p.add_argument("--logits-processors", nargs="+", default=[], metavar="MODULE:ATTR",
                    help="factories f(params, prompt_ids) -> logits processor, applied to every request")
 
@@ -182,6 +190,7 @@ def _serve(args: argparse.Namespace) -> int:
     from kvrelay.config import EngineArgs, NeuronConfig
     from kvrelay.server.launch import serve
     engine_args = EngineArgs(**{name: getattr(args, name) for name in SERVE_ENGINE_FLAGS})
+    agent_options(args)                                                   # flag errors first
     NeuronConfig.from_additional_config(engine_args.additional_config)   # fail before any process starts
     from kvrelay.disagg.params import KVTransferConfig
     KVTransferConfig.from_json(engine_args.kv_transfer_config)
@@ -189,7 +198,18 @@ def _serve(args: argparse.Namespace) -> int:
     if engine_args.headless:
         from kvrelay.engine.dp_remote import run_headless
         return run_headless(engine_args)
-    return serve(engine_args, args.host, args.port, args.api_key)
+    return serve(engine_args, args.host, args.port, args.api_key, agent_options(args))
+
+
+def agent_options(args: argparse.Namespace):
+    """The tool-calling flags and the Responses store size (ValueError names the flag)."""
+    from kvrelay import envs
+    from kvrelay.server.tools import AgentOptions
+    store = envs.RESPONSES_STORE.raw() not in ("0", "false", "False")
+    return AgentOptions(enable_auto_tool_choice=args.enable_auto_tool_choice,
+                        tool_call_parser=args.tool_call_parser,
+                        reasoning_parser=args.reasoning_parser,
+                        responses_store_size=envs.RESPONSES_STORE_MAX_ENTRIES.as_int() if store else 0)
 
 
 def _check_layout(engine_args) -> None:

@@ -93,3 +93,14 @@ def parse_id_list(text: str) -> list[int]:
             raise ValueError(f"bad device list {text!r}: range {part} is descending")
         ids.extend(range(start, stop + 1))
     return ids
+
+
+# -- the Responses API store (kvrelay/server/responses.py); kept apart from the table above so
+# that additions there and here do not collide
+RESPONSES_STORE = EnvVar("KVRELAY_ENABLE_RESPONSES_API_STORE", "VLLM_ENABLE_RESPONSES_API_STORE",
+                         "1", "0: /v1/responses keeps nothing (no store, previous_response_id or "
+                         "GET); on by default here (vLLM's default is off)")
+RESPONSES_STORE_MAX_ENTRIES = EnvVar("KVRELAY_RESPONSES_STORE_MAX_ENTRIES", None, "1000",
+                                     "responses kept in memory; the least recently used are "
+                                     "evicted first")
+ALL = (*ALL, RESPONSES_STORE, RESPONSES_STORE_MAX_ENTRIES)

@@ -273,6 +273,7 @@ class Delta:
     channel: str
     text: str
     recipient: str | None = None
+    message: int = 0      # which message of the turn (0, 1, ...): tells two calls apart
 
 
 @dataclass(frozen=True)
@@ -356,12 +357,21 @@ class HarmonyStreamParser:
         self._msg_channel: str | None = None
         self._msg_recipient: str | None = None
         self._msg_text: list[str] = []
+        self._msg_index = -1
 
     # -- public
 
     @property
     def malformed(self) -> bool:
         return self._fallback is not None
+
+    @property
+    def content_channel(self) -> str | None:
+        """The channel of the message whose text is being read (None inside a header or
+        between messages; "final" once the output is malformed)."""
+        if self._fallback is not None:
+            return "final"
+        return (self._msg_channel or "final") if self._in_content else None
 
     def feed(self, token_id: int) -> list[Delta]:
         """Process one generated token; the text it completes, by channel (one delta or none)."""
@@ -399,6 +409,7 @@ class HarmonyStreamParser:
             # `<|start|>assistant` before the channel), not an address
             self._msg_recipient = recipient if recipient and "<|" not in recipient else None
             self._msg_text = []
+            self._msg_index += 1
             self._unaccounted.clear()
             return []
         self._unaccounted.append(token)
@@ -454,7 +465,7 @@ class HarmonyStreamParser:
             self._texts["content"].append(text)
         elif channel == "commentary" and not recipient:
             self._texts["commentary"].append(text)
-        return Delta(channel, text, recipient)
+        return Delta(channel, text, recipient, max(self._msg_index, 0))
 
     def _end_message(self) -> None:
         recipient = self._msg_recipient

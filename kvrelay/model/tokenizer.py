@@ -37,13 +37,15 @@ class CheckpointTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> str:
         if not self.chat_template:
             raise ValueError("this checkpoint has no chat template")
         from jinja2.sandbox import ImmutableSandboxedEnvironment
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **self.special)
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            **({"tools": tools} if tools else {}), **self.special)
 
     def encode_chat(self, user_text: str) -> list[int]:
         return self.encode(self.render_chat([{"role": "user", "content": user_text}]))

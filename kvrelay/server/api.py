@@ -48,7 +48,7 @@ from kvrelay.sampling_params import (
 )
 from kvrelay.server import body_guard
 from kvrelay.server.body_guard import MAX_BODY_BYTES
-from kvrelay.server.chat import ChatRenderer
+from kvrelay.server.chat import ChatRenderer, finish_reason
 from kvrelay.server.metrics import ServerMetrics
 from kvrelay.server.protocol import (
     ChatCompletionRequest,
@@ -58,6 +58,7 @@ from kvrelay.server.protocol import (
 )
 from kvrelay.server.structured import is_harmony_chat, request_constraint
 from kvrelay.structured.params import StructuredOutputsParams
+from kvrelay.server.tools import AgentOptions, check_chat_tool_choice
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,7 @@ class ServerState:
     defaults: dict[str, Any] = field(default_factory=dict)   # generation_config.json sampling
     chat: ChatRenderer | None = None
     metrics: ServerMetrics | None = None
+    agent: AgentOptions = field(default_factory=AgentOptions)   # tool / responses flags
     accepting: bool = True
 
     @property
@@ -496,11 +498,14 @@ def build_app(state: ServerState) -> FastAPI:
         if state.chat is None:
             raise OpenAIError("this model has no chat template", param="messages")
         rendered = state.chat.render(body)
+        check_chat_tool_choice(rendered.tools, state.agent)
         max_tokens = _check_lengths(state, rendered.prompt_ids, body.max_new_tokens)
         top = body.top_logprobs if body.logprobs else None
+        # a forced tool call (tool_choice required / named) wins over a response format
+        structured = rendered.structured or request_constraint(body, is_harmony_chat(state.chat))
         params = _sampling(state, body, max_tokens, top if body.logprobs else None,
                            extra_stop_ids=rendered.stop_token_ids, logprobs_param="top_logprobs",
-                           structured=request_constraint(body, is_harmony_chat(state.chat)))
+                           structured=structured)
         base_id = f"chatcmpl-{request.state.request_id}"
         created = int(time.time())
         gen = state.engine.generate(base_id, rendered.prompt_ids, params, body.kv_transfer_params)
@@ -512,13 +517,11 @@ def build_app(state: ServerState) -> FastAPI:
         choices, completion_tokens = [], 0
         for o in final.outputs:
             completion_tokens += len(o.token_ids)
-            parsed = state.chat.parse(o.token_ids, o.text)
-            message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
-            if parsed.reasoning is not None:
-                message["reasoning"] = message["reasoning_content"] = parsed.reasoning
-            choices.append({"index": o.index, "message": message,
+            parsed = state.chat.parse(o.token_ids, o.text, rendered.tools)
+            choices.append({"index": o.index, "message": parsed.message(),
                             "logprobs": _chat_logprobs(state, o.token_ids, o.logprobs, body.top_logprobs or 0),
-                            "finish_reason": o.finish_reason, "stop_reason": o.stop_reason})
+                            "finish_reason": finish_reason(o.finish_reason, bool(parsed.tool_calls)),
+                            "stop_reason": o.stop_reason})
         prompt_tokens = len(rendered.prompt_ids)
         return {"id": base_id, "object": "chat.completion", "created": created, "model": model,
                 "choices": choices, "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
@@ -537,6 +540,8 @@ def build_app(state: ServerState) -> FastAPI:
         state.engine.free_remote(request_id)
         return {"ok": True}
 
+    from kvrelay.server.responses import add_responses_routes
+    add_responses_routes(app, state)
     return app
 
 
@@ -613,7 +618,7 @@ async def _stream_chat(state: ServerState, body: ChatCompletionRequest, model: s
             timing.tokens_arrived(new_tokens)
             completion_tokens += new_tokens
             for o in out.outputs:
-                parser = streams.setdefault(o.index, state.chat.stream_parser())
+                parser = streams.setdefault(o.index, state.chat.stream_parser(rendered.tools))
                 lp = _chat_logprobs(state, o.delta_token_ids, o.delta_logprobs, body.top_logprobs or 0)
                 for delta in parser.feed(o.delta_token_ids, o.delta_text):
                     yield chunk(o.index, delta, logprobs=lp)
@@ -621,7 +626,8 @@ async def _stream_chat(state: ServerState, body: ChatCompletionRequest, model: s
                 if o.finish_reason is not None:
                     for delta in parser.flush():
                         yield chunk(o.index, delta)
-                    yield chunk(o.index, {}, o.finish_reason, stop_reason=o.stop_reason)
+                    yield chunk(o.index, {}, finish_reason(o.finish_reason, parser.made_calls),
+                                stop_reason=o.stop_reason)
             if out.finished:
                 timing.finished(len(rendered.prompt_ids), [o.finish_reason for o in out.outputs])
     except (EngineError, EngineDeadError, KVTransferFailed, RequestFailed) as e:

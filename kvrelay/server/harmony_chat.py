@@ -1,27 +1,45 @@
-"""Chat for gpt-oss checkpoints in harmony: render with openai-harmony, split the
-output into `reasoning` (analysis channel) and `content` (final channel)."""
+"""Chat for gpt-oss checkpoints in harmony: render with openai-harmony (tools in the
+developer message, earlier calls and tool results in the conversation), split the output
+into `reasoning` (analysis channel), `content` (final channel) and `tool_calls`
+(commentary-channel messages to `functions.NAME`)."""
 from __future__ import annotations
 
 from typing import Any
 
 from kvrelay import harmony
 from kvrelay.model.tokenizer import CheckpointTokenizer
-from kvrelay.server.chat import Parsed, Rendered
+from kvrelay.server import structured_hooks
+from kvrelay.server.chat import Parsed, Rendered, request_tools, tool_call_deltas
 from kvrelay.server.protocol import ChatCompletionRequest, OpenAIError
+from kvrelay.server.tools import NO_TOOLS, ToolCallOut, ToolSpec
+
+FUNCTIONS = "functions."
 
 
 def is_harmony_tokenizer(tokenizer: CheckpointTokenizer) -> bool:
     return harmony.uses_harmony(tokenizer.tokenizer)
 
 
+def is_function_call(delta: harmony.Delta) -> bool:
+    return bool(delta.recipient and delta.recipient.startswith(FUNCTIONS)
+                and delta.channel != "final")
+
+
 class _HarmonyStream:
-    """Channel-by-channel deltas: analysis → `reasoning` (+ `reasoning_content`), final → `content`."""
+    """Channel-by-channel deltas: analysis → `reasoning` (+ `reasoning_content`), final →
+    `content`, a function call → OpenAI tool-call deltas (the first names the call)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tools: ToolSpec = NO_TOOLS) -> None:
         self.parser = harmony.HarmonyStreamParser()
+        self.tools = tools
+        self.calls: list[ToolCallOut] = []
+        self._call_message = -1        # the harmony message the last call came from
 
-    @staticmethod
-    def _as_openai(deltas: list[harmony.Delta]) -> list[dict[str, Any]]:
+    @property
+    def made_calls(self) -> bool:
+        return bool(self.calls)
+
+    def _as_openai(self, deltas: list[harmony.Delta]) -> list[dict[str, Any]]:
         out = []
         for d in deltas:
             if not d.text:
@@ -30,7 +48,16 @@ class _HarmonyStream:
                 out.append({"reasoning": d.text, "reasoning_content": d.text})
             elif d.channel == "final":
                 out.append({"content": d.text})
+            elif self.tools.parse_calls and is_function_call(d):
+                out.append(self._call_delta(d))
         return out
+
+    def _call_delta(self, d: harmony.Delta) -> dict[str, Any]:
+        first = d.message != self._call_message
+        if first:
+            self._call_message = d.message
+            self.calls.append(ToolCallOut((d.recipient or "")[len(FUNCTIONS):], ""))
+        return tool_call_deltas(len(self.calls) - 1, self.calls[-1], d.text, first)
 
     def feed(self, token_ids: list[int], text: str) -> list[dict[str, Any]]:
         deltas: list[harmony.Delta] = []
@@ -42,22 +69,36 @@ class _HarmonyStream:
         return self._as_openai(self.parser.close())
 
 
+def render_harmony(body: ChatCompletionRequest, tools: ToolSpec) -> list[int]:
+    """The harmony prompt of a chat request; ValueError on bad messages."""
+    messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    return harmony.render_chat(messages, body.reasoning_effort,
+                               [t.as_chat_tool() for t in tools.offered] or None)
+
+
+def parsed_calls(chat: harmony.ParsedChat, tools: ToolSpec) -> list[ToolCallOut]:
+    if not tools.parse_calls:
+        return []
+    return [ToolCallOut(c.name, c.arguments) for c in chat.tool_calls]
+
+
 class HarmonyChat:
     def __init__(self, tokenizer: CheckpointTokenizer) -> None:
         self.tokenizer = tokenizer
         harmony.get_encoding()                      # fail at startup, not on the first request
 
     def render(self, body: ChatCompletionRequest) -> Rendered:
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        tools = request_tools(body)
         try:
-            ids = harmony.render_chat(messages, body.reasoning_effort)
+            ids = render_harmony(body, tools)
         except ValueError as e:
             raise OpenAIError(str(e), param="messages") from None
-        return Rendered(list(ids), harmony.stop_token_ids())
+        return Rendered(list(ids), harmony.stop_token_ids(), tools=tools,
+                        structured=structured_hooks.tool_call(tools, harmony=True))
 
-    def parse(self, token_ids: list[int], text: str) -> Parsed:
+    def parse(self, token_ids: list[int], text: str, tools: ToolSpec = NO_TOOLS) -> Parsed:
         result = harmony.parse_completion(token_ids)
-        return Parsed(result.content, result.reasoning or None)
+        return Parsed(result.content, result.reasoning or None, parsed_calls(result, tools))
 
-    def stream_parser(self) -> _HarmonyStream:
-        return _HarmonyStream()
+    def stream_parser(self, tools: ToolSpec = NO_TOOLS) -> _HarmonyStream:
+        return _HarmonyStream(tools)

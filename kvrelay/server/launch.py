@@ -23,6 +23,7 @@ from kvrelay.model.tokenizer import load_tokenizer
 from kvrelay.server.api import ServerState, build_app
 from kvrelay.server.chat import make_chat_renderer
 from kvrelay.server.metrics import ServerMetrics
+from kvrelay.server.tools import AgentOptions
 
 logger = logging.getLogger("kvrelay.server")
 READY_LINE = "Application startup complete."
@@ -81,7 +82,8 @@ def sampling_defaults(model_dir: Path) -> dict[str, Any]:
     return {k: cfg[k] for k in ("temperature", "top_p", "top_k") if k in cfg}
 
 
-def serve(args: EngineArgs, host: str, port: int, api_key: str | None) -> int:
+def serve(args: EngineArgs, host: str, port: int, api_key: str | None,
+          agent: AgentOptions | None = None) -> int:
     model_dir = resolve_model_dir(args)
     names = served_names(args)
     args.model = str(model_dir)
@@ -94,7 +96,7 @@ def serve(args: EngineArgs, host: str, port: int, api_key: str | None) -> int:
         engine = AsyncEngine(args, step_timeout_s=timeout)
     state = ServerState(engine=engine, tokenizer=tokenizer, served_names=names, max_model_len=0,
                        max_logprobs=args.max_logprobs, api_key=api_key, defaults=sampling_defaults(model_dir),
-                       chat=make_chat_renderer(tokenizer))
+                       chat=make_chat_renderer(tokenizer), agent=agent or AgentOptions())
     state.metrics = ServerMetrics(lambda: engine.stats, names[0])
     app = build_app(state)
     outcome = {"rc": 0}

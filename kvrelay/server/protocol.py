@@ -111,6 +111,10 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(None, ge=0)
     reasoning_effort: Literal["low", "medium", "high"] | None = None
     add_generation_prompt: bool = True
+    # function calling (validated in kvrelay/server/tools.py, which names the bad entry)
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     @property
     def max_new_tokens(self) -> int | None:

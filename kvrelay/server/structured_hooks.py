@@ -1,0 +1,61 @@
+"""Tool choice and `text.format` as grammar constraints (`StructuredOutputsParams`).
+
+`tool_choice` required / named and the Responses API's `text.format` become a
+`StructuredOutputsParams` on the request's SamplingParams; the grammar engine
+(`kvrelay/structured/`, structured outputs' side) compiles it into a token mask. For
+harmony checkpoints (`harmony=True`) the constraint covers the assistant turn: optional
+free analysis, then the call (`<|channel|>commentary to=functions.NAME <|constrain|>json
+<|message|>ARGS<|call|>`) or the formatted final answer. Without harmony the whole output is
+constrained; a call then is vLLM's JSON list `[{"name": N, "parameters": {...}}]`.
+"""
+from __future__ import annotations
+
+import pkgutil
+from typing import Any
+
+from kvrelay.sampling_params import SamplingParams
+from kvrelay.server.protocol import OpenAIError
+from kvrelay.server.tools import ToolSpec
+from kvrelay.structured.params import FunctionSpec, StructuredOutputsParams, ToolCallConstraint
+
+
+def available() -> bool:
+    """Whether this build has the grammar engine (more in kvrelay/structured/ than the
+    params contract), i.e. whether the constraints below are enforced."""
+    import kvrelay.structured as package
+    return any(m.name != "params" for m in pkgutil.iter_modules(package.__path__))
+
+
+def _functions(tools: ToolSpec) -> tuple[FunctionSpec, ...]:
+    named = [t for t in tools.tools if tools.choice.mode != "named" or t.name == tools.choice.name]
+    return tuple(FunctionSpec(t.name, t.parameters) for t in named)
+
+
+def _params(**fields: Any) -> StructuredOutputsParams:
+    try:
+        return StructuredOutputsParams(**fields)
+    except ValueError as e:
+        raise OpenAIError(str(e)) from None
+
+
+def tool_call(tools: ToolSpec, harmony: bool) -> StructuredOutputsParams | None:
+    """The constraint of `tool_choice` required / named (None for auto / none)."""
+    if not tools.choice.forces_call:
+        return None
+    return _params(tool_call=ToolCallConstraint(_functions(tools)), harmony=harmony)
+
+
+def json_format(schema: dict[str, Any], harmony: bool,
+                tools: ToolSpec | None = None) -> StructuredOutputsParams:
+    """The answer is JSON matching `schema` — or, with tools the model may call (auto), a
+    call of one of them."""
+    call = None
+    if tools is not None and tools.parse_calls and not tools.choice.forces_call:
+        call = ToolCallConstraint(_functions(tools), required=False)
+    return _params(json=schema, harmony=harmony, tool_call=call)
+
+
+def attach(params: SamplingParams, constraint: StructuredOutputsParams | None) -> SamplingParams:
+    if constraint is not None:
+        params.structured_outputs = constraint
+    return params

@@ -1,0 +1,257 @@
+"""Tool calling and the Responses API over an in-process app with a scripted fake engine
+(tests/agent/fakes.py): the constraints handed to the engine for tool_choice and
+text.format, vLLM's flag rule for tool_choice "auto", template (non-harmony) models, the
+responses store, and 400s with OpenAI error bodies for bad input."""
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from kvrelay.harmony import get_encoding
+from kvrelay.server.tools import AgentOptions
+from kvrelay.structured.params import FunctionSpec, StructuredOutputsParams, ToolCallConstraint
+from tests.agent.fakes import (
+    EOS,
+    MODEL,
+    PLAIN_TEMPLATE,
+    TOOL_TEMPLATE,
+    ScriptedEngine,
+    char_tokenizer,
+    make_state,
+    openai_client,
+)
+from tests.harmony_factories import scripted_harmony_answer, scripted_tool_call
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+TIME = {"type": "object", "properties": {}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
+RTOOLS = [{"type": "function", "name": "get_weather", "parameters": WEATHER},
+          {"type": "function", "name": "get_time", "parameters": TIME}]
+USER = [{"role": "user", "content": "Weather?"}]
+AUTO = AgentOptions(enable_auto_tool_choice=True, tool_call_parser="openai")
+
+
+def _decode(ids: list[int]) -> str:
+    return get_encoding().decode([i for i in ids if i < 199998])
+
+
+def _harmony(script: list[int], agent: AgentOptions = AUTO, **kw):
+    engine = ScriptedEngine(lambda prompt: script, _decode)
+    client, http = openai_client(make_state(engine, True, agent, **kw))
+    return engine, client, http
+
+
+def _error(http, path: str, body: dict) -> dict:
+    r = http.post(f"/v1/{path}", json={"model": MODEL, **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == 400
+    return err
+
+
+# ------------------------------------------------------------------ tool_choice → constraint
+
+
+def test_required_and_named_choice_constrain_the_harmony_turn():
+    engine, client, _ = _harmony(scripted_tool_call("get_weather", '{"city":"Oslo"}'),
+                                 agent=AgentOptions())     # no flags needed for these
+    out = client.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS,
+                                         tool_choice="required")
+    assert out.choices[0].finish_reason == "tool_calls"
+    assert engine.requests[-1][1].structured_outputs == StructuredOutputsParams(
+        tool_call=ToolCallConstraint((FunctionSpec("get_weather", WEATHER),
+                                      FunctionSpec("get_time", TIME))), harmony=True)
+    client.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, tool_choice={
+        "type": "function", "function": {"name": "get_time"}})
+    assert engine.requests[-1][1].structured_outputs.tool_call.functions == (
+        FunctionSpec("get_time", TIME),)
+    # auto / none: no constraint
+    engine, client, _ = _harmony(scripted_harmony_answer("", "Hi"))
+    for choice in ("auto", "none"):
+        client.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS,
+                                       tool_choice=choice)
+        assert engine.requests[-1][1].structured_outputs is None
+
+
+def test_responses_constraints():
+    engine, client, _ = _harmony(scripted_tool_call("get_weather", '{"city":"Oslo"}'))
+    client.responses.create(model=MODEL, input="x", tools=RTOOLS,
+                            tool_choice={"type": "function", "name": "get_weather"})
+    assert engine.requests[-1][1].structured_outputs == StructuredOutputsParams(
+        tool_call=ToolCallConstraint((FunctionSpec("get_weather", WEATHER),)), harmony=True)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    client.responses.create(model=MODEL, input="x", text={"format": {
+        "type": "json_schema", "name": "A", "schema": schema}})
+    assert engine.requests[-1][1].structured_outputs == StructuredOutputsParams(
+        json=schema, harmony=True)
+    # a format with tools the model may call: "a call or the formatted answer"
+    client.responses.create(model=MODEL, input="x", tools=RTOOLS[:1], text={"format": {
+        "type": "json_schema", "name": "A", "schema": schema}})
+    assert engine.requests[-1][1].structured_outputs == StructuredOutputsParams(
+        json=schema, harmony=True, tool_call=ToolCallConstraint(
+            (FunctionSpec("get_weather", WEATHER),), required=False))
+    client.responses.create(model=MODEL, input="x")
+    assert engine.requests[-1][1].structured_outputs is None
+
+
+def test_auto_tool_choice_needs_vllms_flags():
+    _, client, http = _harmony(scripted_harmony_answer("", "Hi"), agent=AgentOptions())
+    err = _error(http, "chat/completions", {"messages": USER, "tools": TOOLS})
+    assert "--enable-auto-tool-choice" in err["message"] and err["param"] == "tool_choice"
+    # plain chat and the Responses API (vLLM's too) need no flag
+    assert client.chat.completions.create(model=MODEL, messages=USER).choices[0].message.content
+    assert client.responses.create(model=MODEL, input="x", tools=RTOOLS).output_text == "Hi"
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"tool_call_parser": "hermes"}, "--tool-call-parser: only openai"),
+    ({"reasoning_parser": "deepseek_r1"}, "--reasoning-parser: only openai_gptoss"),
+    ({"enable_auto_tool_choice": True}, "requires --tool-call-parser"),
+])
+def test_agent_options_refuse_other_parsers(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        AgentOptions(**kwargs)
+
+
+def test_serve_refuses_other_parser_in_one_line(capsys):
+    from kvrelay.cli import main
+    assert main(["serve", "--tool-call-parser", "hermes"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--tool-call-parser" in err and "'hermes'" in err
+
+
+# ------------------------------------------------------------------ template (non-harmony) models
+
+
+def _template(text: str, template: str = TOOL_TEMPLATE):
+    tok = char_tokenizer(template)
+    engine = ScriptedEngine(lambda prompt: [*tok.encode(text), EOS], tok.decode)
+    client, http = openai_client(make_state(engine, False, AUTO, tokenizer=tok))
+    return engine, client, http, tok
+
+
+def test_template_model_tools_and_forced_call():
+    calls = '[{"name": "get_weather", "parameters": {"city": "Oslo"}}]'
+    engine, client, _, tok = _template(calls)
+    out = client.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS,
+                                         tool_choice="required")
+    prompt = tok.decode(engine.requests[-1][0])
+    assert prompt.endswith("<tools>get_weather,get_time<assistant>")    # the template saw tools
+    assert engine.requests[-1][1].structured_outputs.tool_call is not None
+    assert engine.requests[-1][1].structured_outputs.harmony is False
+    (call,) = out.choices[0].message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather",
+                                                                         {"city": "Oslo"})
+    assert out.choices[0].finish_reason == "tool_calls"
+    chunks = list(client.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS,
+                                                 tool_choice="required", stream=True))
+    deltas = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
+    assert [(d.function.name, d.function.arguments) for d in deltas] == [
+        ("get_weather", '{"city": "Oslo"}')]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    resp = client.responses.create(model=MODEL, input="x", tools=RTOOLS, tool_choice="required")
+    assert [(i.type, i.name) for i in resp.output] == [("function_call", "get_weather")]
+    # the call and its result go back through the template
+    history = [*USER, out.choices[0].message.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    client.chat.completions.create(model=MODEL, tools=TOOLS, tool_choice="auto",
+                                   messages=history)
+    prompt = tok.decode(engine.requests[-1][0])
+    assert "<assistant>[call get_weather]<tool>sunny" in prompt
+    # a template without a tool syntax sees the earlier call as its JSON
+    engine, client, _, tok = _template("Fine.", PLAIN_TEMPLATE)
+    answer = client.chat.completions.create(model=MODEL, tools=TOOLS, tool_choice="auto",
+                                            messages=history)
+    assert answer.choices[0].message.content == "Fine." and not answer.choices[0].message.tool_calls
+    prompt = tok.decode(engine.requests[-1][0])
+    assert '<assistant>[{"name": "get_weather", "parameters": "{\\"city\\"' in prompt, prompt
+
+
+# ------------------------------------------------------------------ responses store
+
+
+def test_store_evicts_least_recently_used_and_can_be_off():
+    _, client, http = _harmony(scripted_harmony_answer("", "Hi"),
+                               agent=AgentOptions(responses_store_size=2))
+    a, b = (client.responses.create(model=MODEL, input="x") for _ in range(2))
+    client.responses.retrieve(a.id)                                     # a is now newest
+    c = client.responses.create(model=MODEL, input="x")
+    assert http.get(f"/v1/responses/{b.id}").status_code == 404         # b was evicted
+    assert client.responses.retrieve(a.id).id == a.id and client.responses.retrieve(c.id)
+    nostore = client.responses.create(model=MODEL, input="x", store=False)
+    assert http.get(f"/v1/responses/{nostore.id}").status_code == 404
+    err = http.delete("/v1/responses/resp_nope").json()["error"]
+    assert err["type"] == "NotFoundError" and err["code"] == 404
+
+    _, client, http = _harmony(scripted_harmony_answer("", "Hi"),
+                               agent=AgentOptions(responses_store_size=0))
+    off = client.responses.create(model=MODEL, input="x")
+    assert off.model_extra.get("store") is False
+    assert http.get(f"/v1/responses/{off.id}").status_code == 404
+    err = _error(http, "responses", {"input": "x", "previous_response_id": off.id})
+    assert "VLLM_ENABLE_RESPONSES_API_STORE" in err["message"]
+
+
+def test_max_output_tokens_gives_an_incomplete_response():
+    _, client, _ = _harmony(scripted_harmony_answer("Thinking hard.", "Hi"))
+    out = client.responses.create(model=MODEL, input="x", max_output_tokens=4)
+    assert out.status == "incomplete" and out.incomplete_details.reason == "max_output_tokens"
+    assert out.usage.output_tokens == 4
+
+
+# ------------------------------------------------------------------ bad input
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("chat/completions", {"messages": USER, "tools": [{"type": "function"}]}, "tools[0]"),
+    ("chat/completions", {"messages": USER, "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": "nope"}}]}, "tools[0]"),
+    ("chat/completions", {"messages": USER, "tools": "f"}, "tools"),
+    ("chat/completions", {"messages": USER, "tools": TOOLS + TOOLS[:1]}, "tools"),
+    ("chat/completions", {"messages": USER, "tools": TOOLS, "tool_choice": "sometimes"},
+     "tool_choice"),
+    ("chat/completions", {"messages": USER, "tools": TOOLS, "tool_choice": {
+        "type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ("chat/completions", {"messages": USER, "tool_choice": "required"}, "tool_choice"),
+    ("responses", {"input": "x", "tools": RTOOLS, "tool_choice": {"type": "function",
+                                                                  "name": "nope"}},
+     "tool_choice"),
+    ("responses", {"input": [{"type": "file_search_call", "id": "f"}]}, "input[0]"),
+    ("responses", {"input": [{"role": "user", "content": [{"type": "input_file"}]}]},
+     "input[0].content"),
+    ("responses", {"input": "x", "tools": [{"type": "code_interpreter"}]}, "tools[0]"),
+    ("responses", {"input": "x", "reasoning": {"effort": "max"}}, "reasoning.effort"),
+    ("responses", {"input": "x", "text": {"format": {"type": "yaml"}}}, "text.format"),
+    ("responses", {"input": "x", "previous_response_id": "resp_unknown"},
+     "previous_response_id"),
+    ("responses", {"input": "x", "background": True}, "background"),
+])
+def test_bad_input_is_a_400_with_an_openai_error(path, body, param):
+    _, _, http = _harmony(scripted_harmony_answer("", "Hi"))
+    assert _error(http, path, body)["param"] == param
+
+
+def test_openai_client_raises_bad_request():
+    _, client, _ = _harmony(scripted_harmony_answer("", "Hi"))
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(model=MODEL, input=[{"type": "item_reference", "id": "x"}])
+
+
+@pytest.mark.parametrize("api, effort, line", [
+    ("chat", None, "Reasoning: medium"), ("chat", "high", "Reasoning: high"),
+    ("responses", None, "Reasoning: medium"), ("responses", "low", "Reasoning: low"),
+])
+def test_reasoning_effort_sets_the_harmony_system_message(api, effort, line):
+    engine, client, _ = _harmony(scripted_harmony_answer("", "Hi"))
+    if api == "chat":
+        extra = {"reasoning_effort": effort} if effort else {}
+        client.chat.completions.create(model=MODEL, messages=USER, **extra)
+    else:
+        out = client.responses.create(model=MODEL, input="x",
+                                      **({"reasoning": {"effort": effort}} if effort else {}))
+        assert out.reasoning.effort == (effort or "medium")
+    system = _decode(engine.requests[-1][0]).split("# Valid channels")[0]
+    assert line in system and system.count("Reasoning:") == 1

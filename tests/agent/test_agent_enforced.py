@@ -1,0 +1,100 @@
+"""tool_choice required / named on a random-weight model: only the grammar makes it call a
+tool with schema-valid arguments. NEEDS the structured-outputs engine (agentapi's
+kvrelay/structured/ mask, applied in the sampler): skipped where this build has only the
+StructuredOutputsParams contract."""
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Literal
+
+import jsonschema
+import openai
+import pytest
+
+from kvrelay.server import structured_hooks
+from tests.agent.conftest import AGENT_FLAGS, MODEL
+from tests.processes import Server
+
+pytestmark = pytest.mark.skipif(not structured_hooks.available(),
+                                reason="needs the structured-outputs engine (kvrelay/structured/)")
+
+# bounded, so every valid call is short: a weak model cannot pad forever
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]},
+                                           "days": {"type": "integer", "minimum": 1,
+                                                    "maximum": 7}},
+          "required": ["city", "days"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {
+             "type": "object", "properties": {}, "additionalProperties": False}}}]
+
+
+@pytest.fixture(scope="module")
+def random_server(o200k_checkpoint, tmp_path_factory):
+    s = Server(str(o200k_checkpoint), ["--dtype", "float32", "--max-model-len", "1024",
+                                       "--served-model-name", MODEL, *AGENT_FLAGS],
+               tmp_path_factory.mktemp("agent-random") / "serve.log")
+    try:
+        s.wait_ready()
+        yield s
+    finally:
+        s.stop()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_required_choice_gives_a_schema_valid_call(random_server, seed):
+    client = openai.OpenAI(base_url=f"{random_server.url}/v1", api_key="x", max_retries=0)
+    out = client.chat.completions.create(model=MODEL, tools=TOOLS, tool_choice="required",
+                                         seed=seed, max_tokens=160, temperature=1.0,
+                                         messages=[{"role": "user", "content": "Weather?"}])
+    calls = out.choices[0].message.tool_calls
+    assert calls and out.choices[0].finish_reason == "tool_calls"
+    for call in calls:
+        if call.function.name == "get_weather":
+            jsonschema.validate(json.loads(call.function.arguments), SCHEMA)
+        else:
+            assert call.function.name == "get_time"
+            assert json.loads(call.function.arguments) == {}
+
+
+def test_named_choice_calls_that_function(random_server):
+    client = openai.OpenAI(base_url=f"{random_server.url}/v1", api_key="x", max_retries=0)
+    out = client.chat.completions.create(
+        model=MODEL, tools=TOOLS, max_tokens=160, seed=7,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        messages=[{"role": "user", "content": "Weather?"}])
+    (call,) = out.choices[0].message.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMA)
+
+
+@pytest.mark.parametrize("model_class", ["responses", "chat_completions"])
+def test_agents_sdk_with_required_tool_choice(random_server, model_class):
+    """First turn forced to call; the run stops on the tool's result (deterministic)."""
+    from agents import Agent, ModelSettings, Runner, function_tool, set_tracing_disabled
+    from agents.models.openai_chatcompletions import OpenAIChatCompletionsModel
+    from agents.models.openai_responses import OpenAIResponsesModel
+    set_tracing_disabled(True)
+    seen = []
+
+    @function_tool
+    def get_weather(city: Literal["Paris", "Oslo"], days: Literal[1, 2, 3]) -> str:
+        """Weather forecast (bounded arguments: a valid call is always short)."""
+        seen.append({"city": city, "days": days})
+        return f"forecast for {city}"
+
+    async def run() -> str:
+        client = openai.AsyncOpenAI(base_url=f"{random_server.url}/v1", api_key="x",
+                                    max_retries=0)
+        cls = OpenAIResponsesModel if model_class == "responses" else OpenAIChatCompletionsModel
+        agent = Agent(name="w", tools=[get_weather], tool_use_behavior="stop_on_first_tool",
+                      model=cls(model=MODEL, openai_client=client),
+                      model_settings=ModelSettings(tool_choice="required", max_tokens=160))
+        try:
+            return (await Runner.run(agent, "Weather?", max_turns=2)).final_output
+        finally:
+            await client.close()
+
+    final = asyncio.run(run())
+    assert len(seen) == 1 and final == f"forecast for {seen[0]['city']}"
+    assert seen[0]["city"] in ("Paris", "Oslo") and seen[0]["days"] in (1, 2, 3)
