@@ -59,9 +59,13 @@ CPU_HALF_MATMUL = EnvVar("KVRELAY_CPU_HALF_MATMUL", None, "auto",
                          "bf16/fp16 weights on CPU: 'native' half-precision GEMMs, 'fp32' (upcast the "
                          "weights per matmul, keep them half in memory) or 'auto' (fp32 unless oneDNN "
                          "has a native bf16 path on this CPU)")
+MOE_KERNEL = EnvVar("KVRELAY_MOE_KERNEL", None, "auto",
+                    "MoE experts on CPU: 'native' (the C++ kernels built on first use; an error "
+                    "if they cannot be built), 'torch' (the pure-PyTorch reference) or 'auto' "
+                    "(native where it builds, else torch with one warning)")
 
 ALL = (SIDE_CHANNEL_HOST, SIDE_CHANNEL_PORT, ENGINE_READY_TIMEOUT_S, EXECUTE_MODEL_TIMEOUT_S,
-       COMPILATION_TIMEOUT_S, VISIBLE_DEVICES, CACHE_DIR, CPU_HALF_MATMUL)
+       COMPILATION_TIMEOUT_S, VISIBLE_DEVICES, CACHE_DIR, CPU_HALF_MATMUL, MOE_KERNEL)
 
 
 def parse_id_list(text: str) -> list[int]:
