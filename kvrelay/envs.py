@@ -72,10 +72,10 @@ STRUCTURED_ANALYSIS_BUDGET = EnvVar("KVRELAY_STRUCTURED_ANALYSIS_BUDGET", None, 
                                     "harmony + structured outputs: most tokens of the analysis "
                                     "message before the constrained answer (at most half of "
                                     "max_tokens)")
-
-ALL = (SIDE_CHANNEL_HOST, SIDE_CHANNEL_PORT, ENGINE_READY_TIMEOUT_S, EXECUTE_MODEL_TIMEOUT_S,
-       COMPILATION_TIMEOUT_S, VISIBLE_DEVICES, CACHE_DIR, CPU_HALF_MATMUL, PROXY_API_KEY,
-       PROXY_BACKEND_KEY, KV_SECRET, STRUCTURED_ANALYSIS_BUDGET)
+MOE_KERNEL = EnvVar("KVRELAY_MOE_KERNEL", None, "auto",
+                    "MoE experts on CPU: 'native' (the C++ kernels built on first use; an error "
+                    "if they cannot be built), 'torch' (the pure-PyTorch reference) or 'auto' "
+                    "(native where it builds, else torch with one warning)")
 
 
 def parse_id_list(text: str) -> list[int]:
@@ -95,12 +95,13 @@ def parse_id_list(text: str) -> list[int]:
     return ids
 
 
-# -- the Responses API store (kvrelay/server/responses.py); kept apart from the table above so
-# that additions there and here do not collide
+# -- the Responses API store (kvrelay/server/responses.py)
 RESPONSES_STORE = EnvVar("KVRELAY_ENABLE_RESPONSES_API_STORE", "VLLM_ENABLE_RESPONSES_API_STORE",
                          "1", "0: /v1/responses keeps nothing (no store, previous_response_id or "
                          "GET); on by default here (vLLM's default is off)")
 RESPONSES_STORE_MAX_ENTRIES = EnvVar("KVRELAY_RESPONSES_STORE_MAX_ENTRIES", None, "1000",
                                      "responses kept in memory; the least recently used are "
                                      "evicted first")
-ALL = (*ALL, RESPONSES_STORE, RESPONSES_STORE_MAX_ENTRIES)
+
+# every variable above, for docs and checks (computed, so additions never collide)
+ALL = tuple(v for v in list(globals().values()) if isinstance(v, EnvVar))

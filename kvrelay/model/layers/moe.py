@@ -5,8 +5,14 @@ Experts: h = x W_guᵀ + b_gu with gate/up interleaved (even rows gate, odd rows
 gate ≤ limit, -limit ≤ up ≤ limit; act = (up + 1) · gate · σ(alpha · gate);
 y = act W_dᵀ + b_d, weighted by the routing weight.
 
-Tokens are grouped by expert (argsort of the flattened (token, k) choices + bincount)
-so each *active* expert runs one matmul over its tokens.
+Two implementations of the expert computation, chosen by `KVRELAY_MOE_KERNEL`
+(auto | native | torch, see `moe_kernel_mode`):
+- native (`kvrelay.model.kernels`): one C++ call per layer covering every local expert —
+  choices counting-sorted by expert, gate_up + swiglu and down + routing weight as two
+  parallel sweeps over (expert, row tile), MXFP4 dequantised in registers, fp32
+  accumulation throughout;
+- torch (the reference it is tested against): tokens grouped by expert (argsort of the
+  flattened (token, k) choices + bincount) and one matmul per *active* expert.
 
 Sharding: a rank holds experts [e0, e1) (expert parallel, `ep_size` ways) and, of
 each, the intermediate rows [i0, i1) (tensor parallel, zero-padded to whole MXFP4
@@ -20,15 +26,31 @@ already `[E, out, in/32, 16]` and stay packed (`MXFP4Tensor`).
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvrelay import envs
+from kvrelay.model import kernels
 from kvrelay.model.layers.ep_dispatch import moe_across_replicas
 from kvrelay.model.layers.linear import UPCAST_MIN_ROWS, linear, upcasts
 from kvrelay.model.mxfp4 import BLOCK, MXFP4Tensor
 from kvrelay.model.parallel import ParallelContext, divide, shard_range
 from kvrelay.model.weights import WeightSource, padded_slice
+
+logger = logging.getLogger(__name__)
+
+MOE_KERNEL_MODES = ("auto", "native", "torch")
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def moe_kernel_mode() -> str:
+    mode = envs.MOE_KERNEL.raw() or "auto"
+    if mode not in MOE_KERNEL_MODES:
+        raise ValueError(f"{envs.MOE_KERNEL.shown}: expected auto, native or torch, got {mode!r}")
+    return mode
 
 
 class Router(nn.Module):
@@ -64,6 +86,9 @@ class Experts(nn.Module):
         self.down_bias = nn.Parameter(torch.zeros(E, hidden, dtype=dtype), requires_grad=False)
         self.gate_up: torch.Tensor | MXFP4Tensor
         self.down: torch.Tensor | MXFP4Tensor
+        # fp32 copies of half-precision biases for the native kernel, keyed by the
+        # source tensor's (data_ptr, version) so a reload refreshes them
+        self._bias_f32: dict[str, tuple[tuple[int, int], torch.Tensor]] = {}
         if not mxfp4:
             self.gate_up = nn.Parameter(torch.zeros(E, 2 * I, hidden, dtype=dtype), requires_grad=False)
             self.down = nn.Parameter(torch.zeros(E, hidden, I, dtype=dtype), requires_grad=False)
@@ -128,7 +153,57 @@ class Experts(nn.Module):
 
     # -- compute --------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
-        """x [T, H], weights/expert_ids [T, k] → this rank's partial output [T, H].
+        """x [T, H], weights/expert_ids [T, k] → this rank's partial output [T, H]."""
+        if self.uses_native_kernel():
+            return self.forward_native(x, weights, expert_ids)
+        return self.forward_torch(x, weights, expert_ids)
+
+    def uses_native_kernel(self) -> bool:
+        """Native unless KVRELAY_MOE_KERNEL=torch, the weights are not on the CPU or in a
+        dtype the kernel reads (fp16), or the extension could not be built ('auto' then
+        falls back with the one warning `kernels.status` logs; 'native' is an error)."""
+        mode = moe_kernel_mode()
+        if mode == "torch" or self.gate_up_bias.device.type != "cpu":
+            return False
+        if self.dtype not in _NATIVE_DTYPES:
+            return False
+        status = kernels.status()
+        if not status.available and mode == "native":
+            raise RuntimeError(f"{envs.MOE_KERNEL.shown}=native but the native kernels could "
+                               f"not be built: {status.reason}")
+        return status.available
+
+    def forward_native(self, x: torch.Tensor, weights: torch.Tensor,
+                       expert_ids: torch.Tensor) -> torch.Tensor:
+        """The whole expert computation as one kernel call, in fp32 whatever the dtype."""
+        y = kernels.moe_experts(
+            x.float().contiguous(), weights.float().contiguous(), expert_ids.long().contiguous(),
+            self.first_expert, self._kernel_weight(self.gate_up), self._f32("gate_up_bias"),
+            self._kernel_weight(self.down),
+            self._f32("down_bias") if self.add_down_bias else None,
+            self.alpha, self.limit)                                             # [T, H] f32
+        return y.to(x.dtype)
+
+    @staticmethod
+    def _kernel_weight(w: torch.Tensor | MXFP4Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if isinstance(w, MXFP4Tensor):
+            return w.blocks.contiguous(), w.scales.contiguous()
+        return w.detach().contiguous(), None
+
+    def _f32(self, name: str) -> torch.Tensor:
+        bias = getattr(self, name).detach()
+        if bias.dtype == torch.float32:
+            return bias
+        key = (bias.data_ptr(), bias._version)
+        cached = self._bias_f32.get(name)
+        if cached is None or cached[0] != key:
+            cached = (key, bias.float().contiguous())
+            self._bias_f32[name] = cached
+        return cached[1]
+
+    def forward_torch(self, x: torch.Tensor, weights: torch.Tensor,
+                      expert_ids: torch.Tensor) -> torch.Tensor:
+        """The reference path: one matmul per active expert.
 
         The T·k (token, expert) choices are sorted by expert; this rank's experts form
         one contiguous run of the sorted order (others sort before or after it):

@@ -1,0 +1,120 @@
+"""Native CPU kernels (C++), built on first use with `torch.utils.cpp_extension`.
+
+The extension (`csrc/`) holds the grouped MoE expert computation
+(`kvrelay_kernels::moe_experts`). It is compiled once per source/torch version into
+`<cache root>/kernels/<hash>/` (see `kvrelay.model.embedded.cache_root`) under a file
+lock, so concurrent server processes build it once and later starts only load it.
+
+No `-march=native`: the machine that builds is not always the one that runs (a shared
+cache, a CPU that changes under a VM), so every ISA variant is compiled with its own
+`#pragma GCC target` and the op picks the best one the running CPU supports.
+
+Where the build fails (no compiler, no ninja, headers missing) the model keeps the
+pure-PyTorch path: `status()` says why, and a single warning is logged.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvrelay import envs
+
+logger = logging.getLogger(__name__)
+
+NAME = "kvrelay_kernels"
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = ("moe_op.cpp", "moe_generic.cpp", "moe_avx2.cpp", "moe_avx512.cpp")
+CFLAGS = ("-O3", "-std=c++17", "-fno-math-errno")
+
+
+@dataclass(frozen=True)
+class KernelStatus:
+    """Whether the native kernels are in use, and if not, why."""
+
+    available: bool
+    isa: str | None          # the ISA variant the op runs on this CPU (best first in `isas`)
+    isas: tuple[str, ...]
+    reason: str              # "" when available, otherwise why the build or load failed
+    library: str | None = None
+
+
+def build_dir() -> Path:
+    """One directory per source / torch / platform combination."""
+    from kvrelay.model.embedded import cache_root
+    digest = hashlib.sha256()
+    for name in sorted(os.listdir(CSRC)):
+        digest.update(name.encode() + (CSRC / name).read_bytes())
+    digest.update(f"{torch.__version__}|{platform.machine()}|{CFLAGS}".encode())
+    return cache_root() / "kernels" / f"{NAME}-{digest.hexdigest()[:16]}"
+
+
+def _library_path(directory: Path) -> Path:
+    return directory / f"{NAME}.so"
+
+
+def _build(directory: Path) -> Path:
+    """Compile (or reuse) the extension; one process at a time per build directory."""
+    from filelock import FileLock
+    from torch.utils import cpp_extension
+
+    directory.mkdir(parents=True, exist_ok=True)
+    timeout = envs.COMPILATION_TIMEOUT_S.as_float()
+    with FileLock(str(directory / "build.flock"), timeout=timeout if timeout else -1):
+        library = _library_path(directory)
+        if library.is_file():
+            return library
+        # torch's own lock file is only left behind by a build that was killed; we hold
+        # the real lock, so it is stale
+        (directory / "lock").unlink(missing_ok=True)
+        logger.info("building the native kernels in %s (once per kvrelay/torch version)",
+                    directory)
+        cpp_extension.load(NAME, [str(CSRC / s) for s in SOURCES], extra_cflags=list(CFLAGS),
+                           extra_include_paths=[str(CSRC)], build_directory=str(directory),
+                           is_python_module=False, verbose=False)
+        return library
+
+
+@functools.cache
+def status() -> KernelStatus:
+    """Build/load the extension once per process; never raises."""
+    try:
+        library = _build(build_dir())
+        if not hasattr(torch.ops.kvrelay_kernels, "moe_experts"):
+            torch.ops.load_library(str(library))
+        isas = tuple(torch.ops.kvrelay_kernels.isas())
+    except Exception as exc:  # noqa: BLE001 - any build failure means "use the torch path"
+        reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc) else ''}"
+        logger.warning("native CPU kernels unavailable, using the PyTorch reference path "
+                       "(slower MoE/MXFP4): %s", reason)
+        return KernelStatus(False, None, (), reason)
+    logger.info("native CPU kernels loaded: %s (ISA %s of %s)", library, isas[0], ", ".join(isas))
+    return KernelStatus(True, isas[0], isas, "", str(library))
+
+
+def kernels_available() -> bool:
+    return status().available
+
+
+def moe_experts(x: torch.Tensor, route_weights: torch.Tensor, expert_ids: torch.Tensor,
+                first_expert: int, gate_up: tuple[torch.Tensor, torch.Tensor | None],
+                gate_up_bias: torch.Tensor | None, down: tuple[torch.Tensor, torch.Tensor | None],
+                down_bias: torch.Tensor | None, alpha: float, limit: float,
+                isa: str = "") -> torch.Tensor:
+    """The MoE expert computation of this rank's experts, in fp32 (see `layers.moe`).
+
+    x [T, H] f32; route_weights [T, k] f32; expert_ids [T, k] int64 (global ids; choices
+    outside [first_expert, first_expert + E) are skipped). `gate_up`/`down` are
+    (weights, MXFP4 scales or None): f32/bf16 [E, out, in], or MXFP4 codes
+    [E, out, in/32, 16] with scales [E, out, in/32]. Biases f32 [E, out]. Returns [T, H]
+    f32: Σ over a token's local choices of weight · down(swiglu(gate_up(x))).
+    """
+    return torch.ops.kvrelay_kernels.moe_experts(
+        x, route_weights, expert_ids, first_expert, gate_up[0], gate_up[1], gate_up_bias,
+        down[0], down[1], down_bias, alpha, limit, isa)

@@ -1,0 +1,56 @@
+// Plain-C++ contract between the torch-facing op (moe_op.cpp) and the per-ISA kernels
+// (moe_generic.cpp, moe_avx2.cpp, moe_avx512.cpp). No torch or STL here: the ISA files
+// are compiled with `#pragma GCC target(...)` and must not instantiate inline library
+// code that the linker could hand to generic callers.
+#pragma once
+#include <stdint.h>
+
+namespace kvrelay {
+
+enum WeightFormat : int32_t { kF32 = 0, kBF16 = 1, kMXFP4 = 2 };
+
+// One projection of every local expert, weights [E, rows, cols] like nn.Linear.
+struct Projection {
+  int32_t format;
+  const void* data;       // f32/bf16 [E, rows, cols] or MXFP4 codes [E, rows, cols/32, 16]
+  const uint8_t* scales;  // MXFP4 E8M0 exponents [E, rows, cols/32]; null otherwise
+  const float* bias;      // [E, rows] or null
+  int64_t rows, cols;
+};
+
+// The (token, expert) choices of this rank, sorted by expert:
+// expert e owns sorted rows [offsets[e], offsets[e+1]).
+struct MoeProblem {
+  Projection gate_up;        // rows 2I (gate/up interleaved), cols H
+  Projection down;           // rows H, cols I
+  const int64_t* offsets;    // [E + 1]
+  const float* x;            // [n + kPadRows, H] token rows in sorted order
+  float* act;                // [n + kPadRows, I] swiglu output
+  float* y;                  // [n, H] weighted expert outputs
+  const float* route_weight; // [n]
+  float alpha, limit;
+};
+
+// A unit of parallel work: rows [row0, row1) of one expert's projection.
+struct Tile {
+  int32_t expert, row0, row1;
+};
+
+// Token rows are processed in blocks of up to 8; reading up to 7 rows past the last
+// expert's rows must stay inside the buffers (their results are discarded).
+constexpr int64_t kPadRows = 8;
+constexpr int32_t kMaxTileRows = 64;
+
+using TileFn = void (*)(const MoeProblem&, const Tile*, int64_t);
+
+struct IsaKernels {
+  const char* name;
+  TileFn gate_up;  // fills act for the given gate_up tiles
+  TileFn down;     // fills y for the given down tiles
+};
+
+bool generic_kernels(IsaKernels* out);
+bool avx2_kernels(IsaKernels* out);    // false where not compiled (non-x86)
+bool avx512_kernels(IsaKernels* out);
+
+}  // namespace kvrelay

@@ -1,0 +1,56 @@
+// AVX2 + FMA build of the MoE kernels; chosen at run time (moe_op.cpp), so the rest of
+// the extension stays runnable on CPUs without AVX2.
+#include "moe.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#pragma GCC target("avx2,fma,f16c")
+
+namespace {
+
+struct V {
+  static constexpr int W = 8, NB = 4;
+  using T = __m256;
+  static T zero() { return _mm256_setzero_ps(); }
+  static T load(const float* p) { return _mm256_loadu_ps(p); }
+  static T load_bf16(const uint16_t* p) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+  }
+  static T set1(float v) { return _mm256_set1_ps(v); }
+  static T mul(T a, T b) { return _mm256_mul_ps(a, b); }
+  static T add(T a, T b) { return _mm256_add_ps(a, b); }
+  static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
+  static float hsum(T a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+  static void fp4x2(const uint8_t* codes, T* out) {
+    const __m128i lut = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
+    const __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(packed, low4));
+    const __m128i hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(packed, 4), low4));
+    const __m128i first = _mm_unpacklo_epi8(lo, hi);   // elements 0..15
+    const __m128i second = _mm_unpackhi_epi8(lo, hi);  // elements 16..31
+    out[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(first));
+    out[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(first, 8)));
+    out[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(second));
+    out[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(second, 8)));
+  }
+};
+
+#include "moe_impl.h"
+
+}  // namespace
+
+bool kvrelay::avx2_kernels(IsaKernels* out) {
+  *out = IsaKernels{"avx2", &gate_up_tiles, &down_tiles};
+  return true;
+}
+
+#else
+bool kvrelay::avx2_kernels(IsaKernels*) { return false; }
+#endif

@@ -1,0 +1,38 @@
+// Portable build of the MoE kernels (any CPU; the compiler's baseline vectorisation).
+#include "moe.h"
+
+namespace {
+
+struct V {
+  static constexpr int W = 1, NB = 4;
+  using T = float;
+  static T zero() { return 0.0f; }
+  static T load(const float* p) { return *p; }
+  static T load_bf16(const uint16_t* p) {
+    const uint32_t u = uint32_t(*p) << 16;
+    float f;
+    __builtin_memcpy(&f, &u, 4);
+    return f;
+  }
+  static T set1(float v) { return v; }
+  static T mul(T a, T b) { return a * b; }
+  static T add(T a, T b) { return a + b; }
+  static T fma(T a, T b, T c) { return a * b + c; }
+  static float hsum(T a) { return a; }
+  static void fp4x2(const uint8_t* codes, T* out) {
+    static const int8_t kDoubled[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+    for (int i = 0; i < 16; ++i) {
+      out[2 * i] = kDoubled[codes[i] & 0x0F];
+      out[2 * i + 1] = kDoubled[codes[i] >> 4];
+    }
+  }
+};
+
+#include "moe_impl.h"
+
+}  // namespace
+
+bool kvrelay::generic_kernels(IsaKernels* out) {
+  *out = IsaKernels{"generic", &gate_up_tiles, &down_tiles};
+  return true;
+}

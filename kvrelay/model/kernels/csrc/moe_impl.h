@@ -1,0 +1,188 @@
+// The MoE expert kernels, written once against a small vector abstraction and compiled
+// once per ISA. Include this inside an anonymous namespace after defining `struct V`:
+//
+//   V::W            float lanes of V::T          V::NB  token rows per pass (4 or 8)
+//   zero() load(const float*) load_bf16(const uint16_t*) set1(float)
+//   mul(a, b) add(a, b) fma(a, b, c) = a·b + c   hsum(a) = Σ lanes
+//   fp4x2(const uint8_t* codes16, T out[32 / W])  one MXFP4 group as floats, each
+//                                                 2 × its e2m1 value (an integer in ±12)
+//
+// MXFP4 is dequantised in registers: per group of 32 weights the doubled e2m1 values
+// are dotted with x and the partial sum is scaled once by 2^(scale-128) (the E8M0
+// exponent, halved). Only powers of two differ from dequantise-then-dot, so the result
+// matches the reference up to float summation order.
+#pragma once
+
+using VT = V::T;
+
+inline float bits_to_float(uint32_t u) {
+  float f;
+  __builtin_memcpy(&f, &u, 4);
+  return f;
+}
+
+inline float bf16_scalar(uint16_t b) { return bits_to_float(uint32_t(b) << 16); }
+
+// 2^(s - 128) for an E8M0 byte s; s = 0 and 1 give the subnormals 2^-128 and 2^-127.
+inline float half_scale(uint8_t s) {
+  if (s >= 2) return bits_to_float(uint32_t(s - 1) << 23);
+  return bits_to_float(s == 1 ? 0x00400000u : 0x00200000u);
+}
+
+struct F32Row {
+  const float* p;
+  VT load(int64_t k) const { return V::load(p + k); }
+  float scalar(int64_t k) const { return p[k]; }
+};
+
+struct BF16Row {
+  const uint16_t* p;
+  VT load(int64_t k) const { return V::load_bf16(p + k); }
+  float scalar(int64_t k) const { return bf16_scalar(p[k]); }
+};
+
+// Dot products of one weight row with NT token rows x[t·ldx : t·ldx + K].
+// U independent accumulators per token keep the FMA pipes busy when NT is small.
+template <int NT>
+struct Dots {
+  static constexpr int U = NT >= 4 ? 1 : 4 / NT;
+
+  template <class Row>
+  static inline void dense(const Row& row, const float* x, int64_t ldx, int64_t K, float* out) {
+    VT acc[U][NT];
+    for (int u = 0; u < U; ++u)
+      for (int t = 0; t < NT; ++t) acc[u][t] = V::zero();
+    int64_t k = 0;
+    for (; k + U * V::W <= K; k += U * V::W) {
+      for (int u = 0; u < U; ++u) {
+        const VT w = row.load(k + u * V::W);
+        for (int t = 0; t < NT; ++t)
+          acc[u][t] = V::fma(w, V::load(x + t * ldx + k + u * V::W), acc[u][t]);
+      }
+    }
+    for (; k + V::W <= K; k += V::W) {
+      const VT w = row.load(k);
+      for (int t = 0; t < NT; ++t) acc[0][t] = V::fma(w, V::load(x + t * ldx + k), acc[0][t]);
+    }
+    finish(acc, out);
+    for (int64_t j = k; j < K; ++j) {  // tail when K is not a multiple of W
+      const float w = row.scalar(j);
+      for (int t = 0; t < NT; ++t) out[t] += w * x[t * ldx + j];
+    }
+  }
+
+  static inline void mxfp4(const uint8_t* codes, const uint8_t* scales, int64_t groups,
+                           const float* x, int64_t ldx, float* out) {
+    VT acc[U][NT];
+    for (int u = 0; u < U; ++u)
+      for (int t = 0; t < NT; ++t) acc[u][t] = V::zero();
+    int64_t g = 0;
+    for (; g + U <= groups; g += U)
+      for (int u = 0; u < U; ++u) group(codes, scales, g + u, x, ldx, acc[u]);
+    for (; g < groups; ++g) group(codes, scales, g, x, ldx, acc[0]);
+    finish(acc, out);
+  }
+
+  static inline void group(const uint8_t* codes, const uint8_t* scales, int64_t g,
+                           const float* x, int64_t ldx, VT* acc) {
+    constexpr int C = 32 / V::W;
+    VT w[C];
+    V::fp4x2(codes + g * 16, w);
+    const VT scale = V::set1(half_scale(scales[g]));
+    const float* xg = x + g * 32;
+    for (int t = 0; t < NT; ++t) {
+      VT s = V::mul(w[0], V::load(xg + t * ldx));
+      for (int c = 1; c < C; ++c) s = V::fma(w[c], V::load(xg + t * ldx + c * V::W), s);
+      acc[t] = V::fma(s, scale, acc[t]);
+    }
+  }
+
+  static inline void finish(VT (&acc)[U][NT], float* out) {
+    for (int t = 0; t < NT; ++t) {
+      VT s = acc[0][t];
+      for (int u = 1; u < U; ++u) s = V::add(s, acc[u][t]);
+      out[t] = V::hsum(s);
+    }
+  }
+};
+
+template <int NT>
+inline void row_dots(const kvrelay::Projection& w, int64_t e, int64_t r, const float* x,
+                     float* out) {
+  const int64_t index = e * w.rows + r;
+  if (w.format == kvrelay::kF32) {
+    Dots<NT>::dense(F32Row{static_cast<const float*>(w.data) + index * w.cols}, x, w.cols,
+                    w.cols, out);
+  } else if (w.format == kvrelay::kBF16) {
+    Dots<NT>::dense(BF16Row{static_cast<const uint16_t*>(w.data) + index * w.cols}, x, w.cols,
+                    w.cols, out);
+  } else {
+    const int64_t groups = w.cols / 32;
+    Dots<NT>::mxfp4(static_cast<const uint8_t*>(w.data) + index * groups * 16,
+                    w.scales + index * groups, groups, x, w.cols, out);
+  }
+}
+
+using TileOut = float[V::NB][kvrelay::kMaxTileRows];
+
+// h[t][r - row0] = x_t · W_e[r] for the n token rows of x, NB rows at a time; `epilogue`
+// consumes each block. With n ≤ NB (decode) every weight row is read exactly once.
+template <class Epilogue>
+inline void project(const kvrelay::Projection& w, const kvrelay::Tile& tile, const float* x,
+                    int64_t n, const Epilogue& epilogue) {
+  TileOut h;
+  for (int64_t t0 = 0; t0 < n; t0 += V::NB) {
+    const int64_t nt = n - t0 < V::NB ? n - t0 : V::NB;
+    const float* xb = x + t0 * w.cols;
+    for (int32_t r = tile.row0; r < tile.row1; ++r) {
+      float o[V::NB];
+      if (nt == 1) row_dots<1>(w, tile.expert, r, xb, o);
+      else if (nt == 2) row_dots<2>(w, tile.expert, r, xb, o);
+      else if (nt <= 4 || V::NB == 4) row_dots<4>(w, tile.expert, r, xb, o);
+      else row_dots<V::NB>(w, tile.expert, r, xb, o);
+      for (int64_t t = 0; t < nt; ++t) h[t][r - tile.row0] = o[t];
+    }
+    epilogue(t0, nt, h);
+  }
+}
+
+// gate_up rows come in (gate, up) pairs; a tile starts on an even row.
+void gate_up_tiles(const kvrelay::MoeProblem& p, const kvrelay::Tile* tiles, int64_t count) {
+  const int64_t H = p.gate_up.cols, I = p.down.cols;
+  for (int64_t i = 0; i < count; ++i) {
+    const kvrelay::Tile tile = tiles[i];
+    const int64_t off = p.offsets[tile.expert], n = p.offsets[tile.expert + 1] - off;
+    const float* bias = p.gate_up.bias ? p.gate_up.bias + tile.expert * p.gate_up.rows : nullptr;
+    project(p.gate_up, tile, p.x + off * H, n, [&](int64_t t0, int64_t nt, TileOut& h) {
+      for (int64_t t = 0; t < nt; ++t) {
+        float* act = p.act + (off + t0 + t) * I;
+        for (int32_t r = tile.row0; r < tile.row1; r += 2) {
+          float gate = h[t][r - tile.row0] + (bias ? bias[r] : 0.0f);
+          float up = h[t][r + 1 - tile.row0] + (bias ? bias[r + 1] : 0.0f);
+          gate = gate > p.limit ? p.limit : gate;
+          up = up > p.limit ? p.limit : (up < -p.limit ? -p.limit : up);
+          const float sig = 1.0f / (1.0f + __builtin_expf(-(gate * p.alpha)));
+          act[r / 2] = (up + 1.0f) * gate * sig;
+        }
+      }
+    });
+  }
+}
+
+void down_tiles(const kvrelay::MoeProblem& p, const kvrelay::Tile* tiles, int64_t count) {
+  const int64_t H = p.down.rows, I = p.down.cols;
+  for (int64_t i = 0; i < count; ++i) {
+    const kvrelay::Tile tile = tiles[i];
+    const int64_t off = p.offsets[tile.expert], n = p.offsets[tile.expert + 1] - off;
+    const float* bias = p.down.bias ? p.down.bias + tile.expert * H : nullptr;
+    project(p.down, tile, p.act + off * I, n, [&](int64_t t0, int64_t nt, TileOut& h) {
+      for (int64_t t = 0; t < nt; ++t) {
+        const int64_t row = off + t0 + t;
+        float* y = p.y + row * H;
+        const float weight = p.route_weight[row];
+        for (int32_t r = tile.row0; r < tile.row1; ++r)
+          y[r] = (h[t][r - tile.row0] + (bias ? bias[r] : 0.0f)) * weight;
+      }
+    });
+  }
+}

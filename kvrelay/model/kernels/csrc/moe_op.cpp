@@ -1,0 +1,213 @@
+// torch op `kvrelay_kernels::moe_experts`: this rank's experts for a batch of tokens in
+// one call. Routing choices are counting-sorted by expert here; the expert matmuls run
+// as two parallel sweeps over (expert, row tile) work items — gate_up + swiglu, then
+// down × routing weight — in the best ISA build this CPU supports; the k weighted rows
+// of each token are summed last.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "moe.h"
+
+namespace kvrelay {
+namespace {
+
+std::vector<IsaKernels> supported_isas() {  // best first
+  std::vector<IsaKernels> isas;
+  IsaKernels k{};
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+      avx512_kernels(&k))
+    isas.push_back(k);
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && avx2_kernels(&k))
+    isas.push_back(k);
+#endif
+  generic_kernels(&k);
+  isas.push_back(k);
+  return isas;
+}
+
+const std::vector<IsaKernels>& isas() {
+  static const std::vector<IsaKernels> all = supported_isas();
+  return all;
+}
+
+const IsaKernels& pick(const std::string& name) {
+  if (name.empty()) return isas().front();
+  for (const IsaKernels& k : isas())
+    if (name == k.name) return k;
+  TORCH_CHECK(false, "kvrelay kernels: ISA '", name, "' is not supported on this CPU");
+}
+
+std::vector<std::string> isa_names() {
+  std::vector<std::string> names;
+  for (const IsaKernels& k : isas()) names.emplace_back(k.name);
+  return names;
+}
+
+const float* optional_f32(const c10::optional<at::Tensor>& t, int64_t E, int64_t rows,
+                          const char* what) {
+  if (!t.has_value()) return nullptr;
+  TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 &&
+                  t->size(0) == E && t->size(1) == rows,
+              what, ": expected a contiguous float32 [", E, ", ", rows, "] tensor");
+  return t->data_ptr<float>();
+}
+
+// Weights [E, rows, cols] in f32/bf16, or MXFP4 codes [E, rows, cols/32, 16] + scales.
+Projection projection(const at::Tensor& w, const c10::optional<at::Tensor>& scales,
+                      const c10::optional<at::Tensor>& bias, const char* what) {
+  Projection p{};
+  TORCH_CHECK(w.is_contiguous() && w.device().is_cpu(), what, ": weights must be contiguous CPU tensors");
+  if (w.scalar_type() == at::kByte) {
+    TORCH_CHECK(w.dim() == 4 && w.size(3) == 16 && scales.has_value(), what,
+                ": MXFP4 codes must be [E, rows, groups, 16] with scales");
+    TORCH_CHECK(scales->scalar_type() == at::kByte && scales->is_contiguous() &&
+                    scales->sizes() == w.sizes().slice(0, 3),
+                what, ": MXFP4 scales must be contiguous uint8 [E, rows, groups]");
+    p.format = kMXFP4;
+    p.scales = scales->data_ptr<uint8_t>();
+    p.cols = w.size(2) * 32;
+  } else {
+    TORCH_CHECK(w.dim() == 3 && !scales.has_value(), what, ": dense weights must be [E, rows, cols]");
+    TORCH_CHECK(w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16, what,
+                ": dense weights must be float32 or bfloat16");
+    p.format = w.scalar_type() == at::kFloat ? kF32 : kBF16;
+    p.cols = w.size(2);
+  }
+  p.data = w.data_ptr();
+  p.rows = w.size(1);
+  p.bias = optional_f32(bias, w.size(0), p.rows, what);
+  return p;
+}
+
+// Work items: rows of each active expert in tiles, small enough to give every thread
+// several items when only a few experts are active (decode).
+std::vector<Tile> tiles(const std::vector<int64_t>& offsets, int64_t rows) {
+  int64_t active = 0;
+  for (size_t e = 0; e + 1 < offsets.size(); ++e) active += offsets[e + 1] > offsets[e];
+  const int64_t want = 4 * at::get_num_threads();
+  int64_t size = kMaxTileRows / 2;
+  while (size > 2 && active * ((rows + size - 1) / size) < want) size /= 2;
+  std::vector<Tile> out;
+  for (size_t e = 0; e + 1 < offsets.size(); ++e) {
+    if (offsets[e + 1] == offsets[e]) continue;
+    for (int64_t r = 0; r < rows; r += size)
+      out.push_back(Tile{int32_t(e), int32_t(r), int32_t(std::min(r + size, rows))});
+  }
+  return out;
+}
+
+void run(TileFn fn, const MoeProblem& problem, const std::vector<Tile>& work) {
+  at::parallel_for(0, int64_t(work.size()), 1, [&](int64_t begin, int64_t end) {
+    fn(problem, work.data() + begin, end - begin);
+  });
+}
+
+at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& route_weights,
+                       const at::Tensor& expert_ids, int64_t first_expert,
+                       const at::Tensor& gate_up, const c10::optional<at::Tensor>& gate_up_scales,
+                       const c10::optional<at::Tensor>& gate_up_bias, const at::Tensor& down,
+                       const c10::optional<at::Tensor>& down_scales,
+                       const c10::optional<at::Tensor>& down_bias, double alpha, double limit,
+                       const std::string& isa) {
+  const IsaKernels& kernels = pick(isa);
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
+              "moe_experts: x must be contiguous float32 [T, H]");
+  const int64_t T = x.size(0), H = x.size(1);
+  TORCH_CHECK(expert_ids.scalar_type() == at::kLong && expert_ids.dim() == 2 &&
+                  expert_ids.size(0) == T && expert_ids.is_contiguous(),
+              "moe_experts: expert_ids must be contiguous int64 [T, k]");
+  TORCH_CHECK(route_weights.scalar_type() == at::kFloat && route_weights.sizes() == expert_ids.sizes() &&
+                  route_weights.is_contiguous(),
+              "moe_experts: route_weights must be contiguous float32 [T, k]");
+  const int64_t k = expert_ids.size(1);
+  MoeProblem p{};
+  p.gate_up = projection(gate_up, gate_up_scales, gate_up_bias, "moe_experts gate_up");
+  p.down = projection(down, down_scales, down_bias, "moe_experts down");
+  const int64_t E = gate_up.size(0), I = p.down.cols;
+  TORCH_CHECK(p.gate_up.cols == H && p.gate_up.rows == 2 * I && down.size(0) == E &&
+                  p.down.rows == H,
+              "moe_experts: gate_up must be [E, 2I, H] and down [E, H, I] for x [T, H]");
+
+  // counting sort of the T·k choices by local expert (stable: choice order kept)
+  const int64_t* ids = expert_ids.data_ptr<int64_t>();
+  std::vector<int64_t> offsets(E + 1, 0);
+  for (int64_t c = 0; c < T * k; ++c) {
+    const int64_t e = ids[c] - first_expert;
+    if (e >= 0 && e < E) ++offsets[e + 1];
+  }
+  for (int64_t e = 0; e < E; ++e) offsets[e + 1] += offsets[e];
+  const int64_t n = offsets[E];
+  std::vector<int64_t> next(offsets.begin(), offsets.end() - 1);
+  std::vector<int64_t> position(T * k, -1);   // choice → sorted row
+  std::vector<int64_t> choice(n);             // sorted row → choice
+  for (int64_t c = 0; c < T * k; ++c) {
+    const int64_t e = ids[c] - first_expert;
+    if (e >= 0 && e < E) {
+      position[c] = next[e]++;
+      choice[position[c]] = c;
+    }
+  }
+  at::Tensor out = at::zeros({T, H}, x.options());
+  if (n == 0) return out;
+
+  const auto f32 = x.options();
+  at::Tensor xs = at::empty({n + kPadRows, H}, f32);
+  at::Tensor act = at::empty({n + kPadRows, I}, f32);
+  at::Tensor ys = at::empty({n, H}, f32);
+  std::vector<float> weight(n);
+  const float* xp = x.data_ptr<float>();
+  const float* rw = route_weights.data_ptr<float>();
+  float* xsp = xs.data_ptr<float>();
+  std::memset(xsp + n * H, 0, sizeof(float) * kPadRows * H);
+  std::memset(act.data_ptr<float>() + n * I, 0, sizeof(float) * kPadRows * I);
+  for (int64_t r = 0; r < n; ++r) {
+    std::memcpy(xsp + r * H, xp + (choice[r] / k) * H, sizeof(float) * H);
+    weight[r] = rw[choice[r]];
+  }
+  p.offsets = offsets.data();
+  p.x = xsp;
+  p.act = act.data_ptr<float>();
+  p.y = ys.data_ptr<float>();
+  p.route_weight = weight.data();
+  p.alpha = float(alpha);
+  p.limit = float(limit);
+
+  run(kernels.gate_up, p, tiles(offsets, 2 * I));
+  run(kernels.down, p, tiles(offsets, H));
+
+  // each token: the sum of its local choices, in choice order
+  float* o = out.data_ptr<float>();
+  const float* y = ys.data_ptr<float>();
+  at::parallel_for(0, T, std::max<int64_t>(1, 4096 / H), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t r = position[t * k + j];
+        if (r < 0) continue;
+        for (int64_t h = 0; h < H; ++h) o[t * H + h] += y[r * H + h];
+      }
+  });
+  return out;
+}
+
+}  // namespace
+}  // namespace kvrelay
+
+TORCH_LIBRARY(kvrelay_kernels, m) {
+  m.def("moe_experts(Tensor x, Tensor route_weights, Tensor expert_ids, int first_expert, "
+        "Tensor gate_up, Tensor? gate_up_scales, Tensor? gate_up_bias, Tensor down, "
+        "Tensor? down_scales, Tensor? down_bias, float alpha, float limit, str isa) -> Tensor");
+  m.def("isas() -> str[]", &kvrelay::isa_names);
+}
+
+TORCH_LIBRARY_IMPL(kvrelay_kernels, CPU, m) { m.impl("moe_experts", &kvrelay::moe_experts); }

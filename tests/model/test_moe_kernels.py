@@ -1,0 +1,238 @@
+"""The native MoE kernels (`kvrelay.model.kernels`) against the PyTorch reference path.
+
+Every ISA build this CPU can run (avx512 / avx2 / generic) is checked, on odd shapes:
+hidden not a multiple of 64 (or of 16, dense), intermediate ≠ hidden, one and many
+tokens per expert, experts without tokens, top-1/2/4, fp32 / bf16 / MXFP4 weights,
+and expert- and tensor-parallel shards (MXFP4 rows zero-padded to whole blocks).
+"""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from kvrelay.model import kernels, mxfp4
+from kvrelay.model.layers import moe as moe_mod
+from kvrelay.model.layers.moe import Experts
+from kvrelay.model.parallel import ParallelContext
+
+ALPHA, LIMIT = 1.702, 7.0
+
+
+@pytest.fixture(scope="session")
+def isas() -> tuple[str, ...]:
+    """Builds the extension once per test session (JIT, cached on disk)."""
+    status = kernels.status()
+    assert status.available, f"native kernels failed to build: {status.reason}"
+    return status.isas
+
+
+def make_experts(H: int, I: int, E: int, storage: str, seed: int,
+                 ctx: ParallelContext | None = None) -> Experts:
+    """Random experts; `storage` is fp32, bf16 or mxfp4 (weights on the MXFP4 grid)."""
+    g = torch.Generator().manual_seed(seed)
+    dtype = torch.bfloat16 if storage == "bf16" else torch.float32
+    ex = Experts(H, I, E, ctx or ParallelContext(), dtype, ALPHA, LIMIT, storage == "mxfp4")
+    ex.gate_up_bias.copy_(torch.randn(ex.gate_up_bias.shape, generator=g) * 0.5)
+    ex.down_bias.copy_(torch.randn(ex.down_bias.shape, generator=g) * 0.5)
+    if storage == "mxfp4":
+        ex.gate_up = random_mxfp4(ex.num_local, 2 * I, H, g)
+        ex.down = random_mxfp4(ex.num_local, H, I, g)
+    else:
+        ex.gate_up.copy_(torch.randn(ex.gate_up.shape, generator=g) * 0.3)
+        ex.down.copy_(torch.randn(ex.down.shape, generator=g) * 0.3)
+    return ex
+
+
+def random_mxfp4(E: int, rows: int, cols: int, g: torch.Generator) -> mxfp4.MXFP4Tensor:
+    blocks = torch.randint(0, 256, (E, rows, cols // 32, 16), dtype=torch.uint8, generator=g)
+    scales = torch.randint(122, 126, (E, rows, cols // 32), dtype=torch.uint8, generator=g)
+    return mxfp4.MXFP4Tensor(blocks, scales)
+
+
+def fp32_reference(ex: Experts) -> Experts:
+    """The same experts as dense fp32 (MXFP4 dequantised exactly), for forward_torch."""
+    E, H, I = ex.num_local, ex.hidden, ex.intermediate
+    ref = Experts(H, I, E * ex.ctx.ep_size, ex.ctx, torch.float32, ALPHA, LIMIT, False)
+    ref.gate_up_bias.copy_(ex.gate_up_bias.float())
+    ref.down_bias.copy_(ex.down_bias.float())
+    for name in ("gate_up", "down"):
+        w = getattr(ex, name)
+        dense = torch.stack([w.expert(e, torch.float32) for e in range(E)]) \
+            if isinstance(w, mxfp4.MXFP4Tensor) else w.float()
+        getattr(ref, name).copy_(dense)
+    return ref
+
+
+def routing(T: int, E: int, k: int, seed: int, experts: int | None = None):
+    """Random top-k choices among the first `experts` experts (the others get no tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    pool = experts or E
+    ids = torch.stack([torch.randperm(pool, generator=g)[:k] for _ in range(T)])   # [T, k]
+    weights = torch.softmax(torch.randn(T, k, generator=g), dim=-1)                # [T, k]
+    return weights, ids
+
+
+def native(ex: Experts, x, weights, ids, isa: str) -> torch.Tensor:
+    return kernels.moe_experts(
+        x.float().contiguous(), weights.float().contiguous(), ids, ex.first_expert,
+        ex._kernel_weight(ex.gate_up), ex._f32("gate_up_bias"), ex._kernel_weight(ex.down),
+        ex._f32("down_bias") if ex.add_down_bias else None, ALPHA, LIMIT, isa)
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, rel: float = 1e-5) -> None:
+    scale = ref.abs().max().clamp(min=1e-6)
+    err = (out.float() - ref).abs().max() / scale
+    assert err < rel, f"max error {err:.2e} of the output scale (allowed {rel:.0e})"
+
+
+# (hidden, intermediate, experts, top_k, tokens, storage, experts that get tokens)
+CASES = {
+    "dense-hidden40-top2": (40, 56, 5, 2, 7, "fp32", None),
+    "dense-hidden72-1token-top4": (72, 24, 6, 4, 1, "fp32", None),
+    "bf16-many-tokens-top1": (80, 136, 4, 1, 53, "bf16", None),
+    "bf16-zero-token-experts": (48, 48, 8, 2, 3, "bf16", 3),
+    "mxfp4-hidden96-1token-top4": (96, 64, 4, 4, 1, "mxfp4", None),
+    "mxfp4-many-tokens-top2": (160, 96, 6, 2, 45, "mxfp4", None),
+    "mxfp4-zero-token-experts-top1": (64, 192, 16, 1, 9, "mxfp4", 5),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_native_matches_reference_in_fp32(case, isas):
+    H, I, E, k, T, storage, pool = CASES[case]
+    ex = make_experts(H, I, E, storage, seed=len(case))
+    ref = fp32_reference(ex)
+    weights, ids = routing(T, E, k, seed=T, experts=pool)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(2))
+    expected = ref.forward_torch(x, weights, ids)
+    for isa in isas:
+        out = native(ex, x, weights, ids, isa)
+        assert out.dtype == torch.float32 and out.shape == (T, H)
+        assert_close(out, expected)
+
+
+@pytest.mark.parametrize("storage", ["bf16", "mxfp4", "fp32"])
+def test_module_forward_uses_the_kernel_and_keeps_the_dtype(storage, isas, monkeypatch):
+    monkeypatch.setenv("KVRELAY_MOE_KERNEL", "native")
+    ex = make_experts(64, 96, 4, storage, seed=3)
+    weights, ids = routing(6, 4, 2, seed=4)
+    x = torch.randn(6, 64, generator=torch.Generator().manual_seed(5)).to(ex.dtype)
+    calls = []
+    real = kernels.moe_experts
+    monkeypatch.setattr(kernels, "moe_experts", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    out = ex(x, weights.to(ex.dtype), ids)
+    assert calls == [1] and out.dtype == ex.dtype
+    expected = fp32_reference(ex).forward_torch(x.float(), weights.to(ex.dtype).float(), ids)
+    assert_close(out, expected, rel=1e-2 if storage != "fp32" else 1e-5)
+
+
+def test_torch_mode_never_calls_the_kernel(monkeypatch):
+    monkeypatch.setenv("KVRELAY_MOE_KERNEL", "torch")
+    monkeypatch.setattr(kernels, "moe_experts", lambda *a, **kw: pytest.fail("kernel called"))
+    ex = make_experts(32, 32, 2, "fp32", seed=0)
+    weights, ids = routing(3, 2, 1, seed=0)
+    assert ex(torch.randn(3, 32), weights, ids).shape == (3, 32)
+
+
+def test_bad_mode_names_the_variable(monkeypatch):
+    monkeypatch.setenv("KVRELAY_MOE_KERNEL", "fast")
+    ex = make_experts(32, 32, 2, "fp32", seed=0)
+    with pytest.raises(ValueError, match="KVRELAY_MOE_KERNEL.*auto, native or torch"):
+        ex(torch.randn(1, 32), *routing(1, 2, 1, seed=0))
+
+
+def shard(full: Experts, ctx: ParallelContext) -> Experts:
+    """`full`'s share for `ctx`, cut like the loader: whole experts [e0, e1) and
+    intermediate rows [i0, i1) zero-padded to the shard length."""
+    ex = Experts(full.hidden, full.intermediate, full.num_local, ctx, torch.float32, ALPHA,
+                 LIMIT, True)
+    e0, e1 = ex.first_expert, ex.first_expert + ex.num_local
+    i0, i1, il = ex.i0, ex.i1, ex.i_local
+    ex.gate_up_bias.zero_()[:, :2 * (i1 - i0)] = full.gate_up_bias[e0:e1, 2 * i0:2 * i1]
+    ex.down_bias.copy_(full.down_bias[e0:e1])
+
+    def cut(w: mxfp4.MXFP4Tensor, dim: int, start: int, stop: int, length: int):
+        blocks = torch.zeros(*w.blocks[e0:e1].shape[:dim], length, *w.blocks.shape[dim + 1:],
+                             dtype=torch.uint8)
+        scales = torch.full(blocks.shape[:-1], 127, dtype=torch.uint8)
+        blocks.narrow(dim, 0, stop - start).copy_(w.blocks[e0:e1].narrow(dim, start, stop - start))
+        scales.narrow(dim, 0, stop - start).copy_(w.scales[e0:e1].narrow(dim, start, stop - start))
+        return mxfp4.MXFP4Tensor(blocks, scales)
+
+    G = mxfp4.BLOCK
+    ex.gate_up = cut(full.gate_up, 1, 2 * i0, 2 * i1, 2 * il)
+    ex.down = cut(full.down, 2, i0 // G, -(-i1 // G), il // G)
+    return ex
+
+
+@pytest.mark.parametrize("ctxs", [
+    [ParallelContext(tp_rank=r, tp_size=2) for r in range(2)],                     # padded rows
+    [ParallelContext(tp_rank=r, tp_size=2, ep_rank=r, ep_size=2) for r in range(2)],
+], ids=["moe-tp2-padded", "ep2"])
+def test_sharded_experts_sum_to_the_full_layer(ctxs, isas):
+    full = make_experts(64, 96, 4, "mxfp4", seed=7)         # 96 = 3 blocks: TP2 pads 32 rows
+    weights, ids = routing(11, 4, 2, seed=8)
+    x = torch.randn(11, 64, generator=torch.Generator().manual_seed(9))
+    expected = fp32_reference(full).forward_torch(x, weights, ids)
+    shards = [shard(full, ctx) for ctx in ctxs]
+    if ctxs[0].ep_size == 1:
+        assert shards[1].i_local > shards[1].i1 - shards[1].i0      # the padding is exercised
+    for isa in isas:
+        total = sum(native(s, x, weights, ids, isa) for s in shards)
+        assert_close(total, expected)
+
+
+def test_no_local_choices_give_zeros(isas):
+    ex = make_experts(32, 32, 2, "mxfp4", seed=1, ctx=ParallelContext(ep_rank=1, ep_size=2))
+    ids = torch.zeros(4, 1, dtype=torch.long)                   # all routed to expert 0 (rank 0)
+    out = native(ex, torch.randn(4, 32), torch.ones(4, 1), ids, isas[0])
+    assert torch.equal(out, torch.zeros(4, 32))
+
+
+def test_bad_shapes_are_reported(isas):
+    ex = make_experts(64, 32, 2, "fp32", seed=1)
+    with pytest.raises(RuntimeError, match="gate_up must be"):
+        native(ex, torch.randn(2, 32), *routing(2, 2, 1, seed=0), isas[0])
+
+
+@pytest.fixture
+def broken_build(monkeypatch, isas):
+    """The next `kernels.status()` sees a failing compiler; the real status afterwards."""
+    def fail(directory):
+        raise RuntimeError("Error building extension 'kvrelay_kernels'\nno compiler")
+    kernels.status.cache_clear()
+    monkeypatch.setattr(kernels, "_build", fail)
+    yield
+    kernels.status.cache_clear()
+
+
+def test_build_failure_falls_back_with_one_warning(broken_build, monkeypatch, caplog):
+    monkeypatch.setenv("KVRELAY_MOE_KERNEL", "auto")
+    ex = make_experts(32, 64, 2, "mxfp4", seed=2)
+    weights, ids = routing(3, 2, 1, seed=0)
+    x = torch.randn(3, 32)
+    with caplog.at_level(logging.WARNING, logger="kvrelay.model.kernels"):
+        outs = [ex(x, weights, ids) for _ in range(3)]
+    warnings = [r for r in caplog.records if "native CPU kernels unavailable" in r.message]
+    assert len(warnings) == 1 and "no compiler" in warnings[0].getMessage()
+    assert not kernels.kernels_available() and "no compiler" in kernels.status().reason
+    assert torch.equal(outs[0], fp32_reference(ex).forward_torch(x, weights, ids)) or \
+        (outs[0] - fp32_reference(ex).forward_torch(x, weights, ids)).abs().max() < 1e-5
+    monkeypatch.setenv("KVRELAY_MOE_KERNEL", "native")
+    with pytest.raises(RuntimeError, match="KVRELAY_MOE_KERNEL=native.*no compiler"):
+        ex(x, weights, ids)
+
+
+def test_a_built_extension_is_reused_without_compiling(isas, monkeypatch):
+    from torch.utils import cpp_extension
+    monkeypatch.setattr(cpp_extension, "load", lambda *a, **kw: pytest.fail("recompiled"))
+    assert kernels._build(kernels.build_dir()).is_file()
+
+
+def test_mode_is_read_through_envs(monkeypatch):
+    monkeypatch.delenv("KVRELAY_MOE_KERNEL", raising=False)
+    assert moe_mod.moe_kernel_mode() == "auto"
+    monkeypatch.setenv("KVRELAY_MOE_KERNEL", "torch")
+    assert moe_mod.moe_kernel_mode() == "torch"
