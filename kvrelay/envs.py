@@ -59,9 +59,12 @@ CPU_HALF_MATMUL = EnvVar("KVRELAY_CPU_HALF_MATMUL", None, "auto",
                          "bf16/fp16 weights on CPU: 'native' half-precision GEMMs, 'fp32' (upcast the "
                          "weights per matmul, keep them half in memory) or 'auto' (fp32 unless oneDNN "
                          "has a native bf16 path on this CPU)")
+ATTENTION_KERNEL = EnvVar("KVRELAY_ATTENTION_KERNEL", None, "auto",
+                          "decode attention on CPU: 'auto' (the C++ paged kernel, built on first use; "
+                          "the PyTorch reference path if it cannot be built) or 'reference'")
 
 ALL = (SIDE_CHANNEL_HOST, SIDE_CHANNEL_PORT, ENGINE_READY_TIMEOUT_S, EXECUTE_MODEL_TIMEOUT_S,
-       COMPILATION_TIMEOUT_S, VISIBLE_DEVICES, CACHE_DIR, CPU_HALF_MATMUL)
+       COMPILATION_TIMEOUT_S, VISIBLE_DEVICES, CACHE_DIR, CPU_HALF_MATMUL, ATTENTION_KERNEL)
 
 
 def parse_id_list(text: str) -> list[int]:
