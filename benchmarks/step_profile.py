@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import pickle
+import resource
 import statistics
 import subprocess
 import sys
@@ -99,12 +100,43 @@ def served_itl(model: str, prompt_len: int, tokens: int, serve_args: list[str]) 
                str(tokens), "--num-prompts", "8", "--max-concurrency", "1", "--ignore-eos",
                "--save-result", "--result-dir", str(out_dir), "--result-filename", "c1.json",
                "--no-plot", "--disable-tqdm", "--tokenizer", model]
+        cpu0, client0 = process_cpu(server.pid), resource.getrusage(resource.RUSAGE_CHILDREN)
         subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=900)
+        cpu1, client1 = process_cpu(server.pid), resource.getrusage(resource.RUSAGE_CHILDREN)
         res = json.loads((out_dir / "c1.json").read_text())
+        tokens = res["total_output_tokens"]
+        per_token = {f"cpu_ms_per_token.{name}": round(1e3 * (cpu1[name] - cpu0.get(name, 0)) / tokens, 3)
+                     for name in cpu1}
+        per_token["cpu_ms_per_token.bench client"] = round(1e3 * (
+            client1.ru_utime + client1.ru_stime - client0.ru_utime - client0.ru_stime) / tokens, 3)
         return {k: res.get(k) for k in ("median_itl_ms", "median_tpot_ms", "median_ttft_ms",
-                                          "output_throughput")}
+                                          "output_throughput")} | per_token
     finally:
         server.stop()
+
+
+def process_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system, all threads) of the server process and its children."""
+    tick = os.sysconf("SC_CLK_TCK")
+    names = {pid: "API process"}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                cmd = (d / "cmdline").read_bytes()
+                if b"resource_tracker" not in cmd:
+                    names[int(d.name)] = "engine core"
+    out: dict[str, float] = {}
+    for p, name in names.items():
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
 
 
 def _server_with(model: str, serve_args: list[str], out_dir: Path) -> Any:

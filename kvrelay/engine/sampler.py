@@ -37,6 +37,9 @@ class Sampler:
         self.all_greedy = all_greedy
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        if all(self._plain_greedy(r) for r in requests):
+            # the common serving case: one argmax for the batch, no copies, no masks
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(requests))
         raw = logits
         logits = self._process(logits, requests)
         greedy = torch.tensor([self.all_greedy or r.params.greedy for r in requests])
@@ -46,6 +49,12 @@ class Sampler:
             tokens[rows] = self._sample(logits[rows], [requests[i] for i in rows.tolist()])
         token_list = tokens.tolist()
         return SamplerOutput(token_list, self._logprobs(raw, token_list, requests))
+
+    def _plain_greedy(self, req: Request) -> bool:
+        """Greedy with nothing to apply first: no processors, bans or logprobs."""
+        p = req.params
+        return ((self.all_greedy or p.greedy) and not p.logits_processors and p.logprobs is None
+                and (p.min_tokens <= len(req.output_token_ids) or not _banned_ids(req)))
 
     def _process(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         changed = False
