@@ -76,6 +76,9 @@ MOE_KERNEL = EnvVar("KVRELAY_MOE_KERNEL", None, "auto",
                     "MoE experts on CPU: 'native' (the C++ kernels built on first use; an error "
                     "if they cannot be built), 'torch' (the pure-PyTorch reference) or 'auto' "
                     "(native where it builds, else torch with one warning)")
+ATTENTION_KERNEL = EnvVar("KVRELAY_ATTENTION_KERNEL", None, "auto",
+                          "decode attention on CPU: 'auto' (the C++ paged kernel, built on first use; "
+                          "the PyTorch reference path if it cannot be built) or 'reference'")
 
 
 def parse_id_list(text: str) -> list[int]:

@@ -64,10 +64,14 @@ def transfer_stats(engine: Any) -> dict[str, float]:
             "kv_loads_in_flight": len(c.loads)}
 
 
-def as_delta(out: RequestOutput) -> RequestOutput:
-    """Drop the cumulative fields; the client accumulates the deltas."""
+def as_delta(out: RequestOutput, first: bool = True) -> RequestOutput:
+    """Drop the cumulative fields; the client accumulates the deltas. After a request's
+    first message the prompt (text and ids) is left out too: the client keeps the first
+    message's, and a long prompt re-pickled every step costs O(prompt) per token."""
     outputs = [replace(o, text="", token_ids=[], logprobs=None) for o in out.outputs]
-    return replace(out, outputs=outputs)
+    if first:
+        return replace(out, outputs=outputs)
+    return replace(out, outputs=outputs, prompt=None, prompt_token_ids=[])
 
 
 def run_engine_core(args: EngineArgs, conn: Connection, log_level: int = logging.INFO) -> None:
@@ -98,6 +102,7 @@ def run_engine_core(args: EngineArgs, conn: Connection, log_level: int = logging
 
 def _loop(engine: Any, conn: Connection) -> None:
     last_stats: dict[str, float] = {}
+    announced: set[str] = set()          # requests whose first message (with the prompt) went out
     while True:
         if not engine.has_unfinished_requests():
             # idle: sleep until a message (or poll transfers/leases every 10 ms)
@@ -115,6 +120,8 @@ def _loop(engine: Any, conn: Connection) -> None:
                 conn.send(("fatal", f"engine failed handling {message[0]!r}: {type(e).__name__}: {e}"))
                 logger.error(traceback.format_exc())
                 return
+            if message[0] == "abort":
+                announced.difference_update(message[1])
         if engine.has_unfinished_requests() or engine.transfer_busy:
             try:
                 outputs = engine.step()
@@ -124,8 +131,19 @@ def _loop(engine: Any, conn: Connection) -> None:
                 return
             stats = engine_stats(engine)
             if outputs or stats != last_stats:
-                conn.send(("outputs", [as_delta(o) for o in outputs], stats))
+                conn.send(("outputs", _deltas(outputs, announced), stats))   # one message per step
                 last_stats = stats
+
+
+def _deltas(outputs: list[RequestOutput], announced: set[str]) -> list[RequestOutput]:
+    deltas = []
+    for out in outputs:
+        deltas.append(as_delta(out, first=out.request_id not in announced))
+        if out.finished:
+            announced.discard(out.request_id)
+        else:
+            announced.add(out.request_id)
+    return deltas
 
 
 def _handle(engine: Any, conn: Connection, message: tuple) -> None:

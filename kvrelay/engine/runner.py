@@ -76,6 +76,8 @@ class ModelRunner:
                     sum(t.nbytes for t in self.kv_tensors) / 2**20)
 
     def prepare(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        if step.num_decodes == len(step.query_lens):
+            return self._prepare_decodes(step)
         dev = self.device
         q_lens = torch.tensor(step.query_lens, dtype=torch.int64)
         starts = torch.tensor(step.starts, dtype=torch.int64)
@@ -91,6 +93,21 @@ class ModelRunner:
             slots.append((blocks * self.block_size + positions % self.block_size).to(dev))
         meta = AttentionMetadata(cu_q.to(dev), (starts + q_lens).to(dev), tuple(tables),
                                  tuple(slots), self.block_size, step.num_decodes)
+        ids = torch.tensor(step.token_ids, dtype=torch.int64, device=dev)
+        return ids, positions.to(dev), meta
+
+    def _prepare_decodes(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """A decode-only step: token i of sequence i sits at position starts[i]."""
+        dev, B, S = self.device, self.block_size, len(step.starts)
+        positions = torch.tensor(step.starts, dtype=torch.int64)
+        rows = torch.arange(S)
+        tables, slots = [], []
+        for g in range(self.num_groups):
+            table = _pad_table(step.block_tables[g])
+            tables.append(table.to(dev))
+            slots.append((table[rows, positions // B] * B + positions % B).to(dev))
+        meta = AttentionMetadata(torch.arange(S + 1, device=dev), (positions + 1).to(dev),
+                                 tuple(tables), tuple(slots), B, S)
         ids = torch.tensor(step.token_ids, dtype=torch.int64, device=dev)
         return ids, positions.to(dev), meta
 
@@ -118,9 +135,7 @@ class ModelRunner:
 
 
 def _pad_table(rows: list[list[int]]) -> torch.Tensor:
+    """Block ids per sequence, zero-padded to the widest: one tensor built in one call
+    (a `torch.tensor` per row costs microseconds each, per group, per step)."""
     width = max((len(r) for r in rows), default=0) or 1
-    table = torch.zeros(len(rows), width, dtype=torch.int64)
-    for i, r in enumerate(rows):
-        if r:
-            table[i, :len(r)] = torch.tensor(r)
-    return table
+    return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int64).view(-1, width)

@@ -48,6 +48,9 @@ class Sampler:
         self.masks.start(requests)
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        if all(self._plain_greedy(r) for r in requests):
+            # the common serving case: one argmax for the batch, no copies, no masks
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(requests))
         raw = logits
         logits = self._process(logits, requests)
         greedy = torch.tensor([self.all_greedy or r.params.greedy for r in requests])
@@ -87,6 +90,13 @@ class Sampler:
             tokens.append(one.token_ids[0])
             logprobs.append(one.logprobs[0])
         return SamplerOutput(tokens, logprobs), errors
+
+    def _plain_greedy(self, req: Request) -> bool:
+        """Greedy with nothing to apply first: no processors, bans or logprobs."""
+        p = req.params
+        return ((self.all_greedy or p.greedy) and not p.logits_processors and p.logprobs is None
+                and req.grammar is None and not p.logit_bias
+                and (p.min_tokens <= len(req.output_token_ids) or not _banned_ids(req)))
 
     def _process(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         if any(r.grammar is not None for r in requests):

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from kvrelay.model.layers import paged_decode as kernel
 from kvrelay.model.parallel import ParallelContext
 
 
@@ -136,7 +137,13 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
 
 
 class PagedAttention(nn.Module):
-    """Attention of one layer over its paged KV cache, with learned sinks per head."""
+    """Attention of one layer over its paged KV cache, with learned sinks per head.
+
+    Decodes go through the in-place C++ kernel (`layers/paged_decode.py`) where it is
+    available; prefill chunks, and decodes without the kernel, through the reference path
+    (gather the visible blocks, SDPA with lse). `use_kernel = False` forces the reference."""
+
+    use_kernel = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
                  window: int | None, group: int, ctx: ParallelContext) -> None:
@@ -150,15 +157,29 @@ class PagedAttention(nn.Module):
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q [T, h, hd], k/v [T, kvh, hd] → [T, h, hd]."""
         write_kv(kv_cache, k, v, meta.slot_mappings[self.group], meta.block_size)
+        nd = meta.num_decodes
+        in_place = nd > 0 and self.use_kernel and kernel.available(q.device)
+        if in_place and nd == q.shape[0]:                  # decode-only step: the kernel alone
+            return self._decode_in_place(q, kv_cache, meta)
         out = torch.empty_like(q)
-        for part in ("decode", "prefill"):
+        if in_place:
+            out[:nd] = self._decode_in_place(q[:nd], kv_cache, meta)
+        for part in ("prefill",) if in_place else ("decode", "prefill"):
             plan = meta.plan(self.group, self.window, part)
             if plan is not None:
                 out[plan.tokens] = self._attend_part(q[plan.tokens], kv_cache, plan)
         return out
 
+    def _decode_in_place(self, q: torch.Tensor, kv_cache: torch.Tensor,
+                         meta: AttentionMetadata) -> torch.Tensor:
+        """The first num_decodes sequences, one query each, read from their blocks in place."""
+        nd = q.shape[0]
+        table = meta.block_tables[self.group][:nd]
+        return kernel.paged_decode(q.to(kv_cache.dtype), kv_cache, table, meta.seq_lens[:nd],
+                                   self.sinks, self.scale, self.window or 0).to(q.dtype)
+
     def _attend_part(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _GatherPlan) -> torch.Tensor:
-        s, nb = plan.block_ids.shape
+        s = plan.block_ids.shape[0]
         kvh, g, hd, L = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim, plan.max_q
         keys = kv_cache[0, plan.block_ids]                                  # [s, nb, kvh, B, hd]
         values = kv_cache[1, plan.block_ids]

@@ -1,0 +1,179 @@
+"""Paged decode attention that reads the KV blocks in place (one query token per sequence).
+
+    q [S, h, hd], kv_cache [2, num_blocks, kvh, B, hd], block_table [S, max_blocks],
+    seq_lens [S] (context after this step), sinks [h] float32, window (0: full)
+      → out [S, h, hd]
+
+For each (sequence, KV head) the kernel walks the sequence's visible positions
+`[max(0, len - window), len)` block by block through the block table, keeps the g = h / kvh
+query heads of that KV head in float32 registers, and runs an online softmax (running
+max, running sum, rescaled accumulator) — so no gathered copy of the context is made.
+The learned sink joins the softmax denominator at the end: softmax over [scores, sink]
+with the sink column dropped, the same as the reference path's `out · sigmoid(lse − sink)`.
+
+The kernel is C++ compiled on first use with `torch.utils.cpp_extension.load_inline`
+(`-O3 -march=native`: built on and for the CPU it runs on, the extension name keyed by
+the source and the CPU's ISA flags, cached in torch's extension folder). Where it cannot
+be built (no compiler) the caller keeps the pure-PyTorch reference path, with one warning.
+`KVRELAY_ATTENTION_KERNEL=reference` forces the reference path.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvrelay import envs
+
+logger = logging.getLogger(__name__)
+
+_CPP = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+template <typename T>
+static void decode_kernel(const T* q, const T* kv, const int64_t* table, const int64_t* lens,
+                          const float* sinks, T* out, int64_t S, int64_t H, int64_t KVH,
+                          int64_t D, int64_t B, int64_t NB, int64_t maxb, float scale,
+                          int64_t window) {
+  const int64_t G = H / KVH;
+  const int64_t v_off = NB * KVH * B * D;            // K plane, then V plane
+  at::parallel_for(0, S * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(G * D), acc(G * D), m(G), l(G), s(G * B);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t seq = task / KVH, kh = task % KVH;
+      const int64_t len = lens[seq];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const T* qs = q + (seq * H + kh * G) * D;
+      for (int64_t i = 0; i < G * D; ++i) qf[i] = static_cast<float>(qs[i]) * scale;
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
+      std::fill(l.begin(), l.end(), 0.f);
+      for (int64_t p0 = first; p0 < len;) {
+        const int64_t blk = table[seq * maxb + p0 / B];
+        const int64_t off0 = p0 % B;
+        const int64_t n = std::min<int64_t>(B - off0, len - p0);   // positions in this block
+        const T* kb = kv + ((blk * KVH + kh) * B + off0) * D;
+        const T* vb = kb + v_off;
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qg = qf.data() + g * D;
+          float* sg = s.data() + g * B;
+          float mx = m[g];
+          for (int64_t j = 0; j < n; ++j) {
+            const T* k = kb + j * D;
+            float dot = 0.f;
+            for (int64_t d = 0; d < D; ++d) dot += qg[d] * static_cast<float>(k[d]);
+            sg[j] = dot;
+            mx = std::max(mx, dot);
+          }
+          const float c = std::exp(m[g] - mx);
+          float* ag = acc.data() + g * D;
+          float sum = l[g] * c;
+          for (int64_t d = 0; d < D; ++d) ag[d] *= c;
+          for (int64_t j = 0; j < n; ++j) {
+            const float e = std::exp(sg[j] - mx);
+            sum += e;
+            const T* v = vb + j * D;
+            for (int64_t d = 0; d < D; ++d) ag[d] += e * static_cast<float>(v[d]);
+          }
+          m[g] = mx;
+          l[g] = sum;
+        }
+        p0 += n;
+      }
+      T* os = out + (seq * H + kh * G) * D;
+      for (int64_t g = 0; g < G; ++g) {
+        const float sink = sinks[kh * G + g];
+        const float mx = std::max(m[g], sink);
+        const float denom = l[g] * std::exp(m[g] - mx) + std::exp(sink - mx);
+        const float f = std::exp(m[g] - mx) / denom;
+        for (int64_t d = 0; d < D; ++d) os[g * D + d] = static_cast<T>(acc[g * D + d] * f);
+      }
+    }
+  });
+}
+
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_table,
+                           torch::Tensor seq_lens, torch::Tensor sinks, double scale,
+                           int64_t window) {
+  TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 5, "q [S,h,hd], kv_cache [2,NB,kvh,B,hd]");
+  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type(), "q and kv_cache dtypes differ");
+  q = q.contiguous();
+  TORCH_CHECK(kv_cache.is_contiguous(), "kv_cache must be contiguous");
+  auto table = block_table.to(torch::kInt64).contiguous();
+  auto lens = seq_lens.to(torch::kInt64).contiguous();
+  auto sk = sinks.to(torch::kFloat32).contiguous();
+  const int64_t S = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t NB = kv_cache.size(1), KVH = kv_cache.size(2), B = kv_cache.size(3);
+  TORCH_CHECK(kv_cache.size(4) == D && H % KVH == 0, "head shapes do not match");
+  auto out = torch::empty_like(q);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
+    decode_kernel<scalar_t>(q.data_ptr<scalar_t>(), kv_cache.data_ptr<scalar_t>(),
+                            table.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
+                            sk.data_ptr<float>(), out.data_ptr<scalar_t>(), S, H, KVH, D, B, NB,
+                            table.size(1), static_cast<float>(scale), window);
+  });
+  return out;
+}
+"""
+
+_FUNCTIONS = ["paged_decode"]
+
+
+def _isa_key() -> str:
+    """The CPU's ISA flags: an extension built with -march=native belongs to them."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return " ".join(sorted(f for f in line.split(":", 1)[1].split()
+                                       if f.startswith(("avx", "amx", "fma", "sse", "f16c"))))
+    except OSError:
+        pass
+    return torch.backends.cpu.get_cpu_capability()
+
+
+@functools.cache
+def extension() -> Any | None:
+    """The compiled kernel module, or None (reference path) when it cannot be built."""
+    if envs.ATTENTION_KERNEL.raw() == "reference":
+        return None
+    key = hashlib.sha256((_CPP + _isa_key() + torch.__version__).encode()).hexdigest()[:12]
+    try:
+        from torch.utils.cpp_extension import load_inline
+        return load_inline(f"kvrelay_paged_decode_{key}", cpp_sources=[_CPP], functions=_FUNCTIONS,
+                           extra_cflags=["-O3", "-march=native"], verbose=False)
+    except (RuntimeError, OSError, ImportError, subprocess.CalledProcessError) as e:
+        # no compiler, no headers, a failed build: keep the reference path working
+        logger.warning("paged decode attention kernel unavailable (%s: %s); using the "
+                       "PyTorch reference path (gathers the context every step)",
+                       type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        return None
+
+
+@torch.library.custom_op("kvrelay::paged_decode", mutates_args=())
+def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                 seq_lens: torch.Tensor, sinks: torch.Tensor, scale: float,
+                 window: int) -> torch.Tensor:
+    """Decode attention over the paged cache (see the module docstring); needs extension()."""
+    ext = extension()
+    assert ext is not None, "paged_decode called without the compiled kernel"
+    return ext.paged_decode(q, kv_cache, block_table, seq_lens, sinks, scale, window)
+
+
+@paged_decode.register_fake
+def _(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+      sinks: torch.Tensor, scale: float, window: int) -> torch.Tensor:
+    return torch.empty_like(q)
+
+
+def available(device: torch.device) -> bool:
+    return device.type == "cpu" and extension() is not None
