@@ -3,9 +3,11 @@ before anything starts; a server that fails at startup stops the rest, with its 
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -85,3 +87,26 @@ def _free(port: int) -> bool:
             return False
     return True
 
+
+
+@pytest.mark.parametrize("where", ["http", "side_channel"])
+def test_serve_refuses_a_taken_port_in_one_line_before_the_model_loads(tiny, where):
+    """The port check comes first: nothing else is printed (no engine, no model loading)."""
+    kv = json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_producer"})
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        free = _free_block()
+        http, side = (port, free) if where == "http" else (free, port)
+        t0 = time.monotonic()
+        r = subprocess.run([sys.executable, "-m", "kvrelay.cli", "serve", str(tiny[0]), "--port", str(http),
+                            "--kv-transfer-config", kv], capture_output=True, text=True, timeout=60, check=False,
+                           env=os.environ | {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(side)})
+        elapsed = time.monotonic() - t0
+    what = "HTTP" if where == "http" else \
+        "KV side channel (VLLM_NIXL_SIDE_CHANNEL_PORT (or KVRELAY_NIXL_SIDE_CHANNEL_PORT))"
+    assert r.returncode == 1, f"{r.stdout}{r.stderr} ({elapsed:.1f}s)"
+    assert r.stdout == "" and r.stderr == (
+        f"kvrelay serve: error: cannot listen on 127.0.0.1:{port} ({what}): address already in use; "
+        "stop what uses it or choose another port\n"), f"after {elapsed:.1f}s"
