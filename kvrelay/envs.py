@@ -63,11 +63,12 @@ PROXY_API_KEY = EnvVar("KVRELAY_API_KEY", "VLLM_API_KEY", None,
                        "the key clients must present (Authorization: Bearer) to kvrelay proxy; "
                        "--api-key wins")
 PROXY_BACKEND_KEY = EnvVar("OPENAI_API_KEY", None, None,
-                           "kvrelay proxy's key for its backends, sent only for clients it authenticated "
-                           "with --api-key")
+                           "kvrelay proxy's key for its backends, sent only for clients it "
+                           "authenticated with --api-key")
 
 ALL = (SIDE_CHANNEL_HOST, SIDE_CHANNEL_PORT, ENGINE_READY_TIMEOUT_S, EXECUTE_MODEL_TIMEOUT_S,
-       COMPILATION_TIMEOUT_S, VISIBLE_DEVICES, CACHE_DIR, CPU_HALF_MATMUL, PROXY_API_KEY, PROXY_BACKEND_KEY)
+       COMPILATION_TIMEOUT_S, VISIBLE_DEVICES, CACHE_DIR, CPU_HALF_MATMUL, PROXY_API_KEY,
+       PROXY_BACKEND_KEY)
 
 
 def parse_id_list(text: str) -> list[int]:

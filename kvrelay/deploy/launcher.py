@@ -149,8 +149,8 @@ class Deployment:
         """Every server at once (decode first: it has no dependency on prefill at startup)."""
         order = sorted(self.plan.servers, key=lambda s: s.role != "decode")
         secret = ((KV_SECRET_ENV, self.kv_secret),) if self.kv_secret else ()
-        started = [self._start(s.name, s.args, child_env(self.plan.exports, s.env + secret)) for s in order]
-        return started
+        return [self._start(s.name, s.args, child_env(self.plan.exports, s.env + secret))
+                for s in order]
 
     def start_proxy(self) -> Component:
         proxy = self.plan.proxy
@@ -208,9 +208,9 @@ class Deployment:
                         self._restart(c, say)
                 elif c.poll() is not None:
                     due[c] = now + self._backoff(c, now)
-                    say(f"{c.name} (pid {c.pid}) exited with status {c.poll()}; restarting it in "
-                        f"{due[c] - now:.0f}s (restart {c.restarts + 1}; --no-restart stops everything "
-                        f"instead). Last lines of {c.log_path}:\n{c.tail(10)}")
+                    say(f"{c.name} (pid {c.pid}) exited with status {c.poll()}; restarting it "
+                        f"in {due[c] - now:.0f}s (restart {c.restarts + 1}; --no-restart stops "
+                        f"everything instead). Last lines of {c.log_path}:\n{c.tail(10)}")
                 elif c.restarts and not c.is_ready and c.check_ready():
                     say(f"{c.name} is ready again (pid {c.pid}, restart {c.restarts})")
 

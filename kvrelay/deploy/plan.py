@@ -41,13 +41,15 @@ KV_SECRET_ENV = "KVRELAY_KV_SECRET"
 # --dry-run prints no secret: how to make one, and a line that refuses to go on without it
 KV_SECRET_NOTE = [
     "",
-    f"# KV plane secret ({KV_SECRET_ENV}): `kvrelay deploy` generates one per topology (secrets.token_hex)",
+    (f"# KV plane secret ({KV_SECRET_ENV}): `kvrelay deploy` generates one per topology "
+     "(secrets.token_hex)"),
     "# and passes it to every server it starts. For these commands, make one value, e.g.",
     "#   python3 -c 'import secrets; print(secrets.token_hex(32))'",
-    f"# and set the same {KV_SECRET_ENV} on every host (not on the command line of a shared machine).",
+    (f"# and set the same {KV_SECRET_ENV} on every host (not on the command line of a shared "
+     "machine)."),
 ]
-KV_SECRET_EXPORT = (f'export {KV_SECRET_ENV}="${{{KV_SECRET_ENV}:?set it to the KV secret of this topology, '
-                    f'the same on every host}}"')
+KV_SECRET_EXPORT = (f'export {KV_SECRET_ENV}="${{{KV_SECRET_ENV}:?set it to the KV secret '
+                    'of this topology, the same on every host}"')
 
 
 @dataclass(frozen=True)
