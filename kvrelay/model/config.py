@@ -76,6 +76,10 @@ class RopeConfig:
         theta = params["rope_theta"] if "rope_theta" in params else cfg.get("rope_theta",
                                                                             HF_DEFAULT_THETA)
         rope_type = params.get("rope_type", params.get("type", "default"))
+        partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+        if partial is not None and float(partial) != 1.0:
+            raise ValueError(f"partial_rotary_factor {partial}: kvrelay rotates every head dim "
+                             f"(gpt-oss uses 1.0)")
         if rope_type != "yarn":
             return cls(theta=float(theta), rope_type=str(rope_type), factor=1.0)
         if "factor" not in params:
