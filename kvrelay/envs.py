@@ -63,8 +63,8 @@ PROXY_API_KEY = EnvVar("KVRELAY_API_KEY", "VLLM_API_KEY", None,
                        "the key clients must present (Authorization: Bearer) to kvrelay proxy; "
                        "--api-key wins")
 PROXY_BACKEND_KEY = EnvVar("OPENAI_API_KEY", None, None,
-                           "kvrelay proxy's key for its backends, sent only for clients it authenticated "
-                           "with --api-key")
+                           "kvrelay proxy's key for its backends, sent only for clients it "
+                           "authenticated with --api-key")
 KV_SECRET = EnvVar("KVRELAY_KV_SECRET", None, None,
                    "shared secret of one topology's KV plane: side channel and KV transports "
                    "authenticate peers with it (kvrelay deploy generates one); unset: no authentication")

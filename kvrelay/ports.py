@@ -43,5 +43,5 @@ def check_serve_ports(args: argparse.Namespace) -> None:
     for what, host, port in serve_ports(args):
         reason = unavailable(host, port)
         if reason:
-            raise OSError(f"cannot listen on {host}:{port} ({what}): {reason}; stop what uses it or "
-                          f"choose another port")
+            raise OSError(f"cannot listen on {host}:{port} ({what}): {reason}; stop what uses "
+                          f"it or choose another port")

@@ -1,9 +1,14 @@
-"""Start the planned processes on this machine, await readiness, stop them all.
+"""Start the planned processes on this machine, await readiness, supervise, stop them all.
 
 Every process is `python -m kvrelay.cli <args>` in a session (process group) of its own,
-its output in `<log dir>/<name>.log`. Stopping sends SIGTERM to each group (the proxy
-first; servers drain in-flight requests), then SIGKILL to whatever is left of each group
-after the grace period. Nothing is found by name: only the PIDs started here are signalled.
+its output in `<log dir>/<name>.log` (a restart appends to it). Every server gets the
+topology's KV secret as `KVRELAY_KV_SECRET` in its environment (never on a command line or
+in a log). Once the topology is up, a process that exits is restarted after a backoff
+(1 s, doubling to 30 s; back to 1 s once it has run `STABLE_S`) — the proxy routes around a
+server meanwhile — or, with `restart=False`, reported so that everything stops. Stopping
+sends SIGTERM to each group (the proxy first; servers drain in-flight requests), then SIGKILL
+to whatever is left of each group after the grace period. Nothing is found by name: only
+the PIDs started here are signalled.
 """
 from __future__ import annotations
 
@@ -15,16 +20,19 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvrelay import envs
-from kvrelay.deploy.plan import Plan, ProxyPlan
+from kvrelay.deploy.plan import KV_SECRET_ENV, Plan, ProxyPlan
 
 logger = logging.getLogger(__name__)
 READY_LINE = "Application startup complete"
 STOP_GRACE_S = 35.0          # kvrelay serve drains in-flight requests for up to 30 s
 TAIL_LINES = 25
+RESTART_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
+STABLE_S = 60.0              # a process up this long has its backoff reset
 
 
 class DeployFailure(RuntimeError):
@@ -41,12 +49,19 @@ class Component:
     log_path: Path
     proc: subprocess.Popen | None = None
     is_ready: bool = False
+    log_offset: int = 0            # where this run's output starts in the log (restarts append)
+    started_at: float = 0.0
+    restarts: int = 0
 
     def start(self) -> None:
-        with open(self.log_path, "wb") as log:      # the child keeps its own copy of the descriptor
+        mode = "ab" if self.proc is not None else "wb"
+        with open(self.log_path, mode) as log:      # the child keeps its own copy of the descriptor
+            self.log_offset = log.tell()
             self.proc = subprocess.Popen([sys.executable, "-m", "kvrelay.cli", *self.args], stdout=log,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env,
                                          start_new_session=True)
+        self.is_ready = False
+        self.started_at = time.monotonic()
 
     @property
     def pid(self) -> int:
@@ -58,17 +73,23 @@ class Component:
 
     def check_ready(self) -> bool:
         if not self.is_ready:
-            self.is_ready = READY_LINE in self.log_text()
+            self.is_ready = READY_LINE in self.log_text(self.log_offset)
         return self.is_ready
 
-    def log_text(self) -> str:
+    def log_text(self, offset: int = 0) -> str:
         try:
-            return self.log_path.read_text(errors="replace")
+            with open(self.log_path, "rb") as f:
+                f.seek(offset)
+                return f.read().decode(errors="replace")
         except OSError:
             return ""
 
     def tail(self, lines: int = TAIL_LINES) -> str:
         return "\n".join("    " + line for line in self.log_text().splitlines()[-lines:])
+
+    def signal_leader(self, sig: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
 
     def signal_group(self, sig: int) -> bool:
         """Signal this component's process group; False when it no longer exists."""
@@ -113,12 +134,13 @@ def ports_in_use(plan: Plan) -> list[str]:
 class Deployment:
     """Owner of every process deploy started on this machine (by PID; each its own group)."""
 
-    def __init__(self, plan: Plan, log_dir: Path) -> None:
+    def __init__(self, plan: Plan, log_dir: Path, kv_secret: str = "") -> None:
         if not plan.topology.local:
             raise ValueError("deploy starts processes on this machine only; for other hosts use --dry-run "
                              "and run the printed commands there")
         self.plan = plan
         self.log_dir = log_dir
+        self.kv_secret = kv_secret               # handed to every server, printed nowhere
         self.components: list[Component] = []
         self.force = threading.Event()           # a second Ctrl-C: SIGKILL at once
 
@@ -126,8 +148,9 @@ class Deployment:
     def start_servers(self) -> list[Component]:
         """Every server at once (decode first: it has no dependency on prefill at startup)."""
         order = sorted(self.plan.servers, key=lambda s: s.role != "decode")
-        started = [self._start(s.name, s.args, child_env(self.plan.exports, s.env)) for s in order]
-        return started
+        secret = ((KV_SECRET_ENV, self.kv_secret),) if self.kv_secret else ()
+        return [self._start(s.name, s.args, child_env(self.plan.exports, s.env + secret))
+                for s in order]
 
     def start_proxy(self) -> Component:
         proxy = self.plan.proxy
@@ -172,12 +195,45 @@ class Deployment:
                     return c
         return None
 
+    def supervise(self, stop: threading.Event, say: Callable[[str], None]) -> None:
+        """Until `stop` is set: restart each component that exits, after its backoff, and say
+        when it is ready again."""
+        due: dict[Component, float] = {}              # exited, restart at this monotonic time
+        while not stop.wait(0.25):
+            now = time.monotonic()
+            for c in self.components:
+                if c in due:
+                    if now >= due[c]:
+                        del due[c]
+                        self._restart(c, say)
+                elif c.poll() is not None:
+                    due[c] = now + self._backoff(c, now)
+                    say(f"{c.name} (pid {c.pid}) exited with status {c.poll()}; restarting it "
+                        f"in {due[c] - now:.0f}s (restart {c.restarts + 1}; --no-restart stops "
+                        f"everything instead). Last lines of {c.log_path}:\n{c.tail(10)}")
+                elif c.restarts and not c.is_ready and c.check_ready():
+                    say(f"{c.name} is ready again (pid {c.pid}, restart {c.restarts})")
+
+    def _backoff(self, c: Component, now: float) -> float:
+        if c.is_ready and now - c.started_at >= STABLE_S:
+            c.restarts = 0                            # it ran well: start the backoff over
+        return RESTART_BACKOFF_S[min(c.restarts, len(RESTART_BACKOFF_S) - 1)]
+
+    def _restart(self, c: Component, say: Callable[[str], None]) -> None:
+        c.signal_group(signal.SIGKILL)                # what is left of its group (an engine core)
+        c.restarts += 1
+        c.start()
+        logger.info("restarted %s (pid %d)", c.name, c.pid)
+        say(f"restarted {c.name} (pid {c.pid})")
+
     # -- stopping ------------------------------------------------------------------------
     def stop(self, grace: float = STOP_GRACE_S) -> None:
-        """SIGTERM every group (proxy first), wait up to `grace`, then SIGKILL what is left."""
+        """SIGTERM every leader (proxy first), wait up to `grace`, then SIGKILL what is left of
+        each group. Only the leader: a server drains its requests, then stops its own engine
+        (a SIGTERM to the whole group would kill the engine under the draining requests)."""
         for c in reversed(self.components):
             if c.poll() is None:
-                c.signal_group(signal.SIGTERM)
+                c.signal_leader(signal.SIGTERM)
         deadline = time.monotonic() + grace
         for c in reversed(self.components):
             while c.poll() is None and time.monotonic() < deadline and not self.force.is_set():

@@ -7,10 +7,12 @@ or print (`--dry-run`) every process's exact command and environment for any mac
         --decode-dp 8 --enable-expert-parallel --devices 0-63 \\
         --hosts prefill=PREFILL_HOST decode=DECODE_HOST --dry-run
 
-Steps: check the layout against the model's config (plan.py), start the decode and
-prefill servers at once, await each one's "Application startup complete", start the
-proxy, run `kvrelay validate` against it, print the endpoints, and on SIGINT/SIGTERM stop
-everything it started. Exit status: 0 after a signal, 1 when something failed (the
+Steps: check the layout against the model's config (plan.py), generate the topology's KV
+secret (`KVRELAY_KV_SECRET` for every server; shown nowhere), start the decode and prefill
+servers at once, await each one's "Application startup complete", start the proxy, run
+`kvrelay validate` against it, print the endpoints, then supervise: a process that exits is
+restarted with backoff (`--no-restart`: everything stops instead, exit 1). On SIGINT/SIGTERM
+stop everything it started. Exit status: 0 after a signal, 1 when something failed (the
 failing component's log tail is shown and the rest are stopped), 2 for bad flags.
 """
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import secrets
 import signal
 import sys
 import tempfile
@@ -27,7 +30,15 @@ from pathlib import Path
 from typing import Any
 
 from kvrelay import envs
-from kvrelay.deploy.plan import Plan, describe_layout, format_ids, make_plan, render, role_layout
+from kvrelay.deploy.plan import (
+    KV_SECRET_ENV,
+    Plan,
+    describe_layout,
+    format_ids,
+    make_plan,
+    render,
+    role_layout,
+)
 from kvrelay.deploy.shapes import TUTORIAL, model_config
 from kvrelay.deploy.topology import (
     PRESETS,
@@ -82,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-dir", type=Path, default=None, help="where each process logs (default: a new temp dir)")
     p.add_argument("--dry-run", action="store_true", help="check the topology and print every command; start nothing")
     p.add_argument("--no-validate", action="store_true", help="skip `kvrelay validate` once everything is up")
+    p.add_argument("--no-restart", action="store_true",
+                   help="when a process exits, stop everything (default: restart it with backoff)")
     p.add_argument("--validate-requests", type=int, default=16, metavar="N",
                    help="requests of validate's traffic check")
     p.add_argument("--validate-timeout", type=float, default=300.0, metavar="S",
@@ -201,7 +214,7 @@ def launch(plan: Plan, args: argparse.Namespace) -> int:
     if args.engine_ready_timeout is not None:
         plan = _with_export(plan, "VLLM_ENGINE_READY_TIMEOUT_S", f"{args.engine_ready_timeout:g}")
     stop = threading.Event()
-    deployment = Deployment(plan, log_dir)
+    deployment = Deployment(plan, log_dir, kv_secret=secrets.token_hex(32))
     previous = _install_handlers(stop, deployment)
     try:
         rc = _run(plan, args, deployment, stop, timeout)
@@ -235,6 +248,9 @@ def _run(plan: Plan, args: argparse.Namespace, deployment, stop: threading.Event
         _say("validation failed: stopping (--no-validate starts a deployment without it)")
         return 1
     _print_endpoints(plan, deployment, time.monotonic() - t0)
+    if not args.no_restart:
+        deployment.supervise(stop, _say)
+        return 0
     died = deployment.watch(stop)
     if died is None:
         return 0
@@ -260,7 +276,8 @@ def _validate(plan: Plan, args: argparse.Namespace, stop: threading.Event) -> bo
         base_url=f"http://{entry.host}:{entry.port}", model=plan.served_name, expect_di=plan.proxy is not None,
         decode_urls=tuple(s.url for s in plan.role_servers("decode")),
         prefill_urls=tuple(s.url for s in plan.role_servers("prefill")),
-        num_requests=args.validate_requests, timeout=args.validate_timeout)
+        num_requests=args.validate_requests, timeout=args.validate_timeout,
+        api_key=envs.PROXY_API_KEY.raw() if plan.proxy else None)
     results: list = []
     worker = threading.Thread(target=lambda: results.extend(run_checks(options)), daemon=True,
                               name="kvrelay-validate")
@@ -297,6 +314,7 @@ def _print_summary(plan: Plan, log_dir: Path) -> None:
         _say(f"{spec.role} × {spec.count}: {describe_layout(role_layout(topo, spec), plan.config)}")
     for w in plan.warnings:
         _say(f"warning: {w}")
+    _say(f"KV secret: a new one for this topology, in every server's {KV_SECRET_ENV} (not shown)")
     _say(f"starting {len(plan.servers)} server(s){' and the proxy' if plan.proxy else ''}; logs in {log_dir}")
 
 

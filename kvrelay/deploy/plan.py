@@ -37,6 +37,19 @@ RESERVED_FLAGS = {"--host", "--port", "--tensor-parallel-size", "-tp", "--data-p
 TUTORIAL_MAX_NUM_SEQS = {"single": 4, "prefill": 1, "decode": 4}
 TUTORIAL_MAX_MODEL_LEN = 16384
 TUTORIAL_BATCHED_TOKENS = 8192
+KV_SECRET_ENV = "KVRELAY_KV_SECRET"
+# --dry-run prints no secret: how to make one, and a line that refuses to go on without it
+KV_SECRET_NOTE = [
+    "",
+    (f"# KV plane secret ({KV_SECRET_ENV}): `kvrelay deploy` generates one per topology "
+     "(secrets.token_hex)"),
+    "# and passes it to every server it starts. For these commands, make one value, e.g.",
+    "#   python3 -c 'import secrets; print(secrets.token_hex(32))'",
+    (f"# and set the same {KV_SECRET_ENV} on every host (not on the command line of a shared "
+     "machine)."),
+]
+KV_SECRET_EXPORT = (f'export {KV_SECRET_ENV}="${{{KV_SECRET_ENV}:?set it to the KV secret '
+                    'of this topology, the same on every host}"')
 
 
 @dataclass(frozen=True)
@@ -419,6 +432,7 @@ def render(plan: Plan) -> str:
     out.append(f"layout OK: {len(plan.servers)} server(s), {sum(len(s.devices) for s in plan.servers)} ranks"
                + (", 1 proxy" if plan.proxy else ""))
     out += [f"warning: {w}" for w in plan.warnings]
+    out += KV_SECRET_NOTE
     hosts: dict[str, list[ServerPlan]] = defaultdict(list)
     for s in plan.servers:
         hosts[s.host].append(s)
@@ -428,6 +442,8 @@ def render(plan: Plan) -> str:
         names = _names(mine) + (["proxy"] if plan.proxy and plan.proxy.host == host else [])
         out += ["", f"# ---- host {host}: {', '.join(names)}"]
         out += [f"export {k}={shlex.quote(v)}" for k, v in plan.exports]
+        if mine:
+            out.append(KV_SECRET_EXPORT)
         for s in mine:
             sides = (f", side channel {_span(s.side_channel_ports)}" if s.side_channel_ports else "")
             out += ["", f"# {s.name}: {s.layout}, devices {format_ids(s.devices)}, HTTP {s.port}{sides}",

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing as mp
+import signal
 import threading
 import time
 import uuid
@@ -77,6 +78,7 @@ class AsyncEngine:
                                    name="kvrelay-engine-core", daemon=False)
         self._loop: asyncio.AbstractEventLoop | None = None
         self.last_step = time.monotonic()          # when the core last reported a step
+        self._stopping = False                     # shutdown() asked the core to exit
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
@@ -93,6 +95,7 @@ class AsyncEngine:
             raise EngineDeadError(self.dead)
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
+        self._stopping = True
         if self.process.is_alive():
             try:
                 self._send(("shutdown",))
@@ -212,10 +215,20 @@ class AsyncEngine:
         elif kind == "fatal":
             if self.dead is None:
                 self.dead = message[1]
-                logger.error("engine core failed: %s", message[1])
+                if self._stopping or self._terminated():     # an asked-for exit, not a crash
+                    logger.info("engine core stopped")
+                else:
+                    logger.error("engine core failed: %s (exit code %s)", message[1],
+                                 self.process.exitcode)
             for stream in self.streams.values():
                 stream.queue.put_nowait(EngineDeadError(self.dead))
             self.ready.set()
+
+    def _terminated(self) -> bool:
+        """Did the core exit on SIGTERM/SIGINT (e.g. sent to the whole process group by a
+        supervisor stopping the server)? Called only once its pipe has closed."""
+        self.process.join(1.0)
+        return self.process.exitcode in (-signal.SIGTERM, -signal.SIGINT)
 
     def check_stalled(self) -> None:
         """Fail in-flight requests when the engine reported no step for longer than the

@@ -60,7 +60,9 @@ class RopeConfig:
         """What cos and sin are multiplied by (1 for plain RoPE)."""
         if self.rope_type == "default":
             return 1.0
-        return self.attention_factor if self.attention_factor is not None else log_mscale(self.factor)
+        if self.attention_factor is not None:
+            return self.attention_factor
+        return log_mscale(self.factor)
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> RopeConfig:
@@ -74,11 +76,16 @@ class RopeConfig:
         theta = params["rope_theta"] if "rope_theta" in params else cfg.get("rope_theta",
                                                                             HF_DEFAULT_THETA)
         rope_type = params.get("rope_type", params.get("type", "default"))
+        partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+        if partial is not None and float(partial) != 1.0:
+            raise ValueError(f"partial_rotary_factor {partial}: kvrelay rotates every head dim "
+                             f"(gpt-oss uses 1.0)")
         if rope_type != "yarn":
             return cls(theta=float(theta), rope_type=str(rope_type), factor=1.0)
         if "factor" not in params:
             raise ValueError("rope_scaling: rope_type 'yarn' needs a 'factor'")
-        max_positions = int(cfg.get("max_position_embeddings", HF_DEFAULTS["max_position_embeddings"]))
+        max_positions = int(cfg.get("max_position_embeddings",
+                                    HF_DEFAULTS["max_position_embeddings"]))
         original = int(params.get("original_max_position_embeddings", max_positions))
         factor = params["factor"]
         if factor is None:          # DeepSeek-style: implied by the two context lengths
@@ -176,7 +183,8 @@ class GptOssConfig:
         value (not one derived from other keys: no head_dim means 64, not hidden/heads); an
         explicit null num_key_value_heads means one per attention head and a null head_dim
         hidden/heads (the class's __post_init__); `num_experts` is an alias of
-        num_local_experts. OpenAI's own `experts_per_token` is not read (transformers ignores it)."""
+        num_local_experts. OpenAI's own `experts_per_token` is not read (transformers
+        ignores it)."""
         aliases = {"num_local_experts": "num_experts"}
 
         def get(key: str) -> Any:
@@ -188,7 +196,8 @@ class GptOssConfig:
         hidden = int(get("hidden_size"))
         kv_heads = get("num_key_value_heads")
         head_dim = get("head_dim")
-        layer_types = cfg.get("layer_types") or [SLIDING if i % 2 == 0 else FULL for i in range(layers)]
+        layer_types = cfg.get("layer_types") or [SLIDING if i % 2 == 0 else FULL
+                                                 for i in range(layers)]
         window = get("sliding_window")
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))

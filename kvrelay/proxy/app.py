@@ -150,7 +150,8 @@ class ProxyAuth:
     def admits(self, authorization: str | None) -> bool:
         if self.api_key is None:
             return True
-        return secrets.compare_digest((authorization or "").encode(), f"Bearer {self.api_key}".encode())
+        expected = f"Bearer {self.api_key}".encode()
+        return secrets.compare_digest((authorization or "").encode(), expected)
 
     def backend_authorization(self, client_authorization: str | None) -> str | None:
         if self.api_key is not None and self.backend_key:
@@ -173,7 +174,8 @@ class ProxyState:
 
     @classmethod
     def create(cls, prefill: list[tuple[str, int]], decode: list[tuple[str, int]],
-               auth: ProxyAuth | None = None, health_interval_s: float = HEALTH_INTERVAL_S) -> ProxyState:
+               auth: ProxyAuth | None = None,
+               health_interval_s: float = HEALTH_INTERVAL_S) -> ProxyState:
         p = [Backend("prefill", h, port) for h, port in prefill]
         d = [Backend("decode", h, port) for h, port in decode]
         return cls(p, d, ProxyMetrics(p + d), RoundRobin(p), LeastInFlight(d), auth or ProxyAuth(),
@@ -369,12 +371,13 @@ async def _prefill(state: ProxyState, path: str, body: dict[str, Any], headers: 
             state.failed(backend, "transport")
             logger.warning("request %s: prefill server %s broke off its answer: %s", request_id,
                            backend.name, _describe(e.error))
-            return _error(502, f"prefill server {backend.name} broke off its answer: {_describe(e.error)}",
-                          "BadGatewayError", request_id)
+            return _error(502, f"prefill server {backend.name} broke off its answer: "
+                          f"{_describe(e.error)}", "BadGatewayError", request_id)
         if resp.status_code >= 500:
-            state.metrics.failures.labels(backend.role, backend.name, f"http_{resp.status_code}").inc()
-            logger.warning("request %s: prefill server %s answered %d (returned as is, not retried)",
-                           request_id, backend.name, resp.status_code)
+            reason = f"http_{resp.status_code}"
+            state.metrics.failures.labels(backend.role, backend.name, reason).inc()
+            logger.warning("request %s: prefill server %s answered %d (returned as is, not "
+                           "retried)", request_id, backend.name, resp.status_code)
         else:
             backend.mark_ok()
         return _prefill_result(backend, resp, request_id, resp.elapsed.total_seconds())
@@ -665,7 +668,8 @@ async def models(state: ProxyState, request: Request) -> Response:
 # ---------------------------------------------------------------------------- the app
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-               405: "MethodNotAllowedError", 413: "RequestTooLarge", 422: "UnprocessableEntityError"}
+               405: "MethodNotAllowedError", 413: "RequestTooLarge",
+               422: "UnprocessableEntityError"}
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
 
 
@@ -680,8 +684,8 @@ class _RequireKey:
         if scope["type"] == "http" and scope["path"].startswith("/v1/"):
             headers = Headers(scope=scope)
             if not self.state.auth.admits(headers.get("authorization")):
-                response = _error(401, "invalid or missing API key: send 'Authorization: Bearer KEY' "
-                                  "with the proxy's --api-key", "AuthenticationError",
+                response = _error(401, "invalid or missing API key: send 'Authorization: "
+                                  "Bearer KEY' with the proxy's --api-key", "AuthenticationError",
                                   headers.get("x-request-id"))
                 if scope["path"] in ENDPOINTS:
                     _finish(self.state, scope["path"], response)
@@ -696,14 +700,14 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        return _error(exc.status_code, str(exc.detail), ERROR_TYPES.get(exc.status_code, "HTTPError"),
-                      request.headers.get("x-request-id"))
+        type_ = ERROR_TYPES.get(exc.status_code, "HTTPError")
+        return _error(exc.status_code, str(exc.detail), type_, request.headers.get("x-request-id"))
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
         first = (exc.errors() or [{}])[0]
-        return _error(400, f"invalid request: {first.get('msg', 'malformed body')}", "BadRequestError",
-                      request.headers.get("x-request-id"))
+        return _error(400, f"invalid request: {first.get('msg', 'malformed body')}",
+                      "BadRequestError", request.headers.get("x-request-id"))
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception) -> Response:
@@ -712,7 +716,8 @@ def _install_error_handlers(app: FastAPI) -> None:
                       request.headers.get("x-request-id"))
 
 
-def build_app(prefill: list[tuple[str, int]], decode: list[tuple[str, int]], auth: ProxyAuth | None = None,
+def build_app(prefill: list[tuple[str, int]], decode: list[tuple[str, int]],
+              auth: ProxyAuth | None = None,
               health_interval_s: float = HEALTH_INTERVAL_S) -> FastAPI:
     """The proxy app for these (host, port) prefill and decode servers."""
     state = ProxyState.create(prefill, decode, auth, health_interval_s)
@@ -723,9 +728,10 @@ def build_app(prefill: list[tuple[str, int]], decode: list[tuple[str, int]], aut
         logger.info("prefill servers (round-robin): %s", ", ".join(b.url for b in state.prefill))
         logger.info("decode servers (least in-flight): %s", ", ".join(b.url for b in state.decode))
         if state.auth.api_key is None and state.auth.backend_key:
-            logger.warning("OPENAI_API_KEY is set but the proxy has no --api-key: it is not sent to the "
-                           "backends (clients the proxy does not authenticate must present their own key); "
-                           "set --api-key (or KVRELAY_API_KEY) to make the proxy check clients and use it")
+            logger.warning("OPENAI_API_KEY is set but the proxy has no --api-key: it is not sent "
+                           "to the backends (clients the proxy does not authenticate must present "
+                           "their own key); set --api-key (or KVRELAY_API_KEY) to make the proxy "
+                           "check clients and use it")
         try:
             yield
         finally:

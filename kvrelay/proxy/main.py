@@ -63,9 +63,10 @@ def add_proxy_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info",
                    help="debug logs one line per request leg")
     p.add_argument("--api-key", default=None, metavar="KEY",
-                   help=f"clients must send 'Authorization: Bearer KEY' (default: ${envs.PROXY_API_KEY.name} "
-                        f"or ${envs.PROXY_API_KEY.alias}; none: no check). $OPENAI_API_KEY, the key for the "
-                        f"backends, is only sent for clients authenticated this way")
+                   help=f"clients must send 'Authorization: Bearer KEY' (default: "
+                        f"${envs.PROXY_API_KEY.name} or ${envs.PROXY_API_KEY.alias}; none: no "
+                        f"check). $OPENAI_API_KEY, the key for the backends, is only sent for "
+                        f"clients authenticated this way")
     p.add_argument("--health-interval", type=float, default=2.0, metavar="S",
                    help="seconds between /health probes of every backend (0: no background probe); "
                         "servers that fail them are tried last")
@@ -132,7 +133,8 @@ def serve(settings: ProxySettings) -> int:
     from kvrelay.proxy.app import ProxyAuth, build_app
     auth = ProxyAuth(api_key=settings.api_key, backend_key=envs.PROXY_BACKEND_KEY.raw())
     app = build_app(settings.prefill, settings.decode, auth, settings.health_interval_s)
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+    config = uvicorn.Config(app, host=settings.host, port=settings.port,
+                            log_level=settings.log_level,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, lifespan="on")
     server = _ProxyServer(config)
     try:

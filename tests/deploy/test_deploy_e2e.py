@@ -1,6 +1,8 @@
 """`kvrelay deploy` end to end: 2P1D of a tiny checkpoint on loopback (free ports), then
-`kvrelay validate --expect-di` and a short `kvrelay bench serve` against its proxy, then
-SIGINT: deploy exits 0 and leaves no process and no listening port behind."""
+`kvrelay validate --expect-di` and a short `kvrelay bench serve` against its proxy, the KV
+secret every server got, a killed prefill server restarted while the proxy routes around it,
+then SIGINT: deploy exits 0, leaves no process and no listening port behind, and no server
+logged an ERROR on the way out. `--no-restart`: one dead server stops everything."""
 from __future__ import annotations
 
 import os
@@ -11,6 +13,7 @@ import subprocess
 import sys
 import time
 
+import httpx
 import pytest
 
 from tests.processes import alive, descendants
@@ -108,6 +111,67 @@ def test_bench_serve_against_the_proxy(deployment):
     assert "Failed requests:                        0" in r.stdout
 
 
+def _started_pids(text: str) -> dict[str, int]:
+    """{name: pid} from deploy's "started decode-0 (pid 1), prefill-0 (pid 2), …" lines."""
+    pids = {}
+    for line in text.splitlines():
+        if line.startswith(("kvrelay deploy: started ", "kvrelay deploy: restarted ")):
+            for part in line.split(" ", 3)[3].split(", "):
+                name, _, pid = part.partition(" (pid ")
+                pids[name] = int(pid.rstrip(")"))
+    return pids
+
+
+def _environ(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        items = f.read().split(b"\0")
+    return dict(item.decode(errors="replace").split("=", 1) for item in items if b"=" in item)
+
+
+def test_every_server_gets_one_kv_secret_shown_nowhere(deployment):
+    pids = _started_pids(deployment["out"].read_text())
+    servers = [n for n in pids if n != "proxy"]
+    assert sorted(servers) == ["decode-0", "prefill-0", "prefill-1"]
+    secrets = {_environ(pids[n]).get("KVRELAY_KV_SECRET") for n in servers}
+    assert len(secrets) == 1
+    secret = secrets.pop()
+    assert secret is not None and len(secret) == 64 and int(secret, 16) >= 0
+    shown = [deployment["out"]] + sorted(deployment["out"].parent.glob("*.log"))
+    assert [str(f) for f in shown if secret in f.read_text(errors="replace")] == []
+    for pid in pids.values():
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            assert secret.encode() not in f.read()
+    assert "in every server's KVRELAY_KV_SECRET (not shown)" in deployment["out"].read_text()
+
+
+def test_a_killed_server_is_restarted_while_the_proxy_routes_around_it(deployment):
+    out = deployment["out"]
+    old = _started_pids(out.read_text())["prefill-0"]
+    os.killpg(old, signal.SIGKILL)                  # the server and its engine core
+    body = {"prompt": "w5 w17 w29", "max_tokens": 4, "ignore_eos": True}
+    with httpx.Client(base_url=deployment["url"], timeout=60, trust_env=False) as c:
+        while alive(old):
+            time.sleep(0.05)
+        for _ in range(4):                          # round-robin meets the dead one: retried elsewhere
+            r = c.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+        deadline = time.monotonic() + 150
+        while "prefill-0 is ready again" not in out.read_text():
+            assert deployment["proc"].poll() is None, out.read_text()
+            assert time.monotonic() < deadline, out.read_text()
+            time.sleep(0.3)
+        text = out.read_text()
+        assert f"prefill-0 (pid {old}) exited with status -9; restarting it in 1s (restart 1" in text
+        new = _started_pids(text)["prefill-0"]
+        assert new != old and alive(new)
+        assert _environ(new)["KVRELAY_KV_SECRET"] == _environ(_started_pids(text)["prefill-1"])["KVRELAY_KV_SECRET"]
+        for _ in range(6):                          # the restarted server takes its turns again
+            assert c.post("/v1/completions", json=body).status_code == 200
+        served = httpx.get(f"http://127.0.0.1:{deployment['base'] + 100}/metrics").text
+    assert any(line.startswith("vllm:prompt_tokens_total") and float(line.split()[-1]) > 0
+               for line in served.splitlines())
+
+
 def test_sigint_stops_everything(deployment):
     proc = deployment["proc"]
     children = descendants(proc.pid)
@@ -124,3 +188,34 @@ def test_sigint_stops_everything(deployment):
         time.sleep(0.2)
     assert [pid for pid in children if alive(pid)] == []
     assert [p for p in ports + side_channels if _listening(p)] == []
+    logs = sorted(deployment["out"].parent.glob("*.log"))
+    assert len(logs) == 4
+    errors = [f"{f.name}: {line}" for f in logs for line in f.read_text().splitlines() if "ERROR" in line]
+    assert errors == []                             # a clean shutdown is not an error
+
+
+def test_no_restart_stops_everything_when_one_server_dies(tiny_no_eos, tmp_path):
+    base, _ = _free_bases()
+    out_path = tmp_path / "deploy.out"
+    with open(out_path, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvrelay.cli", "deploy", "--model", str(tiny_no_eos), "--base-port", str(base),
+             "--log-dir", str(tmp_path), "--no-validate", "--no-restart", "--", "--dtype", "float32",
+             "--max-model-len", "64", "--block-size", "4"],
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 150
+        while READY not in out_path.read_text():
+            assert proc.poll() is None, out_path.read_text()
+            assert time.monotonic() < deadline, out_path.read_text()
+            time.sleep(0.3)
+        server = _started_pids(out_path.read_text())["serve"]
+        os.killpg(server, signal.SIGKILL)
+        assert proc.wait(60) == 1, out_path.read_text()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    text = out_path.read_text()
+    assert "serve exited with status -9; stopping the rest" in text
+    assert "restarting" not in text and "stopped 1 process(es)" in text

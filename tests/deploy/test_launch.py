@@ -3,9 +3,12 @@ before anything starts; a server that fails at startup stops the rest, with its 
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -85,3 +88,55 @@ def _free(port: int) -> bool:
             return False
     return True
 
+
+
+@pytest.mark.parametrize("where", ["http", "side_channel"])
+def test_serve_refuses_a_taken_port_in_one_line_before_the_model_loads(tiny, where):
+    """The port check comes first: nothing else is printed (no engine, no model loading)."""
+    kv = json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_producer"})
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        free = _free_block()
+        http, side = (port, free) if where == "http" else (free, port)
+        t0 = time.monotonic()
+        r = subprocess.run([sys.executable, "-m", "kvrelay.cli", "serve", str(tiny[0]), "--port", str(http),
+                            "--kv-transfer-config", kv], capture_output=True, text=True, timeout=60, check=False,
+                           env=os.environ | {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(side)})
+        elapsed = time.monotonic() - t0
+    what = "HTTP" if where == "http" else \
+        "KV side channel (VLLM_NIXL_SIDE_CHANNEL_PORT (or KVRELAY_NIXL_SIDE_CHANNEL_PORT))"
+    assert r.returncode == 1, f"{r.stdout}{r.stderr} ({elapsed:.1f}s)"
+    assert r.stdout == "" and r.stderr == (
+        f"kvrelay serve: error: cannot listen on 127.0.0.1:{port} ({what}): address already in use; "
+        "stop what uses it or choose another port\n"), f"after {elapsed:.1f}s"
+
+
+def test_supervise_restarts_with_growing_backoff(config_dir, tmp_path):
+    """A process that keeps dying is restarted after 1 s, then 2 s, … (each restart said)."""
+    from kvrelay.deploy.launcher import Component, Deployment
+    from kvrelay.deploy.main import build_parser, build_plan
+    plan = build_plan(build_parser().parse_args(["--model", str(config_dir)]), [])
+    deployment = Deployment(plan, tmp_path)
+    flaky = Component("flaky", ("serve", "--no-such-flag"), child_env((), ()), tmp_path / "flaky.log")
+    deployment.components.append(flaky)
+    flaky.start()
+    said: list[str] = []
+    stop = threading.Event()
+    watcher = threading.Thread(target=deployment.supervise, args=(stop, said.append))
+    watcher.start()
+    try:
+        deadline = time.monotonic() + 60
+        while sum("restarting it in" in s for s in said) < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        stop.set()
+        watcher.join(10)
+        deployment.stop(grace=5)
+    waits = [s.split("restarting it in ")[1].split(" (")[0] for s in said if "restarting it in" in s]
+    assert waits[:3] == ["1s", "2s", "4s"], said
+    assert said[0].startswith("flaky (pid ") and "exited with status 2" in said[0]
+    assert "unrecognized arguments: --no-such-flag" in said[0]          # its log tail
+    assert sum(s.startswith("restarted flaky (pid ") for s in said) >= 2
+    assert flaky.log_text().count("unrecognized arguments") >= 3         # restarts append to the log

@@ -2,6 +2,8 @@
 `kvrelay proxy`, driven by the openai client; 2P1D round-robins the prefill servers."""
 from __future__ import annotations
 
+import time
+
 import httpx
 import openai
 import pytest
@@ -76,3 +78,25 @@ def test_chat_through_the_proxy(tiny, deployment):
     out = client.chat.completions.create(model=str(tiny[0]), messages=[{"role": "user", "content": "w10 w11"}],
                                          max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
     assert out.choices[0].message.content and out.usage.completion_tokens == 5
+
+
+def test_a_request_a_prefill_refuses_is_not_sent_to_the_other(deployment):
+    """Real servers: the prefill's 400 comes back as is, and the other prefill never sees the
+    request (the proxy re-sends nothing a server answered)."""
+    url, prefills, _ = deployment
+    refused = '"POST /v1/completions HTTP/1.1" 400'
+
+    def refusals() -> int:
+        return sum(p.log().count(refused) for p in prefills)
+
+    before = refusals()
+    for i in range(2):                          # round-robin: one lands on each prefill server
+        r = httpx.post(f"{url}/v1/completions", timeout=60, headers={"X-Request-Id": f"bad-temp-{i}"},
+                       json={"prompt": "w5 w17", "max_tokens": 4, "temperature": -1})
+        assert r.status_code == 400 and "temperature" in r.json()["error"]["message"], r.text
+    deadline = time.monotonic() + 5
+    while refusals() < before + 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.3)
+    assert refusals() == before + 2             # once each, not once per server per request
+    assert all(p.log().count(refused) >= 1 for p in prefills)

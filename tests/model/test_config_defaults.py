@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvrelay.model.config import GptOssConfig, load_config
+from kvrelay.model.config import CheckpointError, GptOssConfig, load_config
 from kvrelay.model.layers.rotary import inverse_frequencies
 
 FULL: dict[str, Any] = {
@@ -127,6 +127,17 @@ def test_missing_rope_scaling_is_gpt_oss_yarn():
     assert (rope.rope_type, rope.theta, rope.factor, rope.beta_fast, rope.beta_slow,
             rope.original_max_position_embeddings, rope.truncate) == ("yarn", 150000.0, 32.0, 32.0, 1.0,
                                                                       4096, False)
+
+
+@pytest.mark.parametrize("where", ["top", "rope"])
+def test_partial_rotary_is_refused_not_misread(where):
+    cfg = _config_dict("full")
+    if where == "top":
+        cfg["partial_rotary_factor"] = 0.5
+    else:
+        cfg["rope_scaling"]["partial_rotary_factor"] = 0.5
+    with pytest.raises(CheckpointError, match="partial_rotary_factor 0.5: kvrelay rotates every head dim"):
+        GptOssConfig.from_dict(cfg)
 
 
 def test_checkpoint_files_load_as_transformers_reads_them(tmp_path):

@@ -255,7 +255,8 @@ class ProxyProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log
         self._log = open(log, "w")  # noqa: SIM115  (closed by stop())
-        full_env = {k: v for k, v in os.environ.items() if k != "OPENAI_API_KEY"}
+        full_env = {k: v for k, v in os.environ.items()
+                    if k not in ("OPENAI_API_KEY", "KVRELAY_API_KEY", "VLLM_API_KEY")}
         full_env |= {"PYTHONUNBUFFERED": "1"} | (env or {})
         code = f"import sys; from kvrelay.proxy.main import main; sys.exit(main({args!r}))"
         self.proc = subprocess.Popen([sys.executable, "-c", code], stdout=self._log, stderr=subprocess.STDOUT,
