@@ -61,7 +61,8 @@ CPU_HALF_MATMUL = EnvVar("KVRELAY_CPU_HALF_MATMUL", None, "auto",
                          "has a native bf16 path on this CPU)")
 KV_SECRET = EnvVar("KVRELAY_KV_SECRET", None, None,
                    "shared secret of one topology's KV plane: side channel and KV transports "
-                   "authenticate peers with it (kvrelay deploy generates one); unset: no authentication")
+                   "authenticate peers with it (kvrelay deploy generates one); unset: no "
+                   "authentication")
 
 ALL = (SIDE_CHANNEL_HOST, SIDE_CHANNEL_PORT, ENGINE_READY_TIMEOUT_S, EXECUTE_MODEL_TIMEOUT_S,
        COMPILATION_TIMEOUT_S, VISIBLE_DEVICES, CACHE_DIR, CPU_HALF_MATMUL, KV_SECRET)
