@@ -122,7 +122,7 @@ class KVWorker:
         # a vanished peer is still caught by the load timeout (kv_connector_extra_config.load_timeout_s)
         options = cfg.extra.get("backend_options") or {"UCX": {"ucx_error_handling_mode": "none"}}
         secret = load_secret(cfg.extra)
-        if cfg.is_producer:
+        if cfg.is_producer and rank == 0:       # one warning per server (the side channel's too)
             warn_if_exposed(bind, secret, "KV transport")
         # a producer's UCX listens only on the interface its side channel advertises; a pure
         # consumer dials out and follows UCX_NET_DEVICES
