@@ -67,7 +67,8 @@ PROXY_BACKEND_KEY = EnvVar("OPENAI_API_KEY", None, None,
                            "authenticated with --api-key")
 KV_SECRET = EnvVar("KVRELAY_KV_SECRET", None, None,
                    "shared secret of one topology's KV plane: side channel and KV transports "
-                   "authenticate peers with it (kvrelay deploy generates one); unset: no authentication")
+                   "authenticate peers with it (kvrelay deploy generates one); unset: no "
+                   "authentication")
 STRUCTURED_ANALYSIS_BUDGET = EnvVar("KVRELAY_STRUCTURED_ANALYSIS_BUDGET", None, "1024",
                                     "harmony + structured outputs: most tokens of the analysis "
                                     "message before the constrained answer (at most half of "

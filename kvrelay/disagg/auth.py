@@ -18,6 +18,7 @@ K is SHA-256 of the secret, and the secret itself never crosses the wire. Proofs
 compared in constant time. Every frame of the exchange is at most `PREAUTH_MAX_FRAME`
 bytes and the whole exchange must finish within `AUTH_TIMEOUT_S`.
 """
+
 from __future__ import annotations
 
 import base64
@@ -36,8 +37,8 @@ from kvrelay import envs
 
 logger = logging.getLogger(__name__)
 
-PREAUTH_MAX_FRAME = 4096          # bytes: the auth frames are ~150 bytes
-AUTH_TIMEOUT_S = 5.0              # the whole exchange, however slowly bytes trickle in
+PREAUTH_MAX_FRAME = 4096  # bytes: the auth frames are ~150 bytes
+AUTH_TIMEOUT_S = 5.0  # the whole exchange, however slowly bytes trickle in
 AUTH_FAILED = "authentication failed"
 _VERSION = 1
 _NONCE_BYTES = 32
@@ -59,10 +60,14 @@ def load_secret(extra: dict[str, Any] | None = None) -> bytes | None:
     try:
         text = Path(os.path.expanduser(str(path))).read_text().strip()
     except OSError as e:
-        raise ValueError(f"--kv-transfer-config: cannot read kv_connector_extra_config.secret_file "
-                         f"{path!r}: {e.strerror or e}") from None
+        raise ValueError(
+            f"--kv-transfer-config: cannot read kv_connector_extra_config.secret_file "
+            f"{path!r}: {e.strerror or e}"
+        ) from None
     if not text:
-        raise ValueError(f"--kv-transfer-config: kv_connector_extra_config.secret_file {path!r} is empty")
+        raise ValueError(
+            f"--kv-transfer-config: kv_connector_extra_config.secret_file {path!r} is empty"
+        )
     return text.encode()
 
 
@@ -89,9 +94,12 @@ def _same(a: Any, b: str) -> bool:
     return isinstance(a, str) and hmac.compare_digest(a.encode(), b.encode())
 
 
-def client_authenticate(sock: socket.socket, secret: bytes, max_frame: int = PREAUTH_MAX_FRAME) -> None:
+def client_authenticate(
+    sock: socket.socket, secret: bytes, max_frame: int = PREAUTH_MAX_FRAME
+) -> None:
     """Run the client's half on a fresh connection; AuthError unless both sides proved K."""
     from kvrelay.disagg.side_channel import FrameError, recv_frame, send_frame
+
     deadline = time.monotonic() + AUTH_TIMEOUT_S
     nc = secrets.token_bytes(_NONCE_BYTES)
     try:
@@ -116,6 +124,7 @@ def server_authenticate(sock: socket.socket, secret: bytes) -> None:
     """Run the server's half; on failure the peer has been told AUTH_FAILED (best effort)
     and AuthError is raised (the caller closes the connection)."""
     from kvrelay.disagg.side_channel import FrameError, recv_frame, send_frame
+
     deadline = time.monotonic() + AUTH_TIMEOUT_S
     try:
         hello = recv_frame(sock, PREAUTH_MAX_FRAME, deadline=deadline)
@@ -124,11 +133,20 @@ def server_authenticate(sock: socket.socket, secret: bytes) -> None:
         if hello.get("auth") != "hello" or hello.get("v") != _VERSION:
             raise AuthError(AUTH_FAILED)
         nc, ns = _nonce(hello.get("nonce")), secrets.token_bytes(_NONCE_BYTES)
-        send_frame(sock, {"ok": True, "nonce": base64.b64encode(ns).decode(),
-                          "proof": _proof(secret, b"server", nc, ns)})
+        send_frame(
+            sock,
+            {
+                "ok": True,
+                "nonce": base64.b64encode(ns).decode(),
+                "proof": _proof(secret, b"server", nc, ns),
+            },
+        )
         answer = recv_frame(sock, PREAUTH_MAX_FRAME, deadline=deadline)
-        if not answer or answer.get("auth") != "proof" \
-                or not _same(answer.get("proof"), _proof(secret, b"client", nc, ns)):
+        if (
+            not answer
+            or answer.get("auth") != "proof"
+            or not _same(answer.get("proof"), _proof(secret, b"client", nc, ns))
+        ):
             raise AuthError(AUTH_FAILED)
         send_frame(sock, {"ok": True})
     except (AuthError, FrameError, OSError) as e:
@@ -147,10 +165,15 @@ def warn_if_exposed(host: str, secret: bytes | None, what: str) -> None:
     if secret is not None or is_loopback(host) or "exposed" in _warned:
         return
     _warned.add("exposed")
-    logger.warning("the KV plane (%s) listens on %s without authentication: anyone who can reach "
-                   "it can read this server's KV cache (other users' prompts) and free its blocks. "
-                   "Set %s to the same secret on every server of the topology (kvrelay deploy does), "
-                   "or keep the KV plane on a private network.", what, host, envs.KV_SECRET.name)
+    logger.warning(
+        "the KV plane (%s) listens on %s without authentication: anyone who can reach "
+        "it can read this server's KV cache (other users' prompts) and free its blocks. "
+        "Set %s to the same secret on every server of the topology (kvrelay deploy does), "
+        "or keep the KV plane on a private network.",
+        what,
+        host,
+        envs.KV_SECRET.name,
+    )
 
 
 def is_loopback(host: str) -> bool:

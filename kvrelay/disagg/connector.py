@@ -49,6 +49,7 @@ from kvrelay.disagg.worker import (
     LoadEvent,
     PeerInfo,
     PullOrder,
+    ReadGrant,
 )
 from kvrelay.kv_cache.spec import KVCacheSpec
 
@@ -135,8 +136,10 @@ def parse_notify(raw: bytes) -> tuple[str, int, str] | None:
     return parts[0], int(parts[1]), parts[2]
 
 
-def _same(a: object, b: str) -> bool:
-    return isinstance(a, str) and hmac.compare_digest(a.encode(), b.encode())
+def capability_matches(given: object, issued: str) -> bool:
+    """Constant-time comparison of a presented capability with the issued one."""
+    return isinstance(given, str) and hmac.compare_digest(given.encode(), issued.encode())
+
 
 
 @dataclass
@@ -238,7 +241,8 @@ class KVConnector:
         request_id, capability = message.get("request_id"), message.get("capability")
         with self._grant_lock:
             grant = self.grants.get(request_id) if isinstance(request_id, str) else None
-            if grant is None or not _same(capability, grant.capability) or (claim and grant.claimed):
+            valid = grant is not None and capability_matches(capability, grant.capability)
+            if grant is None or not valid or (claim and grant.claimed):
                 warn_limited("KV side channel: refused a %s for request %.100r: %s",
                              message.get("type"), request_id, REFUSED)
                 raise SideChannelError(REFUSED)
@@ -255,13 +259,19 @@ class KVConnector:
             limit = int(self.config.hold_share * self.num_blocks)
             if len(self.held_blocks) + new > limit:
                 raise HoldRefused(
-                    f"KV hold refused: {len(self.held_blocks)} of this prefill server's {self.num_blocks} "
-                    f"KV blocks are already held for decode servers and this request needs {new} more "
-                    f"(at most {limit}: kv_connector_extra_config.hold_share {self.config.hold_share:g}); "
-                    f"retry later")
+                    f"KV hold refused: {len(self.held_blocks)} of this prefill server's "
+                    f"{self.num_blocks} KV blocks are already held for decode servers and this "
+                    f"request needs {new} more (at most {limit}: kv_connector_extra_config."
+                    f"hold_share {self.config.hold_share:g}); retry later")
             grant = _Grant(secrets.token_urlsafe(32), [list(ids) for ids in block_ids])
             self.grants[request_id] = grant
             self.held_blocks.update(blocks)
+        # every rank's TCP transport checks reads against the grant: rank 0 now, the others
+        # at once (a KV-only broadcast) so the grant is there before a decode can read
+        work = KVWork(grants=[ReadGrant(request_id, grant.capability, frozenset(blocks))])
+        self.local.apply(work)
+        if self.link is not None and self.transport.name == "tcp":
+            self.link.send_kv(work)
         self.leases[request_id] = time.monotonic() + self.config.lease_s
         host, port = self.advertised or ("127.0.0.1", 0)
         return {"remote_engine_id": self.engine_id, "remote_host": host, "remote_port": port,
@@ -276,6 +286,10 @@ class KVConnector:
             if grant is not None:
                 self.held_blocks.subtract({b for ids in grant.block_ids for b in ids if b})
                 self.held_blocks += collections.Counter()        # drop zero counts
+        if grant is not None:
+            self.local.apply(KVWork(revokes=[request_id]))
+            if self.link is not None and self.transport.name == "tcp":
+                self.outbox.revokes.append(request_id)          # with the next step
 
     def read_done(self) -> list[str]:
         """Held requests every decode rank finished reading (or that decode released)."""
@@ -291,8 +305,9 @@ class KVConnector:
             if grant is None or parsed is None:
                 continue                  # malformed, or released already (lease, explicit free)
             request_id, needed, capability = parsed
-            if not _same(capability, grant.capability):
-                warn_limited("ignored a KV read-done notice for %.100r with a wrong capability", request_id)
+            if not capability_matches(capability, grant.capability):
+                warn_limited("ignored a KV read-done notice for %.100r with a wrong capability",
+                             request_id)
                 continue
             self.notices[request_id] += 1
             if self.notices[request_id] == needed:
@@ -371,9 +386,8 @@ class KVConnector:
             self.loads[request_id] = _Load(request_id, time.monotonic(), set())
             return
         self.claim(params)
-        order = PullOrder(request_id, peer.engine_id,
-                          notify_message(params.remote_request_id, self.tp_size, params.remote_capability),
-                          tuple(pulls))
+        note = notify_message(params.remote_request_id, self.tp_size, params.remote_capability)
+        order = PullOrder(request_id, peer.engine_id, note, tuple(pulls))
         self.loads[request_id] = _Load(request_id, time.monotonic(), set(range(self.tp_size)))
         if self.link is not None:
             # ranks ≥ 1 get the order at once (with any queued peers/cancels), before rank 0
@@ -393,11 +407,11 @@ class KVConnector:
                                       {"type": "claim", "request_id": params.remote_request_id,
                                        "capability": params.remote_capability}, secret=self.secret)
         except SideChannelError as e:
-            raise HandshakeError(f"the prefill refused to hand over request {params.remote_request_id!r}'s "
-                                 f"KV: {e}") from None
+            raise HandshakeError(f"the prefill refused to hand over request "
+                                 f"{params.remote_request_id!r}'s KV: {e}") from None
         if reply.get("block_ids") != params.remote_block_ids:
-            raise HandshakeError(f"kv_transfer_params.remote_block_ids are not the blocks the prefill issued "
-                                 f"for request {params.remote_request_id!r}")
+            raise HandshakeError(f"kv_transfer_params.remote_block_ids are not the blocks the "
+                                 f"prefill issued for request {params.remote_request_id!r}")
 
     def take_work(self) -> KVWork | None:
         """KV work for ranks 1..N-1 accumulated since the last call (None when there is none)."""
@@ -412,7 +426,8 @@ class KVConnector:
             try:
                 side_channel_call(params.remote_host, params.remote_port,
                                   {"type": "release", "request_id": params.remote_request_id,
-                                   "capability": params.remote_capability}, timeout=5, secret=self.secret)
+                                   "capability": params.remote_capability},
+                                  timeout=5, secret=self.secret)
             except Exception as e:  # the prefill's lease frees them anyway
                 logger.warning("could not ask %s:%s to free %s: %s", params.remote_host, params.remote_port,
                                params.remote_request_id, e)

@@ -38,8 +38,9 @@ class KVTransferParams:
             raise ValueError("kv_transfer_params must be an object")
         p = cls(**{k: raw.get(k) for k in cls.__dataclass_fields__ if k in raw})
         if p.do_remote_prefill:
-            missing = [k for k in ("remote_engine_id", "remote_block_ids", "remote_host", "remote_port",
-                                   "remote_request_id", "remote_capability") if getattr(p, k) in (None, "")]
+            required = ("remote_engine_id", "remote_block_ids", "remote_host", "remote_port",
+                        "remote_request_id", "remote_capability")
+            missing = [k for k in required if getattr(p, k) in (None, "")]
             if missing:
                 raise ValueError(f"kv_transfer_params.do_remote_prefill needs {', '.join(missing)}")
             ids = p.remote_block_ids
@@ -50,7 +51,8 @@ class KVTransferParams:
             if not isinstance(p.remote_port, int) or not 0 < p.remote_port < 65536:
                 raise ValueError("kv_transfer_params.remote_port must be a TCP port")
             if not isinstance(p.remote_capability, str) or len(p.remote_capability) > 256:
-                raise ValueError("kv_transfer_params.remote_capability must be the string the prefill issued")
+                raise ValueError("kv_transfer_params.remote_capability must be the string the "
+                                 "prefill issued")
         return p
 
     def to_dict(self) -> dict[str, Any]:
@@ -109,15 +111,16 @@ class KVTransferConfig:
             raise ValueError("--kv-transfer-config: kv_connector_extra_config.backends must be a non-empty list")
         hold_share = _number(extra.pop("hold_share", 0.5), "hold_share")
         if not 0 < hold_share <= 1:
-            raise ValueError(f"--kv-transfer-config: kv_connector_extra_config.hold_share must be in (0, 1], "
-                             f"got {hold_share}")
+            raise ValueError(f"--kv-transfer-config: kv_connector_extra_config.hold_share must "
+                             f"be in (0, 1], got {hold_share}")
         max_connections = _number(extra.pop("max_connections", 256), "max_connections")
         if max_connections < 1 or max_connections != int(max_connections):
-            raise ValueError(f"--kv-transfer-config: kv_connector_extra_config.max_connections must be a "
-                             f"positive integer, got {max_connections}")
+            raise ValueError(f"--kv-transfer-config: kv_connector_extra_config.max_connections "
+                             f"must be a positive integer, got {max_connections}")
         secret_file = extra.get("secret_file")
         if secret_file is not None and (not isinstance(secret_file, str) or not secret_file):
-            raise ValueError("--kv-transfer-config: kv_connector_extra_config.secret_file must be a path")
+            raise ValueError("--kv-transfer-config: kv_connector_extra_config.secret_file must be "
+                             "a path")
         return cls(kv_connector=raw.get("kv_connector", "NixlConnector"), kv_role=role, kv_buffer_device=device,
                    backends=tuple(str(b).upper() for b in backends), kv_load_failure_policy=policy,
                    lease_s=float(extra.pop("lease_s", 120.0)), load_timeout_s=float(extra.pop("load_timeout_s", 60.0)),

@@ -79,7 +79,8 @@ def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> by
         if deadline is not None:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(f"no complete frame within the time allowed ({len(buf)} of {n} bytes)")
+                raise TimeoutError(f"no complete frame within the time allowed "
+                                   f"({len(buf)} of {n} bytes)")
             sock.settimeout(left)
         chunk = sock.recv(min(n - len(buf), _CHUNK))
         if not chunk:
@@ -296,8 +297,9 @@ class SideChannelServer:
                     return
                 continue
             with self._lock:
-                if self._stop.is_set() or not admit_connection(self._conns, self.max_connections,
-                                                                  self.secret is not None, peer, self.name):
+                admitted = not self._stop.is_set() and admit_connection(
+                    self._conns, self.max_connections, self.secret is not None, peer, self.name)
+                if not admitted:
                     conn.close()
                     continue
                 t = threading.Thread(target=self._serve, args=(conn, peer), daemon=True,

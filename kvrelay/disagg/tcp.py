@@ -25,7 +25,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -131,6 +131,9 @@ class TcpTransport(KVTransport):
         self.serve_reads = serve        # False on a kv_consumer: its KV is nobody's to read
         self.max_connections = max_connections
         self.idle_timeout = idle_timeout
+        # set by the owner (KVWorker on a prefill): authorize(notify, descs) -> None to serve
+        # the read, else the reason to refuse it
+        self.authorize: Callable[[bytes, list[tuple[int, int, int]]], str | None] | None = None
         self.max_frame = max_frame
         self.max_descs = MAX_DESCS
         self._lock = threading.RLock()
@@ -274,6 +277,9 @@ class TcpTransport(KVTransport):
         try:
             descs = self._check_request(msg.get("descs")) if op == "read" else []
             note = self._check_notify(msg.get("notify"))
+            refused = self.authorize(note, descs) if self.authorize is not None else None
+            if refused:
+                raise TransferError(refused)
             if op == "notify":
                 with self._lock:
                     self._notifs.append(note)

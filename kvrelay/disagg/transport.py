@@ -284,8 +284,8 @@ def make_transport(backends: Sequence[str] | None = None, *, agent_name: str | N
         return t
     if requested != ["UCX"]:
         try:
-            t = nixl_mod.NixlTransport(agent_name, backends=["UCX"], backend_options=backend_options,
-                                       ucx_host=ucx_host)
+            t = nixl_mod.NixlTransport(agent_name, backends=["UCX"],
+                                       backend_options=backend_options, ucx_host=ucx_host)
         except TransportUnavailable as e:
             reason += f"; UCX: {e}"
         else:

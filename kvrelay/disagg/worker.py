@@ -32,6 +32,8 @@ from kvrelay.disagg.params import KVTransferConfig
 
 logger = logging.getLogger(__name__)
 
+GRANT_WAIT_S = 2.0       # how long a rank waits for a read's grant to arrive from the engine
+
 
 @dataclass(frozen=True)
 class KVWorkerSetup:
@@ -68,15 +70,26 @@ class PullOrder:
     groups: tuple[GroupPull, ...]
 
 
+@dataclass(frozen=True)
+class ReadGrant:
+    """Prefill side: a held request's capability and the block ids a peer may read for it
+    (a TCP transport checks every read against these; NIXL reads are one-sided)."""
+    request_id: str
+    capability: str
+    block_ids: frozenset[int]
+
+
 @dataclass
 class KVWork:
     """KV work for every rank, shipped with a step (`StepInput.kv_work`) or alone."""
     peers: list[PeerInfo] = field(default_factory=list)
     pulls: list[PullOrder] = field(default_factory=list)
     cancels: list[str] = field(default_factory=list)
+    grants: list[ReadGrant] = field(default_factory=list)
+    revokes: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.peers or self.pulls or self.cancels)
+        return bool(self.peers or self.pulls or self.cancels or self.grants or self.revokes)
 
 
 @dataclass(frozen=True)
@@ -109,7 +122,7 @@ class KVWorker:
         # a vanished peer is still caught by the load timeout (kv_connector_extra_config.load_timeout_s)
         options = cfg.extra.get("backend_options") or {"UCX": {"ucx_error_handling_mode": "none"}}
         secret = load_secret(cfg.extra)
-        if cfg.is_producer:
+        if cfg.is_producer and rank == 0:       # one warning per server (the side channel's too)
             warn_if_exposed(bind, secret, "KV transport")
         # a producer's UCX listens only on the interface its side channel advertises; a pure
         # consumer dials out and follows UCX_NET_DEVICES
@@ -125,6 +138,10 @@ class KVWorker:
         self.peer_errors: dict[str, str] = {}
         self.reads: dict[str, _Read] = {}
         self._lock = threading.Lock()
+        self.grants: dict[str, ReadGrant] = {}
+        self._grants_changed = threading.Condition()
+        if cfg.is_producer and hasattr(self.transport, "authorize"):
+            self.transport.authorize = self._authorize
 
     @property
     def fell_back(self) -> bool:
@@ -137,6 +154,12 @@ class KVWorker:
     def apply(self, work: KVWork) -> list[LoadEvent]:
         """Add peers, cancel reads, start reads. Reads that cannot start are returned as
         failed events (the others report through `poll`)."""
+        if work.grants or work.revokes:
+            with self._grants_changed:
+                self.grants.update((g.request_id, g) for g in work.grants)
+                for request_id in work.revokes:
+                    self.grants.pop(request_id, None)
+                self._grants_changed.notify_all()
         for peer in work.peers:
             self._add_peer(peer)
         for request_id in work.cancels:
@@ -195,6 +218,31 @@ class KVWorker:
             read = self.reads.pop(request_id, None)
         if read is not None:
             self.transport.release(read.handle)
+
+    def _authorize(self, notify: bytes, descs: list[tuple[int, int, int]]) -> str | None:
+        """The TCP transport asks before serving a read: None if `notify` names a held
+        request with its capability and every byte range lies inside one of the blocks
+        issued for it; else why not. A grant sent to this rank may trail the decode's
+        read by a step: wait for it a little."""
+        from kvrelay.disagg.connector import REFUSED, capability_matches, parse_notify
+        parsed = parse_notify(notify)
+        if parsed is None:
+            return "a read must name its request and capability"
+        request_id, _, capability = parsed
+        deadline = time.monotonic() + GRANT_WAIT_S
+        with self._grants_changed:
+            while request_id not in self.grants and time.monotonic() < deadline:
+                self._grants_changed.wait(deadline - time.monotonic())
+            grant = self.grants.get(request_id)
+        if grant is None or not capability_matches(capability, grant.capability):
+            return REFUSED
+        regions = self.transport.regions
+        for region, offset, nbytes in descs:
+            block_bytes = regions[region].nbytes // (2 * self.num_blocks)   # [2, blocks, ...]
+            first, last = offset // block_bytes, (offset + nbytes - 1) // block_bytes
+            if first != last or first % self.num_blocks not in grant.block_ids:
+                return f"the read reaches beyond the blocks issued for request {request_id!r}"
+        return None
 
     # -- progress --------------------------------------------------------------------------
     def poll(self) -> list[LoadEvent]:

@@ -3,6 +3,7 @@ and the TCP transport, per-request capabilities (claim, release, read-done notic
 hold share, and bounded listeners (small pre-auth frames, memory allocated as bytes
 arrive, connection caps, idle timeouts). The real-process versions are in
 tests/e2e/test_kv_security.py."""
+
 from __future__ import annotations
 
 import base64
@@ -83,7 +84,7 @@ def test_the_secret_never_crosses_the_wire_and_proofs_do_not_replay(secured):
     sent: list[bytes] = []
 
     class Tap(socket.socket):
-        def sendall(self, data, *a):            # type: ignore[override]
+        def sendall(self, data, *a):  # type: ignore[override]
             sent.append(bytes(data))
             return super().sendall(data, *a)
 
@@ -112,8 +113,14 @@ def test_the_client_authenticates_the_server_too():
         conn, _ = listener.accept()
         with conn:
             recv_frame(conn)
-            send_frame(conn, {"ok": True, "nonce": base64.b64encode(b"n" * 32).decode(),
-                              "proof": base64.b64encode(b"p" * 32).decode()})
+            send_frame(
+                conn,
+                {
+                    "ok": True,
+                    "nonce": base64.b64encode(b"n" * 32).decode(),
+                    "proof": base64.b64encode(b"p" * 32).decode(),
+                },
+            )
             conn.settimeout(2)
             try:
                 got.append(recv_frame(conn))
@@ -126,7 +133,7 @@ def test_the_client_authenticates_the_server_too():
         side_channel_call(*listener.getsockname(), {"payload": 1}, secret=SECRET)
     t.join(5)
     listener.close()
-    assert got == [None]                       # the client's proof was never sent
+    assert got == [None]  # the client's proof was never sent
 
 
 def test_secret_from_env_wins_over_secret_file(tmp_path, monkeypatch):
@@ -159,9 +166,11 @@ def test_idle_connection_flood_does_not_lock_out_honest_peers(secured):
 
 def test_unauthenticated_connections_time_out(monkeypatch):
     monkeypatch.setattr(auth, "AUTH_TIMEOUT_S", 0.5)
-    with SideChannelServer("127.0.0.1", 0, echo, secret=SECRET) as srv, \
-            socket.create_connection(srv.address, timeout=5) as s:
-        s.sendall(struct.pack(">I", 100) + b"{")     # a frame that trickles, then stops
+    with (
+        SideChannelServer("127.0.0.1", 0, echo, secret=SECRET) as srv,
+        socket.create_connection(srv.address, timeout=5) as s,
+    ):
+        s.sendall(struct.pack(">I", 100) + b"{")  # a frame that trickles, then stops
         t0 = time.monotonic()
         assert recv_frame(s) == {"ok": False, "error": AUTH_FAILED}
         assert s.recv(1) == b""
@@ -230,8 +239,10 @@ def test_tcp_transport_refuses_readers_without_the_secret():
     data = torch.arange(64, dtype=torch.float32)
     server = TcpTransport("127.0.0.1", 0, secret=SECRET)
     server.register([data])
-    readers = {name: TcpTransport("127.0.0.1", 0, secret=s, serve=False)
-               for name, s in [("right", SECRET), ("wrong", b"nope"), ("none", None)]}
+    readers = {
+        name: TcpTransport("127.0.0.1", 0, secret=s, serve=False)
+        for name, s in [("right", SECRET), ("wrong", b"nope"), ("none", None)]
+    }
     try:
         for name, r in readers.items():
             r.register([torch.zeros(64)])
@@ -266,16 +277,24 @@ def test_tcp_transport_refuses_readers_without_the_secret():
 
 
 def tcp(role: str, **kw) -> KVTransferConfig:
-    return KVTransferConfig(kv_connector="TcpConnector", kv_role=role, backends=("TCP",), lease_s=60, **kw)
+    return KVTransferConfig(
+        kv_connector="TcpConnector", kv_role=role, backends=("TCP",), lease_s=60, **kw
+    )
 
 
 @pytest.fixture()
 def pair(monkeypatch):
     monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", "0")
     monkeypatch.setenv("KVRELAY_KV_SECRET", SECRET.decode())
-    prefill = KVConnector(tcp("kv_producer", hold_share=1.0), "P", SPEC,
-                          [torch.randn(2, NB, 2, 4, 8) for _ in range(2)])
-    decode = KVConnector(tcp("kv_consumer"), "D", SPEC, [torch.zeros(2, NB, 2, 4, 8) for _ in range(2)])
+    prefill = KVConnector(
+        tcp("kv_producer", hold_share=1.0),
+        "P",
+        SPEC,
+        [torch.randn(2, NB, 2, 4, 8) for _ in range(2)],
+    )
+    decode = KVConnector(
+        tcp("kv_consumer"), "D", SPEC, [torch.zeros(2, NB, 2, 4, 8) for _ in range(2)]
+    )
     try:
         yield prefill, decode
     finally:
@@ -308,8 +327,14 @@ def test_the_prefill_issues_a_capability_and_decode_must_present_it(pair):
     a, b = issued(prefill, "A", [1, 2, 3]), issued(prefill, "B", [4, 5, 6])
     assert len(a.remote_capability) >= 40 and a.remote_capability != b.remote_capability
     # a capability-less or forged params dict never reaches a read
-    params = {"do_remote_prefill": True, "remote_engine_id": "P", "remote_block_ids": [[4, 5, 6]],
-              "remote_host": "127.0.0.1", "remote_port": 1, "remote_request_id": "B"}
+    params = {
+        "do_remote_prefill": True,
+        "remote_engine_id": "P",
+        "remote_block_ids": [[4, 5, 6]],
+        "remote_host": "127.0.0.1",
+        "remote_port": 1,
+        "remote_request_id": "B",
+    }
     with pytest.raises(ValueError, match="remote_capability"):
         KVTransferParams.from_dict(params)
     forged = SimpleNamespace(**{**vars(b), "remote_capability": "guessed"})
@@ -345,7 +370,12 @@ def test_forged_release_and_notice_free_nothing(pair):
     for bad in ({}, {"capability": "x"}, {"capability": a.remote_capability + "x"}):
         with pytest.raises(SideChannelError, match="^.*unknown request or wrong capability$"):
             call(prefill, {"type": "release", "request_id": "A", **bad})
-    prefill.transport._notifs += [b"A:1", b"A:1:forged", b"A", b"A:1:" + a.remote_capability.encode()[:-1]]
+    prefill.transport._notifs += [
+        b"A:1",
+        b"A:1:forged",
+        b"A",
+        b"A:1:" + a.remote_capability.encode()[:-1],
+    ]
     assert prefill.read_done() == [] and "A" in prefill.grants
     call(prefill, {"type": "release", "request_id": "A", "capability": a.remote_capability})
     assert prefill.read_done() == ["A"]
@@ -354,12 +384,12 @@ def test_forged_release_and_notice_free_nothing(pair):
 def test_holds_are_bounded_by_the_hold_share(pair):
     prefill, _ = pair
     prefill.config = dataclasses.replace(prefill.config, hold_share=0.5)
-    limit = int(0.5 * prefill.num_blocks)                       # 5 of 10
+    limit = int(0.5 * prefill.num_blocks)  # 5 of 10
     issued(prefill, "A", [1, 2, 3])
     with pytest.raises(HoldRefused, match="hold_share"):
         issued(prefill, "B", [4, 5, 6])
     assert "B" not in prefill.grants and len(prefill.held_blocks) == 3 <= limit
-    issued(prefill, "C", [2, 3, 4])                             # shared prefix blocks count once
+    issued(prefill, "C", [2, 3, 4])  # shared prefix blocks count once
     assert len(prefill.held_blocks) == 4
     prefill.released("A")
     prefill.released("C")
@@ -370,7 +400,10 @@ def test_holds_are_bounded_by_the_hold_share(pair):
 def test_hold_share_is_validated():
     with pytest.raises(ValueError, match="hold_share"):
         KVTransferConfig.from_json({"kv_connector_extra_config": {"hold_share": 0}})
-    assert KVTransferConfig.from_json({"kv_connector_extra_config": {"hold_share": 0.25}}).hold_share == 0.25
+    assert (
+        KVTransferConfig.from_json({"kv_connector_extra_config": {"hold_share": 0.25}}).hold_share
+        == 0.25
+    )
     assert KVTransferConfig.from_json({}).hold_share == 0.5
 
 
@@ -378,9 +411,12 @@ def test_auth_error_is_a_connection_error():
     assert issubclass(AuthError, ConnectionError)
 
 
-@pytest.mark.parametrize("host,secret,warned", [("0.0.0.0", None, 1), ("0.0.0.0", "s", 0),
-                                                ("127.0.0.1", None, 0)])
-def test_one_warning_when_the_kv_plane_is_exposed_without_a_secret(monkeypatch, caplog, host, secret, warned):
+@pytest.mark.parametrize(
+    "host,secret,warned", [("0.0.0.0", None, 1), ("0.0.0.0", "s", 0), ("127.0.0.1", None, 0)]
+)
+def test_one_warning_when_the_kv_plane_is_exposed_without_a_secret(
+    monkeypatch, caplog, host, secret, warned
+):
     monkeypatch.setattr(auth, "_warned", set())
     monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_HOST", host)
     monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", "0")
@@ -389,9 +425,65 @@ def test_one_warning_when_the_kv_plane_is_exposed_without_a_secret(monkeypatch, 
     else:
         monkeypatch.delenv("KVRELAY_KV_SECRET", raising=False)
     with caplog.at_level("WARNING"):
-        c = KVConnector(tcp("kv_producer"), "P", SPEC, [torch.zeros(2, NB, 2, 4, 8) for _ in range(2)])
+        c = KVConnector(
+            tcp("kv_producer"), "P", SPEC, [torch.zeros(2, NB, 2, 4, 8) for _ in range(2)]
+        )
         c.close()
     found = [r for r in caplog.records if "KVRELAY_KV_SECRET" in r.getMessage()]
     assert len(found) == warned
     if warned:
         assert host in found[0].getMessage() and "without authentication" in found[0].getMessage()
+
+
+def test_tcp_reads_are_checked_against_the_issued_blocks(pair, monkeypatch):
+    """Even an authenticated peer reads over TCP only the blocks issued for the request its
+    notice names, with that request's capability, while the request is held."""
+    from kvrelay.disagg import worker
+
+    monkeypatch.setattr(worker, "GRANT_WAIT_S", 0.2)
+    prefill, _ = pair
+    a = issued(prefill, "A", [1, 2, 3])
+    issued(prefill, "B", [6, 7])
+    block = 2 * 4 * 8 * 4  # bytes of one block of one layer's K
+
+    def read(notify: str, block_id: int, v: bool = False) -> dict:
+        offset = ((NB if v else 0) + block_id) * block
+        with socket.create_connection(prefill.transport.address, timeout=5) as s:
+            client_authenticate(s, SECRET)
+            send_frame(
+                s,
+                {
+                    "op": "read",
+                    "descs": [[1, offset, block]],
+                    "notify": base64.b64encode(notify.encode()).decode(),
+                },
+            )
+            return recv_frame(s)
+
+    cap = a.remote_capability
+    assert read(f"A:1:{cap}", 2) == {"ok": True, "nbytes": block}
+    assert read(f"A:1:{cap}", 3, v=True)["ok"] is True
+    for note, block_id in (
+        (f"A:1:{cap}", 6),
+        (f"A:1:{cap}x", 2),
+        ("A:1:", 2),
+        ("A", 2),
+        (f"B:1:{cap}", 6),
+    ):
+        reply = read(note, block_id)
+        assert reply["ok"] is False, (note, block_id)
+    with socket.create_connection(
+        prefill.transport.address, timeout=5
+    ) as s:  # straddles blocks 3|4
+        client_authenticate(s, SECRET)
+        send_frame(
+            s,
+            {
+                "op": "read",
+                "descs": [[0, 3 * block + 8, block]],
+                "notify": base64.b64encode(f"A:1:{cap}".encode()).decode(),
+            },
+        )
+        assert "beyond the blocks" in recv_frame(s)["error"]
+    prefill.released("A")
+    assert read(f"A:1:{cap}", 2) == {"ok": False, "error": "unknown request or wrong capability"}

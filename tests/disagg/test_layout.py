@@ -18,7 +18,15 @@ from kvrelay.disagg.layout import (
     tp_mismatch,
 )
 from kvrelay.disagg.params import KVTransferConfig
-from kvrelay.disagg.worker import GroupPull, KVWork, KVWorker, KVWorkerSetup, PeerInfo, PullOrder
+from kvrelay.disagg.worker import (
+    GroupPull,
+    KVWork,
+    KVWorker,
+    KVWorkerSetup,
+    PeerInfo,
+    PullOrder,
+    ReadGrant,
+)
 
 KV_HEADS = (1, 2, 3, 4, 8)
 SIZES = (1, 2, 3, 4, 6, 8, 16)
@@ -136,6 +144,8 @@ def test_rank_reads_assemble_the_decode_shards(a, b, k):
         # group 0 (3 layers): remote 1,2,5 → local 7,3,4; group 1 (2 layers): remote 4 → local 1
         groups = (GroupPull(3, (1, 2, 5), (7, 3, 4)), GroupPull(2, (4,), (1,)))
         order = PullOrder("req", "P", notify_message("remote-req", b, "cap"), groups)
+        for w in prefill:                  # what the prefill engine issued for that request
+            w.apply(KVWork(grants=[ReadGrant("remote-req", "cap", frozenset({1, 2, 4, 5}))]))
         for w in decode:
             assert w.apply(KVWork(peers=[peer], pulls=[order])) == []
         events = []

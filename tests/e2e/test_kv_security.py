@@ -2,6 +2,7 @@
 pair sharing KVRELAY_KV_SECRET serves honest requests token-exactly, while strangers on
 its KV ports, forged kv_transfer_params, forged releases, hold floods and connection
 floods get nothing (docs/security.md names each claim's test)."""
+
 from __future__ import annotations
 
 import socket
@@ -21,7 +22,7 @@ from tests.factories import greedy_mismatch
 from tests.processes import Server, descendants, free_port
 
 SECRET = "e2e-kv-secret-4f9c"
-NUM_BLOCKS = 64                 # the prefill's pool: hold_share 0.5 → at most 32 blocks held
+NUM_BLOCKS = 64  # the prefill's pool: hold_share 0.5 → at most 32 blocks held
 MAX_TOKENS = 4
 
 
@@ -54,12 +55,26 @@ def secured(request, tiny, tmp_path_factory):
     left unset: kvrelay must restrict UCX to the side channel's interface itself."""
     logs = tmp_path_factory.mktemp(f"kvsec-{request.param}")
     side = free_port()
-    prefill = start(str(tiny[0]), "kv_producer", logs / "prefill.log", request.param,
-                    flags=["--num-gpu-blocks-override", str(NUM_BLOCKS)],
-                    env={"KVRELAY_KV_SECRET": SECRET, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side),
-                         "UCX_NET_DEVICES": ""}, lease_s=30)
-    decode = start(str(tiny[0]), "kv_consumer", logs / "decode.log", request.param,
-                   env={"KVRELAY_KV_SECRET": SECRET})
+    prefill = start(
+        str(tiny[0]),
+        "kv_producer",
+        logs / "prefill.log",
+        request.param,
+        flags=["--num-gpu-blocks-override", str(NUM_BLOCKS)],
+        env={
+            "KVRELAY_KV_SECRET": SECRET,
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side),
+            "UCX_NET_DEVICES": "",
+        },
+        lease_s=30,
+    )
+    decode = start(
+        str(tiny[0]),
+        "kv_consumer",
+        logs / "decode.log",
+        request.param,
+        env={"KVRELAY_KV_SECRET": SECRET},
+    )
     try:
         prefill.wait_ready()
         decode.wait_ready()
@@ -73,8 +88,10 @@ def secured(request, tiny, tmp_path_factory):
 def reference(tiny):
     llm = LLM(str(tiny[0]), dtype="float32", max_model_len=96, block_size=4)
     lens = [3, 9, 13]
-    outs = llm.generate([_prompt(n) for n in lens],
-                        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    outs = llm.generate(
+        [_prompt(n) for n in lens],
+        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+    )
     return {n: o.outputs[0].token_ids for n, o in zip(lens, outs)}
 
 
@@ -83,13 +100,21 @@ def _ids(body: dict) -> list[int]:
 
 
 def _body(n: int, seed: int = 0) -> dict:
-    return {"prompt": _prompt(n, seed), "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
-            "logprobs": 0}
+    return {
+        "prompt": _prompt(n, seed),
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": 0,
+    }
 
 
 def _prefill_leg(prefill: Server, body: dict) -> httpx.Response:
-    return httpx.post(f"{prefill.url}/v1/completions", timeout=60,
-                      json=dict(body, max_tokens=1, kv_transfer_params={"do_remote_decode": True}))
+    return httpx.post(
+        f"{prefill.url}/v1/completions",
+        timeout=60,
+        json=dict(body, max_tokens=1, kv_transfer_params={"do_remote_decode": True}),
+    )
 
 
 def test_honest_requests_with_a_secret_equal_single_instance(tiny, secured, reference):
@@ -97,7 +122,9 @@ def test_honest_requests_with_a_secret_equal_single_instance(tiny, secured, refe
     for n, want in reference.items():
         params, d = prefill_then_decode(prefill, decode, _body(n), f"honest-{n}")
         assert d.status_code == 200, d.text
-        assert isinstance(params["remote_capability"], str) and len(params["remote_capability"]) >= 40
+        assert (
+            isinstance(params["remote_capability"], str) and len(params["remote_capability"]) >= 40
+        )
         got = _ids(d.json())
         if got != want:
             assert greedy_mismatch(tiny[1], _prompt(n), got) is None, f"prompt length {n}"
@@ -108,13 +135,18 @@ def test_honest_requests_with_a_secret_equal_single_instance(tiny, secured, refe
 
 def test_strangers_on_the_kv_ports_learn_only_authentication_failed(secured):
     kind, prefill, decode, side = secured
-    hello = {"type": "handshake", "version": 2, "engine_id": "x", "tp_size": 1,
-             "spec": {"block_size": 999}}
+    hello = {
+        "type": "handshake",
+        "version": 2,
+        "engine_id": "x",
+        "tp_size": 1,
+        "spec": {"block_size": 999},
+    }
     for secret in (None, b"wrong"):
         with pytest.raises(SideChannelError) as e:
             side_channel_call(*side, hello, secret=secret)
         assert AUTH_FAILED in str(e.value) and "block_size" not in str(e.value)
-    with socket.create_connection(side, timeout=5) as s:           # the raw reply, exactly
+    with socket.create_connection(side, timeout=5) as s:  # the raw reply, exactly
         send_frame(s, hello)
         assert recv_frame(s) == {"ok": False, "error": AUTH_FAILED}
         assert s.recv(1) == b""
@@ -124,10 +156,18 @@ def test_strangers_on_the_kv_ports_learn_only_authentication_failed(secured):
     if kind != "TCP":
         return
     # both TCP KV listeners: the prefill's (from the authenticated handshake) and the decode's
-    ports = [int(a.rsplit(":", 1)[1]) for pid, addrs in listening(prefill).items() for a in addrs
-             if not a.endswith(f":{side[1]}") and not a.endswith(f":{prefill.port}")]
-    ports += [int(a.rsplit(":", 1)[1]) for pid, addrs in listening(decode).items() for a in addrs
-              if not a.endswith(f":{decode.port}")]
+    ports = [
+        int(a.rsplit(":", 1)[1])
+        for pid, addrs in listening(prefill).items()
+        for a in addrs
+        if not a.endswith(f":{side[1]}") and not a.endswith(f":{prefill.port}")
+    ]
+    ports += [
+        int(a.rsplit(":", 1)[1])
+        for pid, addrs in listening(decode).items()
+        for a in addrs
+        if not a.endswith(f":{decode.port}")
+    ]
     assert len(ports) >= 2, ports
     for port in ports:
         with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
@@ -146,22 +186,42 @@ def test_forged_kv_transfer_params_read_nothing(tiny, secured):
     victim = _prefill_leg(prefill, victim_body).json()["kv_transfer_params"]
     mine = _prefill_leg(prefill, _body(9, seed=6)).json()["kv_transfer_params"]
     no_cap = {k: v for k, v in victim.items() if k != "remote_capability"}
-    r = httpx.post(f"{decode.url}/v1/completions", timeout=60, json=dict(victim_body, kv_transfer_params=no_cap))
+    r = httpx.post(
+        f"{decode.url}/v1/completions",
+        timeout=60,
+        json=dict(victim_body, kv_transfer_params=no_cap),
+    )
     assert r.status_code == 400 and "remote_capability" in r.json()["error"]["message"]
-    for forged in (dict(victim, remote_capability="A" * 43),
-                   dict(mine, remote_block_ids=victim["remote_block_ids"])):
-        r = httpx.post(f"{decode.url}/v1/completions", timeout=60, json=dict(victim_body, kv_transfer_params=forged))
+    for forged in (
+        dict(victim, remote_capability="A" * 43),
+        dict(mine, remote_block_ids=victim["remote_block_ids"]),
+    ):
+        r = httpx.post(
+            f"{decode.url}/v1/completions",
+            timeout=60,
+            json=dict(victim_body, kv_transfer_params=forged),
+        )
         assert r.status_code == 502, r.text
         assert "wrong capability" in r.text or "not the blocks the prefill issued" in r.text
-    d = httpx.post(f"{decode.url}/v1/completions", timeout=60, json=dict(victim_body, kv_transfer_params=victim))
+    d = httpx.post(
+        f"{decode.url}/v1/completions",
+        timeout=60,
+        json=dict(victim_body, kv_transfer_params=victim),
+    )
     assert d.status_code == 200, d.text
     assert greedy_mismatch(tiny[1], victim_body["prompt"], _ids(d.json())) is None
     # the capability is single-use: replaying the victim's params (new prompt tokens after
     # the shared prefix so the decode's cache cannot serve it) reads nothing
     replay_body = dict(victim_body, prompt=victim_body["prompt"][:1] + [7] * 12)
-    r = httpx.post(f"{decode.url}/v1/completions", timeout=60, json=dict(replay_body, kv_transfer_params=victim))
+    r = httpx.post(
+        f"{decode.url}/v1/completions",
+        timeout=60,
+        json=dict(replay_body, kv_transfer_params=victim),
+    )
     assert r.status_code == 502 and "wrong capability" in r.text, r.text
-    httpx.post(f"{prefill.url}/v1/kv_transfer/free", json={"remote_request_id": mine["remote_request_id"]})
+    httpx.post(
+        f"{prefill.url}/v1/kv_transfer/free", json={"remote_request_id": mine["remote_request_id"]}
+    )
     assert wait_metric(prefill, "kvrelay:kv_blocks_used", 0)["kvrelay:kv_blocks_used"] == 0
 
 
@@ -173,14 +233,27 @@ def test_forged_release_frees_nothing(secured):
     key = SECRET.encode()
     for cap in (None, "", "forged", params["remote_capability"][:-1] + "x"):
         with pytest.raises(SideChannelError, match="unknown request or wrong capability"):
-            side_channel_call(*side, {"type": "release", "request_id": params["remote_request_id"],
-                                      "capability": cap}, secret=key)
-    with pytest.raises(SideChannelError, match=AUTH_FAILED):           # and strangers cannot even ask
-        side_channel_call(*side, {"type": "release", "request_id": params["remote_request_id"],
-                                  "capability": params["remote_capability"]})
+            side_channel_call(
+                *side,
+                {"type": "release", "request_id": params["remote_request_id"], "capability": cap},
+                secret=key,
+            )
+    with pytest.raises(SideChannelError, match=AUTH_FAILED):  # and strangers cannot even ask
+        side_channel_call(
+            *side,
+            {
+                "type": "release",
+                "request_id": params["remote_request_id"],
+                "capability": params["remote_capability"],
+            },
+        )
     time.sleep(0.5)
     assert prefill.metrics()["kvrelay:kv_blocks_used"] == held
-    d = httpx.post(f"{decode.url}/v1/completions", timeout=60, json=dict(_body(9, seed=2), kv_transfer_params=params))
+    d = httpx.post(
+        f"{decode.url}/v1/completions",
+        timeout=60,
+        json=dict(_body(9, seed=2), kv_transfer_params=params),
+    )
     assert d.status_code == 200, d.text
     assert wait_metric(prefill, "kvrelay:kv_blocks_used", 0)["kvrelay:kv_blocks_used"] == 0
 
@@ -189,7 +262,11 @@ def test_connection_flood_keeps_memory_flat_and_handshakes_working(tiny, secured
     """200 connections each announce a frame just under 16 MiB (the old limit) and send two
     bytes: the prefill's engine process grows by < 40 MiB and a 1P1D request still works."""
     _, prefill, decode, side = secured
-    owner = [pid for pid, addrs in listening(prefill).items() if any(a.endswith(f":{side[1]}") for a in addrs)]
+    owner = [
+        pid
+        for pid, addrs in listening(prefill).items()
+        if any(a.endswith(f":{side[1]}") for a in addrs)
+    ]
     assert len(owner) == 1
     before = rss_mib(owner[0])
     flood = []
@@ -200,9 +277,12 @@ def test_connection_flood_keeps_memory_flat_and_handshakes_working(tiny, secured
             flood.append(s)
         time.sleep(1.0)
         grown = rss_mib(owner[0]) - before
-        params, d = prefill_then_decode(prefill, decode, _body(3), "after-flood")
+        _, d = prefill_then_decode(prefill, decode, _body(3), "after-flood")
         assert d.status_code == 200, d.text
-        assert _ids(d.json()) == reference[3] or greedy_mismatch(tiny[1], _prompt(3), _ids(d.json())) is None
+        assert (
+            _ids(d.json()) == reference[3]
+            or greedy_mismatch(tiny[1], _prompt(3), _ids(d.json())) is None
+        )
     finally:
         for s in flood:
             s.close()
