@@ -61,6 +61,7 @@ class ResponsesRequest(BaseModel):
     metadata: dict[str, Any] | None = None
     user: str | None = None
     background: bool | None = None
+    seed: int | None = None            # vLLM's extension, as on chat
 
 
 # ------------------------------------------------------------------ the store
@@ -457,7 +458,7 @@ def _prepare(state: api.ServerState, store: ResponseStore, body: ResponsesReques
         "model": model, "messages": system + messages, "reasoning_effort": _effort(body),
         "tools": [t.as_chat_tool() for t in tools.tools] or None,
         "tool_choice": _chat_choice(tools), "temperature": body.temperature,
-        "top_p": body.top_p, "max_tokens": body.max_output_tokens})
+        "top_p": body.top_p, "max_tokens": body.max_output_tokens, "seed": body.seed})
     rendered = state.chat.render(chat)
     schema = _text_format(body)
     if rendered.structured is None and schema is not None:

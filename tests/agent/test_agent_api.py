@@ -255,3 +255,11 @@ def test_reasoning_effort_sets_the_harmony_system_message(api, effort, line):
         assert out.reasoning.effort == (effort or "medium")
     system = _decode(engine.requests[-1][0]).split("# Valid channels")[0]
     assert line in system and system.count("Reasoning:") == 1
+
+
+def test_responses_sampling_fields_reach_the_engine():
+    engine, client, _ = _harmony(scripted_harmony_answer("", "Hi"))
+    client.responses.create(model=MODEL, input="x", temperature=0.5, top_p=0.9,
+                            max_output_tokens=7, extra_body={"seed": 3})
+    params = engine.requests[-1][1]
+    assert (params.temperature, params.top_p, params.max_tokens, params.seed) == (0.5, 0.9, 7, 3)
