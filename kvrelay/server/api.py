@@ -389,7 +389,7 @@ def build_app(state: ServerState) -> FastAPI:
         top = body.top_logprobs if body.logprobs else None
         params = structured_hooks.attach(
             _sampling(state, body, max_tokens, top if body.logprobs else None,
-                      extra_stop_ids=rendered.stop_token_ids), rendered.structured)
+                      extra_stop_ids=rendered.stop_token_ids), rendered.structured, rendered.tools)
         base_id = f"chatcmpl-{request.state.request_id}"
         created = int(time.time())
         gen = state.engine.generate(base_id, rendered.prompt_ids, params, body.kv_transfer_params)

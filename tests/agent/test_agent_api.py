@@ -263,3 +263,23 @@ def test_responses_sampling_fields_reach_the_engine():
                             max_output_tokens=7, extra_body={"seed": 3})
     params = engine.requests[-1][1]
     assert (params.temperature, params.top_p, params.max_tokens, params.seed) == (0.5, 0.9, 7, 3)
+
+
+def test_attach_combines_with_a_response_format():
+    """A response format set by the structured-outputs side (response_format on chat) stays;
+    with callable tools it becomes "a call or the formatted answer"; a forced call wins."""
+    from kvrelay.sampling_params import SamplingParams
+    from kvrelay.server import structured_hooks
+    from kvrelay.server.tools import tool_spec
+    fmt = StructuredOutputsParams(json={"type": "object"}, harmony=True)
+    auto, required = tool_spec(TOOLS, "auto"), tool_spec(TOOLS, "required")
+    p = structured_hooks.attach(SamplingParams(structured_outputs=fmt), None, auto)
+    assert p.structured_outputs.json == {"type": "object"}
+    assert p.structured_outputs.tool_call.required is False
+    assert [f.name for f in p.structured_outputs.tool_call.functions] == ["get_weather", "get_time"]
+    p = structured_hooks.attach(SamplingParams(structured_outputs=fmt), None, tool_spec(TOOLS, "none"))
+    assert p.structured_outputs == fmt
+    forced = structured_hooks.tool_call(required, harmony=True)
+    p = structured_hooks.attach(SamplingParams(structured_outputs=fmt), forced, required)
+    assert p.structured_outputs == forced
+    assert structured_hooks.attach(SamplingParams(), None, auto).structured_outputs is None
