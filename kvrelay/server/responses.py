@@ -26,7 +26,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvrelay import harmony
 from kvrelay.engine.async_client import EngineDeadError, EngineError, KVTransferFailed
@@ -454,11 +454,14 @@ def _prepare(state: api.ServerState, store: ResponseStore, body: ResponsesReques
         raise OpenAIError("input: expected at least one item", param="input")
     tools = tool_spec(body.tools, body.tool_choice)
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
-    chat = ChatCompletionRequest.model_validate({
-        "model": model, "messages": system + messages, "reasoning_effort": _effort(body),
-        "tools": [t.as_chat_tool() for t in tools.tools] or None,
-        "tool_choice": _chat_choice(tools), "temperature": body.temperature,
-        "top_p": body.top_p, "max_tokens": body.max_output_tokens, "seed": body.seed})
+    try:
+        chat = ChatCompletionRequest.model_validate({
+            "model": model, "messages": system + messages, "reasoning_effort": _effort(body),
+            "tools": [t.as_chat_tool() for t in tools.tools] or None,
+            "tool_choice": _chat_choice(tools), "temperature": body.temperature,
+            "top_p": body.top_p, "max_tokens": body.max_output_tokens, "seed": body.seed})
+    except ValidationError as e:    # an input the chat form cannot hold: the client's
+        raise OpenAIError(f"input: {e.errors()[0].get('msg', 'invalid')}", param="input") from None
     rendered = state.chat.render(chat)
     schema = _text_format(body)
     if rendered.structured is None and schema is not None:
