@@ -412,7 +412,8 @@ class _Prepared:
 
 def _effort(body: ResponsesRequest) -> str | None:
     effort = (body.reasoning or {}).get("effort")
-    if effort is not None and effort not in harmony.REASONING_EFFORTS:
+    if effort is not None and (not isinstance(effort, str)
+                               or effort not in harmony.REASONING_EFFORTS):
         raise OpenAIError(f"reasoning.effort: expected one of "
                           f"{', '.join(harmony.REASONING_EFFORTS)}, got {effort!r}",
                           param="reasoning.effort")
@@ -422,6 +423,8 @@ def _effort(body: ResponsesRequest) -> str | None:
 def _text_format(body: ResponsesRequest) -> dict[str, Any] | None:
     """`text.format` → a JSON schema to constrain the answer to (None: plain text)."""
     fmt = (body.text or {}).get("format")
+    if fmt is not None and not isinstance(fmt, Mapping):
+        fmt = {"type": fmt}                       # reported below as a bad format
     if fmt is None or fmt.get("type") == "text":
         return None
     if fmt.get("type") == "json_object":

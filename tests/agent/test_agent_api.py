@@ -228,6 +228,13 @@ def test_max_output_tokens_gives_an_incomplete_response():
     ("responses", {"input": "x", "previous_response_id": "resp_unknown"},
      "previous_response_id"),
     ("responses", {"input": "x", "background": True}, "background"),
+    ("responses", {"input": "x", "text": {"format": 5}}, "text.format"),
+    ("responses", {"input": "x", "text": {"format": {"type": "json_schema", "schema": 5}}},
+     "text.format"),
+    ("responses", {"input": "x", "reasoning": {"effort": 3}}, "reasoning.effort"),
+    ("responses", {"input": [5]}, "input[0]"),
+    ("responses", {"input": "x", "tools": RTOOLS, "tool_choice": {"type": "function",
+                                                                  "name": 5}}, "tool_choice"),
 ])
 def test_bad_input_is_a_400_with_an_openai_error(path, body, param):
     _, _, http = _harmony(scripted_harmony_answer("", "Hi"))
