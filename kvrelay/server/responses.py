@@ -371,6 +371,9 @@ class _OutputBuilder:
                             "item": json.loads(json.dumps(item.item))})
 
 
+_MESSAGE_ENDS = (harmony.END_ID, harmony.RETURN_ID, harmony.CALL_ID)
+
+
 class _Decoder:
     """Completion tokens → the builder: through harmony's parser, or as text."""
 
@@ -384,7 +387,8 @@ class _Decoder:
             self.builder.text(text)
             return
         for token in token_ids:
-            if self.parser.content_channel == "analysis":
+            # the analysis message's text tokens (not its header or its <|end|>)
+            if self.parser.content_channel == "analysis" and token not in _MESSAGE_ENDS:
                 self.reasoning_tokens += 1
             for delta in self.parser.feed(token):
                 self.builder.harmony(delta)
