@@ -190,7 +190,7 @@ def _serve(args: argparse.Namespace) -> int:
     from kvrelay.config import EngineArgs, NeuronConfig
     from kvrelay.server.launch import serve
     engine_args = EngineArgs(**{name: getattr(args, name) for name in SERVE_ENGINE_FLAGS})
-    agent_options(args)                                                   # flag errors first
+    agent = agent_options(args)                                           # flag errors first
     NeuronConfig.from_additional_config(engine_args.additional_config)   # fail before any process starts
     from kvrelay.disagg.params import KVTransferConfig
     KVTransferConfig.from_json(engine_args.kv_transfer_config)
@@ -198,7 +198,7 @@ def _serve(args: argparse.Namespace) -> int:
     if engine_args.headless:
         from kvrelay.engine.dp_remote import run_headless
         return run_headless(engine_args)
-    return serve(engine_args, args.host, args.port, args.api_key, agent_options(args))
+    return serve(engine_args, args.host, args.port, args.api_key, agent)
 
 
 def agent_options(args: argparse.Namespace):

@@ -48,6 +48,7 @@ from kvrelay.sampling_params import (
 )
 from kvrelay.server import body_guard
 from kvrelay.server.body_guard import MAX_BODY_BYTES
+from kvrelay.server import structured_hooks
 from kvrelay.server.chat import ChatRenderer, finish_reason
 from kvrelay.server.metrics import ServerMetrics
 from kvrelay.server.protocol import (
@@ -501,11 +502,11 @@ def build_app(state: ServerState) -> FastAPI:
         check_chat_tool_choice(rendered.tools, state.agent)
         max_tokens = _check_lengths(state, rendered.prompt_ids, body.max_new_tokens)
         top = body.top_logprobs if body.logprobs else None
-        # a forced tool call (tool_choice required / named) wins over a response format
-        structured = rendered.structured or request_constraint(body, is_harmony_chat(state.chat))
-        params = _sampling(state, body, max_tokens, top if body.logprobs else None,
-                           extra_stop_ids=rendered.stop_token_ids, logprobs_param="top_logprobs",
-                           structured=structured)
+        params = structured_hooks.attach(
+            _sampling(state, body, max_tokens, top if body.logprobs else None,
+                      extra_stop_ids=rendered.stop_token_ids, logprobs_param="top_logprobs",
+                      structured=request_constraint(body, is_harmony_chat(state.chat))),
+            rendered.structured, rendered.tools)
         base_id = f"chatcmpl-{request.state.request_id}"
         created = int(time.time())
         gen = state.engine.generate(base_id, rendered.prompt_ids, params, body.kv_transfer_params)

@@ -26,7 +26,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvrelay import harmony
 from kvrelay.engine.async_client import EngineDeadError, EngineError, KVTransferFailed
@@ -61,6 +61,7 @@ class ResponsesRequest(BaseModel):
     metadata: dict[str, Any] | None = None
     user: str | None = None
     background: bool | None = None
+    seed: int | None = None            # vLLM's extension, as on chat
 
 
 # ------------------------------------------------------------------ the store
@@ -370,6 +371,9 @@ class _OutputBuilder:
                             "item": json.loads(json.dumps(item.item))})
 
 
+_MESSAGE_ENDS = (harmony.END_ID, harmony.RETURN_ID, harmony.CALL_ID)
+
+
 class _Decoder:
     """Completion tokens → the builder: through harmony's parser, or as text."""
 
@@ -383,7 +387,8 @@ class _Decoder:
             self.builder.text(text)
             return
         for token in token_ids:
-            if self.parser.content_channel == "analysis":
+            # the analysis message's text tokens (not its header or its <|end|>)
+            if self.parser.content_channel == "analysis" and token not in _MESSAGE_ENDS:
                 self.reasoning_tokens += 1
             for delta in self.parser.feed(token):
                 self.builder.harmony(delta)
@@ -411,7 +416,8 @@ class _Prepared:
 
 def _effort(body: ResponsesRequest) -> str | None:
     effort = (body.reasoning or {}).get("effort")
-    if effort is not None and effort not in harmony.REASONING_EFFORTS:
+    if effort is not None and (not isinstance(effort, str)
+                               or effort not in harmony.REASONING_EFFORTS):
         raise OpenAIError(f"reasoning.effort: expected one of "
                           f"{', '.join(harmony.REASONING_EFFORTS)}, got {effort!r}",
                           param="reasoning.effort")
@@ -421,6 +427,8 @@ def _effort(body: ResponsesRequest) -> str | None:
 def _text_format(body: ResponsesRequest) -> dict[str, Any] | None:
     """`text.format` → a JSON schema to constrain the answer to (None: plain text)."""
     fmt = (body.text or {}).get("format")
+    if fmt is not None and not isinstance(fmt, Mapping):
+        fmt = {"type": fmt}                       # reported below as a bad format
     if fmt is None or fmt.get("type") == "text":
         return None
     if fmt.get("type") == "json_object":
@@ -453,11 +461,14 @@ def _prepare(state: api.ServerState, store: ResponseStore, body: ResponsesReques
         raise OpenAIError("input: expected at least one item", param="input")
     tools = tool_spec(body.tools, body.tool_choice)
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
-    chat = ChatCompletionRequest.model_validate({
-        "model": model, "messages": system + messages, "reasoning_effort": _effort(body),
-        "tools": [t.as_chat_tool() for t in tools.tools] or None,
-        "tool_choice": _chat_choice(tools), "temperature": body.temperature,
-        "top_p": body.top_p, "max_tokens": body.max_output_tokens})
+    try:
+        chat = ChatCompletionRequest.model_validate({
+            "model": model, "messages": system + messages, "reasoning_effort": _effort(body),
+            "tools": [t.as_chat_tool() for t in tools.tools] or None,
+            "tool_choice": _chat_choice(tools), "temperature": body.temperature,
+            "top_p": body.top_p, "max_tokens": body.max_output_tokens, "seed": body.seed})
+    except ValidationError as e:    # an input the chat form cannot hold: the client's
+        raise OpenAIError(f"input: {e.errors()[0].get('msg', 'invalid')}", param="input") from None
     rendered = state.chat.render(chat)
     schema = _text_format(body)
     if rendered.structured is None and schema is not None:

@@ -10,12 +10,13 @@ constrained; a call then is vLLM's JSON list `[{"name": N, "parameters": {...}}]
 """
 from __future__ import annotations
 
+import dataclasses
 import pkgutil
 from typing import Any
 
 from kvrelay.sampling_params import SamplingParams
 from kvrelay.server.protocol import OpenAIError
-from kvrelay.server.tools import ToolSpec
+from kvrelay.server.tools import NO_TOOLS, ToolSpec
 from kvrelay.structured.params import FunctionSpec, StructuredOutputsParams, ToolCallConstraint
 
 
@@ -55,7 +56,16 @@ def json_format(schema: dict[str, Any], harmony: bool,
     return _params(json=schema, harmony=harmony, tool_call=call)
 
 
-def attach(params: SamplingParams, constraint: StructuredOutputsParams | None) -> SamplingParams:
+def attach(params: SamplingParams, constraint: StructuredOutputsParams | None,
+           tools: ToolSpec = NO_TOOLS) -> SamplingParams:
+    """Puts the tool-choice constraint on `params`. A forced call wins over a response format
+    already there (the call is this turn's answer); a format with tools the model may call
+    becomes "a call or the formatted answer"."""
+    current = params.structured_outputs
     if constraint is not None:
         params.structured_outputs = constraint
+    elif (current is not None and current.tool_call is None and current.formats()
+          and tools.parse_calls):
+        params.structured_outputs = dataclasses.replace(
+            current, tool_call=ToolCallConstraint(_functions(tools), required=False))
     return params

@@ -228,6 +228,13 @@ def test_max_output_tokens_gives_an_incomplete_response():
     ("responses", {"input": "x", "previous_response_id": "resp_unknown"},
      "previous_response_id"),
     ("responses", {"input": "x", "background": True}, "background"),
+    ("responses", {"input": "x", "text": {"format": 5}}, "text.format"),
+    ("responses", {"input": "x", "text": {"format": {"type": "json_schema", "schema": 5}}},
+     "text.format"),
+    ("responses", {"input": "x", "reasoning": {"effort": 3}}, "reasoning.effort"),
+    ("responses", {"input": [5]}, "input[0]"),
+    ("responses", {"input": "x", "tools": RTOOLS, "tool_choice": {"type": "function",
+                                                                  "name": 5}}, "tool_choice"),
 ])
 def test_bad_input_is_a_400_with_an_openai_error(path, body, param):
     _, _, http = _harmony(scripted_harmony_answer("", "Hi"))
@@ -255,3 +262,31 @@ def test_reasoning_effort_sets_the_harmony_system_message(api, effort, line):
         assert out.reasoning.effort == (effort or "medium")
     system = _decode(engine.requests[-1][0]).split("# Valid channels")[0]
     assert line in system and system.count("Reasoning:") == 1
+
+
+def test_responses_sampling_fields_reach_the_engine():
+    engine, client, _ = _harmony(scripted_harmony_answer("", "Hi"))
+    client.responses.create(model=MODEL, input="x", temperature=0.5, top_p=0.9,
+                            max_output_tokens=7, extra_body={"seed": 3})
+    params = engine.requests[-1][1]
+    assert (params.temperature, params.top_p, params.max_tokens, params.seed) == (0.5, 0.9, 7, 3)
+
+
+def test_attach_combines_with_a_response_format():
+    """A response format set by the structured-outputs side (response_format on chat) stays;
+    with callable tools it becomes "a call or the formatted answer"; a forced call wins."""
+    from kvrelay.sampling_params import SamplingParams
+    from kvrelay.server import structured_hooks
+    from kvrelay.server.tools import tool_spec
+    fmt = StructuredOutputsParams(json={"type": "object"}, harmony=True)
+    auto, required = tool_spec(TOOLS, "auto"), tool_spec(TOOLS, "required")
+    p = structured_hooks.attach(SamplingParams(structured_outputs=fmt), None, auto)
+    assert p.structured_outputs.json == {"type": "object"}
+    assert p.structured_outputs.tool_call.required is False
+    assert [f.name for f in p.structured_outputs.tool_call.functions] == ["get_weather", "get_time"]
+    p = structured_hooks.attach(SamplingParams(structured_outputs=fmt), None, tool_spec(TOOLS, "none"))
+    assert p.structured_outputs == fmt
+    forced = structured_hooks.tool_call(required, harmony=True)
+    p = structured_hooks.attach(SamplingParams(structured_outputs=fmt), forced, required)
+    assert p.structured_outputs == forced
+    assert structured_hooks.attach(SamplingParams(), None, auto).structured_outputs is None

@@ -98,3 +98,20 @@ def test_agents_sdk_with_required_tool_choice(random_server, model_class):
     final = asyncio.run(run())
     assert len(seen) == 1 and final == f"forecast for {seen[0]['city']}"
     assert seen[0]["city"] in ("Paris", "Oslo") and seen[0]["days"] in (1, 2, 3)
+
+
+def test_responses_required_choice_and_text_format(random_server):
+    client = openai.OpenAI(base_url=f"{random_server.url}/v1", api_key="x", max_retries=0)
+    rtools = [{"type": "function", "name": "get_weather", "parameters": SCHEMA}]
+    out = client.responses.create(model=MODEL, input="Weather?", tools=rtools,
+                                  tool_choice="required", max_output_tokens=160)
+    calls = [i for i in out.output if i.type == "function_call"]
+    assert calls and calls[0].name == "get_weather"
+    jsonschema.validate(json.loads(calls[0].arguments), SCHEMA)
+    for seed in range(2):
+        out = client.responses.create(model=MODEL, input="Weather?", max_output_tokens=160,
+                                      temperature=1.0, extra_body={"seed": seed},
+                                      text={"format": {"type": "json_schema", "name": "W",
+                                                       "schema": SCHEMA, "strict": True}})
+        assert out.status == "completed"
+        jsonschema.validate(json.loads(out.output_text), SCHEMA)

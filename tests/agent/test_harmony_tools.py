@@ -279,6 +279,7 @@ def test_scripted_calls_become_response_items_and_events(enc, name):
     assert all(i.call_id.startswith("call_") for i in items if i.type == "function_call")
     texts = [c.text for i in items if i.type == "reasoning" for c in i.content]
     assert "".join(texts) == reasoning
+    assert decoder.reasoning_tokens == len(enc.encode(reasoning))    # usage's reasoning_tokens
     adapter = TypeAdapter(ResponseStreamEvent)
     parsed = [adapter.validate_python({**e, "sequence_number": n}) for n, e in enumerate(events)]
     kinds = [e.type for e in parsed]
