@@ -130,8 +130,9 @@ def encode(message: tuple, replica: int) -> dict[str, Any]:
     elif kind in ("abort", "free_remote", "wake", "ready", "fatal"):
         frame["value"] = rest[0]
     elif kind == "error":
-        frame.update(id=rest[0], error=rest[1], status=rest[2] if len(rest) > 2 else 400,
-                     param=rest[3] if len(rest) > 3 else None)
+        frame.update(id=rest[0], error=rest[1])
+        if len(rest) > 2:                        # (status, param): see engine/core_proc.py
+            frame.update(status=rest[2], param=rest[3])
     elif kind not in ("shutdown", "stats"):
         raise ValueError(f"unknown engine message {kind!r}")
     return frame
@@ -147,7 +148,9 @@ def decode(frame: dict[str, Any]) -> tuple:
     if kind in ("abort", "free_remote", "wake", "ready", "fatal"):
         return (kind, frame["value"])
     if kind == "error":
-        return ("error", frame["id"], frame["error"], int(frame.get("status", 400)), frame.get("param"))
+        if "status" in frame:
+            return ("error", frame["id"], frame["error"], int(frame["status"]), frame.get("param"))
+        return ("error", frame["id"], frame["error"])
     if kind in ("shutdown", "stats"):
         return (kind,)
     raise FrameError(f"unknown message type {kind!r}")

@@ -147,3 +147,11 @@ def test_vllm_sampling_edges(make_llm):
     biased = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logit_bias={"7": 1e6})
     assert biased.logit_bias == {7: 100.0}
     assert llm.generate([PROMPTS[0]], biased)[0].outputs[0].token_ids == [7] * 4
+
+
+def test_engine_errors_keep_status_and_param_across_nodes():
+    """A refusal from a replica on a headless node reaches the API with its field."""
+    from kvrelay.engine.dp_remote import decode, encode
+    for message in (("error", "r1", "stop_token_ids out of range", 400, "stop_token_ids"),
+                    ("error", "r2", "the engine could not add the request", 500, None)):
+        assert decode(encode(message, 0)) == message

@@ -190,9 +190,10 @@ def test_a_body_over_the_limit_is_413_by_content_length(server):
 
 
 def _peak_rss(pid: int) -> int:
-    for line in open(f"/proc/{pid}/status"):
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
     raise AssertionError("no VmHWM")
 
 
