@@ -168,8 +168,8 @@ def _add(engine: Any, conn: Connection, message: tuple) -> None:
         conn.send(("error", request_id, str(e), 400, getattr(e, "param", None)))
     except Exception as e:  # noqa: BLE001 -- e.g. a logits-processor factory that raised
         logger.error("adding request %s failed:\n%s", request_id, traceback.format_exc())
-        message = f"the engine could not add the request: {type(e).__name__}: {e}"
-        conn.send(("error", request_id, message, 500, None))
+        why = f"the engine could not add the request: {type(e).__name__}: {e}"
+        conn.send(("error", request_id, why, 500, None))
 
 
 def _control(engine: Any, conn: Connection, message: tuple) -> None:

@@ -21,7 +21,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -162,7 +162,8 @@ def _sampling(state: ServerState, body: Any, max_tokens: int, logprobs: int | No
             hint = " (logprobs are disabled on this server: --max-logprobs 0)" if state.max_logprobs == 0 else ""
             raise OpenAIError(f"{name}={asked} exceeds the server's --max-logprobs "
                               f"{state.max_logprobs}{hint}", param=name)
-    if body.best_of is not None and body.best_of > 1:
+    best_of = getattr(body, "best_of", None)      # request models without it (e.g. new endpoints)
+    if best_of is not None and best_of > 1:
         # vLLM's V1 engine refuses it too; silently returning n samples would mislead
         raise OpenAIError("best_of > 1 is not supported; use n", param="best_of")
     params = _check(_make_sampling, state, body, max_tokens, logprobs, prompt_logprobs, extra_stop_ids,
@@ -186,7 +187,7 @@ def _make_sampling(state: ServerState, body: Any, max_tokens: int, logprobs: int
         stop_token_ids=(body.stop_token_ids or []) + (extra_stop_ids or []),
         ignore_eos=body.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
         include_stop_str_in_output=body.include_stop_str_in_output,
-        skip_special_tokens=body.skip_special_tokens, logit_bias=body.logit_bias,
+        skip_special_tokens=body.skip_special_tokens, logit_bias=getattr(body, "logit_bias", None),
         structured_outputs=structured)
 
 
@@ -370,7 +371,7 @@ class _Edge:
         return None
 
 
-def _error_response(error: OpenAIError, headers: dict[str, str] | None = None) -> JSONResponse:
+def _error_response(error: OpenAIError, headers: Mapping[str, str] | None = None) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
@@ -406,8 +407,12 @@ def _stream_error(e: Exception) -> dict[str, Any]:
     """The error event a stream ends with when the engine fails its request."""
     if isinstance(e, EngineError):
         return OpenAIError(str(e), param=e.param).body()
-    kind, code = {KVTransferFailed: ("KVTransferError", 502),
-                  RequestFailed: ("InternalServerError", 500)}.get(type(e), ("ServiceUnavailableError", 503))
+    if isinstance(e, KVTransferFailed):
+        kind, code = "KVTransferError", 502
+    elif isinstance(e, RequestFailed):
+        kind, code = "InternalServerError", 500
+    else:                                        # the engine died
+        kind, code = "ServiceUnavailableError", 503
     return {"error": {"message": str(e), "type": kind, "param": None, "code": code}}
 
 

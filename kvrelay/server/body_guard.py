@@ -121,8 +121,9 @@ def _walk(value: Any) -> OpenAIError | None:
                 if _LONE_SURROGATE.search(key):
                     return _surrogate(path + (key,))
                 stack.append((item, depth + 1, path + (key,)))
-        elif isinstance(v, list):
-            stack.extend((item, depth + 1, path + (i,)) for i, item in enumerate(v))
+        elif isinstance(v, list):                # numbers (token ids) need no visit
+            stack.extend((item, depth + 1, path + (i,)) for i, item in enumerate(v)
+                         if isinstance(item, (dict, list, str)))
         elif isinstance(v, str) and _LONE_SURROGATE.search(v):
             return _surrogate(path)
     return None

@@ -155,3 +155,28 @@ def test_engine_errors_keep_status_and_param_across_nodes():
     for message in (("error", "r1", "stop_token_ids out of range", 400, "stop_token_ids"),
                     ("error", "r2", "the engine could not add the request", 500, None)):
         assert decode(encode(message, 0)) == message
+
+
+def test_a_held_prefill_request_keeps_its_id(make_llm, monkeypatch):
+    """A finished prefill request holding its blocks for a decode still owns its id: a
+    second request with that id (a gateway retry) used to hit "prefix hit on a
+    non-empty table" in the scheduler and kill the engine."""
+    from tests.processes import free_port
+    monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", str(free_port()))
+    engine = make_llm(kv_transfer_config={"kv_connector": "TcpConnector", "kv_role": "kv_producer"}).engine
+    try:
+        remote = {"do_remote_decode": True}
+        prefill = SamplingParams(temperature=0, max_tokens=1)
+        engine.add_request("p", PROMPTS[0], prefill, remote)
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert "p" in engine.scheduler.held
+        with pytest.raises(ValueError, match="duplicate request id 'p'"):
+            engine.add_request("p", PROMPTS[0], prefill, remote)
+        engine.free_remote("p")
+        engine.add_request("p", PROMPTS[0], prefill, remote)      # free again once released
+        while engine.has_unfinished_requests():
+            engine.step()
+        engine.free_remote("p")
+    finally:
+        engine.shutdown()
