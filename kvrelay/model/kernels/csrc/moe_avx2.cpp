@@ -9,7 +9,7 @@
 namespace {
 
 struct V {
-  static constexpr int W = 8, NB = 4;
+  static constexpr int W = 8, NB = 4, kChains = 8, kChainsFp4 = 4;
   using T = __m256;
   static T zero() { return _mm256_setzero_ps(); }
   static T load(const float* p) { return _mm256_loadu_ps(p); }

@@ -9,7 +9,7 @@
 namespace {
 
 struct V {
-  static constexpr int W = 16, NB = 8;
+  static constexpr int W = 16, NB = 8, kChains = 8, kChainsFp4 = 8;
   using T = __m512;
   static T zero() { return _mm512_setzero_ps(); }
   static T load(const float* p) { return _mm512_loadu_ps(p); }

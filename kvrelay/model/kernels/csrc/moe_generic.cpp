@@ -4,7 +4,7 @@
 namespace {
 
 struct V {
-  static constexpr int W = 1, NB = 4;
+  static constexpr int W = 1, NB = 4, kChains = 4, kChainsFp4 = 4;
   using T = float;
   static T zero() { return 0.0f; }
   static T load(const float* p) { return *p; }

@@ -2,6 +2,7 @@
 // once per ISA. Include this inside an anonymous namespace after defining `struct V`:
 //
 //   V::W            float lanes of V::T          V::NB  token rows per pass (4 or 8)
+//   V::kChains, V::kChainsFp4   accumulators to keep in flight (dense, MXFP4)
 //   zero() load(const float*) load_bf16(const uint16_t*) set1(float)
 //   mul(a, b) add(a, b) fma(a, b, c) = a·b + c   hsum(a) = Σ lanes
 //   fp4x2(const uint8_t* codes16, T out[32 / W])  one MXFP4 group as floats, each
@@ -42,17 +43,21 @@ struct BF16Row {
 };
 
 // Dot products of one weight row with NT token rows x[t·ldx : t·ldx + K].
-// U independent accumulators per token keep the FMA pipes busy when NT is small.
+// U·NT independent accumulators keep both FMA pipes busy (latency 4: 8 chains) when NT
+// is small; MXFP4 needs more registers per chain, hence its own count (V::kChainsFp4).
 template <int NT>
 struct Dots {
-  static constexpr int U = NT >= 4 ? 1 : 4 / NT;
+  static constexpr int U = NT >= V::kChains ? 1 : V::kChains / NT;
+  static constexpr int UF = NT >= V::kChainsFp4 ? 1 : V::kChainsFp4 / NT;
 
+  // out[t] += Σ_{k0 ≤ k < K} row[k] · x[t·ldx + k]
   template <class Row>
-  static inline void dense(const Row& row, const float* x, int64_t ldx, int64_t K, float* out) {
+  static inline void dense(const Row& row, const float* x, int64_t ldx, int64_t k0, int64_t K,
+                           float* out) {
     VT acc[U][NT];
     for (int u = 0; u < U; ++u)
       for (int t = 0; t < NT; ++t) acc[u][t] = V::zero();
-    int64_t k = 0;
+    int64_t k = k0;
     for (; k + U * V::W <= K; k += U * V::W) {
       for (int u = 0; u < U; ++u) {
         const VT w = row.load(k + u * V::W);
@@ -71,14 +76,15 @@ struct Dots {
     }
   }
 
-  static inline void mxfp4(const uint8_t* codes, const uint8_t* scales, int64_t groups,
-                           const float* x, int64_t ldx, float* out) {
-    VT acc[U][NT];
-    for (int u = 0; u < U; ++u)
+  // out[t] += the same over groups [g0, groups) of 32 weights
+  static inline void mxfp4(const uint8_t* codes, const uint8_t* scales, int64_t g0,
+                           int64_t groups, const float* x, int64_t ldx, float* out) {
+    VT acc[UF][NT];
+    for (int u = 0; u < UF; ++u)
       for (int t = 0; t < NT; ++t) acc[u][t] = V::zero();
-    int64_t g = 0;
-    for (; g + U <= groups; g += U)
-      for (int u = 0; u < U; ++u) group(codes, scales, g + u, x, ldx, acc[u]);
+    int64_t g = g0;
+    for (; g + UF <= groups; g += UF)
+      for (int u = 0; u < UF; ++u) group(codes, scales, g + u, x, ldx, acc[u]);
     for (; g < groups; ++g) group(codes, scales, g, x, ldx, acc[0]);
     finish(acc, out);
   }
@@ -97,31 +103,37 @@ struct Dots {
     }
   }
 
-  static inline void finish(VT (&acc)[U][NT], float* out) {
+  template <int N>
+  static inline void finish(VT (&acc)[N][NT], float* out) {
     for (int t = 0; t < NT; ++t) {
       VT s = acc[0][t];
-      for (int u = 1; u < U; ++u) s = V::add(s, acc[u][t]);
-      out[t] = V::hsum(s);
+      for (int u = 1; u < N; ++u) s = V::add(s, acc[u][t]);
+      out[t] += V::hsum(s);
     }
   }
 };
 
+// Columns [k0, k1) of row r of expert e against NT token rows; adds into out[0:NT].
 template <int NT>
-inline void row_dots(const kvrelay::Projection& w, int64_t e, int64_t r, const float* x,
-                     float* out) {
+inline void row_dots(const kvrelay::Projection& w, int64_t e, int64_t r, int64_t k0, int64_t k1,
+                     const float* x, float* out) {
   const int64_t index = e * w.rows + r;
   if (w.format == kvrelay::kF32) {
-    Dots<NT>::dense(F32Row{static_cast<const float*>(w.data) + index * w.cols}, x, w.cols,
-                    w.cols, out);
+    Dots<NT>::dense(F32Row{static_cast<const float*>(w.data) + index * w.cols}, x, w.cols, k0,
+                    k1, out);
   } else if (w.format == kvrelay::kBF16) {
     Dots<NT>::dense(BF16Row{static_cast<const uint16_t*>(w.data) + index * w.cols}, x, w.cols,
-                    w.cols, out);
+                    k0, k1, out);
   } else {
     const int64_t groups = w.cols / 32;
     Dots<NT>::mxfp4(static_cast<const uint8_t*>(w.data) + index * groups * 16,
-                    w.scales + index * groups, groups, x, w.cols, out);
+                    w.scales + index * groups, k0 / 32, k1 / 32, x, w.cols, out);
   }
 }
+
+// Columns per pass: NB token rows × kChunk floats stay in L1 while a tile's weight rows
+// stream past them (a multiple of 32 and of every W).
+constexpr int64_t kChunk = 512;
 
 using TileOut = float[V::NB][kvrelay::kMaxTileRows];
 
@@ -134,14 +146,19 @@ inline void project(const kvrelay::Projection& w, const kvrelay::Tile& tile, con
   for (int64_t t0 = 0; t0 < n; t0 += V::NB) {
     const int64_t nt = n - t0 < V::NB ? n - t0 : V::NB;
     const float* xb = x + t0 * w.cols;
-    for (int32_t r = tile.row0; r < tile.row1; ++r) {
-      float o[V::NB];
-      if (nt == 1) row_dots<1>(w, tile.expert, r, xb, o);
-      else if (nt == 2) row_dots<2>(w, tile.expert, r, xb, o);
-      else if (nt <= 4 || V::NB == 4) row_dots<4>(w, tile.expert, r, xb, o);
-      else row_dots<V::NB>(w, tile.expert, r, xb, o);
-      for (int64_t t = 0; t < nt; ++t) h[t][r - tile.row0] = o[t];
+    float o[kvrelay::kMaxTileRows][V::NB] = {};
+    for (int64_t k0 = 0; k0 < w.cols; k0 += kChunk) {
+      const int64_t k1 = w.cols - k0 < kChunk ? w.cols : k0 + kChunk;
+      for (int32_t r = tile.row0; r < tile.row1; ++r) {
+        float* out = o[r - tile.row0];
+        if (nt == 1) row_dots<1>(w, tile.expert, r, k0, k1, xb, out);
+        else if (nt == 2) row_dots<2>(w, tile.expert, r, k0, k1, xb, out);
+        else if (nt <= 4 || V::NB == 4) row_dots<4>(w, tile.expert, r, k0, k1, xb, out);
+        else row_dots<V::NB>(w, tile.expert, r, k0, k1, xb, out);
+      }
     }
+    for (int32_t r = tile.row0; r < tile.row1; ++r)
+      for (int64_t t = 0; t < nt; ++t) h[t][r - tile.row0] = o[r - tile.row0][t];
     epilogue(t0, nt, h);
   }
 }
