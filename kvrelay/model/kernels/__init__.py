@@ -19,6 +19,9 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,6 +58,30 @@ def build_dir() -> Path:
     return cache_root() / "kernels" / f"{NAME}-{digest.hexdigest()[:16]}"
 
 
+def compiler() -> str | None:
+    """The C++ compiler torch's extension builder will use, if there is one."""
+    from torch.utils import cpp_extension
+    return shutil.which(cpp_extension.get_cxx_compiler())
+
+
+@contextmanager
+def _ninja_on_path() -> Iterator[None]:
+    """torch's builder runs `ninja` from PATH; the `ninja` wheel (a kvrelay dependency)
+    puts it in the virtualenv, which is not on PATH when a server runs the venv's python
+    without activating it."""
+    old = os.environ.get("PATH", "")
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+            os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, old])
+        except ImportError:
+            pass
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = old
+
+
 def _library_path(directory: Path) -> Path:
     return directory / f"{NAME}.so"
 
@@ -75,9 +102,14 @@ def _build(directory: Path) -> Path:
         (directory / "lock").unlink(missing_ok=True)
         logger.info("building the native kernels in %s (once per kvrelay/torch version)",
                     directory)
-        cpp_extension.load(NAME, [str(CSRC / s) for s in SOURCES], extra_cflags=list(CFLAGS),
-                           extra_include_paths=[str(CSRC)], build_directory=str(directory),
-                           is_python_module=False, verbose=False)
+        if compiler() is None:
+            raise RuntimeError(f"no C++ compiler ({cpp_extension.get_cxx_compiler()!r} not found; "
+                               "set CXX or install g++)")
+        with _ninja_on_path():
+            cpp_extension.load(NAME, [str(CSRC / s) for s in SOURCES],
+                               extra_cflags=list(CFLAGS), extra_include_paths=[str(CSRC)],
+                               build_directory=str(directory), is_python_module=False,
+                               verbose=False)
         return library
 
 
