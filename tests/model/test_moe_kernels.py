@@ -251,3 +251,16 @@ def test_mode_is_read_through_envs(monkeypatch):
     assert moe_mod.moe_kernel_mode() == "auto"
     monkeypatch.setenv("KVRELAY_MOE_KERNEL", "torch")
     assert moe_mod.moe_kernel_mode() == "torch"
+
+
+def test_dense_fp16_experts_keep_the_torch_path_mxfp4_ones_do_not(isas, monkeypatch):
+    monkeypatch.setenv("KVRELAY_MOE_KERNEL", "native")
+    dense = Experts(32, 32, 2, ParallelContext(), torch.float16, ALPHA, LIMIT, False)
+    assert not dense.uses_native_kernel()                 # the kernel reads f32/bf16/MXFP4
+    packed = Experts(32, 32, 2, ParallelContext(), torch.float16, ALPHA, LIMIT, True)
+    g = torch.Generator().manual_seed(0)
+    packed.gate_up, packed.down = random_mxfp4(2, 64, 32, g), random_mxfp4(2, 32, 32, g)
+    assert packed.uses_native_kernel()
+    weights, ids = routing(3, 2, 1, seed=0)
+    out = packed(torch.randn(3, 32).half(), weights.half(), ids)
+    assert out.dtype == torch.float16

@@ -26,8 +26,6 @@ already `[E, out, in/32, 16]` and stay packed (`MXFP4Tensor`).
 """
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -40,10 +38,8 @@ from kvrelay.model.mxfp4 import BLOCK, MXFP4Tensor
 from kvrelay.model.parallel import ParallelContext, divide, shard_range
 from kvrelay.model.weights import WeightSource, padded_slice
 
-logger = logging.getLogger(__name__)
-
 MOE_KERNEL_MODES = ("auto", "native", "torch")
-_NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+_NATIVE_DENSE_DTYPES = (torch.float32, torch.bfloat16)   # and MXFP4, whatever the model dtype
 
 
 def moe_kernel_mode() -> str:
@@ -159,13 +155,14 @@ class Experts(nn.Module):
         return self.forward_torch(x, weights, expert_ids)
 
     def uses_native_kernel(self) -> bool:
-        """Native unless KVRELAY_MOE_KERNEL=torch, the weights are not on the CPU or in a
-        dtype the kernel reads (fp16), or the extension could not be built ('auto' then
-        falls back with the one warning `kernels.status` logs; 'native' is an error)."""
+        """Native unless KVRELAY_MOE_KERNEL=torch, the weights are not on the CPU or are
+        dense in a dtype the kernel does not read (fp16), or the extension could not be
+        built ('auto' then falls back with the one warning `kernels.status` logs;
+        'native' is an error)."""
         mode = moe_kernel_mode()
         if mode == "torch" or self.gate_up_bias.device.type != "cpu":
             return False
-        if self.dtype not in _NATIVE_DTYPES:
+        if not isinstance(self.gate_up, MXFP4Tensor) and self.dtype not in _NATIVE_DENSE_DTYPES:
             return False
         status = kernels.status()
         if not status.available and mode == "native":
