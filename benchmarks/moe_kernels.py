@@ -80,13 +80,17 @@ def make_layer(shape: dict, storage: str, dtype: torch.dtype,
     return moe
 
 
-def time_round(layers: dict, xs: dict, label: str) -> float:
+def time_round(layers: dict, xs: dict, label: str, cpu: list[float] | None = None) -> float:
+    """Wall seconds of one call; its CPU seconds (this thread) go to `cpu` — with one
+    intra-op thread that is the work itself, without the waits a loaded machine adds."""
     storage_mode = next(v for v in VARIANTS if v[0] == label)
     os.environ["KVRELAY_MOE_KERNEL"] = storage_mode[3]
     x = xs[storage_mode[2]]
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.thread_time()
     with torch.inference_mode():
         layers[label](x)
+    if cpu is not None:
+        cpu.append(time.thread_time() - start_cpu)
     return time.perf_counter() - start
 
 
@@ -108,24 +112,30 @@ def run_shape(name: str, tokens: list[int], rounds: int, variants: list[str],
         xs = {torch.float32: x32, torch.bfloat16: x32.bfloat16()}
         layers = {r["variant"]: r["layer"] for r in results}
         samples: dict[str, list[float]] = {v: [] for v in variants}
+        cpu: dict[str, list[float]] = {v: [] for v in variants}
         slow = set()
         for v in variants:                                  # warm-up (and the JIT build)
             if time_round(layers, xs, v) > slow_s:  # the reference MXFP4 path at 20b size
                 slow.add(v)
-                samples[v].append(time_round(layers, xs, v))
+                samples[v].append(time_round(layers, xs, v, cpu[v]))
         for _ in range(rounds):
             for v in variants:
                 if v not in slow:
-                    samples[v].append(time_round(layers, xs, v))
+                    samples[v].append(time_round(layers, xs, v, cpu[v]))
         base = statistics.median(samples.get("bf16 torch") or samples[variants[0]])
+        base_cpu = statistics.median(cpu.get("bf16 torch") or cpu[variants[0]])
         for r in results:
             ms = statistics.median(samples[r["variant"]]) * 1e3
+            cpu_ms = statistics.median(cpu[r["variant"]]) * 1e3
             rows.append({"shape": name, "tokens": T, "variant": r["variant"], "ms": round(ms, 3),
                          "samples": len(samples[r["variant"]]),
                          "speed_vs_bf16_torch": round(base * 1e3 / ms, 2),
+                         "cpu_ms": round(cpu_ms, 3),
+                         "cpu_speed_vs_bf16_torch": round(base_cpu * 1e3 / cpu_ms, 2),
                          "expert_bytes": r["expert_bytes"]})
             print(f"{name:5} T={T:3} {r['variant']:13} {ms:9.3f} ms  "
-                  f"{base * 1e3 / ms:6.2f}x bf16-torch  "
+                  f"{base * 1e3 / ms:6.2f}x bf16-torch  cpu {cpu_ms:9.3f} ms "
+                  f"{base_cpu * 1e3 / cpu_ms:6.2f}x  "
                   f"experts {r['expert_bytes'] / 2**20:8.1f} MiB",
                   flush=True)
     return rows

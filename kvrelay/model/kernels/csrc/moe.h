@@ -28,6 +28,7 @@ struct MoeProblem {
   float* act;                // [n + kPadRows, I] swiglu output
   float* y;                  // [n, H] weighted expert outputs
   const float* route_weight; // [n]
+  const float* half_scales;  // [256]: 2^(s - 128) for each E8M0 byte s (see moe_impl.h)
   float alpha, limit;
 };
 

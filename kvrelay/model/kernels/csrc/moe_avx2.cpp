@@ -14,7 +14,8 @@ struct V {
   static T zero() { return _mm256_setzero_ps(); }
   static T load(const float* p) { return _mm256_loadu_ps(p); }
   static T load_bf16(const uint16_t* p) {
-    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m128i bf16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m256i wide = _mm256_cvtepu16_epi32(bf16);
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
   }
   static T set1(float v) { return _mm256_set1_ps(v); }

@@ -14,7 +14,8 @@ struct V {
   static T zero() { return _mm512_setzero_ps(); }
   static T load(const float* p) { return _mm512_loadu_ps(p); }
   static T load_bf16(const uint16_t* p) {
-    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    const __m256i bf16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m512i wide = _mm512_cvtepu16_epi32(bf16);
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
   }
   static T set1(float v) { return _mm512_set1_ps(v); }

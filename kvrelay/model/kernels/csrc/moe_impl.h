@@ -6,7 +6,8 @@
 //   zero() load(const float*) load_bf16(const uint16_t*) set1(float)
 //   mul(a, b) add(a, b) fma(a, b, c) = a·b + c   hsum(a) = Σ lanes
 //   fp4x2(const uint8_t* codes16, T out[32 / W])  one MXFP4 group as floats, each
-//                                                 2 × its e2m1 value (an integer in ±12)
+//                                                 2 × its e2m1 value (an integer in ±12),
+// hence the group scale 2^(s - 128) (MoeProblem::half_scales, a table: one load a group).
 //
 // MXFP4 is dequantised in registers: per group of 32 weights the doubled e2m1 values
 // are dotted with x and the partial sum is scaled once by 2^(scale-128) (the E8M0
@@ -23,12 +24,6 @@ inline float bits_to_float(uint32_t u) {
 }
 
 inline float bf16_scalar(uint16_t b) { return bits_to_float(uint32_t(b) << 16); }
-
-// 2^(s - 128) for an E8M0 byte s; s = 0 and 1 give the subnormals 2^-128 and 2^-127.
-inline float half_scale(uint8_t s) {
-  if (s >= 2) return bits_to_float(uint32_t(s - 1) << 23);
-  return bits_to_float(s == 1 ? 0x00400000u : 0x00200000u);
-}
 
 struct F32Row {
   const float* p;
@@ -77,24 +72,25 @@ struct Dots {
   }
 
   // out[t] += the same over groups [g0, groups) of 32 weights
-  static inline void mxfp4(const uint8_t* codes, const uint8_t* scales, int64_t g0,
-                           int64_t groups, const float* x, int64_t ldx, float* out) {
+  static inline void mxfp4(const uint8_t* codes, const uint8_t* scales, const float* table,
+                           int64_t g0, int64_t groups, const float* x, int64_t ldx,
+                           float* out) {
     VT acc[UF][NT];
     for (int u = 0; u < UF; ++u)
       for (int t = 0; t < NT; ++t) acc[u][t] = V::zero();
     int64_t g = g0;
     for (; g + UF <= groups; g += UF)
-      for (int u = 0; u < UF; ++u) group(codes, scales, g + u, x, ldx, acc[u]);
-    for (; g < groups; ++g) group(codes, scales, g, x, ldx, acc[0]);
+      for (int u = 0; u < UF; ++u) group(codes, table[scales[g + u]], g + u, x, ldx, acc[u]);
+    for (; g < groups; ++g) group(codes, table[scales[g]], g, x, ldx, acc[0]);
     finish(acc, out);
   }
 
-  static inline void group(const uint8_t* codes, const uint8_t* scales, int64_t g,
-                           const float* x, int64_t ldx, VT* acc) {
+  static inline void group(const uint8_t* codes, float half_scale, int64_t g, const float* x,
+                           int64_t ldx, VT* acc) {
     constexpr int C = 32 / V::W;
     VT w[C];
     V::fp4x2(codes + g * 16, w);
-    const VT scale = V::set1(half_scale(scales[g]));
+    const VT scale = V::set1(half_scale);
     const float* xg = x + g * 32;
     for (int t = 0; t < NT; ++t) {
       VT s = V::mul(w[0], V::load(xg + t * ldx));
@@ -115,8 +111,8 @@ struct Dots {
 
 // Columns [k0, k1) of row r of expert e against NT token rows; adds into out[0:NT].
 template <int NT>
-inline void row_dots(const kvrelay::Projection& w, int64_t e, int64_t r, int64_t k0, int64_t k1,
-                     const float* x, float* out) {
+inline void row_dots(const kvrelay::Projection& w, const float* table, int64_t e, int64_t r,
+                     int64_t k0, int64_t k1, const float* x, float* out) {
   const int64_t index = e * w.rows + r;
   if (w.format == kvrelay::kF32) {
     Dots<NT>::dense(F32Row{static_cast<const float*>(w.data) + index * w.cols}, x, w.cols, k0,
@@ -127,7 +123,7 @@ inline void row_dots(const kvrelay::Projection& w, int64_t e, int64_t r, int64_t
   } else {
     const int64_t groups = w.cols / 32;
     Dots<NT>::mxfp4(static_cast<const uint8_t*>(w.data) + index * groups * 16,
-                    w.scales + index * groups, k0 / 32, k1 / 32, x, w.cols, out);
+                    w.scales + index * groups, table, k0 / 32, k1 / 32, x, w.cols, out);
   }
 }
 
@@ -140,8 +136,8 @@ using TileOut = float[V::NB][kvrelay::kMaxTileRows];
 // h[t][r - row0] = x_t · W_e[r] for the n token rows of x, NB rows at a time; `epilogue`
 // consumes each block. With n ≤ NB (decode) every weight row is read exactly once.
 template <class Epilogue>
-inline void project(const kvrelay::Projection& w, const kvrelay::Tile& tile, const float* x,
-                    int64_t n, const Epilogue& epilogue) {
+inline void project(const kvrelay::Projection& w, const float* table, const kvrelay::Tile& tile,
+                    const float* x, int64_t n, const Epilogue& epilogue) {
   TileOut h;
   for (int64_t t0 = 0; t0 < n; t0 += V::NB) {
     const int64_t nt = n - t0 < V::NB ? n - t0 : V::NB;
@@ -151,10 +147,10 @@ inline void project(const kvrelay::Projection& w, const kvrelay::Tile& tile, con
       const int64_t k1 = w.cols - k0 < kChunk ? w.cols : k0 + kChunk;
       for (int32_t r = tile.row0; r < tile.row1; ++r) {
         float* out = o[r - tile.row0];
-        if (nt == 1) row_dots<1>(w, tile.expert, r, k0, k1, xb, out);
-        else if (nt == 2) row_dots<2>(w, tile.expert, r, k0, k1, xb, out);
-        else if (nt <= 4 || V::NB == 4) row_dots<4>(w, tile.expert, r, k0, k1, xb, out);
-        else row_dots<V::NB>(w, tile.expert, r, k0, k1, xb, out);
+        if (nt == 1) row_dots<1>(w, table, tile.expert, r, k0, k1, xb, out);
+        else if (nt == 2) row_dots<2>(w, table, tile.expert, r, k0, k1, xb, out);
+        else if (nt <= 4 || V::NB == 4) row_dots<4>(w, table, tile.expert, r, k0, k1, xb, out);
+        else row_dots<V::NB>(w, table, tile.expert, r, k0, k1, xb, out);
       }
     }
     for (int32_t r = tile.row0; r < tile.row1; ++r)
@@ -170,7 +166,8 @@ void gate_up_tiles(const kvrelay::MoeProblem& p, const kvrelay::Tile* tiles, int
     const kvrelay::Tile tile = tiles[i];
     const int64_t off = p.offsets[tile.expert], n = p.offsets[tile.expert + 1] - off;
     const float* bias = p.gate_up.bias ? p.gate_up.bias + tile.expert * p.gate_up.rows : nullptr;
-    project(p.gate_up, tile, p.x + off * H, n, [&](int64_t t0, int64_t nt, TileOut& h) {
+    const float* x = p.x + off * H;
+    project(p.gate_up, p.half_scales, tile, x, n, [&](int64_t t0, int64_t nt, TileOut& h) {
       for (int64_t t = 0; t < nt; ++t) {
         float* act = p.act + (off + t0 + t) * I;
         for (int32_t r = tile.row0; r < tile.row1; r += 2) {
@@ -192,7 +189,8 @@ void down_tiles(const kvrelay::MoeProblem& p, const kvrelay::Tile* tiles, int64_
     const kvrelay::Tile tile = tiles[i];
     const int64_t off = p.offsets[tile.expert], n = p.offsets[tile.expert + 1] - off;
     const float* bias = p.down.bias ? p.down.bias + tile.expert * H : nullptr;
-    project(p.down, tile, p.act + off * I, n, [&](int64_t t0, int64_t nt, TileOut& h) {
+    const float* act = p.act + off * I;
+    project(p.down, p.half_scales, tile, act, n, [&](int64_t t0, int64_t nt, TileOut& h) {
       for (int64_t t = 0; t < nt; ++t) {
         const int64_t row = off + t0 + t;
         float* y = p.y + row * H;
