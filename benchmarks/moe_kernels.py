@@ -17,7 +17,7 @@ fp32 variants hold exactly the dequantised values.
 
 --decode: end to end instead. `LLM.generate` (greedy, ignore_eos) on benchmarks/common.py's
 tiny checkpoint in bf16 and the same weights with MXFP4 experts, at concurrency 1 and 16
-(64-token prompts, 128 new tokens each), KVRELAY_MOE_KERNEL=torch vs native alternating
+(64-token prompts, 128 new tokens each), KVRELAY_MOE_KERNEL=torch vs auto alternating
 in one process (the mode is read per forward); output tokens per second, median of rounds.
 """
 from __future__ import annotations
@@ -178,7 +178,7 @@ def run_decode(rounds: int) -> list[dict]:
         samples: dict[tuple[str, str], list[float]] = {}
         for r in range(rounds + 1):                             # round 0 warms up
             for name, llm in llms.items():
-                for mode in ("torch", "native"):
+                for mode in ("torch", "auto"):
                     os.environ["KVRELAY_MOE_KERNEL"] = mode
                     start = time.perf_counter()
                     out = llm.generate(prompts, params)

@@ -62,10 +62,16 @@ CPU_HALF_MATMUL = EnvVar("KVRELAY_CPU_HALF_MATMUL", None, "auto",
 MOE_KERNEL = EnvVar("KVRELAY_MOE_KERNEL", None, "auto",
                     "MoE experts on CPU: 'native' (the C++ kernels built on first use; an error "
                     "if they cannot be built), 'torch' (the pure-PyTorch reference) or 'auto' "
-                    "(native where it builds, else torch with one warning)")
+                    "(native where it builds, else torch with one warning; dense experts with "
+                    "8+ rows per expert use torch's GEMMs)")
+KERNELS_DIR = EnvVar("KVRELAY_KERNELS_DIR", None, None,
+                     "where the native CPU kernels are compiled and cached (default "
+                     "$XDG_CACHE_HOME/kvrelay/kernels or ~/.cache/kvrelay/kernels; shared by "
+                     "every KVRELAY_CACHE_DIR, one build per kvrelay/torch version)")
 
 ALL = (SIDE_CHANNEL_HOST, SIDE_CHANNEL_PORT, ENGINE_READY_TIMEOUT_S, EXECUTE_MODEL_TIMEOUT_S,
-       COMPILATION_TIMEOUT_S, VISIBLE_DEVICES, CACHE_DIR, CPU_HALF_MATMUL, MOE_KERNEL)
+       COMPILATION_TIMEOUT_S, VISIBLE_DEVICES, CACHE_DIR, CPU_HALF_MATMUL, MOE_KERNEL,
+       KERNELS_DIR)
 
 
 def parse_id_list(text: str) -> list[int]:

@@ -230,7 +230,7 @@ def test_build_failure_falls_back_with_one_warning(broken_build, monkeypatch, ca
 
 
 def test_no_compiler_is_reported(monkeypatch, tmp_path):
-    monkeypatch.setenv("KVRELAY_CACHE_DIR", str(tmp_path))       # nothing built there
+    monkeypatch.setenv("KVRELAY_KERNELS_DIR", str(tmp_path))     # nothing built there
     monkeypatch.setenv("CXX", "no-such-compiler-kvrelay")
     kernels.status.cache_clear()
     try:
@@ -238,6 +238,14 @@ def test_no_compiler_is_reported(monkeypatch, tmp_path):
         assert not status.available and "no C++ compiler" in status.reason
     finally:
         kernels.status.cache_clear()
+
+
+def test_kernels_are_not_rebuilt_per_embedded_model_cache(monkeypatch, tmp_path):
+    before = kernels.build_dir()
+    monkeypatch.setenv("KVRELAY_CACHE_DIR", str(tmp_path))
+    assert kernels.build_dir() == before
+    monkeypatch.setenv("KVRELAY_KERNELS_DIR", str(tmp_path))
+    assert kernels.build_dir().parent == tmp_path
 
 
 def test_a_built_extension_is_reused_without_compiling(isas, monkeypatch):
@@ -264,3 +272,14 @@ def test_dense_fp16_experts_keep_the_torch_path_mxfp4_ones_do_not(isas, monkeypa
     weights, ids = routing(3, 2, 1, seed=0)
     out = packed(torch.randn(3, 32).half(), weights.half(), ids)
     assert out.dtype == torch.float16
+
+
+def test_auto_gives_big_dense_batches_to_torch_gemms_but_never_mxfp4(isas, monkeypatch):
+    monkeypatch.setenv("KVRELAY_MOE_KERNEL", "auto")
+    dense = make_experts(32, 32, 4, "bf16", seed=0)
+    packed = make_experts(32, 32, 4, "mxfp4", seed=0)
+    rows = moe_mod.DENSE_TORCH_MIN_ROWS * 4                    # choices over 4 experts
+    assert dense.uses_native_kernel(rows - 1) and not dense.uses_native_kernel(rows)
+    assert packed.uses_native_kernel(rows * 100)
+    monkeypatch.setenv("KVRELAY_MOE_KERNEL", "native")          # forced: always the kernel
+    assert dense.uses_native_kernel(rows * 100)

@@ -2,8 +2,9 @@
 
 The extension (`csrc/`) holds the grouped MoE expert computation
 (`kvrelay_kernels::moe_experts`). It is compiled once per source/torch version into
-`<cache root>/kernels/<hash>/` (see `kvrelay.model.embedded.cache_root`) under a file
-lock, so concurrent server processes build it once and later starts only load it.
+`$KVRELAY_KERNELS_DIR/<name>-<hash>/` (default `~/.cache/kvrelay/kernels`, not under
+KVRELAY_CACHE_DIR: one build serves every embedded-model cache) under a file lock, so
+concurrent server processes build it once and later starts only load it.
 
 No `-march=native`: the machine that builds is not always the one that runs (a shared
 cache, a CPU that changes under a VM), so every ISA variant is compiled with its own
@@ -48,14 +49,21 @@ class KernelStatus:
     library: str | None = None
 
 
+def kernels_root() -> Path:
+    configured = envs.KERNELS_DIR.raw()
+    if configured:
+        return Path(configured).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "kvrelay" / "kernels"
+
+
 def build_dir() -> Path:
     """One directory per source / torch / platform combination."""
-    from kvrelay.model.embedded import cache_root
     digest = hashlib.sha256()
     for name in sorted(os.listdir(CSRC)):
         digest.update(name.encode() + (CSRC / name).read_bytes())
     digest.update(f"{torch.__version__}|{platform.machine()}|{CFLAGS}".encode())
-    return cache_root() / "kernels" / f"{NAME}-{digest.hexdigest()[:16]}"
+    return kernels_root() / f"{NAME}-{digest.hexdigest()[:16]}"
 
 
 def compiler() -> str | None:
