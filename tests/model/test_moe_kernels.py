@@ -283,3 +283,13 @@ def test_auto_gives_big_dense_batches_to_torch_gemms_but_never_mxfp4(isas, monke
     assert packed.uses_native_kernel(rows * 100)
     monkeypatch.setenv("KVRELAY_MOE_KERNEL", "native")          # forced: always the kernel
     assert dense.uses_native_kernel(rows * 100)
+
+
+def test_the_op_traces_under_fake_tensors(isas):
+    """torch.compile traces with FakeTensors: the op needs (and has) a shape function."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    ex = make_experts(64, 32, 4, "mxfp4", seed=0)
+    weights, ids = routing(5, 4, 2, seed=0)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        out = native(ex, torch.empty(5, 64), weights, ids, isas[0])
+    assert out.shape == (5, 64) and out.dtype == torch.float32

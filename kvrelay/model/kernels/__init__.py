@@ -122,6 +122,15 @@ def _build(directory: Path) -> Path:
 
 
 @functools.cache
+def _register_fake() -> None:
+    """Shapes for torch.compile / FakeTensor tracing: the op returns x's shape and dtype."""
+    @torch.library.register_fake("kvrelay_kernels::moe_experts")
+    def _(x, route_weights, expert_ids, first_expert, gate_up, gate_up_scales, gate_up_bias,
+          down, down_scales, down_bias, alpha, limit, isa):
+        return x.new_empty(x.shape)
+
+
+@functools.cache
 def status() -> KernelStatus:
     """Build/load the extension once per process; never raises."""
     try:
@@ -129,6 +138,7 @@ def status() -> KernelStatus:
         if not hasattr(torch.ops.kvrelay_kernels, "moe_experts"):
             torch.ops.load_library(str(library))
         isas = tuple(torch.ops.kvrelay_kernels.isas())
+        _register_fake()
     except Exception as exc:  # noqa: BLE001 - any build failure means "use the torch path"
         reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc) else ''}"
         logger.warning("native CPU kernels unavailable, using the PyTorch reference path "
