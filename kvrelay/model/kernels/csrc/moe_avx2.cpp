@@ -34,12 +34,10 @@ struct V {
     const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
     const __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(packed, low4));
     const __m128i hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(packed, 4), low4));
-    const __m128i first = _mm_unpacklo_epi8(lo, hi);   // elements 0..15
-    const __m128i second = _mm_unpackhi_epi8(lo, hi);  // elements 16..31
-    out[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(first));
-    out[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(first, 8)));
-    out[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(second));
-    out[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(second, 8)));
+    out[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));   // even columns
+    out[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
+    out[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));   // odd columns
+    out[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
   }
 };
 

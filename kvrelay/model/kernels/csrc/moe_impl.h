@@ -7,6 +7,7 @@
 //   mul(a, b) add(a, b) fma(a, b, c) = a·b + c   hsum(a) = Σ lanes
 //   fp4x2(const uint8_t* codes16, T out[32 / W])  one MXFP4 group as floats, each
 //                                                 2 × its e2m1 value (an integer in ±12),
+//                                                 low nibbles first (moe.h: column order)
 // hence the group scale 2^(s - 128) (MoeProblem::half_scales, a table: one load a group).
 //
 // MXFP4 is dequantised in registers: per group of 32 weights the doubled e2m1 values
@@ -170,13 +171,14 @@ void gate_up_tiles(const kvrelay::MoeProblem& p, const kvrelay::Tile* tiles, int
     project(p.gate_up, p.half_scales, tile, x, n, [&](int64_t t0, int64_t nt, TileOut& h) {
       for (int64_t t = 0; t < nt; ++t) {
         float* act = p.act + (off + t0 + t) * I;
+        const bool fp4_order = p.down.format == kvrelay::kMXFP4;
         for (int32_t r = tile.row0; r < tile.row1; r += 2) {
           float gate = h[t][r - tile.row0] + (bias ? bias[r] : 0.0f);
           float up = h[t][r + 1 - tile.row0] + (bias ? bias[r + 1] : 0.0f);
           gate = gate > p.limit ? p.limit : gate;
           up = up > p.limit ? p.limit : (up < -p.limit ? -p.limit : up);
           const float sig = 1.0f / (1.0f + __builtin_expf(-(gate * p.alpha)));
-          act[r / 2] = (up + 1.0f) * gate * sig;
+          act[fp4_order ? kvrelay::fp4_column(r / 2) : r / 2] = (up + 1.0f) * gate * sig;
         }
       }
     });

@@ -186,8 +186,15 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& route_weights,
   float* xsp = xs.data_ptr<float>();
   std::memset(xsp + n * H, 0, sizeof(float) * kPadRows * H);
   std::memset(act.data_ptr<float>() + n * I, 0, sizeof(float) * kPadRows * I);
+  const bool fp4_order = p.gate_up.format == kMXFP4;   // see moe.h
   for (int64_t r = 0; r < n; ++r) {
-    std::memcpy(xsp + r * H, xp + (choice[r] / k) * H, sizeof(float) * H);
+    const float* src = xp + (choice[r] / k) * H;
+    float* dst = xsp + r * H;
+    if (fp4_order) {
+      for (int64_t j = 0; j < H; ++j) dst[fp4_column(j)] = src[j];
+    } else {
+      std::memcpy(dst, src, sizeof(float) * H);
+    }
     weight[r] = rw[choice[r]];
   }
   p.offsets = offsets.data();
