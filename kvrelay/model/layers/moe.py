@@ -92,6 +92,8 @@ class Experts(nn.Module):
         # fp32 copies of half-precision biases for the native kernel, keyed by the
         # source tensor's (data_ptr, version) so a reload refreshes them
         self._bias_f32: dict[str, tuple[tuple[int, int], torch.Tensor]] = {}
+        if moe_kernel_mode() != "torch":
+            kernels.status()    # build/load the kernels at model construction, not mid-request
         if not mxfp4:
             self.gate_up = nn.Parameter(torch.zeros(E, 2 * I, hidden, dtype=dtype), requires_grad=False)
             self.down = nn.Parameter(torch.zeros(E, hidden, I, dtype=dtype), requires_grad=False)
