@@ -108,11 +108,11 @@ def _build(directory: Path) -> Path:
         # torch's own lock file is only left behind by a build that was killed; we hold
         # the real lock, so it is stale
         (directory / "lock").unlink(missing_ok=True)
-        logger.info("building the native kernels in %s (once per kvrelay/torch version)",
-                    directory)
         if compiler() is None:
             raise RuntimeError(f"no C++ compiler ({cpp_extension.get_cxx_compiler()!r} not found; "
                                "set CXX or install g++)")
+        logger.info("building the native kernels in %s (once per kvrelay/torch version)",
+                    directory)
         with _ninja_on_path():
             cpp_extension.load(NAME, [str(CSRC / s) for s in SOURCES],
                                extra_cflags=list(CFLAGS), extra_include_paths=[str(CSRC)],
