@@ -1,6 +1,7 @@
 """One MoE layer per decode step: native kernels vs the PyTorch reference path.
 
     python benchmarks/moe_kernels.py [--configs tiny,20b] [--tokens 1,8,64] [--rounds 5]
+    python benchmarks/moe_kernels.py --decode [--rounds 3]
 
 For each layer shape and token count, times `MoE.forward` (router + experts) with the
 expert weights in MXFP4 / bf16 / fp32 and `KVRELAY_MOE_KERNEL` native vs torch. Variants
@@ -13,6 +14,11 @@ Shapes: "tiny" is benchmarks/common.py's tiny config (hidden 128, 8 experts top-
 intermediate 128); "20b" is one gpt-oss-20b layer (hidden 2880, 32 experts top-4,
 intermediate 2880). Weights are random MXFP4 codes (scales 2^-8..2^-4); the bf16 and
 fp32 variants hold exactly the dequantised values.
+
+--decode: end to end instead. `LLM.generate` (greedy, ignore_eos) on benchmarks/common.py's
+tiny checkpoint in bf16 and the same weights with MXFP4 experts, at concurrency 1 and 16
+(64-token prompts, 128 new tokens each), KVRELAY_MOE_KERNEL=torch vs auto alternating
+in one process (the mode is read per forward); output tokens per second, median of rounds.
 """
 from __future__ import annotations
 
@@ -74,17 +80,22 @@ def make_layer(shape: dict, storage: str, dtype: torch.dtype,
     return moe
 
 
-def time_round(layers: dict, xs: dict, label: str) -> float:
+def time_round(layers: dict, xs: dict, label: str, cpu: list[float] | None = None) -> float:
+    """Wall seconds of one call; its CPU seconds (this thread) go to `cpu` — with one
+    intra-op thread that is the work itself, without the waits a loaded machine adds."""
     storage_mode = next(v for v in VARIANTS if v[0] == label)
     os.environ["KVRELAY_MOE_KERNEL"] = storage_mode[3]
     x = xs[storage_mode[2]]
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.thread_time()
     with torch.inference_mode():
         layers[label](x)
+    if cpu is not None:
+        cpu.append(time.thread_time() - start_cpu)
     return time.perf_counter() - start
 
 
-def run_shape(name: str, tokens: list[int], rounds: int, variants: list[str]) -> list[dict]:
+def run_shape(name: str, tokens: list[int], rounds: int, variants: list[str],
+              slow_s: float) -> list[dict]:
     shape = SHAPES[name]
     H, I, E = shape["hidden"], shape["intermediate"], shape["experts"]
     g = torch.Generator().manual_seed(0)
@@ -101,22 +112,91 @@ def run_shape(name: str, tokens: list[int], rounds: int, variants: list[str]) ->
         xs = {torch.float32: x32, torch.bfloat16: x32.bfloat16()}
         layers = {r["variant"]: r["layer"] for r in results}
         samples: dict[str, list[float]] = {v: [] for v in variants}
-        for _ in range(2):                                  # warm-up (and the JIT build)
-            for v in variants:
-                time_round(layers, xs, v)
+        cpu: dict[str, list[float]] = {v: [] for v in variants}
+        slow = set()
+        for v in variants:                                  # warm-up (and the JIT build)
+            if time_round(layers, xs, v) > slow_s:  # the reference MXFP4 path at 20b size
+                slow.add(v)
+                samples[v].append(time_round(layers, xs, v, cpu[v]))
         for _ in range(rounds):
             for v in variants:
-                samples[v].append(time_round(layers, xs, v))
+                if v not in slow:
+                    samples[v].append(time_round(layers, xs, v, cpu[v]))
         base = statistics.median(samples.get("bf16 torch") or samples[variants[0]])
+        base_cpu = statistics.median(cpu.get("bf16 torch") or cpu[variants[0]])
         for r in results:
             ms = statistics.median(samples[r["variant"]]) * 1e3
+            cpu_ms = statistics.median(cpu[r["variant"]]) * 1e3
             rows.append({"shape": name, "tokens": T, "variant": r["variant"], "ms": round(ms, 3),
-                             "speed_vs_bf16_torch": round(base * 1e3 / ms, 2),
-                             "expert_bytes": r["expert_bytes"]})
+                         "samples": len(samples[r["variant"]]),
+                         "speed_vs_bf16_torch": round(base * 1e3 / ms, 2),
+                         "cpu_ms": round(cpu_ms, 3),
+                         "cpu_speed_vs_bf16_torch": round(base_cpu * 1e3 / cpu_ms, 2),
+                         "expert_bytes": r["expert_bytes"]})
             print(f"{name:5} T={T:3} {r['variant']:13} {ms:9.3f} ms  "
-                  f"{base * 1e3 / ms:6.2f}x bf16-torch  "
+                  f"{base * 1e3 / ms:6.2f}x bf16-torch  cpu {cpu_ms:9.3f} ms "
+                  f"{base_cpu * 1e3 / cpu_ms:6.2f}x  "
                   f"experts {r['expert_bytes'] / 2**20:8.1f} MiB",
                   flush=True)
+    return rows
+
+
+def mxfp4_copy(path: Path) -> Path:
+    """The checkpoint at `path` with its experts rewritten in the official MXFP4 layout."""
+    from safetensors.torch import load_file, save_file
+    out = path.with_name(path.name + "-mxfp4")
+    if (out / "config.json").is_file():
+        return out
+    import shutil
+    shutil.copytree(path, out, dirs_exist_ok=True)
+    tensors = load_file(str(out / "model.safetensors"))
+    for name in [n for n in tensors if n.endswith(("gate_up_proj", "down_proj"))]:
+        w = tensors.pop(name).float()                              # [E, in, out]
+        blocks, scales = mxfp4.quantize(w.transpose(1, 2))         # [E, out, in/32, 16], [E, out, in/32]
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out
+
+
+def run_decode(rounds: int) -> list[dict]:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from common import CONFIGS, build_checkpoint
+
+    from kvrelay import LLM, SamplingParams
+    bf16 = build_checkpoint("tiny", CONFIGS["tiny"])
+    paths = {"bf16": bf16, "mxfp4": mxfp4_copy(bf16)}
+    rows = []
+    for concurrency in (1, 16):
+        prompts = [[(7 * i + j) % 2000 + 10 for j in range(64)] for i in range(concurrency)]
+        params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
+        llms = {name: LLM(str(p), dtype="bfloat16", max_num_seqs=64, seed=0,
+                          enable_prefix_caching=False) for name, p in paths.items()}
+        samples: dict[tuple[str, str], list[float]] = {}
+        for r in range(rounds + 1):                             # round 0 warms up
+            for name, llm in llms.items():
+                for mode in ("torch", "auto"):
+                    os.environ["KVRELAY_MOE_KERNEL"] = mode
+                    start = time.perf_counter()
+                    out = llm.generate(prompts, params)
+                    seconds = time.perf_counter() - start
+                    tokens = sum(len(o.outputs[0].token_ids) for o in out)
+                    if r:
+                        samples.setdefault((name, mode), []).append(tokens / seconds)
+        base = statistics.median(samples[("bf16", "torch")])
+        for (name, mode), tps in samples.items():
+            experts = sum(layer.mlp.experts.nbytes() for layer in llms[name].engine.model.layers)
+            row = {"checkpoint": name, "moe_kernel": mode, "concurrency": concurrency,
+                   "tok_s": round(statistics.median(tps), 1),
+                   "vs_bf16_torch": round(statistics.median(tps) / base, 2),
+                   "expert_bytes": experts}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        for llm in llms.values():
+            llm.shutdown()
     return rows
 
 
@@ -142,17 +222,29 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,8,64")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--variants", default=",".join(v[0] for v in VARIANTS))
+    ap.add_argument("--threads", type=int, default=2,
+                    help="intra-op threads (1 gives steadier numbers on a loaded machine)")
+    ap.add_argument("--slow", type=float, default=5.0,
+                    help="a variant whose warm-up call takes longer (s) is timed once")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "moe_kernels.json"))
+    ap.add_argument("--decode", action="store_true", help="end-to-end LLM.generate instead")
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
     info = machine()
     print(json.dumps(info), flush=True)
+    if args.decode:
+        rows = run_decode(args.rounds)
+        info["loadavg_after"] = os.getloadavg()
+        out = Path(args.out).with_name("moe_kernels_decode.json")
+        out.write_text(json.dumps({"machine": info, "rows": rows}, indent=1))
+        return
     tokens = [int(t) for t in args.tokens.split(",")]
     variants = args.variants.split(",")
     rows = []
     for name in args.configs.split(","):
         chosen = [v for v in variants if not (name == "20b" and v.startswith("fp32"))] \
             if args.variants == ap.get_default("variants") else variants
-        rows += run_shape(name, tokens, args.rounds, chosen)
+        rows += run_shape(name, tokens, args.rounds, chosen, args.slow)
     info["loadavg_after"] = os.getloadavg()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"machine": info, "rows": rows}, indent=1))

@@ -76,7 +76,12 @@ STRUCTURED_ANALYSIS_BUDGET = EnvVar("KVRELAY_STRUCTURED_ANALYSIS_BUDGET", None, 
 MOE_KERNEL = EnvVar("KVRELAY_MOE_KERNEL", None, "auto",
                     "MoE experts on CPU: 'native' (the C++ kernels built on first use; an error "
                     "if they cannot be built), 'torch' (the pure-PyTorch reference) or 'auto' "
-                    "(native where it builds, else torch with one warning)")
+                    "(native where it builds, else torch with one warning; dense experts with "
+                    "8+ rows per expert use torch's GEMMs)")
+KERNELS_DIR = EnvVar("KVRELAY_KERNELS_DIR", None, None,
+                     "where the native CPU kernels are compiled and cached (default "
+                     "$XDG_CACHE_HOME/kvrelay/kernels or ~/.cache/kvrelay/kernels; shared by "
+                     "every KVRELAY_CACHE_DIR, one build per kvrelay/torch version)")
 ATTENTION_KERNEL = EnvVar("KVRELAY_ATTENTION_KERNEL", None, "auto",
                           "decode attention on CPU: 'auto' (the C++ paged kernel, built on first use; "
                           "the PyTorch reference path if it cannot be built) or 'reference'")

@@ -2,8 +2,9 @@
 
 The extension (`csrc/`) holds the grouped MoE expert computation
 (`kvrelay_kernels::moe_experts`). It is compiled once per source/torch version into
-`<cache root>/kernels/<hash>/` (see `kvrelay.model.embedded.cache_root`) under a file
-lock, so concurrent server processes build it once and later starts only load it.
+`$KVRELAY_KERNELS_DIR/<name>-<hash>/` (default `~/.cache/kvrelay/kernels`, not under
+KVRELAY_CACHE_DIR: one build serves every embedded-model cache) under a file lock, so
+concurrent server processes build it once and later starts only load it.
 
 No `-march=native`: the machine that builds is not always the one that runs (a shared
 cache, a CPU that changes under a VM), so every ISA variant is compiled with its own
@@ -19,6 +20,9 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,14 +49,45 @@ class KernelStatus:
     library: str | None = None
 
 
+def kernels_root() -> Path:
+    configured = envs.KERNELS_DIR.raw()
+    if configured:
+        return Path(configured).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "kvrelay" / "kernels"
+
+
 def build_dir() -> Path:
     """One directory per source / torch / platform combination."""
-    from kvrelay.model.embedded import cache_root
     digest = hashlib.sha256()
     for name in sorted(os.listdir(CSRC)):
         digest.update(name.encode() + (CSRC / name).read_bytes())
     digest.update(f"{torch.__version__}|{platform.machine()}|{CFLAGS}".encode())
-    return cache_root() / "kernels" / f"{NAME}-{digest.hexdigest()[:16]}"
+    return kernels_root() / f"{NAME}-{digest.hexdigest()[:16]}"
+
+
+def compiler() -> str | None:
+    """The C++ compiler torch's extension builder will use, if there is one."""
+    from torch.utils import cpp_extension
+    return shutil.which(cpp_extension.get_cxx_compiler())
+
+
+@contextmanager
+def _ninja_on_path() -> Iterator[None]:
+    """torch's builder runs `ninja` from PATH; the `ninja` wheel (a kvrelay dependency)
+    puts it in the virtualenv, which is not on PATH when a server runs the venv's python
+    without activating it."""
+    old = os.environ.get("PATH", "")
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+            os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, old])
+        except ImportError:
+            pass
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = old
 
 
 def _library_path(directory: Path) -> Path:
@@ -73,12 +108,26 @@ def _build(directory: Path) -> Path:
         # torch's own lock file is only left behind by a build that was killed; we hold
         # the real lock, so it is stale
         (directory / "lock").unlink(missing_ok=True)
+        if compiler() is None:
+            raise RuntimeError(f"no C++ compiler ({cpp_extension.get_cxx_compiler()!r} not found; "
+                               "set CXX or install g++)")
         logger.info("building the native kernels in %s (once per kvrelay/torch version)",
                     directory)
-        cpp_extension.load(NAME, [str(CSRC / s) for s in SOURCES], extra_cflags=list(CFLAGS),
-                           extra_include_paths=[str(CSRC)], build_directory=str(directory),
-                           is_python_module=False, verbose=False)
+        with _ninja_on_path():
+            cpp_extension.load(NAME, [str(CSRC / s) for s in SOURCES],
+                               extra_cflags=list(CFLAGS), extra_include_paths=[str(CSRC)],
+                               build_directory=str(directory), is_python_module=False,
+                               verbose=False)
         return library
+
+
+@functools.cache
+def _register_fake() -> None:
+    """Shapes for torch.compile / FakeTensor tracing: the op returns x's shape and dtype."""
+    @torch.library.register_fake("kvrelay_kernels::moe_experts")
+    def _(x, route_weights, expert_ids, first_expert, gate_up, gate_up_scales, gate_up_bias,
+          down, down_scales, down_bias, alpha, limit, isa):
+        return x.new_empty(x.shape)
 
 
 @functools.cache
@@ -89,6 +138,7 @@ def status() -> KernelStatus:
         if not hasattr(torch.ops.kvrelay_kernels, "moe_experts"):
             torch.ops.load_library(str(library))
         isas = tuple(torch.ops.kvrelay_kernels.isas())
+        _register_fake()
     except Exception as exc:  # noqa: BLE001 - any build failure means "use the torch path"
         reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc) else ''}"
         logger.warning("native CPU kernels unavailable, using the PyTorch reference path "

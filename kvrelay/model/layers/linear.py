@@ -6,15 +6,21 @@
     QKVParallelLinear     one fused column-parallel matmul for q, k and v of this
                           rank's heads (KV heads replicated when tp_size > kv heads)
 
-Every matmul of the model goes through `linear`: on a CPU without a native bf16 GEMM
-(oneDNN needs AVX-512 or AVX-NE-CONVERT; AVX2-only x86 falls back to a scalar-ish dot
-product at ~1/7 of fp32 speed) half-precision weights are upcast per matmul and the
-product is computed in fp32 — weights stay half in memory, results are rounded back to
-the activation dtype; matmuls of fewer than UPCAST_MIN_ROWS rows keep the half kernel. `KVRELAY_CPU_HALF_MATMUL=native|fp32|auto` overrides the choice.
+Every matmul of the model goes through `linear`. Half-precision (bf16/fp16) weights
+are multiplied natively only where the CPU has native bf16 arithmetic (AVX512-BF16 or
+AMX, which oneDNN uses through torch's own bf16 matmul). Elsewhere — AVX2-only x86,
+AVX-512 without BF16 — torch's half kernels are emulated at a fraction of fp32 speed,
+so the weights are upcast per matmul and the product computed in fp32: weights stay
+half in memory, results are rounded back to the activation dtype, and matmuls of fewer
+than UPCAST_MIN_ROWS rows keep the half kernel. The choice is made once per process
+from the *running* CPU (never from the build machine), logged, and readable with
+`half_matmul_choice()`; `KVRELAY_CPU_HALF_MATMUL=native|fp32|auto` overrides it.
 """
 from __future__ import annotations
 
 import functools
+import logging
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -24,19 +30,58 @@ from kvrelay import envs
 from kvrelay.model.parallel import ParallelContext, divide
 from kvrelay.model.weights import WeightSource
 
+logger = logging.getLogger(__name__)
+
 _HALF = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class HalfMatmulChoice:
+    """How bf16/fp16 matmuls run on this CPU, and why (for logs and metrics)."""
+
+    native: bool            # torch's half-precision GEMM (oneDNN) rather than fp32 compute
+    cpu_features: tuple[str, ...]   # the native-bf16 features the running CPU reports
+    reason: str
+
+
+_choice: HalfMatmulChoice | None = None
+
+
+def cpu_bf16_features() -> tuple[str, ...]:
+    """Native bf16 arithmetic on the running CPU, as torch's cpuinfo sees it."""
+    probes = (("amx", "_is_amx_tile_supported"), ("avx512_bf16", "_is_avx512_bf16_supported"))
+    return tuple(name for name, fn in probes if getattr(torch.cpu, fn, lambda: False)())
+
+
+def _decide() -> HalfMatmulChoice:
+    mode = envs.CPU_HALF_MATMUL.raw()
+    if mode not in ("auto", "native", "fp32"):
+        raise ValueError(f"{envs.CPU_HALF_MATMUL.shown}: expected auto, native or fp32, got {mode!r}")
+    features = cpu_bf16_features()
+    if mode != "auto":
+        return HalfMatmulChoice(mode == "native", features, f"{envs.CPU_HALF_MATMUL.name}={mode}")
+    onednn = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    if features and onednn:
+        return HalfMatmulChoice(True, features, f"this CPU has {'+'.join(features)}")
+    missing = "oneDNN without bf16 support" if features else "no AVX512-BF16 or AMX on this CPU"
+    return HalfMatmulChoice(False, features, missing)
 
 
 @functools.cache
 def cpu_half_matmul_in_fp32() -> bool:
-    """Whether bf16/fp16 matmuls on the CPU run as fp32 (see the module docstring)."""
-    mode = envs.CPU_HALF_MATMUL.raw()
-    if mode not in ("auto", "native", "fp32"):
-        raise ValueError(f"{envs.CPU_HALF_MATMUL.shown}: expected auto, native or fp32, got {mode!r}")
-    if mode != "auto":
-        return mode == "fp32"
-    native = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    return not native
+    """Whether bf16/fp16 matmuls on the CPU run as fp32 (see the module docstring).
+    Decided and logged once per process (tests clear the cache to re-decide)."""
+    global _choice
+    _choice = _decide()
+    logger.info("CPU half-precision matmuls: %s (%s)",
+                "native (oneDNN)" if _choice.native else "fp32 compute", _choice.reason)
+    return not _choice.native
+
+
+def half_matmul_choice() -> HalfMatmulChoice:
+    cpu_half_matmul_in_fp32()
+    assert _choice is not None
+    return _choice
 
 
 def upcasts(weight: torch.Tensor) -> bool:
@@ -59,6 +104,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    if dtype in _HALF:
+        cpu_half_matmul_in_fp32()      # decide (and log) at model construction, not mid-step
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 

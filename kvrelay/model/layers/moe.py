@@ -26,8 +26,6 @@ already `[E, out, in/32, 16]` and stay packed (`MXFP4Tensor`).
 """
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -40,10 +38,15 @@ from kvrelay.model.mxfp4 import BLOCK, MXFP4Tensor
 from kvrelay.model.parallel import ParallelContext, divide, shard_range
 from kvrelay.model.weights import WeightSource, padded_slice
 
-logger = logging.getLogger(__name__)
-
 MOE_KERNEL_MODES = ("auto", "native", "torch")
-_NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+_NATIVE_DENSE_DTYPES = (torch.float32, torch.bfloat16)   # and MXFP4, whatever the model dtype
+# Dense experts with this many (token, expert) rows per expert or more run as torch GEMMs
+# (MKL fp32 / oneDNN bf16-AMX), which beat the kernel's FMA loops once a matmul has rows
+# to reuse each weight for: on a gpt-oss-20b layer at 8 rows per expert the kernel is
+# ~3× slower than oneDNN bf16 (AVX512-BF16), while at 1–2 rows (decode) it is on par
+# and the per-expert Python loop it replaces dominates small models. MXFP4 experts
+# always take the kernel: the torch path dequantises whole experts every step.
+DENSE_TORCH_MIN_ROWS = 8
 
 
 def moe_kernel_mode() -> str:
@@ -89,6 +92,8 @@ class Experts(nn.Module):
         # fp32 copies of half-precision biases for the native kernel, keyed by the
         # source tensor's (data_ptr, version) so a reload refreshes them
         self._bias_f32: dict[str, tuple[tuple[int, int], torch.Tensor]] = {}
+        if moe_kernel_mode() != "torch":
+            kernels.status()    # build/load the kernels at model construction, not mid-request
         if not mxfp4:
             self.gate_up = nn.Parameter(torch.zeros(E, 2 * I, hidden, dtype=dtype), requires_grad=False)
             self.down = nn.Parameter(torch.zeros(E, hidden, I, dtype=dtype), requires_grad=False)
@@ -154,19 +159,25 @@ class Experts(nn.Module):
     # -- compute --------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], weights/expert_ids [T, k] → this rank's partial output [T, H]."""
-        if self.uses_native_kernel():
+        if self.uses_native_kernel(expert_ids.numel()):
             return self.forward_native(x, weights, expert_ids)
         return self.forward_torch(x, weights, expert_ids)
 
-    def uses_native_kernel(self) -> bool:
-        """Native unless KVRELAY_MOE_KERNEL=torch, the weights are not on the CPU or in a
-        dtype the kernel reads (fp16), or the extension could not be built ('auto' then
-        falls back with the one warning `kernels.status` logs; 'native' is an error)."""
+    def uses_native_kernel(self, choices: int = 1) -> bool:
+        """Native unless KVRELAY_MOE_KERNEL=torch, the weights are not on the CPU, or are
+        dense and either in a dtype the kernel does not read (fp16) or given enough rows
+        (`choices` (token, expert) pairs over all experts) for torch's GEMMs to win
+        (DENSE_TORCH_MIN_ROWS; 'auto' only), or the extension could not be built ('auto'
+        then falls back with the one warning `kernels.status` logs; 'native' is an error)."""
         mode = moe_kernel_mode()
         if mode == "torch" or self.gate_up_bias.device.type != "cpu":
             return False
-        if self.dtype not in _NATIVE_DTYPES:
-            return False
+        if not isinstance(self.gate_up, MXFP4Tensor):
+            if self.dtype not in _NATIVE_DENSE_DTYPES:
+                return False
+            rows_per_expert = choices / (self.num_local * self.ctx.ep_size)
+            if mode == "auto" and rows_per_expert >= DENSE_TORCH_MIN_ROWS:
+                return False
         status = kernels.status()
         if not status.available and mode == "native":
             raise RuntimeError(f"{envs.MOE_KERNEL.shown}=native but the native kernels could "

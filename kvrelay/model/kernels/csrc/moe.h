@@ -20,6 +20,14 @@ struct Projection {
 
 // The (token, expert) choices of this rank, sorted by expert:
 // expert e owns sorted rows [offsets[e], offsets[e+1]).
+//
+// The input of an MXFP4 projection (x for gate_up, act for down) is stored with each
+// group of 32 columns deinterleaved, even columns first — the order in which a group's
+// 16 code bytes hold them (low nibbles = even columns, high nibbles = odd):
+//
+//   natural   c0 c1 c2 c3 ... c30 c31      stored   c0 c2 ... c30 | c1 c3 ... c31
+//
+// so the kernels decode low and high nibbles straight into matching lanes.
 struct MoeProblem {
   Projection gate_up;        // rows 2I (gate/up interleaved), cols H
   Projection down;           // rows H, cols I
@@ -28,6 +36,7 @@ struct MoeProblem {
   float* act;                // [n + kPadRows, I] swiglu output
   float* y;                  // [n, H] weighted expert outputs
   const float* route_weight; // [n]
+  const float* half_scales;  // [256]: 2^(s - 128) for each E8M0 byte s (see moe_impl.h)
   float alpha, limit;
 };
 
@@ -40,6 +49,12 @@ struct Tile {
 // expert's rows must stay inside the buffers (their results are discarded).
 constexpr int64_t kPadRows = 8;
 constexpr int32_t kMaxTileRows = 64;
+
+// Where column j of an MXFP4 projection's input is stored (see above).
+inline int64_t fp4_column(int64_t j) {
+  const int64_t i = j % 32;
+  return j - i + (i % 2) * 16 + i / 2;
+}
 
 using TileFn = void (*)(const MoeProblem&, const Tile*, int64_t);
 

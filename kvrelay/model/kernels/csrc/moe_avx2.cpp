@@ -9,12 +9,13 @@
 namespace {
 
 struct V {
-  static constexpr int W = 8, NB = 4;
+  static constexpr int W = 8, NB = 4, kChains = 8, kChainsFp4 = 4;
   using T = __m256;
   static T zero() { return _mm256_setzero_ps(); }
   static T load(const float* p) { return _mm256_loadu_ps(p); }
   static T load_bf16(const uint16_t* p) {
-    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m128i bf16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m256i wide = _mm256_cvtepu16_epi32(bf16);
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
   }
   static T set1(float v) { return _mm256_set1_ps(v); }
@@ -33,12 +34,10 @@ struct V {
     const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
     const __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(packed, low4));
     const __m128i hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(packed, 4), low4));
-    const __m128i first = _mm_unpacklo_epi8(lo, hi);   // elements 0..15
-    const __m128i second = _mm_unpackhi_epi8(lo, hi);  // elements 16..31
-    out[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(first));
-    out[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(first, 8)));
-    out[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(second));
-    out[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(second, 8)));
+    out[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));   // even columns
+    out[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
+    out[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));   // odd columns
+    out[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
   }
 };
 

@@ -4,7 +4,7 @@
 namespace {
 
 struct V {
-  static constexpr int W = 1, NB = 4;
+  static constexpr int W = 1, NB = 4, kChains = 4, kChainsFp4 = 4;
   using T = float;
   static T zero() { return 0.0f; }
   static T load(const float* p) { return *p; }
@@ -22,8 +22,8 @@ struct V {
   static void fp4x2(const uint8_t* codes, T* out) {
     static const int8_t kDoubled[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
     for (int i = 0; i < 16; ++i) {
-      out[2 * i] = kDoubled[codes[i] & 0x0F];
-      out[2 * i + 1] = kDoubled[codes[i] >> 4];
+      out[i] = kDoubled[codes[i] & 0x0F];
+      out[16 + i] = kDoubled[codes[i] >> 4];
     }
   }
 };

@@ -2,10 +2,13 @@
 // once per ISA. Include this inside an anonymous namespace after defining `struct V`:
 //
 //   V::W            float lanes of V::T          V::NB  token rows per pass (4 or 8)
+//   V::kChains, V::kChainsFp4   accumulators to keep in flight (dense, MXFP4)
 //   zero() load(const float*) load_bf16(const uint16_t*) set1(float)
 //   mul(a, b) add(a, b) fma(a, b, c) = a·b + c   hsum(a) = Σ lanes
 //   fp4x2(const uint8_t* codes16, T out[32 / W])  one MXFP4 group as floats, each
-//                                                 2 × its e2m1 value (an integer in ±12)
+//                                                 2 × its e2m1 value (an integer in ±12),
+//                                                 low nibbles first (moe.h: column order)
+// hence the group scale 2^(s - 128) (MoeProblem::half_scales, a table: one load a group).
 //
 // MXFP4 is dequantised in registers: per group of 32 weights the doubled e2m1 values
 // are dotted with x and the partial sum is scaled once by 2^(scale-128) (the E8M0
@@ -23,12 +26,6 @@ inline float bits_to_float(uint32_t u) {
 
 inline float bf16_scalar(uint16_t b) { return bits_to_float(uint32_t(b) << 16); }
 
-// 2^(s - 128) for an E8M0 byte s; s = 0 and 1 give the subnormals 2^-128 and 2^-127.
-inline float half_scale(uint8_t s) {
-  if (s >= 2) return bits_to_float(uint32_t(s - 1) << 23);
-  return bits_to_float(s == 1 ? 0x00400000u : 0x00200000u);
-}
-
 struct F32Row {
   const float* p;
   VT load(int64_t k) const { return V::load(p + k); }
@@ -42,17 +39,21 @@ struct BF16Row {
 };
 
 // Dot products of one weight row with NT token rows x[t·ldx : t·ldx + K].
-// U independent accumulators per token keep the FMA pipes busy when NT is small.
+// U·NT independent accumulators keep both FMA pipes busy (latency 4: 8 chains) when NT
+// is small; MXFP4 needs more registers per chain, hence its own count (V::kChainsFp4).
 template <int NT>
 struct Dots {
-  static constexpr int U = NT >= 4 ? 1 : 4 / NT;
+  static constexpr int U = NT >= V::kChains ? 1 : V::kChains / NT;
+  static constexpr int UF = NT >= V::kChainsFp4 ? 1 : V::kChainsFp4 / NT;
 
+  // out[t] += Σ_{k0 ≤ k < K} row[k] · x[t·ldx + k]
   template <class Row>
-  static inline void dense(const Row& row, const float* x, int64_t ldx, int64_t K, float* out) {
+  static inline void dense(const Row& row, const float* x, int64_t ldx, int64_t k0, int64_t K,
+                           float* out) {
     VT acc[U][NT];
     for (int u = 0; u < U; ++u)
       for (int t = 0; t < NT; ++t) acc[u][t] = V::zero();
-    int64_t k = 0;
+    int64_t k = k0;
     for (; k + U * V::W <= K; k += U * V::W) {
       for (int u = 0; u < U; ++u) {
         const VT w = row.load(k + u * V::W);
@@ -71,24 +72,26 @@ struct Dots {
     }
   }
 
-  static inline void mxfp4(const uint8_t* codes, const uint8_t* scales, int64_t groups,
-                           const float* x, int64_t ldx, float* out) {
-    VT acc[U][NT];
-    for (int u = 0; u < U; ++u)
+  // out[t] += the same over groups [g0, groups) of 32 weights
+  static inline void mxfp4(const uint8_t* codes, const uint8_t* scales, const float* table,
+                           int64_t g0, int64_t groups, const float* x, int64_t ldx,
+                           float* out) {
+    VT acc[UF][NT];
+    for (int u = 0; u < UF; ++u)
       for (int t = 0; t < NT; ++t) acc[u][t] = V::zero();
-    int64_t g = 0;
-    for (; g + U <= groups; g += U)
-      for (int u = 0; u < U; ++u) group(codes, scales, g + u, x, ldx, acc[u]);
-    for (; g < groups; ++g) group(codes, scales, g, x, ldx, acc[0]);
+    int64_t g = g0;
+    for (; g + UF <= groups; g += UF)
+      for (int u = 0; u < UF; ++u) group(codes, table[scales[g + u]], g + u, x, ldx, acc[u]);
+    for (; g < groups; ++g) group(codes, table[scales[g]], g, x, ldx, acc[0]);
     finish(acc, out);
   }
 
-  static inline void group(const uint8_t* codes, const uint8_t* scales, int64_t g,
-                           const float* x, int64_t ldx, VT* acc) {
+  static inline void group(const uint8_t* codes, float half_scale, int64_t g, const float* x,
+                           int64_t ldx, VT* acc) {
     constexpr int C = 32 / V::W;
     VT w[C];
     V::fp4x2(codes + g * 16, w);
-    const VT scale = V::set1(half_scale(scales[g]));
+    const VT scale = V::set1(half_scale);
     const float* xg = x + g * 32;
     for (int t = 0; t < NT; ++t) {
       VT s = V::mul(w[0], V::load(xg + t * ldx));
@@ -97,51 +100,62 @@ struct Dots {
     }
   }
 
-  static inline void finish(VT (&acc)[U][NT], float* out) {
+  template <int N>
+  static inline void finish(VT (&acc)[N][NT], float* out) {
     for (int t = 0; t < NT; ++t) {
       VT s = acc[0][t];
-      for (int u = 1; u < U; ++u) s = V::add(s, acc[u][t]);
-      out[t] = V::hsum(s);
+      for (int u = 1; u < N; ++u) s = V::add(s, acc[u][t]);
+      out[t] += V::hsum(s);
     }
   }
 };
 
+// Columns [k0, k1) of row r of expert e against NT token rows; adds into out[0:NT].
 template <int NT>
-inline void row_dots(const kvrelay::Projection& w, int64_t e, int64_t r, const float* x,
-                     float* out) {
+inline void row_dots(const kvrelay::Projection& w, const float* table, int64_t e, int64_t r,
+                     int64_t k0, int64_t k1, const float* x, float* out) {
   const int64_t index = e * w.rows + r;
   if (w.format == kvrelay::kF32) {
-    Dots<NT>::dense(F32Row{static_cast<const float*>(w.data) + index * w.cols}, x, w.cols,
-                    w.cols, out);
+    Dots<NT>::dense(F32Row{static_cast<const float*>(w.data) + index * w.cols}, x, w.cols, k0,
+                    k1, out);
   } else if (w.format == kvrelay::kBF16) {
     Dots<NT>::dense(BF16Row{static_cast<const uint16_t*>(w.data) + index * w.cols}, x, w.cols,
-                    w.cols, out);
+                    k0, k1, out);
   } else {
     const int64_t groups = w.cols / 32;
     Dots<NT>::mxfp4(static_cast<const uint8_t*>(w.data) + index * groups * 16,
-                    w.scales + index * groups, groups, x, w.cols, out);
+                    w.scales + index * groups, table, k0 / 32, k1 / 32, x, w.cols, out);
   }
 }
+
+// Columns per pass: NB token rows × kChunk floats stay in L1 while a tile's weight rows
+// stream past them (a multiple of 32 and of every W).
+constexpr int64_t kChunk = 512;
 
 using TileOut = float[V::NB][kvrelay::kMaxTileRows];
 
 // h[t][r - row0] = x_t · W_e[r] for the n token rows of x, NB rows at a time; `epilogue`
 // consumes each block. With n ≤ NB (decode) every weight row is read exactly once.
 template <class Epilogue>
-inline void project(const kvrelay::Projection& w, const kvrelay::Tile& tile, const float* x,
-                    int64_t n, const Epilogue& epilogue) {
+inline void project(const kvrelay::Projection& w, const float* table, const kvrelay::Tile& tile,
+                    const float* x, int64_t n, const Epilogue& epilogue) {
   TileOut h;
   for (int64_t t0 = 0; t0 < n; t0 += V::NB) {
     const int64_t nt = n - t0 < V::NB ? n - t0 : V::NB;
     const float* xb = x + t0 * w.cols;
-    for (int32_t r = tile.row0; r < tile.row1; ++r) {
-      float o[V::NB];
-      if (nt == 1) row_dots<1>(w, tile.expert, r, xb, o);
-      else if (nt == 2) row_dots<2>(w, tile.expert, r, xb, o);
-      else if (nt <= 4 || V::NB == 4) row_dots<4>(w, tile.expert, r, xb, o);
-      else row_dots<V::NB>(w, tile.expert, r, xb, o);
-      for (int64_t t = 0; t < nt; ++t) h[t][r - tile.row0] = o[t];
+    float o[kvrelay::kMaxTileRows][V::NB] = {};
+    for (int64_t k0 = 0; k0 < w.cols; k0 += kChunk) {
+      const int64_t k1 = w.cols - k0 < kChunk ? w.cols : k0 + kChunk;
+      for (int32_t r = tile.row0; r < tile.row1; ++r) {
+        float* out = o[r - tile.row0];
+        if (nt == 1) row_dots<1>(w, table, tile.expert, r, k0, k1, xb, out);
+        else if (nt == 2) row_dots<2>(w, table, tile.expert, r, k0, k1, xb, out);
+        else if (nt <= 4 || V::NB == 4) row_dots<4>(w, table, tile.expert, r, k0, k1, xb, out);
+        else row_dots<V::NB>(w, table, tile.expert, r, k0, k1, xb, out);
+      }
     }
+    for (int32_t r = tile.row0; r < tile.row1; ++r)
+      for (int64_t t = 0; t < nt; ++t) h[t][r - tile.row0] = o[r - tile.row0][t];
     epilogue(t0, nt, h);
   }
 }
@@ -153,16 +167,18 @@ void gate_up_tiles(const kvrelay::MoeProblem& p, const kvrelay::Tile* tiles, int
     const kvrelay::Tile tile = tiles[i];
     const int64_t off = p.offsets[tile.expert], n = p.offsets[tile.expert + 1] - off;
     const float* bias = p.gate_up.bias ? p.gate_up.bias + tile.expert * p.gate_up.rows : nullptr;
-    project(p.gate_up, tile, p.x + off * H, n, [&](int64_t t0, int64_t nt, TileOut& h) {
+    const float* x = p.x + off * H;
+    project(p.gate_up, p.half_scales, tile, x, n, [&](int64_t t0, int64_t nt, TileOut& h) {
       for (int64_t t = 0; t < nt; ++t) {
         float* act = p.act + (off + t0 + t) * I;
+        const bool fp4_order = p.down.format == kvrelay::kMXFP4;
         for (int32_t r = tile.row0; r < tile.row1; r += 2) {
           float gate = h[t][r - tile.row0] + (bias ? bias[r] : 0.0f);
           float up = h[t][r + 1 - tile.row0] + (bias ? bias[r + 1] : 0.0f);
           gate = gate > p.limit ? p.limit : gate;
           up = up > p.limit ? p.limit : (up < -p.limit ? -p.limit : up);
           const float sig = 1.0f / (1.0f + __builtin_expf(-(gate * p.alpha)));
-          act[r / 2] = (up + 1.0f) * gate * sig;
+          act[fp4_order ? kvrelay::fp4_column(r / 2) : r / 2] = (up + 1.0f) * gate * sig;
         }
       }
     });
@@ -175,7 +191,8 @@ void down_tiles(const kvrelay::MoeProblem& p, const kvrelay::Tile* tiles, int64_
     const kvrelay::Tile tile = tiles[i];
     const int64_t off = p.offsets[tile.expert], n = p.offsets[tile.expert + 1] - off;
     const float* bias = p.down.bias ? p.down.bias + tile.expert * H : nullptr;
-    project(p.down, tile, p.act + off * I, n, [&](int64_t t0, int64_t nt, TileOut& h) {
+    const float* act = p.act + off * I;
+    project(p.down, p.half_scales, tile, act, n, [&](int64_t t0, int64_t nt, TileOut& h) {
       for (int64_t t = 0; t < nt; ++t) {
         const int64_t row = off + t0 + t;
         float* y = p.y + row * H;

@@ -10,6 +10,8 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <array>
+#include <cmath>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -54,6 +56,17 @@ std::vector<std::string> isa_names() {
   return names;
 }
 
+// 2^(s - 128) for every E8M0 byte s: the MXFP4 group scale, halved because the kernels
+// decode e2m1 values doubled (integers). s = 255 (NaN in E8M0) never occurs in checkpoints.
+const float* half_scales() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (int s = 0; s < 256; ++s) t[s] = std::ldexp(1.0f, s - 128);
+    return t;
+  }();
+  return table.data();
+}
+
 const float* optional_f32(const c10::optional<at::Tensor>& t, int64_t E, int64_t rows,
                           const char* what) {
   if (!t.has_value()) return nullptr;
@@ -67,7 +80,8 @@ const float* optional_f32(const c10::optional<at::Tensor>& t, int64_t E, int64_t
 Projection projection(const at::Tensor& w, const c10::optional<at::Tensor>& scales,
                       const c10::optional<at::Tensor>& bias, const char* what) {
   Projection p{};
-  TORCH_CHECK(w.is_contiguous() && w.device().is_cpu(), what, ": weights must be contiguous CPU tensors");
+  TORCH_CHECK(w.is_contiguous() && w.device().is_cpu(), what,
+              ": weights must be contiguous CPU tensors");
   if (w.scalar_type() == at::kByte) {
     TORCH_CHECK(w.dim() == 4 && w.size(3) == 16 && scales.has_value(), what,
                 ": MXFP4 codes must be [E, rows, groups, 16] with scales");
@@ -78,7 +92,8 @@ Projection projection(const at::Tensor& w, const c10::optional<at::Tensor>& scal
     p.scales = scales->data_ptr<uint8_t>();
     p.cols = w.size(2) * 32;
   } else {
-    TORCH_CHECK(w.dim() == 3 && !scales.has_value(), what, ": dense weights must be [E, rows, cols]");
+    TORCH_CHECK(w.dim() == 3 && !scales.has_value(), what,
+                ": dense weights must be [E, rows, cols]");
     TORCH_CHECK(w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16, what,
                 ": dense weights must be float32 or bfloat16");
     p.format = w.scalar_type() == at::kFloat ? kF32 : kBF16;
@@ -127,8 +142,8 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& route_weights,
   TORCH_CHECK(expert_ids.scalar_type() == at::kLong && expert_ids.dim() == 2 &&
                   expert_ids.size(0) == T && expert_ids.is_contiguous(),
               "moe_experts: expert_ids must be contiguous int64 [T, k]");
-  TORCH_CHECK(route_weights.scalar_type() == at::kFloat && route_weights.sizes() == expert_ids.sizes() &&
-                  route_weights.is_contiguous(),
+  TORCH_CHECK(route_weights.scalar_type() == at::kFloat &&
+                  route_weights.sizes() == expert_ids.sizes() && route_weights.is_contiguous(),
               "moe_experts: route_weights must be contiguous float32 [T, k]");
   const int64_t k = expert_ids.size(1);
   MoeProblem p{};
@@ -171,8 +186,15 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& route_weights,
   float* xsp = xs.data_ptr<float>();
   std::memset(xsp + n * H, 0, sizeof(float) * kPadRows * H);
   std::memset(act.data_ptr<float>() + n * I, 0, sizeof(float) * kPadRows * I);
+  const bool fp4_order = p.gate_up.format == kMXFP4;   // see moe.h
   for (int64_t r = 0; r < n; ++r) {
-    std::memcpy(xsp + r * H, xp + (choice[r] / k) * H, sizeof(float) * H);
+    const float* src = xp + (choice[r] / k) * H;
+    float* dst = xsp + r * H;
+    if (fp4_order) {
+      for (int64_t j = 0; j < H; ++j) dst[fp4_column(j)] = src[j];
+    } else {
+      std::memcpy(dst, src, sizeof(float) * H);
+    }
     weight[r] = rw[choice[r]];
   }
   p.offsets = offsets.data();
@@ -180,6 +202,7 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& route_weights,
   p.act = act.data_ptr<float>();
   p.y = ys.data_ptr<float>();
   p.route_weight = weight.data();
+  p.half_scales = half_scales();
   p.alpha = float(alpha);
   p.limit = float(limit);
 

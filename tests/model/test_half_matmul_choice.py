@@ -1,0 +1,61 @@
+"""Item 4 of issue 12: native half precision only where the running CPU has it."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from kvrelay.model.layers import linear as L
+
+
+@pytest.fixture
+def decide(monkeypatch):
+    """Re-decide with a given CPU (features as torch.cpu reports them) and env mode."""
+    def run(avx512_bf16: bool, amx: bool, mode: str | None = None) -> L.HalfMatmulChoice:
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+        if mode is None:
+            monkeypatch.delenv("KVRELAY_CPU_HALF_MATMUL", raising=False)
+        else:
+            monkeypatch.setenv("KVRELAY_CPU_HALF_MATMUL", mode)
+        L.cpu_half_matmul_in_fp32.cache_clear()
+        return L.half_matmul_choice()
+    yield run
+    L.cpu_half_matmul_in_fp32.cache_clear()
+
+
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+                    reason="this torch/CPU has no oneDNN bf16 path at all")
+@pytest.mark.parametrize("avx512_bf16,amx,features", [
+    (True, False, ("avx512_bf16",)), (False, True, ("amx",)), (True, True, ("amx", "avx512_bf16")),
+])
+def test_auto_is_native_with_native_bf16(decide, avx512_bf16, amx, features):
+    choice = decide(avx512_bf16, amx)
+    assert choice.native and choice.cpu_features == features
+    assert not L.upcasts(torch.zeros(2, 2, dtype=torch.bfloat16))
+
+
+def test_auto_computes_in_fp32_without_native_bf16(decide):
+    # AVX2-only, or AVX-512 without BF16 (Skylake-SP): oneDNN would emulate bf16
+    choice = decide(False, False)
+    assert not choice.native and "no AVX512-BF16 or AMX" in choice.reason
+    assert L.upcasts(torch.zeros(2, 2, dtype=torch.bfloat16))
+
+
+def test_env_overrides_the_cpu(decide):
+    assert decide(True, True, "fp32").native is False
+    assert decide(False, False, "native").native is True
+    assert "KVRELAY_CPU_HALF_MATMUL=native" in L.half_matmul_choice().reason
+
+
+def test_decided_and_logged_once_at_construction(decide, caplog):
+    decide(False, False)
+    L.cpu_half_matmul_in_fp32.cache_clear()
+    from kvrelay.model.parallel import ParallelContext
+    with caplog.at_level(logging.INFO, logger="kvrelay.model.layers.linear"):
+        layer = L.ColumnParallelLinear(32, 16, ParallelContext(), torch.bfloat16)
+        L.RowParallelLinear(16, 32, ParallelContext(), torch.bfloat16)
+        layer(torch.randn(8, 32).bfloat16())
+    lines = [r.getMessage() for r in caplog.records if "half-precision matmuls" in r.getMessage()]
+    assert lines == ["CPU half-precision matmuls: fp32 compute (no AVX512-BF16 or AMX on this CPU)"]
