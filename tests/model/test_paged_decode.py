@@ -93,3 +93,17 @@ def test_decode_kernel_reads_only_its_blocks():
     q, k, v = torch.randn(2, h, hd), torch.randn(2, kvh, hd), torch.randn(2, kvh, hd)
     out = _run(layer, True, q, k, v, cache, meta)
     assert torch.isfinite(out).all()
+
+
+def test_native_write_kv_matches_reference_and_skips_padding():
+    from kvrelay.model.layers.attention import write_kv
+    torch.manual_seed(4)
+    B, NB, kvh, hd = 4, 8, 3, 5
+    k, v = torch.randn(6, kvh, hd).to(torch.bfloat16), torch.randn(6, kvh, hd).to(torch.bfloat16)
+    slots = torch.tensor([5, -1, 0, 31, 12, -1])
+    ref = torch.zeros(2, NB, kvh, B, hd, dtype=torch.bfloat16)
+    got = ref.clone()
+    write_kv(ref, k, v, slots, B)
+    paged_decode.write_kv(got, k, v, slots)
+    assert torch.equal(got, ref)
+    assert int((got != 0).any(dim=(2, 4)).sum()) == 2 * 4        # 4 slots written, K and V

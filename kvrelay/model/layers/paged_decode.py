@@ -37,6 +37,7 @@ _CPP = r"""
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -102,6 +103,35 @@ static void decode_kernel(const T* q, const T* kv, const int64_t* table, const i
   });
 }
 
+// new keys/values [T, kvh, hd] into their slots (block * B + offset; -1: not written)
+void write_kv(torch::Tensor kv_cache, torch::Tensor k, torch::Tensor v, torch::Tensor slots) {
+  TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dim() == 5, "kv_cache [2,NB,kvh,B,hd]");
+  TORCH_CHECK(k.scalar_type() == kv_cache.scalar_type() && v.scalar_type() == k.scalar_type(),
+              "k, v and kv_cache dtypes differ");
+  k = k.contiguous();
+  v = v.contiguous();
+  auto sl = slots.to(torch::kInt64).contiguous();
+  const int64_t T = k.size(0), NB = kv_cache.size(1), KVH = kv_cache.size(2);
+  const int64_t B = kv_cache.size(3), D = kv_cache.size(4);
+  TORCH_CHECK(k.size(1) == KVH && k.size(2) == D && sl.size(0) == T, "k/v/slot shapes");
+  const int64_t esize = kv_cache.element_size();
+  char* cache = static_cast<char*>(kv_cache.data_ptr());
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  const int64_t* s = sl.data_ptr<int64_t>();
+  const int64_t v_off = NB * KVH * B * D;
+  for (int64_t t = 0; t < T; ++t) {
+    if (s[t] < 0) continue;
+    TORCH_CHECK(s[t] < NB * B, "slot out of range");
+    const int64_t blk = s[t] / B, off = s[t] % B;
+    for (int64_t h = 0; h < KVH; ++h) {
+      const int64_t dst = ((blk * KVH + h) * B + off) * D;
+      std::memcpy(cache + dst * esize, kp + (t * KVH + h) * D * esize, D * esize);
+      std::memcpy(cache + (dst + v_off) * esize, vp + (t * KVH + h) * D * esize, D * esize);
+    }
+  }
+}
+
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_table,
                            torch::Tensor seq_lens, torch::Tensor sinks, double scale,
                            int64_t window) {
@@ -126,7 +156,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv_cache, torch::Tenso
 }
 """
 
-_FUNCTIONS = ["paged_decode"]
+_FUNCTIONS = ["paged_decode", "write_kv"]
 
 
 def _isa_key() -> str:
@@ -177,3 +207,17 @@ def _(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_le
 
 def available(device: torch.device) -> bool:
     return device.type == "cpu" and extension() is not None
+
+
+def decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+           seq_lens: torch.Tensor, sinks: torch.Tensor, scale: float, window: int) -> torch.Tensor:
+    """`paged_decode`; eager calls go straight to the extension (the custom op's Python
+    dispatch costs more than the kernel on small steps), traced ones through the op."""
+    if torch.compiler.is_compiling():
+        return paged_decode(q, kv_cache, block_table, seq_lens, sinks, scale, window)
+    return extension().paged_decode(q, kv_cache, block_table, seq_lens, sinks, scale, window)
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """Copies each new token's K and V rows into its slot (one memcpy per KV head)."""
+    extension().write_kv(kv_cache, k.to(kv_cache.dtype), v.to(kv_cache.dtype), slots)
