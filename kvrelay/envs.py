@@ -63,8 +63,14 @@ ATTENTION_KERNEL = EnvVar("KVRELAY_ATTENTION_KERNEL", None, "auto",
                           "decode attention on CPU: 'auto' (the C++ paged kernel, built on first use; "
                           "the PyTorch reference path if it cannot be built) or 'reference'")
 
+SINGLE_THREAD_STEP_MACS = EnvVar(
+    "KVRELAY_SINGLE_THREAD_STEP_MACS", None, "16e6",
+    "CPU: a step under this many multiply-adds runs on one thread (intra-op parallelism of "
+    "small ops costs more in barriers than it saves, and collapses when cores are shared); 0: never")
+
 ALL = (SIDE_CHANNEL_HOST, SIDE_CHANNEL_PORT, ENGINE_READY_TIMEOUT_S, EXECUTE_MODEL_TIMEOUT_S,
-       COMPILATION_TIMEOUT_S, VISIBLE_DEVICES, CACHE_DIR, CPU_HALF_MATMUL, ATTENTION_KERNEL)
+       COMPILATION_TIMEOUT_S, VISIBLE_DEVICES, CACHE_DIR, CPU_HALF_MATMUL, ATTENTION_KERNEL,
+       SINGLE_THREAD_STEP_MACS)
 
 
 def parse_id_list(text: str) -> list[int]:

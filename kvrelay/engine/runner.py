@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from kvrelay import envs
 from kvrelay.model.gpt_oss import GptOssModel
 from kvrelay.model.layers.attention import AttentionMetadata
 
@@ -74,6 +75,13 @@ class ModelRunner:
         self.num_groups = max(model.layer_groups) + 1
         logger.info("KV cache: %d blocks of %d tokens, %.1f MiB", num_blocks, block_size,
                     sum(t.nbytes for t in self.kv_tensors) / 2**20)
+        # small steps on one thread: every op of a small step is a parallel region whose
+        # barrier costs more than the split saves, and on shared cores a preempted thread
+        # stalls its partner at every barrier (measured: 2 threads 50x slower than 1 under load)
+        self.max_threads = torch.get_num_threads()
+        self.single_thread_macs = (envs.SINGLE_THREAD_STEP_MACS.as_float() or 0.0
+                                   if self.device.type == "cpu" else 0.0)
+        self.token_macs, self.row_macs = step_macs(model)
 
     def prepare(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         if step.num_decodes == len(step.query_lens):
@@ -114,6 +122,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, step: StepInput) -> torch.Tensor:
         """Runs the step; returns float32 logits [len(logits_rows), V] on the CPU."""
+        self._set_threads(len(step.token_ids), len(step.logits_rows))
         ids, positions, meta = self.prepare(step)
         if step.dp_token_counts is not None:        # MoE layers gather all replicas' tokens
             self.model.ctx.expert_group.begin_step(step.dp_token_counts)
@@ -121,6 +130,14 @@ class ModelRunner:
         rows = torch.tensor(step.logits_rows, dtype=torch.int64, device=self.device)
         return self.model.compute_logits(hidden[rows]).cpu()
 
+
+    def _set_threads(self, tokens: int, rows: int) -> None:
+        if self.max_threads <= 1 or not self.single_thread_macs:
+            return
+        macs = tokens * self.token_macs + rows * self.row_macs
+        threads = 1 if macs < self.single_thread_macs else self.max_threads
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
 
     def warmup(self) -> float:
         """One small prefill and one decode through the model (first-call kernel setup)
@@ -132,6 +149,17 @@ class ModelRunner:
         self.execute(StepInput([0] * n, [n], [0], tables, [n - 1]))
         self.execute(StepInput([0], [1], [n - 1], tables, [0], num_decodes=1))
         return time.perf_counter() - t0
+
+
+def step_macs(model: GptOssModel) -> tuple[int, int]:
+    """Multiply-adds per token through the layers (attention projections, router, the
+    top-k experts), and per logits row (the LM head), for this rank."""
+    c = model.config
+    attn = c.hidden_size * (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim \
+        + c.num_attention_heads * c.head_dim * c.hidden_size
+    moe = c.hidden_size * c.num_local_experts + 3 * c.num_experts_per_tok * c.hidden_size * c.intermediate_size
+    tp = model.ctx.tp_size
+    return c.num_hidden_layers * (attn + moe) // tp, c.vocab_size * c.hidden_size // tp
 
 
 def _pad_table(rows: list[list[int]]) -> torch.Tensor:

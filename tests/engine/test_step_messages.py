@@ -51,3 +51,20 @@ def test_greedy_fast_path_keeps_bans_and_logprobs():
     assert out.logprobs[0] is None and out.logprobs[1] is None and 3 in out.logprobs[2]
     fast = Sampler()(logits[:2], [reqs[0], reqs[0]])
     assert fast.token_ids == [3, 3] and fast.logprobs == [None, None]
+
+
+def test_small_steps_run_on_one_thread(make_llm):
+    runner = make_llm().engine.runner
+    before = torch.get_num_threads()
+    try:
+        runner.max_threads, runner.single_thread_macs = 2, 1e6
+        small = int(1e6 // runner.token_macs) - 1               # just under the threshold
+        runner._set_threads(small, 0)
+        assert torch.get_num_threads() == 1
+        runner._set_threads(small + 2, 1)                        # over it: all threads again
+        assert torch.get_num_threads() == 2
+        runner.single_thread_macs = 0.0                          # 0 turns the policy off
+        runner._set_threads(1, 1)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
