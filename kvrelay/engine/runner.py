@@ -104,7 +104,8 @@ class ModelRunner:
         ids = torch.tensor(step.token_ids, dtype=torch.int64, device=dev)
         return ids, positions.to(dev), meta
 
-    def _prepare_decodes(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def _prepare_decodes(self, step: StepInput
+                         ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """A decode-only step: token i of sequence i sits at position starts[i]."""
         dev, B, S = self.device, self.block_size, len(step.starts)
         positions = torch.tensor(step.starts, dtype=torch.int64)
@@ -157,7 +158,8 @@ def step_macs(model: GptOssModel) -> tuple[int, int]:
     c = model.config
     attn = c.hidden_size * (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim \
         + c.num_attention_heads * c.head_dim * c.hidden_size
-    moe = c.hidden_size * c.num_local_experts + 3 * c.num_experts_per_tok * c.hidden_size * c.intermediate_size
+    experts = 3 * c.num_experts_per_tok * c.hidden_size * c.intermediate_size
+    moe = c.hidden_size * c.num_local_experts + experts
     tp = model.ctx.tp_size
     return c.num_hidden_layers * (attn + moe) // tp, c.vocab_size * c.hidden_size // tp
 
@@ -166,4 +168,5 @@ def _pad_table(rows: list[list[int]]) -> torch.Tensor:
     """Block ids per sequence, zero-padded to the widest: one tensor built in one call
     (a `torch.tensor` per row costs microseconds each, per group, per step)."""
     width = max((len(r) for r in rows), default=0) or 1
-    return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int64).view(-1, width)
+    padded = [r + [0] * (width - len(r)) for r in rows]
+    return torch.tensor(padded, dtype=torch.int64).view(-1, width)

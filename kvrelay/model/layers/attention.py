@@ -156,8 +156,8 @@ class PagedAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q [T, h, hd], k/v [T, kvh, hd] → [T, h, hd]."""
-        native = self.use_kernel and kernel.available(q.device) and not torch.compiler.is_compiling()
-        if native and kv_cache.is_contiguous():
+        native = self.use_kernel and kernel.available(q.device)
+        if native and kv_cache.is_contiguous() and not torch.compiler.is_compiling():
             kernel.write_kv(kv_cache, k, v, meta.slot_mappings[self.group])
         else:
             write_kv(kv_cache, k, v, meta.slot_mappings[self.group], meta.block_size)

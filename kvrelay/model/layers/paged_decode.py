@@ -17,6 +17,7 @@ the source and the CPU's ISA flags, cached in torch's extension folder). Where i
 be built (no compiler) the caller keeps the pure-PyTorch reference path, with one warning.
 `KVRELAY_ATTENTION_KERNEL=reference` forces the reference path.
 """
+
 from __future__ import annotations
 
 import functools
@@ -164,8 +165,13 @@ def _isa_key() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
-                return " ".join(sorted(f for f in line.split(":", 1)[1].split()
-                                       if f.startswith(("avx", "amx", "fma", "sse", "f16c"))))
+                return " ".join(
+                    sorted(
+                        f
+                        for f in line.split(":", 1)[1].split()
+                        if f.startswith(("avx", "amx", "fma", "sse", "f16c"))
+                    )
+                )
     except OSError:
         pass
     return torch.backends.cpu.get_cpu_capability()
@@ -179,20 +185,35 @@ def extension() -> Any | None:
     key = hashlib.sha256((_CPP + _isa_key() + torch.__version__).encode()).hexdigest()[:12]
     try:
         from torch.utils.cpp_extension import load_inline
-        return load_inline(f"kvrelay_paged_decode_{key}", cpp_sources=[_CPP], functions=_FUNCTIONS,
-                           extra_cflags=["-O3", "-march=native"], verbose=False)
+
+        return load_inline(
+            f"kvrelay_paged_decode_{key}",
+            cpp_sources=[_CPP],
+            functions=_FUNCTIONS,
+            extra_cflags=["-O3", "-march=native"],
+            verbose=False,
+        )
     except (RuntimeError, OSError, ImportError, subprocess.CalledProcessError) as e:
         # no compiler, no headers, a failed build: keep the reference path working
-        logger.warning("paged decode attention kernel unavailable (%s: %s); using the "
-                       "PyTorch reference path (gathers the context every step)",
-                       type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        logger.warning(
+            "paged decode attention kernel unavailable (%s: %s); using the "
+            "PyTorch reference path (gathers the context every step)",
+            type(e).__name__,
+            str(e).splitlines()[0] if str(e) else "",
+        )
         return None
 
 
 @torch.library.custom_op("kvrelay::paged_decode", mutates_args=())
-def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                 seq_lens: torch.Tensor, sinks: torch.Tensor, scale: float,
-                 window: int) -> torch.Tensor:
+def paged_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sinks: torch.Tensor,
+    scale: float,
+    window: int,
+) -> torch.Tensor:
     """Decode attention over the paged cache (see the module docstring); needs extension()."""
     ext = extension()
     assert ext is not None, "paged_decode called without the compiled kernel"
@@ -200,8 +221,15 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Ten
 
 
 @paged_decode.register_fake
-def _(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-      sinks: torch.Tensor, scale: float, window: int) -> torch.Tensor:
+def _(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sinks: torch.Tensor,
+    scale: float,
+    window: int,
+) -> torch.Tensor:
     return torch.empty_like(q)
 
 
@@ -209,8 +237,15 @@ def available(device: torch.device) -> bool:
     return device.type == "cpu" and extension() is not None
 
 
-def decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-           seq_lens: torch.Tensor, sinks: torch.Tensor, scale: float, window: int) -> torch.Tensor:
+def decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sinks: torch.Tensor,
+    scale: float,
+    window: int,
+) -> torch.Tensor:
     """`paged_decode`; eager calls go straight to the extension (the custom op's Python
     dispatch costs more than the kernel on small steps), traced ones through the op."""
     if torch.compiler.is_compiling():
