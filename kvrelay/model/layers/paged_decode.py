@@ -12,9 +12,12 @@ The learned sink joins the softmax denominator at the end: softmax over [scores,
 with the sink column dropped, the same as the reference path's `out · sigmoid(lse − sink)`.
 
 The kernel is C++ compiled on first use with `torch.utils.cpp_extension.load_inline`
-(`-O3 -march=native`: built on and for the CPU it runs on, the extension name keyed by
-the source and the CPU's ISA flags, cached in torch's extension folder). Where it cannot
-be built (no compiler) the caller keeps the pure-PyTorch reference path, with one warning.
+(`-O3 -march=native -fopenmp-simd`: built on and for the CPU it runs on, the extension
+name keyed by the source, the torch version and the CPU's ISA flags, cached in torch's
+extension folder). The loops over keys and head dims vectorise: reductions through
+`omp simd`, exp through a branch-free polynomial (std::exp would need -ffast-math).
+Where it cannot be built (no compiler) the caller keeps the pure-PyTorch reference path,
+with one warning.
 `KVRELAY_ATTENTION_KERNEL=reference` forces the reference path.
 """
 
@@ -42,6 +45,26 @@ _CPP = r"""
 #include <limits>
 #include <vector>
 
+// exp(x) for x <= 0 in float: x = n ln2 + r, |r| <= ln2/2, a degree-6 polynomial for e^r
+// and 2^n through the exponent bits. Branch-free so the loops over keys vectorise
+// (std::exp does not without -ffast-math); relative error ~2e-7, below x = -87 it returns 0.
+static inline float exp_neg(float x) {
+  x = std::max(x, -87.f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
 template <typename T>
 static void decode_kernel(const T* q, const T* kv, const int64_t* table, const int64_t* lens,
                           const float* sinks, T* out, int64_t S, int64_t H, int64_t KVH,
@@ -50,7 +73,7 @@ static void decode_kernel(const T* q, const T* kv, const int64_t* table, const i
   const int64_t G = H / KVH;
   const int64_t v_off = NB * KVH * B * D;            // K plane, then V plane
   at::parallel_for(0, S * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), acc(G * D), m(G), l(G), s(G * B);
+    std::vector<float> qf(G * D), acc(G * D), m(G), l(G), s(G * B), kf(B * D), vf(B * D);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t seq = task / KVH, kh = task % KVH;
       const int64_t len = lens[seq];
@@ -66,29 +89,39 @@ static void decode_kernel(const T* q, const T* kv, const int64_t* table, const i
         const int64_t n = std::min<int64_t>(B - off0, len - p0);   // positions in this block
         const T* kb = kv + ((blk * KVH + kh) * B + off0) * D;
         const T* vb = kb + v_off;
+        // this block's keys and values in fp32 once, shared by the group's query heads
+        for (int64_t i = 0; i < n * D; ++i) kf[i] = static_cast<float>(kb[i]);
+        for (int64_t i = 0; i < n * D; ++i) vf[i] = static_cast<float>(vb[i]);
         for (int64_t g = 0; g < G; ++g) {
           const float* qg = qf.data() + g * D;
           float* sg = s.data() + g * B;
           float mx = m[g];
           for (int64_t j = 0; j < n; ++j) {
-            const T* k = kb + j * D;
+            const float* k = kf.data() + j * D;
             float dot = 0.f;
-            for (int64_t d = 0; d < D; ++d) dot += qg[d] * static_cast<float>(k[d]);
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < D; ++d) dot += qg[d] * k[d];
             sg[j] = dot;
             mx = std::max(mx, dot);
           }
-          const float c = std::exp(m[g] - mx);
+          const float c = std::isinf(m[g]) ? 0.f : exp_neg(m[g] - mx);   // first block
+          float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t j = 0; j < n; ++j) {
+            sg[j] = exp_neg(sg[j] - mx);
+            sum += sg[j];
+          }
           float* ag = acc.data() + g * D;
-          float sum = l[g] * c;
+#pragma omp simd
           for (int64_t d = 0; d < D; ++d) ag[d] *= c;
           for (int64_t j = 0; j < n; ++j) {
-            const float e = std::exp(sg[j] - mx);
-            sum += e;
-            const T* v = vb + j * D;
-            for (int64_t d = 0; d < D; ++d) ag[d] += e * static_cast<float>(v[d]);
+            const float e = sg[j];
+            const float* v = vf.data() + j * D;
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) ag[d] += e * v[d];
           }
           m[g] = mx;
-          l[g] = sum;
+          l[g] = l[g] * c + sum;
         }
         p0 += n;
       }
@@ -96,8 +129,8 @@ static void decode_kernel(const T* q, const T* kv, const int64_t* table, const i
       for (int64_t g = 0; g < G; ++g) {
         const float sink = sinks[kh * G + g];
         const float mx = std::max(m[g], sink);
-        const float denom = l[g] * std::exp(m[g] - mx) + std::exp(sink - mx);
-        const float f = std::exp(m[g] - mx) / denom;
+        const float c = exp_neg(m[g] - mx);
+        const float f = c / (l[g] * c + exp_neg(sink - mx));
         for (int64_t d = 0; d < D; ++d) os[g * D + d] = static_cast<T>(acc[g * D + d] * f);
       }
     }
@@ -190,7 +223,7 @@ def extension() -> Any | None:
             f"kvrelay_paged_decode_{key}",
             cpp_sources=[_CPP],
             functions=_FUNCTIONS,
-            extra_cflags=["-O3", "-march=native"],
+            extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
             verbose=False,
         )
     except (RuntimeError, OSError, ImportError, subprocess.CalledProcessError) as e:
