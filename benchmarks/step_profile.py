@@ -13,6 +13,7 @@ Served part (--serve): `kvrelay serve` on the same checkpoint, `kvrelay bench se
 concurrency 1 with the same lengths; median ITL − the engine's step = the API process,
 IPC, SSE and client share of a token.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,15 +36,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import CONFIGS, ROOT, build_checkpoint, log
 
 SPANS: dict[str, list[int]] = defaultdict(list)
+CLOCK = time.perf_counter_ns  # --cpu-time: time.thread_time_ns (1 thread; robust to load)
 
 
 def _timed(name: str, fn: Callable) -> Callable:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter_ns()
+        t0 = CLOCK()
         try:
             return fn(*args, **kwargs)
         finally:
-            SPANS[name].append(time.perf_counter_ns() - t0)
+            SPANS[name].append(CLOCK() - t0)
+
     return wrapper
 
 
@@ -62,32 +65,37 @@ def instrument(engine: Any) -> None:
     engine.step = _timed("step (total)", engine.step)
 
 
-def engine_profile(model: str, prompt_len: int, tokens: int, engine_args: dict[str, Any]) -> dict[str, Any]:
+def engine_profile(
+    model: str, prompt_len: int, tokens: int, engine_args: dict[str, Any]
+) -> dict[str, Any]:
     import torch
 
     from kvrelay.config import EngineArgs
     from kvrelay.engine.core import LLMEngine
     from kvrelay.engine.core_proc import as_delta, engine_stats
     from kvrelay.sampling_params import SamplingParams
+
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
     engine = LLMEngine(EngineArgs(model=model, **engine_args))
     instrument(engine)
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-    for rep in range(2):                              # the first request warms caches up
+    for rep in range(2):  # the first request warms caches up
         SPANS.clear()
         engine.add_request(f"r{rep}", list(range(1, prompt_len + 1)), params)
         steps = 0
         while engine.has_unfinished_requests():
             outputs = engine.step()
-            t0 = time.perf_counter_ns()
+            t0 = CLOCK()
             stats = engine_stats(engine)
             blob = pickle.dumps(("outputs", [as_delta(o) for o in outputs], stats))
-            SPANS["message (delta+stats+pickle)"].append(time.perf_counter_ns() - t0)
+            SPANS["message (delta+stats+pickle)"].append(CLOCK() - t0)
             SPANS["message bytes"].append(len(blob))
             steps += 1
     # decode steps only: drop the prefill step (the first)
-    return {name: statistics.median(v[1:] if len(v) > 1 else v) / (1 if "bytes" in name else 1e6)
-            for name, v in SPANS.items()} | {"steps": steps}
+    return {
+        name: statistics.median(v[1:] if len(v) > 1 else v) / (1 if "bytes" in name else 1e6)
+        for name, v in SPANS.items()
+    } | {"steps": steps}
 
 
 def served_itl(model: str, prompt_len: int, tokens: int, serve_args: list[str]) -> dict[str, Any]:
@@ -95,22 +103,54 @@ def served_itl(model: str, prompt_len: int, tokens: int, serve_args: list[str]) 
     server = _server_with(model, serve_args, out_dir)
     try:
         server.wait_ready()
-        cmd = [sys.executable, "-m", "kvrelay.cli", "bench", "serve", "--base-url", server.url,
-               "--model", "bench", "--random-input-len", str(prompt_len), "--random-output-len",
-               str(tokens), "--num-prompts", "8", "--max-concurrency", "1", "--ignore-eos",
-               "--save-result", "--result-dir", str(out_dir), "--result-filename", "c1.json",
-               "--no-plot", "--disable-tqdm", "--tokenizer", model]
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvrelay.cli",
+            "bench",
+            "serve",
+            "--base-url",
+            server.url,
+            "--model",
+            "bench",
+            "--random-input-len",
+            str(prompt_len),
+            "--random-output-len",
+            str(tokens),
+            "--num-prompts",
+            "8",
+            "--max-concurrency",
+            "1",
+            "--ignore-eos",
+            "--save-result",
+            "--result-dir",
+            str(out_dir),
+            "--result-filename",
+            "c1.json",
+            "--no-plot",
+            "--disable-tqdm",
+            "--tokenizer",
+            model,
+        ]
         cpu0, client0 = process_cpu(server.pid), resource.getrusage(resource.RUSAGE_CHILDREN)
         subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=900)
         cpu1, client1 = process_cpu(server.pid), resource.getrusage(resource.RUSAGE_CHILDREN)
         res = json.loads((out_dir / "c1.json").read_text())
         tokens = res["total_output_tokens"]
-        per_token = {f"cpu_ms_per_token.{name}": round(1e3 * (cpu1[name] - cpu0.get(name, 0)) / tokens, 3)
-                     for name in cpu1}
-        per_token["cpu_ms_per_token.bench client"] = round(1e3 * (
-            client1.ru_utime + client1.ru_stime - client0.ru_utime - client0.ru_stime) / tokens, 3)
-        return {k: res.get(k) for k in ("median_itl_ms", "median_tpot_ms", "median_ttft_ms",
-                                          "output_throughput")} | per_token
+        per_token = {
+            f"cpu_ms_per_token.{name}": round(1e3 * (cpu1[name] - cpu0.get(name, 0)) / tokens, 3)
+            for name in cpu1
+        }
+        per_token["cpu_ms_per_token.bench client"] = round(
+            1e3
+            * (client1.ru_utime + client1.ru_stime - client0.ru_utime - client0.ru_stime)
+            / tokens,
+            3,
+        )
+        return {
+            k: res.get(k)
+            for k in ("median_itl_ms", "median_tpot_ms", "median_ttft_ms", "output_throughput")
+        } | per_token
     finally:
         server.stop()
 
@@ -141,6 +181,7 @@ def process_cpu(pid: int) -> dict[str, float]:
 
 def _server_with(model: str, serve_args: list[str], out_dir: Path) -> Any:
     import serve_throughput
+
     old = serve_throughput.SERVER_FLAGS
     serve_throughput.SERVER_FLAGS = [*old, *serve_args]
     try:
@@ -157,15 +198,30 @@ def main() -> None:
     ap.add_argument("--serve", action="store_true")
     ap.add_argument("--eager", action="store_true", help="--enforce-eager for both parts")
     ap.add_argument("--out", type=Path)
+    ap.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="engine spans in CPU time of the (single) compute thread: comparable "
+        "across runs on a loaded machine, where wall time measures the queue",
+    )
     a = ap.parse_args()
+    if a.cpu_time:
+        global CLOCK
+        CLOCK = time.thread_time_ns
+        os.environ["BENCH_THREADS"] = "1"
     model = str(build_checkpoint("tiny", CONFIGS["tiny"])) if a.model == "tiny" else a.model
     engine_args: dict[str, Any] = {"dtype": "bfloat16", "max_model_len": 512, "max_num_seqs": 64}
     serve_args: list[str] = []
     if a.eager:
         engine_args["enforce_eager"] = True
         serve_args.append("--enforce-eager")
-    result: dict[str, Any] = {"model": model, "load": os.getloadavg(), "eager": a.eager,
-                              "engine_ms": engine_profile(model, a.prompt_len, a.tokens, engine_args)}
+    result: dict[str, Any] = {
+        "model": model,
+        "load": os.getloadavg(),
+        "eager": a.eager,
+        "clock": "thread CPU time" if a.cpu_time else "wall",
+        "engine_ms": engine_profile(model, a.prompt_len, a.tokens, engine_args),
+    }
     if a.serve:
         result["served"] = served_itl(model, a.prompt_len, a.tokens, serve_args)
     result["load_after"] = os.getloadavg()

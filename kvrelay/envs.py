@@ -86,6 +86,11 @@ ATTENTION_KERNEL = EnvVar("KVRELAY_ATTENTION_KERNEL", None, "auto",
                           "decode attention on CPU: 'auto' (the C++ paged kernel, built on first use; "
                           "the PyTorch reference path if it cannot be built) or 'reference'")
 
+SINGLE_THREAD_STEP_MACS = EnvVar(
+    "KVRELAY_SINGLE_THREAD_STEP_MACS", None, "16e6",
+    "CPU: a step under this many multiply-adds runs on one thread (intra-op parallelism of "
+    "small ops costs more in barriers than it saves, and collapses when cores are shared); 0: never")
+
 
 def parse_id_list(text: str) -> list[int]:
     """"0-3,6" → [0, 1, 2, 3, 6] (the NEURON_VISIBLE_DEVICES syntax)."""

@@ -25,3 +25,12 @@ def _quiet_transformers():
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
     yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _paged_decode_kernel():
+    """Build the C++ decode-attention kernel once, before any test starts a server: it is
+    cached on disk, and a cold build (20 s quiet, minutes on a loaded machine) inside an
+    engine's warm-up would eat the server fixtures' start-up timeout."""
+    from kvrelay.model.layers import paged_decode
+    paged_decode.extension()

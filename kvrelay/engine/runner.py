@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from kvrelay import envs
 from kvrelay.model.gpt_oss import GptOssModel
 from kvrelay.model.layers.attention import AttentionMetadata
 
@@ -74,6 +75,13 @@ class ModelRunner:
         self.num_groups = max(model.layer_groups) + 1
         logger.info("KV cache: %d blocks of %d tokens, %.1f MiB", num_blocks, block_size,
                     sum(t.nbytes for t in self.kv_tensors) / 2**20)
+        # small steps on one thread: every op of a small step is a parallel region whose
+        # barrier costs more than the split saves, and on shared cores a preempted thread
+        # stalls its partner at every barrier (measured: 2 threads 50x slower than 1 under load)
+        self.max_threads = torch.get_num_threads()
+        self.single_thread_macs = (envs.SINGLE_THREAD_STEP_MACS.as_float() or 0.0
+                                   if self.device.type == "cpu" else 0.0)
+        self.token_macs, self.row_macs = step_macs(model)
 
     def prepare(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         if step.num_decodes == len(step.query_lens):
@@ -96,7 +104,8 @@ class ModelRunner:
         ids = torch.tensor(step.token_ids, dtype=torch.int64, device=dev)
         return ids, positions.to(dev), meta
 
-    def _prepare_decodes(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def _prepare_decodes(self, step: StepInput
+                         ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """A decode-only step: token i of sequence i sits at position starts[i]."""
         dev, B, S = self.device, self.block_size, len(step.starts)
         positions = torch.tensor(step.starts, dtype=torch.int64)
@@ -114,6 +123,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, step: StepInput) -> torch.Tensor:
         """Runs the step; returns float32 logits [len(logits_rows), V] on the CPU."""
+        self._set_threads(len(step.token_ids), len(step.logits_rows))
         ids, positions, meta = self.prepare(step)
         if step.dp_token_counts is not None:        # MoE layers gather all replicas' tokens
             self.model.ctx.expert_group.begin_step(step.dp_token_counts)
@@ -121,6 +131,14 @@ class ModelRunner:
         rows = torch.tensor(step.logits_rows, dtype=torch.int64, device=self.device)
         return self.model.compute_logits(hidden[rows]).cpu()
 
+
+    def _set_threads(self, tokens: int, rows: int) -> None:
+        if self.max_threads <= 1 or not self.single_thread_macs:
+            return
+        macs = tokens * self.token_macs + rows * self.row_macs
+        threads = 1 if macs < self.single_thread_macs else self.max_threads
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
 
     def warmup(self) -> float:
         """One small prefill and one decode through the model (first-call kernel setup)
@@ -134,8 +152,21 @@ class ModelRunner:
         return time.perf_counter() - t0
 
 
+def step_macs(model: GptOssModel) -> tuple[int, int]:
+    """Multiply-adds per token through the layers (attention projections, router, the
+    top-k experts), and per logits row (the LM head), for this rank."""
+    c = model.config
+    attn = c.hidden_size * (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim \
+        + c.num_attention_heads * c.head_dim * c.hidden_size
+    experts = 3 * c.num_experts_per_tok * c.hidden_size * c.intermediate_size
+    moe = c.hidden_size * c.num_local_experts + experts
+    tp = model.ctx.tp_size
+    return c.num_hidden_layers * (attn + moe) // tp, c.vocab_size * c.hidden_size // tp
+
+
 def _pad_table(rows: list[list[int]]) -> torch.Tensor:
     """Block ids per sequence, zero-padded to the widest: one tensor built in one call
     (a `torch.tensor` per row costs microseconds each, per group, per step)."""
     width = max((len(r) for r in rows), default=0) or 1
-    return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int64).view(-1, width)
+    padded = [r + [0] * (width - len(r)) for r in rows]
+    return torch.tensor(padded, dtype=torch.int64).view(-1, width)

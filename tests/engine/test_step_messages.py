@@ -1,4 +1,5 @@
 """Per-step work: the engine→API message per step, and the sampler's all-greedy fast path."""
+
 from __future__ import annotations
 
 import asyncio
@@ -22,7 +23,7 @@ def test_prompt_travels_once_and_the_client_still_sees_it(make_llm):
     messages = []
     while engine.has_unfinished_requests():
         messages += _deltas(engine.step(), announced)
-    assert len(messages) == 6 and not announced           # finished requests are forgotten
+    assert len(messages) == 6 and not announced  # finished requests are forgotten
     first, later = messages[0], messages[1:]
     assert first.prompt_token_ids == prompt
     assert all(m.prompt_token_ids == [] and m.prompt is None for m in later)
@@ -42,12 +43,32 @@ def _request(rid: str, **params) -> Request:
 
 def test_greedy_fast_path_keeps_bans_and_logprobs():
     logits = torch.zeros(3, 10)
-    logits[:, 3] = 5.0                        # EOS is every row's argmax
+    logits[:, 3] = 5.0  # EOS is every row's argmax
     logits[:, 7] = 4.0
-    reqs = [_request("plain", temperature=0), _request("min", temperature=0, min_tokens=2),
-            _request("lp", temperature=0, logprobs=1)]
+    reqs = [
+        _request("plain", temperature=0),
+        _request("min", temperature=0, min_tokens=2),
+        _request("lp", temperature=0, logprobs=1),
+    ]
     out = Sampler()(logits, reqs)
-    assert out.token_ids == [3, 7, 3]         # min_tokens bans EOS for the second row only
+    assert out.token_ids == [3, 7, 3]  # min_tokens bans EOS for the second row only
     assert out.logprobs[0] is None and out.logprobs[1] is None and 3 in out.logprobs[2]
     fast = Sampler()(logits[:2], [reqs[0], reqs[0]])
     assert fast.token_ids == [3, 3] and fast.logprobs == [None, None]
+
+
+def test_small_steps_run_on_one_thread(make_llm):
+    runner = make_llm().engine.runner
+    before = torch.get_num_threads()
+    try:
+        runner.max_threads, runner.single_thread_macs = 2, 1e6
+        small = int(1e6 // runner.token_macs) - 1  # just under the threshold
+        runner._set_threads(small, 0)
+        assert torch.get_num_threads() == 1
+        runner._set_threads(small + 2, 1)  # over it: all threads again
+        assert torch.get_num_threads() == 2
+        runner.single_thread_macs = 0.0  # 0 turns the policy off
+        runner._set_threads(1, 1)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -1,4 +1,5 @@
 """The in-place paged decode kernel against the reference path (gather + SDPA + sinks)."""
+
 from __future__ import annotations
 
 import pytest
@@ -8,12 +9,14 @@ from kvrelay.model.layers import paged_decode
 from kvrelay.model.layers.attention import AttentionMetadata, PagedAttention
 from kvrelay.model.parallel import ParallelContext
 
-pytestmark = pytest.mark.skipif(paged_decode.extension() is None,
-                                reason="the C++ paged decode kernel cannot be built here")
+pytestmark = pytest.mark.skipif(
+    paged_decode.extension() is None, reason="the C++ paged decode kernel cannot be built here"
+)
 
 
-def _step(seq_lens: list[int], q_lens: list[int], block_size: int, num_blocks: int,
-          seed: int) -> AttentionMetadata:
+def _step(
+    seq_lens: list[int], q_lens: list[int], block_size: int, num_blocks: int, seed: int
+) -> AttentionMetadata:
     """Metadata for sequences whose blocks are scattered over the cache (block 0 unused)."""
     g = torch.Generator().manual_seed(seed)
     free = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
@@ -21,15 +24,21 @@ def _step(seq_lens: list[int], q_lens: list[int], block_size: int, num_blocks: i
     width = max(len(r) for r in rows)
     table = torch.zeros(len(rows), width, dtype=torch.int64)
     for i, r in enumerate(rows):
-        table[i, :len(r)] = torch.tensor(r)
+        table[i, : len(r)] = torch.tensor(r)
     slots = []
     for i, (n, q) in enumerate(zip(seq_lens, q_lens)):
         for p in range(n - q, n):
             slots.append(rows[i][p // block_size] * block_size + p % block_size)
     cu = torch.zeros(len(q_lens) + 1, dtype=torch.int64)
     cu[1:] = torch.tensor(q_lens).cumsum(0)
-    return AttentionMetadata(cu, torch.tensor(seq_lens), (table,), (torch.tensor(slots),),
-                             block_size, sum(1 for q in q_lens if q == 1))
+    return AttentionMetadata(
+        cu,
+        torch.tensor(seq_lens),
+        (table,),
+        (torch.tensor(slots),),
+        block_size,
+        sum(1 for q in q_lens if q == 1),
+    )
 
 
 def _run(layer: PagedAttention, use_kernel: bool, q, k, v, cache, meta) -> torch.Tensor:
@@ -38,8 +47,9 @@ def _run(layer: PagedAttention, use_kernel: bool, q, k, v, cache, meta) -> torch
     return layer(q, k, v, cache.clone(), meta)
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 16), (6, 3, 12), (8, 2, 8),
-                                                     (16, 2, 20), (8, 1, 64)])
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim", [(4, 4, 16), (6, 3, 12), (8, 2, 8), (16, 2, 20), (8, 1, 64)]
+)
 @pytest.mark.parametrize("window", [None, 5, 40])
 def test_decode_kernel_matches_reference(heads, kv_heads, head_dim, window):
     torch.manual_seed(0)
@@ -50,8 +60,11 @@ def test_decode_kernel_matches_reference(heads, kv_heads, head_dim, window):
     layer = PagedAttention(heads, kv_heads, head_dim, window, 0, ParallelContext())
     layer.sinks.normal_(0, 1)
     T = len(seq_lens)
-    q, k, v = (torch.randn(T, heads, head_dim), torch.randn(T, kv_heads, head_dim),
-               torch.randn(T, kv_heads, head_dim))
+    q, k, v = (
+        torch.randn(T, heads, head_dim),
+        torch.randn(T, kv_heads, head_dim),
+        torch.randn(T, kv_heads, head_dim),
+    )
     cache = torch.randn(2, NB, kv_heads, B, head_dim)
     ref = _run(layer, False, q, k, v, cache, meta)
     got = _run(layer, True, q, k, v, cache, meta)
@@ -87,9 +100,24 @@ def test_decode_kernel_reads_only_its_blocks():
     cache = torch.full((2, NB, kvh, B, hd), float("nan"))
     table = meta.block_tables[0]
     for i, n in enumerate([10, 3]):
-        for p in range(max(0, n - 6), n):            # window 6: only these positions are read
+        for p in range(max(0, n - 6), n):  # window 6: only these positions are read
             cache[:, table[i, p // B], :, p % B] = torch.randn(2, kvh, hd)
     layer = PagedAttention(h, kvh, hd, 6, 0, ParallelContext())
     q, k, v = torch.randn(2, h, hd), torch.randn(2, kvh, hd), torch.randn(2, kvh, hd)
     out = _run(layer, True, q, k, v, cache, meta)
     assert torch.isfinite(out).all()
+
+
+def test_native_write_kv_matches_reference_and_skips_padding():
+    from kvrelay.model.layers.attention import write_kv
+
+    torch.manual_seed(4)
+    B, NB, kvh, hd = 4, 8, 3, 5
+    k, v = torch.randn(6, kvh, hd).to(torch.bfloat16), torch.randn(6, kvh, hd).to(torch.bfloat16)
+    slots = torch.tensor([5, -1, 0, 31, 12, -1])
+    ref = torch.zeros(2, NB, kvh, B, hd, dtype=torch.bfloat16)
+    got = ref.clone()
+    write_kv(ref, k, v, slots, B)
+    paged_decode.write_kv(got, k, v, slots)
+    assert torch.equal(got, ref)
+    assert int((got != 0).any(dim=(2, 4)).sum()) == 2 * 4  # 4 slots written, K and V

@@ -156,7 +156,11 @@ class PagedAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q [T, h, hd], k/v [T, kvh, hd] → [T, h, hd]."""
-        write_kv(kv_cache, k, v, meta.slot_mappings[self.group], meta.block_size)
+        native = self.use_kernel and kernel.available(q.device)
+        if native and kv_cache.is_contiguous() and not torch.compiler.is_compiling():
+            kernel.write_kv(kv_cache, k, v, meta.slot_mappings[self.group])
+        else:
+            write_kv(kv_cache, k, v, meta.slot_mappings[self.group], meta.block_size)
         nd = meta.num_decodes
         in_place = nd > 0 and self.use_kernel and kernel.available(q.device)
         if in_place and nd == q.shape[0]:                  # decode-only step: the kernel alone
@@ -175,8 +179,8 @@ class PagedAttention(nn.Module):
         """The first num_decodes sequences, one query each, read from their blocks in place."""
         nd = q.shape[0]
         table = meta.block_tables[self.group][:nd]
-        return kernel.paged_decode(q.to(kv_cache.dtype), kv_cache, table, meta.seq_lens[:nd],
-                                   self.sinks, self.scale, self.window or 0).to(q.dtype)
+        return kernel.decode(q.to(kv_cache.dtype), kv_cache, table, meta.seq_lens[:nd],
+                             self.sinks, self.scale, self.window or 0).to(q.dtype)
 
     def _attend_part(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _GatherPlan) -> torch.Tensor:
         s = plan.block_ids.shape[0]
