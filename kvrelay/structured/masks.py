@@ -65,12 +65,21 @@ class TokenMasks:
             bitmask = _fill(rows, len(requests))
         vocab = logits.shape[-1]
         bits = np.unpackbits(bitmask.view(np.uint8), axis=1, count=vocab, bitorder="little")
-        for i, _ in rows:
-            if not bits[i].any():       # a matcher with no way forward: leave the row free
-                logger.error("structured output: no allowed token for %s", requests[i].request_id)
-                continue
-            keep = torch.from_numpy(bits[i]).view(torch.bool)              # [V]
-            torch.where(keep, logits[i], _NEG_INF.to(logits.dtype), out=logits[i])
+        stuck = [i for i, _ in rows if not bits[i].any()]
+        for i in stuck:                 # a matcher with no way forward: leave the row free
+            logger.error("structured output: no allowed token for %s", requests[i].request_id)
+        idx = [i for i, _ in rows if i not in stuck]
+        if not idx:
+            return logits
+        neg_inf = _NEG_INF.to(logits.dtype)
+        if len(idx) == len(requests):   # every row: one op over the whole tensor, in place
+            keep = torch.from_numpy(bits).view(torch.bool)                # [N, V]
+            torch.where(keep, logits, neg_inf, out=logits)
+            return logits
+        # a few ops for the subset, not one per row (each small op wakes the thread pool)
+        keep = torch.from_numpy(bits[idx]).view(torch.bool)               # [k, V]
+        rows_t = torch.tensor(idx)
+        logits.index_copy_(0, rows_t, torch.where(keep, logits.index_select(0, rows_t), neg_inf))
         return logits
 
     def close(self) -> None:
