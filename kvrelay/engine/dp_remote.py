@@ -88,6 +88,14 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 _PARAM_FIELDS = [f.name for f in fields(SamplingParams) if f.name != "logits_processors"]
 
 
+def _params_out(params: SamplingParams) -> dict[str, Any]:
+    """SamplingParams → JSON (structured_outputs as its dict; `SamplingParams(**d)` reads it)."""
+    d = {k: getattr(params, k) for k in _PARAM_FIELDS}
+    if params.structured_outputs is not None:
+        d["structured_outputs"] = params.structured_outputs.to_dict()
+    return d
+
+
 def _logprobs_out(lps: list | None) -> list | None:
     if lps is None:
         return None
@@ -124,7 +132,7 @@ def encode(message: tuple, replica: int) -> dict[str, Any]:
         if params.logits_processors:
             raise ValueError("per-request logits processors cannot be sent to a replica on another node")
         frame.update(id=request_id, prompt=list(prompt), kv=kv_transfer_params,
-                     params={k: getattr(params, k) for k in _PARAM_FIELDS})
+                     params=_params_out(params))
     elif kind == "outputs":
         frame.update(outputs=[_output_out(o) for o in rest[0]], stats=rest[1])
     elif kind in ("abort", "free_remote", "wake", "ready", "fatal"):

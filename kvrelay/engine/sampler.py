@@ -100,7 +100,9 @@ class Sampler:
 
     def _process(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         if any(r.grammar is not None for r in requests):
-            logits = self.masks.apply(logits.clone(), requests)   # raw stays for logprobs
+            # the rows are the sampler's own copy; keep the raw ones only for logprobs
+            wants_raw = any(r.params.logprobs is not None for r in requests)
+            logits = self.masks.apply(logits.clone() if wants_raw else logits, requests)
         changed = False
         for i, req in enumerate(requests):
             banned = _banned_ids(req)

@@ -7,8 +7,9 @@ Owner of: the bitmask buffer and the worker thread. A step whose sampling reques
 no grammar does nothing here: no buffer, no thread hop, no logits pass.
 
 The bitmask is llguidance's layout, int32 [rows, ceil(V / 32)], bit i of word j allowing
-token 32 j + i. It becomes a float bias (0 or -inf) through a byte → 8 bits unpack and a
-table lookup, added to the row in place: one pass over the row, cheaper than masked_fill.
+token 32 j + i. numpy unpacks it to one byte per token, and `torch.where(keep, row, -inf)`
+writes the row in place: ~0.1 ms for 201k tokens on one core, half of adding a 0/-inf bias
+table and far below masked_fill or a scatter of the kept ids (measured in this file's commit).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_BIAS = np.array([-np.inf, 0.0], dtype=np.float32)       # bit 0 → banned, bit 1 → kept
+_NEG_INF = torch.tensor(float("-inf"))
 
 
 def _constrained(requests: list[Request]) -> list[tuple[int, GrammarMatcher]]:
@@ -64,11 +65,21 @@ class TokenMasks:
             bitmask = _fill(rows, len(requests))
         vocab = logits.shape[-1]
         bits = np.unpackbits(bitmask.view(np.uint8), axis=1, count=vocab, bitorder="little")
-        for i, _ in rows:
-            if not bits[i].any():       # a matcher with no way forward: leave the row free
-                logger.error("structured output: no allowed token for %s", requests[i].request_id)
-                continue
-            logits[i].add_(torch.from_numpy(_BIAS[bits[i]]))
+        stuck = [i for i, _ in rows if not bits[i].any()]
+        for i in stuck:                 # a matcher with no way forward: leave the row free
+            logger.error("structured output: no allowed token for %s", requests[i].request_id)
+        idx = [i for i, _ in rows if i not in stuck]
+        if not idx:
+            return logits
+        neg_inf = _NEG_INF.to(logits.dtype)
+        if len(idx) == len(requests):   # every row: one op over the whole tensor, in place
+            keep = torch.from_numpy(bits).view(torch.bool)                # [N, V]
+            torch.where(keep, logits, neg_inf, out=logits)
+            return logits
+        # a few ops for the subset, not one per row (each small op wakes the thread pool)
+        keep = torch.from_numpy(bits[idx]).view(torch.bool)               # [k, V]
+        rows_t = torch.tensor(idx)
+        logits.index_copy_(0, rows_t, torch.where(keep, logits.index_select(0, rows_t), neg_inf))
         return logits
 
     def close(self) -> None:

@@ -96,3 +96,39 @@ def test_preempted_requests_keep_their_grammar(bytes_ckpt):
         if out.outputs[0].finish_reason == "stop":
             valid_json(out.outputs[0].text, PERSON)
     llm.engine.assert_no_leaks()
+
+
+def test_harmony_turn_constrained_from_the_first_token(harmony_ckpt):
+    """o200k + harmony: an optional free analysis message within the budget, then the
+    final answer (valid JSON) or a call of one of the tools (valid arguments)."""
+    from kvrelay import harmony
+    llm = LLM(str(harmony_ckpt), dtype="float32", max_model_len=512, block_size=16)
+    prompt = harmony.render_chat([{"role": "user", "content": "Weather in Paris?"}], None)
+    tools = ToolCallConstraint((FunctionSpec("get_weather", WEATHER), FunctionSpec("person", PERSON)))
+    budget = 12
+
+    def params(c: Constraint, seed: int) -> SamplingParams:
+        return SamplingParams(temperature=1.0, seed=seed, max_tokens=100, skip_special_tokens=False,
+                              stop_token_ids=harmony.stop_token_ids(), structured_outputs=c)
+    seeds = range(6)
+    answers = [params(Constraint(json=WEATHER, harmony=True, analysis_budget=budget), s) for s in seeds]
+    calls = [params(Constraint(tool_call=tools, harmony=True, analysis_budget=budget), s) for s in seeds]
+    outs = llm.generate([prompt] * (len(answers) + len(calls)), answers + calls)
+    analysed = 0
+    for i, out in enumerate(outs):
+        c = out.outputs[0]
+        parsed = harmony.parse_completion(c.token_ids)
+        assert c.finish_reason == "stop" and not parsed.malformed, c.text
+        analysed += bool(parsed.reasoning)
+        if parsed.reasoning:                     # the analysis ends within its budget
+            start = c.token_ids.index(harmony.MESSAGE_ID) + 1
+            assert c.token_ids.index(harmony.END_ID) - start <= budget
+        if i < len(answers):
+            assert c.stop_reason == harmony.RETURN_ID
+            valid_json(parsed.content, WEATHER)
+        else:
+            assert c.stop_reason == harmony.CALL_ID and len(parsed.tool_calls) == 1
+            call = parsed.tool_calls[0]
+            valid_json(call.arguments, {"get_weather": WEATHER, "person": PERSON}[call.name])
+    assert analysed > 0
+    llm.engine.assert_no_leaks()
