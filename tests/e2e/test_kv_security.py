@@ -220,7 +220,9 @@ def test_forged_kv_transfer_params_read_nothing(tiny, secured):
     )
     assert r.status_code == 502 and "wrong capability" in r.text, r.text
     httpx.post(
-        f"{prefill.url}/v1/kv_transfer/free", json={"remote_request_id": mine["remote_request_id"]}
+        f"{prefill.url}/v1/kv_transfer/free",
+        json={"remote_request_id": mine["remote_request_id"],
+              "remote_capability": mine["remote_capability"]},
     )
     assert wait_metric(prefill, "kvrelay:kv_blocks_used", 0)["kvrelay:kv_blocks_used"] == 0
 
@@ -256,6 +258,35 @@ def test_forged_release_frees_nothing(secured):
     )
     assert d.status_code == 200, d.text
     assert wait_metric(prefill, "kvrelay:kv_blocks_used", 0)["kvrelay:kv_blocks_used"] == 0
+
+
+def test_free_over_http_needs_the_capability(secured):
+    """POST /v1/kv_transfer/free (the proxy's notice) frees nothing without the request's
+    remote_capability or with a wrong one, and answers an unknown id exactly like a
+    wrong capability; the right capability frees the blocks."""
+    _, prefill, _, _ = secured
+    params = _prefill_leg(prefill, _body(9, seed=3)).json()["kv_transfer_params"]
+    rid, cap = params["remote_request_id"], params["remote_capability"]
+    held = prefill.metrics()["kvrelay:kv_blocks_used"]
+    assert held > 0
+
+    def free(body: dict) -> httpx.Response:
+        return httpx.post(f"{prefill.url}/v1/kv_transfer/free", json=body, timeout=30)
+
+    missing = free({"remote_request_id": rid})
+    assert missing.status_code == 400
+    assert missing.json()["error"]["param"] == "remote_capability"
+    answers = [free({"remote_request_id": r, "remote_capability": c})
+               for r, c in ((rid, cap[:-1] + "x"), (rid, "forged"), ("no-such-request", cap))]
+    assert {a.status_code for a in answers} == {404}
+    assert len({a.text for a in answers}) == 1             # an unknown id looks the same
+    assert set(answers[0].json()["error"]) == {"message", "type", "param", "code"}
+    time.sleep(0.3)
+    assert prefill.metrics()["kvrelay:kv_blocks_used"] == held
+    right = free({"remote_request_id": rid, "remote_capability": cap})
+    assert right.status_code == 200, right.text
+    assert wait_metric(prefill, "kvrelay:kv_blocks_used", 0)["kvrelay:kv_blocks_used"] == 0
+    assert free({"remote_request_id": rid, "remote_capability": cap}).status_code == 404
 
 
 def test_connection_flood_keeps_memory_flat_and_handshakes_working(tiny, secured, reference):
@@ -303,26 +334,32 @@ def test_ucx_listens_only_where_the_side_channel_does(secured):
 
 def test_direct_hold_flood_is_bounded(secured):
     """do_remote_decode requests sent straight to the prefill (no decode ever reads) hold
-    at most hold_share of its pool; past it the request fails with an OpenAI error body
-    and its blocks are freed at once; plain requests keep being served."""
+    at most hold_share of its pool; past it the request is a 503 with Retry-After and an
+    OpenAI error body naming hold_share, and its blocks are freed at once; plain requests
+    keep being served, and the holds come back when freed with their capabilities."""
     _, prefill, _, _ = secured
-    ids, refused = [], None
+    held, refused = [], None
     for seed in range(40):
         r = _prefill_leg(prefill, _body(30, seed=seed + 10))
         if r.status_code != 200:
             refused = r
             break
-        ids.append(r.json()["kv_transfer_params"]["remote_request_id"])
+        held.append(r.json()["kv_transfer_params"])
         assert prefill.metrics()["kvrelay:kv_blocks_used"] <= NUM_BLOCKS // 2
-    assert refused is not None and ids, "the hold share never applied"
+    assert refused is not None and held, "the hold share never applied"
+    assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
     err = refused.json()["error"]
     assert "hold_share" in err["message"] and set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == "ServiceUnavailableError"
     m = prefill.metrics()
     assert m["kvrelay:kv_blocks_used"] <= NUM_BLOCKS // 2
-    assert m["kvrelay:kv_requests_held_for_remote"] == len(ids)
+    assert m["kvrelay:kv_requests_held_for_remote"] == len(held)
     t0 = time.monotonic()
     plain = httpx.post(f"{prefill.url}/v1/completions", timeout=60, json=_body(30, seed=99))
     assert plain.status_code == 200 and time.monotonic() - t0 < 20
-    for rid in ids:
-        httpx.post(f"{prefill.url}/v1/kv_transfer/free", json={"remote_request_id": rid})
+    for p in held:
+        r = httpx.post(f"{prefill.url}/v1/kv_transfer/free", timeout=30, json={
+            "remote_request_id": p["remote_request_id"],
+            "remote_capability": p["remote_capability"]})
+        assert r.status_code == 200, r.text
     assert wait_metric(prefill, "kvrelay:kv_blocks_used", 0)["kvrelay:kv_blocks_used"] == 0
