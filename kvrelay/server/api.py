@@ -11,7 +11,8 @@ auth, body size as it streams, JSON that parses to something the tokenizer and
 pydantic can take — `body_guard.py`), pydantic validation, FastAPI's 404/405, the
 engine (400 naming the field, 500 for a request that failed inside the engine while
 the others went on, 502 a failed KV transfer, 503 a dead engine or a prefill whose
-`hold_share` is full, with Retry-After) and anything unexpected (500). Sampling
+`hold_share` is full, with Retry-After), a client over its `hold_rate` of
+`do_remote_decode` holds (429, Retry-After) and anything unexpected (500). Sampling
 parameters and token ids are validated against the model (`validate_for_model`) before
 a request reaches the engine.
 """
@@ -20,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -54,6 +54,7 @@ from kvrelay.server import body_guard
 from kvrelay.server.body_guard import MAX_BODY_BYTES
 from kvrelay.server import structured_hooks
 from kvrelay.server.chat import ChatRenderer, finish_reason
+from kvrelay.server.hold_limit import HoldRateLimiter, retry_after
 from kvrelay.server.metrics import ServerMetrics
 from kvrelay.server.protocol import (
     ChatCompletionRequest,
@@ -82,6 +83,7 @@ class ServerState:
     metrics: ServerMetrics | None = None
     agent: AgentOptions = field(default_factory=AgentOptions)   # tool / responses flags
     accepting: bool = True
+    hold_limiter: HoldRateLimiter | None = None   # prefill: per-client do_remote_decode rate
 
     @property
     def ready(self) -> bool:
@@ -140,12 +142,36 @@ class _Busy(OpenAIError):
 
     def __init__(self, message: str, status: int, type_: str, wait_s: float) -> None:
         super().__init__(message, status, type_)
-        self.headers = {"Retry-After": str(max(1, math.ceil(wait_s)))}
+        self.headers = {"Retry-After": str(retry_after(wait_s))}
 
 
 # a hold refused for the hold share: holds go back as decodes read them (ms to s), or at
 # the latest after the lease; clients (OpenAI's retries 429 and 5xx) come back after this
 HOLD_RETRY_AFTER_S = 1
+
+
+def _check_hold_rate(state: ServerState, request: Request, kv_transfer_params: Any) -> None:
+    """A do_remote_decode request places a KV hold: at most `hold_rate` per second per
+    client (kvrelay/server/hold_limit.py), else 429 with Retry-After."""
+    limiter = state.hold_limiter
+    if limiter is None or not isinstance(kv_transfer_params, dict):
+        return
+    if kv_transfer_params.get("do_remote_decode") is not True:
+        return
+    client = _hold_client(state, request)
+    wait = limiter.take(client) if client is not None else None
+    if wait is not None:
+        raise _Busy(limiter.message(wait), 429, "RateLimitError", wait)
+
+
+def _hold_client(state: ServerState, request: Request) -> str | None:
+    """Who is rate-bounded: the peer address; None (not bounded) for a request that
+    presented the server's --api-key (the door refused every other one): only the
+    operator's components, e.g. the proxy, hold it, and one shared key cannot tell
+    clients apart."""
+    if state.api_key:
+        return None
+    return request.client.host if request.client else "unknown"
 
 
 def _check(check: Any, *args: Any) -> Any:
@@ -490,6 +516,7 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         model = _check_model(state, body.model)
+        _check_hold_rate(state, request, body.kv_transfer_params)
         prompts = _prompts(state, body.prompt)
         if body.suffix:
             raise OpenAIError("suffix is not supported", param="suffix")
@@ -528,6 +555,7 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         model = _check_model(state, body.model)
+        _check_hold_rate(state, request, body.kv_transfer_params)
         if state.chat is None:
             raise OpenAIError("this model has no chat template", param="messages")
         rendered = state.chat.render(body)
