@@ -19,7 +19,7 @@ from kvrelay.disagg.auth import AUTH_FAILED, client_authenticate
 from kvrelay.disagg.side_channel import SideChannelError, recv_frame, send_frame, side_channel_call
 from tests.e2e.disagg import prefill_then_decode, start, wait_metric
 from tests.factories import greedy_mismatch
-from tests.processes import Server, descendants, free_port
+from tests.processes import KvrelayProcess, Server, descendants, free_port
 
 SECRET = "e2e-kv-secret-4f9c"
 NUM_BLOCKS = 64  # the prefill's pool: hold_share 0.5 → at most 32 blocks held
@@ -287,6 +287,43 @@ def test_free_over_http_needs_the_capability(secured):
     assert right.status_code == 200, right.text
     assert wait_metric(prefill, "kvrelay:kv_blocks_used", 0)["kvrelay:kv_blocks_used"] == 0
     assert free({"remote_request_id": rid, "remote_capability": cap}).status_code == 404
+
+
+def test_the_proxy_frees_with_the_capability_and_passes_retry_after(secured, tmp_path):
+    """kvrelay proxy's free notice (the decode refused the request) carries the prefill's
+    remote_capability, so the blocks come back at once instead of after the 30 s lease;
+    a prefill's 503 for a full hold share reaches the client with its Retry-After."""
+    _, prefill, decode, _ = secured
+    port = free_port()
+    proxy = KvrelayProcess(["proxy", "--port", str(port), "--prefiller-host", "127.0.0.1",
+                            "--prefiller-port", str(prefill.port), "--decoder-host", "127.0.0.1",
+                            "--decoder-port", str(decode.port)], tmp_path / "proxy.log")
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    held: list[dict] = []
+    try:
+        proxy.wait_for_line("Application startup complete")
+        expired = prefill.metrics()["kvrelay:kv_leases_expired_total"]
+        # max_tokens past the context: the prefill leg (max_tokens 1) holds, decode says 400
+        r = httpx.post(url, timeout=60, json=dict(_body(9, seed=5), max_tokens=500))
+        assert r.status_code == 400, r.text
+        m = wait_metric(prefill, "kvrelay:kv_blocks_used", 0, timeout=10)
+        assert m["kvrelay:kv_blocks_used"] == 0
+        assert m["kvrelay:kv_leases_expired_total"] == expired
+        for seed in range(40):                 # fill the hold share straight on the prefill
+            r = _prefill_leg(prefill, _body(30, seed=seed + 60))
+            if r.status_code != 200:
+                break
+            held.append(r.json()["kv_transfer_params"])
+        r = httpx.post(url, timeout=60, json=_body(30, seed=99))
+        assert r.status_code == 503 and r.headers["Retry-After"] == "1", r.text
+        assert "hold_share" in r.json()["error"]["message"]
+    finally:
+        proxy.stop()
+        for p in held:
+            httpx.post(f"{prefill.url}/v1/kv_transfer/free", timeout=30, json={
+                "remote_request_id": p["remote_request_id"],
+                "remote_capability": p["remote_capability"]})
+    assert wait_metric(prefill, "kvrelay:kv_blocks_used", 0)["kvrelay:kv_blocks_used"] == 0
 
 
 def test_connection_flood_keeps_memory_flat_and_handshakes_working(tiny, secured, reference):
