@@ -68,12 +68,13 @@ def secured(request, tiny, tmp_path_factory):
         },
         lease_s=30,
     )
-    decode = start(
+    decode = start(  # its UCX_NET_DEVICES unset too, its side-channel host set (as deploy does)
         str(tiny[0]),
         "kv_consumer",
         logs / "decode.log",
         request.param,
-        env={"KVRELAY_KV_SECRET": SECRET},
+        env={"KVRELAY_KV_SECRET": SECRET, "UCX_NET_DEVICES": "",
+             "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"},
     )
     try:
         prefill.wait_ready()
@@ -361,12 +362,14 @@ def test_connection_flood_keeps_memory_flat_and_handshakes_working(tiny, secured
 
 
 def test_ucx_listens_only_where_the_side_channel_does(secured):
-    kind, prefill, _, _ = secured
+    """On both sides (the decode dials out, but UCX would listen on every interface)."""
+    kind, prefill, decode, _ = secured
     if kind != "UCX":
         pytest.skip("NIXL only")
-    addrs = [a for found in listening(prefill).values() for a in found]
-    assert addrs and all(a.startswith("127.0.0.1:") for a in addrs), addrs
-    assert "NIXL/UCX: network transports restricted to lo" in prefill.log()
+    for server in (prefill, decode):
+        addrs = [a for found in listening(server).values() for a in found]
+        assert addrs and all(a.startswith("127.0.0.1:") for a in addrs), addrs
+        assert "NIXL/UCX: network transports restricted to lo" in server.log()
 
 
 def test_direct_hold_flood_is_bounded(secured):
