@@ -278,6 +278,13 @@ class KVConnector:
                 "remote_request_id": request_id, "tp_size": self.tp_size,
                 "remote_capability": grant.capability}
 
+    def holds(self, request_id: str, capability: object) -> bool:
+        """Is `request_id` held with this capability (compared in constant time)? The
+        explicit free (`POST /v1/kv_transfer/free`) frees nothing otherwise."""
+        with self._grant_lock:
+            grant = self.grants.get(request_id)
+            return grant is not None and capability_matches(capability, grant.capability)
+
     def released(self, request_id: str) -> None:
         self.leases.pop(request_id, None)
         self.notices.pop(request_id, None)

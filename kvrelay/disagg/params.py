@@ -71,6 +71,10 @@ class KVTransferConfig:
     # prefill: blocks held for decode servers may fill at most this share of the KV pool;
     # a finished do_remote_decode request over it gets its blocks freed and an error
     hold_share: float = 0.5
+    # prefill, HTTP layer: per client, at most hold_rate do_remote_decode holds per second
+    # (0: no bound), hold_burst at once (kvrelay/server/hold_limit.py)
+    hold_rate: float = 100.0
+    hold_burst: float = 200.0
     max_connections: int = 256             # per KV listener (side channel); TCP transport: 64
     engine_id: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -113,6 +117,14 @@ class KVTransferConfig:
         if not 0 < hold_share <= 1:
             raise ValueError(f"--kv-transfer-config: kv_connector_extra_config.hold_share must "
                              f"be in (0, 1], got {hold_share}")
+        hold_rate = _number(extra.pop("hold_rate", 100.0), "hold_rate")
+        hold_burst = _number(extra.pop("hold_burst", 200.0), "hold_burst")
+        if hold_rate < 0 or not hold_rate < float("inf"):
+            raise ValueError(f"--kv-transfer-config: kv_connector_extra_config.hold_rate must "
+                             f"be a finite number >= 0 (0: no bound), got {hold_rate}")
+        if hold_burst < 1 or not hold_burst < float("inf"):
+            raise ValueError(f"--kv-transfer-config: kv_connector_extra_config.hold_burst must "
+                             f"be a finite number >= 1, got {hold_burst}")
         max_connections = _number(extra.pop("max_connections", 256), "max_connections")
         if max_connections < 1 or max_connections != int(max_connections):
             raise ValueError(f"--kv-transfer-config: kv_connector_extra_config.max_connections "
@@ -124,7 +136,8 @@ class KVTransferConfig:
         return cls(kv_connector=raw.get("kv_connector", "NixlConnector"), kv_role=role, kv_buffer_device=device,
                    backends=tuple(str(b).upper() for b in backends), kv_load_failure_policy=policy,
                    lease_s=float(extra.pop("lease_s", 120.0)), load_timeout_s=float(extra.pop("load_timeout_s", 60.0)),
-                   hold_share=hold_share, max_connections=int(max_connections),
+                   hold_share=hold_share, hold_rate=hold_rate, hold_burst=hold_burst,
+                   max_connections=int(max_connections),
                    engine_id=raw.get("engine_id"), extra=extra)
 
 

@@ -109,27 +109,39 @@ class _Read:
     nbytes: int
 
 
+def ucx_host(producer: bool, side_host: str | None) -> str | None:
+    """The address whose interface UCX may listen on (None: leave UCX alone). A producer's
+    is its side channel's advertised address (where decodes reach it). A pure consumer
+    dials out, but UCX listens anyway: it gets the same restriction when
+    VLLM_NIXL_SIDE_CHANNEL_HOST is set (every documented topology sets it on every server).
+    Unset, the consumer's loopback default says nothing about where the prefills are, and
+    restricting UCX to loopback would cut it off from prefills on other hosts. A
+    UCX_NET_DEVICES the user set wins in both cases (nixl.restrict_ucx_interface)."""
+    from kvrelay.disagg.side_channel import advertised_host
+    if producer:
+        return advertised_host(side_host or "127.0.0.1")
+    return advertised_host(side_host) if side_host else None
+
+
 class KVWorker:
     def __init__(self, setup: KVWorkerSetup, rank: int, kv_tensors: list[Any]) -> None:
         from kvrelay.disagg.auth import load_secret, warn_if_exposed
-        from kvrelay.disagg.side_channel import advertised_host
         from kvrelay.disagg.transport import make_transport
         cfg = setup.config
         self.setup, self.rank = setup, rank
         # a TCP transport serves reads where the side channel listens (0.0.0.0 in the tutorial)
-        bind = (envs.SIDE_CHANNEL_HOST.raw() or "127.0.0.1") if cfg.is_producer else "127.0.0.1"
+        side_host = envs.SIDE_CHANNEL_HOST.raw()
+        bind = (side_host or "127.0.0.1") if cfg.is_producer else "127.0.0.1"
         # UCX error mode "none": control traffic over shared memory, ~100x faster first read;
         # a vanished peer is still caught by the load timeout (kv_connector_extra_config.load_timeout_s)
         options = cfg.extra.get("backend_options") or {"UCX": {"ucx_error_handling_mode": "none"}}
         secret = load_secret(cfg.extra)
         if cfg.is_producer and rank == 0:       # one warning per server (the side channel's too)
             warn_if_exposed(bind, secret, "KV transport")
-        # a producer's UCX listens only on the interface its side channel advertises; a pure
-        # consumer dials out and follows UCX_NET_DEVICES
         self.transport = make_transport(list(cfg.backends), agent_name=f"{setup.engine_id}-rank{rank}",
                                         host=bind, backend_options=options, secret=secret,
                                         serve=cfg.is_producer,
-                                        ucx_host=advertised_host(bind) if cfg.is_producer else None)
+                                        ucx_host=ucx_host(cfg.is_producer, side_host))
         self.transport.register(kv_tensors)
         first = kv_tensors[0]                                     # [2, num_blocks, heads, B, hd]
         self.num_blocks, self.num_heads = first.shape[1], first.shape[2]

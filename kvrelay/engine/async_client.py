@@ -11,6 +11,7 @@ X-Request-Id) never meet in the engine; callers keep using their own id.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import multiprocessing as mp
 import signal
@@ -46,6 +47,17 @@ class KVTransferFailed(RuntimeError):
     """The request's KV transfer failed (policy "fail") — maps to HTTP 502."""
 
 
+class KVHoldRefused(KVTransferFailed):
+    """A prefill could not hold this `do_remote_decode` request's KV for a decode: the
+    blocks held for decodes would exceed `hold_share` of its pool. The server is busy,
+    not broken, and the blocks are already freed — HTTP 503 with Retry-After."""
+
+
+# the engine's error_status → what `generate` raises (anything else: a failed transfer)
+_FAILURES: dict[int, type[RuntimeError]] = {500: RequestFailed, 503: KVHoldRefused}
+FREE_TIMEOUT_S = 30.0   # an explicit free waits at most this for the engine's answer
+
+
 class EngineDeadError(RuntimeError):
     """The engine process failed; every in-flight request fails with this."""
 
@@ -79,6 +91,8 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.last_step = time.monotonic()          # when the core last reported a step
         self._stopping = False                     # shutdown() asked the core to exit
+        self._frees: dict[int, asyncio.Future] = {}   # explicit frees awaiting the core's answer
+        self._free_tokens = itertools.count()
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
@@ -129,7 +143,7 @@ class AsyncEngine:
                 out = _snapshot(self._accumulate(stream, item))
                 finished = out.finished
                 if out.error:
-                    raise (RequestFailed if out.error_status == 500 else KVTransferFailed)(out.error)
+                    raise _FAILURES.get(out.error_status, KVTransferFailed)(out.error)
                 yield out
                 if finished:
                     return
@@ -144,8 +158,17 @@ class AsyncEngine:
         except (OSError, EngineDeadError):
             pass
 
-    def free_remote(self, request_id: str) -> None:
-        self._send(("free_remote", request_id))
+    async def free_remote(self, request_id: str, capability: str) -> bool:
+        """Free the blocks held for a decode under `request_id`, if `capability` is the
+        one it was held with; whether anything was freed (the core answers "freed")."""
+        token = next(self._free_tokens)
+        answer = asyncio.get_running_loop().create_future()
+        self._frees[token] = answer
+        try:
+            self._send(("free_remote", request_id, capability, token))
+            return bool(await asyncio.wait_for(answer, FREE_TIMEOUT_S))
+        finally:
+            self._frees.pop(token, None)
 
     def request_stats(self) -> None:
         self._send(("stats",))
@@ -206,6 +229,10 @@ class AsyncEngine:
                 stream = self.streams.get(out.request_id)
                 if stream is not None:
                     stream.queue.put_nowait(out)
+        elif kind == "freed":
+            answer = self._frees.get(message[1])
+            if answer is not None and not answer.done():
+                answer.set_result(message[2])
         elif kind == "error":
             stream = self.streams.get(message[1])
             if stream is not None:
@@ -222,6 +249,9 @@ class AsyncEngine:
                                  self.process.exitcode)
             for stream in self.streams.values():
                 stream.queue.put_nowait(EngineDeadError(self.dead))
+            for answer in self._frees.values():
+                if not answer.done():
+                    answer.set_exception(EngineDeadError(self.dead))
             self.ready.set()
 
     def _terminated(self) -> bool:

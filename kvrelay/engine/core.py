@@ -320,11 +320,14 @@ class LLMEngine:
                              f"settings must match)")
         return p
 
-    def free_remote(self, request_id: str) -> bool:
-        """Prefill side: an explicit free from the proxy or decode (client gone, decode failed)."""
-        if self.connector is not None:
-            self.connector.released(request_id)
-            self.connector.stats.explicit_frees += 1
+    def free_remote(self, request_id: str, capability: str | None) -> bool:
+        """Prefill side: an explicit free from the proxy (client gone, decode failed). Only
+        with the capability the request was held with: a wrong or missing one, or an id
+        not held, frees nothing and gets the same False (the caller learns no more)."""
+        if self.connector is None or not self.connector.holds(request_id, capability):
+            return False
+        self.connector.released(request_id)
+        self.connector.stats.explicit_frees += 1
         return self.scheduler.release_held(request_id)
 
     def _encode(self, text: str) -> list[int]:
@@ -663,7 +666,7 @@ class LLMEngine:
                                           **self.connector.hold(first.request_id, block_ids)}
             except HoldRefused as e:        # over the hold share: free now, the request fails
                 self.scheduler.release_held(first.request_id)
-                out.error = str(e)
+                out.error, out.error_status = str(e), 503     # busy, not broken: retry later
         return out
 
     def _forget(self, parent: _Parent) -> None:

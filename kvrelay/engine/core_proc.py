@@ -174,8 +174,9 @@ def _add(engine: Any, conn: Connection, message: tuple) -> None:
 
 def _control(engine: Any, conn: Connection, message: tuple) -> None:
     kind = message[0]
-    if kind == "free_remote":
-        engine.free_remote(message[1])
+    if kind == "free_remote":                    # (kind, request id, capability, token)
+        freed = engine.free_remote(message[1], message[2])
+        conn.send(("freed", message[3], freed))
         conn.send(("outputs", [], engine_stats(engine)))
     elif kind == "abort":
         for request_id in message[1]:

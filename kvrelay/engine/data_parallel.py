@@ -165,9 +165,11 @@ class DataParallelEngine:
         finally:
             self.placement.pop(request_id, None)
 
-    def free_remote(self, request_id: str) -> None:
-        for r in self.replicas:
-            r.free_remote(request_id)
+    async def free_remote(self, request_id: str, capability: str) -> bool:
+        """The held request lives on one replica (which, nobody remembers): ask them all."""
+        answers = await asyncio.gather(*(r.free_remote(request_id, capability)
+                                         for r in self.replicas), return_exceptions=True)
+        return any(a is True for a in answers)
 
     def abort(self, request_id: str) -> None:
         replica = self.placement.get(request_id)

@@ -135,8 +135,10 @@ def encode(message: tuple, replica: int) -> dict[str, Any]:
                      params=_params_out(params))
     elif kind == "outputs":
         frame.update(outputs=[_output_out(o) for o in rest[0]], stats=rest[1])
-    elif kind in ("abort", "free_remote", "wake", "ready", "fatal"):
+    elif kind in ("abort", "wake", "ready", "fatal"):
         frame["value"] = rest[0]
+    elif kind in ("free_remote", "freed"):       # (request id, capability, token) / (token, ok)
+        frame["args"] = list(rest)
     elif kind == "error":
         frame.update(id=rest[0], error=rest[1])
         if len(rest) > 2:                        # (status, param): see engine/core_proc.py
@@ -153,8 +155,10 @@ def decode(frame: dict[str, Any]) -> tuple:
                 SamplingParams(**frame["params"]), frame.get("kv"))
     if kind == "outputs":
         return ("outputs", [_output_in(o) for o in frame["outputs"]], frame["stats"])
-    if kind in ("abort", "free_remote", "wake", "ready", "fatal"):
+    if kind in ("abort", "wake", "ready", "fatal"):
         return (kind, frame["value"])
+    if kind in ("free_remote", "freed"):
+        return (kind, *frame["args"])
     if kind == "error":
         if "status" in frame:
             return ("error", frame["id"], frame["error"], int(frame["status"]), frame.get("param"))

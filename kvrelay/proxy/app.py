@@ -23,7 +23,8 @@ client ◀── SSE chunks / JSON ──────┘◀── decode pulls t
 
 Failures after a successful prefill (decode unreachable, decode error status, stream cut,
 client gone) send a best-effort `POST /v1/kv_transfer/free {remote_request_id,
-remote_engine_id}` to that prefill server so it frees the blocks it holds for decode.
+remote_engine_id, remote_capability}` to that prefill server so it frees the blocks it
+holds for decode (a kvrelay prefill frees them only with the capability it issued).
 A client that disconnects cancels the backend request in flight (the backend sees its
 connection close and aborts); it is counted and logged as status 499.
 
@@ -256,8 +257,12 @@ def _id_header(request_id: str | None) -> dict[str, str]:
 
 
 def _copy_response(resp: httpx.Response, content: bytes, request_id: str) -> Response:
-    """A backend's status, body and content type, as they came."""
-    return Response(content, status_code=resp.status_code, headers=_id_header(request_id),
+    """A backend's status, body and content type, as they came; its Retry-After too (a
+    prefill's 429 over the hold rate, 503 with a full hold share)."""
+    headers = _id_header(request_id)
+    if "retry-after" in resp.headers:
+        headers["Retry-After"] = resp.headers["retry-after"]
+    return Response(content, status_code=resp.status_code, headers=headers,
                     media_type=resp.headers.get("content-type"))
 
 
@@ -512,6 +517,9 @@ class RelayStream(Response):
 async def _send_free(state: ProxyState, prefilled: Prefilled, headers: dict[str, str],
                      request_id: str) -> None:
     body = free_notice(prefilled.kv_params)
+    capability = prefilled.kv_params.get("remote_capability")
+    if body is not None and capability:       # kvrelay prefills free only with it
+        body["remote_capability"] = capability
     backend = prefilled.backend
     if body is None or backend.client is None:
         return

@@ -10,9 +10,11 @@ Every error leaves as OpenAI's error object, whatever raised it: the door (`_Edg
 auth, body size as it streams, JSON that parses to something the tokenizer and
 pydantic can take — `body_guard.py`), pydantic validation, FastAPI's 404/405, the
 engine (400 naming the field, 500 for a request that failed inside the engine while
-the others went on, 502 a failed KV transfer, 503 a dead engine) and anything
-unexpected (500). Sampling parameters and token ids are validated against the model
-(`validate_for_model`) before a request reaches the engine.
+the others went on, 502 a failed KV transfer, 503 a dead engine or a prefill whose
+`hold_share` is full, with Retry-After), a client over its `hold_rate` of
+`do_remote_decode` holds (429, Retry-After) and anything unexpected (500). Sampling
+parameters and token ids are validated against the model (`validate_for_model`) before
+a request reaches the engine.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, Field
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -35,6 +38,7 @@ from kvrelay.engine.async_client import (
     AsyncEngine,
     EngineDeadError,
     EngineError,
+    KVHoldRefused,
     KVTransferFailed,
     RequestFailed,
 )
@@ -50,6 +54,7 @@ from kvrelay.server import body_guard
 from kvrelay.server.body_guard import MAX_BODY_BYTES
 from kvrelay.server import structured_hooks
 from kvrelay.server.chat import ChatRenderer, finish_reason
+from kvrelay.server.hold_limit import HoldRateLimiter, retry_after
 from kvrelay.server.metrics import ServerMetrics
 from kvrelay.server.protocol import (
     ChatCompletionRequest,
@@ -78,10 +83,19 @@ class ServerState:
     metrics: ServerMetrics | None = None
     agent: AgentOptions = field(default_factory=AgentOptions)   # tool / responses flags
     accepting: bool = True
+    hold_limiter: HoldRateLimiter | None = None   # prefill: per-client do_remote_decode rate
 
     @property
     def ready(self) -> bool:
         return self.engine.ready.is_set() and not self.engine.dead and self.accepting
+
+
+class KVTransferFreeRequest(BaseModel):
+    """`POST /v1/kv_transfer/free`: the prefill's kv_transfer_params name the request and
+    its capability (kvrelay's proxy sends them when a decode will not read)."""
+    remote_request_id: str = Field(min_length=1, max_length=1024)
+    remote_capability: str = Field(min_length=1, max_length=256)
+    remote_engine_id: str | None = None
 
 
 # -- helpers --------------------------------------------------------------------------------
@@ -121,6 +135,43 @@ def _prompt_list(state: ServerState, prompt: Any) -> list[tuple[str | None, list
         return [(None, list(p)) for p in prompt]
     raise OpenAIError("prompt must be a non-empty string, list of strings, or token id list(s)",
                       param="prompt")
+
+
+class _Busy(OpenAIError):
+    """An OpenAIError with a Retry-After header (429 a client's rate, 503 a full prefill)."""
+
+    def __init__(self, message: str, status: int, type_: str, wait_s: float) -> None:
+        super().__init__(message, status, type_)
+        self.headers = {"Retry-After": str(retry_after(wait_s))}
+
+
+# a hold refused for the hold share: holds go back as decodes read them (ms to s), or at
+# the latest after the lease; clients (OpenAI's retries 429 and 5xx) come back after this
+HOLD_RETRY_AFTER_S = 1
+
+
+def _check_hold_rate(state: ServerState, request: Request, kv_transfer_params: Any) -> None:
+    """A do_remote_decode request places a KV hold: at most `hold_rate` per second per
+    client (kvrelay/server/hold_limit.py), else 429 with Retry-After."""
+    limiter = state.hold_limiter
+    if limiter is None or not isinstance(kv_transfer_params, dict):
+        return
+    if kv_transfer_params.get("do_remote_decode") is not True:
+        return
+    client = _hold_client(state, request)
+    wait = limiter.take(client) if client is not None else None
+    if wait is not None:
+        raise _Busy(limiter.message(wait), 429, "RateLimitError", wait)
+
+
+def _hold_client(state: ServerState, request: Request) -> str | None:
+    """Who is rate-bounded: the peer address; None (not bounded) for a request that
+    presented the server's --api-key (the door refused every other one): only the
+    operator's components, e.g. the proxy, hold it, and one shared key cannot tell
+    clients apart."""
+    if state.api_key:
+        return None
+    return request.client.host if request.client else "unknown"
 
 
 def _check(check: Any, *args: Any) -> Any:
@@ -381,7 +432,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
-        return _error_response(exc)
+        return _error_response(exc, getattr(exc, "headers", None))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -407,12 +458,10 @@ def _stream_error(e: Exception) -> dict[str, Any]:
     """The error event a stream ends with when the engine fails its request."""
     if isinstance(e, EngineError):
         return OpenAIError(str(e), param=e.param).body()
-    if isinstance(e, KVTransferFailed):
-        kind, code = "KVTransferError", 502
-    elif isinstance(e, RequestFailed):
-        kind, code = "InternalServerError", 500
-    else:                                        # the engine died
-        kind, code = "ServiceUnavailableError", 503
+    kind, code = {KVTransferFailed: ("KVTransferError", 502),
+                  RequestFailed: ("InternalServerError", 500),
+                  KVHoldRefused: ("ServiceUnavailableError", 503),
+                  }.get(type(e), ("ServiceUnavailableError", 503))
     return {"error": {"message": str(e), "type": kind, "param": None, "code": code}}
 
 
@@ -432,6 +481,11 @@ def build_app(state: ServerState) -> FastAPI:
         else:
             message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
         return JSONResponse(OpenAIError(message, param=".".join(loc) or None).body(), status_code=400)
+
+    @app.exception_handler(KVHoldRefused)
+    async def _hold_refused(_: Request, exc: KVHoldRefused) -> JSONResponse:
+        busy = _Busy(str(exc), 503, "ServiceUnavailableError", HOLD_RETRY_AFTER_S)
+        return _error_response(busy, busy.headers)
 
     @app.exception_handler(KVTransferFailed)
     async def _kv_failed(_: Request, exc: KVTransferFailed) -> JSONResponse:
@@ -463,6 +517,7 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         model = _check_model(state, body.model)
+        _check_hold_rate(state, request, body.kv_transfer_params)
         prompts = _prompts(state, body.prompt)
         if body.suffix:
             raise OpenAIError("suffix is not supported", param="suffix")
@@ -501,6 +556,7 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         model = _check_model(state, body.model)
+        _check_hold_rate(state, request, body.kv_transfer_params)
         if state.chat is None:
             raise OpenAIError("this model has no chat template", param="messages")
         rendered = state.chat.render(body)
@@ -535,15 +591,13 @@ def build_app(state: ServerState) -> FastAPI:
                 **({"kv_transfer_params": final.kv_transfer_params} if body.kv_transfer_params else {})}
 
     @app.post("/v1/kv_transfer/free")
-    async def kv_transfer_free(request: Request):
-        """Prefill side: release blocks held for a decode that will not read them."""
-        try:
-            body = await request.json()
-            request_id = body["remote_request_id"]
-            assert isinstance(request_id, str) and request_id
-        except Exception:
-            raise OpenAIError("expected {\"remote_request_id\": \"...\"}", param="remote_request_id") from None
-        state.engine.free_remote(request_id)
+    async def kv_transfer_free(body: KVTransferFreeRequest):
+        """Prefill side: release blocks held for a decode that will not read them. Only
+        with the request's remote_capability; an unknown id and a wrong capability get
+        the same 404, so the answer tells nothing about other requests."""
+        if not await state.engine.free_remote(body.remote_request_id, body.remote_capability):
+            raise OpenAIError("no KV blocks are held for this remote_request_id with this "
+                              "remote_capability", 404, "NotFoundError", "remote_request_id")
         return {"ok": True}
 
     from kvrelay.server.responses import add_responses_routes

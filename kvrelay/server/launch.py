@@ -22,6 +22,7 @@ from kvrelay.engine.async_client import AsyncEngine
 from kvrelay.model.tokenizer import load_tokenizer
 from kvrelay.server.api import ServerState, build_app
 from kvrelay.server.chat import make_chat_renderer
+from kvrelay.server.hold_limit import HoldRateLimiter
 from kvrelay.server.metrics import ServerMetrics
 from kvrelay.server.tools import AgentOptions
 
@@ -82,6 +83,16 @@ def sampling_defaults(model_dir: Path) -> dict[str, Any]:
     return {k: cfg[k] for k in ("temperature", "top_p", "top_k") if k in cfg}
 
 
+def hold_limiter(args: EngineArgs) -> HoldRateLimiter | None:
+    """A prefill's per-client bound on do_remote_decode holds (None: no KV producer, or
+    hold_rate 0)."""
+    from kvrelay.disagg.params import KVTransferConfig
+    kv = KVTransferConfig.from_json(args.kv_transfer_config)
+    if kv is None or not kv.is_producer or kv.hold_rate == 0:
+        return None
+    return HoldRateLimiter(kv.hold_rate, kv.hold_burst)
+
+
 def serve(args: EngineArgs, host: str, port: int, api_key: str | None,
           agent: AgentOptions | None = None) -> int:
     model_dir = resolve_model_dir(args)
@@ -98,6 +109,7 @@ def serve(args: EngineArgs, host: str, port: int, api_key: str | None,
                        max_logprobs=args.max_logprobs, api_key=api_key, defaults=sampling_defaults(model_dir),
                        chat=make_chat_renderer(tokenizer), agent=agent or AgentOptions())
     state.metrics = ServerMetrics(lambda: engine.stats, names[0])
+    state.hold_limiter = hold_limiter(args)
     app = build_app(state)
     outcome = {"rc": 0}
 

@@ -381,6 +381,27 @@ def test_forged_release_and_notice_free_nothing(pair):
     assert prefill.read_done() == ["A"]
 
 
+def test_an_explicit_free_needs_the_capability(pair):
+    """What POST /v1/kv_transfer/free asks the connector (engine/core.free_remote)."""
+    prefill, _ = pair
+    a = issued(prefill, "A", [1, 2, 3])
+    for bad in (None, "", "x", a.remote_capability[:-1], a.remote_capability + "x"):
+        assert not prefill.holds("A", bad)
+    assert not prefill.holds("B", a.remote_capability)
+    assert prefill.holds("A", a.remote_capability)
+    prefill.released("A")
+    assert not prefill.holds("A", a.remote_capability)
+
+
+def test_ucx_listens_where_the_side_channel_host_says_on_both_sides():
+    from kvrelay.disagg.worker import ucx_host
+    assert ucx_host(True, None) == "127.0.0.1"        # a producer's side channel default
+    assert ucx_host(True, "127.0.0.2") == "127.0.0.2"
+    assert ucx_host(False, "127.0.0.1") == "127.0.0.1"  # a consumer, when the host is set
+    assert ucx_host(False, None) is None              # unset: not a statement about prefills
+    assert ucx_host(False, "0.0.0.0") not in (None, "0.0.0.0")  # the advertised address
+
+
 def test_holds_are_bounded_by_the_hold_share(pair):
     prefill, _ = pair
     prefill.config = dataclasses.replace(prefill.config, hold_share=0.5)

@@ -41,7 +41,9 @@ def test_outputs_round_trip_with_logprobs():
     assert outputs == [out]
 
 
-@pytest.mark.parametrize("message", [("abort", ["a", "b"]), ("wake", 7), ("free_remote", "x"), ("shutdown",),
+@pytest.mark.parametrize("message", [("abort", ["a", "b"]), ("wake", 7),
+                                     ("free_remote", "x", "cap", 3), ("freed", 3, True),
+                                     ("shutdown",),
                                      ("stats",), ("error", "r1", "bad"), ("fatal", "gone"),
                                      ("ready", {"max_model_len": 96, "stats": {}})])
 def test_small_messages_round_trip(message):

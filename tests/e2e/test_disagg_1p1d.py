@@ -102,9 +102,11 @@ def test_explicit_free(pair):
     prefill, _ = pair
     r = httpx.post(f"{prefill.url}/v1/completions", timeout=60, json={
         "prompt": _prompt(20), "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
-    rid = r.json()["kv_transfer_params"]["remote_request_id"]
+    params = r.json()["kv_transfer_params"]
     assert prefill.metrics()["kvrelay:kv_blocks_used"] > 0
-    assert httpx.post(f"{prefill.url}/v1/kv_transfer/free", json={"remote_request_id": rid}).status_code == 200
+    assert httpx.post(f"{prefill.url}/v1/kv_transfer/free", json={
+        "remote_request_id": params["remote_request_id"],
+        "remote_capability": params["remote_capability"]}).status_code == 200
     m = wait_metric(prefill, "kvrelay:kv_blocks_used", 0, timeout=5)
     assert m["kvrelay:kv_blocks_used"] == 0
 
@@ -125,6 +127,8 @@ def test_handshake_mismatch_is_a_clear_error(tiny, pair, tmp_path):
         while "incompatible KV cache" not in prefill.log() and time.monotonic() < deadline:
             time.sleep(0.2)
         assert "block_size: prefill 4, decode 8" in prefill.log()
-        httpx.post(f"{prefill.url}/v1/kv_transfer/free", json={"remote_request_id": params["remote_request_id"]})
+        httpx.post(f"{prefill.url}/v1/kv_transfer/free", json={
+            "remote_request_id": params["remote_request_id"],
+            "remote_capability": params["remote_capability"]})
     finally:
         other.stop()

@@ -125,7 +125,9 @@ def test_prefill_tp2_to_decode_tp1_is_refused(tiny, servers, tmp_path):
             time.sleep(0.2)
         assert said in prefill.log()
         assert decode.metrics()["kvrelay:kv_handshake_errors_total"] == 1
-        httpx.post(f"{prefill.url}/v1/kv_transfer/free", json={"remote_request_id": params["remote_request_id"]})
+        httpx.post(f"{prefill.url}/v1/kv_transfer/free", json={
+            "remote_request_id": params["remote_request_id"],
+            "remote_capability": params["remote_capability"]})
         assert wait_metric(prefill, "kvrelay:kv_blocks_used", 0)["kvrelay:kv_blocks_used"] == 0
     finally:
         decode.stop()

@@ -19,7 +19,7 @@ from kvrelay.disagg.auth import AUTH_FAILED, client_authenticate
 from kvrelay.disagg.side_channel import SideChannelError, recv_frame, send_frame, side_channel_call
 from tests.e2e.disagg import prefill_then_decode, start, wait_metric
 from tests.factories import greedy_mismatch
-from tests.processes import Server, descendants, free_port
+from tests.processes import KvrelayProcess, Server, descendants, free_port
 
 SECRET = "e2e-kv-secret-4f9c"
 NUM_BLOCKS = 64  # the prefill's pool: hold_share 0.5 → at most 32 blocks held
@@ -68,12 +68,13 @@ def secured(request, tiny, tmp_path_factory):
         },
         lease_s=30,
     )
-    decode = start(
+    decode = start(  # its UCX_NET_DEVICES unset too, its side-channel host set (as deploy does)
         str(tiny[0]),
         "kv_consumer",
         logs / "decode.log",
         request.param,
-        env={"KVRELAY_KV_SECRET": SECRET},
+        env={"KVRELAY_KV_SECRET": SECRET, "UCX_NET_DEVICES": "",
+             "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"},
     )
     try:
         prefill.wait_ready()
@@ -220,7 +221,9 @@ def test_forged_kv_transfer_params_read_nothing(tiny, secured):
     )
     assert r.status_code == 502 and "wrong capability" in r.text, r.text
     httpx.post(
-        f"{prefill.url}/v1/kv_transfer/free", json={"remote_request_id": mine["remote_request_id"]}
+        f"{prefill.url}/v1/kv_transfer/free",
+        json={"remote_request_id": mine["remote_request_id"],
+              "remote_capability": mine["remote_capability"]},
     )
     assert wait_metric(prefill, "kvrelay:kv_blocks_used", 0)["kvrelay:kv_blocks_used"] == 0
 
@@ -255,6 +258,72 @@ def test_forged_release_frees_nothing(secured):
         json=dict(_body(9, seed=2), kv_transfer_params=params),
     )
     assert d.status_code == 200, d.text
+    assert wait_metric(prefill, "kvrelay:kv_blocks_used", 0)["kvrelay:kv_blocks_used"] == 0
+
+
+def test_free_over_http_needs_the_capability(secured):
+    """POST /v1/kv_transfer/free (the proxy's notice) frees nothing without the request's
+    remote_capability or with a wrong one, and answers an unknown id exactly like a
+    wrong capability; the right capability frees the blocks."""
+    _, prefill, _, _ = secured
+    params = _prefill_leg(prefill, _body(9, seed=3)).json()["kv_transfer_params"]
+    rid, cap = params["remote_request_id"], params["remote_capability"]
+    held = prefill.metrics()["kvrelay:kv_blocks_used"]
+    assert held > 0
+
+    def free(body: dict) -> httpx.Response:
+        return httpx.post(f"{prefill.url}/v1/kv_transfer/free", json=body, timeout=30)
+
+    missing = free({"remote_request_id": rid})
+    assert missing.status_code == 400
+    assert missing.json()["error"]["param"] == "remote_capability"
+    answers = [free({"remote_request_id": r, "remote_capability": c})
+               for r, c in ((rid, cap[:-1] + "x"), (rid, "forged"), ("no-such-request", cap))]
+    assert {a.status_code for a in answers} == {404}
+    assert len({a.text for a in answers}) == 1             # an unknown id looks the same
+    assert set(answers[0].json()["error"]) == {"message", "type", "param", "code"}
+    time.sleep(0.3)
+    assert prefill.metrics()["kvrelay:kv_blocks_used"] == held
+    right = free({"remote_request_id": rid, "remote_capability": cap})
+    assert right.status_code == 200, right.text
+    assert wait_metric(prefill, "kvrelay:kv_blocks_used", 0)["kvrelay:kv_blocks_used"] == 0
+    assert free({"remote_request_id": rid, "remote_capability": cap}).status_code == 404
+
+
+def test_the_proxy_frees_with_the_capability_and_passes_retry_after(secured, tmp_path):
+    """kvrelay proxy's free notice (the decode refused the request) carries the prefill's
+    remote_capability, so the blocks come back at once instead of after the 30 s lease;
+    a prefill's 503 for a full hold share reaches the client with its Retry-After."""
+    _, prefill, decode, _ = secured
+    port = free_port()
+    proxy = KvrelayProcess(["proxy", "--port", str(port), "--prefiller-host", "127.0.0.1",
+                            "--prefiller-port", str(prefill.port), "--decoder-host", "127.0.0.1",
+                            "--decoder-port", str(decode.port)], tmp_path / "proxy.log")
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    held: list[dict] = []
+    try:
+        proxy.wait_for_line("Application startup complete")
+        expired = prefill.metrics()["kvrelay:kv_leases_expired_total"]
+        # max_tokens past the context: the prefill leg (max_tokens 1) holds, decode says 400
+        r = httpx.post(url, timeout=60, json=dict(_body(9, seed=5), max_tokens=500))
+        assert r.status_code == 400, r.text
+        m = wait_metric(prefill, "kvrelay:kv_blocks_used", 0, timeout=10)
+        assert m["kvrelay:kv_blocks_used"] == 0
+        assert m["kvrelay:kv_leases_expired_total"] == expired
+        for seed in range(40):                 # fill the hold share straight on the prefill
+            r = _prefill_leg(prefill, _body(30, seed=seed + 60))
+            if r.status_code != 200:
+                break
+            held.append(r.json()["kv_transfer_params"])
+        r = httpx.post(url, timeout=60, json=_body(30, seed=99))
+        assert r.status_code == 503 and r.headers["Retry-After"] == "1", r.text
+        assert "hold_share" in r.json()["error"]["message"]
+    finally:
+        proxy.stop()
+        for p in held:
+            httpx.post(f"{prefill.url}/v1/kv_transfer/free", timeout=30, json={
+                "remote_request_id": p["remote_request_id"],
+                "remote_capability": p["remote_capability"]})
     assert wait_metric(prefill, "kvrelay:kv_blocks_used", 0)["kvrelay:kv_blocks_used"] == 0
 
 
@@ -293,36 +362,44 @@ def test_connection_flood_keeps_memory_flat_and_handshakes_working(tiny, secured
 
 
 def test_ucx_listens_only_where_the_side_channel_does(secured):
-    kind, prefill, _, _ = secured
+    """On both sides (the decode dials out, but UCX would listen on every interface)."""
+    kind, prefill, decode, _ = secured
     if kind != "UCX":
         pytest.skip("NIXL only")
-    addrs = [a for found in listening(prefill).values() for a in found]
-    assert addrs and all(a.startswith("127.0.0.1:") for a in addrs), addrs
-    assert "NIXL/UCX: network transports restricted to lo" in prefill.log()
+    for server in (prefill, decode):
+        addrs = [a for found in listening(server).values() for a in found]
+        assert addrs and all(a.startswith("127.0.0.1:") for a in addrs), addrs
+        assert "NIXL/UCX: network transports restricted to lo" in server.log()
 
 
 def test_direct_hold_flood_is_bounded(secured):
     """do_remote_decode requests sent straight to the prefill (no decode ever reads) hold
-    at most hold_share of its pool; past it the request fails with an OpenAI error body
-    and its blocks are freed at once; plain requests keep being served."""
+    at most hold_share of its pool; past it the request is a 503 with Retry-After and an
+    OpenAI error body naming hold_share, and its blocks are freed at once; plain requests
+    keep being served, and the holds come back when freed with their capabilities."""
     _, prefill, _, _ = secured
-    ids, refused = [], None
+    held, refused = [], None
     for seed in range(40):
         r = _prefill_leg(prefill, _body(30, seed=seed + 10))
         if r.status_code != 200:
             refused = r
             break
-        ids.append(r.json()["kv_transfer_params"]["remote_request_id"])
+        held.append(r.json()["kv_transfer_params"])
         assert prefill.metrics()["kvrelay:kv_blocks_used"] <= NUM_BLOCKS // 2
-    assert refused is not None and ids, "the hold share never applied"
+    assert refused is not None and held, "the hold share never applied"
+    assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
     err = refused.json()["error"]
     assert "hold_share" in err["message"] and set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == "ServiceUnavailableError"
     m = prefill.metrics()
     assert m["kvrelay:kv_blocks_used"] <= NUM_BLOCKS // 2
-    assert m["kvrelay:kv_requests_held_for_remote"] == len(ids)
+    assert m["kvrelay:kv_requests_held_for_remote"] == len(held)
     t0 = time.monotonic()
     plain = httpx.post(f"{prefill.url}/v1/completions", timeout=60, json=_body(30, seed=99))
     assert plain.status_code == 200 and time.monotonic() - t0 < 20
-    for rid in ids:
-        httpx.post(f"{prefill.url}/v1/kv_transfer/free", json={"remote_request_id": rid})
+    for p in held:
+        r = httpx.post(f"{prefill.url}/v1/kv_transfer/free", timeout=30, json={
+            "remote_request_id": p["remote_request_id"],
+            "remote_capability": p["remote_capability"]})
+        assert r.status_code == 200, r.text
     assert wait_metric(prefill, "kvrelay:kv_blocks_used", 0)["kvrelay:kv_blocks_used"] == 0

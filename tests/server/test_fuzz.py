@@ -15,7 +15,7 @@ from schemathesis import GenerationMode
 
 FUZZ_SECONDS = 50
 OPERATIONS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
-              ("GET", "/health")]
+              ("GET", "/health"), ("POST", "/v1/kv_transfer/free")]
 
 
 def _strategy(server_url: str):

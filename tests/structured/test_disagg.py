@@ -40,8 +40,10 @@ def test_both_legs_apply_the_grammar(pair):
     first = dict(body, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
     r = httpx.post(f"{prefill.url}/v1/completions", json=first, timeout=60)
     assert r.status_code == 200 and r.json()["choices"][0]["text"].startswith("{"), r.text
-    held = r.json()["kv_transfer_params"]["remote_request_id"]        # no decode reads these
-    httpx.post(f"{prefill.url}/v1/kv_transfer/free", json={"remote_request_id": held}, timeout=10)
+    held = r.json()["kv_transfer_params"]                             # no decode reads these
+    httpx.post(f"{prefill.url}/v1/kv_transfer/free", timeout=10, json={
+        "remote_request_id": held["remote_request_id"],
+        "remote_capability": held["remote_capability"]})
     _, d = prefill_then_decode(prefill, decode, body, "structured-legs")
     assert d.status_code == 200, d.text
     valid_json(d.json()["choices"][0]["text"], PERSON)
