@@ -8,6 +8,10 @@ MXFP4 vs dense experts is decided by the tensor names on disk (`*_blocks`/`*_sca
 never by `quantization_config` — the tutorial clears that with `--hf-overrides`
 while the tensors stay MXFP4. MXFP4 experts stay packed in memory unless dense
 experts are asked for (`quantization=None` on an MXFP4 checkpoint dequantises at load).
+
+Weights are materialised once: the shards are memory-mapped, packed experts stay views of
+the mapping (page cache), dense weights are copied into their parameters and the pages
+they were copied from are dropped from the process after each layer.
 """
 from __future__ import annotations
 
@@ -56,6 +60,9 @@ class _MappedFile:
             self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         header.pop("__metadata__", None)
         self.data_start = 8 + header_len
+        unknown = sorted({e["dtype"] for e in header.values()} - set(_DTYPES))
+        if unknown:
+            raise CheckpointError(f"{path}: unsupported tensor dtype {unknown[0]}")
         self.entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {
             name: (_DTYPES[e["dtype"]], tuple(e["shape"]), *e["data_offsets"])
             for name, e in header.items()}
@@ -71,7 +78,8 @@ class _MappedFile:
 
     def release(self, start: int, stop: int) -> None:
         """Drop the pages of [start, stop) from this process (the page cache keeps them):
-        a view of them that is still alive reads them back from the file on next use."""
+        a view of them that is still alive reads them back from the file on next use.
+        Writes made through a view are dropped too: loaded views are only ever read."""
         lo, hi = start // _PAGE * _PAGE, -(-stop // _PAGE) * _PAGE
         if hi > lo:
             self.map.madvise(mmap.MADV_DONTNEED, lo, min(hi, len(self.map)) - lo)
