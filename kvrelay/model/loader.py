@@ -8,12 +8,18 @@ MXFP4 vs dense experts is decided by the tensor names on disk (`*_blocks`/`*_sca
 never by `quantization_config` — the tutorial clears that with `--hf-overrides`
 while the tensors stay MXFP4. MXFP4 experts stay packed in memory unless dense
 experts are asked for (`quantization=None` on an MXFP4 checkpoint dequantises at load).
+
+Weights are materialised once: the shards are memory-mapped, packed experts stay views of
+the mapping (page cache), dense weights are copied into their parameters and the pages
+they were copied from are dropped from the process after each layer.
 """
 from __future__ import annotations
 
 import json
 import logging
+import mmap
 import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,18 +39,74 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
 
+# safetensors dtype names → torch dtypes (the ones a gpt-oss checkpoint can hold)
+_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
+           "F64": torch.float64, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16,
+           "I32": torch.int32, "I64": torch.int64, "BOOL": torch.bool}
+_PAGE = mmap.PAGESIZE
+
+
+class _MappedFile:
+    """One safetensors file mapped copy-on-write; tensors are zero-copy views of the map.
+
+    MAP_PRIVATE keeps the views writable (torch wants writable buffers) while the file on
+    disk is never modified; pages not written to stay shared with the page cache.
+    """
+
+    def __init__(self, path: Path) -> None:
+        with open(path, "rb") as f:
+            header_len = struct.unpack("<Q", f.read(8))[0]
+            header = json.loads(f.read(header_len))
+            self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        header.pop("__metadata__", None)
+        self.data_start = 8 + header_len
+        unknown = sorted({e["dtype"] for e in header.values()} - set(_DTYPES))
+        if unknown:
+            raise CheckpointError(f"{path}: unsupported tensor dtype {unknown[0]}")
+        self.entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {
+            name: (_DTYPES[e["dtype"]], tuple(e["shape"]), *e["data_offsets"])
+            for name, e in header.items()}
+
+    def view(self, name: str) -> tuple[torch.Tensor, int, int]:
+        """The tensor as a view of the map, and its byte range in the file."""
+        dtype, shape, begin, end = self.entries[name]
+        start = self.data_start + begin
+        if end == begin:
+            return torch.empty(shape, dtype=dtype), start, start
+        raw = torch.frombuffer(self.map, dtype=torch.uint8, count=end - begin, offset=start)
+        return raw.view(dtype).view(shape), start, start + end - begin
+
+    def release(self, start: int, stop: int) -> None:
+        """Drop the pages of [start, stop) from this process (the page cache keeps them):
+        a view of them that is still alive reads them back from the file on next use.
+        Writes made through a view are dropped too: loaded views are only ever read."""
+        lo, hi = start // _PAGE * _PAGE, -(-stop // _PAGE) * _PAGE
+        if hi > lo:
+            self.map.madvise(mmap.MADV_DONTNEED, lo, min(hi, len(self.map)) - lo)
+
+
 class SafetensorsWeights:
-    """A WeightSource over a checkpoint directory; reads only the requested slices."""
+    """A WeightSource over a checkpoint directory; reads only the requested slices.
+
+    `get` returns zero-copy views of the memory-mapped files, so a weight is materialised
+    once: either copied into its parameter (dense weights) or kept as the view itself
+    (packed MXFP4 experts, which then live in the page cache, shared between ranks).
+    A copied weight's file pages would otherwise stay mapped into the process — counted
+    in its RSS a second time — so the loader calls `release()` after each part it loads.
+    """
 
     def __init__(self, model_dir: Path) -> None:
         self.model_dir = Path(model_dir)
         self.file_of = _tensor_files(self.model_dir)
         self._handles: dict[str, Any] = {}
+        self._maps: dict[str, _MappedFile] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}
+        self._handed_out: list[tuple[str, int, int]] = []
         for name, file in self.file_of.items():
             self._shapes[name] = tuple(self._open(file).get_slice(name).get_shape())
 
     def _open(self, file: str) -> Any:
+        """safetensors' own reader validates the file (header, offsets, length) once."""
         if file not in self._handles:
             path = self.model_dir / file
             try:
@@ -52,6 +114,12 @@ class SafetensorsWeights:
             except Exception as e:  # safetensors raises several error types
                 raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
         return self._handles[file]
+
+    def _mapped(self, file: str) -> _MappedFile:
+        if file not in self._maps:
+            self._open(file)
+            self._maps[file] = _MappedFile(self.model_dir / file)
+        return self._maps[file]
 
     def names(self) -> set[str]:
         return set(self.file_of)
@@ -64,12 +132,19 @@ class SafetensorsWeights:
 
     def get(self, name: str, dim: int | None = None, start: int = 0,
             stop: int | None = None) -> torch.Tensor:
-        sl = self._open(self.file_of[name]).get_slice(name)
+        file = self.file_of[name]
+        tensor, lo, hi = self._mapped(file).view(name)
+        self._handed_out.append((file, lo, hi))
         if dim is None:
-            return sl[:]
-        index = [slice(None)] * len(self._shapes[name])
-        index[dim] = slice(start, stop)
-        return sl[tuple(index)]
+            return tensor
+        length = (tensor.shape[dim] if stop is None else min(stop, tensor.shape[dim])) - start
+        return tensor.narrow(dim, start, max(length, 0))
+
+    def release(self) -> None:
+        """Unmap the pages of every tensor handed out since the last call."""
+        for file, lo, hi in self._handed_out:
+            self._maps[file].release(lo, hi)
+        self._handed_out.clear()
 
 
 def _tensor_files(model_dir: Path) -> dict[str, str]:
@@ -195,12 +270,15 @@ def _load_with_progress(model: GptOssModel, src: SafetensorsWeights, progress: b
                leave=False)
     with bar:
         model.embed_tokens.load(src, "model.embed_tokens.weight")
+        src.release()
         bar.update()
         for i, layer in enumerate(model.layers):
             layer.load(src, f"model.layers.{i}")
+            src.release()
             bar.update()
         model.norm.weight.copy_(src.get("model.norm.weight"))
         model.lm_head.load(src, "lm_head.weight")
+        src.release()
         bar.update()
 
 
