@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -159,6 +160,24 @@ def status() -> KernelStatus:
 
 def kernels_available() -> bool:
     return status().available
+
+
+def native_paths() -> dict[str, Any]:
+    """What this process's CPU fast paths resolved to, for the server's metrics (sent
+    once with the engine core's "ready" message):
+
+        {"kernels": {"moe": "avx512" | None, "paged_decode": ...}, "half_matmul": "native"|"fp32"}
+
+    A kernel is None where its PyTorch reference path serves it: the build failed (the
+    one warning `status()` logs says why) or KVRELAY_MOE_KERNEL=torch /
+    KVRELAY_ATTENTION_KERNEL=reference turned it off (then nothing is built for it)."""
+    from kvrelay.model.layers import linear, moe, paged_decode
+    moe_on = moe.moe_kernel_mode() != "torch" and status().available
+    return {
+        "kernels": {"moe": status().isa if moe_on else None,
+                    "paged_decode": status().isa if paged_decode.enabled() else None},
+        "half_matmul": "native" if linear.half_matmul_choice().native else "fp32",
+    }
 
 
 def moe_experts(x: torch.Tensor, route_weights: torch.Tensor, expert_ids: torch.Tensor,
