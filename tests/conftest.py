@@ -29,8 +29,9 @@ def _quiet_transformers():
 
 @pytest.fixture(scope="session", autouse=True)
 def _paged_decode_kernel():
-    """Build the C++ decode-attention kernel once, before any test starts a server: it is
-    cached on disk, and a cold build (20 s quiet, minutes on a loaded machine) inside an
-    engine's warm-up would eat the server fixtures' start-up timeout."""
-    from kvrelay.model.layers import paged_decode
-    paged_decode.extension()
+    """Build the native kernels (MoE, paged decode attention) once, before any test starts
+    a server: they are cached on disk, and a cold build (a minute quiet, minutes on a
+    loaded machine) inside an engine's warm-up would eat the server fixtures' start-up
+    timeout."""
+    from kvrelay.model import kernels
+    kernels.status()

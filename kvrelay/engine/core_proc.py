@@ -79,12 +79,14 @@ def run_engine_core(args: EngineArgs, conn: Connection, log_level: int = logging
     signal.signal(signal.SIGINT, signal.SIG_IGN)          # the API process decides when to stop
     try:
         from kvrelay.engine.core import LLMEngine
+        from kvrelay.model.kernels import native_paths
         engine = LLMEngine(args)
         conn.send(("ready", {
             "max_model_len": engine.max_model_len, "model_dir": str(engine.model_dir),
             "pid": os.getpid(), "stats": engine_stats(engine),
             "vocab_size": engine.model_config.vocab_size,
             "kv_cache_spec": engine.kv_cache_spec().__dict__,
+            "native": native_paths(),       # once: the CPU kernels/matmul path in use
         }))
     except BaseException as e:  # report any startup failure in one line, then exit
         conn.send(("fatal", f"{type(e).__name__}: {e}"))

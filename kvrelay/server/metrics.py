@@ -1,11 +1,15 @@
 """Prometheus metrics with vLLM's names (so dashboards and routers work) plus kvrelay's own.
 
 Engine gauges/totals are read from the engine core's latest stats snapshot at scrape
-time; latency histograms and token counters are observed by the API server.
+time; latency histograms and token counters are observed by the API server. What the
+engine core resolved at start-up (native CPU kernels, the half-precision matmul path)
+comes once with its "ready" info (`kvrelay.model.kernels.native_paths`) and is exported
+from there, so it costs nothing per step.
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -15,14 +19,42 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
                    5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
 
 
+def native_families(native: dict[str, Any], labels: list[str],
+                    values: list[str]) -> Iterator[GaugeMetricFamily]:
+    """`kvrelay:native_kernels_available{kernel, isa}` 1 where the native CPU kernel serves
+    `kernel` (isa: the ISA build it runs), 0 where the PyTorch reference path does (isa
+    "none"); `kvrelay:half_matmul_path{path}` 1 on the path bf16/fp16 matmuls take."""
+    kernels = GaugeMetricFamily(
+        "kvrelay:native_kernels_available",
+        "1 if the native CPU kernel serves this kernel, 0 if the PyTorch reference path does "
+        "(the build failed, see the log's warning, or an env var turned it off).",
+        labels=labels + ["kernel", "isa"])
+    for kernel, isa in sorted(native.get("kernels", {}).items()):
+        kernels.add_metric(values + [kernel, isa or "none"], 1.0 if isa else 0.0)
+    yield kernels
+    chosen = native.get("half_matmul")
+    if chosen:
+        path = GaugeMetricFamily(
+            "kvrelay:half_matmul_path",
+            "1 on the path bf16/fp16 matmuls take on this CPU: native (oneDNN bf16) or fp32 "
+            "compute (no native bf16 arithmetic).", labels=labels + ["path"])
+        for name in ("native", "fp32"):
+            path.add_metric(values + [name], 1.0 if name == chosen else 0.0)
+        yield path
+
+
 class _EngineCollector(Collector):
-    def __init__(self, stats: Callable[[], dict[str, float]], model_name: str) -> None:
-        self.stats, self.model_name = stats, model_name
+    def __init__(self, stats: Callable[[], dict[str, float]], model_name: str,
+                 info: Callable[[], dict[str, Any]] | None = None) -> None:
+        self.stats, self.model_name, self.info = stats, model_name, info
 
     def collect(self) -> Iterator:
         s = self.stats() or {}
         labels = ["model_name", "engine"]
         values = [self.model_name, "0"]
+        native = (self.info() or {}).get("native") if self.info else None
+        if native:
+            yield from native_families(native, labels, values)
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
             g = GaugeMetricFamily(name, doc, labels=labels)
@@ -63,10 +95,12 @@ class _EngineCollector(Collector):
 
 
 class ServerMetrics:
-    def __init__(self, stats: Callable[[], dict[str, float]], model_name: str) -> None:
+    def __init__(self, stats: Callable[[], dict[str, float]], model_name: str,
+                 info: Callable[[], dict[str, Any]] | None = None) -> None:
+        """`stats`: the engine's latest per-step snapshot; `info`: its start-up "ready" info."""
         self.registry = CollectorRegistry()
         self.model_name = model_name
-        self.registry.register(_EngineCollector(stats, model_name))
+        self.registry.register(_EngineCollector(stats, model_name, info))
         labels = ["model_name"]
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", labels,
                               buckets=LATENCY_BUCKETS, registry=self.registry).labels(model_name)

@@ -10,7 +10,7 @@ from kvrelay.model.layers.attention import AttentionMetadata, PagedAttention
 from kvrelay.model.parallel import ParallelContext
 
 pytestmark = pytest.mark.skipif(
-    paged_decode.extension() is None, reason="the C++ paged decode kernel cannot be built here"
+    not paged_decode.enabled(), reason="the C++ paged decode kernel cannot be built here"
 )
 
 
@@ -121,3 +121,33 @@ def test_native_write_kv_matches_reference_and_skips_padding():
     paged_decode.write_kv(got, k, v, slots)
     assert torch.equal(got, ref)
     assert int((got != 0).any(dim=(2, 4)).sum()) == 2 * 4  # 4 slots written, K and V
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_every_isa_build_matches_reference(dtype):
+    """Each ISA build this CPU can run (avx512 / avx2 / generic, dispatched at run time),
+    against the reference path; fp16 caches too."""
+    from kvrelay.model import kernels
+    from kvrelay.model.layers.attention import write_kv
+
+    torch.manual_seed(5)
+    B, NB, h, kvh, hd = 8, 64, 6, 2, 20
+    seq_lens = [1, B - 1, B + 1, 2 * B, 45]
+    meta = _step(seq_lens, [1] * len(seq_lens), B, NB, seed=5)
+    layer = PagedAttention(h, kvh, hd, 12, 0, ParallelContext())
+    layer.sinks.normal_(0, 1)
+    T = len(seq_lens)
+    q = torch.randn(T, h, hd).to(dtype)
+    k, v = (torch.randn(T, kvh, hd).to(dtype) for _ in range(2))
+    cache = torch.randn(2, NB, kvh, B, hd).to(dtype)
+    ref = _run(layer, False, q, k, v, cache, meta).float()
+    written = cache.clone()
+    write_kv(written, k, v, meta.slot_mappings[0], B)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    isas = kernels.status().isas
+    assert isas[-1] == "generic"
+    for isa in isas:
+        got = torch.ops.kvrelay_kernels.paged_decode(
+            q, written, meta.block_tables[0], meta.seq_lens, layer.sinks, layer.scale, 12, isa)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.float(), ref, rtol=tol, atol=tol, msg=isa)

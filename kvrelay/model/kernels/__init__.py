@@ -1,17 +1,20 @@
 """Native CPU kernels (C++), built on first use with `torch.utils.cpp_extension`.
 
 The extension (`csrc/`) holds the grouped MoE expert computation
-(`kvrelay_kernels::moe_experts`). It is compiled once per source/torch version into
+(`kvrelay_kernels::moe_experts`) and paged decode attention over the KV blocks in place
+(`kvrelay_kernels::paged_decode`, `write_kv`; wrapped by `layers/paged_decode.py`). It is
+compiled once per source/torch version into
 `$KVRELAY_KERNELS_DIR/<name>-<hash>/` (default `~/.cache/kvrelay/kernels`, not under
 KVRELAY_CACHE_DIR: one build serves every embedded-model cache) under a file lock, so
 concurrent server processes build it once and later starts only load it.
 
 No `-march=native`: the machine that builds is not always the one that runs (a shared
 cache, a CPU that changes under a VM), so every ISA variant is compiled with its own
-`#pragma GCC target` and the op picks the best one the running CPU supports.
+`#pragma GCC target` and the ops pick the best one the running CPU supports.
 
 Where the build fails (no compiler, no ninja, headers missing) the model keeps the
-pure-PyTorch path: `status()` says why, and a single warning is logged.
+pure-PyTorch paths: `status()` says why, and a single warning is logged; the server
+exports it as the `kvrelay:native_kernels_available` metric.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -34,8 +38,10 @@ logger = logging.getLogger(__name__)
 
 NAME = "kvrelay_kernels"
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("moe_op.cpp", "moe_generic.cpp", "moe_avx2.cpp", "moe_avx512.cpp")
-CFLAGS = ("-O3", "-std=c++17", "-fno-math-errno")
+SOURCES = ("moe_op.cpp", "paged_decode_op.cpp", "moe_generic.cpp", "moe_avx2.cpp",
+           "moe_avx512.cpp")
+# -fopenmp-simd: the `omp simd` reductions of the decode kernel, without an OpenMP runtime
+CFLAGS = ("-O3", "-std=c++17", "-fno-math-errno", "-fopenmp-simd")
 
 
 @dataclass(frozen=True)
@@ -129,6 +135,10 @@ def _register_fake() -> None:
           down, down_scales, down_bias, alpha, limit, isa):
         return x.new_empty(x.shape)
 
+    @torch.library.register_fake("kvrelay_kernels::paged_decode")
+    def _(q, kv_cache, block_table, seq_lens, sinks, scale, window, isa=""):
+        return torch.empty_like(q)
+
 
 @functools.cache
 def status() -> KernelStatus:
@@ -141,8 +151,8 @@ def status() -> KernelStatus:
         _register_fake()
     except Exception as exc:  # noqa: BLE001 - any build failure means "use the torch path"
         reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc) else ''}"
-        logger.warning("native CPU kernels unavailable, using the PyTorch reference path "
-                       "(slower MoE/MXFP4): %s", reason)
+        logger.warning("native CPU kernels unavailable, using the PyTorch reference paths "
+                       "(slower MoE/MXFP4 and decode attention): %s", reason)
         return KernelStatus(False, None, (), reason)
     logger.info("native CPU kernels loaded: %s (ISA %s of %s)", library, isas[0], ", ".join(isas))
     return KernelStatus(True, isas[0], isas, "", str(library))
@@ -150,6 +160,24 @@ def status() -> KernelStatus:
 
 def kernels_available() -> bool:
     return status().available
+
+
+def native_paths() -> dict[str, Any]:
+    """What this process's CPU fast paths resolved to, for the server's metrics (sent
+    once with the engine core's "ready" message):
+
+        {"kernels": {"moe": "avx512" | None, "paged_decode": ...}, "half_matmul": "native"|"fp32"}
+
+    A kernel is None where its PyTorch reference path serves it: the build failed (the
+    one warning `status()` logs says why) or KVRELAY_MOE_KERNEL=torch /
+    KVRELAY_ATTENTION_KERNEL=reference turned it off (then nothing is built for it)."""
+    from kvrelay.model.layers import linear, moe, paged_decode
+    moe_on = moe.moe_kernel_mode() != "torch" and status().available
+    return {
+        "kernels": {"moe": status().isa if moe_on else None,
+                    "paged_decode": status().isa if paged_decode.enabled() else None},
+        "half_matmul": "native" if linear.half_matmul_choice().native else "fp32",
+    }
 
 
 def moe_experts(x: torch.Tensor, route_weights: torch.Tensor, expert_ids: torch.Tensor,

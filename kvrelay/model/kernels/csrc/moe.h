@@ -1,9 +1,11 @@
-// Plain-C++ contract between the torch-facing op (moe_op.cpp) and the per-ISA kernels
-// (moe_generic.cpp, moe_avx2.cpp, moe_avx512.cpp). No torch or STL here: the ISA files
+// Plain-C++ contract between the torch-facing ops (moe_op.cpp, paged_decode_op.cpp) and
+// the per-ISA builds (moe_generic.cpp, moe_avx2.cpp, moe_avx512.cpp). No torch or STL here: the ISA files
 // are compiled with `#pragma GCC target(...)` and must not instantiate inline library
 // code that the linker could hand to generic callers.
 #pragma once
 #include <stdint.h>
+
+#include "paged_decode.h"
 
 namespace kvrelay {
 
@@ -62,7 +64,12 @@ struct IsaKernels {
   const char* name;
   TileFn gate_up;  // fills act for the given gate_up tiles
   TileFn down;     // fills y for the given down tiles
+  DecodeFn decode; // paged decode attention work items (paged_decode.h)
 };
+
+// The build for ISA `name` ("" or null: the best this CPU supports); throws if the CPU
+// lacks it. Defined in moe_op.cpp, shared by every op of the extension.
+const IsaKernels& isa_kernels(const char* name);
 
 bool generic_kernels(IsaKernels* out);
 bool avx2_kernels(IsaKernels* out);    // false where not compiled (non-x86)

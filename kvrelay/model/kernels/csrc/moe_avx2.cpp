@@ -1,5 +1,5 @@
-// AVX2 + FMA build of the MoE kernels; chosen at run time (moe_op.cpp), so the rest of
-// the extension stays runnable on CPUs without AVX2.
+// AVX2 + FMA build of the MoE and paged decode kernels; chosen at run time (moe_op.cpp),
+// so the rest of the extension stays runnable on CPUs without AVX2.
 #include "moe.h"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -42,11 +42,12 @@ struct V {
 };
 
 #include "moe_impl.h"
+#include "paged_decode_impl.h"
 
 }  // namespace
 
 bool kvrelay::avx2_kernels(IsaKernels* out) {
-  *out = IsaKernels{"avx2", &gate_up_tiles, &down_tiles};
+  *out = IsaKernels{"avx2", &gate_up_tiles, &down_tiles, &decode_tasks};
   return true;
 }
 

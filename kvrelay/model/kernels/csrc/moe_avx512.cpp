@@ -1,5 +1,5 @@
-// AVX-512 build of the MoE kernels (F + BW + VL + DQ: Skylake-SP, Zen 4 and later);
-// chosen at run time (moe_op.cpp).
+// AVX-512 build of the MoE and paged decode kernels (F + BW + VL + DQ: Skylake-SP, Zen 4
+// and later); chosen at run time (moe_op.cpp).
 #include "moe.h"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -35,11 +35,12 @@ struct V {
 };
 
 #include "moe_impl.h"
+#include "paged_decode_impl.h"
 
 }  // namespace
 
 bool kvrelay::avx512_kernels(IsaKernels* out) {
-  *out = IsaKernels{"avx512", &gate_up_tiles, &down_tiles};
+  *out = IsaKernels{"avx512", &gate_up_tiles, &down_tiles, &decode_tasks};
   return true;
 }
 

@@ -1,4 +1,5 @@
-// Portable build of the MoE kernels (any CPU; the compiler's baseline vectorisation).
+// Portable build of the MoE and paged decode kernels (any CPU; the compiler's baseline
+// vectorisation).
 #include "moe.h"
 
 namespace {
@@ -29,10 +30,11 @@ struct V {
 };
 
 #include "moe_impl.h"
+#include "paged_decode_impl.h"
 
 }  // namespace
 
 bool kvrelay::generic_kernels(IsaKernels* out) {
-  *out = IsaKernels{"generic", &gate_up_tiles, &down_tiles};
+  *out = IsaKernels{"generic", &gate_up_tiles, &down_tiles, &decode_tasks};
   return true;
 }

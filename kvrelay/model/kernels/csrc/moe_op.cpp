@@ -50,6 +50,12 @@ const IsaKernels& pick(const std::string& name) {
   TORCH_CHECK(false, "kvrelay kernels: ISA '", name, "' is not supported on this CPU");
 }
 
+}  // namespace
+
+const IsaKernels& isa_kernels(const char* name) { return pick(name ? name : ""); }
+
+namespace {
+
 std::vector<std::string> isa_names() {
   std::vector<std::string> names;
   for (const IsaKernels& k : isas()) names.emplace_back(k.name);
