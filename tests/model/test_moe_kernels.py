@@ -203,12 +203,16 @@ def test_bad_shapes_are_reported(isas):
 @pytest.fixture
 def broken_build(monkeypatch):
     """The next `kernels.status()` sees a failing compiler; the real status afterwards."""
+    from kvrelay.model.layers import paged_decode
+
     def fail(directory):
         raise RuntimeError("Error building extension 'kvrelay_kernels'\nno compiler")
     kernels.status.cache_clear()
+    paged_decode.enabled.cache_clear()
     monkeypatch.setattr(kernels, "_build", fail)
     yield
     kernels.status.cache_clear()
+    paged_decode.enabled.cache_clear()
 
 
 def test_build_failure_falls_back_with_one_warning(broken_build, monkeypatch, caplog):
@@ -221,6 +225,7 @@ def test_build_failure_falls_back_with_one_warning(broken_build, monkeypatch, ca
     warnings = [r for r in caplog.records if "native CPU kernels unavailable" in r.message]
     assert len(warnings) == 1 and "no compiler" in warnings[0].getMessage()
     assert not kernels.kernels_available() and "no compiler" in kernels.status().reason
+    assert kernels.native_paths()["kernels"] == {"moe": None, "paged_decode": None}
     assert torch.equal(outs[0], fp32_reference(ex).forward_torch(x, weights, ids)) or \
         (outs[0] - fp32_reference(ex).forward_torch(x, weights, ids)).abs().max() < 1e-5
     monkeypatch.setenv("KVRELAY_MOE_KERNEL", "native")

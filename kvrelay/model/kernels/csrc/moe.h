@@ -1,7 +1,7 @@
-// Plain-C++ contract between the torch-facing ops (moe_op.cpp, paged_decode_op.cpp) and
-// the per-ISA builds (moe_generic.cpp, moe_avx2.cpp, moe_avx512.cpp). No torch or STL here: the ISA files
-// are compiled with `#pragma GCC target(...)` and must not instantiate inline library
-// code that the linker could hand to generic callers.
+// Plain-C++ contract between the torch-facing ops (moe_op.cpp, paged_decode_op.cpp)
+// and the per-ISA builds (moe_generic.cpp, moe_avx2.cpp, moe_avx512.cpp). No torch or
+// STL here: the ISA files are compiled with `#pragma GCC target(...)` and must not
+// instantiate inline library code that the linker could hand to generic callers.
 #pragma once
 #include <stdint.h>
 
