@@ -31,6 +31,8 @@ PREFILL_DROPPED_FIELDS = ("stream_options", "min_tokens", "min_completion_tokens
 UNROUTABLE_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]"})
 # After a connection failure a backend is tried last for this long (the others first).
 COOLDOWN_S = 5.0
+# A /metrics scrape older than this no longer counts towards a server's load.
+REPORT_STALE_S = 10.0
 
 
 class EndpointError(ValueError):
@@ -49,6 +51,13 @@ class Backend:
     failures: int = 0
     down_until: float = 0.0        # monotonic time until which it is tried last
     healthy: bool = True           # the last background /health probe answered 200
+    # What the server's /metrics last said (vLLM's names), polled with the /health probe.
+    running: float = 0.0           # vllm:num_requests_running
+    waiting: float = 0.0           # vllm:num_requests_waiting
+    kv_usage: float = 0.0          # vllm:kv_cache_usage_perc (0..1)
+    prefix_queries: float = 0.0    # vllm:prefix_cache_queries_total (tokens)
+    prefix_hits: float = 0.0       # vllm:prefix_cache_hits_total (tokens)
+    reported_at: float = 0.0       # monotonic time of that scrape; 0: never
 
     @property
     def name(self) -> str:
@@ -62,6 +71,13 @@ class Backend:
     def cooling(self, now: float | None = None) -> bool:
         """Tried last: its /health probe failed, or a connection to it failed lately."""
         return not self.healthy or (time.monotonic() if now is None else now) < self.down_until
+
+    def reported_load(self, now: float | None = None) -> float:
+        """Running + waiting requests per the last scrape, if it is recent (else 0)."""
+        now = time.monotonic() if now is None else now
+        if not self.reported_at or now - self.reported_at > REPORT_STALE_S:
+            return 0.0
+        return self.running + self.waiting
 
     def mark_failed(self) -> None:
         self.failures += 1

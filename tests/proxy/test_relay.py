@@ -306,7 +306,10 @@ def test_metrics_parse(fakes, proxies):
                         "kvrelay_proxy:prefill_latency_seconds": "histogram",
                         "kvrelay_proxy:decode_latency_seconds": "histogram",
                         "kvrelay_proxy:backend_failures": "counter", "kvrelay_proxy:kv_free_notices": "counter",
-                        "kvrelay_proxy:backend_healthy": "gauge"}
+                        "kvrelay_proxy:backend_healthy": "gauge",
+                        "kvrelay_proxy:routing_decisions": "counter",
+                        "kvrelay_proxy:prefix_table_blocks": "gauge",
+                        "kvrelay_proxy:prefix_table_forgotten": "counter"}
     samples = _samples(proxies["main"])
     assert samples[("kvrelay_proxy:requests_total", (("endpoint", "/v1/completions"), ("status", "200")))] >= 1
     decode = f"127.0.0.1:{fakes.decode.port}"
