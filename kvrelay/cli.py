@@ -114,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("bench", help="serving benchmark (kvrelay bench serve --help)")
     sub.add_parser("deploy", help="stand up a topology on this machine (kvrelay deploy --help)")
     sub.add_parser("validate", help="the tutorial's 'Confirm your work' checks (kvrelay validate --help)")
+    sub.add_parser("plan", help="recommend xPyD and --max-num-seqs from measurements (kvrelay plan --help)")
     serve = sub.add_parser("serve", help="OpenAI-compatible server (vLLM's flags)")
     _add_serve_flags(serve)
     gen = sub.add_parser("generate", help="greedy generation with the model (no server)")
@@ -136,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["deploy"]:
         from kvrelay.deploy.main import main as deploy_main
         return deploy_main(argv[1:])
+    if argv[:1] == ["plan"]:                    # arithmetic only: no torch
+        from kvrelay.plan.main import main as plan_main
+        return plan_main(argv[1:])
     if argv[:1] == ["validate"]:
         from kvrelay.deploy.validate import main as validate_main
         return validate_main(argv[1:])
