@@ -5,7 +5,8 @@ One completion or chat request, vLLM's wire format:
 ```
 client ──POST /v1/completions──▶ proxy        X-Request-Id: the client's, else a new uuid
                                    │
-   1. prefill (round-robin; only a server that fails before answering is skipped)
+   1. prefill (--routing: longest cached prefix by default; only a server that fails before
+      answering is skipped; --disagg-policy auto may skip this leg: straight to 2.)
                                    ├──▶ prefill  body: max_tokens 1, stream false, no stream_options /
                                    │             min_tokens / min_completion_tokens,
                                    │             kv_transfer_params {do_remote_decode: true, ...null}
@@ -15,7 +16,7 @@ client ──POST /v1/completions──▶ proxy        X-Request-Id: the client
                                    │    4xx/5xx → returned to the client as is (no decode, and
                                    │    never re-sent elsewhere: the request reached a server)
                                    │    every server failing before answering → 503
-   2. decode (least in-flight, ties round-robin; failing before answering → the next one)
+   2. decode (--routing, by load and KV usage; failing before answering → the next one)
                                    ├──▶ decode   the ORIGINAL body + the prefill's kv_transfer_params
                                    │             (remote_host 0.0.0.0/empty → the prefill host used)
 client ◀── SSE chunks / JSON ──────┘◀── decode pulls the KV over NIXL, streams; relayed unbuffered
