@@ -75,7 +75,8 @@ def _inputs(a: argparse.Namespace) -> tuple[Measured, Workload]:
                                     ("--rate or --workload", rate),
                                     ("--prompt-len or --workload", plen),
                                     ("--output-len or --workload", olen)) if v is None]
-    if missing:
+    if (missing or prefill is None or decode is None or batch is None or rate is None
+            or plen is None or olen is None):
         raise PlanError(f"missing {', '.join(missing)}")
     return (Measured(prefill, decode, batch, itl1),
             Workload(rate, plen, olen, a.ttft_ms, a.itl_ms, a.handoff_ms, a.max_util,

@@ -603,18 +603,19 @@ async def relay_completion(state: ProxyState, request: Request, path: str) -> Re
         payload = {k: v for k, v in body.items() if k != "kv_transfer_params"}
     else:
         try:
-            prefilled = await _unless_disconnected(
+            answer = await _unless_disconnected(
                 request.receive, _prefill(state, path, body, headers, request_id, route.prefill.order))
         except ClientGone:
             return _finish(state, path, _client_closed(request_id, "during prefill"))
-        if isinstance(prefilled, Response):
-            return _finish(state, path, prefilled)
-        state.record(route.key, prefilled.backend)
-        kv = prefilled.kv_params
+        if isinstance(answer, Response):
+            return _finish(state, path, answer)
+        prefilled = answer
+        state.record(route.key, answer.backend)
+        kv = answer.kv_params
         logger.debug("request %s: prefill on %s took %.3fs (remote_request_id %s, KV at %s:%s)",
-                     request_id, prefilled.backend.name, prefilled.seconds,
+                     request_id, answer.backend.name, answer.seconds,
                      kv.get("remote_request_id"), kv.get("remote_host"), kv.get("remote_port"))
-        payload = decode_body(body, prefilled.kv_params)
+        payload = decode_body(body, kv)
     response = await _decode(state, request, path, payload, headers, prefilled, request_id, route)
     if isinstance(response, RelayStream):
         return response              # counted when the stream ends (a client that leaves: 499)
