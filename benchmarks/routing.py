@@ -15,6 +15,10 @@ concurrent bench clients: 30 % short prompts (--short-input tokens) and 70 % lon
 (--long-input), Poisson arrivals. Reported: the short prompts' TTFT p50/p99 and the long
 prompts' ITL p50/p99.
 
+Part `crossover` (1P1D, idle): lone requests of a few prompt lengths through `always` and
+`never`; the hand-off cost and the decode server's prefill speed give the default
+`--direct-max-tokens` (see part_crossover).
+
 Everything runs on this machine's cores (shared), so only ratios from the same run mean
 anything; `uptime` is recorded before and after each part.
 """
@@ -120,15 +124,15 @@ def summary(path: Path) -> dict[str, Any]:
                                      "median_itl_ms", "p99_itl_ms")}
 
 
-PREFIX_WORKLOADS = {
+PREFIX_WORKLOADS = {       # sized for 2 shared cores: short outputs, prompts <= 512 tokens
     "sharegpt_multi_turn": ["--dataset-name", "sharegpt", "--sharegpt-multi-turn",
-                            "--sharegpt-max-turns", "5", "--sharegpt-output-len", "16",
-                            "--sharegpt-max-prompt-len", "1024"],
+                            "--sharegpt-max-turns", "4", "--sharegpt-output-len", "8",
+                            "--sharegpt-max-prompt-len", "512"],
     "prefix_repetition": ["--dataset-name", "prefix_repetition",
-                          "--prefix-repetition-prefix-len", "384",
-                          "--prefix-repetition-suffix-len", "32",
+                          "--prefix-repetition-prefix-len", "256",
+                          "--prefix-repetition-suffix-len", "16",
                           "--prefix-repetition-num-prefixes", "4",
-                          "--prefix-repetition-output-len", "16"],
+                          "--prefix-repetition-output-len", "8"],
 }
 
 
@@ -197,14 +201,71 @@ def part_disagg(model: str, work: Path, args: argparse.Namespace) -> dict[str, A
     return res
 
 
+def first_token_s(url: str, prompt: list[int]) -> float:
+    """Seconds to the first streamed token of a 2-token completion of `prompt` (token ids)."""
+    t0 = time.perf_counter()
+    body = {"model": SERVED, "prompt": prompt, "max_tokens": 2, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                return time.perf_counter() - t0
+    raise RuntimeError(f"no token from {url}")
+
+
+def part_crossover(model: str, work: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """The default --direct-max-tokens, measured: on an idle 1P1D, TTFT of lone requests of
+    L tokens through prefill → decode (`always`) and straight to decode (`never`).
+    H = TTFT_always - TTFT_never (the hand-off: a prefill round trip, KV transfer, a second
+    hop), P = the decode server's prefill tokens/s (slope of TTFT_never over L). A prompt
+    with L <= H·P prefills on the decode server in no more time than the hand-off alone
+    costs: that is the threshold."""
+    import random
+    import statistics
+    res: dict[str, Any] = {"uptime_before": uptime()}
+    base = args.base_port
+    dep = deploy(model, 1, base, work, args, "crossover")
+    pxs: list[subprocess.Popen] = []
+    try:
+        urls = {}
+        for i, policy in enumerate(("always", "never")):
+            pxs.append(proxy(base + 50 + i, [base + 100], base + 200,
+                             ["--disagg-policy", policy], work, f"crossover-{policy}"))
+            urls[policy] = f"http://127.0.0.1:{base + 50 + i}"
+        rng = random.Random(0)
+        table: dict[int, dict[str, float]] = {}
+        for n in args.crossover_lens:
+            row: dict[str, list[float]] = {"always": [], "never": []}
+            for _ in range(args.crossover_reps):
+                for policy in ("always", "never"):     # fresh prompts: no prefix-cache hits
+                    prompt = [rng.randrange(1000, 40000) for _ in range(n)]
+                    row[policy].append(first_token_s(urls[policy], prompt))
+            table[n] = {p: statistics.median(v) * 1e3 for p, v in row.items()}
+            log(f"crossover L={n}: {table[n]}")
+        lens = sorted(table)
+        lo, hi = lens[0], lens[-1]
+        slope_ms = (table[hi]["never"] - table[lo]["never"]) / (hi - lo)
+        handoff_ms = statistics.median(table[n]["always"] - table[n]["never"] for n in lens)
+        res |= {"ttft_ms": table, "decode_prefill_tok_s": 1e3 / slope_ms if slope_ms > 0 else None,
+                "handoff_ms": handoff_ms,
+                "threshold_tokens": handoff_ms / slope_ms if slope_ms > 0 else None}
+    finally:
+        for px in pxs:
+            stop(px, 20)
+        stop(dep)
+    res["uptime_after"] = uptime()
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--part", choices=("prefix", "disagg", "all"), default="all")
+    ap.add_argument("--part", choices=("prefix", "disagg", "crossover", "all"), default="all")
+    ap.add_argument("--crossover-lens", type=int, nargs="+", default=[16, 128, 512])
+    ap.add_argument("--crossover-reps", type=int, default=3)
     ap.add_argument("--model", default=None, help="checkpoint dir (default: the embedded model)")
     ap.add_argument("--base-port", type=int, default=8400)
     ap.add_argument("--max-num-seqs", type=int, default=8)
-    ap.add_argument("--prefix-prompts", type=int, default=40)
-    ap.add_argument("--prefix-rate", type=float, default=1.0)
+    ap.add_argument("--prefix-prompts", type=int, default=16)
+    ap.add_argument("--prefix-rate", type=float, default=0.1)
     ap.add_argument("--mix-prompts", type=int, default=30)
     ap.add_argument("--mix-rate", type=float, default=0.5)
     ap.add_argument("--short-input", type=int, default=32)
@@ -225,6 +286,8 @@ def main() -> None:
         results["prefix"] = part_prefix(args.model, work, args)
     if args.part in ("disagg", "all"):
         results["disagg"] = part_disagg(args.model, work, args)
+    if args.part in ("crossover", "all"):
+        results["crossover"] = part_crossover(args.model, work, args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     dest = out / f"routing-{args.part}.json"
