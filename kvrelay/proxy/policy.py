@@ -40,9 +40,11 @@ from kvrelay.proxy.routing import Backend
 ROUTING_POLICIES = ("cache_aware", "round_robin", "least_loaded")
 DISAGG_POLICIES = ("always", "auto", "never")
 DEFAULT_LOAD_MARGIN = 2
-# From the 1P1D short/long measurement (docs/benchmarks.md): below this many uncached
-# tokens the decode server prefilling itself answers sooner than prefill + KV transfer.
-DEFAULT_DIRECT_MAX_TOKENS = 256
+# Measured (benchmarks/routing.py --part crossover, docs/benchmarks.md): the hand-off (prefill
+# round trip, KV transfer, second hop) cost 1.48 s and the decode server prefilled 57.5 tok/s,
+# so a prompt of up to 1.48 x 57.5 = 85 tokens prefills on the decode server in no more time
+# than the hand-off alone; rounded up to whole 16-token blocks.
+DEFAULT_DIRECT_MAX_TOKENS = 96
 DEFAULT_DIRECT_CACHED_FRACTION = 0.8
 KV_FULL = 0.95                     # a decode server this full is tried after the others
 
