@@ -3,15 +3,15 @@
 Pure bookkeeping (no I/O), so the rules are unit-tested with exact values:
 
 - `expand_endpoints`: the `--prefiller-host/--prefiller-port` (and decoder) pairing rules.
-- `RoundRobin` (prefill) and `LeastInFlight` (decode): an ordered list of backends to try.
+- `Backend`: one server, its HTTP client, and what the proxy knows of its state (server
+  choice itself is in `policy.py`).
 - `prefill_body` / `decode_body`: the vLLM-compatible KV-transfer wire format.
 """
 from __future__ import annotations
 
 import copy
-import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -114,38 +114,6 @@ def expand_endpoints(hosts: list[str], ports: list[int], flag: str) -> list[tupl
     if dupes:
         raise EndpointError(f"--{flag}-host/--{flag}-port: {', '.join(dupes)} listed twice")
     return pairs
-
-
-@dataclass
-class RoundRobin:
-    """Each call starts one server further along; servers cooling down after a
-    connection failure, or failing their health probe, go to the end of the list (still
-    tried when all else fails)."""
-
-    backends: list[Backend]
-    _counter: itertools.count = field(default_factory=itertools.count, repr=False)
-
-    def order(self) -> list[Backend]:
-        start = next(self._counter) % len(self.backends)
-        rotated = self.backends[start:] + self.backends[:start]
-        now = time.monotonic()
-        return sorted(rotated, key=lambda b: b.cooling(now))     # stable: keeps the rotation
-
-
-@dataclass
-class LeastInFlight:
-    """Fewest requests in flight first; ties broken round-robin; cooling servers last."""
-
-    backends: list[Backend]
-    _counter: itertools.count = field(default_factory=itertools.count, repr=False)
-
-    def order(self) -> list[Backend]:
-        start = next(self._counter) % len(self.backends)
-        n = len(self.backends)
-        now = time.monotonic()
-        ranked = sorted(range(n), key=lambda i: (self.backends[i].cooling(now), self.backends[i].in_flight,
-                                                 (i - start) % n))
-        return [self.backends[i] for i in ranked]
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:

@@ -11,6 +11,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvrelay.proxy.routing import COOLDOWN_S
 from tests.proxy.fakes import STREAM_TOKENS, client, kv_params_of, wait_for
 
 NULL_KV = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
@@ -88,6 +89,15 @@ def test_unroutable_remote_host_replaced_by_prefill_host(fakes, proxies, adverti
 def test_round_robin_over_three_ports_on_one_host(fakes, proxies):
     order = []
     with client() as c:
+        # An earlier test may have left a server cooling down (tried last for COOLDOWN_S
+        # after a failure); once all three answer again the rotation is plain.
+        deadline = time.monotonic() + COOLDOWN_S + 2
+        while len({f.port for f in fakes.prefill if f.completions()}) < 3:
+            assert time.monotonic() < deadline, "a prefill server stayed out of the rotation"
+            c.post(f"{proxies['main'].url}/v1/completions", json={"prompt": "x", "max_tokens": 2})
+            time.sleep(0.05)
+        for f in fakes.all:
+            f.requests.clear()
         for i in range(6):
             r = c.post(f"{proxies['main'].url}/v1/completions", json={"prompt": "x", "max_tokens": 2},
                        headers={"X-Request-Id": f"rr-{i}"})

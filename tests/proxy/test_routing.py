@@ -4,12 +4,11 @@ from __future__ import annotations
 import pytest
 
 from kvrelay.proxy.main import build_parser, settings_from_args
+from kvrelay.proxy.policy import Router
 from kvrelay.proxy.routing import (
     PREFILL_KV_TRANSFER_PARAMS,
     Backend,
     EndpointError,
-    LeastInFlight,
-    RoundRobin,
     decode_body,
     expand_endpoints,
     free_notice,
@@ -76,32 +75,32 @@ def _backends(n: int, role: str = "prefill") -> list[Backend]:
 
 def test_round_robin_rotates():
     bs = _backends(3)
-    rr = RoundRobin(bs)
-    assert [[b.port for b in rr.order()] for _ in range(4)] == [
+    rr = Router(bs, "round_robin")
+    assert [[b.port for b in rr.choose(None).order] for _ in range(4)] == [
         [8100, 8101, 8102], [8101, 8102, 8100], [8102, 8100, 8101], [8100, 8101, 8102]]
 
 
 def test_round_robin_tries_failed_servers_last():
     bs = _backends(3)
     bs[0].mark_failed()
-    rr = RoundRobin(bs)
-    assert [b.port for b in rr.order()] == [8101, 8102, 8100]
-    assert [b.port for b in rr.order()] == [8101, 8102, 8100]
-    assert [b.port for b in rr.order()] == [8102, 8101, 8100]
+    rr = Router(bs, "round_robin")
+    assert [b.port for b in rr.choose(None).order] == [8101, 8102, 8100]
+    assert [b.port for b in rr.choose(None).order] == [8101, 8102, 8100]
+    assert [b.port for b in rr.choose(None).order] == [8102, 8101, 8100]
     bs[0].mark_ok()
-    assert [b.port for b in rr.order()] == [8100, 8101, 8102]
+    assert [b.port for b in rr.choose(None).order] == [8100, 8101, 8102]
     assert bs[0].failures == 1
 
 
 def test_least_in_flight_with_round_robin_ties():
     bs = _backends(3, "decode")
-    lif = LeastInFlight(bs)
-    assert [b.port for b in lif.order()] == [8100, 8101, 8102]
-    assert [b.port for b in lif.order()] == [8101, 8102, 8100]          # tie: rotate
+    lif = Router(bs, "least_loaded")
+    assert [b.port for b in lif.choose(None).order] == [8100, 8101, 8102]
+    assert [b.port for b in lif.choose(None).order] == [8101, 8102, 8100]          # tie: rotate
     bs[0].in_flight, bs[1].in_flight, bs[2].in_flight = 2, 0, 1
-    assert [b.port for b in lif.order()] == [8101, 8102, 8100]
+    assert [b.port for b in lif.choose(None).order] == [8101, 8102, 8100]
     bs[1].mark_failed()
-    assert [b.port for b in lif.order()] == [8102, 8100, 8101]
+    assert [b.port for b in lif.choose(None).order] == [8102, 8100, 8101]
 
 
 def test_backend_url():
