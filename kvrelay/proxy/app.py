@@ -42,6 +42,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import secrets
 import time
 import uuid
@@ -69,7 +70,7 @@ from starlette.types import Receive, Scope, Send
 
 from kvrelay.proxy import scrape
 from kvrelay.proxy.body import BodyError, parse_object, read_limited
-from kvrelay.proxy.policy import Choice, Router, RoutingSettings
+from kvrelay.proxy.policy import Choice, Router, RoutingSettings, hit_correction
 from kvrelay.proxy.prefix import Hasher, PromptKey
 from kvrelay.proxy.routing import (
     Backend,
@@ -134,7 +135,7 @@ class ProxyMetrics:
                                   ["role", "backend"], registry=r)
         self.forgotten = Counter("kvrelay_proxy:prefix_table_forgotten",
                                  "Times a backend's prefix-table entries were dropped, by reason "
-                                 "(unhealthy, connect, restarted).", ["role", "backend", "reason"],
+                                 "(unhealthy, connect, restarted, missed_hits).", ["role", "backend", "reason"],
                                  registry=r)
         for result in FREE_RESULTS:
             self.free_notices.labels(result)
@@ -278,9 +279,24 @@ class ProxyState:
             return
         if scrape.apply(b, report):
             self.forget(b, "restarted")
+            b.window_start = None
+        self._correct(b)
         capacity = report.values.get("kv_blocks_total")
         if capacity:
             self.router(b).table.set_capacity(b.name, int(capacity))
+
+    def _correct(self, b: Backend) -> None:
+        """Fewer prefix-cache hits reported than the router expected: the server evicted
+        some of what the table says it holds; drop that share, oldest first."""
+        share = hit_correction(b)
+        table = self.router(b).table
+        if share is None or not table.blocks(b.name):
+            return
+        dropped = table.evict(b.name, math.ceil(table.blocks(b.name) * share))
+        self.metrics.forgotten.labels(b.role, b.name, "missed_hits").inc()
+        self.metrics.table_blocks.labels(b.role, b.name).set(table.blocks(b.name))
+        logger.info("%s server %s: reported fewer prefix-cache hits than expected; dropped its "
+                    "%d oldest prompt blocks (%.0f%%)", b.role, b.name, dropped, share * 100)
 
     async def close(self) -> None:
         if self.prober is not None:
@@ -610,6 +626,9 @@ async def relay_completion(state: ProxyState, request: Request, path: str) -> Re
         if isinstance(answer, Response):
             return _finish(state, path, answer)
         prefilled = answer
+        if route.prefill.decision == "cache_hit" and answer.backend is route.prefill.order[0]:
+            assert route.key is not None
+            answer.backend.expected_hits += route.key.cached_tokens(route.prefill.first_matched)
         state.record(route.key, answer.backend)
         kv = answer.kv_params
         logger.debug("request %s: prefill on %s took %.3fs (remote_request_id %s, KV at %s:%s)",

@@ -113,6 +113,31 @@ class Router:
         return self.table.forget(backend.name)
 
 
+# Hit-rate correction: once the router has expected at least this many prefix-cache hit
+# tokens on a server since the last check, it compares them with the hits the server
+# reported; a server that hit less than HIT_SHORTFALL of them evicted what the router
+# thinks it holds, and the router drops the same share of its oldest entries for it.
+HIT_CHECK_TOKENS = 512
+HIT_SHORTFALL = 0.5
+
+
+def hit_correction(backend: Backend) -> float | None:
+    """The share of `backend`'s table entries to drop (None: nothing to correct yet), from
+    its expected vs reported prefix-cache hits since the window began; starts a new window
+    once enough was expected."""
+    now = (backend.expected_hits, backend.prefix_hits)
+    if backend.window_start is None:
+        backend.window_start = now
+        return None
+    expected = now[0] - backend.window_start[0]
+    if expected < HIT_CHECK_TOKENS:
+        return None
+    reported = max(0.0, now[1] - backend.window_start[1])
+    backend.window_start = now
+    ratio = reported / expected
+    return None if ratio >= HIT_SHORTFALL else 1.0 - ratio
+
+
 @dataclass(frozen=True)
 class DisaggPolicy:
     policy: str = "always"

@@ -163,6 +163,16 @@ class PrefixTable:
             lru.move_to_end(h)
         self._trim(server)
 
+    def evict(self, server: str, blocks: int) -> int:
+        """Drop `server`'s `blocks` least recently used blocks (it evicted them); returns how
+        many were dropped."""
+        lru = self._lru.get(server)
+        n = 0
+        while lru and n < blocks:
+            lru.popitem(last=False)
+            n += 1
+        return n
+
     def forget(self, server: str) -> int:
         """Drop everything `server` was thought to hold; returns how many blocks."""
         return len(self._lru.pop(server, ()))

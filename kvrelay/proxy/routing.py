@@ -58,6 +58,10 @@ class Backend:
     prefix_queries: float = 0.0    # vllm:prefix_cache_queries_total (tokens)
     prefix_hits: float = 0.0       # vllm:prefix_cache_hits_total (tokens)
     reported_at: float = 0.0       # monotonic time of that scrape; 0: never
+    # Prefix-cache tokens the router expected this server to hit (cache_hit routes), and
+    # the (expected, reported hits) at the start of the current check window.
+    expected_hits: float = 0.0
+    window_start: tuple[float, float] | None = None
 
     @property
     def name(self) -> str:

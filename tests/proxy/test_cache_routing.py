@@ -139,3 +139,23 @@ def test_an_unhealthy_prefill_is_forgotten_and_traffic_moves(routed):
              timeout=5, what="healthy again")
     post(proxy, prompt + " and again", "sick-3")                   # the cache is on `well` now
     assert reached([a, b], "sick-3") == [well.port]
+
+
+def test_a_prefill_reporting_no_hits_loses_its_entries(routed):
+    _, (a, b, _, _), proxy = routed
+    a.script.metrics = b.script.metrics = vllm_metrics(queries=10, hits=0)
+    try:
+        time.sleep(0.6)                                   # a scrape starts the check window
+        prompt = "a prompt the servers keep evicting. " * 60   # ~540 tokens
+        for i in range(3):                                # two cache hits: ~1080 expected
+            post(proxy, prompt + str(i), f"miss-{i}")
+        wait_for(lambda: "reported fewer prefix-cache hits than expected" in proxy.log(),
+                 timeout=5, what="the hit-rate correction")
+        assert decisions(proxy)[("prefill", "cache_hit")] >= 2
+        post(proxy, prompt + "3", "miss-3")
+        assert "request miss-3: route: prefill then decode (policy always); prefill " \
+               "127.0.0.1" in proxy.log()
+        line = next(x for x in proxy.log().splitlines() if "request miss-3: route:" in x)
+        assert "(least_loaded, 0/" in line                # nothing left to match
+    finally:
+        a.script.metrics = b.script.metrics = None

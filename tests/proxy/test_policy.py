@@ -7,7 +7,7 @@ import pytest
 
 from kvrelay.kv_cache.hashing import hash_blocks, root_hash
 from kvrelay.proxy import scrape
-from kvrelay.proxy.policy import DisaggPolicy, Router
+from kvrelay.proxy.policy import DisaggPolicy, Router, hit_correction
 from kvrelay.proxy.prefix import Hasher, PrefixTable, PromptKey, render
 from kvrelay.proxy.routing import Backend
 from tests.proxy.fakes import vllm_metrics
@@ -181,3 +181,27 @@ def test_always_and_never():
     k = PromptKey([], 3, 4.0)
     assert DisaggPolicy("always").direct(k, 0)[0] is False
     assert DisaggPolicy("never").direct(PromptKey([b"h"] * 500, 2000, 4.0), 0)[0] is True
+
+
+def test_hit_correction_drops_what_the_server_did_not_hit():
+    a = servers(1)[0]
+    scrape.apply(a, scrape.parse(vllm_metrics(queries=100, hits=50)))
+    assert hit_correction(a) is None                    # the window starts
+    a.expected_hits = 400                               # not enough expected yet
+    assert hit_correction(a) is None
+    a.expected_hits = 1000
+    scrape.apply(a, scrape.parse(vllm_metrics(queries=1200, hits=50 + 800)))
+    assert hit_correction(a) is None                    # 800 of 1000 hit: fine; new window
+    a.expected_hits = 2000
+    scrape.apply(a, scrape.parse(vllm_metrics(queries=2400, hits=850 + 250)))
+    assert hit_correction(a) == pytest.approx(0.75)     # 250 of 1000: drop 3/4
+
+
+def test_evict_drops_the_oldest():
+    t = PrefixTable()
+    old, new = key("o" * 32).hashes, key("n" * 32).hashes
+    t.record(old, "A")
+    t.record(new, "A")
+    assert t.evict("A", 5) == 5 and t.blocks("A") == 3
+    assert t.match(new, ["A"]) == {"A": 3} and t.match(old, ["A"]) == {"A": 0}
+    assert t.evict("B", 2) == 0
