@@ -4,6 +4,8 @@
         the OpenAI-compatible server (single instance, TP/DP, or a DI prefill/decode role)
     kvrelay proxy --prefiller-host H --prefiller-port P... --decoder-host H --decoder-port P...
         the disaggregated-serving proxy
+    kvrelay plan --prefill-tok-s N --decode-tok-s N --decode-batch B --rate R ...
+        recommend xPyD and --max-num-seqs from measured throughputs (docs/proxy.md)
     kvrelay generate [PROMPT] [--model DIR] [--max-tokens N] [--dtype ...]
         greedy generation through the engine (`LLM.generate`), no server
 """
