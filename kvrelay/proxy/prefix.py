@@ -33,6 +33,9 @@ from kvrelay.kv_cache.hashing import BlockHash, hash_blocks, root_hash
 DEFAULT_BLOCK_SIZE = 16            # kvrelay serve's and vLLM's default --block-size
 DEFAULT_CHARS_PER_TOKEN = 4.0      # English text with gpt-oss's o200k tokenizer: ~4 chars/token
 DEFAULT_SERVER_BLOCKS = 65536      # per-server bound before its /metrics say its KV capacity
+# Only a prompt's first blocks are hashed (16 tokens x 8192 = gpt-oss's 131072-token context):
+# hashing runs on the proxy's event loop, and a 32 MiB body must not stall it.
+MAX_KEY_BLOCKS = 8192
 
 
 @dataclass(frozen=True)
@@ -60,10 +63,11 @@ class Hasher:
         model = str(body.get("model") or "")        # different models never share a cache
         ids = _token_ids(body.get("prompt")) if path.endswith("/completions") else None
         if ids is not None and "messages" not in body:
-            hashes = hash_blocks(ids, self.block_size, root_hash(f"ids:{model}"))
+            head = ids[:MAX_KEY_BLOCKS * self.block_size]
+            hashes = hash_blocks(head, self.block_size, root_hash(f"ids:{model}"))
             return PromptKey(hashes, len(ids), float(self.block_size))
         text = render(body)
-        chars = [ord(c) for c in text]
+        chars = [ord(c) for c in text[:MAX_KEY_BLOCKS * self.chunk_chars]]
         hashes = hash_blocks(chars, self.chunk_chars, root_hash(f"text:{model}"))
         tokens = math.ceil(len(text) / self.chars_per_token)
         return PromptKey(hashes, tokens, self.chunk_chars / self.chars_per_token)

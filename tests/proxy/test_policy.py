@@ -205,3 +205,9 @@ def test_evict_drops_the_oldest():
     assert t.evict("A", 5) == 5 and t.blocks("A") == 3
     assert t.match(new, ["A"]) == {"A": 3} and t.match(old, ["A"]) == {"A": 0}
     assert t.evict("B", 2) == 0
+
+
+def test_only_a_bounded_head_is_hashed():
+    from kvrelay.proxy.prefix import MAX_KEY_BLOCKS
+    k = H.key("/v1/completions", {"model": "m", "prompt": "y" * (H.chunk_chars * MAX_KEY_BLOCKS * 3)})
+    assert len(k.hashes) == MAX_KEY_BLOCKS and k.tokens == H.chunk_chars * MAX_KEY_BLOCKS * 3 // 2
