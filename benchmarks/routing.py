@@ -140,13 +140,14 @@ def part_prefix(model: str, work: Path, args: argparse.Namespace) -> dict[str, A
     res: dict[str, Any] = {"uptime_before": uptime()}
     base = args.base_port
     prefills, decode = [base + 100 + i for i in range(4)], base + 200
-    for routing in ("round_robin", "cache_aware"):
+    for routing in args.routings:
         dep = deploy(model, 4, base, work, args, f"prefix-{routing}")
         px = None
         try:
             px = proxy(base + 50, prefills, decode, ["--routing", routing], work, routing)
             url = f"http://127.0.0.1:{base + 50}"
-            for wl, flags in PREFIX_WORKLOADS.items():
+            for wl in args.workloads:
+                flags = PREFIX_WORKLOADS[wl]
                 before = counters(prefills)
                 name = f"{wl}-{routing}"
                 b = bench(url, name, work, model, [*flags, "--num-prompts", str(args.prefix_prompts),
@@ -259,6 +260,11 @@ def part_crossover(model: str, work: Path, args: argparse.Namespace) -> dict[str
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--part", choices=("prefix", "disagg", "crossover", "all"), default="all")
+    ap.add_argument("--routings", nargs="+", choices=("round_robin", "cache_aware"),
+                    default=["round_robin", "cache_aware"], help="prefix part: in this order")
+    ap.add_argument("--workloads", nargs="+", choices=tuple(PREFIX_WORKLOADS),
+                    default=list(PREFIX_WORKLOADS), help="prefix part: these workloads")
+    ap.add_argument("--tag", default="", help="suffix of the result file name")
     ap.add_argument("--crossover-lens", type=int, nargs="+", default=[16, 128, 512])
     ap.add_argument("--crossover-reps", type=int, default=3)
     ap.add_argument("--model", default=None, help="checkpoint dir (default: the embedded model)")
@@ -290,7 +296,7 @@ def main() -> None:
         results["crossover"] = part_crossover(args.model, work, args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    dest = out / f"routing-{args.part}.json"
+    dest = out / f"routing-{args.part}{args.tag}.json"
     dest.write_text(json.dumps(results, indent=1))
     print(json.dumps(results, indent=1))
     log(f"results in {dest}")

@@ -73,12 +73,18 @@ class Hasher:
         return PromptKey(hashes, tokens, self.chunk_chars / self.chars_per_token)
 
 
+def _is_id(t: Any) -> bool:
+    """An int the servers' hashing can pack (int64); anything else is keyed as text (the
+    server will judge the request; the router must not fail on it)."""
+    return type(t) is int and -(1 << 63) <= t < (1 << 63)
+
+
 def _token_ids(prompt: Any) -> list[int] | None:
     """Token ids of a `prompt` given as ids (one list, or a batch of lists joined), else None."""
-    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+    if isinstance(prompt, list) and prompt and all(_is_id(t) for t in prompt):
         return prompt
     if (isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt)
-            and all(type(t) is int for p in prompt for t in p)):
+            and all(_is_id(t) for p in prompt for t in p)):
         out: list[int] = []
         for p in prompt:
             out.extend(p)
@@ -93,10 +99,13 @@ def render(body: dict[str, Any]) -> str:
         parts = []
         if body.get("tools"):
             parts.append("<|tools|>" + json.dumps(body["tools"], sort_keys=True))
-        for m in body.get("messages") or []:
+        messages = body["messages"]
+        for m in messages if isinstance(messages, list) else [messages]:
             if isinstance(m, dict):
                 parts.append(f"<|{m.get('role')}|>{_content(m.get('content'))}"
                              f"{_content(m.get('tool_calls'))}<|end|>")
+            else:
+                parts.append(_content(m))
         return "".join(parts)
     prompt = body.get("prompt")
     if isinstance(prompt, str):

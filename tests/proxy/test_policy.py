@@ -211,3 +211,15 @@ def test_only_a_bounded_head_is_hashed():
     from kvrelay.proxy.prefix import MAX_KEY_BLOCKS
     k = H.key("/v1/completions", {"model": "m", "prompt": "y" * (H.chunk_chars * MAX_KEY_BLOCKS * 3)})
     assert len(k.hashes) == MAX_KEY_BLOCKS and k.tokens == H.chunk_chars * MAX_KEY_BLOCKS * 3 // 2
+
+
+@pytest.mark.parametrize("body", [
+    {"prompt": [1, 2 ** 70, 3] * 8}, {"prompt": [True, 2]}, {"prompt": {"a": 1}}, {"prompt": None},
+    {"prompt": [[1, 2], "x"]}, {"messages": 7}, {"messages": "hi" * 40}, {"messages": [None, 3]},
+    {"messages": [{"role": "user", "content": {"odd": [1]}}]}, {},
+])
+def test_malformed_bodies_still_get_a_key(body):
+    """The server judges a bad request (and answers 400); the router must not fail first."""
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    k = H.key(path, body)
+    assert k.tokens >= 0 and isinstance(k.hashes, list)
