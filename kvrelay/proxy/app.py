@@ -33,8 +33,10 @@ must present `Authorization: Bearer KEY` (else 401); the backends then get $OPEN
 set, else the client's header. Without a key the client's own Authorization is forwarded and
 $OPENAI_API_KEY is never sent: the proxy does not lend its credentials to clients it has not
 authenticated. A background probe of every backend's `/health` (every `health_interval_s`)
-puts servers that are down or not ready at the end of the order until they answer 200 again.
-Every error the proxy itself returns is an OpenAI error body.
+puts servers that are down or not ready at the end of the order until they answer 200 again;
+the same loop reads their `/metrics` (load, KV usage and capacity, prefix-cache counters).
+Server choice and whether to disaggregate at all are `policy.py`'s (`_route`), over the prefix
+table of `prefix.py`. Every error the proxy itself returns is an OpenAI error body.
 """
 from __future__ import annotations
 
