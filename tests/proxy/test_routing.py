@@ -1,6 +1,8 @@
 """Unit tests: flag pairing, backend selection and body rewriting (exact values)."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from kvrelay.proxy.main import build_parser, settings_from_args
@@ -149,3 +151,25 @@ def test_routable_kv_params(advertised, expected):
 def test_free_notice():
     assert free_notice(PREFILLED_KV) == {"remote_request_id": "cmpl-42", "remote_engine_id": "eng-1"}
     assert free_notice({"remote_engine_id": "eng-1"}) is None
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--routing-load-margin", "-1"], "--routing-load-margin: -1 is negative"),
+    (["--routing-block-size", "0"], "--routing-block-size: 0 is not positive"),
+    (["--routing-chars-per-token", "0"], "--routing-chars-per-token: 0 is not positive"),
+    (["--direct-max-tokens", "-5"], "--direct-max-tokens: -5 is negative"),
+    (["--direct-cached-fraction", "1.5"], "--direct-cached-fraction: 1.5 is not in (0, 1]"),
+])
+def test_bad_routing_flags(flags, message):
+    with pytest.raises(EndpointError, match=re.escape(message)):
+        settings_from_args(build_parser().parse_args(flags))
+
+
+def test_routing_flags_reach_the_settings():
+    s = settings_from_args(build_parser().parse_args(
+        ["--routing", "least_loaded", "--disagg-policy", "auto", "--direct-max-tokens", "40",
+         "--routing-block-size", "32"]))
+    assert (s.routing.routing, s.routing.disagg.policy, s.routing.disagg.direct_max_tokens,
+            s.routing.block_size) == ("least_loaded", "auto", 40, 32)
+    default = settings_from_args(build_parser().parse_args([])).routing
+    assert (default.routing, default.disagg.policy) == ("cache_aware", "always")
