@@ -47,6 +47,7 @@ DEFAULT_LOAD_MARGIN = 2
 DEFAULT_DIRECT_MAX_TOKENS = 96
 DEFAULT_DIRECT_CACHED_FRACTION = 0.8
 KV_FULL = 0.95                     # a decode server this full is tried after the others
+KV_USAGE_STEPS = 10                # equal loads: a server a 10 % step emptier goes first
 
 
 def load(b: Backend) -> float:
@@ -84,8 +85,11 @@ class Router:
         return {b.name: (i - start) % n for i, b in enumerate(self.backends)}
 
     def _least_loaded(self, rotation: dict[str, int], now: float) -> list[Backend]:
+        # KV usage breaks load ties only in coarse steps: any two servers differ a little
+        # (cached and held blocks), and an exact comparison would end the rotation.
         return sorted(self.backends, key=lambda b: (b.cooling(now), b.kv_usage >= KV_FULL, load(b),
-                                                    b.kv_usage, rotation[b.name]))
+                                                    int(b.kv_usage * KV_USAGE_STEPS),
+                                                    rotation[b.name]))
 
     def choose(self, key: PromptKey | None) -> Choice:
         now = time.monotonic()

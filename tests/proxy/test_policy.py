@@ -223,3 +223,12 @@ def test_malformed_bodies_still_get_a_key(body):
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     k = H.key(path, body)
     assert k.tokens >= 0 and isinstance(k.hashes, list)
+
+
+def test_small_kv_usage_differences_keep_the_rotation():
+    a, b = bs = servers(2)
+    a.kv_usage, b.kv_usage = 0.03, 0.01            # cached/held blocks: a little different
+    r = Router(bs, policy="least_loaded")
+    assert [r.choose(None).order[0] for _ in range(4)] == [a, b, a, b]
+    a.kv_usage = 0.35                              # a 10 % step fuller: b first
+    assert {r.choose(None).order[0] for _ in range(3)} == {b}
