@@ -253,19 +253,25 @@ class ProxyState:
 
     async def _probe_forever(self) -> None:
         """Every backend's /health, all the time: a server that is down (or restarting, or
-        still loading) goes to the end of the order until it answers 200 again."""
+        still loading) goes to the end of the order until it answers 200 again. Each
+        healthy backend's /metrics is read right after its own probe, so the scrapes never
+        delay a probe round; rounds start every `health_interval_s`."""
         while True:
-            reasons = await asyncio.gather(*(_probe(self, b) for b in self.backends))
-            for b, reason in zip(self.backends, reasons):
-                if b.healthy != (reason is None):
-                    logger.info("%s server %s is %s", b.role, b.name,
-                                "healthy again" if reason is None else f"unhealthy ({reason})")
-                if reason is not None:      # down or restarting: its cache is not to be trusted
-                    self.forget(b, "unhealthy")
-                b.healthy = reason is None
-                self.metrics.healthy.labels(b.role, b.name).set(int(b.healthy))
-            await asyncio.gather(*(self._scrape(b) for b in self.backends if b.healthy))
-            await asyncio.sleep(self.health_interval_s)
+            started = time.monotonic()
+            await asyncio.gather(*(self._check(b) for b in self.backends))
+            await asyncio.sleep(max(0.0, self.health_interval_s - (time.monotonic() - started)))
+
+    async def _check(self, b: Backend) -> None:
+        reason = await _probe(self, b)
+        if b.healthy != (reason is None):
+            logger.info("%s server %s is %s", b.role, b.name,
+                        "healthy again" if reason is None else f"unhealthy ({reason})")
+        if reason is not None:              # down or restarting: its cache is not to be trusted
+            self.forget(b, "unhealthy")
+        b.healthy = reason is None
+        self.metrics.healthy.labels(b.role, b.name).set(int(b.healthy))
+        if b.healthy:
+            await self._scrape(b)
 
     async def _scrape(self, b: Backend) -> None:
         """The backend's load, KV usage and capacity, and prefix-cache counters from its
