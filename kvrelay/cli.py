@@ -4,6 +4,8 @@
         the OpenAI-compatible server (single instance, TP/DP, or a DI prefill/decode role)
     kvrelay proxy --prefiller-host H --prefiller-port P... --decoder-host H --decoder-port P...
         the disaggregated-serving proxy
+    kvrelay plan --prefill-tok-s N --decode-tok-s N --decode-batch B --rate R ...
+        recommend xPyD and --max-num-seqs from measured throughputs (docs/proxy.md)
     kvrelay generate [PROMPT] [--model DIR] [--max-tokens N] [--dtype ...]
         greedy generation through the engine (`LLM.generate`), no server
 """
@@ -114,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("bench", help="serving benchmark (kvrelay bench serve --help)")
     sub.add_parser("deploy", help="stand up a topology on this machine (kvrelay deploy --help)")
     sub.add_parser("validate", help="the tutorial's 'Confirm your work' checks (kvrelay validate --help)")
+    sub.add_parser("plan", help="recommend xPyD and --max-num-seqs from measurements (kvrelay plan --help)")
     serve = sub.add_parser("serve", help="OpenAI-compatible server (vLLM's flags)")
     _add_serve_flags(serve)
     gen = sub.add_parser("generate", help="greedy generation with the model (no server)")
@@ -136,6 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["deploy"]:
         from kvrelay.deploy.main import main as deploy_main
         return deploy_main(argv[1:])
+    if argv[:1] == ["plan"]:                    # arithmetic only: no torch
+        from kvrelay.plan.main import main as plan_main
+        return plan_main(argv[1:])
     if argv[:1] == ["validate"]:
         from kvrelay.deploy.validate import main as validate_main
         return validate_main(argv[1:])

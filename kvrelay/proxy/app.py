@@ -5,7 +5,8 @@ One completion or chat request, vLLM's wire format:
 ```
 client ──POST /v1/completions──▶ proxy        X-Request-Id: the client's, else a new uuid
                                    │
-   1. prefill (round-robin; only a server that fails before answering is skipped)
+   1. prefill (--routing: longest cached prefix by default; only a server that fails before
+      answering is skipped; --disagg-policy auto may skip this leg: straight to 2.)
                                    ├──▶ prefill  body: max_tokens 1, stream false, no stream_options /
                                    │             min_tokens / min_completion_tokens,
                                    │             kv_transfer_params {do_remote_decode: true, ...null}
@@ -15,7 +16,7 @@ client ──POST /v1/completions──▶ proxy        X-Request-Id: the client
                                    │    4xx/5xx → returned to the client as is (no decode, and
                                    │    never re-sent elsewhere: the request reached a server)
                                    │    every server failing before answering → 503
-   2. decode (least in-flight, ties round-robin; failing before answering → the next one)
+   2. decode (--routing, by load and KV usage; failing before answering → the next one)
                                    ├──▶ decode   the ORIGINAL body + the prefill's kv_transfer_params
                                    │             (remote_host 0.0.0.0/empty → the prefill host used)
 client ◀── SSE chunks / JSON ──────┘◀── decode pulls the KV over NIXL, streams; relayed unbuffered
@@ -33,8 +34,10 @@ must present `Authorization: Bearer KEY` (else 401); the backends then get $OPEN
 set, else the client's header. Without a key the client's own Authorization is forwarded and
 $OPENAI_API_KEY is never sent: the proxy does not lend its credentials to clients it has not
 authenticated. A background probe of every backend's `/health` (every `health_interval_s`)
-puts servers that are down or not ready at the end of the order until they answer 200 again.
-Every error the proxy itself returns is an OpenAI error body.
+puts servers that are down or not ready at the end of the order until they answer 200 again;
+the same loop reads their `/metrics` (load, KV usage and capacity, prefix-cache counters).
+Server choice and whether to disaggregate at all are `policy.py`'s (`_route`), over the prefix
+table of `prefix.py`. Every error the proxy itself returns is an OpenAI error body.
 """
 from __future__ import annotations
 
@@ -42,6 +45,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import secrets
 import time
 import uuid
@@ -67,11 +71,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
+from kvrelay.proxy import scrape
 from kvrelay.proxy.body import BodyError, parse_object, read_limited
+from kvrelay.proxy.policy import Choice, Router, RoutingSettings, hit_correction
+from kvrelay.proxy.prefix import Hasher, PromptKey
 from kvrelay.proxy.routing import (
     Backend,
-    LeastInFlight,
-    RoundRobin,
     decode_body,
     free_notice,
     prefill_body,
@@ -124,8 +129,21 @@ class ProxyMetrics:
         self.free_notices = Counter("kvrelay_proxy:kv_free_notices",
                                     "Free notices sent to prefill servers after a failed decode.",
                                     ["result"], registry=r)
+        self.decisions = Counter("kvrelay_proxy:routing_decisions",
+                                 "Routing decisions: role prefill/decode (cache_hit, load_override, "
+                                 "least_loaded, round_robin) and role disagg (prefill_then_decode, "
+                                 "direct_to_decode).", ["role", "decision"], registry=r)
+        self.table_blocks = Gauge("kvrelay_proxy:prefix_table_blocks",
+                                  "Prompt blocks the router believes a backend holds.",
+                                  ["role", "backend"], registry=r)
+        self.forgotten = Counter("kvrelay_proxy:prefix_table_forgotten",
+                                 "Times a backend's prefix-table entries were dropped, by reason "
+                                 "(unhealthy, connect, restarted, missed_hits).", ["role", "backend", "reason"],
+                                 registry=r)
         for result in FREE_RESULTS:
             self.free_notices.labels(result)
+        for decision in ("prefill_then_decode", "direct_to_decode"):
+            self.decisions.labels("disagg", decision)
         for b in backends:
             self.in_flight.labels(b.role, b.name).set(0)
             self.healthy.labels(b.role, b.name).set(1)
@@ -165,22 +183,44 @@ class ProxyState:
     prefill: list[Backend]
     decode: list[Backend]
     metrics: ProxyMetrics
-    prefill_order: RoundRobin
-    decode_order: LeastInFlight
+    prefill_router: Router
+    decode_router: Router
     auth: ProxyAuth = field(default_factory=ProxyAuth)
+    routing: RoutingSettings = field(default_factory=RoutingSettings)
     health_interval_s: float = HEALTH_INTERVAL_S
     health_client: httpx.AsyncClient | None = None
     prober: asyncio.Task | None = None
     tasks: set[asyncio.Task] = field(default_factory=set)
 
+    hasher: Hasher = field(default_factory=Hasher)
+
     @classmethod
     def create(cls, prefill: list[tuple[str, int]], decode: list[tuple[str, int]],
-               auth: ProxyAuth | None = None,
-               health_interval_s: float = HEALTH_INTERVAL_S) -> ProxyState:
+               auth: ProxyAuth | None = None, health_interval_s: float = HEALTH_INTERVAL_S,
+               routing: RoutingSettings | None = None) -> ProxyState:
+        routing = routing or RoutingSettings()
         p = [Backend("prefill", h, port) for h, port in prefill]
         d = [Backend("decode", h, port) for h, port in decode]
-        return cls(p, d, ProxyMetrics(p + d), RoundRobin(p), LeastInFlight(d), auth or ProxyAuth(),
-                   health_interval_s)
+        return cls(p, d, ProxyMetrics(p + d), routing.router(p, "prefill"), routing.router(d, "decode"),
+                   auth or ProxyAuth(), routing, health_interval_s, hasher=routing.hasher())
+
+    def router(self, b: Backend) -> Router:
+        return self.prefill_router if b.role == "prefill" else self.decode_router
+
+    def record(self, key: PromptKey | None, b: Backend) -> None:
+        """`b` now holds the prompt's blocks (it prefilled them, or received them)."""
+        router = self.router(b)
+        router.record(key, b)
+        self.metrics.table_blocks.labels(b.role, b.name).set(router.table.blocks(b.name))
+
+    def forget(self, b: Backend, reason: str) -> None:
+        """What `b` cached is gone (it is down, unreachable, or restarted)."""
+        dropped = self.router(b).forget(b)
+        if dropped:
+            self.metrics.forgotten.labels(b.role, b.name, reason).inc()
+            self.metrics.table_blocks.labels(b.role, b.name).set(0)
+            logger.info("%s server %s: forgot the %d prompt blocks it held (%s)", b.role, b.name,
+                        dropped, reason)
 
     @property
     def backends(self) -> list[Backend]:
@@ -197,6 +237,8 @@ class ProxyState:
     def failed(self, b: Backend, reason: str) -> None:
         b.mark_failed()
         self.metrics.failures.labels(b.role, b.name, reason).inc()
+        if reason == "connect":            # nothing listens: it died or is restarting
+            self.forget(b, "connect")
 
     def spawn(self, coro: Awaitable[None]) -> None:
         task = asyncio.ensure_future(coro)
@@ -212,16 +254,58 @@ class ProxyState:
 
     async def _probe_forever(self) -> None:
         """Every backend's /health, all the time: a server that is down (or restarting, or
-        still loading) goes to the end of the order until it answers 200 again."""
+        still loading) goes to the end of the order until it answers 200 again. Each
+        healthy backend's /metrics is read right after its own probe, so the scrapes never
+        delay a probe round; rounds start every `health_interval_s`."""
         while True:
-            reasons = await asyncio.gather(*(_probe(self, b) for b in self.backends))
-            for b, reason in zip(self.backends, reasons):
-                if b.healthy != (reason is None):
-                    logger.info("%s server %s is %s", b.role, b.name,
-                                "healthy again" if reason is None else f"unhealthy ({reason})")
-                b.healthy = reason is None
-                self.metrics.healthy.labels(b.role, b.name).set(int(b.healthy))
-            await asyncio.sleep(self.health_interval_s)
+            started = time.monotonic()
+            await asyncio.gather(*(self._check(b) for b in self.backends))
+            await asyncio.sleep(max(0.0, self.health_interval_s - (time.monotonic() - started)))
+
+    async def _check(self, b: Backend) -> None:
+        reason = await _probe(self, b)
+        if b.healthy != (reason is None):
+            logger.info("%s server %s is %s", b.role, b.name,
+                        "healthy again" if reason is None else f"unhealthy ({reason})")
+        if reason is not None:              # down or restarting: its cache is not to be trusted
+            self.forget(b, "unhealthy")
+        b.healthy = reason is None
+        self.metrics.healthy.labels(b.role, b.name).set(int(b.healthy))
+        if b.healthy:
+            await self._scrape(b)
+
+    async def _scrape(self, b: Backend) -> None:
+        """The backend's load, KV usage and capacity, and prefix-cache counters from its
+        /metrics (vLLM's names); a server without them keeps the proxy's own counts."""
+        assert self.health_client is not None
+        try:
+            resp = await self.health_client.get(f"{b.url}/metrics")
+            if resp.status_code != 200:
+                return
+            report = scrape.parse(resp.text)
+        except (httpx.HTTPError, ValueError) as e:
+            logger.debug("%s server %s: /metrics unreadable: %s", b.role, b.name, e)
+            return
+        if scrape.apply(b, report):
+            self.forget(b, "restarted")
+            b.window_start = None
+        self._correct(b)
+        capacity = report.values.get("kv_blocks_total")
+        if capacity:
+            self.router(b).table.set_capacity(b.name, int(capacity))
+
+    def _correct(self, b: Backend) -> None:
+        """Fewer prefix-cache hits reported than the router expected: the server evicted
+        some of what the table says it holds; drop that share, oldest first."""
+        share = hit_correction(b)
+        table = self.router(b).table
+        if share is None or not table.blocks(b.name):
+            return
+        dropped = table.evict(b.name, math.ceil(table.blocks(b.name) * share))
+        self.metrics.forgotten.labels(b.role, b.name, "missed_hits").inc()
+        self.metrics.table_blocks.labels(b.role, b.name).set(table.blocks(b.name))
+        logger.info("%s server %s: reported fewer prefix-cache hits than expected; dropped its "
+                    "%d oldest prompt blocks (%.0f%%)", b.role, b.name, dropped, share * 100)
 
     async def close(self) -> None:
         if self.prober is not None:
@@ -355,15 +439,15 @@ class AnswerBroken(Exception):
 
 
 async def _prefill(state: ProxyState, path: str, body: dict[str, Any], headers: dict[str, str],
-                   request_id: str) -> Prefilled | Response:
-    """Send the prefill request to the next server in round-robin order. Only a server that
+                   request_id: str, order: list[Backend]) -> Prefilled | Response:
+    """Send the prefill request to the servers of `order`, first one first. Only a server that
     failed before sending any response (refused or reset the connection, or a pooled
     keep-alive connection to it had died) is replaced by the next one: a server that
     answered, whatever the status, may have acted on the request, and a request that makes
     servers fail must not go round all of them."""
     payload = prefill_body(body)
     failures: list[str] = []
-    for backend in state.prefill_order.order():
+    for backend in order:
         try:
             resp = await _post_prefill(state, backend, path, payload, headers)
         except httpx.TransportError as e:
@@ -437,11 +521,11 @@ class DecodeLeg:
 
 
 async def _open_decode(state: ProxyState, path: str, payload: dict[str, Any], headers: dict[str, str],
-                       request_id: str) -> DecodeLeg | Response:
-    """Send the decode request to the least-busy decode server; only a server that failed
-    before any response (as for prefill) is replaced by the next one."""
+                       request_id: str, order: list[Backend]) -> DecodeLeg | Response:
+    """Send the decode request to the servers of `order`, first one first; only a server that
+    failed before any response (as for prefill) is replaced by the next one."""
     failures: list[str] = []
-    for backend in state.decode_order.order():
+    for backend in order:
         assert backend.client is not None
         state.acquire(backend)
         t0 = time.monotonic()
@@ -545,38 +629,87 @@ async def relay_completion(state: ProxyState, request: Request, path: str) -> Re
     if isinstance(body, Response):
         return _finish(state, path, body)
     headers = _backend_headers(state, request, request_id)
-    try:
-        prefilled = await _unless_disconnected(request.receive,
-                                               _prefill(state, path, body, headers, request_id))
-    except ClientGone:
-        return _finish(state, path, _client_closed(request_id, "during prefill"))
-    if isinstance(prefilled, Response):
-        return _finish(state, path, prefilled)
-    kv = prefilled.kv_params
-    logger.debug("request %s: prefill on %s took %.3fs (remote_request_id %s, KV at %s:%s)",
-                 request_id, prefilled.backend.name, prefilled.seconds, kv.get("remote_request_id"),
-                 kv.get("remote_host"), kv.get("remote_port"))
-    payload = decode_body(body, prefilled.kv_params)
-    response = await _decode(state, request, path, payload, headers, prefilled, request_id)
+    route = _route(state, path, body, request_id)
+    prefilled: Prefilled | None = None
+    if route.prefill is None:
+        payload = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+    else:
+        try:
+            answer = await _unless_disconnected(
+                request.receive, _prefill(state, path, body, headers, request_id, route.prefill.order))
+        except ClientGone:
+            return _finish(state, path, _client_closed(request_id, "during prefill"))
+        if isinstance(answer, Response):
+            return _finish(state, path, answer)
+        prefilled = answer
+        if route.prefill.decision == "cache_hit" and answer.backend is route.prefill.order[0]:
+            assert route.key is not None
+            answer.backend.expected_hits += route.key.cached_tokens(route.prefill.first_matched)
+        state.record(route.key, answer.backend)
+        kv = answer.kv_params
+        logger.debug("request %s: prefill on %s took %.3fs (remote_request_id %s, KV at %s:%s)",
+                     request_id, answer.backend.name, answer.seconds,
+                     kv.get("remote_request_id"), kv.get("remote_host"), kv.get("remote_port"))
+        payload = decode_body(body, kv)
+    response = await _decode(state, request, path, payload, headers, prefilled, request_id, route)
     if isinstance(response, RelayStream):
         return response              # counted when the stream ends (a client that leaves: 499)
     return _finish(state, path, response)
 
 
+@dataclass
+class Route:
+    key: PromptKey | None
+    decode: Choice
+    prefill: Choice | None          # None: straight to decode (it prefills the prompt itself)
+
+
+def _route(state: ProxyState, path: str, body: dict[str, Any], request_id: str) -> Route:
+    """The servers to try for each leg, and whether there is a prefill leg at all; counted
+    per decision in `kvrelay_proxy:routing_decisions_total` and logged at debug level."""
+    needs_key = state.routing.routing == "cache_aware" or state.routing.disagg.policy == "auto"
+    key = state.hasher.key(path, body) if needs_key else None
+    decode = state.decode_router.choose(key)
+    direct, why = state.routing.disagg.direct(key, decode.first_matched)
+    prefill = None if direct else state.prefill_router.choose(key)
+    m = state.metrics.decisions
+    m.labels("disagg", "direct_to_decode" if direct else "prefill_then_decode").inc()
+    m.labels("decode", decode.decision).inc()
+    if prefill is not None:
+        m.labels("prefill", prefill.decision).inc()
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug("request %s: route: %s (%s); %sdecode %s", request_id,
+                     "direct to decode" if direct else "prefill then decode", why,
+                     "" if prefill is None else f"prefill {_describe_choice(prefill, key)}, ",
+                     _describe_choice(decode, key))
+    return Route(key, decode, prefill)
+
+
+def _describe_choice(choice: Choice, key: PromptKey | None) -> str:
+    first = choice.order[0]
+    held = choice.first_matched
+    blocks = f", {held}/{len(key.hashes)} blocks cached" if key is not None and key.hashes else ""
+    return f"{first.name} ({choice.decision}{blocks}, load {first.in_flight})"
+
+
 async def _decode(state: ProxyState, request: Request, path: str, payload: dict[str, Any],
-                  headers: dict[str, str], prefilled: Prefilled, request_id: str) -> Response:
+                  headers: dict[str, str], prefilled: Prefilled | None, request_id: str,
+                  route: Route) -> Response:
     def free() -> None:
-        state.spawn(_send_free(state, prefilled, headers, request_id))
+        if prefilled is not None:
+            state.spawn(_send_free(state, prefilled, headers, request_id))
 
     try:
-        leg = await _unless_disconnected(request.receive,
-                                         _open_decode(state, path, payload, headers, request_id))
+        leg = await _unless_disconnected(
+            request.receive, _open_decode(state, path, payload, headers, request_id, route.decode.order))
     except ClientGone:
         free()
         return _client_closed(request_id, "before decode answered")
     if isinstance(leg, Response):
         free()
         return leg
+    if leg.response.is_success:
+        state.record(route.key, leg.backend)   # it holds the prompt now, pulled or computed
 
     def end(outcome: str) -> None:
         seconds = time.monotonic() - leg.started
@@ -660,7 +793,7 @@ async def models(state: ProxyState, request: Request) -> Response:
     request_id = request.headers.get("x-request-id") or str(uuid.uuid4())
     headers = _backend_headers(state, request, request_id)
     failures: list[str] = []
-    for backend in state.decode_order.order():
+    for backend in state.decode_router.choose(None).order:
         assert backend.client is not None
         try:
             resp = await backend.client.get("/v1/models", headers=headers, timeout=HEALTH_TIMEOUT_S * 5)
@@ -726,15 +859,21 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 def build_app(prefill: list[tuple[str, int]], decode: list[tuple[str, int]],
               auth: ProxyAuth | None = None,
-              health_interval_s: float = HEALTH_INTERVAL_S) -> FastAPI:
+              health_interval_s: float = HEALTH_INTERVAL_S,
+              routing: RoutingSettings | None = None) -> FastAPI:
     """The proxy app for these (host, port) prefill and decode servers."""
-    state = ProxyState.create(prefill, decode, auth, health_interval_s)
+    state = ProxyState.create(prefill, decode, auth, health_interval_s, routing)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         await state.open()
-        logger.info("prefill servers (round-robin): %s", ", ".join(b.url for b in state.prefill))
-        logger.info("decode servers (least in-flight): %s", ", ".join(b.url for b in state.decode))
+        r = state.routing
+        logger.info("prefill servers (%s): %s", r.routing, ", ".join(b.url for b in state.prefill))
+        logger.info("decode servers (%s): %s", r.routing, ", ".join(b.url for b in state.decode))
+        logger.info("disaggregation: %s%s", r.disagg.policy,
+                    f" (straight to decode at <= {r.disagg.direct_max_tokens} uncached tokens "
+                    f"or >= {r.disagg.direct_cached_fraction:g} of the prompt cached there)"
+                    if r.disagg.policy == "auto" else "")
         if state.auth.api_key is None and state.auth.backend_key:
             logger.warning("OPENAI_API_KEY is set but the proxy has no --api-key: it is not sent "
                            "to the backends (clients the proxy does not authenticate must present "

@@ -16,12 +16,14 @@ import argparse
 import logging
 import socket
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import FrameType
 
 import uvicorn
 
 from kvrelay import envs
+from kvrelay.proxy import policy
+from kvrelay.proxy.policy import DisaggPolicy, RoutingSettings
 from kvrelay.proxy.routing import EndpointError, expand_endpoints
 
 logger = logging.getLogger("kvrelay.proxy")
@@ -39,6 +41,7 @@ class ProxySettings:
     log_level: str = "info"
     api_key: str | None = None
     health_interval_s: float = 2.0
+    routing: RoutingSettings = field(default_factory=RoutingSettings)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -70,6 +73,33 @@ def add_proxy_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--health-interval", type=float, default=2.0, metavar="S",
                    help="seconds between /health probes of every backend (0: no background probe); "
                         "servers that fail them are tried last")
+    r = p.add_argument_group("routing (docs/proxy.md#choosing-servers)")
+    r.add_argument("--routing", choices=policy.ROUTING_POLICIES, default="cache_aware",
+                   help="cache_aware: the server holding the longest prefix of the prompt, unless "
+                        "busier than the least-loaded by more than --routing-load-margin; "
+                        "least_loaded; round_robin (prefill; decode stays least-loaded)")
+    r.add_argument("--routing-load-margin", type=float, default=policy.DEFAULT_LOAD_MARGIN,
+                   metavar="N", help="requests by which a cache hit's server may exceed the "
+                                     "least-loaded one before the least-loaded wins")
+    r.add_argument("--routing-block-size", type=int, default=policy.DEFAULT_BLOCK_SIZE,
+                   metavar="TOKENS", help="prefix-table block: the servers' --block-size")
+    r.add_argument("--routing-chars-per-token", type=float,
+                   default=policy.DEFAULT_CHARS_PER_TOKEN, metavar="C",
+                   help="text prompts are hashed in chunks of block-size x C characters, and "
+                        "their length in tokens estimated as characters / C")
+    r.add_argument("--routing-table-blocks", type=int, default=policy.DEFAULT_SERVER_BLOCKS,
+                   metavar="N", help="prefix-table blocks remembered per server until its "
+                                     "/metrics report its KV capacity")
+    r.add_argument("--disagg-policy", choices=policy.DISAGG_POLICIES, default="always",
+                   help="always: prefill then decode; never: decode servers prefill everything; "
+                        "auto: straight to decode for short or decode-cached prompts")
+    r.add_argument("--direct-max-tokens", type=int, default=policy.DEFAULT_DIRECT_MAX_TOKENS,
+                   metavar="N", help="auto: at most N tokens not cached on the decode server: "
+                                     "straight to decode")
+    r.add_argument("--direct-cached-fraction", type=float,
+                   default=policy.DEFAULT_DIRECT_CACHED_FRACTION, metavar="F",
+                   help="auto: the decode server holds at least this share of the prompt: "
+                        "straight to decode")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,11 +114,32 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         raise EndpointError(f"--port: {args.port} is not a TCP port")
     if args.health_interval < 0:
         raise EndpointError(f"--health-interval: {args.health_interval:g} is negative")
-    return ProxySettings(host=args.host, port=args.port,
+    routing = _routing_settings(args)
+    return ProxySettings(host=args.host, port=args.port, routing=routing,
                          prefill=expand_endpoints(args.prefiller_host, args.prefiller_port, "prefiller"),
                          decode=expand_endpoints(args.decoder_host, args.decoder_port, "decoder"),
                          log_level=args.log_level, api_key=args.api_key or envs.PROXY_API_KEY.raw(),
                          health_interval_s=args.health_interval)
+
+
+def _routing_settings(args: argparse.Namespace) -> RoutingSettings:
+    if args.routing_load_margin < 0:
+        raise EndpointError(f"--routing-load-margin: {args.routing_load_margin:g} is negative")
+    if args.routing_block_size < 1:
+        raise EndpointError(f"--routing-block-size: {args.routing_block_size} is not positive")
+    if args.routing_chars_per_token <= 0:
+        raise EndpointError(f"--routing-chars-per-token: {args.routing_chars_per_token:g} is "
+                            f"not positive")
+    if args.routing_table_blocks < 1:
+        raise EndpointError(f"--routing-table-blocks: {args.routing_table_blocks} is not positive")
+    if args.direct_max_tokens < 0:
+        raise EndpointError(f"--direct-max-tokens: {args.direct_max_tokens} is negative")
+    if not 0 < args.direct_cached_fraction <= 1:
+        raise EndpointError(f"--direct-cached-fraction: {args.direct_cached_fraction:g} is not "
+                            f"in (0, 1]")
+    disagg = DisaggPolicy(args.disagg_policy, args.direct_max_tokens, args.direct_cached_fraction)
+    return RoutingSettings(args.routing, args.routing_load_margin, disagg, args.routing_block_size,
+                           args.routing_chars_per_token, args.routing_table_blocks)
 
 
 class _ProxyServer(uvicorn.Server):
@@ -132,7 +183,8 @@ def serve(settings: ProxySettings) -> int:
         return 1
     from kvrelay.proxy.app import ProxyAuth, build_app
     auth = ProxyAuth(api_key=settings.api_key, backend_key=envs.PROXY_BACKEND_KEY.raw())
-    app = build_app(settings.prefill, settings.decode, auth, settings.health_interval_s)
+    app = build_app(settings.prefill, settings.decode, auth, settings.health_interval_s,
+                    settings.routing)
     config = uvicorn.Config(app, host=settings.host, port=settings.port,
                             log_level=settings.log_level,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, lifespan="on")

@@ -3,15 +3,15 @@
 Pure bookkeeping (no I/O), so the rules are unit-tested with exact values:
 
 - `expand_endpoints`: the `--prefiller-host/--prefiller-port` (and decoder) pairing rules.
-- `RoundRobin` (prefill) and `LeastInFlight` (decode): an ordered list of backends to try.
+- `Backend`: one server, its HTTP client, and what the proxy knows of its state (server
+  choice itself is in `policy.py`).
 - `prefill_body` / `decode_body`: the vLLM-compatible KV-transfer wire format.
 """
 from __future__ import annotations
 
 import copy
-import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -31,6 +31,8 @@ PREFILL_DROPPED_FIELDS = ("stream_options", "min_tokens", "min_completion_tokens
 UNROUTABLE_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]"})
 # After a connection failure a backend is tried last for this long (the others first).
 COOLDOWN_S = 5.0
+# A /metrics scrape older than this no longer counts towards a server's load.
+REPORT_STALE_S = 10.0
 
 
 class EndpointError(ValueError):
@@ -49,6 +51,17 @@ class Backend:
     failures: int = 0
     down_until: float = 0.0        # monotonic time until which it is tried last
     healthy: bool = True           # the last background /health probe answered 200
+    # What the server's /metrics last said (vLLM's names), polled with the /health probe.
+    running: float = 0.0           # vllm:num_requests_running
+    waiting: float = 0.0           # vllm:num_requests_waiting
+    kv_usage: float = 0.0          # vllm:kv_cache_usage_perc (0..1)
+    prefix_queries: float = 0.0    # vllm:prefix_cache_queries_total (tokens)
+    prefix_hits: float = 0.0       # vllm:prefix_cache_hits_total (tokens)
+    reported_at: float = 0.0       # monotonic time of that scrape; 0: never
+    # Prefix-cache tokens the router expected this server to hit (cache_hit routes), and
+    # the (expected, reported hits) at the start of the current check window.
+    expected_hits: float = 0.0
+    window_start: tuple[float, float] | None = None
 
     @property
     def name(self) -> str:
@@ -62,6 +75,13 @@ class Backend:
     def cooling(self, now: float | None = None) -> bool:
         """Tried last: its /health probe failed, or a connection to it failed lately."""
         return not self.healthy or (time.monotonic() if now is None else now) < self.down_until
+
+    def reported_load(self, now: float | None = None) -> float:
+        """Running + waiting requests per the last scrape, if it is recent (else 0)."""
+        now = time.monotonic() if now is None else now
+        if not self.reported_at or now - self.reported_at > REPORT_STALE_S:
+            return 0.0
+        return self.running + self.waiting
 
     def mark_failed(self) -> None:
         self.failures += 1
@@ -98,38 +118,6 @@ def expand_endpoints(hosts: list[str], ports: list[int], flag: str) -> list[tupl
     if dupes:
         raise EndpointError(f"--{flag}-host/--{flag}-port: {', '.join(dupes)} listed twice")
     return pairs
-
-
-@dataclass
-class RoundRobin:
-    """Each call starts one server further along; servers cooling down after a
-    connection failure, or failing their health probe, go to the end of the list (still
-    tried when all else fails)."""
-
-    backends: list[Backend]
-    _counter: itertools.count = field(default_factory=itertools.count, repr=False)
-
-    def order(self) -> list[Backend]:
-        start = next(self._counter) % len(self.backends)
-        rotated = self.backends[start:] + self.backends[:start]
-        now = time.monotonic()
-        return sorted(rotated, key=lambda b: b.cooling(now))     # stable: keeps the rotation
-
-
-@dataclass
-class LeastInFlight:
-    """Fewest requests in flight first; ties broken round-robin; cooling servers last."""
-
-    backends: list[Backend]
-    _counter: itertools.count = field(default_factory=itertools.count, repr=False)
-
-    def order(self) -> list[Backend]:
-        start = next(self._counter) % len(self.backends)
-        n = len(self.backends)
-        now = time.monotonic()
-        ranked = sorted(range(n), key=lambda i: (self.backends[i].cooling(now), self.backends[i].in_flight,
-                                                 (i - start) % n))
-        return [self.backends[i] for i in ranked]
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """Fixtures: fake backends (threads) and real proxy processes, all stopped on teardown.
 
 Topologies (started once per session, in parallel):
-- `main`:     prefill 127.0.0.1 × 3 ports (A B C), decode D
+- `main`:     prefill 127.0.0.1 × 3 ports (A B C), decode D; --routing round_robin
 - `skipping`: prefill [refused, A], decode [refused, D]   (dead servers are skipped)
 - `no_prefill`: prefill [refused, refused], decode D       (every prefill down → 503)
 - `no_decode`:  prefill A, decode [refused]                (decode down → 503 + free notice)
@@ -64,7 +64,8 @@ def proxies(fakes, tmp_path_factory):
     dead1, dead2 = fakes.refused
     no_probe = ["--health-interval", "0"]
     topologies = {
-        "main": ([LOCAL], [a, b, c], [LOCAL], [d], ["--health-interval", "0.2"], {}),
+        "main": ([LOCAL], [a, b, c], [LOCAL], [d],
+                 ["--health-interval", "0.2", "--routing", "round_robin"], {}),
         "skipping": ([LOCAL], [dead1, a], [LOCAL], [dead2, d], no_probe, {}),
         "no_prefill": ([LOCAL, LOCAL], [dead1, dead2], [LOCAL], [d], no_probe, {}),
         "no_decode": ([LOCAL], [a], [LOCAL], [dead1], no_probe, {}),

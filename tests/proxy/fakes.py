@@ -39,6 +39,7 @@ class Script:
     mode: str = "normal"      # prefill: normal | slow | break_body; decode: normal | slow_stream | break | break_mid_event
     chunk_delay_s: float = 0.08          # decode streams: pause between SSE events
     extra_kv: dict[str, Any] = field(default_factory=dict)   # prefill: more kv_transfer_params keys
+    metrics: str | None = None           # GET /metrics: this Prometheus text (None: 404)
 
 
 @dataclass
@@ -115,6 +116,12 @@ def build_fake_app(fake: FakeBackend) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         return Response(status_code=fake.script.health)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        if fake.script.metrics is None:
+            return Response(status_code=404)
+        return Response(fake.script.metrics, media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -292,6 +299,21 @@ def proxy_args(port: int, prefill_hosts: list[str], prefill_ports: list[int], de
     return ["--port", str(port), "--log-level", "debug",
             "--prefiller-host", *prefill_hosts, "--prefiller-port", *map(str, prefill_ports),
             "--decoder-host", *decode_hosts, "--decoder-port", *map(str, decode_ports)]
+
+
+def vllm_metrics(running: float = 0, waiting: float = 0, kv_usage: float = 0.0,
+                 queries: float = 0, hits: float = 0, blocks_total: float | None = None) -> str:
+    """A server's /metrics as the router reads it (vLLM's names)."""
+    lines = [f'vllm:num_requests_running{{engine="0"}} {running}',
+             f'vllm:num_requests_waiting{{engine="0"}} {waiting}',
+             f'vllm:kv_cache_usage_perc{{engine="0"}} {kv_usage}',
+             "# TYPE vllm:prefix_cache_queries counter",
+             f'vllm:prefix_cache_queries_total{{engine="0"}} {queries}',
+             "# TYPE vllm:prefix_cache_hits counter",
+             f'vllm:prefix_cache_hits_total{{engine="0"}} {hits}']
+    if blocks_total is not None:
+        lines.append(f'kvrelay:kv_blocks_total{{engine="0"}} {blocks_total}')
+    return "\n".join(lines) + "\n"
 
 
 def client() -> httpx.Client:

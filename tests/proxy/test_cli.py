@@ -36,8 +36,8 @@ def test_signals_exit_0_and_taken_port_exits_1(tmp_path):
         for p in procs:
             p.wait_ready()
         log = procs[0].log()
-        assert f"prefill servers (round-robin): http://127.0.0.1:{dead_p}" in log
-        assert f"decode servers (least in-flight): http://127.0.0.1:{dead_d}" in log
+        assert f"prefill servers (cache_aware): http://127.0.0.1:{dead_p}" in log
+        assert f"decode servers (cache_aware): http://127.0.0.1:{dead_d}" in log
         with client() as c:                                   # backends absent: /health says so
             r = c.get(f"{procs[0].url}/health")
         assert r.status_code == 503 and len(r.json()["down"]) == 2

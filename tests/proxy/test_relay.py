@@ -11,6 +11,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvrelay.proxy.routing import COOLDOWN_S
 from tests.proxy.fakes import STREAM_TOKENS, client, kv_params_of, wait_for
 
 NULL_KV = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
@@ -88,6 +89,15 @@ def test_unroutable_remote_host_replaced_by_prefill_host(fakes, proxies, adverti
 def test_round_robin_over_three_ports_on_one_host(fakes, proxies):
     order = []
     with client() as c:
+        # An earlier test may have left a server cooling down (tried last for COOLDOWN_S
+        # after a failure); once all three answer again the rotation is plain.
+        deadline = time.monotonic() + COOLDOWN_S + 2
+        while len({f.port for f in fakes.prefill if f.completions()}) < 3:
+            assert time.monotonic() < deadline, "a prefill server stayed out of the rotation"
+            c.post(f"{proxies['main'].url}/v1/completions", json={"prompt": "x", "max_tokens": 2})
+            time.sleep(0.05)
+        for f in fakes.all:
+            f.requests.clear()
         for i in range(6):
             r = c.post(f"{proxies['main'].url}/v1/completions", json={"prompt": "x", "max_tokens": 2},
                        headers={"X-Request-Id": f"rr-{i}"})
@@ -306,7 +316,10 @@ def test_metrics_parse(fakes, proxies):
                         "kvrelay_proxy:prefill_latency_seconds": "histogram",
                         "kvrelay_proxy:decode_latency_seconds": "histogram",
                         "kvrelay_proxy:backend_failures": "counter", "kvrelay_proxy:kv_free_notices": "counter",
-                        "kvrelay_proxy:backend_healthy": "gauge"}
+                        "kvrelay_proxy:backend_healthy": "gauge",
+                        "kvrelay_proxy:routing_decisions": "counter",
+                        "kvrelay_proxy:prefix_table_blocks": "gauge",
+                        "kvrelay_proxy:prefix_table_forgotten": "counter"}
     samples = _samples(proxies["main"])
     assert samples[("kvrelay_proxy:requests_total", (("endpoint", "/v1/completions"), ("status", "200")))] >= 1
     decode = f"127.0.0.1:{fakes.decode.port}"

@@ -1,15 +1,16 @@
 """Unit tests: flag pairing, backend selection and body rewriting (exact values)."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from kvrelay.proxy.main import build_parser, settings_from_args
+from kvrelay.proxy.policy import Router
 from kvrelay.proxy.routing import (
     PREFILL_KV_TRANSFER_PARAMS,
     Backend,
     EndpointError,
-    LeastInFlight,
-    RoundRobin,
     decode_body,
     expand_endpoints,
     free_notice,
@@ -76,32 +77,32 @@ def _backends(n: int, role: str = "prefill") -> list[Backend]:
 
 def test_round_robin_rotates():
     bs = _backends(3)
-    rr = RoundRobin(bs)
-    assert [[b.port for b in rr.order()] for _ in range(4)] == [
+    rr = Router(bs, "round_robin")
+    assert [[b.port for b in rr.choose(None).order] for _ in range(4)] == [
         [8100, 8101, 8102], [8101, 8102, 8100], [8102, 8100, 8101], [8100, 8101, 8102]]
 
 
 def test_round_robin_tries_failed_servers_last():
     bs = _backends(3)
     bs[0].mark_failed()
-    rr = RoundRobin(bs)
-    assert [b.port for b in rr.order()] == [8101, 8102, 8100]
-    assert [b.port for b in rr.order()] == [8101, 8102, 8100]
-    assert [b.port for b in rr.order()] == [8102, 8101, 8100]
+    rr = Router(bs, "round_robin")
+    assert [b.port for b in rr.choose(None).order] == [8101, 8102, 8100]
+    assert [b.port for b in rr.choose(None).order] == [8101, 8102, 8100]
+    assert [b.port for b in rr.choose(None).order] == [8102, 8101, 8100]
     bs[0].mark_ok()
-    assert [b.port for b in rr.order()] == [8100, 8101, 8102]
+    assert [b.port for b in rr.choose(None).order] == [8100, 8101, 8102]
     assert bs[0].failures == 1
 
 
 def test_least_in_flight_with_round_robin_ties():
     bs = _backends(3, "decode")
-    lif = LeastInFlight(bs)
-    assert [b.port for b in lif.order()] == [8100, 8101, 8102]
-    assert [b.port for b in lif.order()] == [8101, 8102, 8100]          # tie: rotate
+    lif = Router(bs, "least_loaded")
+    assert [b.port for b in lif.choose(None).order] == [8100, 8101, 8102]
+    assert [b.port for b in lif.choose(None).order] == [8101, 8102, 8100]          # tie: rotate
     bs[0].in_flight, bs[1].in_flight, bs[2].in_flight = 2, 0, 1
-    assert [b.port for b in lif.order()] == [8101, 8102, 8100]
+    assert [b.port for b in lif.choose(None).order] == [8101, 8102, 8100]
     bs[1].mark_failed()
-    assert [b.port for b in lif.order()] == [8102, 8100, 8101]
+    assert [b.port for b in lif.choose(None).order] == [8102, 8100, 8101]
 
 
 def test_backend_url():
@@ -150,3 +151,25 @@ def test_routable_kv_params(advertised, expected):
 def test_free_notice():
     assert free_notice(PREFILLED_KV) == {"remote_request_id": "cmpl-42", "remote_engine_id": "eng-1"}
     assert free_notice({"remote_engine_id": "eng-1"}) is None
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--routing-load-margin", "-1"], "--routing-load-margin: -1 is negative"),
+    (["--routing-block-size", "0"], "--routing-block-size: 0 is not positive"),
+    (["--routing-chars-per-token", "0"], "--routing-chars-per-token: 0 is not positive"),
+    (["--direct-max-tokens", "-5"], "--direct-max-tokens: -5 is negative"),
+    (["--direct-cached-fraction", "1.5"], "--direct-cached-fraction: 1.5 is not in (0, 1]"),
+])
+def test_bad_routing_flags(flags, message):
+    with pytest.raises(EndpointError, match=re.escape(message)):
+        settings_from_args(build_parser().parse_args(flags))
+
+
+def test_routing_flags_reach_the_settings():
+    s = settings_from_args(build_parser().parse_args(
+        ["--routing", "least_loaded", "--disagg-policy", "auto", "--direct-max-tokens", "40",
+         "--routing-block-size", "32"]))
+    assert (s.routing.routing, s.routing.disagg.policy, s.routing.disagg.direct_max_tokens,
+            s.routing.block_size) == ("least_loaded", "auto", 40, 32)
+    default = settings_from_args(build_parser().parse_args([])).routing
+    assert (default.routing, default.disagg.policy) == ("cache_aware", "always")

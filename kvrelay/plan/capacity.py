@@ -1,0 +1,227 @@
+"""Capacity planning for disaggregated serving: the fewest prefill (x) and decode (y) servers
+that meet TTFT and ITL targets at an arrival rate, with the arithmetic spelled out.
+
+Model (each step is printed by `Plan.explain`):
+
+Prefill. A prefill server computes a prompt of L tokens in S = L / P seconds (P: its
+measured prefill tokens/s). Requests spread over x servers arrive at λ/x each; with Poisson
+arrivals and near-constant service each server is an M/D/1 queue: utilisation
+ρ = λ·S/x, mean wait W = ρ·S / (2·(1-ρ)). TTFT ≈ S + W + the KV hand-off (`handoff_ms`) +
+one decode step. x is the smallest count with ρ ≤ `max_util` and TTFT ≤ the target.
+
+Decode. A decode server measured at batch B produces D tokens/s, so one step (one token for
+each of the B sequences) takes t(B) = B/D s: the ITL at batch B. With a second point (the
+ITL at batch 1) the step time is interpolated linearly, t(b) = t1 + (t(B) - t1)·(b-1)/(B-1);
+with one point it is taken as flat up to B (decode steps are memory-bound), and never
+extrapolated past B. b_max is the largest batch with t(b) ≤ the ITL target. Little's law
+gives the sequences decoding at once: N = λ·O·t (O output tokens each); y = ⌈N / b_max⌉.
+Each decode server's --max-num-seqs is b_max (more would push ITL past the target; bursts
+queue instead), each prefill server's is ⌊max_num_batched_tokens / L⌋ (at least 1): more
+prompts at once than one step's token budget only split it.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class PlanError(ValueError):
+    """Inputs that cannot be planned (a one-line CLI message)."""
+
+
+@dataclass(frozen=True)
+class Measured:
+    prefill_tok_s: float               # one prefill server, at the workload's prompt lengths
+    decode_tok_s: float                # one decode server, output tokens/s at batch `decode_batch`
+    decode_batch: int
+    itl_at_1_ms: float | None = None   # optional second point of the decode step-time line
+
+
+@dataclass(frozen=True)
+class Workload:
+    rate: float                        # requests/s (Poisson)
+    prompt_len: float                  # mean prompt tokens
+    output_len: float                  # mean output tokens
+    ttft_ms: float
+    itl_ms: float
+    handoff_ms: float = 0.0            # KV transfer + proxy hop per request
+    max_util: float = 0.8
+    max_num_batched_tokens: int = 8192
+
+
+@dataclass
+class Plan:
+    prefill: int
+    decode: int
+    prefill_max_num_seqs: int
+    decode_max_num_seqs: int
+    ttft_ms: float                     # predicted mean TTFT at `prefill`
+    itl_ms: float                      # predicted ITL at the per-server batch
+    lines: list[str] = field(default_factory=list)
+
+    @property
+    def topology(self) -> str:
+        return f"{self.prefill}P{self.decode}D"
+
+    def explain(self) -> str:
+        return "\n".join(self.lines)
+
+
+def step_ms(m: Measured, b: float) -> float:
+    """Decode step time (= ITL) at batch b, in ms."""
+    t_big = m.decode_batch / m.decode_tok_s * 1e3
+    if m.itl_at_1_ms is None or m.decode_batch <= 1:
+        return t_big
+    return m.itl_at_1_ms + (t_big - m.itl_at_1_ms) * (b - 1) / (m.decode_batch - 1)
+
+
+def prefill_ttft_ms(m: Measured, w: Workload, x: int) -> tuple[float, float]:
+    """(utilisation ρ, predicted mean TTFT in ms) with x prefill servers."""
+    s = w.prompt_len / m.prefill_tok_s
+    rho = w.rate * s / x
+    if rho >= 1:
+        return rho, math.inf
+    wait = rho * s / (2 * (1 - rho))
+    return rho, (s + wait) * 1e3 + w.handoff_ms + step_ms(m, 1)
+
+
+def plan(m: Measured, w: Workload, max_servers: int = 1024) -> Plan:
+    _check(m, w)
+    lines: list[str] = []
+    s = w.prompt_len / m.prefill_tok_s
+    lines.append(f"prefill: S = L / P = {w.prompt_len:g} / {m.prefill_tok_s:g} = {s * 1e3:.1f} ms "
+                 f"per prompt; demand λ·S = {w.rate:g} x {s:.4f} = {w.rate * s:.3f} servers busy")
+    x = 0
+    for n in range(1, max_servers + 1):
+        rho, ttft = prefill_ttft_ms(m, w, n)
+        ok = rho <= w.max_util and ttft <= w.ttft_ms
+        lines.append(f"  x={n}: ρ = {rho:.3f}, W = ρ·S/(2(1-ρ)), TTFT ≈ S + W + handoff "
+                     f"{w.handoff_ms:g} + step {step_ms(m, 1):.1f} = {_ms(ttft)} "
+                     f"{'meets' if ok else 'misses'} {w.ttft_ms:g} ms"
+                     + ("" if rho <= w.max_util else f" (ρ > {w.max_util:g})"))
+        if ok:
+            x = n
+            break
+        if rho <= w.max_util and s * 1e3 + w.handoff_ms + step_ms(m, 1) > w.ttft_ms:
+            raise PlanError(f"a {w.prompt_len:g}-token prompt alone takes {s * 1e3:.0f} ms to "
+                            f"prefill (+{w.handoff_ms:g} ms hand-off): no count of servers meets "
+                            f"TTFT {w.ttft_ms:g} ms (a faster server, TP, or shorter prompts)")
+    if not x:
+        raise PlanError(f"more than {max_servers} prefill servers needed")
+    b_max = _b_max(m, w, lines)
+    n_seq = w.rate * w.output_len * min(step_ms(m, b_max), w.itl_ms) / 1e3
+    y = max(1, math.ceil(n_seq / b_max))
+    lines.append(f"decode: N = λ·O·ITL = {w.rate:g} x {w.output_len:g} x "
+                 f"{min(step_ms(m, b_max), w.itl_ms) / 1e3:.4f} s = {n_seq:.2f} sequences at "
+                 f"once; y = ⌈N / b_max⌉ = ⌈{n_seq:.2f} / {b_max}⌉ = {y}")
+    per = math.ceil(n_seq / y)
+    prefill_seqs = max(1, w.max_num_batched_tokens // max(1, round(w.prompt_len)))
+    lines.append(f"--max-num-seqs: decode b_max = {b_max} (about {per} busy each); prefill "
+                 f"⌊{w.max_num_batched_tokens} / {w.prompt_len:g}⌋ = {prefill_seqs}")
+    _, ttft = prefill_ttft_ms(m, w, x)
+    itl = step_ms(m, max(1, per))
+    lines.append(f"recommendation: {x}P{y}D — predicted TTFT {ttft:.0f} ms "
+                 f"(target {w.ttft_ms:g}), ITL {itl:.1f} ms (target {w.itl_ms:g})")
+    return Plan(x, y, prefill_seqs, b_max, ttft, itl, lines)
+
+
+def _b_max(m: Measured, w: Workload, lines: list[str]) -> int:
+    t_big = step_ms(m, m.decode_batch)
+    if m.itl_at_1_ms is None:
+        ok = t_big <= w.itl_ms
+        lines.append(f"decode: step at batch {m.decode_batch} = B / D = {m.decode_batch} / "
+                     f"{m.decode_tok_s:g} = {t_big:.1f} ms, taken as flat up to B: "
+                     f"b_max = {m.decode_batch if ok else 0}")
+        if not ok:
+            raise PlanError(f"decode ITL {t_big:.1f} ms at batch {m.decode_batch} is over the "
+                            f"{w.itl_ms:g} ms target: measure at a smaller batch (--decode-batch) "
+                            f"or give --itl-at-1-ms")
+        return m.decode_batch
+    b = 0
+    for n in range(1, m.decode_batch + 1):
+        if step_ms(m, n) <= w.itl_ms:
+            b = n
+    lines.append(f"decode: step t(b) = {m.itl_at_1_ms:g} + ({t_big:.1f} - {m.itl_at_1_ms:g})"
+                 f"·(b-1)/({m.decode_batch}-1) ms; largest b <= {m.decode_batch} with t(b) <= "
+                 f"{w.itl_ms:g} ms: b_max = {b}")
+    if b == 0:
+        raise PlanError(f"decode ITL at batch 1 ({m.itl_at_1_ms:g} ms) is over the "
+                        f"{w.itl_ms:g} ms target")
+    return b
+
+
+def neighbours(m: Measured, w: Workload, p: Plan) -> list[str]:
+    """Why one server fewer on either side misses a target (the plan is minimal)."""
+    out = []
+    if p.prefill > 1:
+        rho, ttft = prefill_ttft_ms(m, w, p.prefill - 1)
+        out.append(f"{p.prefill - 1}P{p.decode}D: prefill ρ = {rho:.2f}, TTFT ≈ {_ms(ttft)} "
+                   f"(target {w.ttft_ms:g})")
+    if p.decode > 1:
+        n_seq = w.rate * w.output_len * min(step_ms(m, p.decode_max_num_seqs), w.itl_ms) / 1e3
+        per = n_seq / (p.decode - 1)
+        out.append(f"{p.prefill}P{p.decode - 1}D: {per:.1f} sequences per decode server > "
+                   f"b_max {p.decode_max_num_seqs} (ITL over {w.itl_ms:g} ms, or a queue)")
+    return out
+
+
+def _ms(v: float) -> str:
+    return "unbounded (ρ >= 1)" if math.isinf(v) else f"{v:.0f} ms"
+
+
+def _check(m: Measured, w: Workload) -> None:
+    for name, v in (("prefill tokens/s", m.prefill_tok_s), ("decode tokens/s", m.decode_tok_s),
+                    ("decode batch", m.decode_batch), ("rate", w.rate),
+                    ("prompt length", w.prompt_len), ("output length", w.output_len),
+                    ("TTFT target", w.ttft_ms), ("ITL target", w.itl_ms)):
+        if not v > 0:
+            raise PlanError(f"{name} must be positive (got {v:g})")
+    if not 0 < w.max_util < 1:
+        raise PlanError(f"--max-util must be in (0, 1) (got {w.max_util:g})")
+
+
+# ---------------------------------------------------------------- bench result files
+
+def _load(path: str) -> dict[str, Any]:
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise PlanError(f"{path}: cannot read a bench result: {e}") from e
+    if not isinstance(data, dict) or not data.get("completed"):
+        raise PlanError(f"{path}: not a `kvrelay bench serve --save-result` file with completed "
+                        f"requests")
+    return data
+
+
+def prefill_from_result(path: str) -> float:
+    """Prefill tokens/s of one server: Σ prompt tokens / Σ TTFT of a run at concurrency 1
+    against it (each TTFT is then one prompt's prefill alone)."""
+    d = _load(path)
+    pairs = [(n, t) for n, t in zip(d.get("input_lens", []), d.get("ttfts", [])) if t and t > 0]
+    if not pairs:
+        raise PlanError(f"{path}: no per-request input_lens/ttfts")
+    return sum(n for n, _ in pairs) / sum(t for _, t in pairs)
+
+
+def decode_from_result(path: str) -> tuple[float, int, float]:
+    """(output tokens/s, batch, median ITL ms) of a run at --max-concurrency B."""
+    d = _load(path)
+    batch = d.get("max_concurrency") or d.get("max_concurrent_requests")
+    if not batch or not d.get("output_throughput"):
+        raise PlanError(f"{path}: no max_concurrency / output_throughput")
+    return float(d["output_throughput"]), int(batch), float(d.get("median_itl_ms") or 0)
+
+
+def workload_from_result(path: str) -> tuple[float, float, float]:
+    """(request rate, mean prompt tokens, mean output tokens) of a recorded run."""
+    d = _load(path)
+    ins, outs = d.get("input_lens") or [], d.get("output_lens") or []
+    rate = d.get("request_rate")
+    if not isinstance(rate, int | float) or math.isinf(rate):
+        rate = d.get("request_throughput") or 0.0
+    if not ins or not outs:
+        raise PlanError(f"{path}: no per-request input_lens/output_lens")
+    return float(rate), sum(ins) / len(ins), sum(outs) / len(outs)
