@@ -49,6 +49,18 @@ def _listening(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
+def _await_proxy_sees_healthy(c: httpx.Client, role: str, deadline: float) -> None:
+    """Deploy says "ready again" when the server answers; the proxy learns it at its next
+    background /health probe (every 2 s): wait for that before counting on its turns."""
+    while True:
+        lines = [line for line in c.get("/metrics").text.splitlines()
+                 if line.startswith("kvrelay_proxy:backend_healthy") and f'role="{role}"' in line]
+        if lines and all(float(line.split()[-1]) == 1.0 for line in lines):
+            return
+        assert time.monotonic() < deadline, lines
+        time.sleep(0.2)
+
+
 def _kvrelay(*args: str, timeout: float) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "kvrelay.cli", *args], capture_output=True, text=True, check=False,
                           timeout=timeout)
@@ -165,6 +177,7 @@ def test_a_killed_server_is_restarted_while_the_proxy_routes_around_it(deploymen
         new = _started_pids(text)["prefill-0"]
         assert new != old and alive(new)
         assert _environ(new)["KVRELAY_KV_SECRET"] == _environ(_started_pids(text)["prefill-1"])["KVRELAY_KV_SECRET"]
+        _await_proxy_sees_healthy(c, "prefill", deadline)
         for _ in range(6):                          # the restarted server takes its turns again
             assert c.post("/v1/completions", json=body).status_code == 200
         served = httpx.get(f"http://127.0.0.1:{deployment['base'] + 100}/metrics").text
