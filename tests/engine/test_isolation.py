@@ -167,16 +167,22 @@ def test_a_held_prefill_request_keeps_its_id(make_llm, monkeypatch):
     try:
         remote = {"do_remote_decode": True}
         prefill = SamplingParams(temperature=0, max_tokens=1)
-        engine.add_request("p", PROMPTS[0], prefill, remote)
-        while engine.has_unfinished_requests():
-            engine.step()
+
+        def run_prefill() -> str:
+            engine.add_request("p", PROMPTS[0], prefill, remote)
+            params = None
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    params = out.kv_transfer_params or params
+            assert params is not None
+            return params["remote_capability"]
+
+        capability = run_prefill()
         assert "p" in engine.scheduler.held
         with pytest.raises(ValueError, match="duplicate request id 'p'"):
             engine.add_request("p", PROMPTS[0], prefill, remote)
-        engine.free_remote("p")
-        engine.add_request("p", PROMPTS[0], prefill, remote)      # free again once released
-        while engine.has_unfinished_requests():
-            engine.step()
-        engine.free_remote("p")
+        assert engine.free_remote("p", capability)
+        capability = run_prefill()                               # free again once released
+        assert engine.free_remote("p", capability)
     finally:
         engine.shutdown()
