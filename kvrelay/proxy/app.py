@@ -89,6 +89,8 @@ T = TypeVar("T")
 CONNECT_TIMEOUT_S = 5.0
 WRITE_TIMEOUT_S = 60.0
 HEALTH_TIMEOUT_S = 2.0
+SLOW_PROBES_TO_FAIL = 2          # timed-out probes in a row before a backend counts as down
+_TIMED_OUT = f"no answer within {HEALTH_TIMEOUT_S:g}s"
 FREE_TIMEOUT_S = 5.0
 MAX_CONNECTIONS = 1024           # per backend
 MAX_KEEPALIVE = 256
@@ -190,6 +192,7 @@ class ProxyState:
     health_interval_s: float = HEALTH_INTERVAL_S
     health_client: httpx.AsyncClient | None = None
     prober: asyncio.Task | None = None
+    slow_probes: dict[str, int] = field(default_factory=dict)   # backend → probes timed out in a row
     tasks: set[asyncio.Task] = field(default_factory=set)
 
     hasher: Hasher = field(default_factory=Hasher)
@@ -264,6 +267,14 @@ class ProxyState:
 
     async def _check(self, b: Backend) -> None:
         reason = await _probe(self, b)
+        if reason == _TIMED_OUT and b.healthy:
+            # a loaded server can miss one probe's deadline and still be serving with its
+            # cache intact: only SLOW_PROBES_TO_FAIL timeouts in a row make it unhealthy
+            # (a refused connection or a non-200 answer counts at once)
+            self.slow_probes[b.name] = self.slow_probes.get(b.name, 0) + 1
+            if self.slow_probes[b.name] < SLOW_PROBES_TO_FAIL:
+                return
+        self.slow_probes.pop(b.name, None)
         if b.healthy != (reason is None):
             logger.info("%s server %s is %s", b.role, b.name,
                         "healthy again" if reason is None else f"unhealthy ({reason})")
@@ -772,7 +783,7 @@ async def _probe(state: ProxyState, backend: Backend) -> str | None:
     try:
         resp = await state.health_client.get(f"{backend.url}/health")
     except httpx.TimeoutException:
-        return f"no answer within {HEALTH_TIMEOUT_S:g}s"
+        return _TIMED_OUT
     except httpx.TransportError as e:
         return _describe(e)
     return None if resp.status_code == 200 else f"HTTP {resp.status_code}"
