@@ -37,7 +37,9 @@ authenticated. A background probe of every backend's `/health` (every `health_in
 puts servers that are down or not ready at the end of the order until they answer 200 again;
 the same loop reads their `/metrics` (load, KV usage and capacity, prefix-cache counters).
 Server choice and whether to disaggregate at all are `policy.py`'s (`_route`), over the prefix
-table of `prefix.py`. Every error the proxy itself returns is an OpenAI error body.
+table of `prefix.py`. `POST /v1/responses` takes the same legs (its prefill body is
+`responses.py`'s); a `previous_response_id` follow-up, GET and DELETE go to the decode
+server that stored the response (`responses.ResponseHomes`, learned from relayed answers). Every error the proxy itself returns is an OpenAI error body.
 """
 from __future__ import annotations
 
