@@ -674,7 +674,8 @@ def _route(state: ProxyState, path: str, body: dict[str, Any], request_id: str) 
     """The servers to try for each leg, and whether there is a prefill leg at all; counted
     per decision in `kvrelay_proxy:routing_decisions_total` and logged at debug level."""
     needs_key = state.routing.routing == "cache_aware" or state.routing.disagg.policy == "auto"
-    key = state.hasher.key(path, body) if needs_key else None
+    keyed = responses.key_body(body) if path == responses.PATH else body
+    key = state.hasher.key(path, keyed) if needs_key else None
     decode = state.decode_router.choose(key)
     direct, why = state.routing.disagg.direct(key, decode.first_matched)
     previous = body.get("previous_response_id") if path == responses.PATH else None

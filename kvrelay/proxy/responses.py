@@ -63,6 +63,24 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def key_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The Responses body in chat form, for the prompt key only (`prefix.Hasher.key`): the
+    instructions as the system message, then the input items, in the order the server
+    renders them. Without this every Responses body keys as an empty prompt, which would
+    send them all straight to decode under `--disagg-policy auto`."""
+    messages: list[Any] = []
+    if isinstance(body.get("instructions"), str):
+        messages.append({"role": "system", "content": body["instructions"]})
+    raw = body.get("input")
+    items = [{"role": "user", "content": raw}] if isinstance(raw, str) else raw
+    for item in items if isinstance(items, list) else [items]:
+        if isinstance(item, dict) and item.get("type", "message") == "message":
+            messages.append({"role": item.get("role"), "content": item.get("content")})
+        else:                           # reasoning, calls, call outputs: their JSON stands in
+            messages.append(item)
+    return {"model": body.get("model"), "tools": body.get("tools"), "messages": messages}
+
+
 def id_from_json(content: bytes) -> str | None:
     """The `id` of a whole response object, if it is one."""
     try:

@@ -54,3 +54,18 @@ def test_stream_sniffer_gives_up():
 def test_id_from_json():
     assert responses.id_from_json(b'{"id": "resp_1", "object": "response"}') == "resp_1"
     assert responses.id_from_json(b"[1]") is None and responses.id_from_json(b"nope") is None
+
+
+def test_key_body_keys_the_prompt():
+    from kvrelay.proxy.prefix import Hasher
+    hasher = Hasher()
+    long = "why is the sky blue? " * 40
+    key = hasher.key(responses.PATH, responses.key_body({"model": "m", "input": long}))
+    assert key.tokens > 100 and key.hashes        # not an empty prompt (auto would skip prefill)
+    items = [{"role": "user", "content": [{"type": "input_text", "text": long}]},
+             {"type": "function_call_output", "call_id": "c", "output": "sunny"}]
+    body = responses.key_body({"model": "m", "instructions": "be brief", "input": items})
+    assert body["messages"] == [{"role": "system", "content": "be brief"},
+                                {"role": "user", "content": items[0]["content"]}, items[1]]
+    longer = hasher.key(responses.PATH, body)
+    assert longer.hashes[:1] != key.hashes[:1]    # the instructions come first
