@@ -37,7 +37,9 @@ authenticated. A background probe of every backend's `/health` (every `health_in
 puts servers that are down or not ready at the end of the order until they answer 200 again;
 the same loop reads their `/metrics` (load, KV usage and capacity, prefix-cache counters).
 Server choice and whether to disaggregate at all are `policy.py`'s (`_route`), over the prefix
-table of `prefix.py`. Every error the proxy itself returns is an OpenAI error body.
+table of `prefix.py`. `POST /v1/responses` takes the same legs (its prefill body is
+`responses.py`'s); a `previous_response_id` follow-up, GET and DELETE go to the decode
+server that stored the response (`responses.ResponseHomes`, learned from relayed answers). Every error the proxy itself returns is an OpenAI error body.
 """
 from __future__ import annotations
 
@@ -71,7 +73,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
-from kvrelay.proxy import scrape
+from kvrelay.proxy import responses, scrape
 from kvrelay.proxy.body import BodyError, parse_object, read_limited
 from kvrelay.proxy.policy import Choice, Router, RoutingSettings, hit_correction
 from kvrelay.proxy.prefix import Hasher, PromptKey
@@ -196,6 +198,7 @@ class ProxyState:
     tasks: set[asyncio.Task] = field(default_factory=set)
 
     hasher: Hasher = field(default_factory=Hasher)
+    homes: responses.ResponseHomes = field(default_factory=responses.ResponseHomes)
 
     @classmethod
     def create(cls, prefill: list[tuple[str, int]], decode: list[tuple[str, int]],
@@ -456,7 +459,7 @@ async def _prefill(state: ProxyState, path: str, body: dict[str, Any], headers: 
     keep-alive connection to it had died) is replaced by the next one: a server that
     answered, whatever the status, may have acted on the request, and a request that makes
     servers fail must not go round all of them."""
-    payload = prefill_body(body)
+    payload = responses.prefill_body(body) if path == responses.PATH else prefill_body(body)
     failures: list[str] = []
     for backend in order:
         try:
@@ -563,8 +566,9 @@ class RelayStream(Response):
     """Relays a decode server's streamed body chunk by chunk (no buffering). Watches the client
     connection meanwhile: a disconnect closes the decode stream at once, so decode aborts."""
 
-    def __init__(self, leg: DecodeLeg, request_id: str, on_end: Callable[[str], None]) -> None:
-        self.leg, self.on_end = leg, on_end
+    def __init__(self, leg: DecodeLeg, request_id: str, on_end: Callable[[str], None],
+                 sniffer: responses.StreamSniffer | None = None) -> None:
+        self.leg, self.on_end, self.sniffer = leg, on_end, sniffer
         self.status_code = leg.response.status_code
         self.media_type = leg.response.headers.get("content-type")
         self.background = None
@@ -587,6 +591,8 @@ class RelayStream(Response):
         try:
             async for chunk in self.leg.response.aiter_raw():
                 if chunk:
+                    if self.sniffer is not None:
+                        self.sniffer.feed(chunk)
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
                     tail = (tail + chunk)[-2:]
         except httpx.TransportError as e:
@@ -679,9 +685,19 @@ def _route(state: ProxyState, path: str, body: dict[str, Any], request_id: str) 
     """The servers to try for each leg, and whether there is a prefill leg at all; counted
     per decision in `kvrelay_proxy:routing_decisions_total` and logged at debug level."""
     needs_key = state.routing.routing == "cache_aware" or state.routing.disagg.policy == "auto"
-    key = state.hasher.key(path, body) if needs_key else None
+    keyed = responses.key_body(body) if path == responses.PATH else body
+    key = state.hasher.key(path, keyed) if needs_key else None
     decode = state.decode_router.choose(key)
     direct, why = state.routing.disagg.direct(key, decode.first_matched)
+    previous = body.get("previous_response_id") if path == responses.PATH else None
+    if previous is not None:
+        # The conversation so far is stored on the decode server that answered it, and only
+        # there: no prefill leg (the prefill has not got it), and that server or none. An
+        # id the proxy has not seen goes to the decode chosen as usual, which judges it.
+        home = state.homes.home(previous) if isinstance(previous, str) else None
+        if home is not None:
+            decode = Choice([home], "stored_response")
+        direct, why = True, "continues a stored response"
     prefill = None if direct else state.prefill_router.choose(key)
     m = state.metrics.decisions
     m.labels("disagg", "direct_to_decode" if direct else "prefill_then_decode").inc()
@@ -739,8 +755,22 @@ async def _decode(state: ProxyState, request: Request, path: str, payload: dict[
         state.metrics.requests.labels(path, str(status)).inc()
 
     if leg.response.is_success and payload.get("stream"):
-        return RelayStream(leg, request_id, end_stream)
-    return await _decode_whole(request, leg, request_id, end)
+        if path != responses.PATH:
+            return RelayStream(leg, request_id, end_stream)
+        sniffer = responses.StreamSniffer()
+
+        def end_responses_stream(outcome: str) -> None:
+            if outcome == "done" and sniffer.response_id:
+                state.homes.remember(sniffer.response_id, leg.backend)
+            end_stream(outcome)
+
+        return RelayStream(leg, request_id, end_responses_stream, sniffer)
+    response = await _decode_whole(request, leg, request_id, end)
+    if path == responses.PATH and response.status_code == 200:
+        response_id = responses.id_from_json(bytes(response.body))
+        if response_id:
+            state.homes.remember(response_id, leg.backend)
+    return response
 
 
 async def _decode_whole(request: Request, leg: DecodeLeg, request_id: str,
@@ -817,12 +847,37 @@ async def models(state: ProxyState, request: Request) -> Response:
                                                "ServiceUnavailableError", request_id))
 
 
+async def stored_response(state: ProxyState, request: Request, method: str,
+                          response_id: str) -> Response:
+    """`GET` / `DELETE /v1/responses/{id}` on the decode server that stored the response
+    (learned from the answers the proxy relayed); 404 when the proxy has not seen the id."""
+    endpoint = responses.PATH + "/{id}"
+    request_id = request.headers.get("x-request-id") or str(uuid.uuid4())
+    backend = state.homes.home(response_id)
+    if backend is None or backend.client is None:
+        return _finish(state, endpoint, _error(
+            404, f"Response with id '{response_id}' not found (this proxy has not relayed it).",
+            "NotFoundError", request_id))
+    headers = _backend_headers(state, request, request_id)
+    try:
+        resp = await backend.client.request(method, f"{responses.PATH}/{response_id}",
+                                            headers=headers, timeout=HEALTH_TIMEOUT_S * 5)
+    except httpx.TransportError as e:
+        state.failed(backend, "connect" if _is_connect_error(e) else "transport")
+        return _finish(state, endpoint, _error(
+            503, f"decode server {backend.name}, which holds response '{response_id}', did not "
+            f"answer: {_describe(e)}", "ServiceUnavailableError", request_id))
+    if (method == "DELETE" and resp.is_success) or resp.status_code == 404:
+        state.homes.forget(response_id)          # gone from that server (deleted or evicted)
+    return _finish(state, endpoint, _copy_response(resp, resp.content, request_id))
+
+
 # ---------------------------------------------------------------------------- the app
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                405: "MethodNotAllowedError", 413: "RequestTooLarge",
                422: "UnprocessableEntityError"}
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", responses.PATH)
 
 
 class _RequireKey:
@@ -916,6 +971,18 @@ def build_app(prefill: list[tuple[str, int]], decode: list[tuple[str, int]],
     @app.post("/v1/chat/completions")
     async def _chat(request: Request) -> Response:
         return await relay_completion(state, request, "/v1/chat/completions")
+
+    @app.post(responses.PATH)
+    async def _responses(request: Request) -> Response:
+        return await relay_completion(state, request, responses.PATH)
+
+    @app.get(responses.PATH + "/{response_id}")
+    async def _get_response(response_id: str, request: Request) -> Response:
+        return await stored_response(state, request, "GET", response_id)
+
+    @app.delete(responses.PATH + "/{response_id}")
+    async def _delete_response(response_id: str, request: Request) -> Response:
+        return await stored_response(state, request, "DELETE", response_id)
 
     @app.get("/metrics")
     async def _metrics() -> Response:

@@ -62,6 +62,9 @@ class ResponsesRequest(BaseModel):
     user: str | None = None
     background: bool | None = None
     seed: int | None = None            # vLLM's extension, as on chat
+    # vLLM's disaggregation field, as on chat: the proxy's prefill leg asks for the KV to be
+    # kept ({do_remote_decode: true}) and gets the handle back; its decode leg passes it in.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 # ------------------------------------------------------------------ the store
@@ -536,13 +539,17 @@ def _finish(state: api.ServerState, store: ResponseStore, p: _Prepared, decoder:
 
 async def _create(state: api.ServerState, store: ResponseStore, p: _Prepared,
                   request: Request) -> dict[str, Any]:
-    gen = state.engine.generate(p.response_id, p.rendered.prompt_ids, p.params)
+    gen = state.engine.generate(p.response_id, p.rendered.prompt_ids, p.params,
+                                p.body.kv_transfer_params)
     (final,) = await api._until_disconnect(request, asyncio.ensure_future(
         api._collect(state, [gen], [(None, p.rendered.prompt_ids)])))
     decoder = _Decoder(isinstance(state.chat, HarmonyChat), _OutputBuilder(p.tools))
     out = final.outputs[0]
     decoder.feed(out.token_ids, out.text)
-    return _finish(state, store, p, decoder, final)
+    response = _finish(state, store, p, decoder, final)
+    if p.body.kv_transfer_params:         # a prefill leg: the handle the decode leg needs
+        response = {**response, "kv_transfer_params": final.kv_transfer_params}
+    return response
 
 
 def _event(seq: int, payload: dict[str, Any]) -> str:
@@ -558,7 +565,8 @@ async def _stream(state: api.ServerState, store: ResponseStore, p: _Prepared) ->
         yield _event(seq, {"type": kind, "response": start})
         seq += 1
     timing = api._Timing(state.metrics)
-    gen = state.engine.generate(p.response_id, p.rendered.prompt_ids, p.params)
+    gen = state.engine.generate(p.response_id, p.rendered.prompt_ids, p.params,
+                                p.body.kv_transfer_params)
     final = None
     try:
         async for _, out in api._merge([gen]):
@@ -594,6 +602,7 @@ def add_responses_routes(app: FastAPI, state: api.ServerState) -> ResponseStore:
 
     @app.post("/v1/responses")
     async def create_response(body: ResponsesRequest, request: Request):
+        api._check_hold_rate(state, request, body.kv_transfer_params)
         p = _prepare(state, store, body)
         if body.stream:
             return StreamingResponse(_stream(state, store, p), media_type="text/event-stream")

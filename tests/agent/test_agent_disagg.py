@@ -1,12 +1,14 @@
 """Function calling through `kvrelay proxy` in 1P1D (prefill + decode with vLLM's tool flags,
 the scripted engine of tests/agent/scripted.py on the tiny o200k checkpoint): the openai
-client's tool calls, streamed and not, the tool-result turn, and an Agents SDK agent through
-the Chat Completions model class."""
+client's tool calls, streamed and not, the tool-result turn, an Agents SDK agent through
+the Chat Completions model class, and the Responses API (create, stream, previous_response_id,
+GET and DELETE) through the proxy."""
 from __future__ import annotations
 
 import asyncio
 import json
 
+import httpx
 import openai
 import pytest
 
@@ -25,7 +27,8 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 
 
 @pytest.fixture(scope="module")
-def proxy_url(o200k_checkpoint, tmp_path_factory):
+def cluster(o200k_checkpoint, tmp_path_factory):
+    """(proxy base url, prefill server, decode server)."""
     logs = tmp_path_factory.mktemp("agent-1p1d")
     flags = ["--max-model-len", "1024", "--served-model-name", MODEL, *AGENT_FLAGS,
              "--logits-processors", "tests.agent.scripted:agent_script"]
@@ -42,11 +45,16 @@ def proxy_url(o200k_checkpoint, tmp_path_factory):
         for s in (prefill, decode):
             s.wait_ready()
         proxy.wait_for_line("Application startup complete")
-        yield f"http://127.0.0.1:{port}/v1"
+        yield f"http://127.0.0.1:{port}/v1", prefill, decode
     finally:
         proxy.stop()
         for s in (prefill, decode):
             s.stop()
+
+
+@pytest.fixture(scope="module")
+def proxy_url(cluster):
+    return cluster[0]
 
 
 def test_tool_call_through_the_proxy(proxy_url):
@@ -91,3 +99,54 @@ def test_agents_sdk_through_the_proxy(proxy_url):
             await client.close()
 
     assert asyncio.run(run()) == ANSWER and seen == ["Paris"]
+
+
+# ------------------------------------------------------------------ Responses API
+
+PROMPT_TOKENS, KV_PULLS = "vllm:prompt_tokens_total", "kvrelay:kv_transfers_total"
+
+
+def test_responses_through_the_proxy(cluster):
+    url, prefill, decode = cluster
+    client = openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=60)
+    before = prefill.metrics()[PROMPT_TOKENS], decode.metrics()[KV_PULLS]
+    first = client.responses.create(model=MODEL, input="Hello?")
+    assert first.status == "completed" and first.output_text == ANSWER
+    # the prefill server computed the prompt, and the decode server pulled its KV
+    assert prefill.metrics()[PROMPT_TOKENS] - before[0] == first.usage.input_tokens
+    assert decode.metrics()[KV_PULLS] == before[1] + 1
+
+    with client.responses.stream(model=MODEL, input="Hello again?") as stream:
+        kinds = [event.type for event in stream]
+        streamed = stream.get_final_response()
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    assert streamed.output_text == ANSWER and decode.metrics()[KV_PULLS] == before[1] + 2
+
+    # a follow-up goes to the decode server that stored `first` (the prefill has no history)
+    prefilled = prefill.metrics()[PROMPT_TOKENS]
+    follow = client.responses.create(model=MODEL, input="And now?", previous_response_id=first.id)
+    assert follow.previous_response_id == first.id and follow.output_text == ANSWER
+    assert follow.usage.input_tokens > first.usage.input_tokens    # the history was in it
+    assert prefill.metrics()[PROMPT_TOKENS] == prefilled
+
+    # GET and DELETE reach the decode server that stored them (the streamed one too)
+    assert client.responses.retrieve(streamed.id).output_text == ANSWER
+    assert client.responses.retrieve(first.id).id == first.id
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+
+
+@pytest.mark.parametrize("method", ["GET", "DELETE"])
+def test_unknown_response_id_through_the_proxy(cluster, method):
+    r = httpx.request(method, f"{cluster[0]}/responses/resp_unknown", timeout=30)
+    assert r.status_code == 404
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "NotFoundError" and "resp_unknown" in error["message"]
+
+
+def test_unknown_previous_response_id_through_the_proxy(cluster):
+    r = httpx.post(f"{cluster[0]}/responses", timeout=30, json={
+        "model": MODEL, "input": "x", "previous_response_id": "resp_unknown"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id"

@@ -1,0 +1,121 @@
+"""`/v1/responses` through the proxy: which decode server holds a stored response.
+
+A stored response (and so `previous_response_id`, GET and DELETE) lives only in the memory
+of the decode server that answered it. The proxy learns each response's id from what it
+relays (the JSON body, or the first SSE event, `response.created`) and keeps id → decode
+server in a bounded LRU (`ResponseHomes`). A follow-up naming a known id goes straight to
+that server (no prefill leg: the prefill server has not got the history); GET and DELETE
+go there too.
+
+The prefill leg of a request without `previous_response_id` is the client's body with
+`max_output_tokens: 1`, `stream: false`, `store: false` (nothing kept on the prefill) and
+the usual `kv_transfer_params`; see `prefill_body`.
+"""
+from __future__ import annotations
+
+import copy
+import json
+from collections import OrderedDict
+from typing import Any
+
+from kvrelay.proxy.routing import PREFILL_KV_TRANSFER_PARAMS, Backend
+
+PATH = "/v1/responses"
+MAX_HOMES = 65536                 # ids remembered (~100 bytes each); the oldest used go first
+MAX_SNIFF_BYTES = 64 * 1024       # a stream whose first event is longer is not remembered
+
+
+class ResponseHomes:
+    """Response id → the decode server that answered (and stored) it, least recently used
+    evicted first. One event loop owns it: no locking."""
+
+    def __init__(self, max_entries: int = MAX_HOMES) -> None:
+        self.max_entries = max_entries
+        self._homes: OrderedDict[str, Backend] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._homes)
+
+    def remember(self, response_id: str, backend: Backend) -> None:
+        self._homes[response_id] = backend
+        self._homes.move_to_end(response_id)
+        while len(self._homes) > self.max_entries:
+            self._homes.popitem(last=False)
+
+    def home(self, response_id: str) -> Backend | None:
+        backend = self._homes.get(response_id)
+        if backend is not None:
+            self._homes.move_to_end(response_id)
+        return backend
+
+    def forget(self, response_id: str) -> None:
+        self._homes.pop(response_id, None)
+
+
+def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+    """A Responses body as the prefill server gets it: one output token, not streamed, not
+    stored, KV kept for the decode server."""
+    out = copy.deepcopy(body)
+    out["max_output_tokens"] = 1
+    out["stream"] = False
+    out["store"] = False
+    out["kv_transfer_params"] = dict(PREFILL_KV_TRANSFER_PARAMS)
+    return out
+
+
+def key_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The Responses body in chat form, for the prompt key only (`prefix.Hasher.key`): the
+    instructions as the system message, then the input items, in the order the server
+    renders them. Without this every Responses body keys as an empty prompt, which would
+    send them all straight to decode under `--disagg-policy auto`."""
+    messages: list[Any] = []
+    if isinstance(body.get("instructions"), str):
+        messages.append({"role": "system", "content": body["instructions"]})
+    raw = body.get("input")
+    items = [{"role": "user", "content": raw}] if isinstance(raw, str) else raw
+    for item in items if isinstance(items, list) else [items]:
+        if isinstance(item, dict) and item.get("type", "message") == "message":
+            messages.append({"role": item.get("role"), "content": item.get("content")})
+        else:                           # reasoning, calls, call outputs: their JSON stands in
+            messages.append(item)
+    return {"model": body.get("model"), "tools": body.get("tools"), "messages": messages}
+
+
+def id_from_json(content: bytes) -> str | None:
+    """The `id` of a whole response object, if it is one."""
+    try:
+        body = json.loads(content)
+    except ValueError:
+        return None
+    rid = body.get("id") if isinstance(body, dict) else None
+    return rid if isinstance(rid, str) else None
+
+
+class StreamSniffer:
+    """Reads the start of a relayed SSE stream until its first event (`response.created`,
+    which carries the response object) and takes the response id from it."""
+
+    def __init__(self) -> None:
+        self._head = b""
+        self.done = False
+        self.response_id: str | None = None
+
+    def feed(self, chunk: bytes) -> None:
+        if self.done:
+            return
+        self._head += chunk
+        end = self._head.find(b"\n\n")
+        if end < 0:
+            self.done = len(self._head) > MAX_SNIFF_BYTES
+            return
+        self.done = True
+        for line in self._head[:end].split(b"\n"):
+            if line.startswith(b"data:"):
+                try:
+                    event = json.loads(line[5:])
+                except ValueError:
+                    return
+                response = event.get("response") if isinstance(event, dict) else None
+                rid = response.get("id") if isinstance(response, dict) else None
+                self.response_id = rid if isinstance(rid, str) else None
+        self._head = b""
