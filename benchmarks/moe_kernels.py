@@ -236,6 +236,7 @@ def main() -> None:
         rows = run_decode(args.rounds)
         info["loadavg_after"] = os.getloadavg()
         out = Path(args.out).with_name("moe_kernels_decode.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"machine": info, "rows": rows}, indent=1))
         return
     tokens = [int(t) for t in args.tokens.split(",")]
