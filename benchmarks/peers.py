@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -509,6 +510,8 @@ def main() -> None:
         "--quick", action="store_true", help="smoke run: tiny-bf16, 1 round, c=1,8, 16 prompts"
     )
     a = ap.parse_args()
+    # `kill PID` unwinds like Ctrl-C: every server is stopped by its finally block
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if a.quick:
         a.models, a.rounds, a.concurrency, a.num_prompts = "tiny-bf16", 1, "1,8", 16
     models = a.models.split(",")
