@@ -37,7 +37,8 @@ bench() {  # NAME CONCURRENCY
   kvrelay bench serve --port "$PORT" --tokenizer "$CKPT" --dataset-name random \
     --random-input-len 8 --random-output-len 32 --num-prompts "$2" \
     --max-concurrency "$2" --ignore-eos --temperature 0 --disable-tqdm --no-plot \
-    --save-result --result-dir "$OUT" --result-filename "$1-c$2.json" > "$OUT/$1-c$2.txt" || echo "$1 c=$2: bench failed" >&2
+    --save-result --result-dir "$OUT" --result-filename "$1-c$2.json" > "$OUT/$1-c$2.txt" \
+    || echo "$1 c=$2: bench failed" >&2
   echo "$1 c=$2 end: $(uptime)" | tee -a "$OUT/uptime.txt"
 }
 
