@@ -1,23 +1,31 @@
 #!/usr/bin/env bash
 # Served decode on a big checkpoint: llama.cpp (its MXFP4-expert GGUF of the same weights)
 # then kvrelay, one after the other (both do not fit in memory at once), each driven by
-# `kvrelay bench serve` at concurrency 1 and 4: ~8-token random prompts, 32 output tokens,
-# greedy, ignore_eos. Records `uptime` around every measurement.
+# `kvrelay bench serve` at concurrency N with N requests (N = 1, 4): 8-token random prompts,
+# 32 output tokens, greedy, ignore_eos. Records `uptime` around every measurement.
 #
 #   benchmarks/big_model_serve.sh CKPT GGUF OUT_DIR [LLAMA_SERVER]
 set -euo pipefail
 CKPT=${1:?CKPT}; GGUF=${2:?GGUF}; OUT=${3:?OUT_DIR}
 LLAMA=${4:-/work/peers/llamacpp/build/bin/llama-server}
-PORT=${PORT:-18931}
+PORT=${PORT:-18931}   # must be free: a server already on it would be measured instead
 mkdir -p "$OUT"
 PID=
+if curl -s -o /dev/null "http://127.0.0.1:$PORT/"; then echo "port $PORT is in use" >&2; exit 1; fi
 
 stop() { [ -n "$PID" ] && kill "$PID" 2>/dev/null && wait "$PID" 2>/dev/null; PID=; }
+
+peak_rss() {  # NAME: VmHWM of the server and its children (kvrelay's engine runs in a child)
+  for p in "$PID" $(pgrep -P "$PID"); do
+    echo "$1 pid $p $(grep VmHWM /proc/"$p"/status)" | tee -a "$OUT/uptime.txt"
+  done
+}
 trap stop EXIT
 
-wait_up() {  # until GET /v1/models answers (model load can take minutes)
+wait_up() {  # until a 1-token completion succeeds (the API answers 503 while the model loads)
   for _ in $(seq 1 900); do
-    curl -sf "http://127.0.0.1:$PORT/v1/models" >/dev/null && return 0
+    curl -sf "http://127.0.0.1:$PORT/v1/completions" -H 'Content-Type: application/json' \
+      -d '{"prompt": "hi", "max_tokens": 1}' >/dev/null && return 0
     kill -0 "$PID" 2>/dev/null || { echo "server died" >&2; return 1; }
     sleep 1
   done
@@ -27,9 +35,10 @@ wait_up() {  # until GET /v1/models answers (model load can take minutes)
 bench() {  # NAME CONCURRENCY
   echo "$1 c=$2 start: $(uptime)" | tee -a "$OUT/uptime.txt"
   kvrelay bench serve --port "$PORT" --tokenizer "$CKPT" --dataset-name random \
-    --random-input-len 8 --random-output-len 32 --num-prompts $(( $2 * 2 )) \
+    --random-input-len 8 --random-output-len 32 --num-prompts "$2" \
     --max-concurrency "$2" --ignore-eos --temperature 0 --disable-tqdm --no-plot \
-    --save-result --result-dir "$OUT" --result-filename "$1-c$2.json" > "$OUT/$1-c$2.txt"
+    --save-result --result-dir "$OUT" --result-filename "$1-c$2.json" > "$OUT/$1-c$2.txt" \
+    || echo "$1 c=$2: bench failed" >&2
   echo "$1 c=$2 end: $(uptime)" | tee -a "$OUT/uptime.txt"
 }
 
@@ -40,14 +49,14 @@ if [ -x "$LLAMA" ] && [ -f "$GGUF" ]; then
   PID=$!
   wait_up && echo "llama.cpp up in $(( $(date +%s) - T0 )) s" | tee -a "$OUT/uptime.txt"
   bench llamacpp 1; bench llamacpp 4
-  stop
+  peak_rss llamacpp; stop
 fi
 
 T0=$(date +%s)
-/usr/bin/time -v kvrelay serve "$CKPT" --host 127.0.0.1 --port "$PORT" --max-model-len 256 \
+kvrelay serve "$CKPT" --host 127.0.0.1 --port "$PORT" --max-model-len 256 \
   --kv-cache-memory-bytes $((64 << 20)) --served-model-name gpt-oss-20b-shaped \
   > "$OUT/kvrelay-serve.log" 2>&1 &
 PID=$!
 wait_up && echo "kvrelay up in $(( $(date +%s) - T0 )) s" | tee -a "$OUT/uptime.txt"
 bench kvrelay 1; bench kvrelay 4
-stop
+peak_rss kvrelay; stop
