@@ -211,6 +211,25 @@ def admit_connection(conns: dict[socket.socket, _Conn], limit: int, evict_pendin
     return False
 
 
+def authenticate_connection(conn: socket.socket, secret: bytes, lock: threading.Lock,
+                            conns: dict[socket.socket, _Conn], peer, what: str) -> bool:
+    """The server side of the KV secret's challenge–response on `conn` (see auth.py); on
+    success the connection counts as authenticated in `conns` (so it is never evicted as a
+    pending one) unless it was evicted meanwhile."""
+    from kvrelay.disagg.auth import AuthError, server_authenticate
+    try:
+        server_authenticate(conn, secret)
+    except AuthError as e:
+        warn_limited(f"{what}: refused %s: %s", peer, e)
+        return False
+    with lock:
+        state = conns.get(conn)
+        if state is None or state.evicted:
+            return False
+        state.authenticated = True
+    return True
+
+
 _last_logged: dict[str, float] = {}
 
 
@@ -344,19 +363,9 @@ class SideChannelServer:
                 pass
 
     def _authenticate(self, conn: socket.socket, peer) -> bool:
-        from kvrelay.disagg.auth import AuthError, server_authenticate
         assert self.secret is not None
-        try:
-            server_authenticate(conn, self.secret)
-        except AuthError as e:
-            warn_limited("side channel %s:%d: refused %s: %s", self.host, self.port, peer, e)
-            return False
-        with self._lock:
-            state = self._conns.get(conn)
-            if state is None or state.evicted:
-                return False
-            state.authenticated = True
-        return True
+        return authenticate_connection(conn, self.secret, self._lock, self._conns, peer,
+                                       f"side channel {self.host}:{self.port}")
 
     def _dispatch(self, msg: dict) -> dict:
         try:

@@ -38,6 +38,7 @@ from kvrelay.disagg.side_channel import (
     _Conn,
     admit_connection,
     advertised_host,
+    authenticate_connection,
     recv_frame,
     send_frame,
     warn_limited,
@@ -252,19 +253,9 @@ class TcpTransport(KVTransport):
                 pass
 
     def _authenticate(self, conn: socket.socket, peer) -> bool:
-        from kvrelay.disagg.auth import AuthError, server_authenticate
         assert self.secret is not None
-        try:
-            server_authenticate(conn, self.secret)
-        except AuthError as e:
-            warn_limited("TCP KV transport %s:%d: refused %s: %s", self.host, self.port, peer, e)
-            return False
-        with self._lock:
-            state = self._conns.get(conn)
-            if state is None or state.evicted:
-                return False
-            state.authenticated = True
-        return True
+        return authenticate_connection(conn, self.secret, self._lock, self._conns, peer,
+                                       f"TCP KV transport {self.host}:{self.port}")
 
     def _handle_request(self, conn: socket.socket, msg: dict) -> None:
         op = msg.get("op")
