@@ -18,7 +18,9 @@ Models: `embedded` (the SmolLM2-as-gpt-oss checkpoint, 49k vocabulary) and `o200
 grammar's share is the worst case). Usage:
 
     PYTHONPATH=. python benchmarks/structured_outputs.py [--model embedded|o200k-tiny]
-        [--concurrency 8 64] [--max-tokens 32] [--reps 3] [--json out.json]
+        [--concurrency 8 64] [--max-tokens 32] [--reps 3] [--temperature 1.0] [--json out.json]
+
+Variants run in a rotated order each rep (none json sync, json sync none, ...).
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ ITEM = {"type": "object", "additionalProperties": False, "required": ["name", "a
                        "age": {"type": "integer", "minimum": 0, "maximum": 150},
                        "ok": {"type": "boolean"}}}
 SCHEMA = {"type": "array", "minItems": 100, "items": ITEM}
+TEMPERATURE = 1.0
 PROMPT = "Return a JSON list of people with name, age and ok fields:"
 
 
@@ -64,7 +67,7 @@ def run_once(llm, variant: str, concurrency: int, max_tokens: int) -> tuple[floa
     engine = llm.engine
     engine.sampler.masks.overlap = variant != "json-sync"
     constraint = None if variant == "none" else StructuredOutputsParams(json=SCHEMA)
-    params = SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True,
+    params = SamplingParams(temperature=TEMPERATURE, max_tokens=max_tokens, ignore_eos=True,
                             structured_outputs=constraint)
     ids = [f"{variant}-{time.monotonic_ns()}-{i}" for i in range(concurrency)]
     for rid in ids:
@@ -89,8 +92,11 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[8, 64])
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    global TEMPERATURE
+    TEMPERATURE = args.temperature
     import torch
 
     from kvrelay import LLM
@@ -104,7 +110,7 @@ def main() -> None:
     for c in args.concurrency:
         runs: dict[str, list[tuple[float, float]]] = {v: [] for v in variants}
         for rep in range(args.reps):
-            for v in variants:
+            for v in variants[rep % 3:] + variants[:rep % 3]:      # rotate: no order effect
                 runs[v].append(run_once(llm, v, c, args.max_tokens))
                 log(f"c={c} rep {rep} {v}: {runs[v][-1][0]:.1f} tok/s wall, "
                     f"{runs[v][-1][1]:.1f} tok/cpu-s (load {loadavg():.1f})")
@@ -113,7 +119,7 @@ def main() -> None:
         results[c] = {"median_tok_s": wall, "median_tok_per_cpu_s": cpu, "runs": runs,
                       "json_cost_pct": 100 * (1 - cpu["json"] / cpu["none"]),
                       "sync_cost_pct": 100 * (1 - cpu["json-sync"] / cpu["none"])}
-    info = {"model": args.model, "max_tokens": args.max_tokens, "reps": args.reps,
+    info = {"model": args.model, "temperature": args.temperature, "max_tokens": args.max_tokens, "reps": args.reps,
             "threads": THREADS, "machine": machine_info(), "results": results}
     print(f"model {args.model}, decode tokens per wall s | per CPU s (medians of {args.reps}), "
           f"max_tokens {args.max_tokens}; cost = CPU-time throughput lost vs none")

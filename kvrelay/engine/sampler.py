@@ -2,7 +2,8 @@
 
     logits [N, V] float32
       ├─ logits processors (per request, optional), logit_bias, min_tokens bans EOS/stop ids
-      ├─ grammar masks (structured outputs: kvrelay/structured/masks.py)
+      ├─ grammar masks (structured outputs: kvrelay/structured/masks.py); a row whose
+      │  grammar allows few ids continues on those ids alone (same distribution, O(k))
       ├─ greedy rows: argmax
       └─ random rows: /temperature → top-k → top-p → min-p → softmax → sample
     logprobs (optional): log_softmax of the raw logits; sampled token + top-N
@@ -52,14 +53,26 @@ class Sampler:
             # the common serving case: one argmax for the batch, no copies, no masks
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(requests))
         raw = logits
-        logits = self._process(logits, requests)
-        greedy = torch.tensor([self.all_greedy or r.params.greedy for r in requests])
-        tokens = logits.argmax(dim=-1)                                   # [N]
-        if not bool(greedy.all()):
-            rows = (~greedy).nonzero().flatten()
-            tokens[rows] = self._sample(logits[rows], [requests[i] for i in rows.tolist()])
-        token_list = tokens.tolist()
-        return SamplerOutput(token_list, self._logprobs(raw, token_list, requests))
+        logits, allowed = self._process(logits, requests)
+        greedy = [self.all_greedy or r.params.greedy for r in requests]
+        tokens = [0] * len(requests)
+        full = [i for i in range(len(requests)) if i not in allowed]
+        picks = [i for i in full if greedy[i]]
+        if picks:
+            ids = logits[picks].argmax(dim=-1).tolist() if len(picks) < len(requests) \
+                else logits.argmax(dim=-1).tolist()
+            for i, t in zip(picks, ids):
+                tokens[i] = t
+        draws = [i for i in full if not greedy[i]]
+        if draws:
+            ids = self._sample(logits[draws], [requests[i] for i in draws]).tolist()
+            for i, t in zip(draws, ids):
+                tokens[i] = t
+        for i, candidates in allowed.items():       # sampled among their allowed ids only
+            row = logits[i, candidates]
+            j = int(row.argmax()) if greedy[i] else int(self._sample(row[None], [requests[i]])[0])
+            tokens[i] = int(candidates[j])
+        return SamplerOutput(tokens, self._logprobs(raw, tokens, requests))
 
     def isolated(self, logits: torch.Tensor,
                  requests: list[Request]) -> tuple[SamplerOutput, dict[int, Exception]]:
@@ -98,11 +111,15 @@ class Sampler:
                 and req.grammar is None and not p.logit_bias
                 and (p.min_tokens <= len(req.output_token_ids) or not _banned_ids(req)))
 
-    def _process(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def _process(self, logits: torch.Tensor,
+                 requests: list[Request]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """(logits with the masks, bans, biases and processors applied, {row: allowed ids}
+        for the grammar rows to be sampled among their allowed ids; see TokenMasks.apply)."""
+        allowed: dict[int, torch.Tensor] = {}
         if any(r.grammar is not None for r in requests):
             # the rows are the sampler's own copy; keep the raw ones only for logprobs
             wants_raw = any(r.params.logprobs is not None for r in requests)
-            logits = self.masks.apply(logits.clone() if wants_raw else logits, requests)
+            logits, allowed = self.masks.apply(logits.clone() if wants_raw else logits, requests)
         changed = False
         for i, req in enumerate(requests):
             banned = _banned_ids(req)
@@ -117,7 +134,7 @@ class Sampler:
                 logits[i, list(bias)] += torch.tensor(list(bias.values()), dtype=logits.dtype)
             if banned:
                 logits[i, banned] = float("-inf")
-        return logits
+        return logits, allowed
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """logits [n, V] of non-greedy rows → sampled ids [n]."""

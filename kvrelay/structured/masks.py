@@ -27,6 +27,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _NEG_INF = torch.tensor(float("-inf"))
+# A row is sampled among its allowed ids when they lie in at most this many 32-token words
+# (≤ 8k candidates); a denser mask (free text inside a JSON string) is applied to the row.
+SPARSE_WORDS = 256
 
 
 def _constrained(requests: list[Request]) -> list[tuple[int, GrammarMatcher]]:
@@ -52,40 +55,64 @@ class TokenMasks:
         key = tuple(id(r) for r in requests)
         self._pending = (key, self._pool.submit(_fill, rows, len(requests)))
 
-    def apply(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        """logits [N, V] of `requests` → the same tensor with disallowed tokens at -inf
-        (the caller owns `logits`; rows without a grammar are untouched)."""
+    def apply(self, logits: torch.Tensor,
+              requests: list[Request]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """logits [N, V] of `requests` → (logits, sparse). Dense rows come back with their
+        disallowed tokens at -inf (in place; the caller owns `logits`). A row whose mask
+        allows few tokens (a JSON grammar between strings: tens of ids out of 201k) is left
+        unmasked and listed in `sparse` as its sorted allowed ids instead: the sampler picks
+        among those alone, which is the same distribution as masking the row and sampling
+        it, without an O(V) pass per step (the mask, the softmax and the noise all shrink
+        to the allowed set). Rows without a grammar are untouched."""
         pending, self._pending = self._pending, None
         rows = _constrained(requests)
         if not rows:
-            return logits
+            return logits, {}
         if pending is not None and pending[0] == tuple(id(r) for r in requests):
             bitmask = pending[1].result()
         else:
             bitmask = _fill(rows, len(requests))
         vocab = logits.shape[-1]
-        bits = np.unpackbits(bitmask.view(np.uint8), axis=1, count=vocab, bitorder="little")
-        stuck = [i for i, _ in rows if not bits[i].any()]
-        for i in stuck:                 # a matcher with no way forward: leave the row free
-            logger.error("structured output: no allowed token for %s", requests[i].request_id)
-        idx = [i for i, _ in rows if i not in stuck]
-        if not idx:
-            return logits
-        neg_inf = _NEG_INF.to(logits.dtype)
-        if len(idx) == len(requests):   # every row: one op over the whole tensor, in place
-            keep = torch.from_numpy(bits).view(torch.bool)                # [N, V]
-            torch.where(keep, logits, neg_inf, out=logits)
-            return logits
-        # a few ops for the subset, not one per row (each small op wakes the thread pool)
-        keep = torch.from_numpy(bits[idx]).view(torch.bool)               # [k, V]
-        rows_t = torch.tensor(idx)
-        logits.index_copy_(0, rows_t, torch.where(keep, logits.index_select(0, rows_t), neg_inf))
-        return logits
+        sparse: dict[int, torch.Tensor] = {}
+        dense: list[int] = []
+        for i, _ in rows:
+            words = np.flatnonzero(bitmask[i])
+            if words.size == 0:       # a matcher with no way forward: leave the row free
+                logger.error("structured output: no allowed token for %s", requests[i].request_id)
+            elif words.size <= SPARSE_WORDS and not requests[i].params.logits_processors:
+                sparse[i] = torch.from_numpy(_allowed_ids(bitmask[i], words, vocab))
+            else:
+                dense.append(i)
+        if dense:
+            _mask_rows(logits, bitmask, dense, len(requests))
+        return logits, sparse
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+
+def _allowed_ids(row: np.ndarray, words: np.ndarray, vocab: int) -> np.ndarray:
+    """The token ids whose bits are set in `row` (int32 words), given its nonzero `words`."""
+    bits = np.unpackbits(row[words].view(np.uint8).reshape(-1, 4), axis=1, bitorder="little")
+    ids = (words[:, None] * 32 + np.arange(32))[bits.astype(bool)]
+    return ids[ids < vocab].astype(np.int64)
+
+
+def _mask_rows(logits: torch.Tensor, bitmask: np.ndarray, idx: list[int], batch: int) -> None:
+    """Set the disallowed tokens of rows `idx` of `logits` to -inf, in place."""
+    vocab = logits.shape[-1]
+    neg_inf = _NEG_INF.to(logits.dtype)
+    if len(idx) == batch:       # every row: one op over the whole tensor
+        bits = np.unpackbits(bitmask.view(np.uint8), axis=1, count=vocab, bitorder="little")
+        torch.where(torch.from_numpy(bits).view(torch.bool), logits, neg_inf, out=logits)
+        return
+    # a few ops for the subset, not one per row (each small op wakes the thread pool)
+    bits = np.unpackbits(bitmask[idx].view(np.uint8), axis=1, count=vocab, bitorder="little")
+    rows_t = torch.tensor(idx)
+    keep = torch.from_numpy(bits).view(torch.bool)                        # [k, V]
+    logits.index_copy_(0, rows_t, torch.where(keep, logits.index_select(0, rows_t), neg_inf))
 
 
 def _fill(rows: list[tuple[int, GrammarMatcher]], batch: int) -> np.ndarray:

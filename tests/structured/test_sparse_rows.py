@@ -1,0 +1,101 @@
+"""The sampler's sparse-row path (a grammar row sampled among its allowed ids only) draws
+from exactly the distribution of the dense path (the row masked to -inf, then sampled)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from kvrelay.engine.sampler import Sampler
+from kvrelay.sampling_params import SamplingParams
+from kvrelay.structured import masks
+
+VOCAB = 5000
+ALLOWED = np.array([3, 40, 41, 777, 4095, 4999])
+
+
+class FakeBackend:
+    """Fills every row's bitmask with ALLOWED (llguidance's layout)."""
+    vocab_size = VOCAB
+
+    def fill(self, rows, ptr, batch):
+        words = (VOCAB + 31) // 32
+        view = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_int32 * (batch * words)).from_address(ptr))
+        view = view.reshape(batch, words)
+        for _, i in rows:
+            for t in ALLOWED:
+                view[i, t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
+
+
+def _request(params: SamplingParams, seed: int | None = None):
+    grammar = SimpleNamespace(failed=None, backend=FakeBackend(), matcher=None)
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    return SimpleNamespace(params=params, grammar=grammar, generator=gen, output_token_ids=[],
+                           eos_token_ids=(0,), request_id="r")
+
+
+def _draws(monkeypatch, sparse_words: int, params: SamplingParams, logits: torch.Tensor,
+           n: int) -> list[int]:
+    monkeypatch.setattr(masks, "SPARSE_WORDS", sparse_words)
+    sampler = Sampler()
+    reqs = [_request(params, seed=s) for s in range(n)]
+    out = sampler(logits.expand(n, -1).clone(), reqs)
+    return out.token_ids
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0),
+                                    SamplingParams(temperature=0.7, top_p=0.8),
+                                    SamplingParams(temperature=1.3, top_k=3, min_p=0.05)])
+def test_sparse_rows_draw_the_masked_distribution(monkeypatch, params):
+    torch.manual_seed(0)
+    logits = torch.randn(1, VOCAB) * 2
+    logits[0, ALLOWED] = torch.tensor([0.5, 1.5, -0.5, 1.0, 0.0, 2.0])
+    n = 2000
+    dense = _draws(monkeypatch, 0, params, logits, n)         # 0 words: every row dense
+    sparse = _draws(monkeypatch, 256, params, logits, n)
+    assert set(dense) <= set(ALLOWED.tolist()) and set(sparse) <= set(ALLOWED.tolist())
+    probs = _exact_probs(logits, params)        # both paths against the masked row's law
+    for draws in (dense, sparse):
+        freq = np.bincount(draws, minlength=VOCAB)[ALLOWED] / n
+        expect = probs[ALLOWED]
+        sigma = np.sqrt(expect * (1 - expect) / n)
+        assert np.all(np.abs(freq - expect) <= 5 * sigma + 1e-9), (freq, expect)
+
+
+def _exact_probs(logits: torch.Tensor, params: SamplingParams) -> np.ndarray:
+    """The masked row's probabilities, worked out by hand: /T, top-k, softmax, top-p, min-p."""
+    z = logits[0, ALLOWED].double().numpy() / params.temperature
+    if 0 < params.top_k < len(z):
+        z = np.where(z >= np.sort(z)[::-1][params.top_k - 1], z, -np.inf)
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    order = np.argsort(-p)
+    before = np.cumsum(p[order]) - p[order]
+    p[order[before > params.top_p]] = 0
+    p[p < params.min_p * p.max()] = 0
+    full = np.zeros(VOCAB)
+    full[ALLOWED] = p / p.sum()
+    return full
+
+
+def test_sparse_greedy_row_is_the_masked_argmax(monkeypatch):
+    logits = torch.randn(2, VOCAB)
+    logits[:, 10] = 50.0                       # the unmasked argmax is not allowed
+    for words in (0, 256):
+        monkeypatch.setattr(masks, "SPARSE_WORDS", words)
+        reqs = [_request(SamplingParams(temperature=0.0)) for _ in range(2)]
+        out = Sampler()(logits.clone(), reqs)
+        assert out.token_ids == [int(ALLOWED[logits[i, ALLOWED].argmax()]) for i in range(2)]
+
+
+def test_mixed_batch_keeps_free_rows_free(monkeypatch):
+    """A row without a grammar beside a sparse grammar row is sampled over the whole vocab."""
+    monkeypatch.setattr(masks, "SPARSE_WORDS", 256)
+    logits = torch.zeros(2, VOCAB)
+    logits[1, 10] = 50.0
+    free = SimpleNamespace(params=SamplingParams(temperature=0.0), grammar=None, generator=None,
+                           output_token_ids=[], eos_token_ids=(0,), request_id="f")
+    out = Sampler()(logits, [_request(SamplingParams(temperature=0.0)), free])
+    assert out.token_ids[0] in ALLOWED and out.token_ids[1] == 10
