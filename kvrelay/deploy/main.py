@@ -21,6 +21,7 @@ import argparse
 import logging
 import os
 import secrets
+import shlex
 import signal
 import sys
 import tempfile
@@ -86,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="device ids of each host, e.g. 0-63 (default: this machine's CPU cores)")
     p.add_argument("--hosts", nargs="+", default=None, metavar="ROLE=HOST[,HOST]",
                    help="hosts per role (prefill, decode, single, proxy) for --dry-run layouts across machines")
+    p.add_argument("--proxy-args", default=None, metavar="'FLAGS'",
+                   help="flags for the proxy, one string (e.g. '--routing cache_aware --disagg-policy auto')")
     p.add_argument("--connector", choices=("nixl", "tcp"), default=None, help="KV transport (default nixl)")
     p.add_argument("--kv-backend", default=None, help="NIXL backend (default UCX; LIBFABRIC with --preset tutorial)")
     p.add_argument("--preset", choices=PRESETS, default=None,
@@ -125,6 +128,8 @@ def flag_settings(args: argparse.Namespace, serve_args: list[str]) -> dict[str, 
             s[role] = given
     if serve_args:
         s["serve_args"] = list(serve_args)
+    if args.proxy_args is not None:
+        s["proxy_args"] = shlex.split(args.proxy_args)
     return s
 
 

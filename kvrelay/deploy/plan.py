@@ -173,6 +173,7 @@ def make_plan(topo: Topology, cfg: GptOssConfig) -> Plan:
     layouts = {spec.role: role_layout(topo, spec) for spec in topo.roles}
     problems = [p for lay in layouts.values() for p in check_layout(lay, cfg)]
     problems += _reserved_flag_problems(topo)
+    problems += _proxy_arg_problems(topo)
     if "prefill" in layouts and "decode" in layouts:       # the KV handshake's own rule
         from kvrelay.disagg.layout import tp_mismatch
         mismatch = tp_mismatch(layouts["prefill"].spec.tp, layouts["decode"].spec.tp)
@@ -348,7 +349,34 @@ def _proxy(topo: Topology, servers: list[ServerPlan]) -> ProxyPlan:
         hosts = [s.host for s in mine]
         args += [f"--{flag}-host", *(hosts[:1] if len(set(hosts)) == 1 else hosts)]
         args += [f"--{flag}-port", *(str(s.port) for s in mine)]
-    return ProxyPlan(topo.proxy_host, topo.ports.proxy, tuple(args))
+    return ProxyPlan(topo.proxy_host, topo.ports.proxy, tuple(args) + topo.proxy_args)
+
+
+PROXY_RESERVED = ("--host", "--port", "--prefiller-host", "--prefiller-hosts", "--prefiller-port",
+                  "--prefiller-ports", "--decoder-host", "--decoder-hosts", "--decoder-port",
+                  "--decoder-ports")
+
+
+def _proxy_arg_problems(topo: Topology) -> list[str]:
+    """proxy_args checked by the proxy's own parser before anything starts; the flags that
+    deploy sets from the topology are refused."""
+    if not topo.proxy_args:
+        return []
+    if not topo.disaggregated:
+        return ["proxy_args: a single instance has no proxy"]
+    import argparse
+
+    from kvrelay.proxy.main import add_proxy_flags
+    reserved = [a for a in topo.proxy_args if a.split("=", 1)[0] in PROXY_RESERVED]
+    if reserved:
+        return [f"proxy_args: {reserved[0].split('=', 1)[0]} is set by deploy from the topology"]
+    parser = argparse.ArgumentParser(prog="kvrelay proxy", exit_on_error=False, add_help=False)
+    add_proxy_flags(parser)
+    try:
+        _, unknown = parser.parse_known_args(list(topo.proxy_args))
+    except argparse.ArgumentError as e:
+        return [f"proxy_args: {e}"]
+    return [f"proxy_args: unknown flag {unknown[0]}"] if unknown else []
 
 
 def _port_problems(servers: list[ServerPlan], proxy: ProxyPlan | None) -> list[str]:

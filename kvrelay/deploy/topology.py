@@ -15,6 +15,7 @@ flags given on the command line override the file), then into a `Topology`:
     decode:  {count: 1, tp: 8, dp: 8, enable_expert_parallel: true, max_num_seqs: 4, args: []}
     single:  {tp: 8}                    # instead of prefill/decode: one server, no proxy
     serve_args: []                      # appended to every server's command
+    proxy_args: [--routing, cache_aware, --disagg-policy, auto]   # appended to the proxy's
     env: {}                             # set for every server
 
 Layout and port checks live in `plan.py`, where the effective values are known.
@@ -32,7 +33,7 @@ PRESETS = ("tutorial", "none")
 CONNECTORS = ("nixl", "tcp")
 LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
 TOP_KEYS = {"model", "served_model_name", "preset", "connector", "kv_backend", "devices", "hosts",
-            "ports", "serve_args", "env", *ROLES}
+            "ports", "serve_args", "proxy_args", "env", *ROLES}
 ROLE_KEYS = {"count", "tp", "dp", "enable_expert_parallel", "ep_degree", "max_num_seqs", "args"}
 
 
@@ -91,6 +92,7 @@ class Topology:
     proxy_host: str = "127.0.0.1"
     ports: Ports = field(default_factory=Ports)
     serve_args: tuple[str, ...] = ()
+    proxy_args: tuple[str, ...] = ()        # appended to the proxy's command (routing flags)
     env: tuple[tuple[str, str], ...] = ()
 
     def role(self, name: str) -> RoleSpec | None:
@@ -153,6 +155,7 @@ def topology_from_settings(s: dict[str, Any], default_preset: str, this_machine:
         connector=connector, kv_backend=str(s.get("kv_backend") or default_backend).upper(),
         devices=devices, proxy_host=str(hosts.get("proxy", [first_prefill])[0]), ports=ports,
         serve_args=_str_tuple(s.get("serve_args"), "serve_args", problems),
+        proxy_args=_str_tuple(s.get("proxy_args"), "proxy_args", problems),
         env=tuple((str(k), str(v)) for k, v in env.items()))
 
 

@@ -281,7 +281,7 @@ def test_port_collisions_on_one_host(capsys):
     ({"ports": {"proxy": 70000}}, "ports.proxy: 70000 is not a TCP port"),
     ({"devices": "3-1"}, "devices: bad device list '3-1': range 3-1 is descending"),
     ({"flavour": 1}, ("unknown setting 'flavour' (known: connector, decode, devices, env, hosts, kv_backend, model, "
-                     "ports, prefill, preset, serve_args, served_model_name, single)")),
+                     "ports, prefill, preset, proxy_args, serve_args, served_model_name, single)")),
 ])
 def test_bad_settings_are_refused(tiny_config_dir, settings, problem):
     with pytest.raises(TopologyError) as e:
@@ -294,6 +294,24 @@ def test_flags_deploy_sets_itself_cannot_be_passed_through(capsys, tiny_config_d
                                   "--", "--port", "9000", "--dtype", "float32"])
     assert rc == 1
     assert err.splitlines()[1].startswith("  serve args: --port is set by deploy from the topology")
+
+
+def test_proxy_args_reach_the_proxy_command_and_are_checked(capsys, tiny_config_dir):
+    base = ["--model", str(tiny_config_dir), "--prefill", "2", "--decode", "1", "--dry-run"]
+    rc, out, _ = dry_run(capsys, base + ["--proxy-args", "--routing round_robin --disagg-policy auto"])
+    assert rc == 0
+    proxy = next(argv for _, argv in commands(out) if argv[0] == "proxy")
+    assert flag(proxy, "--routing") == ["round_robin"] and flag(proxy, "--disagg-policy") == ["auto"]
+    from kvrelay.proxy.main import build_parser
+    parsed = build_parser().parse_args(proxy[1:])         # the printed command is the proxy's
+    assert parsed.prefiller_port == [8100, 8101] and parsed.routing == "round_robin"
+    for bad, problem in [("--routing nope", "proxy_args: argument --routing: invalid choice: 'nope'"),
+                         ("--port 9", "proxy_args: --port is set by deploy from the topology"),
+                         ("--frobnicate", "proxy_args: unknown flag --frobnicate")]:
+        rc, _, err = dry_run(capsys, base + [f"--proxy-args={bad}"])
+        assert rc == 1 and err.splitlines()[1].strip().startswith(problem), err
+    rc, _, err = dry_run(capsys, ["--model", str(tiny_config_dir), "--dry-run", "--proxy-args", "--routing x"])
+    assert rc == 1 and "a single instance has no proxy" in err
 
 
 def test_unknown_model_and_bad_flags(capsys, tmp_path):
