@@ -12,6 +12,8 @@ ratio are reported:
     json       every request under SCHEMA (an array of objects that cannot close within M
                tokens, so each request also decodes M tokens, masks changing every step)
     json-sync  json with the masks filled after the forward instead of during it
+    json-thread  json with the masks always filled in the worker thread (json itself fills
+               inline below OVERLAP_MIN_ROWS grammar rows, in the thread from there on)
 
 Models: `embedded` (the SmolLM2-as-gpt-oss checkpoint, 49k vocabulary) and `o200k-tiny`
 (a 2-layer random gpt-oss with gpt-oss's 201k vocabulary: the forward is tiny, so the
@@ -34,6 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import CACHE, THREADS, loadavg, log, machine_info
+from kvrelay.structured.masks import OVERLAP_MIN_ROWS
 
 ITEM = {"type": "object", "additionalProperties": False, "required": ["name", "age", "ok"],
         "properties": {"name": {"type": "string", "maxLength": 12},
@@ -66,6 +69,7 @@ def run_once(llm, variant: str, concurrency: int, max_tokens: int) -> tuple[floa
     from kvrelay.structured.params import StructuredOutputsParams
     engine = llm.engine
     engine.sampler.masks.overlap = variant != "json-sync"
+    engine.sampler.masks.min_rows = 1 if variant == "json-thread" else OVERLAP_MIN_ROWS
     constraint = None if variant == "none" else StructuredOutputsParams(json=SCHEMA)
     params = SamplingParams(temperature=TEMPERATURE, max_tokens=max_tokens, ignore_eos=True,
                             structured_outputs=constraint)
@@ -104,13 +108,13 @@ def main() -> None:
     model = None if args.model == "embedded" else str(o200k_tiny())
     llm = LLM(model, max_model_len=512, max_num_seqs=max(args.concurrency),
               dtype="float32" if model else "auto")
-    variants = ["none", "json", "json-sync"]
+    variants = ["none", "json", "json-sync", "json-thread"]
     run_once(llm, "json", 2, 4)                       # compile the grammar, warm the paths
     results = {}
     for c in args.concurrency:
         runs: dict[str, list[tuple[float, float]]] = {v: [] for v in variants}
         for rep in range(args.reps):
-            for v in variants[rep % 3:] + variants[:rep % 3]:      # rotate: no order effect
+            for v in variants[rep % 4:] + variants[:rep % 4]:      # rotate: no order effect
                 runs[v].append(run_once(llm, v, c, args.max_tokens))
                 log(f"c={c} rep {rep} {v}: {runs[v][-1][0]:.1f} tok/s wall, "
                     f"{runs[v][-1][1]:.1f} tok/cpu-s (load {loadavg():.1f})")
@@ -118,16 +122,19 @@ def main() -> None:
         cpu = {v: statistics.median(x[1] for x in r) for v, r in runs.items()}
         results[c] = {"median_tok_s": wall, "median_tok_per_cpu_s": cpu, "runs": runs,
                       "json_cost_pct": 100 * (1 - cpu["json"] / cpu["none"]),
-                      "sync_cost_pct": 100 * (1 - cpu["json-sync"] / cpu["none"])}
+                      "sync_cost_pct": 100 * (1 - cpu["json-sync"] / cpu["none"]),
+                      "thread_cost_pct": 100 * (1 - cpu["json-thread"] / cpu["none"])}
     info = {"model": args.model, "temperature": args.temperature, "max_tokens": args.max_tokens, "reps": args.reps,
             "threads": THREADS, "machine": machine_info(), "results": results}
     print(f"model {args.model}, decode tokens per wall s | per CPU s (medians of {args.reps}), "
           f"max_tokens {args.max_tokens}; cost = CPU-time throughput lost vs none")
-    print(f"{'conc':>5} {'none':>15} {'json':>15} {'json-sync':>15} {'json cost':>10} {'sync cost':>10}")
+    print(f"{'conc':>5} {'none':>15} {'json':>15} {'json-sync':>15} {'json-thread':>15} "
+          f"{'json cost':>10} {'sync cost':>10} {'thread cost':>11}")
     for c, r in results.items():
         w, u = r["median_tok_s"], r["median_tok_per_cpu_s"]
         cells = " ".join(f"{w[v]:>6.1f} | {u[v]:>6.1f}" for v in variants)
-        print(f"{c:>5} {cells} {r['json_cost_pct']:>9.1f}% {r['sync_cost_pct']:>9.1f}%")
+        print(f"{c:>5} {cells} {r['json_cost_pct']:>9.1f}% {r['sync_cost_pct']:>9.1f}% "
+              f"{r['thread_cost_pct']:>10.1f}%")
     if args.json:
         Path(args.json).write_text(json.dumps(info, indent=2))
 

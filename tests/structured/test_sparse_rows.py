@@ -99,3 +99,17 @@ def test_mixed_batch_keeps_free_rows_free(monkeypatch):
                            output_token_ids=[], eos_token_ids=(0,), request_id="f")
     out = Sampler()(logits, [_request(SamplingParams(temperature=0.0)), free])
     assert out.token_ids[0] in ALLOWED and out.token_ids[1] == 10
+
+
+def test_small_batches_fill_inline_large_ones_in_the_worker(monkeypatch):
+    """Below OVERLAP_MIN_ROWS grammar rows the mask is filled in `apply` (no thread hop);
+    from there on it is filled in the worker during the forward. Both give the same rows."""
+    logits = torch.randn(masks.OVERLAP_MIN_ROWS, VOCAB)
+    for n, threaded in [(masks.OVERLAP_MIN_ROWS - 1, False), (masks.OVERLAP_MIN_ROWS, True)]:
+        sampler = Sampler()
+        reqs = [_request(SamplingParams(temperature=0.0)) for _ in range(n)]
+        sampler.prepare(reqs)
+        assert (sampler.masks._pending is not None) is threaded
+        out = sampler(logits[:n].clone(), reqs)
+        assert out.token_ids == [int(ALLOWED[logits[i, ALLOWED].argmax()]) for i in range(n)]
+        sampler.masks.close()
