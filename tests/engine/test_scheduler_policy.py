@@ -149,7 +149,7 @@ def test_preempted_request_resumes_from_its_prefix_hit_with_identical_output():
                      for i, n in enumerate("ABC", start=1)))
     outs = run_to_completion(s, fwd)
     assert [o.preempted for o in outs if o.preempted] == [["C"]]
-    after = outs[[i for i, o in enumerate(outs) if o.preempted][0] + 1:]
+    after = outs[next(i for i, o in enumerate(outs) if o.preempted) + 1:]
     resumed = next(chunk for o in after for chunk in chunks_of(o) if chunk[0] == "C")
     assert resumed == ("C", 8, 5)           # its two prompt blocks were still cached
     _assert_reference(*reqs)
