@@ -45,7 +45,8 @@ def expected(step: StepInput, block_size: int) -> dict[str, list]:
     for q in step.query_lens:
         cu_q.append(cu_q[-1] + q)
     width = [max(len(t) for t in tables) for tables in step.block_tables]
-    padded = [[t + [0] * (w - len(t)) for t in tables] for tables, w in zip(step.block_tables, width)]
+    padded = [[t + [0] * (w - len(t)) for t in tables]
+              for tables, w in zip(step.block_tables, width)]
     return {"positions": positions, "slots": slots, "cu_q": cu_q, "tables": padded,
             "seq_lens": [s + q for s, q in zip(step.starts, step.query_lens)]}
 
