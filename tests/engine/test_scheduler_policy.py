@@ -33,7 +33,8 @@ def _add(scheduler, *requests):
 
 def _assert_reference(*requests):
     for r in requests:
-        assert r.output_token_ids == reference(r.prompt_token_ids, r.params.max_tokens), r.request_id
+        want = reference(r.prompt_token_ids, r.params.max_tokens)
+        assert r.output_token_ids == want, r.request_id
 
 
 # -- token budget and chunked prefill ----------------------------------------------------
