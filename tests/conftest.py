@@ -93,6 +93,7 @@ SLOW_PATHS = (
     "tests/agent/test_agent_api.py::test_responses_constraints",
     "tests/agent/test_responses_proxy.py::test_key_body_keys_the_prompt",
     "tests/disagg/test_kv_auth.py::test_tcp_transport_allocates_as_bytes_arrive_and_caps_threads",
+    "tests/disagg/test_kv_auth.py::test_side_channel_frames_announcing_megabytes_cost_nothing",
 )
 
 SLOW_FIXTURES = {
