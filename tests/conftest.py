@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing.process
 import os
@@ -46,7 +47,7 @@ def _paged_decode_kernel():
 # (kvrelay servers, proxies, TP workers, a `python -c` check), `slow` when it runs in
 # this process but takes seconds even on a quiet machine, `unit` otherwise. The lists
 # below came from one `--durations` run with a plugin recording which tests and
-# fixtures start processes; `pytest_runtest_call` below keeps the e2e lists true.
+# fixtures start processes; `_unit_starts_no_process` below keeps the e2e lists true.
 # Entries are node-id prefixes (a directory, a file, or file::test).
 
 E2E_PATHS = (
@@ -124,13 +125,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.add_marker(kind_of(item))
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
-    """A `unit` test that starts a Python process (a kvrelay server, a proxy, a worker,
-    a `python -c` check) fails: it belongs in E2E_PATHS. Libraries' own helper commands
-    (`uname -p` from `platform.processor()`) are not counted."""
-    if item.get_closest_marker("unit") is None:
-        return (yield)
+@contextlib.contextmanager
+def _python_processes_started() -> Iterator[list[str]]:
+    """Records the Python processes (subprocess or multiprocessing) started meanwhile.
+    Libraries' helper commands (`uname -p` for `platform.processor()`, the compiler
+    building the native kernels) are not counted."""
     started: list[str] = []
     popen, start = subprocess.Popen._execute_child, multiprocessing.process.BaseProcess.start
 
@@ -147,11 +146,24 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
     subprocess.Popen._execute_child = counting_popen     # type: ignore[method-assign]
     multiprocessing.process.BaseProcess.start = counting_start   # type: ignore[method-assign]
     try:
-        result = yield
+        yield started
     finally:
         subprocess.Popen._execute_child = popen          # type: ignore[method-assign]
         multiprocessing.process.BaseProcess.start = start   # type: ignore[method-assign]
+
+
+def _unit_starts_no_process(item: pytest.Item) -> Iterator[None]:
+    """A `unit` test (or a fixture it sets up) that starts a Python process — a kvrelay
+    server, a proxy, a worker, a `python -c` check — fails: it belongs in the e2e lists."""
+    if item.get_closest_marker("unit") is None:
+        return (yield)
+    with _python_processes_started() as started:
+        result = yield
     if started:
-        pytest.fail(f"a unit test started {started[0]}: add it to E2E_PATHS in tests/conftest.py",
-                    pytrace=False)
+        pytest.fail(f"a unit test started {started[0]}: add it to E2E_PATHS or E2E_FIXTURES "
+                    f"in tests/conftest.py", pytrace=False)
     return result
+
+
+pytest_runtest_setup = pytest.hookimpl(wrapper=True)(_unit_starts_no_process)
+pytest_runtest_call = pytest.hookimpl(wrapper=True)(_unit_starts_no_process)
