@@ -1,8 +1,12 @@
 from __future__ import annotations
 
+import contextlib
 import logging
+import multiprocessing.process
 import os
+import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -35,3 +39,131 @@ def _paged_decode_kernel():
     timeout."""
     from kvrelay.model import kernels
     kernels.status()
+
+
+# -- markers: unit, e2e, slow (registered in pyproject.toml) ------------------------------
+#
+# Every test gets exactly one: `e2e` when it (or a fixture it uses) starts processes
+# (kvrelay servers, proxies, TP workers, a `python -c` check), `slow` when it runs in
+# this process but takes seconds even on a quiet machine, `unit` otherwise. The lists
+# below came from one `--durations` run with a plugin recording which tests and
+# fixtures start processes; `_unit_starts_no_process` below keeps the e2e lists true.
+# Entries are node-id prefixes (a directory, a file, or file::test).
+
+E2E_PATHS = (
+    "tests/e2e/",
+    "tests/agent/test_agent_disagg.py",
+    "tests/agent/test_agent_enforced.py",
+    "tests/agent/test_agent_server.py",
+    "tests/bench/test_e2e_serve.py",
+    "tests/bench/test_report_cli.py::test_the_bench_imports_no_torch",
+    "tests/deploy/test_deploy_e2e.py",
+    "tests/deploy/test_launch.py",
+    "tests/disagg/test_transport.py::test_read_from_a_crashed_producer_fails_cleanly",
+    "tests/distributed/test_data_parallel.py",
+    "tests/distributed/test_expert_parallel_dp.py",
+    "tests/distributed/test_multinode_dp.py",
+    "tests/distributed/test_tensor_parallel.py",
+    "tests/distributed/test_worker_death.py",
+    "tests/model/test_loader_memory.py",
+    "tests/proxy/test_cli.py",
+    "tests/server/test_embedded_server.py",
+    "tests/server/test_fuzz.py",
+    "tests/server/test_hardening.py",
+    "tests/server/test_harmony_server.py",
+    "tests/server/test_lifecycle.py",
+    "tests/server/test_native_metrics.py",
+    "tests/structured/test_disagg.py",
+    "tests/structured/test_server.py",
+    "tests/unit/test_kv_cache.py::test_hashes_are_stable_across_processes",
+)
+
+# shared fixtures that start processes: (defining module, name)
+E2E_FIXTURES = {
+    ("tests.server.conftest", "server"),
+    ("tests.agent.conftest", "agent_server"),
+    ("tests.proxy.conftest", "proxies"),
+    ("tests.proxy.test_cache_routing", "routed"),
+    ("tests.disagg.test_transport", "pair"),
+}
+
+# in-process, over ~1.5 s each on 2 loaded cores
+SLOW_PATHS = (
+    "tests/model/test_embedded.py",                       # the 135M embedded model vs transformers
+    "tests/structured/test_engine.py::test_harmony_turn_constrained_from_the_first_token",
+    "tests/agent/test_agent_api.py::test_responses_constraints",
+    "tests/agent/test_responses_proxy.py::test_key_body_keys_the_prompt",
+    "tests/disagg/test_kv_auth.py::test_tcp_transport_allocates_as_bytes_arrive_and_caps_threads",
+    "tests/disagg/test_kv_auth.py::test_side_channel_frames_announcing_megabytes_cost_nothing",
+)
+
+SLOW_FIXTURES = {
+    ("tests.unit.test_harmony", "o200k_tok"),         # builds the real o200k tokenizer.json
+}
+
+
+def _uses_fixture(item: pytest.Item, fixtures: set[tuple[str, str]]) -> bool:
+    defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+    for name in item.fixturenames:
+        for fixturedef in defs.get(name, ())[-1:]:        # the definition this test gets
+            if (getattr(fixturedef.func, "__module__", ""), name) in fixtures:
+                return True
+    return False
+
+
+def kind_of(item: pytest.Item) -> str:
+    """unit, e2e or slow (see the lists above)."""
+    if item.nodeid.startswith(E2E_PATHS) or _uses_fixture(item, E2E_FIXTURES):
+        return "e2e"
+    if item.nodeid.startswith(SLOW_PATHS) or _uses_fixture(item, SLOW_FIXTURES):
+        return "slow"
+    return "unit"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        item.add_marker(kind_of(item))
+
+
+@contextlib.contextmanager
+def _python_processes_started() -> Iterator[list[str]]:
+    """Records the Python processes (subprocess or multiprocessing) started meanwhile.
+    Libraries' helper commands (`uname -p` for `platform.processor()`, the compiler
+    building the native kernels) are not counted."""
+    started: list[str] = []
+    popen, start = subprocess.Popen._execute_child, multiprocessing.process.BaseProcess.start
+
+    def counting_popen(self, args, executable, *rest, **kwargs):   # type: ignore[no-untyped-def]
+        program = executable or (args if isinstance(args, (str, bytes)) else args[0])
+        if "python" in os.path.basename(os.fsdecode(program)) or program == sys.executable:
+            started.append(f"subprocess {args!r:.80}")
+        return popen(self, args, executable, *rest, **kwargs)
+
+    def counting_start(self):                               # type: ignore[no-untyped-def]
+        started.append(f"multiprocessing {self.name}")
+        return start(self)
+
+    subprocess.Popen._execute_child = counting_popen     # type: ignore[method-assign]
+    multiprocessing.process.BaseProcess.start = counting_start   # type: ignore[method-assign]
+    try:
+        yield started
+    finally:
+        subprocess.Popen._execute_child = popen          # type: ignore[method-assign]
+        multiprocessing.process.BaseProcess.start = start   # type: ignore[method-assign]
+
+
+def _unit_starts_no_process(item: pytest.Item) -> Iterator[None]:
+    """A `unit` test (or a fixture it sets up) that starts a Python process — a kvrelay
+    server, a proxy, a worker, a `python -c` check — fails: it belongs in the e2e lists."""
+    if item.get_closest_marker("unit") is None:
+        return (yield)
+    with _python_processes_started() as started:
+        result = yield
+    if started:
+        pytest.fail(f"a unit test started {started[0]}: add it to E2E_PATHS or E2E_FIXTURES "
+                    f"in tests/conftest.py", pytrace=False)
+    return result
+
+
+pytest_runtest_setup = pytest.hookimpl(wrapper=True)(_unit_starts_no_process)
+pytest_runtest_call = pytest.hookimpl(wrapper=True)(_unit_starts_no_process)

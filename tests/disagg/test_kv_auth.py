@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from kvrelay.disagg import auth
-from kvrelay.disagg.auth import AUTH_FAILED, AuthError, client_authenticate
+from kvrelay.disagg.auth import AUTH_FAILED, client_authenticate
 from kvrelay.disagg.connector import HandshakeError, HoldRefused, KVConnector
 from kvrelay.disagg.params import KVTransferConfig, KVTransferParams
 from kvrelay.disagg.side_channel import (
@@ -428,8 +428,11 @@ def test_hold_share_is_validated():
     assert KVTransferConfig.from_json({}).hold_share == 0.5
 
 
-def test_auth_error_is_a_connection_error():
-    assert issubclass(AuthError, ConnectionError)
+def test_a_failed_authentication_is_a_connection_error(secured):
+    # the transports' OSError handling (drop the connection, report it) covers it
+    with (socket.create_connection(secured.address, timeout=5) as s,
+          pytest.raises(ConnectionError, match=AUTH_FAILED)):
+        client_authenticate(s, b"wrong secret")
 
 
 @pytest.mark.parametrize(

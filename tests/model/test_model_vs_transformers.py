@@ -1,9 +1,14 @@
 """kvrelay's gpt-oss logits against transformers' eager float32 reference."""
 from __future__ import annotations
 
+import re
+import shutil
+
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
+from kvrelay.model.config import CheckpointError
 from kvrelay.model.generate import PagedGreedyLoop, _Seq
 from kvrelay.model.loader import load_model
 from tests.factories import dequantized_reference, make_hf_model, reference_logits, save_checkpoint
@@ -38,10 +43,18 @@ def _prompt(vocab: int, n: int = PROMPT_LEN, seed: int = 1) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def test_hidden_differs_from_intermediate(checkpoint):
-    # a transposed expert weight must not pass a shape check
-    _, reference, _ = checkpoint
-    assert reference.config.hidden_size != reference.config.intermediate_size
+def test_a_transposed_expert_weight_is_refused(checkpoint, tmp_path):
+    # every config here has hidden_size != intermediate_size, so a transposed expert
+    # weight (dense, or MXFP4 blocks) cannot load: the comparisons below see real layouts
+    path, _, _ = checkpoint
+    copy = shutil.copytree(path, tmp_path / "ckpt")
+    tensors = load_file(str(copy / "model.safetensors"))
+    name = next(n for n in sorted(tensors)
+                if n.endswith(("gate_up_proj", "gate_up_proj_blocks")))
+    tensors[name] = tensors[name].transpose(1, 2).contiguous()
+    save_file(tensors, str(copy / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=rf"tensor {re.escape(name)} has shape"):
+        load_model(copy, progress=False)
 
 
 def test_prefill_logits_match_transformers(checkpoint):
