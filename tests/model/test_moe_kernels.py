@@ -297,3 +297,42 @@ def test_the_op_traces_under_fake_tensors(isas):
     with FakeTensorMode(allow_non_fake_inputs=True):
         out = native(ex, torch.empty(5, 64), weights, ids, isas[0])
     assert out.shape == (5, 64) and out.dtype == torch.float32
+
+
+@pytest.fixture
+def threads():
+    """Sets torch's intra-op thread count (the kernels' OpenMP team) for one test."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+# (hidden, intermediate, experts, top_k, tokens, storage, experts that get tokens): every
+# case has ≥ 2^21 multiply-adds per sweep, so two threads split it (csrc/parallel.h)
+THREADED_CASES = {
+    # 37 tokens: not a multiple of the thread count nor of the token blocks (8)
+    "mxfp4-37-tokens-top2": (256, 224, 6, 2, 37, "mxfp4", None),
+    # one token: the work is cut along the weight rows of its 4 experts only
+    "mxfp4-1-token-top4": (512, 512, 8, 4, 1, "mxfp4", None),
+    # 3 of 8 experts get all 150 tokens: > 64 rows each, cut into token chunks; 5 get none
+    "bf16-token-chunks-zero-token-experts": (96, 160, 8, 2, 150, "bf16", 3),
+    "fp32-odd-hidden-top1": (200, 72, 3, 1, 131, "fp32", None),
+}
+
+
+@pytest.mark.parametrize("case", list(THREADED_CASES))
+def test_two_threads_give_the_single_thread_result_bit_for_bit(case, isas, threads):
+    """Work items are independent and computed the same on any thread: the split over
+    (expert, row tile, token chunk) never changes a bit, and both match the reference."""
+    H, I, E, k, T, storage, pool = THREADED_CASES[case]
+    ex = make_experts(H, I, E, storage, seed=len(case))
+    weights, ids = routing(T, E, k, seed=T, experts=pool)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(3))
+    expected = fp32_reference(ex).forward_torch(x, weights, ids)
+    for isa in isas:
+        threads(1)
+        one = native(ex, x, weights, ids, isa)
+        threads(2)
+        two = native(ex, x, weights, ids, isa)
+        assert torch.equal(one, two), isa
+        assert_close(two, expected)

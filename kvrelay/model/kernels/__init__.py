@@ -40,8 +40,12 @@ NAME = "kvrelay_kernels"
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("moe_op.cpp", "paged_decode_op.cpp", "moe_generic.cpp", "moe_avx2.cpp",
            "moe_avx512.cpp")
-# -fopenmp-simd: the `omp simd` reductions of the decode kernel, without an OpenMP runtime
-CFLAGS = ("-O3", "-std=c++17", "-fno-math-errno", "-fopenmp-simd")
+# -fopenmp: at::parallel_for (csrc/parallel.h) is a header template that only opens a
+# parallel region when the extension itself is compiled with OpenMP; linked with -fopenmp,
+# the library needs `libgomp.so.1`, which resolves to the copy torch has already loaded
+# (one runtime, one thread pool, torch.set_num_threads respected).
+CFLAGS = ("-O3", "-std=c++17", "-fno-math-errno", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
 
 
 @dataclass(frozen=True)
@@ -68,7 +72,7 @@ def build_dir() -> Path:
     digest = hashlib.sha256()
     for name in sorted(os.listdir(CSRC)):
         digest.update(name.encode() + (CSRC / name).read_bytes())
-    digest.update(f"{torch.__version__}|{platform.machine()}|{CFLAGS}".encode())
+    digest.update(f"{torch.__version__}|{platform.machine()}|{CFLAGS}|{LDFLAGS}".encode())
     return kernels_root() / f"{NAME}-{digest.hexdigest()[:16]}"
 
 
@@ -121,7 +125,8 @@ def _build(directory: Path) -> Path:
                     directory)
         with _ninja_on_path():
             cpp_extension.load(NAME, [str(CSRC / s) for s in SOURCES],
-                               extra_cflags=list(CFLAGS), extra_include_paths=[str(CSRC)],
+                               extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
+                               extra_include_paths=[str(CSRC)],
                                build_directory=str(directory), is_python_module=False,
                                verbose=False)
         return library
