@@ -12,7 +12,7 @@ import logging
 import pytest
 import torch
 
-from kvrelay.model import kernels, mxfp4
+from kvrelay.model import fast_paths, kernels, mxfp4
 from kvrelay.model.layers import moe as moe_mod
 from kvrelay.model.layers.moe import Experts
 from kvrelay.model.parallel import ParallelContext
@@ -225,7 +225,7 @@ def test_build_failure_falls_back_with_one_warning(broken_build, monkeypatch, ca
     warnings = [r for r in caplog.records if "native CPU kernels unavailable" in r.message]
     assert len(warnings) == 1 and "no compiler" in warnings[0].getMessage()
     assert not kernels.kernels_available() and "no compiler" in kernels.status().reason
-    assert kernels.native_paths()["kernels"] == {"moe": None, "paged_decode": None}
+    assert fast_paths.native_paths()["kernels"] == {"moe": None, "paged_decode": None}
     assert torch.equal(outs[0], fp32_reference(ex).forward_torch(x, weights, ids)) or \
         (outs[0] - fp32_reference(ex).forward_torch(x, weights, ids)).abs().max() < 1e-5
     monkeypatch.setenv("KVRELAY_MOE_KERNEL", "native")
@@ -280,13 +280,24 @@ def test_dense_fp16_experts_keep_the_torch_path_mxfp4_ones_do_not(isas, monkeypa
 
 def test_auto_gives_big_dense_batches_to_torch_gemms_but_never_mxfp4(isas, monkeypatch):
     monkeypatch.setenv("KVRELAY_MOE_KERNEL", "auto")
-    dense = make_experts(32, 32, 4, "bf16", seed=0)
-    packed = make_experts(32, 32, 4, "mxfp4", seed=0)
-    rows = moe_mod.DENSE_TORCH_MIN_ROWS * 4                    # choices over 4 experts
+    dense = make_experts(256, 128, 4, "bf16", seed=0)
+    packed = make_experts(256, 128, 4, "mxfp4", seed=0)
+    # per expert: enough rows, and rows × hidden × intermediate ≥ the work threshold
+    per_expert = max(moe_mod.DENSE_TORCH_MIN_ROWS, moe_mod.DENSE_TORCH_MIN_WORK // (256 * 128))
+    rows = per_expert * 4                                      # choices over 4 experts
     assert dense.uses_native_kernel(rows - 1) and not dense.uses_native_kernel(rows)
     assert packed.uses_native_kernel(rows * 100)
     monkeypatch.setenv("KVRELAY_MOE_KERNEL", "native")          # forced: always the kernel
     assert dense.uses_native_kernel(rows * 100)
+
+
+def test_auto_keeps_small_dense_experts_on_the_kernel_at_any_batch(isas, monkeypatch):
+    """Tiny experts (hidden 32: the peers benchmark model) lose to the per-expert Python
+    loop of the torch path however many rows they get."""
+    monkeypatch.setenv("KVRELAY_MOE_KERNEL", "auto")
+    dense = make_experts(32, 32, 8, "bf16", seed=0)
+    assert dense.uses_native_kernel(8 * 64)                    # 64 rows per expert
+    assert not dense.uses_native_kernel(8 * moe_mod.DENSE_TORCH_MIN_WORK // (32 * 32))
 
 
 def test_the_op_traces_under_fake_tensors(isas):

@@ -15,6 +15,10 @@ cache, a CPU that changes under a VM), so every ISA variant is compiled with its
 Where the build fails (no compiler, no ninja, headers missing) the model keeps the
 pure-PyTorch paths: `status()` says why, and a single warning is logged; the server
 exports it as the `kvrelay:native_kernels_available` metric.
+
+This package sits below the layers that call it (`layers/moe.py`, `layers/paged_decode.py`)
+and imports none of them; whether each layer uses its kernel is the layer's decision, and
+`kvrelay.model.fast_paths` reports them together.
 """
 from __future__ import annotations
 
@@ -28,7 +32,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -165,24 +168,6 @@ def status() -> KernelStatus:
 
 def kernels_available() -> bool:
     return status().available
-
-
-def native_paths() -> dict[str, Any]:
-    """What this process's CPU fast paths resolved to, for the server's metrics (sent
-    once with the engine core's "ready" message):
-
-        {"kernels": {"moe": "avx512" | None, "paged_decode": ...}, "half_matmul": "native"|"fp32"}
-
-    A kernel is None where its PyTorch reference path serves it: the build failed (the
-    one warning `status()` logs says why) or KVRELAY_MOE_KERNEL=torch /
-    KVRELAY_ATTENTION_KERNEL=reference turned it off (then nothing is built for it)."""
-    from kvrelay.model.layers import linear, moe, paged_decode
-    moe_on = moe.moe_kernel_mode() != "torch" and status().available
-    return {
-        "kernels": {"moe": status().isa if moe_on else None,
-                    "paged_decode": status().isa if paged_decode.enabled() else None},
-        "half_matmul": "native" if linear.half_matmul_choice().native else "fp32",
-    }
 
 
 def moe_experts(x: torch.Tensor, route_weights: torch.Tensor, expert_ids: torch.Tensor,
