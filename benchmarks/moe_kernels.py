@@ -1,17 +1,23 @@
 """One MoE layer per decode step: native kernels vs the PyTorch reference path.
 
     python benchmarks/moe_kernels.py [--configs tiny,20b] [--tokens 1,8,64] [--rounds 5]
+        [--threads 1,2] [--variants "mxfp4 native,bf16 native,bf16 torch"]
     python benchmarks/moe_kernels.py --decode [--rounds 3]
 
 For each layer shape and token count, times `MoE.forward` (router + experts) with the
 expert weights in MXFP4 / bf16 / fp32 and `KVRELAY_MOE_KERNEL` native vs torch. Variants
 are timed round-robin (one call each per round, median over rounds) so machine noise
-hits them alike: compare the ratios of one run, not numbers across runs. Prints a table
-and writes JSON (benchmarks/results/moe_kernels.json) with the CPU flags, versions and
+hits them alike: compare the ratios of one run, not numbers across runs. `--threads 1,2`
+times each variant at every intra-op thread count (the native kernels split their work
+over torch's OpenMP threads; at one thread they run exactly as the serial build did).
+Wall time and process CPU time (all threads) are both reported. Prints a table and
+writes JSON (benchmarks/results/moe_kernels.json) with the CPU flags, versions and
 load average.
 
 Shapes: "tiny" is benchmarks/common.py's tiny config (hidden 128, 8 experts top-2,
-intermediate 128); "20b" is one gpt-oss-20b layer (hidden 2880, 32 experts top-4,
+intermediate 128); "peers" the MoE of benchmarks/peers.py's tiny model (hidden 32,
+8 experts top-2, intermediate 32); "big" benchmarks/common.py's big config (hidden 1024,
+32 experts top-4, intermediate 1024); "20b" is one gpt-oss-20b layer (hidden 2880, 32 experts top-4,
 intermediate 2880). Weights are random MXFP4 codes (scales 2^-8..2^-4); the bf16 and
 fp32 variants hold exactly the dequantised values.
 
@@ -31,7 +37,11 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+# as `kvrelay serve` does (cli.py): OpenMP threads spin briefly at barriers, then sleep,
+# so a preempted partner thread on shared cores costs a wake-up, not a core of spinning
+os.environ.setdefault("GOMP_SPINCOUNT", "20000")
+
+import torch  # after the OpenMP setting: libgomp reads it when loaded
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -42,6 +52,8 @@ from kvrelay.model.parallel import ParallelContext
 
 SHAPES = {
     "tiny": {"hidden": 128, "intermediate": 128, "experts": 8, "top_k": 2},
+    "peers": {"hidden": 32, "intermediate": 32, "experts": 8, "top_k": 2},
+    "big": {"hidden": 1024, "intermediate": 1024, "experts": 32, "top_k": 4},
     "20b": {"hidden": 2880, "intermediate": 2880, "experts": 32, "top_k": 4},
 }
 # (label, expert storage, model dtype, KVRELAY_MOE_KERNEL)
@@ -80,63 +92,67 @@ def make_layer(shape: dict, storage: str, dtype: torch.dtype,
     return moe
 
 
-def time_round(layers: dict, xs: dict, label: str, cpu: list[float] | None = None) -> float:
-    """Wall seconds of one call; its CPU seconds (this thread) go to `cpu` — with one
-    intra-op thread that is the work itself, without the waits a loaded machine adds."""
+def time_round(layers: dict, xs: dict, key: tuple[str, int],
+               cpu: list[float] | None = None) -> float:
+    """Wall seconds of one call of variant `key` = (label, threads); its CPU seconds
+    (the whole process: every OpenMP thread, spin-waits at barriers included) go to
+    `cpu`. On a loaded machine CPU time is the work itself without the queue for a core."""
+    label, threads = key
     storage_mode = next(v for v in VARIANTS if v[0] == label)
     os.environ["KVRELAY_MOE_KERNEL"] = storage_mode[3]
+    torch.set_num_threads(threads)
     x = xs[storage_mode[2]]
-    start, start_cpu = time.perf_counter(), time.thread_time()
+    start, start_cpu = time.perf_counter(), time.process_time()
     with torch.inference_mode():
         layers[label](x)
     if cpu is not None:
-        cpu.append(time.thread_time() - start_cpu)
+        cpu.append(time.process_time() - start_cpu)
     return time.perf_counter() - start
 
 
 def run_shape(name: str, tokens: list[int], rounds: int, variants: list[str],
-              slow_s: float) -> list[dict]:
+              threads: list[int], slow_s: float) -> list[dict]:
     shape = SHAPES[name]
     H, I, E = shape["hidden"], shape["intermediate"], shape["experts"]
     g = torch.Generator().manual_seed(0)
     packed = (random_packed(E, 2 * I, H, g), random_packed(E, H, I, g))
-    results = []
+    layers, expert_bytes = {}, {}
     for label in variants:
         _, storage, dtype, _ = next(v for v in VARIANTS if v[0] == label)
-        layers = {label: make_layer(shape, storage, dtype, packed, seed=1)}
-        results.append({"variant": label, "layer": layers[label],
-                            "expert_bytes": layers[label].experts.nbytes()})
+        layers[label] = make_layer(shape, storage, dtype, packed, seed=1)
+        expert_bytes[label] = layers[label].experts.nbytes()
+    keys = [(v, t) for v in variants for t in threads]
+    base_key = ("bf16 torch", max(threads)) if "bf16 torch" in variants else keys[0]
     rows = []
     for T in tokens:
         x32 = torch.randn(T, H, generator=g)
         xs = {torch.float32: x32, torch.bfloat16: x32.bfloat16()}
-        layers = {r["variant"]: r["layer"] for r in results}
-        samples: dict[str, list[float]] = {v: [] for v in variants}
-        cpu: dict[str, list[float]] = {v: [] for v in variants}
+        samples: dict[tuple[str, int], list[float]] = {key: [] for key in keys}
+        cpu: dict[tuple[str, int], list[float]] = {key: [] for key in keys}
         slow = set()
-        for v in variants:                                  # warm-up (and the JIT build)
-            if time_round(layers, xs, v) > slow_s:  # the reference MXFP4 path at 20b size
-                slow.add(v)
-                samples[v].append(time_round(layers, xs, v, cpu[v]))
+        for key in keys:                                   # warm-up (and the JIT build)
+            if time_round(layers, xs, key) > slow_s:   # the reference MXFP4 path at 20b size
+                slow.add(key)
+                samples[key].append(time_round(layers, xs, key, cpu[key]))
         for _ in range(rounds):
-            for v in variants:
-                if v not in slow:
-                    samples[v].append(time_round(layers, xs, v, cpu[v]))
-        base = statistics.median(samples.get("bf16 torch") or samples[variants[0]])
-        base_cpu = statistics.median(cpu.get("bf16 torch") or cpu[variants[0]])
-        for r in results:
-            ms = statistics.median(samples[r["variant"]]) * 1e3
-            cpu_ms = statistics.median(cpu[r["variant"]]) * 1e3
-            rows.append({"shape": name, "tokens": T, "variant": r["variant"], "ms": round(ms, 3),
-                         "samples": len(samples[r["variant"]]),
+            for key in keys:
+                if key not in slow:
+                    samples[key].append(time_round(layers, xs, key, cpu[key]))
+        base = statistics.median(samples[base_key])
+        base_cpu = statistics.median(cpu[base_key])
+        for key in keys:
+            ms = statistics.median(samples[key]) * 1e3
+            cpu_ms = statistics.median(cpu[key]) * 1e3
+            rows.append({"shape": name, "tokens": T, "variant": key[0], "threads": key[1],
+                         "ms": round(ms, 3), "samples": len(samples[key]),
                          "speed_vs_bf16_torch": round(base * 1e3 / ms, 2),
                          "cpu_ms": round(cpu_ms, 3),
                          "cpu_speed_vs_bf16_torch": round(base_cpu * 1e3 / cpu_ms, 2),
-                         "expert_bytes": r["expert_bytes"]})
-            print(f"{name:5} T={T:3} {r['variant']:13} {ms:9.3f} ms  "
+                         "expert_bytes": expert_bytes[key[0]]})
+            print(f"{name:5} T={T:3} {key[0]:13} t={key[1]} {ms:9.3f} ms  "
                   f"{base * 1e3 / ms:6.2f}x bf16-torch  cpu {cpu_ms:9.3f} ms "
                   f"{base_cpu * 1e3 / cpu_ms:6.2f}x  "
-                  f"experts {r['expert_bytes'] / 2**20:8.1f} MiB",
+                  f"experts {expert_bytes[key[0]] / 2**20:8.1f} MiB",
                   flush=True)
     return rows
 
@@ -222,14 +238,16 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,8,64")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--variants", default=",".join(v[0] for v in VARIANTS))
-    ap.add_argument("--threads", type=int, default=2,
-                    help="intra-op threads (1 gives steadier numbers on a loaded machine)")
+    ap.add_argument("--threads", default="2",
+                    help="intra-op thread counts, timed alternately (e.g. 1,2: the kernels' "
+                         "OpenMP split against one thread; the decode mode takes the first)")
     ap.add_argument("--slow", type=float, default=5.0,
                     help="a variant whose warm-up call takes longer (s) is timed once")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "moe_kernels.json"))
     ap.add_argument("--decode", action="store_true", help="end-to-end LLM.generate instead")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    threads = [int(t) for t in args.threads.split(",")]
+    torch.set_num_threads(threads[0])
     info = machine()
     print(json.dumps(info), flush=True)
     if args.decode:
@@ -245,7 +263,7 @@ def main() -> None:
     for name in args.configs.split(","):
         chosen = [v for v in variants if not (name == "20b" and v.startswith("fp32"))] \
             if args.variants == ap.get_default("variants") else variants
-        rows += run_shape(name, tokens, args.rounds, chosen, args.slow)
+        rows += run_shape(name, tokens, args.rounds, chosen, threads, args.slow)
     info["loadavg_after"] = os.getloadavg()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"machine": info, "rows": rows}, indent=1))

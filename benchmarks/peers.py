@@ -7,6 +7,8 @@
         [--vllm /work/peers/vllm] [--llamacpp /work/peers/llamacpp] [--out benchmarks/results]
         [--baseline SRC_DIR]       # adds peer "kvrelay-base": kvrelay serve from another source
                                    # tree (e.g. `git archive` of main), for before/after in one run
+        [--variant NAME:K=V,K=V]   # adds peer "kvrelay-NAME": this tree's kvrelay serve with
+                                   # extra environment (repeatable), e.g. threads:OMP_NUM_THREADS=1
     python benchmarks/peers.py --quick          # smoke run: tiny-bf16, 1 round, c=1,8, 16 prompts
 
 Checkpoints (written once into $KVRELAY_BENCH_CACHE, default /tmp/kvrelay-bench):
@@ -29,6 +31,10 @@ Client: `kvrelay bench serve` (random dataset, exact prompt lengths through the 
 tokenizer, `--ignore-eos`, greedy, seed 0) at each concurrency. Rounds alternate the peers
 (A B C, A B C); a table cell is the median over rounds.
 
+Besides throughput, every cell records the CPU seconds per output token of the server's
+processes (kvrelay: the API process and the engine core apart) and of the client, which
+a loaded machine distorts far less than wall time.
+
 A peer that is not installed (or cannot serve a model: vLLM's MXFP4 needs AMX) is skipped with
 a note in the results. Everything lands in --out: peers.json (machine, CPU flags, versions,
 `uptime` before and after every cell, every run), peers.md (the table), peers.png.
@@ -39,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import signal
 import statistics
 import subprocess
@@ -168,13 +175,20 @@ class Peer:
 
 
 def find_peers(
-    names: list[str], vllm_dest: Path, llamacpp_dest: Path, baseline: Path | None
+    names: list[str],
+    vllm_dest: Path,
+    llamacpp_dest: Path,
+    baseline: Path | None,
+    variants: dict[str, dict[str, str]] | None = None,
 ) -> dict[str, Peer]:
     peers: dict[str, Peer] = {}
     amx = any(f.startswith("amx") for f in cpu_flags())
     for name in names:
         if name == "kvrelay":
             peers[name] = Peer(name, True, git_sha())
+        elif name.removeprefix("kvrelay-") in (variants or {}):
+            env = " ".join(f"{k}={v}" for k, v in (variants or {})[name[8:]].items())
+            peers[name] = Peer(name, True, f"{git_sha()} with {env}")
         elif name == "kvrelay-base":
             peers[name] = Peer(name, True, f"source tree {baseline}")
         elif name == "vllm":
@@ -244,6 +258,8 @@ class PeerServer(_Server):
         env = dict(os.environ, OMP_NUM_THREADS="2", TOKENIZERS_PARALLELISM="false")
         if peer == "kvrelay-base":
             env["PYTHONPATH"] = str(a.baseline)
+        if peer.startswith("kvrelay-"):
+            env |= a.variants.get(peer.removeprefix("kvrelay-"), {})
         if peer.startswith("kvrelay"):
             cmd = [
                 sys.executable,
@@ -317,6 +333,35 @@ def uptime() -> str:
     return subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
 
 
+def process_tree_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system, every thread) of a server: its own process under
+    "server", each child process (kvrelay's engine core) under "server child"; processes
+    that already exited are not counted."""
+    tick = os.sysconf("SC_CLK_TCK")
+    stats: dict[int, list[str]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stats[int(d.name)] = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+    tree, changed = {pid}, True
+    while changed:  # the descendants of pid
+        grown = tree | {p for p, f in stats.items() if int(f[1]) in tree}
+        changed, tree = grown != tree, grown
+    out: dict[str, float] = {}
+    for p in tree & stats.keys():
+        name = "server" if p == pid else "server child"
+        out[name] = out.get(name, 0.0) + (int(stats[p][11]) + int(stats[p][12])) / tick
+    return out
+
+
+def client_cpu() -> float:
+    """CPU seconds of this process's waited-for children (the bench client)."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
 def bench(
     url: str, tokenizer: Path, concurrency: int, a: argparse.Namespace, out: Path
 ) -> dict[str, Any]:
@@ -372,7 +417,12 @@ def run_peer(
         log(f"{tag}: ready in {ready_s:.0f} s")
         for c in a.concurrency:
             before = uptime()
+            cpu0, client0 = process_tree_cpu(server.pid), client_cpu()
             metrics = bench(server.url, ckpt, c, a, work / f"{tag}-c{c}.json")
+            cpu1, client1 = process_tree_cpu(server.pid), client_cpu()
+            tokens = max(1, metrics.get("total_output_tokens") or 0)
+            cpu_ms = {k: round(1e3 * (v - cpu0.get(k, 0.0)) / tokens, 3) for k, v in cpu1.items()}
+            cpu_ms["client"] = round(1e3 * (client1 - client0) / tokens, 3)
             rows.append(
                 {
                     "model": model,
@@ -382,12 +432,14 @@ def run_peer(
                     "ready_s": round(ready_s, 1),
                     "uptime_before": before,
                     "uptime_after": uptime(),
+                    "cpu_ms_per_output_token": cpu_ms,
                     **metrics,
                 }
             )
             log(
                 f"{tag} c={c}: {metrics['output_throughput']:.1f} out tok/s, "
-                f"TTFT p50 {metrics['median_ttft_ms']:.0f} ms ({before.split('load')[-1].strip()})"
+                f"TTFT p50 {metrics['median_ttft_ms']:.0f} ms, CPU ms/token {cpu_ms} "
+                f"({before.split('load')[-1].strip()})"
             )
     except (RuntimeError, TimeoutError, subprocess.TimeoutExpired, json.JSONDecodeError) as e:
         log(f"{tag}: FAILED {type(e).__name__}: {e}")
@@ -407,6 +459,10 @@ def summarise(runs: list[dict[str, Any]]) -> dict[tuple[str, int, str], dict[str
             cells.setdefault((r["model"], r["concurrency"], r["peer"]), []).append(r)
     return {
         k: {m: statistics.median(x[m] for x in v) for m in ("output_throughput", "median_ttft_ms")}
+        | {
+            f"cpu {part}": statistics.median(x["cpu_ms_per_output_token"].get(part, 0.0) for x in v)
+            for part in ("server", "server child", "client")
+        }
         for k, v in cells.items()
     }
 
@@ -461,6 +517,23 @@ def markdown(result: dict[str, Any], summary: dict, peers: list[str]) -> str:
             own = summary.get((model, c, "kvrelay"))
             ratio = f"{own['output_throughput'] / max(others):.2f}" if own and others else "—"
             lines.append(f"| {c} | " + " | ".join(cells) + f" | {ratio} |")
+        lines += [
+            "",
+            "CPU ms per output token, server + children (kvrelay: API + engine core) / client:",
+            "",
+            "| concurrency | " + " | ".join(peers) + " |",
+            "|---" * (len(peers) + 1) + "|",
+        ]
+        for c in result["args"]["concurrency"]:
+            cpu_cells = []
+            for p in peers:
+                s = summary.get((model, c, p))
+                cpu_cells.append(
+                    f"{s['cpu server']:.2f} + {s['cpu server child']:.2f} / {s['cpu client']:.2f}"
+                    if s
+                    else "—"
+                )
+            lines.append(f"| {c} | " + " | ".join(cpu_cells) + " |")
         lines.append("")
     return "\n".join(lines)
 
@@ -491,6 +564,18 @@ def plot(summary: dict, models: list[str], conc: list[int], peers: list[str], pa
     fig.savefig(path, dpi=100)
 
 
+def parse_variants(specs: list[str]) -> dict[str, dict[str, str]]:
+    """["threads1:OMP_NUM_THREADS=1,X=2"] → {"threads1": {"OMP_NUM_THREADS": "1", "X": "2"}}"""
+    variants: dict[str, dict[str, str]] = {}
+    for spec in specs:
+        name, _, assignments = spec.partition(":")
+        pairs = [kv.partition("=") for kv in assignments.split(",") if kv]
+        if not name or not pairs or any(not k or not sep for k, sep, _ in pairs):
+            raise SystemExit(f"--variant {spec!r}: expected NAME:KEY=VALUE[,KEY=VALUE...]")
+        variants[name] = {k: v for k, _, v in pairs}
+    return variants
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="tiny-bf16,tiny-mxfp4,embedded")
@@ -507,6 +592,13 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument("--baseline", type=Path, help="source tree for the kvrelay-base peer")
     ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME:K=V,K=V",
+        help="peer kvrelay-NAME: this tree's kvrelay with extra environment (repeatable)",
+    )
+    ap.add_argument(
         "--quick", action="store_true", help="smoke run: tiny-bf16, 1 round, c=1,8, 16 prompts"
     )
     a = ap.parse_args()
@@ -519,7 +611,11 @@ def main() -> None:
     names = a.peers.split(",")
     if a.baseline and "kvrelay-base" not in names:
         names.insert(1, "kvrelay-base")
-    peers = find_peers(names, a.vllm, a.llamacpp, a.baseline)
+    a.variants = parse_variants(a.variant)
+    for v in a.variants:
+        if f"kvrelay-{v}" not in names:
+            names.insert(1, f"kvrelay-{v}")
+    peers = find_peers(names, a.vllm, a.llamacpp, a.baseline, a.variants)
     active = [p for p in names if peers[p].installed]
     a.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="kvrelay-peers-"))

@@ -79,7 +79,7 @@ def run_engine_core(args: EngineArgs, conn: Connection, log_level: int = logging
     signal.signal(signal.SIGINT, signal.SIG_IGN)          # the API process decides when to stop
     try:
         from kvrelay.engine.core import LLMEngine
-        from kvrelay.model.kernels import native_paths
+        from kvrelay.model.fast_paths import native_paths
         engine = LLMEngine(args)
         conn.send(("ready", {
             "max_model_len": engine.max_model_len, "model_dir": str(engine.model_dir),

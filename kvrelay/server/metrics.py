@@ -3,7 +3,7 @@
 Engine gauges/totals are read from the engine core's latest stats snapshot at scrape
 time; latency histograms and token counters are observed by the API server. What the
 engine core resolved at start-up (native CPU kernels, the half-precision matmul path)
-comes once with its "ready" info (`kvrelay.model.kernels.native_paths`) and is exported
+comes once with its "ready" info (`kvrelay.model.fast_paths.native_paths`) and is exported
 from there, so it costs nothing per step.
 """
 from __future__ import annotations

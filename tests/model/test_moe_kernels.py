@@ -12,7 +12,7 @@ import logging
 import pytest
 import torch
 
-from kvrelay.model import kernels, mxfp4
+from kvrelay.model import fast_paths, kernels, mxfp4
 from kvrelay.model.layers import moe as moe_mod
 from kvrelay.model.layers.moe import Experts
 from kvrelay.model.parallel import ParallelContext
@@ -225,7 +225,7 @@ def test_build_failure_falls_back_with_one_warning(broken_build, monkeypatch, ca
     warnings = [r for r in caplog.records if "native CPU kernels unavailable" in r.message]
     assert len(warnings) == 1 and "no compiler" in warnings[0].getMessage()
     assert not kernels.kernels_available() and "no compiler" in kernels.status().reason
-    assert kernels.native_paths()["kernels"] == {"moe": None, "paged_decode": None}
+    assert fast_paths.native_paths()["kernels"] == {"moe": None, "paged_decode": None}
     assert torch.equal(outs[0], fp32_reference(ex).forward_torch(x, weights, ids)) or \
         (outs[0] - fp32_reference(ex).forward_torch(x, weights, ids)).abs().max() < 1e-5
     monkeypatch.setenv("KVRELAY_MOE_KERNEL", "native")
@@ -280,13 +280,24 @@ def test_dense_fp16_experts_keep_the_torch_path_mxfp4_ones_do_not(isas, monkeypa
 
 def test_auto_gives_big_dense_batches_to_torch_gemms_but_never_mxfp4(isas, monkeypatch):
     monkeypatch.setenv("KVRELAY_MOE_KERNEL", "auto")
-    dense = make_experts(32, 32, 4, "bf16", seed=0)
-    packed = make_experts(32, 32, 4, "mxfp4", seed=0)
-    rows = moe_mod.DENSE_TORCH_MIN_ROWS * 4                    # choices over 4 experts
+    dense = make_experts(256, 128, 4, "bf16", seed=0)
+    packed = make_experts(256, 128, 4, "mxfp4", seed=0)
+    # per expert: enough rows, and rows × hidden × intermediate ≥ the work threshold
+    per_expert = max(moe_mod.DENSE_TORCH_MIN_ROWS, moe_mod.DENSE_TORCH_MIN_WORK // (256 * 128))
+    rows = per_expert * 4                                      # choices over 4 experts
     assert dense.uses_native_kernel(rows - 1) and not dense.uses_native_kernel(rows)
     assert packed.uses_native_kernel(rows * 100)
     monkeypatch.setenv("KVRELAY_MOE_KERNEL", "native")          # forced: always the kernel
     assert dense.uses_native_kernel(rows * 100)
+
+
+def test_auto_keeps_small_dense_experts_on_the_kernel_at_any_batch(isas, monkeypatch):
+    """Tiny experts (hidden 32: the peers benchmark model) lose to the per-expert Python
+    loop of the torch path however many rows they get."""
+    monkeypatch.setenv("KVRELAY_MOE_KERNEL", "auto")
+    dense = make_experts(32, 32, 8, "bf16", seed=0)
+    assert dense.uses_native_kernel(8 * 64)                    # 64 rows per expert
+    assert not dense.uses_native_kernel(8 * moe_mod.DENSE_TORCH_MIN_WORK // (32 * 32))
 
 
 def test_the_op_traces_under_fake_tensors(isas):
@@ -297,3 +308,42 @@ def test_the_op_traces_under_fake_tensors(isas):
     with FakeTensorMode(allow_non_fake_inputs=True):
         out = native(ex, torch.empty(5, 64), weights, ids, isas[0])
     assert out.shape == (5, 64) and out.dtype == torch.float32
+
+
+@pytest.fixture
+def threads():
+    """Sets torch's intra-op thread count (the kernels' OpenMP team) for one test."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+# (hidden, intermediate, experts, top_k, tokens, storage, experts that get tokens): every
+# case has ≥ 2^21 multiply-adds per sweep, so two threads split it (csrc/parallel.h)
+THREADED_CASES = {
+    # 37 tokens: not a multiple of the thread count nor of the token blocks (8)
+    "mxfp4-37-tokens-top2": (256, 224, 6, 2, 37, "mxfp4", None),
+    # one token: the work is cut along the weight rows of its 4 experts only
+    "mxfp4-1-token-top4": (512, 512, 8, 4, 1, "mxfp4", None),
+    # 3 of 8 experts get all 150 tokens: > 64 rows each, cut into token chunks; 5 get none
+    "bf16-token-chunks-zero-token-experts": (96, 160, 8, 2, 150, "bf16", 3),
+    "fp32-odd-hidden-top1": (200, 72, 3, 1, 131, "fp32", None),
+}
+
+
+@pytest.mark.parametrize("case", list(THREADED_CASES))
+def test_two_threads_give_the_single_thread_result_bit_for_bit(case, isas, threads):
+    """Work items are independent and computed the same on any thread: the split over
+    (expert, row tile, token chunk) never changes a bit, and both match the reference."""
+    H, I, E, k, T, storage, pool = THREADED_CASES[case]
+    ex = make_experts(H, I, E, storage, seed=len(case))
+    weights, ids = routing(T, E, k, seed=T, experts=pool)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(3))
+    expected = fp32_reference(ex).forward_torch(x, weights, ids)
+    for isa in isas:
+        threads(1)
+        one = native(ex, x, weights, ids, isa)
+        threads(2)
+        two = native(ex, x, weights, ids, isa)
+        assert torch.equal(one, two), isa
+        assert_close(two, expected)

@@ -15,6 +15,10 @@ cache, a CPU that changes under a VM), so every ISA variant is compiled with its
 Where the build fails (no compiler, no ninja, headers missing) the model keeps the
 pure-PyTorch paths: `status()` says why, and a single warning is logged; the server
 exports it as the `kvrelay:native_kernels_available` metric.
+
+This package sits below the layers that call it (`layers/moe.py`, `layers/paged_decode.py`)
+and imports none of them; whether each layer uses its kernel is the layer's decision, and
+`kvrelay.model.fast_paths` reports them together.
 """
 from __future__ import annotations
 
@@ -28,7 +32,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -40,8 +43,12 @@ NAME = "kvrelay_kernels"
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("moe_op.cpp", "paged_decode_op.cpp", "moe_generic.cpp", "moe_avx2.cpp",
            "moe_avx512.cpp")
-# -fopenmp-simd: the `omp simd` reductions of the decode kernel, without an OpenMP runtime
-CFLAGS = ("-O3", "-std=c++17", "-fno-math-errno", "-fopenmp-simd")
+# -fopenmp: at::parallel_for (csrc/parallel.h) is a header template that only opens a
+# parallel region when the extension itself is compiled with OpenMP; linked with -fopenmp,
+# the library needs `libgomp.so.1`, which resolves to the copy torch has already loaded
+# (one runtime, one thread pool, torch.set_num_threads respected).
+CFLAGS = ("-O3", "-std=c++17", "-fno-math-errno", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
 
 
 @dataclass(frozen=True)
@@ -68,7 +75,7 @@ def build_dir() -> Path:
     digest = hashlib.sha256()
     for name in sorted(os.listdir(CSRC)):
         digest.update(name.encode() + (CSRC / name).read_bytes())
-    digest.update(f"{torch.__version__}|{platform.machine()}|{CFLAGS}".encode())
+    digest.update(f"{torch.__version__}|{platform.machine()}|{CFLAGS}|{LDFLAGS}".encode())
     return kernels_root() / f"{NAME}-{digest.hexdigest()[:16]}"
 
 
@@ -121,7 +128,8 @@ def _build(directory: Path) -> Path:
                     directory)
         with _ninja_on_path():
             cpp_extension.load(NAME, [str(CSRC / s) for s in SOURCES],
-                               extra_cflags=list(CFLAGS), extra_include_paths=[str(CSRC)],
+                               extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
+                               extra_include_paths=[str(CSRC)],
                                build_directory=str(directory), is_python_module=False,
                                verbose=False)
         return library
@@ -160,24 +168,6 @@ def status() -> KernelStatus:
 
 def kernels_available() -> bool:
     return status().available
-
-
-def native_paths() -> dict[str, Any]:
-    """What this process's CPU fast paths resolved to, for the server's metrics (sent
-    once with the engine core's "ready" message):
-
-        {"kernels": {"moe": "avx512" | None, "paged_decode": ...}, "half_matmul": "native"|"fp32"}
-
-    A kernel is None where its PyTorch reference path serves it: the build failed (the
-    one warning `status()` logs says why) or KVRELAY_MOE_KERNEL=torch /
-    KVRELAY_ATTENTION_KERNEL=reference turned it off (then nothing is built for it)."""
-    from kvrelay.model.layers import linear, moe, paged_decode
-    moe_on = moe.moe_kernel_mode() != "torch" and status().available
-    return {
-        "kernels": {"moe": status().isa if moe_on else None,
-                    "paged_decode": status().isa if paged_decode.enabled() else None},
-        "half_matmul": "native" if linear.half_matmul_choice().native else "fp32",
-    }
 
 
 def moe_experts(x: torch.Tensor, route_weights: torch.Tensor, expert_ids: torch.Tensor,

@@ -40,13 +40,17 @@ from kvrelay.model.weights import WeightSource, padded_slice
 
 MOE_KERNEL_MODES = ("auto", "native", "torch")
 _NATIVE_DENSE_DTYPES = (torch.float32, torch.bfloat16)   # and MXFP4, whatever the model dtype
-# Dense experts with this many (token, expert) rows per expert or more run as torch GEMMs
-# (MKL fp32 / oneDNN bf16-AMX), which beat the kernel's FMA loops once a matmul has rows
-# to reuse each weight for: on a gpt-oss-20b layer at 8 rows per expert the kernel is
-# ~3× slower than oneDNN bf16 (AVX512-BF16), while at 1–2 rows (decode) it is on par
-# and the per-expert Python loop it replaces dominates small models. MXFP4 experts
-# always take the kernel: the torch path dequantises whole experts every step.
-DENSE_TORCH_MIN_ROWS = 8
+# Dense experts run as torch GEMMs (MKL fp32 / oneDNN bf16) once each expert's matmuls
+# have rows to reuse every weight for *and* enough work to pay for the Python loop over
+# experts: rows per expert ≥ DENSE_TORCH_MIN_ROWS and rows per expert × hidden ×
+# intermediate ≥ DENSE_TORCH_MIN_WORK. Measured (benchmarks/moe_kernels.py shapes, bf16,
+# one thread, AVX512-BF16, CPU time): the kernel is 3.5-10× faster at hidden =
+# intermediate = 32 for any batch, faster at 128 up to ~100 rows per expert, at 256 up to
+# ~40, at 512 up to ~16; at 1024 oneDNN wins from 4 rows, and on a gpt-oss-20b layer the
+# two are on par at 1-2 rows. MXFP4 experts always take the kernel: the torch path
+# dequantises whole experts every step.
+DENSE_TORCH_MIN_ROWS = 2
+DENSE_TORCH_MIN_WORK = 1 << 22
 
 
 def moe_kernel_mode() -> str:
@@ -167,7 +171,7 @@ class Experts(nn.Module):
         """Native unless KVRELAY_MOE_KERNEL=torch, the weights are not on the CPU, or are
         dense and either in a dtype the kernel does not read (fp16) or given enough rows
         (`choices` (token, expert) pairs over all experts) for torch's GEMMs to win
-        (DENSE_TORCH_MIN_ROWS; 'auto' only), or the extension could not be built ('auto'
+        (`dense_prefers_torch`; 'auto' only), or the extension could not be built ('auto'
         then falls back with the one warning `kernels.status` logs; 'native' is an error)."""
         mode = moe_kernel_mode()
         if mode == "torch" or self.gate_up_bias.device.type != "cpu":
@@ -175,14 +179,20 @@ class Experts(nn.Module):
         if not isinstance(self.gate_up, MXFP4Tensor):
             if self.dtype not in _NATIVE_DENSE_DTYPES:
                 return False
-            rows_per_expert = choices / (self.num_local * self.ctx.ep_size)
-            if mode == "auto" and rows_per_expert >= DENSE_TORCH_MIN_ROWS:
+            if mode == "auto" and self.dense_prefers_torch(choices):
                 return False
         status = kernels.status()
         if not status.available and mode == "native":
             raise RuntimeError(f"{envs.MOE_KERNEL.shown}=native but the native kernels could "
                                f"not be built: {status.reason}")
         return status.available
+
+    def dense_prefers_torch(self, choices: int) -> bool:
+        """Whether `choices` (token, expert) pairs give torch's GEMMs the edge over the
+        kernel on these dense experts (see DENSE_TORCH_MIN_ROWS / _WORK)."""
+        rows_per_expert = choices / (self.num_local * self.ctx.ep_size)
+        return (rows_per_expert >= DENSE_TORCH_MIN_ROWS
+                and rows_per_expert * self.hidden * self.i_local >= DENSE_TORCH_MIN_WORK)
 
     def forward_native(self, x: torch.Tensor, weights: torch.Tensor,
                        expert_ids: torch.Tensor) -> torch.Tensor:

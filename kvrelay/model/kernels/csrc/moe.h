@@ -42,15 +42,19 @@ struct MoeProblem {
   float alpha, limit;
 };
 
-// A unit of parallel work: rows [row0, row1) of one expert's projection.
+// A unit of parallel work: rows [row0, row1) of one expert's projection for the expert's
+// sorted token rows [tok0, tok1) (relative to offsets[expert]). tok0 is a multiple of
+// kTokenChunk, so tokens fall into the same blocks of V::NB (and the same summation
+// order) however an expert's tokens are cut.
 struct Tile {
-  int32_t expert, row0, row1;
+  int32_t expert, row0, row1, tok0, tok1;
 };
 
 // Token rows are processed in blocks of up to 8; reading up to 7 rows past the last
 // expert's rows must stay inside the buffers (their results are discarded).
 constexpr int64_t kPadRows = 8;
 constexpr int32_t kMaxTileRows = 64;
+constexpr int32_t kTokenChunk = 64;   // a multiple of every V::NB
 
 // Where column j of an MXFP4 projection's input is stored (see above).
 inline int64_t fp4_column(int64_t j) {

@@ -165,7 +165,7 @@ void gate_up_tiles(const kvrelay::MoeProblem& p, const kvrelay::Tile* tiles, int
   const int64_t H = p.gate_up.cols, I = p.down.cols;
   for (int64_t i = 0; i < count; ++i) {
     const kvrelay::Tile tile = tiles[i];
-    const int64_t off = p.offsets[tile.expert], n = p.offsets[tile.expert + 1] - off;
+    const int64_t off = p.offsets[tile.expert] + tile.tok0, n = tile.tok1 - tile.tok0;
     const float* bias = p.gate_up.bias ? p.gate_up.bias + tile.expert * p.gate_up.rows : nullptr;
     const float* x = p.x + off * H;
     project(p.gate_up, p.half_scales, tile, x, n, [&](int64_t t0, int64_t nt, TileOut& h) {
@@ -189,7 +189,7 @@ void down_tiles(const kvrelay::MoeProblem& p, const kvrelay::Tile* tiles, int64_
   const int64_t H = p.down.rows, I = p.down.cols;
   for (int64_t i = 0; i < count; ++i) {
     const kvrelay::Tile tile = tiles[i];
-    const int64_t off = p.offsets[tile.expert], n = p.offsets[tile.expert + 1] - off;
+    const int64_t off = p.offsets[tile.expert] + tile.tok0, n = tile.tok1 - tile.tok0;
     const float* bias = p.down.bias ? p.down.bias + tile.expert * H : nullptr;
     const float* act = p.act + off * I;
     project(p.down, p.half_scales, tile, act, n, [&](int64_t t0, int64_t nt, TileOut& h) {

@@ -1,8 +1,8 @@
 // torch op `kvrelay_kernels::moe_experts`: this rank's experts for a batch of tokens in
 // one call. Routing choices are counting-sorted by expert here; the expert matmuls run
-// as two parallel sweeps over (expert, row tile) work items — gate_up + swiglu, then
-// down × routing weight — in the best ISA build this CPU supports; the k weighted rows
-// of each token are summed last.
+// as two parallel sweeps over (expert, row tile, token chunk) work items — gate_up +
+// swiglu, then down × routing weight — in the best ISA build this CPU supports; the k
+// weighted rows of each token are summed last.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -10,6 +10,7 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstring>
@@ -17,6 +18,7 @@
 #include <vector>
 
 #include "moe.h"
+#include "parallel.h"
 
 namespace kvrelay {
 namespace {
@@ -111,25 +113,38 @@ Projection projection(const at::Tensor& w, const c10::optional<at::Tensor>& scal
   return p;
 }
 
-// Work items: rows of each active expert in tiles, small enough to give every thread
-// several items when only a few experts are active (decode).
-std::vector<Tile> tiles(const std::vector<int64_t>& offsets, int64_t rows) {
-  int64_t active = 0;
-  for (size_t e = 0; e + 1 < offsets.size(); ++e) active += offsets[e + 1] > offsets[e];
-  const int64_t want = 4 * at::get_num_threads();
+// Work items: (row tile, token chunk) of each active expert, the costliest first. Tiles
+// shrink until every thread has several items to take when few experts are active
+// (decode); an expert's tokens are cut into kTokenChunk-row chunks so that one busy
+// expert (prefill) still spreads over the threads.
+std::vector<Tile> tiles(const std::vector<int64_t>& offsets, int64_t rows, int64_t threads) {
+  int64_t chunks = 0;
+  for (size_t e = 0; e + 1 < offsets.size(); ++e)
+    chunks += (offsets[e + 1] - offsets[e] + kTokenChunk - 1) / kTokenChunk;
+  const int64_t want = 4 * threads;
   int64_t size = kMaxTileRows / 2;
-  while (size > 2 && active * ((rows + size - 1) / size) < want) size /= 2;
+  while (threads > 1 && size > 2 && chunks * ((rows + size - 1) / size) < want) size /= 2;
   std::vector<Tile> out;
   for (size_t e = 0; e + 1 < offsets.size(); ++e) {
-    if (offsets[e + 1] == offsets[e]) continue;
-    for (int64_t r = 0; r < rows; r += size)
-      out.push_back(Tile{int32_t(e), int32_t(r), int32_t(std::min(r + size, rows))});
+    const int64_t n = offsets[e + 1] - offsets[e];
+    for (int64_t t = 0; t < n; t += kTokenChunk)
+      for (int64_t r = 0; r < rows; r += size)
+        out.push_back(Tile{int32_t(e), int32_t(r), int32_t(std::min(r + size, rows)),
+                           int32_t(t), int32_t(std::min<int64_t>(t + kTokenChunk, n))});
   }
+  const auto cost = [](const Tile& t) { return int64_t(t.row1 - t.row0) * (t.tok1 - t.tok0); };
+  std::stable_sort(out.begin(), out.end(),
+                   [&](const Tile& a, const Tile& b) { return cost(a) > cost(b); });
   return out;
 }
 
-void run(TileFn fn, const MoeProblem& problem, const std::vector<Tile>& work) {
-  at::parallel_for(0, int64_t(work.size()), 1, [&](int64_t begin, int64_t end) {
+// One sweep (gate_up or down) over every active expert: `rows` x `cols` weights per
+// expert, n token rows in all.
+void run(TileFn fn, const MoeProblem& problem, const std::vector<int64_t>& offsets,
+         int64_t rows, int64_t cols) {
+  const int64_t threads = threads_for(offsets.back() * rows * cols, rows * offsets.back());
+  const std::vector<Tile> work = tiles(offsets, rows, threads);
+  parallel_items(int64_t(work.size()), threads, 1, [&](int64_t begin, int64_t end) {
     fn(problem, work.data() + begin, end - begin);
   });
 }
@@ -212,13 +227,15 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& route_weights,
   p.alpha = float(alpha);
   p.limit = float(limit);
 
-  run(kernels.gate_up, p, tiles(offsets, 2 * I));
-  run(kernels.down, p, tiles(offsets, H));
+  run(kernels.gate_up, p, offsets, 2 * I, H);
+  run(kernels.down, p, offsets, H, I);
 
   // each token: the sum of its local choices, in choice order
   float* o = out.data_ptr<float>();
   const float* y = ys.data_ptr<float>();
-  at::parallel_for(0, T, std::max<int64_t>(1, 4096 / H), [&](int64_t begin, int64_t end) {
+  const int64_t sum_threads = threads_for(T * k * H, T);
+  parallel_items(T, sum_threads, (T + 4 * sum_threads - 1) / (4 * sum_threads),
+                 [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
       for (int64_t j = 0; j < k; ++j) {
         const int64_t r = position[t * k + j];

@@ -1,17 +1,20 @@
 // torch ops `kvrelay_kernels::paged_decode` and `kvrelay_kernels::write_kv`: decode
 // attention over the paged KV cache read in place (paged_decode.h), run in the best ISA
-// build this CPU supports, and the copy of new K/V rows into their slots.
+// build this CPU supports over (sequence, KV head) work items, and the copy of new K/V
+// rows into their slots.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 #include <vector>
 
 #include "moe.h"
+#include "parallel.h"
 
 namespace kvrelay {
 namespace {
@@ -55,7 +58,14 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv_cache,
   p.window = window;
   p.scale = static_cast<float>(scale);
   const DecodeFn fn = isa_kernels(isa.c_str()).decode;   // "": the best for this CPU
-  at::parallel_for(0, p.S * p.KVH, 1, [&](int64_t begin, int64_t end) {
+  // work: every visible position costs 2·D multiply-adds per query head
+  int64_t positions = 0;
+  for (int64_t s = 0; s < p.S; ++s)
+    positions += p.window > 0 ? std::min(p.lens[s], p.window) : p.lens[s];
+  const int64_t tasks = p.S * p.KVH;
+  const int64_t threads = threads_for(positions * 2 * p.D * p.H, tasks);
+  const int64_t chunk = std::max<int64_t>(1, tasks / (8 * threads));
+  parallel_items(tasks, threads, chunk, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(decode_scratch_floats(p));
     fn(p, begin, end, scratch.data());
   });

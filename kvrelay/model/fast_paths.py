@@ -1,0 +1,26 @@
+"""What this process's CPU fast paths resolved to, for the server's metrics.
+
+Sent once with the engine core's "ready" message and exported as
+`kvrelay:native_kernels_available` / `kvrelay:half_matmul_path`. It sits above the layers
+and the kernels they call, so neither has to know about the other's choice.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from kvrelay.model import kernels
+from kvrelay.model.layers import linear, moe, paged_decode
+
+
+def native_paths() -> dict[str, Any]:
+    """{"kernels": {"moe": "avx512" | None, "paged_decode": ...}, "half_matmul": "native"|"fp32"}
+
+    A kernel is None where its PyTorch reference path serves it: the build failed (the
+    one warning `kernels.status()` logs says why) or KVRELAY_MOE_KERNEL=torch /
+    KVRELAY_ATTENTION_KERNEL=reference turned it off (then nothing is built for it)."""
+    moe_on = moe.moe_kernel_mode() != "torch" and kernels.status().available
+    return {
+        "kernels": {"moe": kernels.status().isa if moe_on else None,
+                    "paged_decode": kernels.status().isa if paged_decode.enabled() else None},
+        "half_matmul": "native" if linear.half_matmul_choice().native else "fp32",
+    }
