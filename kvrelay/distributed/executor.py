@@ -51,6 +51,7 @@ class RankSpec:
     init_method: str
     cpu_slices: tuple[tuple[int, ...], ...]      # per rank: CPU cores to pin to (may be empty)
     expert_world: Any = None                     # ExpertWorld: experts span all DP replicas
+    config: Any = None                           # the parsed config.json (GptOssConfig)
 
 
 def free_port() -> int:
@@ -88,7 +89,7 @@ def _setup_rank(spec: RankSpec, rank: int):
                               comm=TorchDistCollectives())
     loaded = load_model(spec.model_dir, dtype=spec.dtype, quantization=spec.quantization,
                         hf_overrides=spec.hf_overrides, ctx=ctx, hybrid_kv_cache=spec.hybrid,
-                        max_positions=spec.max_positions, progress=rank == 0)
+                        max_positions=spec.max_positions, progress=rank == 0, config=spec.config)
     if spec.expert_world is not None:
         from kvrelay.model.layers.ep_dispatch import report_expert_layout
         report_expert_layout(loaded.model, ctx)

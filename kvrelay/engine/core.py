@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from kvrelay import envs
-from kvrelay.config import EngineArgs, NeuronConfig
+from kvrelay.config import EngineArgs, EngineConfig
 from kvrelay.engine.detokenizer import PROMPT_CONTEXT, IncrementalDetokenizer
 from kvrelay.engine.outputs import CompletionOutput, RequestOutput
 from kvrelay.engine.request import Request, Status
@@ -38,13 +38,12 @@ from kvrelay.engine.runner import ModelRunner, StepInput, kv_bytes_per_block
 from kvrelay.engine.sampler import Sampler, top_logprobs
 from kvrelay.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from kvrelay.disagg.connector import HoldRefused, KVConnector
-from kvrelay.disagg.params import KVTransferConfig, KVTransferParams
+from kvrelay.disagg.params import KVTransferParams
 from kvrelay.distributed.executor import MultiprocExecutor, RankSpec, free_port
 from kvrelay.kv_cache.manager import KVCacheGroup, KVCacheManager
 from kvrelay.kv_cache.spec import KVCacheSpec
-from kvrelay.model.config import load_config
-from kvrelay.model.loader import load_model, resolve_model_path
-from kvrelay.model.parallel import cpu_slices, validate_layout
+from kvrelay.model.loader import load_model
+from kvrelay.model.parallel import cpu_slices
 from kvrelay.model.tokenizer import CheckpointTokenizer, load_tokenizer
 from kvrelay.sampling_params import (
     SamplingParams,
@@ -56,7 +55,6 @@ from kvrelay.structured.manager import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CPU_KV_BYTES = 1 << 30
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -79,14 +77,16 @@ def resolve_device(device: str) -> torch.device:
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs) -> None:
-        self.args = args
-        self.neuron = NeuronConfig.from_additional_config(args.additional_config)
+    def __init__(self, args: EngineArgs | EngineConfig) -> None:
+        config = args if isinstance(args, EngineConfig) else EngineConfig.from_args(args)
+        self.config = config
+        self.args = args = config.args
+        self.neuron = config.neuron
         self.device = resolve_device(args.device)
-        self.model_dir = _model_dir(args)
+        self.model_dir = config.model_dir
         self.tokenizer: CheckpointTokenizer | None = _maybe_tokenizer(self.model_dir)
-        dtype = self._dtype()
-        quant = self.neuron.quantization or args.quantization or "auto"
+        dtype = TORCH_DTYPES[config.dtype]
+        quant = config.quantization
         self.executor: MultiprocExecutor | None = None
         self.expert_world = self._expert_world()          # experts span all DP replicas
         self.num_dummy_steps = 0
@@ -99,15 +99,14 @@ class LLMEngine:
             loaded = load_model(self.model_dir, dtype=dtype, quantization=quant,
                                 hf_overrides=args.hf_overrides, device=self.device,
                                 hybrid_kv_cache=not args.disable_hybrid_kv_cache_manager,
-                                max_positions=args.max_model_len, ctx=ctx)
+                                max_positions=args.max_model_len, ctx=ctx, config=config.model)
             if ctx is not None:
                 from kvrelay.model.layers.ep_dispatch import report_expert_layout
                 report_expert_layout(loaded.model, ctx)
         self.model, self.model_config = loaded.model, loaded.config
-        self.max_model_len = args.max_model_len or self.model_config.max_position_embeddings
-        max_batched = args.max_num_batched_tokens or 8192
-        self.neuron.check_buckets(max_batched, args.max_num_seqs)
-        num_blocks = self._num_blocks()
+        self.max_model_len = config.max_model_len
+        max_batched = config.max_num_batched_tokens
+        num_blocks = config.num_blocks(kv_bytes_per_block(self.model, args.block_size))
         self.kv = KVCacheManager(num_blocks, args.block_size, self._kv_groups(),
                                  enable_prefix_caching=args.enable_prefix_caching,
                                  hash_seed=f"{self.model_dir.name}:{args.block_size}")
@@ -116,7 +115,7 @@ class LLMEngine:
         else:
             self.runner = ModelRunner(self.model, num_blocks, args.block_size, self.device)
         self.scheduler = Scheduler(SchedulerConfig(max_batched, args.max_num_seqs, self.max_model_len), self.kv)
-        self.kv_transfer = KVTransferConfig.from_json(args.kv_transfer_config)
+        self.kv_transfer = config.kv_transfer
         self.connector: KVConnector | None = None
         self.sampler = Sampler(all_greedy=self.neuron.all_greedy)
         self.eos_token_ids = self._eos_ids()
@@ -133,15 +132,13 @@ class LLMEngine:
         if self.neuron.num_batched_tokens_buckets or self.neuron.num_seqs_buckets:
             logger.info("neuron_config buckets validated; not needed on %s (eager, no captured "
                         "graphs): steps are not padded", self.device.type)
+        for note in config.ignored_inputs(self.device.type):
+            logger.warning("%s", note)
+        # --seed: unseeded sampling draws from torch's global generator (as vLLM seeds it),
+        # so a server started with the same seed answers the same requests alike
+        torch.manual_seed(args.seed)
 
     # -- setup helpers --------------------------------------------------------------------
-    def _dtype(self) -> torch.dtype:
-        if self.args.dtype != "auto":
-            return TORCH_DTYPES[self.args.dtype]
-        raw = json.loads((self.model_dir / "config.json").read_text())
-        name = str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16")
-        return TORCH_DTYPES.get(name, torch.bfloat16)
-
     def _kv_groups(self) -> list[KVCacheGroup]:
         groups = self.model.layer_groups
         out = []
@@ -152,25 +149,6 @@ class LLMEngine:
             window = windows.pop() if len(windows) == 1 else None
             out.append(KVCacheGroup(window=window, num_layers=len(layers)))
         return out
-
-    def _num_blocks(self) -> int:
-        a = self.args
-        per_block = kv_bytes_per_block(self.model, a.block_size)
-        if a.num_gpu_blocks_override:
-            num_blocks = a.num_gpu_blocks_override
-        elif a.kv_cache_memory_bytes:
-            num_blocks = a.kv_cache_memory_bytes // per_block
-        else:
-            # the default budget, but no more than every sequence at full length could use
-            most = a.max_num_seqs * -(-self.max_model_len // a.block_size) + 1
-            num_blocks = min(DEFAULT_CPU_KV_BYTES // per_block, most)
-        needed = -(-self.max_model_len // a.block_size) + 1
-        if num_blocks < needed:
-            raise ValueError(
-                f"the KV cache holds {num_blocks} blocks of {a.block_size} tokens but one "
-                f"sequence of max_model_len {self.max_model_len} needs {needed}; raise "
-                f"--kv-cache-memory-bytes (now {num_blocks * per_block} bytes) or lower --max-model-len")
-        return num_blocks
 
     def _eos_ids(self) -> tuple[int, ...]:
         if self.tokenizer and self.tokenizer.eos_token_ids:
@@ -205,10 +183,6 @@ class LLMEngine:
         if a.data_parallel_master_port is None:
             raise ValueError("expert parallelism across replicas needs the expert world's port "
                              "(set by the data-parallel launcher)")
-        cfg = load_config(self.model_dir, a.hf_overrides)
-        validate_layout(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_local_experts,
-                        a.tensor_parallel_size, a.tensor_parallel_size * a.data_parallel_size,
-                        a.data_parallel_size)
         timeout = envs.EXECUTE_MODEL_TIMEOUT_S.as_float() or 600.0
         return ExpertWorld(a.data_parallel_address, a.data_parallel_master_port, a.data_parallel_rank,
                            a.data_parallel_size, a.tensor_parallel_size,
@@ -226,18 +200,13 @@ class LLMEngine:
 
     def _rank_spec(self, dtype: torch.dtype, quant: str | None) -> RankSpec:
         a = self.args
-        cfg = load_config(self.model_dir, a.hf_overrides)
-        ep = self.neuron.ep_degree or (a.tensor_parallel_size if a.enable_expert_parallel else 1)
-        if self.expert_world is None:
-            validate_layout(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_local_experts,
-                            a.tensor_parallel_size, ep)
         visible = a.visible_devices or envs.VISIBLE_DEVICES.raw()
         cores = envs.parse_id_list(visible) if visible else sorted(os.sched_getaffinity(0))
         return RankSpec(str(self.model_dir), dtype, quant, a.hf_overrides,
-                        not a.disable_hybrid_kv_cache_manager,
-                        a.max_model_len or cfg.max_position_embeddings, a.tensor_parallel_size, ep,
-                        a.block_size, f"tcp://127.0.0.1:{free_port()}",
-                        cpu_slices(cores, a.tensor_parallel_size), expert_world=self.expert_world)
+                        not a.disable_hybrid_kv_cache_manager, self.config.max_model_len,
+                        a.tensor_parallel_size, self.config.experts.inner, a.block_size,
+                        f"tcp://127.0.0.1:{free_port()}", cpu_slices(cores, a.tensor_parallel_size),
+                        expert_world=self.expert_world, config=self.config.model)
 
     def _execute(self, step: StepInput) -> torch.Tensor:
         return self.executor.execute(step) if self.executor else self.runner.execute(step)
@@ -732,13 +701,6 @@ def _prompt_logprob_rows(chunk: ScheduledChunk) -> int:
     if req.params.prompt_logprobs is None:
         return 0
     return max(min(chunk.start + chunk.num_tokens, req.num_prompt_tokens - 1) - chunk.start, 0)
-
-
-def _model_dir(args: EngineArgs) -> Path:
-    if args.model is None:
-        from kvrelay.model.embedded import embedded_model_dir
-        return embedded_model_dir()
-    return resolve_model_path(args.model, args.download_dir)
 
 
 def _maybe_tokenizer(model_dir: Path) -> CheckpointTokenizer | None:
