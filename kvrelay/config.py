@@ -267,7 +267,7 @@ class ExpertLayout:
 
     def validate(self, model: GptOssConfig) -> None:
         """ValueError naming the numbers when the model cannot be sharded this way."""
-        from kvrelay.model.parallel import validate_layout      # imports torch
+        from kvrelay.model.parallel import validate_layout  # imports torch
         validate_layout(model.num_attention_heads, model.num_key_value_heads,
                         model.num_local_experts, self.tp, self.width,
                         self.dp if self.across else 1)
