@@ -172,7 +172,7 @@ def _generate(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     llm = LLM(args.model, dtype=args.dtype, hf_overrides=args.hf_overrides,
               download_dir=args.download_dir, max_model_len=args.max_model_len,
-              quantization=None if args.quantization == "none" else args.quantization)
+              quantization=args.quantization)
     engine = llm.engine
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"model: {engine.model_dir} ({engine.model.weight_bytes() / 2**20:.0f} MiB of weights, "

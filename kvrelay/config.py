@@ -309,7 +309,8 @@ class EngineConfig:
     model_dir: Path
     model: GptOssConfig                      # config.json with --hf-overrides, read once
     dtype: str                               # bfloat16 | float16 | float32 (no "auto")
-    quantization: str                        # what load_model gets: "auto" or "mxfp4"
+    quantization: str | None                 # what load_model gets: "auto", "mxfp4" or None
+                                             # (dequantise: `kvrelay generate --quantization none`)
     max_model_len: int
     max_num_batched_tokens: int
     experts: ExpertLayout
@@ -320,6 +321,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES[1:]:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES[1:])}, got {self.dtype!r}")
+        if self.quantization not in ("auto", "mxfp4", None):
+            raise ValueError(f"quantization must be mxfp4, auto or none, got {self.quantization!r}")
         self.neuron.check_layout(self.args.tensor_parallel_size, self.args.data_parallel_size,
                                  self.args.enable_expert_parallel)
         self.neuron.check_buckets(self.max_num_batched_tokens, self.args.max_num_seqs)
@@ -339,7 +342,7 @@ class EngineConfig:
             model_dir=model_dir,
             model=model,
             dtype=dtype,
-            quantization=neuron.quantization or args.quantization or "auto",
+            quantization=_quantization(args.quantization, neuron.quantization),
             max_model_len=args.max_model_len or model.max_position_embeddings,
             max_num_batched_tokens=args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
             experts=ExpertLayout.of(args.tensor_parallel_size, args.data_parallel_size,
@@ -382,9 +385,17 @@ class EngineConfig:
             notes.append(f"--kv-transfer-config: {', '.join(ignored)} ignored (vLLM P2P keys; "
                          f"NIXL peers exchange addresses over the side channel)")
         if self.kv_transfer is not None and self.kv_transfer.kv_buffer_device != device_type:
-            notes.append(f"--kv-transfer-config: kv_buffer_device {self.kv_transfer.kv_buffer_device!r} "
-                         f"ignored: KV blocks are transferred from the engine's {device_type} memory")
+            device = self.kv_transfer.kv_buffer_device
+            notes.append(f"--kv-transfer-config: kv_buffer_device {device!r} ignored: KV blocks "
+                         f"are transferred from the engine's {device_type} memory")
         return notes
+
+
+def _quantization(flag: str | None, neuron: str | None) -> str | None:
+    """neuron_config's, else --quantization ("none": dequantise MXFP4 experts), else auto."""
+    if flag == "none" and neuron is None:
+        return None
+    return neuron or flag or "auto"
 
 
 def _checkpoint_dtype(model: GptOssConfig) -> str:

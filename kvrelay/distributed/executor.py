@@ -110,7 +110,8 @@ def _setup_rank(spec: RankSpec, rank: int):
     return loaded
 
 
-def worker_main(spec: RankSpec, rank: int, make_runner: RunnerFactory, kv_events: Any = None) -> None:
+def worker_main(spec: RankSpec, rank: int, make_runner: RunnerFactory,
+                kv_events: Any = None) -> None:
     """Ranks ≥ 1: load the shard, then run every broadcast step until told to stop.
     Other broadcasts are KV-transfer messages (kvrelay/disagg/worker.py); this rank
     reports its KV progress on `kv_events`."""

@@ -92,8 +92,10 @@ class LLMEngine:
                                  hash_seed=f"{self.model_dir.name}:{self.args.block_size}")
         self.runner = self.executor.start_runner(num_blocks)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_batched_tokens,
-                                                   self.args.max_num_seqs, self.max_model_len), self.kv)
-        self.transfer = KVTransferGlue(config.kv_transfer, self.scheduler, self.kv, self.args.block_size)
+                                                   self.args.max_num_seqs, self.max_model_len),
+                                   self.kv)
+        self.transfer = KVTransferGlue(config.kv_transfer, self.scheduler, self.kv,
+                                       self.args.block_size)
         self.sampler = Sampler(all_greedy=config.neuron.all_greedy)
         self.eos_token_ids = self._eos_ids()
         self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size,
@@ -103,7 +105,7 @@ class LLMEngine:
                                       self.transfer.hold)
         self._failures: list[RequestOutput] = []        # requests failed during this step
         self.num_steps = self.num_dummy_steps = 0
-        warmup(self.executor, config)
+        warmup(self.executor, self.runner.num_groups, config)
         self.transfer.start(self.kv_cache_spec(), self.runner.kv_tensors,
                             self.args.tensor_parallel_size, self.executor.link,
                             self.args.data_parallel_rank)
@@ -146,9 +148,11 @@ class LLMEngine:
 
     def kv_cache_spec(self) -> KVCacheSpec:
         c = self.model_config
-        fingerprint = hashlib.sha256(json.dumps(c.raw, sort_keys=True, default=str).encode()).hexdigest()[:16]
-        return KVCacheSpec(f"{self.model_dir.name}:{fingerprint}", str(self.model.dtype).removeprefix("torch."),
-                           self.args.block_size, c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
+        raw = json.dumps(c.raw, sort_keys=True, default=str).encode()
+        fingerprint = hashlib.sha256(raw).hexdigest()[:16]
+        return KVCacheSpec(f"{self.model_dir.name}:{fingerprint}",
+                           str(self.model.dtype).removeprefix("torch."), self.args.block_size,
+                           c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
                            hybrid=len(self.kv.groups) > 1, sliding_window=c.sliding_window)
 
     def shutdown(self) -> None:
@@ -161,7 +165,8 @@ class LLMEngine:
                     kv_transfer_params: dict | None = None) -> None:
         if request_id in self.parents:
             raise ValueError(f"duplicate request id {request_id!r}")
-        text, ids = (prompt, self._encode(prompt)) if isinstance(prompt, str) else (None, list(prompt))
+        text, ids = ((prompt, self._encode(prompt)) if isinstance(prompt, str)
+                     else (None, list(prompt)))
         self._check_params(params, ids)
         transfer = self.transfer.check(kv_transfer_params)
         grammar = self.structured.matcher(params)       # ValueError: a bad schema / regex
@@ -200,8 +205,9 @@ class LLMEngine:
             raise SamplingParamsError(f"the prompt has {len(ids)} tokens; max_model_len is "
                                       f"{self.max_model_len}", "prompt")
         if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
-            raise SamplingParamsError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
-                                      f"exceeds max_model_len {self.max_model_len}", "max_tokens")
+            raise SamplingParamsError(f"prompt ({len(ids)} tokens) + max_tokens "
+                                      f"({params.max_tokens}) exceeds max_model_len "
+                                      f"{self.max_model_len}", "max_tokens")
 
     def abort_request(self, request_id: str) -> None:
         parent = self.output.pop(request_id)

@@ -118,12 +118,12 @@ def warmup_steps(num_groups: int, block_size: int, dp_size: int | None = None) -
     return steps
 
 
-def warmup(executor: Executor, config: EngineConfig) -> None:
-    """Run the warm-up steps; over VLLM's compilation timeout is an error."""
+def warmup(executor: Executor, num_groups: int, config: EngineConfig) -> None:
+    """Run the warm-up steps; taking longer than the compilation timeout is an error."""
     limit = envs.COMPILATION_TIMEOUT_S.as_float()
     dp = config.args.data_parallel_size if executor.expert_world is not None else None
     t0 = time.perf_counter()
-    for step in warmup_steps(executor.runner.num_groups, config.args.block_size, dp):
+    for step in warmup_steps(num_groups, config.args.block_size, dp):
         executor.execute(step)
     seconds = time.perf_counter() - t0
     if limit is not None and seconds > limit:

@@ -65,10 +65,11 @@ class KVTransferGlue:
         if p.do_remote_prefill and not (cfg and cfg.is_consumer):
             raise ValueError("kv_transfer_params.do_remote_prefill needs a server started with "
                              "--kv-transfer-config kv_role kv_consumer or kv_both")
-        if p.do_remote_prefill and len(p.remote_block_ids) != len(self.kv.groups):
-            raise ValueError(f"kv_transfer_params.remote_block_ids has {len(p.remote_block_ids)} lists; "
-                             f"this server has {len(self.kv.groups)} KV-cache groups (hybrid KV cache "
-                             f"manager settings must match)")
+        remote = p.remote_block_ids or []
+        if p.do_remote_prefill and len(remote) != len(self.kv.groups):
+            raise ValueError(f"kv_transfer_params.remote_block_ids has {len(remote)} lists; "
+                             f"this server has {len(self.kv.groups)} KV-cache groups (hybrid KV "
+                             f"cache manager settings must match)")
         return p
 
     def poll(self) -> list[Request]:
@@ -88,17 +89,21 @@ class KVTransferGlue:
         return failed
 
     def start_loads(self, out: SchedulerOutput) -> list[Request]:
-        """Start the KV loads the scheduler admitted; returns the requests that failed."""
-        failed = []
+        """Start the KV loads the scheduler admitted; returns the requests that failed.
+        (Only requests that `check` let in load, and it needs a consumer's connector.)"""
+        failed: list[Request] = []
+        connector = self.connector
+        if connector is None:
+            return failed
         for load in out.loads:
             req = load.request
             try:
-                self.connector.start_load(  # type: ignore[union-attr] -- loads need a connector
-                    req.request_id, req.kv_transfer, self.kv.block_ids(req.request_id),
-                    self.kv.groups, load.hit_tokens, req.num_prompt_tokens, self.block_size)
-            except Exception as e:  # handshake/transport errors fail (or recompute) this request only
+                connector.start_load(req.request_id, req.kv_transfer,
+                                     self.kv.block_ids(req.request_id), self.kv.groups,
+                                     load.hit_tokens, req.num_prompt_tokens, self.block_size)
+            except Exception as e:  # noqa: BLE001 -- handshake/transport: this request only
                 logger.error("KV load for %s failed to start: %s", req.request_id, e)
-                self.connector.stats.failed += 1  # type: ignore[union-attr]
+                connector.stats.failed += 1
                 self.scheduler.finish_load(req.request_id, str(e), self.recompute)
                 if req.error:
                     failed.append(req)
@@ -115,8 +120,9 @@ class KVTransferGlue:
         if not (out.finished and first.remote_decode and first.request_id in self.scheduler.held):
             return
         block_ids = self.kv.block_ids(first.request_id)
+        assert self.connector is not None       # holds exist only with a producer's connector
         try:
-            where = self.connector.hold(first.request_id, block_ids)  # type: ignore[union-attr]
+            where = self.connector.hold(first.request_id, block_ids)
         except HoldRefused as e:
             self.scheduler.release_held(first.request_id)
             out.error, out.error_status = str(e), 503

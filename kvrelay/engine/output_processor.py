@@ -154,8 +154,9 @@ class OutputProcessor:
             sent = parent.sent.get(child.request_id, 0)
             logprobs = child.output_logprobs if child.params.logprobs is not None else None
             outputs.append(CompletionOutput(
-                i, detok.text if detok else "", list(child.output_token_ids), reason, child.stop_reason,
-                logprobs, delta_text=detok.take(reason is not None) if detok else "",
+                i, detok.text if detok else "", list(child.output_token_ids), reason,
+                child.stop_reason, logprobs,
+                delta_text=detok.take(reason is not None) if detok else "",
                 delta_token_ids=child.output_token_ids[sent:],
                 delta_logprobs=logprobs[sent:] if logprobs is not None else None))
             parent.sent[child.request_id] = len(child.output_token_ids)

@@ -31,7 +31,9 @@ FailFn = Callable[[Request, BaseException, str], None]
 
 def step_input(out: SchedulerOutput, kv: KVCacheManager, num_groups: int) -> StepInput:
     token_ids: list[int] = []
-    q_lens, starts, rows = [], [], []
+    q_lens: list[int] = []
+    starts: list[int] = []
+    rows: list[int] = []
     tables: list[list[list[int]]] = [[] for _ in range(num_groups)]
     for chunk in out.chunks:
         req = chunk.request
@@ -71,20 +73,20 @@ def forward(executor: Any, out: SchedulerOutput, step: StepInput, kv: KVCacheMan
         if len(out.chunks) > 1:
             logger.warning("a forward of %d chunks failed (%s: %s); re-running each alone",
                            len(out.chunks), type(error).__name__, error)
-        alone = []
+        alone: list[tuple[ScheduledChunk, torch.Tensor | None, Exception | None]] = []
         for chunk in out.chunks:
             try:
                 chunk_step = step_input(SchedulerOutput([chunk]), kv, executor.runner.num_groups)
                 alone.append((chunk, executor.execute(chunk_step), None))
             except Exception as e:  # noqa: BLE001 -- this chunk's own failure
                 alone.append((chunk, None, e))
-        if len(alone) > 1 and all(e is not None for _, _, e in alone):
+        if len(alone) > 1 and all(err is not None for _, _, err in alone):
             raise                                    # every chunk fails alone: not attributable
         kept, parts = [], []
-        for chunk, logits, e in alone:
-            if e is not None:
-                fail(chunk.request, e, "the model forward")
-            else:
+        for chunk, logits, err in alone:
+            if err is not None:
+                fail(chunk.request, err, "the model forward")
+            elif logits is not None:
                 kept.append(chunk)
                 parts.append(logits)
         out.chunks = kept
@@ -117,8 +119,8 @@ def sample(out: SchedulerOutput, logits: torch.Tensor, sampler: Sampler,
     if not reqs:
         return {}
     result, errors = sampler.isolated(logits[sample_rows], reqs)
-    for i, e in errors.items():
-        fail(reqs[i], e, "sampling")
+    for i, err in errors.items():
+        fail(reqs[i], err, "sampling")
     sampled = {}
     for i, (req, token, lp) in enumerate(zip(reqs, result.token_ids, result.logprobs)):
         if i in errors:

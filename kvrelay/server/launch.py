@@ -1,4 +1,4 @@
-"""`kvrelay serve`: resolve the model, start the engine-core process, serve HTTP.
+"""`kvrelay serve`: start the engine-core process(es) for a resolved EngineConfig, serve HTTP.
 
 Readiness: uvicorn starts at once (so `/health` answers 503 while the model loads);
 "Application startup complete." is logged only when the engine is ready — the line
@@ -17,7 +17,7 @@ from typing import Any
 import uvicorn
 
 from kvrelay import envs
-from kvrelay.config import EngineArgs, EngineConfig
+from kvrelay.config import EngineConfig
 from kvrelay.engine.async_client import AsyncEngine
 from kvrelay.model.tokenizer import load_tokenizer
 from kvrelay.server.api import ServerState, build_app
@@ -72,10 +72,8 @@ def hold_limiter(config: EngineConfig) -> HoldRateLimiter | None:
     return HoldRateLimiter(kv.hold_rate, kv.hold_burst)
 
 
-def serve(config: EngineConfig | EngineArgs, host: str, port: int, api_key: str | None,
+def serve(config: EngineConfig, host: str, port: int, api_key: str | None,
           agent: AgentOptions | None = None) -> int:
-    if isinstance(config, EngineArgs):
-        config = EngineConfig.from_args(config)
     model_dir, names, args = config.model_dir, list(config.served_names), config.args
     tokenizer = load_tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
     timeout = envs.EXECUTE_MODEL_TIMEOUT_S.as_float()
@@ -106,9 +104,9 @@ def serve(config: EngineConfig | EngineArgs, host: str, port: int, api_key: str 
             engine.shutdown()
 
     app.router.lifespan_context = lifespan
-    config = uvicorn.Config(app, host=host, port=port, log_level="info",
-                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
-    server = _DrainingServer(config)
+    http = uvicorn.Config(app, host=host, port=port, log_level="info",
+                          timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    server = _DrainingServer(http)
     logging.getLogger("uvicorn.error").addFilter(_HideEarlyReadyLine())
     logger.info("serving %s as %s on http://%s:%d", model_dir, ", ".join(names), host, port)
     server.run()

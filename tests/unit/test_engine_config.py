@@ -72,9 +72,18 @@ def test_explicit_values_win(ckpt):
     config = resolve(ckpt, dtype="float32", max_model_len=100, max_num_batched_tokens=64,
                      hf_overrides={"num_local_experts": 8},
                      additional_config={"neuron_config": {"quantization": "mxfp4"}})
-    assert (config.dtype, config.max_model_len, config.max_num_batched_tokens) == ("float32", 100, 64)
+    assert config.dtype == "float32"
+    assert (config.max_model_len, config.max_num_batched_tokens) == (100, 64)
     assert config.model.num_local_experts == 8           # --hf-overrides applied once, here
     assert config.quantization == "mxfp4"
+
+
+def test_quantization_none_dequantises(ckpt):
+    """`kvrelay generate --quantization none` reaches load_model as None (dequantise)."""
+    assert resolve(ckpt, quantization="none").quantization is None
+    assert resolve(ckpt, quantization="mxfp4").quantization == "mxfp4"
+    with pytest.raises(ValueError, match="quantization must be mxfp4, auto or none, got 'fp8'"):
+        resolve(ckpt, quantization="fp8")
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -113,14 +122,15 @@ def test_kv_budget(ckpt):
 
 
 def test_ignored_kv_transfer_keys_are_named(ckpt):
-    tutorial = {"kv_connector": "NixlConnector", "kv_role": "kv_producer", "kv_buffer_device": "cuda"}
+    tutorial = {"kv_connector": "NixlConnector", "kv_role": "kv_producer",
+                "kv_buffer_device": "cuda"}
     notes = resolve(ckpt, kv_transfer_config=tutorial).ignored_inputs("cpu")
     assert len(notes) == 1 and "kv_buffer_device 'cuda' ignored" in notes[0]
     assert resolve(ckpt, kv_transfer_config=tutorial).ignored_inputs("cuda") == []
     p2p = dict(tutorial, kv_ip="10.0.0.1", kv_port=14579, kv_rank=0, kv_parallel_size=2)
     notes = resolve(ckpt, kv_transfer_config=p2p).ignored_inputs("cuda")
-    assert notes == ["--kv-transfer-config: kv_ip, kv_port, kv_rank, kv_parallel_size ignored "
-                     "(vLLM P2P keys; NIXL peers exchange addresses over the side channel)"]
+    assert notes == [("--kv-transfer-config: kv_ip, kv_port, kv_rank, kv_parallel_size ignored "
+                      "(vLLM P2P keys; NIXL peers exchange addresses over the side channel)")]
     assert resolve(ckpt).ignored_inputs("cpu") == []
 
 
