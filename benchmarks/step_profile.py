@@ -54,8 +54,9 @@ def instrument(engine: Any) -> None:
     runner = engine.runner
     engine.scheduler.schedule = _timed("scheduler.schedule", engine.scheduler.schedule)
     engine.scheduler.update = _timed("scheduler.update", engine.scheduler.update)
-    engine._step_input = _timed("engine.step_input", engine._step_input)
-    engine._outputs = _timed("detokenize+outputs", engine._outputs)
+    from kvrelay.engine import step_io
+    step_io.step_input = _timed("engine.step_input", step_io.step_input)
+    engine.output.outputs = _timed("detokenize+outputs", engine.output.outputs)
     engine.sampler = _timed("sampler", engine.sampler)
     runner.prepare = _timed("runner.prepare", runner.prepare)
     model = runner.model

@@ -172,7 +172,7 @@ def _generate(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     llm = LLM(args.model, dtype=args.dtype, hf_overrides=args.hf_overrides,
               download_dir=args.download_dir, max_model_len=args.max_model_len,
-              quantization=None if args.quantization == "none" else args.quantization)
+              quantization=args.quantization)
     engine = llm.engine
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"model: {engine.model_dir} ({engine.model.weight_bytes() / 2**20:.0f} MiB of weights, "
@@ -193,18 +193,15 @@ def _serve(args: argparse.Namespace) -> int:
     if not args.headless:                   # a taken port: one line now, not after the model loads
         from kvrelay.ports import check_serve_ports
         check_serve_ports(args)
-    from kvrelay.config import EngineArgs, NeuronConfig
+    from kvrelay.config import EngineArgs, EngineConfig
     from kvrelay.server.launch import serve
     engine_args = EngineArgs(**{name: getattr(args, name) for name in SERVE_ENGINE_FLAGS})
     agent = agent_options(args)                                           # flag errors first
-    NeuronConfig.from_additional_config(engine_args.additional_config)   # fail before any process starts
-    from kvrelay.disagg.params import KVTransferConfig
-    KVTransferConfig.from_json(engine_args.kv_transfer_config)
-    _check_layout(engine_args)                                            # ... and this too
+    config = EngineConfig.from_args(engine_args)   # every engine value checked before a process starts
     if engine_args.headless:
         from kvrelay.engine.dp_remote import run_headless
-        return run_headless(engine_args)
-    return serve(engine_args, args.host, args.port, args.api_key, agent)
+        return run_headless(config.args)
+    return serve(config, args.host, args.port, args.api_key, agent)
 
 
 def agent_options(args: argparse.Namespace):
@@ -216,32 +213,6 @@ def agent_options(args: argparse.Namespace):
                         tool_call_parser=args.tool_call_parser,
                         reasoning_parser=args.reasoning_parser,
                         responses_store_size=envs.RESPONSES_STORE_MAX_ENTRIES.as_int() if store else 0)
-
-
-def _check_layout(engine_args) -> None:
-    """TP/DP/EP against the checkpoint's heads and experts, naming the numbers."""
-    from kvrelay.config import NeuronConfig
-    from kvrelay.model.config import load_config
-    from kvrelay.model.parallel import validate_layout
-    a = engine_args
-    neuron = NeuronConfig.from_additional_config(a.additional_config)
-    neuron.check_layout(a.tensor_parallel_size, a.data_parallel_size, a.enable_expert_parallel)
-    cfg = load_config(_resolve(a.model, a.download_dir), a.hf_overrides)
-    tp, dp = a.tensor_parallel_size, a.data_parallel_size
-    if a.experts_across_replicas:
-        ep = tp * dp
-    else:
-        ep = neuron.ep_degree or (tp if a.enable_expert_parallel else 1)
-    validate_layout(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_local_experts, tp, ep,
-                    dp if a.experts_across_replicas else 1)
-
-
-def _resolve(model: str | None, download_dir: str | None):
-    if model is None:
-        from kvrelay.model.embedded import embedded_model_dir
-        return embedded_model_dir()
-    from kvrelay.model.loader import resolve_model_path
-    return resolve_model_path(model, download_dir)
 
 
 if __name__ == "__main__":

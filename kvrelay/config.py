@@ -1,13 +1,28 @@
-"""Engine arguments (the `serve` flags with underscores) and their validation.
+"""Engine arguments (the `serve` flags with underscores), their validation and resolution.
 
-`EngineArgs` is what users pass (`LLM(model, **engine_args)` or the CLI); the
-engine reads the validated, frozen pieces: `NeuronConfig` from
-`--additional-config '{"neuron_config": {...}}'` among them.
+    EngineArgs     what users pass (`LLM(model, **engine_args)` or the CLI), as given
+    EngineConfig   what every entry point reads: the arguments resolved once against
+                   the checkpoint (model directory, parsed config.json, dtype,
+                   max_model_len, expert-parallel layout, KV budget, quantization,
+                   `NeuronConfig`, `KVTransferConfig`), frozen and validated
+    ExpertLayout   the one EP-width rule (`kvrelay serve`, the engine, `kvrelay deploy`)
+
+This module imports no torch: the API process and `kvrelay deploy` use it; the model
+directory and the layout check import what they need when called.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
-from typing import Any
+import logging
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvrelay.model.config import GptOssConfig, load_config
+
+if TYPE_CHECKING:
+    from kvrelay.disagg.params import KVTransferConfig
+
+logger = logging.getLogger(__name__)
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 
@@ -213,3 +228,176 @@ class EngineArgs:
         if unknown:
             raise TypeError(f"unknown engine argument {unknown[0]!r}")
         return cls(**kwargs)
+
+
+# -- resolution --------------------------------------------------------------------------------
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+DEFAULT_KV_BYTES = 1 << 30        # the KV budget when neither blocks nor bytes are given
+# vLLM kv_transfer_config keys kvrelay accepts (the tutorial passes some) and does not use:
+# NIXL needs no rank/world/address (the side channel exchanges them), and the KV blocks are
+# registered where the engine keeps them
+_IGNORED_KV_KEYS = ("kv_ip", "kv_port", "kv_rank", "kv_parallel_size")
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """How the experts are split: the one EP-width rule.
+
+    With --enable-expert-parallel and DP > 1 the experts span every rank of every
+    replica (EP = TP × DP, `across`); otherwise inside one replica:
+    neuron_config.ep_degree, else TP with --enable-expert-parallel, else 1.
+    """
+
+    tp: int
+    dp: int
+    inner: int            # EP width inside one replica (1 when the experts span replicas)
+    across: bool          # experts span all data-parallel replicas
+
+    @classmethod
+    def of(cls, tp: int, dp: int, enable_expert_parallel: bool,
+           ep_degree: int | None = None) -> ExpertLayout:
+        across = enable_expert_parallel and dp > 1
+        inner = 1 if across else ep_degree or (tp if enable_expert_parallel else 1)
+        return cls(tp, dp, inner, across)
+
+    @property
+    def width(self) -> int:
+        """Ways the experts are split in all."""
+        return self.tp * self.dp if self.across else self.inner
+
+    def validate(self, model: GptOssConfig) -> None:
+        """ValueError naming the numbers when the model cannot be sharded this way."""
+        from kvrelay.model.parallel import validate_layout  # imports torch
+        validate_layout(model.num_attention_heads, model.num_key_value_heads,
+                        model.num_local_experts, self.tp, self.width,
+                        self.dp if self.across else 1)
+
+
+def resolve_model_dir(model: str | None, download_dir: str | None = None) -> Path:
+    """The checkpoint directory of --model: a local directory, a Hugging Face repo id in
+    the HF cache, or (no model) the embedded model, built on first use."""
+    if model is None:
+        from kvrelay.model.embedded import embedded_model_dir
+        return embedded_model_dir()
+    from kvrelay.model.loader import resolve_model_path
+    return resolve_model_path(model, download_dir)
+
+
+def served_names(args: EngineArgs) -> tuple[str, ...]:
+    """--served-model-name, else the --model as given, else the embedded model's name."""
+    names = args.served_model_name
+    if isinstance(names, str):
+        names = [names]
+    if names:
+        return tuple(names)
+    if args.model is None:
+        from kvrelay.model.embedded import EMBEDDED_MODEL_NAME
+        return (EMBEDDED_MODEL_NAME,)
+    return (args.model,)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """`EngineArgs` resolved against the checkpoint, once per process, then read-only.
+
+    `args` are the user's arguments with `model` replaced by the resolved directory (so
+    a process handed `args` resolves the same checkpoint without searching again); the
+    original --model survives in `served_names`.
+    """
+
+    args: EngineArgs
+    model_dir: Path
+    model: GptOssConfig                      # config.json with --hf-overrides, read once
+    dtype: str                               # bfloat16 | float16 | float32 (no "auto")
+    quantization: str | None                 # what load_model gets: "auto", "mxfp4" or None
+                                             # (dequantise: `kvrelay generate --quantization none`)
+    max_model_len: int
+    max_num_batched_tokens: int
+    experts: ExpertLayout
+    neuron: NeuronConfig
+    kv_transfer: KVTransferConfig | None
+    served_names: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES[1:]:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES[1:])}, got {self.dtype!r}")
+        if self.quantization not in ("auto", "mxfp4", None):
+            raise ValueError(f"quantization must be mxfp4, auto or none, got {self.quantization!r}")
+        self.neuron.check_layout(self.args.tensor_parallel_size, self.args.data_parallel_size,
+                                 self.args.enable_expert_parallel)
+        self.neuron.check_buckets(self.max_num_batched_tokens, self.args.max_num_seqs)
+        self.experts.validate(self.model)
+
+    @classmethod
+    def from_args(cls, args: EngineArgs) -> EngineConfig:
+        """Resolve and validate; ValueError (one line, naming the flag) on a bad value."""
+        from kvrelay.disagg.params import KVTransferConfig
+        neuron = NeuronConfig.from_additional_config(args.additional_config)
+        kv_transfer = KVTransferConfig.from_json(args.kv_transfer_config)
+        model_dir = resolve_model_dir(args.model, args.download_dir)
+        model = load_config(model_dir, args.hf_overrides)
+        dtype = args.dtype if args.dtype != "auto" else _checkpoint_dtype(model)
+        return cls(
+            args=replace(args, model=str(model_dir)),
+            model_dir=model_dir,
+            model=model,
+            dtype=dtype,
+            quantization=_quantization(args.quantization, neuron.quantization),
+            max_model_len=args.max_model_len or model.max_position_embeddings,
+            max_num_batched_tokens=args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
+            experts=ExpertLayout.of(args.tensor_parallel_size, args.data_parallel_size,
+                                    args.enable_expert_parallel, neuron.ep_degree),
+            neuron=neuron,
+            kv_transfer=kv_transfer,
+            served_names=served_names(args),
+        )
+
+    @property
+    def blocks_per_sequence(self) -> int:
+        """Blocks one sequence of max_model_len needs (plus the null block)."""
+        return -(-self.max_model_len // self.args.block_size) + 1
+
+    def num_blocks(self, bytes_per_block: int) -> int:
+        """The KV pool size: --num-gpu-blocks-override, else --kv-cache-memory-bytes, else
+        the default budget capped at what every sequence at full length could use."""
+        a = self.args
+        if a.num_gpu_blocks_override:
+            num_blocks = a.num_gpu_blocks_override
+        elif a.kv_cache_memory_bytes:
+            num_blocks = a.kv_cache_memory_bytes // bytes_per_block
+        else:
+            most = a.max_num_seqs * (self.blocks_per_sequence - 1) + 1
+            num_blocks = min(DEFAULT_KV_BYTES // bytes_per_block, most)
+        if num_blocks < self.blocks_per_sequence:
+            raise ValueError(
+                f"the KV cache holds {num_blocks} blocks of {a.block_size} tokens but one "
+                f"sequence of max_model_len {self.max_model_len} needs {self.blocks_per_sequence}; "
+                f"raise --kv-cache-memory-bytes (now {num_blocks * bytes_per_block} bytes) or "
+                f"lower --max-model-len")
+        return num_blocks
+
+    def ignored_inputs(self, device_type: str) -> list[str]:
+        """Accepted-but-unused inputs, one message each (the engine logs them once)."""
+        raw = self.args.kv_transfer_config or {}
+        ignored = [k for k in _IGNORED_KV_KEYS if k in raw]
+        notes = []
+        if ignored:
+            notes.append(f"--kv-transfer-config: {', '.join(ignored)} ignored (vLLM P2P keys; "
+                         f"NIXL peers exchange addresses over the side channel)")
+        if self.kv_transfer is not None and self.kv_transfer.kv_buffer_device != device_type:
+            device = self.kv_transfer.kv_buffer_device
+            notes.append(f"--kv-transfer-config: kv_buffer_device {device!r} ignored: KV blocks "
+                         f"are transferred from the engine's {device_type} memory")
+        return notes
+
+
+def _quantization(flag: str | None, neuron: str | None) -> str | None:
+    """neuron_config's, else --quantization ("none": dequantise MXFP4 experts), else auto."""
+    if flag == "none" and neuron is None:
+        return None
+    return neuron or flag or "auto"
+
+
+def _checkpoint_dtype(model: GptOssConfig) -> str:
+    """--dtype auto: the checkpoint's torch_dtype (bfloat16 when it names another)."""
+    return model.torch_dtype if model.torch_dtype in DTYPES[1:] else "bfloat16"

@@ -123,18 +123,16 @@ class RoleLayout:
 def role_layout(topo: Topology, spec: RoleSpec) -> RoleLayout:
     """EP as `kvrelay serve` derives it: TP × DP with --enable-expert-parallel and DP > 1
     (experts across replicas), else neuron_config.ep_degree, else TP with EP, else 1."""
+    from kvrelay.config import ExpertLayout
     neuron = _neuron_config(topo, spec)
-    across = spec.expert_parallel and spec.dp > 1
-    ep_inner = 1 if across else neuron.get("ep_degree") or (spec.tp if spec.expert_parallel else 1)
-    ep_width = spec.tp * spec.dp if across else ep_inner
-    return RoleLayout(spec, neuron, ep_inner, ep_width)
+    experts = ExpertLayout.of(spec.tp, spec.dp, spec.expert_parallel, neuron.get("ep_degree"))
+    return RoleLayout(spec, neuron, experts.inner, experts.width)
 
 
 def check_layout(layout: RoleLayout, cfg: GptOssConfig) -> list[str]:
     """Problems of one role's layout against the model, each naming the numbers: the
     checks `kvrelay serve` runs at startup (NeuronConfig's keys, validate_layout)."""
-    from kvrelay.config import NeuronConfig
-    from kvrelay.model.parallel import validate_layout  # torch is imported here only
+    from kvrelay.config import ExpertLayout, NeuronConfig
     s, name = layout.spec, layout.spec.role
     problems = []
     try:
@@ -142,10 +140,8 @@ def check_layout(layout: RoleLayout, cfg: GptOssConfig) -> list[str]:
         neuron.check_layout(s.tp, s.dp, s.expert_parallel)
     except ValueError as e:
         problems.append(f"{name}: {e}")
-    across = s.expert_parallel and s.dp > 1
     try:
-        validate_layout(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_local_experts,
-                        s.tp, layout.ep_width, s.dp if across else 1)
+        ExpertLayout.of(s.tp, s.dp, s.expert_parallel, layout.neuron.get("ep_degree")).validate(cfg)
     except ValueError as e:
         problems.append(f"{name}: {e}")
     return problems

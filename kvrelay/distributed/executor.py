@@ -1,10 +1,15 @@
-"""Executors: where the model runs for a step.
+"""The tensor-parallel executor: where the model runs for a step at TP=N.
 
-    UniprocExecutor     TP=1: the runner lives in the engine-core process.
-    MultiprocExecutor   TP=N: rank 0's runner lives in the engine-core process, ranks
-                        1..N-1 in worker processes; every step the scheduler's compact
-                        `StepInput` (plain lists) is broadcast, all ranks run their shard,
-                        and rank 0 returns the (all-gathered) logits.
+    MultiprocExecutor   rank 0's runner lives in the engine-core process, ranks 1..N-1
+                        in worker processes; every step the engine's compact step input
+                        (plain lists) is broadcast, all ranks run their shard, and rank 0
+                        returns the (all-gathered) logits.
+
+(TP=1 runs in the engine-core process: `kvrelay/engine/executor.py`'s UniprocExecutor,
+which has the same interface.) This module is below the engine: it knows no runner or
+step type; the engine hands it a runner factory (`make_runner`), and a step is whatever
+that runner's `execute` takes, wrapped in `_Compute` on the wire so that ranks tell
+steps from KV-transfer messages.
 
 Supervision: a monitor thread watches the workers; if one dies the executor marks
 itself failed, the engine reports a clear error and every worker is stopped.
@@ -17,13 +22,12 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
-
-from kvrelay.engine.runner import ModelRunner, StepInput
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +55,17 @@ class RankSpec:
     init_method: str
     cpu_slices: tuple[tuple[int, ...], ...]      # per rank: CPU cores to pin to (may be empty)
     expert_world: Any = None                     # ExpertWorld: experts span all DP replicas
+    config: Any = None                           # the parsed config.json (GptOssConfig)
+
+
+# (model, num_blocks, block_size) -> a runner with `.execute(step)`, `.kv_tensors`, `.num_groups`
+RunnerFactory = Callable[[Any, int, int], Any]
+
+
+@dataclass
+class _Compute:
+    """A broadcast step (every other broadcast is a KV-transfer message or None: stop)."""
+    step: Any
 
 
 def free_port() -> int:
@@ -88,14 +103,15 @@ def _setup_rank(spec: RankSpec, rank: int):
                               comm=TorchDistCollectives())
     loaded = load_model(spec.model_dir, dtype=spec.dtype, quantization=spec.quantization,
                         hf_overrides=spec.hf_overrides, ctx=ctx, hybrid_kv_cache=spec.hybrid,
-                        max_positions=spec.max_positions, progress=rank == 0)
+                        max_positions=spec.max_positions, progress=rank == 0, config=spec.config)
     if spec.expert_world is not None:
         from kvrelay.model.layers.ep_dispatch import report_expert_layout
         report_expert_layout(loaded.model, ctx)
     return loaded
 
 
-def worker_main(spec: RankSpec, rank: int, kv_events: Any = None) -> None:
+def worker_main(spec: RankSpec, rank: int, make_runner: RunnerFactory,
+                kv_events: Any = None) -> None:
     """Ranks ≥ 1: load the shard, then run every broadcast step until told to stop.
     Other broadcasts are KV-transfer messages (kvrelay/disagg/worker.py); this rank
     reports its KV progress on `kv_events`."""
@@ -104,18 +120,19 @@ def worker_main(spec: RankSpec, rank: int, kv_events: Any = None) -> None:
     loaded = _setup_rank(spec, rank)
     box: list[Any] = [None]
     dist.broadcast_object_list(box, src=0)               # num_blocks from rank 0
-    runner = ModelRunner(loaded.model, box[0], spec.block_size)
+    runner = make_runner(loaded.model, box[0], spec.block_size)
     kv = None
     try:
         while True:
             dist.broadcast_object_list(box, src=0)
-            step = box[0]
-            if step is None:
+            message = box[0]
+            if message is None:
                 break
-            if not isinstance(step, StepInput):
+            if not isinstance(message, _Compute):
                 from kvrelay.disagg.worker import serve_kv_message
-                kv = serve_kv_message(step, kv, rank, runner.kv_tensors, kv_events)
+                kv = serve_kv_message(message, kv, rank, runner.kv_tensors, kv_events)
                 continue
+            step = message.step
             if step.kv_work is not None and kv is not None:
                 kv.apply(step.kv_work)                   # start this rank's reads before computing
             runner.execute(step)
@@ -126,12 +143,16 @@ def worker_main(spec: RankSpec, rank: int, kv_events: Any = None) -> None:
 
 
 class MultiprocExecutor:
-    def __init__(self, spec: RankSpec) -> None:
-        self.spec = spec
+    """Owner of the worker processes and the TP process group (rank 0 is this process)."""
+
+    can_rerun = False        # the ranks' collectives cannot be replayed for part of a batch
+
+    def __init__(self, spec: RankSpec, make_runner: RunnerFactory) -> None:
+        self.spec, self.make_runner = spec, make_runner
         ctx = mp.get_context("spawn")
         self.kv_queue = ctx.Queue()                  # ranks' KV-transfer progress (disaggregation)
-        self.workers = [ctx.Process(target=worker_main, args=(spec, r, self.kv_queue), name=f"kvrelay-tp-rank{r}",
-                                    daemon=True)
+        self.workers = [ctx.Process(target=worker_main, args=(spec, r, make_runner, self.kv_queue),
+                                    name=f"kvrelay-tp-rank{r}", daemon=True)
                         for r in range(1, spec.tp_size)]
         for w in self.workers:
             w.start()
@@ -144,8 +165,14 @@ class MultiprocExecutor:
             self._closing = True
             self._kill_all()
             raise
-        self.model = self.loaded.model
-        self.runner: ModelRunner | None = None
+        self.model, self.config = self.loaded.model, self.loaded.config
+        self.expert_world = spec.expert_world
+        self.runner: Any = None
+
+    @property
+    def link(self) -> MultiprocExecutor:
+        """The KV connector's RankLink to ranks 1..N-1."""
+        return self
 
     def _why_failed(self, error: Exception, wait_s: float = 2.0) -> str:
         """A failed collective usually means a peer died: name the worker that exited
@@ -172,18 +199,18 @@ class MultiprocExecutor:
                 self._kill_all()          # rank 0's pending collective then fails at once
                 return
 
-    def start_runner(self, num_blocks: int) -> ModelRunner:
+    def start_runner(self, num_blocks: int) -> Any:
         import torch.distributed as dist
         dist.broadcast_object_list([num_blocks], src=0)
-        self.runner = ModelRunner(self.model, num_blocks, self.spec.block_size)
+        self.runner = self.make_runner(self.model, num_blocks, self.spec.block_size)
         return self.runner
 
-    def execute(self, step: StepInput) -> torch.Tensor:
+    def execute(self, step: Any) -> torch.Tensor:
         import torch.distributed as dist
         if self.failed:
             raise WorkerDiedError(self.failed)
         try:
-            dist.broadcast_object_list([step], src=0)
+            dist.broadcast_object_list([_Compute(step)], src=0)
             return self.runner.execute(step)
         except RuntimeError as e:       # a collective with a dead peer
             raise WorkerDiedError(self._why_failed(e)) from None
@@ -213,15 +240,6 @@ class MultiprocExecutor:
             dist.broadcast_object_list([message], src=0)
         except RuntimeError as e:
             raise WorkerDiedError(self._why_failed(e)) from None
-
-    def warmup(self) -> float:
-        import time
-        t0 = time.perf_counter()
-        n = min(self.spec.block_size, 8)
-        groups = self.runner.num_groups
-        self.execute(StepInput([0] * n, [n], [0], [[[0]]] * groups, [n - 1]))
-        self.execute(StepInput([0], [1], [n - 1], [[[0]]] * groups, [0], num_decodes=1))
-        return time.perf_counter() - t0
 
     def shutdown(self) -> None:
         import torch.distributed as dist

@@ -7,7 +7,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from kvrelay.config import EngineArgs
+from kvrelay.config import EngineArgs, EngineConfig
 from kvrelay.engine.core import LLMEngine
 from kvrelay.engine.outputs import RequestOutput
 from kvrelay.sampling_params import SamplingParams
@@ -17,7 +17,8 @@ Prompt = str | list[int] | dict[str, Any]
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        self.engine = LLMEngine(EngineArgs.from_kwargs(model=model, **engine_args))
+        config = EngineConfig.from_args(EngineArgs.from_kwargs(model=model, **engine_args))
+        self.engine = LLMEngine(config)
         self._ids = itertools.count()
 
     def shutdown(self) -> None:

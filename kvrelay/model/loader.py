@@ -236,14 +236,16 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype = torch.bfloat16,
                quantization: str | None = "auto", hf_overrides: dict[str, Any] | None = None,
                ctx: ParallelContext | None = None, device: str | torch.device = "cpu",
                hybrid_kv_cache: bool = True, max_positions: int | None = None,
-               progress: bool = True) -> LoadedModel:
+               progress: bool = True, config: GptOssConfig | None = None) -> LoadedModel:
     """Build the model for one rank and read its shard of the weights.
 
     quantization: "auto" keeps MXFP4 checkpoints packed and dense ones dense; "mxfp4"
     requires MXFP4 experts on disk; None dequantises MXFP4 experts at load.
+    config: the checkpoint's parsed config.json when the caller has it (EngineConfig).
     """
     model_dir = Path(model_dir)
-    config = load_config(model_dir, hf_overrides)
+    if config is None:
+        config = load_config(model_dir, hf_overrides)
     src = SafetensorsWeights(model_dir)
     mxfp4_on_disk = check_checkpoint(src, config)
     if quantization not in ("auto", "mxfp4", None):

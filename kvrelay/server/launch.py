@@ -1,4 +1,4 @@
-"""`kvrelay serve`: resolve the model, start the engine-core process, serve HTTP.
+"""`kvrelay serve`: start the engine-core process(es) for a resolved EngineConfig, serve HTTP.
 
 Readiness: uvicorn starts at once (so `/health` answers 503 while the model loads);
 "Application startup complete." is logged only when the engine is ready — the line
@@ -17,7 +17,7 @@ from typing import Any
 import uvicorn
 
 from kvrelay import envs
-from kvrelay.config import EngineArgs
+from kvrelay.config import EngineConfig
 from kvrelay.engine.async_client import AsyncEngine
 from kvrelay.model.tokenizer import load_tokenizer
 from kvrelay.server.api import ServerState, build_app
@@ -54,26 +54,6 @@ class _DrainingServer(uvicorn.Server):
         return without_reraise()
 
 
-def resolve_model_dir(args: EngineArgs) -> Path:
-    if args.model is None:
-        from kvrelay.model.embedded import embedded_model_dir
-        return embedded_model_dir()
-    from kvrelay.model.loader import resolve_model_path
-    return resolve_model_path(args.model, args.download_dir)
-
-
-def served_names(args: EngineArgs) -> list[str]:
-    names = args.served_model_name
-    if isinstance(names, str):
-        names = [names]
-    if names:
-        return list(names)
-    if args.model is None:
-        from kvrelay.model.embedded import EMBEDDED_MODEL_NAME
-        return [EMBEDDED_MODEL_NAME]
-    return [args.model]
-
-
 def sampling_defaults(model_dir: Path) -> dict[str, Any]:
     """generation_config.json's sampling defaults (vLLM's `--generation-config auto`)."""
     path = model_dir / "generation_config.json"
@@ -83,21 +63,18 @@ def sampling_defaults(model_dir: Path) -> dict[str, Any]:
     return {k: cfg[k] for k in ("temperature", "top_p", "top_k") if k in cfg}
 
 
-def hold_limiter(args: EngineArgs) -> HoldRateLimiter | None:
+def hold_limiter(config: EngineConfig) -> HoldRateLimiter | None:
     """A prefill's per-client bound on do_remote_decode holds (None: no KV producer, or
     hold_rate 0)."""
-    from kvrelay.disagg.params import KVTransferConfig
-    kv = KVTransferConfig.from_json(args.kv_transfer_config)
+    kv = config.kv_transfer
     if kv is None or not kv.is_producer or kv.hold_rate == 0:
         return None
     return HoldRateLimiter(kv.hold_rate, kv.hold_burst)
 
 
-def serve(args: EngineArgs, host: str, port: int, api_key: str | None,
+def serve(config: EngineConfig, host: str, port: int, api_key: str | None,
           agent: AgentOptions | None = None) -> int:
-    model_dir = resolve_model_dir(args)
-    names = served_names(args)
-    args.model = str(model_dir)
+    model_dir, names, args = config.model_dir, list(config.served_names), config.args
     tokenizer = load_tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
     timeout = envs.EXECUTE_MODEL_TIMEOUT_S.as_float()
     if args.data_parallel_size > 1:
@@ -109,7 +86,7 @@ def serve(args: EngineArgs, host: str, port: int, api_key: str | None,
                        max_logprobs=args.max_logprobs, api_key=api_key, defaults=sampling_defaults(model_dir),
                        chat=make_chat_renderer(tokenizer), agent=agent or AgentOptions())
     state.metrics = ServerMetrics(lambda: engine.stats, names[0], lambda: engine.info)
-    state.hold_limiter = hold_limiter(args)
+    state.hold_limiter = hold_limiter(config)
     app = build_app(state)
     outcome = {"rc": 0}
 
@@ -127,9 +104,9 @@ def serve(args: EngineArgs, host: str, port: int, api_key: str | None,
             engine.shutdown()
 
     app.router.lifespan_context = lifespan
-    config = uvicorn.Config(app, host=host, port=port, log_level="info",
-                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
-    server = _DrainingServer(config)
+    http = uvicorn.Config(app, host=host, port=port, log_level="info",
+                          timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    server = _DrainingServer(http)
     logging.getLogger("uvicorn.error").addFilter(_HideEarlyReadyLine())
     logger.info("serving %s as %s on http://%s:%d", model_dir, ", ".join(names), host, port)
     server.run()

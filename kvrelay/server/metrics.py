@@ -75,7 +75,6 @@ class _EngineCollector(Collector):
         yield gauge("kvrelay:kv_blocks_free", "Free KV blocks (cached ones included).", s.get("blocks_free", 0))
         yield gauge("kvrelay:kv_blocks_used", "KV blocks held by requests.", s.get("blocks_used", 0))
         yield gauge("kvrelay:kv_blocks_total", "Usable KV blocks.", s.get("blocks_total", 0))
-        yield counter("kvrelay:bucket_padding_tokens", "Tokens of padding added to reach a bucket.", s.get("padded_tokens", 0))
         yield counter("kvrelay:engine_steps", "Engine steps run.", s.get("num_steps", 0))
         if "dp_dummy_steps" in s:
             yield counter("kvrelay:dp_dummy_steps", "Forwards of an idle replica so that experts "

@@ -1,0 +1,149 @@
+"""A step's way in and out of the model: the scheduler's chunks → `StepInput`, the
+forward (a failure attributed to the request that caused it), and the logits rows →
+prompt logprobs and sampled tokens.
+
+Row layout of the logits (`StepInput.logits_rows`), chunk by chunk in schedule order:
+
+    chunk i: [prompt-logprob rows of i (if asked)] [its sampling row (if it completes)]
+
+A chunk scores prompt token p + 1 from the logits at position p, for p in
+[start, start + n) with p + 1 < prompt length; a chunk that reaches the end of what
+is known samples from its last row.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kvrelay.engine.request import Request
+from kvrelay.engine.runner import StepInput
+from kvrelay.engine.sampler import Sampler, top_logprobs
+from kvrelay.engine.scheduler import ScheduledChunk, SchedulerOutput
+from kvrelay.kv_cache.manager import KVCacheManager
+
+logger = logging.getLogger(__name__)
+
+FailFn = Callable[[Request, BaseException, str], None]
+
+
+def step_input(out: SchedulerOutput, kv: KVCacheManager, num_groups: int) -> StepInput:
+    token_ids: list[int] = []
+    q_lens: list[int] = []
+    starts: list[int] = []
+    rows: list[int] = []
+    tables: list[list[list[int]]] = [[] for _ in range(num_groups)]
+    for chunk in out.chunks:
+        req = chunk.request
+        token_ids.extend(req.all_token_ids[chunk.start:chunk.start + chunk.num_tokens])
+        q_lens.append(chunk.num_tokens)
+        starts.append(chunk.start)
+        for g, ids in enumerate(kv.block_ids(req.request_id)):
+            tables[g].append(ids)
+        end = len(token_ids)
+        n_prompt = prompt_logprob_rows(chunk)
+        rows.extend(range(end - chunk.num_tokens, end - chunk.num_tokens + n_prompt))
+        if chunk.completes:
+            rows.append(end - 1)
+    num_decodes = sum(1 for c in out.chunks if c.num_tokens == 1)
+    return StepInput(token_ids, q_lens, starts, tables, rows, num_decodes)
+
+
+def forward(executor: Any, out: SchedulerOutput, step: StepInput, kv: KVCacheManager,
+            fail: FailFn) -> torch.Tensor:
+    """The model forward, with a failure attributed to the requests that cause it.
+
+    With TP worker ranks or experts across replicas (`executor.can_rerun` false) a
+    failed forward is fatal: the ranks' collectives cannot be replayed for a subset
+    of the batch. In this process (TP=1) each chunk is re-run alone; a chunk that
+    fails alone fails its request, the others keep their logits (concatenated in
+    chunk order, the row layout `sample` expects). Re-running is safe: a
+    forward writes K/V only to the slots of its own new tokens, which no other
+    request shares and the prefix cache does not hold yet, and rewriting them gives
+    the same values. When every chunk of a multi-chunk step fails alone too, the
+    fault is not a request's: fatal.
+    """
+    if not executor.can_rerun:
+        return executor.execute(step)
+    try:
+        return executor.execute(step)
+    except Exception as error:                      # attributed per chunk below
+        if len(out.chunks) > 1:
+            logger.warning("a forward of %d chunks failed (%s: %s); re-running each alone",
+                           len(out.chunks), type(error).__name__, error)
+        alone: list[tuple[ScheduledChunk, torch.Tensor | None, Exception | None]] = []
+        for chunk in out.chunks:
+            try:
+                chunk_step = step_input(SchedulerOutput([chunk]), kv, executor.runner.num_groups)
+                alone.append((chunk, executor.execute(chunk_step), None))
+            except Exception as e:  # noqa: BLE001 -- this chunk's own failure
+                alone.append((chunk, None, e))
+        if len(alone) > 1 and all(err is not None for _, _, err in alone):
+            raise                                    # every chunk fails alone: not attributable
+        kept, parts = [], []
+        for chunk, logits, err in alone:
+            if err is not None:
+                fail(chunk.request, err, "the model forward")
+            elif logits is not None:
+                kept.append(chunk)
+                parts.append(logits)
+        out.chunks = kept
+        return torch.cat(parts) if parts else torch.empty(0)
+
+
+def sampling_requests(out: SchedulerOutput) -> list[Request]:
+    """The requests that sample this step, in `sample`'s row order."""
+    return [c.request for c in out.chunks if c.completes]
+
+
+def sample(out: SchedulerOutput, logits: torch.Tensor, sampler: Sampler,
+           fail: FailFn) -> dict[str, list[int]]:
+    """Tokens for the chunks that complete; a request whose prompt logprobs or
+    sampling fails is failed alone (`Sampler.isolated`) and gets no token."""
+    row, sample_rows, reqs = 0, [], []
+    for chunk in out.chunks:
+        req = chunk.request
+        n = prompt_logprob_rows(chunk)
+        if n:
+            try:
+                prompt_logprobs(req, chunk.start, logits[row:row + n])
+            except Exception as e:  # noqa: BLE001 -- this request's failure only
+                fail(req, e, "computing prompt logprobs")
+            row += n
+        if chunk.completes:
+            sample_rows.append(row)
+            reqs.append(req)
+            row += 1
+    if not reqs:
+        return {}
+    result, errors = sampler.isolated(logits[sample_rows], reqs)
+    for i, err in errors.items():
+        fail(reqs[i], err, "sampling")
+    sampled = {}
+    for i, (req, token, lp) in enumerate(zip(reqs, result.token_ids, result.logprobs)):
+        if i in errors:
+            continue
+        if lp is not None:
+            req.output_logprobs.append(lp)
+        sampled[req.request_id] = [token]
+    return sampled
+
+
+def prompt_logprobs(req: Request, start: int, logits: torch.Tensor) -> None:
+    if start == 0:
+        req.prompt_logprobs = [None]                 # the first token has no logprob
+    logp = torch.log_softmax(logits, dim=-1)
+    for j in range(logits.shape[0]):
+        nxt = req.prompt_token_ids[start + j + 1]
+        req.prompt_logprobs.append(top_logprobs(logp[j], nxt, req.params.prompt_logprobs or 0))
+
+
+def prompt_logprob_rows(chunk: ScheduledChunk) -> int:
+    """Rows of this chunk whose logits score the next *prompt* token: positions
+    p in [start, start + n) with p + 1 < prompt length."""
+    req = chunk.request
+    if req.params.prompt_logprobs is None:
+        return 0
+    return max(min(chunk.start + chunk.num_tokens, req.num_prompt_tokens - 1) - chunk.start, 0)
