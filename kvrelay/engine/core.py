@@ -327,7 +327,6 @@ class LLMEngine:
         if self.connector is None or not self.connector.holds(request_id, capability):
             return False
         self.connector.released(request_id)
-        self.connector.stats.explicit_frees += 1
         return self.scheduler.release_held(request_id)
 
     def _encode(self, text: str) -> list[int]:

@@ -106,10 +106,6 @@ class BlockPool:
                 del self.cached[(block.group, block.block_hash)]
             block.block_hash, block.group = None, -1
 
-    def reset_prefix_cache(self) -> None:
-        for block in self.blocks[1:]:
-            self._uncache(block)
-
     def check_integrity(self) -> None:
         """free + used == total; ref counts ≥ 0; free ⇔ ref_cnt 0; cache map consistent."""
         for block in self.blocks[1:]:
