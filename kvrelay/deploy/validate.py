@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 import time
 import uuid
@@ -31,6 +30,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+
+from kvrelay import envs
 
 PROG = "kvrelay validate"
 TUTORIAL_PROMPT = "The capital of France is "
@@ -450,7 +451,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a prefill server whose /metrics to read (repeatable; default: the proxy's listing)")
     p.add_argument("--num-requests", type=int, default=16, help="concurrent requests of the traffic check")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds allowed for each request")
-    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+    p.add_argument("--api-key", default=envs.OPENAI_API_KEY.raw(),
                    help="bearer token (default: $OPENAI_API_KEY)")
     p.add_argument("--prompt", default=TUTORIAL_PROMPT, help="the completion check's prompt")
     p.add_argument("--max-tokens", type=int, default=16, help="max_tokens of the completion and chat checks")

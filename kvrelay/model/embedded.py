@@ -52,6 +52,8 @@ import numpy as np
 import torch
 from filelock import FileLock
 
+from kvrelay import envs
+
 logger = logging.getLogger(__name__)
 
 EMBEDDED_MODEL_NAME = "kvrelay/smollm2-135m-gpt-oss"
@@ -97,11 +99,7 @@ def find_gguf() -> Path:
 
 def cache_root() -> Path:
     """$KVRELAY_CACHE_DIR, else $XDG_CACHE_HOME/kvrelay, else ~/.cache/kvrelay."""
-    if os.environ.get("KVRELAY_CACHE_DIR"):
-        return Path(os.environ["KVRELAY_CACHE_DIR"]).expanduser()
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "kvrelay"
-    return Path.home() / ".cache" / "kvrelay"
+    return envs.kvrelay_cache_dir()
 
 
 def is_complete(model_dir: Path) -> bool:

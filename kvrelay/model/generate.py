@@ -1,8 +1,10 @@
 """A minimal greedy loop over the model with a paged KV cache.
 
-Stands in for the engine (scheduler + runner) until it exists; the model tests use
-it to drive incremental decoding. Each sequence gets its own blocks from a simple
-free list (optionally shuffled, so block tables are deliberately non-contiguous).
+A test and benchmark harness, not part of serving (the engine's scheduler and runner
+are): the model tests use it to drive the model alone through prefill, chunked prefill
+and incremental decoding, and `benchmarks/model_forward.py` to time forward passes.
+Each sequence gets its own blocks from a simple free list (optionally shuffled, so
+block tables are deliberately non-contiguous).
 """
 from __future__ import annotations
 

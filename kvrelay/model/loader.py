@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import logging
 import mmap
-import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from kvrelay import envs
 from kvrelay.model.config import CheckpointError, GptOssConfig, load_config
 from kvrelay.model.gpt_oss import GptOssModel
 from kvrelay.model.mxfp4 import BLOCK
@@ -288,8 +288,8 @@ def resolve_model_path(model: str, download_dir: str | None = None) -> Path:
     path = Path(model).expanduser()
     if path.is_dir():
         return path
-    cache = Path(download_dir or os.environ.get("HF_HUB_CACHE")
-                 or Path(os.environ.get("HF_HOME", "~/.cache/huggingface")) / "hub").expanduser()
+    cache = Path(download_dir or envs.HF_HUB_CACHE.raw()
+                 or Path(envs.HF_HOME.raw() or "~/.cache/huggingface") / "hub").expanduser()
     snapshots = cache / f"models--{model.replace('/', '--')}" / "snapshots"
     found = sorted(snapshots.glob("*/config.json"), key=lambda p: p.stat().st_mtime) \
         if snapshots.is_dir() else []

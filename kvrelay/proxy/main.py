@@ -182,7 +182,7 @@ def serve(settings: ProxySettings) -> int:
               f"{(e.strerror or str(e)).lower()}", file=sys.stderr, flush=True)
         return 1
     from kvrelay.proxy.app import ProxyAuth, build_app
-    auth = ProxyAuth(api_key=settings.api_key, backend_key=envs.PROXY_BACKEND_KEY.raw())
+    auth = ProxyAuth(api_key=settings.api_key, backend_key=envs.OPENAI_API_KEY.raw())
     app = build_app(settings.prefill, settings.decode, auth, settings.health_interval_s,
                     settings.routing)
     config = uvicorn.Config(app, host=settings.host, port=settings.port,
