@@ -73,8 +73,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
+from kvrelay import http_body
 from kvrelay.proxy import responses, scrape
-from kvrelay.proxy.body import BodyError, parse_object, read_limited
 from kvrelay.proxy.policy import Choice, Router, RoutingSettings, hit_correction
 from kvrelay.proxy.prefix import Hasher, PromptKey
 from kvrelay.proxy.routing import (
@@ -427,11 +427,12 @@ async def _unless_disconnected(receive: Receive, work: Awaitable[T]) -> T:
 
 async def _read_body(request: Request, request_id: str) -> dict[str, Any] | Response:
     try:
-        raw = await read_limited(request.headers.get("content-length"), request.stream())
-        return parse_object(raw)
-    except BodyError as e:
+        raw = await http_body.read_limited(request.stream(),
+                                           content_length=request.headers.get("content-length"))
+        return http_body.parse_object(raw)
+    except http_body.BodyError as e:
         type_ = "RequestTooLarge" if e.status == 413 else "BadRequestError"
-        return _error(e.status, str(e), type_, request_id)
+        return _error(e.status, e.message, type_, request_id)
 
 
 # ---------------------------------------------------------------------------- prefill leg

@@ -8,7 +8,7 @@ request in the engine (its KV blocks are freed at once).
 
 Every error leaves as OpenAI's error object, whatever raised it: the door (`_Edge`:
 auth, body size as it streams, JSON that parses to something the tokenizer and
-pydantic can take — `body_guard.py`), pydantic validation, FastAPI's 404/405, the
+pydantic can take — `kvrelay/http_body.py`), pydantic validation, FastAPI's 404/405, the
 engine (400 naming the field, 500 for a request that failed inside the engine while
 the others went on, 502 a failed KV transfer, 503 a dead engine or a prefill whose
 `hold_share` is full, with Retry-After), a client over its `hold_rate` of
@@ -34,6 +34,7 @@ from pydantic import BaseModel, Field
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvrelay import http_body
 from kvrelay.engine.async_client import (
     AsyncEngine,
     EngineDeadError,
@@ -50,8 +51,6 @@ from kvrelay.sampling_params import (
     check_token_ids,
     validate_for_model,
 )
-from kvrelay.server import body_guard
-from kvrelay.server.body_guard import MAX_BODY_BYTES
 from kvrelay.server import structured_hooks
 from kvrelay.server.chat import ChatRenderer, finish_reason
 from kvrelay.server.hold_limit import HoldRateLimiter, retry_after
@@ -63,8 +62,8 @@ from kvrelay.server.protocol import (
     error_type_for,
 )
 from kvrelay.server.structured import is_harmony_chat, request_constraint
-from kvrelay.structured.params import StructuredOutputsParams
 from kvrelay.server.tools import AgentOptions, check_chat_tool_choice
+from kvrelay.structured.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -395,15 +394,14 @@ class _Edge:
         refusal = self._refusal(scope["path"], scope["method"], headers)
         if refusal is None and scope["method"] in ("POST", "PUT", "PATCH"):
             try:
-                body = await body_guard.read_body(receive)
-            except body_guard.ClientGone:
+                body = await http_body.read_limited(http_body.asgi_chunks(receive))
+            except http_body.ClientGone:
                 return
-            except OpenAIError as e:             # over the limit while streaming in (chunked)
-                refusal = _error_response(e)
+            except http_body.BodyError as e:     # over the limit while streaming in (chunked)
+                refusal = _error_response(_body_error(e))
             else:
-                bad = body_guard.check_json(body) if body_guard.is_json(headers.get("content-type")) else None
-                refusal = _error_response(bad) if bad else None
-                receive = body_guard.replay(body, receive)
+                refusal = _json_refusal(body, headers.get("content-type"))
+                receive = http_body.replay(body, receive)
         app = refusal or self.app
         await app(scope, receive, send_with_id)
 
@@ -414,12 +412,29 @@ class _Edge:
                 return JSONResponse(OpenAIError("invalid or missing API key", 401, "AuthenticationError").body(),
                                     status_code=401)
         length = headers.get("content-length")
-        if length and length.isdigit() and int(length) > MAX_BODY_BYTES:
-            return _error_response(body_guard.too_large())
+        if length and length.isdigit() and int(length) > http_body.MAX_BODY_BYTES:
+            return _error_response(_body_error(http_body.too_large()))
         if path.startswith("/v1/") and method == "POST" and not state.ready:
             return JSONResponse({"error": {"message": "the server is not ready", "type": "ServiceUnavailableError",
                                            "param": None, "code": 503}}, status_code=503)
         return None
+
+
+def _json_refusal(body: bytes, content_type: str | None) -> JSONResponse | None:
+    """A 400 for a JSON body pydantic and the tokenizer could not take; an empty body is
+    left to FastAPI (it names the missing field)."""
+    if not http_body.is_json(content_type) or not body.strip():
+        return None
+    try:
+        http_body.parse_json(body)
+    except http_body.BodyError as e:
+        return _error_response(_body_error(e))
+    return None
+
+
+def _body_error(e: http_body.BodyError) -> OpenAIError:
+    return OpenAIError(e.message, e.status,
+                       "RequestTooLarge" if e.status == 413 else "BadRequestError", e.param)
 
 
 def _error_response(error: OpenAIError, headers: Mapping[str, str] | None = None) -> JSONResponse:
