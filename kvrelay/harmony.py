@@ -216,7 +216,7 @@ def build_conversation(messages: Sequence[Mapping[str, Any]], reasoning_effort: 
                            .with_channel("analysis"))
             content = _text(msg.get("content"), where)
             calls = msg.get("tool_calls") or []
-            if content or not calls and not reasoning:
+            if content or (not calls and not reasoning):
                 out.append(Message.from_role_and_content(Role.ASSISTANT, content)
                            .with_channel("final"))
             for j, call in enumerate(calls):

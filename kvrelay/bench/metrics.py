@@ -75,7 +75,7 @@ def summarize(values_s: list[float], percentiles: list[float]) -> Summary:
     """Seconds in, milliseconds out. An empty list summarises to zeros (as vLLM reports)."""
     ms = [x * 1000.0 for x in values_s]
     if not ms:
-        return Summary(0.0, 0.0, 0.0, {p: 0.0 for p in percentiles})
+        return Summary(0.0, 0.0, 0.0, dict.fromkeys(percentiles, 0.0))
     return Summary(statistics.fmean(ms), statistics.median(ms), statistics.pstdev(ms),
                    {p: percentile(ms, p) for p in percentiles})
 

@@ -919,7 +919,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception) -> Response:
-        logger.exception("internal error on %s %s", request.method, request.url.path)
+        logger.error("internal error on %s %s", request.method, request.url.path, exc_info=exc)
         return _error(500, f"internal proxy error: {type(exc).__name__}", "InternalServerError",
                       request.headers.get("x-request-id"))
 

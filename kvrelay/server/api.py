@@ -407,10 +407,11 @@ class _Edge:
 
     def _refusal(self, path: str, method: str, headers: Headers) -> JSONResponse | None:
         state = self.state
-        if state.api_key and path.startswith("/v1/"):
-            if headers.get("authorization") != f"Bearer {state.api_key}":
-                return JSONResponse(OpenAIError("invalid or missing API key", 401, "AuthenticationError").body(),
-                                    status_code=401)
+        if (state.api_key and path.startswith("/v1/")
+                and headers.get("authorization") != f"Bearer {state.api_key}"):
+            return JSONResponse(
+                OpenAIError("invalid or missing API key", 401, "AuthenticationError").body(),
+                status_code=401)
         length = headers.get("content-length")
         if length and length.isdigit() and int(length) > http_body.MAX_BODY_BYTES:
             return _error_response(_body_error(http_body.too_large()))
