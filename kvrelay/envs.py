@@ -47,25 +47,26 @@ class EnvVar:
         return f"{self.alias} (or {self.name})" if self.alias else self.name
 
 
-SIDE_CHANNEL_HOST = EnvVar("KVRELAY_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1",
+SIDE_CHANNEL_HOST = EnvVar("KVRELAY_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_HOST",
+                           "127.0.0.1",
                            "listen address of the KV-transfer handshake (prefill side)")
 SIDE_CHANNEL_PORT = EnvVar("KVRELAY_NIXL_SIDE_CHANNEL_PORT", "VLLM_NIXL_SIDE_CHANNEL_PORT", "5600",
                            "port of the KV-transfer handshake listener (one per DP rank from here)")
-ENGINE_READY_TIMEOUT_S = EnvVar("KVRELAY_ENGINE_READY_TIMEOUT_S", "VLLM_ENGINE_READY_TIMEOUT_S", "600",
-                                "seconds allowed from launch until the engine is ready")
+ENGINE_READY_TIMEOUT_S = EnvVar("KVRELAY_ENGINE_READY_TIMEOUT_S", "VLLM_ENGINE_READY_TIMEOUT_S",
+                                "600", "seconds allowed from launch until the engine is ready")
 EXECUTE_MODEL_TIMEOUT_S = EnvVar("KVRELAY_EXECUTE_MODEL_TIMEOUT_SECONDS",
                                  "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "300",
                                  "seconds one engine step may take before its requests fail")
-COMPILATION_TIMEOUT_S = EnvVar("KVRELAY_COMPILATION_TIMEOUT", "VLLM_NEURON_COMPILATION_TIMEOUT", "600",
-                               "seconds allowed for warm-up / graph capture / compilation")
+COMPILATION_TIMEOUT_S = EnvVar("KVRELAY_COMPILATION_TIMEOUT", "VLLM_NEURON_COMPILATION_TIMEOUT",
+                               "600", "seconds allowed for warm-up / graph capture / compilation")
 VISIBLE_DEVICES = EnvVar("KVRELAY_VISIBLE_DEVICES", "NEURON_VISIBLE_DEVICES", None,
                          "device slice: CPU core ids on CPU, GPU ids on CUDA, e.g. 0-3")
 CACHE_DIR = EnvVar("KVRELAY_CACHE_DIR", None, None,
                    "where the embedded model is built and the o200k vocabulary unpacked")
 CPU_HALF_MATMUL = EnvVar("KVRELAY_CPU_HALF_MATMUL", None, "auto",
-                         "bf16/fp16 weights on CPU: 'native' half-precision GEMMs, 'fp32' (upcast the "
-                         "weights per matmul, keep them half in memory) or 'auto' (fp32 unless oneDNN "
-                         "has a native bf16 path on this CPU)")
+                         "bf16/fp16 weights on CPU: 'native' half-precision GEMMs, 'fp32' (upcast "
+                         "the weights per matmul, keep them half in memory) or 'auto' (fp32 unless "
+                         "oneDNN has a native bf16 path on this CPU)")
 PROXY_API_KEY = EnvVar("KVRELAY_API_KEY", "VLLM_API_KEY", None,
                        "the key clients must present (Authorization: Bearer) to kvrelay proxy; "
                        "--api-key wins")
@@ -91,8 +92,8 @@ KERNELS_DIR = EnvVar("KVRELAY_KERNELS_DIR", None, None,
                      "$XDG_CACHE_HOME/kvrelay/kernels or ~/.cache/kvrelay/kernels; shared by "
                      "every KVRELAY_CACHE_DIR, one build per kvrelay/torch version)")
 ATTENTION_KERNEL = EnvVar("KVRELAY_ATTENTION_KERNEL", None, "auto",
-                          "decode attention on CPU: 'auto' (the C++ paged kernel, built on first use; "
-                          "the PyTorch reference path if it cannot be built) or 'reference'")
+                          "decode attention on CPU: 'auto' (the C++ paged kernel, built on first "
+                          "use; the PyTorch reference path if it cannot be built) or 'reference'")
 
 SINGLE_THREAD_STEP_MACS = EnvVar(
     "KVRELAY_SINGLE_THREAD_STEP_MACS", None, "16e6",

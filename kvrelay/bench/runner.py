@@ -55,7 +55,8 @@ def _client(cfg: RunConfig, n_requests: int) -> httpx.AsyncClient:
     if key := envs.OPENAI_API_KEY.raw():
         headers["Authorization"] = f"Bearer {key}"
     return httpx.AsyncClient(timeout=httpx.Timeout(6 * 3600, connect=30), headers=headers,
-                             limits=httpx.Limits(max_connections=conns + 4, max_keepalive_connections=conns + 4),
+                             limits=httpx.Limits(max_connections=conns + 4,
+                                                 max_keepalive_connections=conns + 4),
                              trust_env=False)
 
 

@@ -103,7 +103,8 @@ class Topology:
     @property
     def local(self) -> bool:
         """Every process on this machine (loopback addresses only)."""
-        return all(h in LOOPBACK for r in self.roles for h in r.hosts) and self.proxy_host in LOOPBACK
+        return all(h in LOOPBACK for r in self.roles
+                   for h in r.hosts) and self.proxy_host in LOOPBACK
 
 
 # ---------------------------------------------------------------------------- settings → Topology
@@ -119,24 +120,27 @@ def merge_settings(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]
     return merged
 
 
-def topology_from_settings(s: dict[str, Any], default_preset: str, this_machine: tuple[int, ...] | None = None
+def topology_from_settings(s: dict[str, Any], default_preset: str,
+                           this_machine: tuple[int, ...] | None = None
                            ) -> Topology:
     """Build and sanity-check a Topology from the YAML-shaped settings mapping."""
     problems: list[str] = []
     unknown = sorted(set(s) - TOP_KEYS)
     if unknown:
-        raise TopologyError([f"unknown setting {unknown[0]!r} (known: {', '.join(sorted(TOP_KEYS))})"])
+        raise TopologyError([f"unknown setting {unknown[0]!r} (known: "
+                             f"{', '.join(sorted(TOP_KEYS))})"])
     model = s.get("model")
     if model is not None and (not model or not isinstance(model, str)):
-        raise TopologyError([(f"model: expected a checkpoint directory or a hub id such as openai/gpt-oss-120b, "
-                             f"got {model!r}")])
+        raise TopologyError([("model: expected a checkpoint directory or a hub id such as "
+                              f"openai/gpt-oss-120b, got {model!r}")])
     preset = s.get("preset") or default_preset
     connector = s.get("connector") or "nixl"
     if preset not in PRESETS:
         problems.append(f"preset {preset!r}: expected one of {', '.join(PRESETS)}")
     if connector not in CONNECTORS:
         problems.append(f"connector {connector!r}: expected one of {', '.join(CONNECTORS)}")
-    default_backend = "TCP" if connector == "tcp" else ("LIBFABRIC" if preset == "tutorial" else "UCX")
+    default_backend = "TCP" if connector == "tcp" else ("LIBFABRIC" if preset == "tutorial"
+                                                        else "UCX")
     hosts = _hosts(s.get("hosts"), problems)
     roles = _roles(s, hosts, problems)
     ports = _ports(s.get("ports") or {}, problems)
@@ -147,7 +151,8 @@ def topology_from_settings(s: dict[str, Any], default_preset: str, this_machine:
         env = {}
     if problems:
         raise TopologyError(problems)
-    first_prefill = next((r.hosts[0] for r in roles if r.role in ("prefill", "single")), "127.0.0.1")
+    first_prefill = next((r.hosts[0] for r in roles if r.role in ("prefill", "single")),
+                         "127.0.0.1")
     return Topology(
         model=model, roles=roles, served_model_name=s.get("served_model_name"), preset=preset,
         connector=connector, kv_backend=str(s.get("kv_backend") or default_backend).upper(),
@@ -156,32 +161,36 @@ def topology_from_settings(s: dict[str, Any], default_preset: str, this_machine:
         env=tuple((str(k), str(v)) for k, v in env.items()))
 
 
-def _roles(s: dict[str, Any], hosts: dict[str, list[str]], problems: list[str]) -> tuple[RoleSpec, ...]:
+def _roles(s: dict[str, Any], hosts: dict[str, list[str]],
+           problems: list[str]) -> tuple[RoleSpec, ...]:
     sections = {name: s[name] for name in ROLES if s.get(name) is not None}
     for name, sec in sections.items():
         if not isinstance(sec, dict):
             problems.append(f"{name}: expected a mapping such as {{count: 1, tp: 1}}")
-    sections = {n: sec for n, sec in sections.items() if isinstance(sec, dict) and sec.get("count", 1) != 0}
+    sections = {n: sec for n, sec in sections.items() if isinstance(sec, dict)
+                and sec.get("count", 1) != 0}
     if "single" in sections and len(sections) > 1:
-        problems.append("single together with prefill/decode: a topology is either one server or prefill + decode")
+        problems.append("single together with prefill/decode: a topology is either one server or "
+                        "prefill + decode")
     elif set(sections) == {"prefill"} or set(sections) == {"decode"}:
         missing = ({"prefill", "decode"} - set(sections)).pop()
-        problems.append(f"disaggregated serving needs at least one {missing} server (--{missing} N); "
-                        f"for a single instance leave out --prefill and --decode")
+        problems.append(f"disaggregated serving needs at least one {missing} server (--{missing} "
+                        "N); for a single instance leave out --prefill and --decode")
     if not sections:
         sections = {"single": {}}
     roles = []
     for name in ("single", "prefill", "decode"):
         if name in sections:
-            roles.append(_role(name, sections[name], hosts.get(name) or hosts.get("all") or ["127.0.0.1"],
-                               problems))
+            roles.append(_role(name, sections[name],
+                               hosts.get(name) or hosts.get("all") or ["127.0.0.1"], problems))
     return tuple(roles)
 
 
 def _role(name: str, sec: dict[str, Any], hosts: list[str], problems: list[str]) -> RoleSpec:
     unknown = sorted(set(sec) - ROLE_KEYS)
     if unknown:
-        problems.append(f"{name}: unknown setting {unknown[0]!r} (known: {', '.join(sorted(ROLE_KEYS))})")
+        problems.append(f"{name}: unknown setting {unknown[0]!r} (known: "
+                        f"{', '.join(sorted(ROLE_KEYS))})")
     values: dict[str, Any] = {}
     for key in ("count", "tp", "dp", "ep_degree", "max_num_seqs"):
         value = sec.get(key)
@@ -194,7 +203,8 @@ def _role(name: str, sec: dict[str, Any], hosts: list[str], problems: list[str])
     if name == "single" and values.get("count", 1) != 1:
         problems.append(f"single.count: a single instance is one server, got {values['count']}")
     return RoleSpec(role=name, expert_parallel=bool(sec.get("enable_expert_parallel", False)),
-                    hosts=tuple(hosts), args=_str_tuple(sec.get("args"), f"{name}.args", problems), **values)
+                    hosts=tuple(hosts), args=_str_tuple(sec.get("args"), f"{name}.args", problems),
+                    **values)
 
 
 def _hosts(raw: Any, problems: list[str]) -> dict[str, list[str]]:
@@ -204,11 +214,13 @@ def _hosts(raw: Any, problems: list[str]) -> dict[str, list[str]]:
     if isinstance(raw, (list, tuple)):
         parsed: dict[str, list[str]] = {}
         for item in raw:
-            role, _sep, names = str(item).rpartition("=") if "=" in str(item) else ("all", "", str(item))
+            role, _sep, names = str(item).rpartition("=") if "=" in str(item) else ("all", "",
+                                                                                    str(item))
             parsed.setdefault(role or "all", []).extend(h for h in names.split(",") if h)
         raw = parsed
     if not isinstance(raw, dict):
-        problems.append("hosts: expected a mapping such as {prefill: [PREFILL_HOST], decode: [DECODE_HOST]}")
+        problems.append("hosts: expected a mapping such as {prefill: [PREFILL_HOST], decode: "
+                        "[DECODE_HOST]}")
         return {}
     out: dict[str, list[str]] = {}
     for role, names in raw.items():
@@ -252,7 +264,8 @@ def ports_from_bases(base: int | None, side_channel: int | None) -> dict[str, in
     return out
 
 
-def _devices(raw: Any, this_machine: tuple[int, ...] | None, problems: list[str]) -> tuple[int, ...]:
+def _devices(raw: Any, this_machine: tuple[int, ...] | None,
+             problems: list[str]) -> tuple[int, ...]:
     if raw is None:
         return this_machine or tuple(sorted(os.sched_getaffinity(0)))
     try:

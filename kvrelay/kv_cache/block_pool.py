@@ -37,7 +37,8 @@ class OutOfBlocks(Exception):
 class BlockPool:
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 2:
-            raise ValueError(f"the KV cache needs at least 2 blocks (one is the null block), got {num_blocks}")
+            raise ValueError("the KV cache needs at least 2 blocks (one is the null block), got "
+                             f"{num_blocks}")
         self.num_blocks = num_blocks
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_blocks))
@@ -113,7 +114,8 @@ class BlockPool:
                 raise AssertionError(f"block {block.block_id} has ref_cnt {block.ref_cnt}")
             if (block.ref_cnt == 0) != (block.block_id in self.free):
                 raise AssertionError(f"block {block.block_id}: ref_cnt {block.ref_cnt} but "
-                                     f"{'in' if block.block_id in self.free else 'not in'} free queue")
+                                     f"{'in' if block.block_id in self.free else 'not in'} free "
+                                     "queue")
         if NULL_BLOCK in self.free:
             raise AssertionError("the null block is in the free queue")
         for (group, block_hash), block in self.cached.items():

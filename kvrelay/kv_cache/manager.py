@@ -73,7 +73,8 @@ class KVCacheManager:
     def num_blocks_held(self, req_id: str) -> int:
         return sum(b.block_id != NULL_BLOCK for t in self.requests[req_id].tables for b in t)
 
-    def _hashes(self, state: _RequestState, tokens: Sequence[int], num_full: int) -> list[BlockHash]:
+    def _hashes(self, state: _RequestState, tokens: Sequence[int],
+                num_full: int) -> list[BlockHash]:
         B = self.block_size
         while len(state.hashes) < num_full:
             i = len(state.hashes)
@@ -221,6 +222,7 @@ class KVCacheManager:
     def assert_no_leaks(self) -> None:
         """No request holds blocks and every block but the null block is free."""
         self.check_integrity()
-        held = [r for r, s in self.requests.items() if any(b.block_id != NULL_BLOCK for t in s.tables for b in t)]
+        held = [r for r, s in self.requests.items()
+                if any(b.block_id != NULL_BLOCK for t in s.tables for b in t)]
         if held or self.pool.num_free != self.pool.num_blocks - 1:
             raise AssertionError(f"KV blocks leaked: {self.pool.num_used} in use, held by {held}")

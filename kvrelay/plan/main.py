@@ -60,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _inputs(a: argparse.Namespace) -> tuple[Measured, Workload]:
-    prefill = a.prefill_tok_s or (prefill_from_result(a.prefill_result) if a.prefill_result else None)
+    prefill = a.prefill_tok_s or (prefill_from_result(a.prefill_result) if a.prefill_result
+                                  else None)
     decode, batch, itl1 = a.decode_tok_s, a.decode_batch, a.itl_at_1_ms
     if a.decode_result:
         d_tok, d_batch, _ = decode_from_result(a.decode_result)

@@ -115,17 +115,20 @@ class ProxyMetrics:
 
     def __init__(self, backends: list[Backend]) -> None:
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("kvrelay_proxy:requests", "Client requests by endpoint and status returned.",
+        self.requests = Counter("kvrelay_proxy:requests",
+                                "Client requests by endpoint and status returned.",
                                 ["endpoint", "status"], registry=r)
-        self.in_flight = Gauge("kvrelay_proxy:backend_in_flight", "Requests in flight per backend server.",
+        self.in_flight = Gauge("kvrelay_proxy:backend_in_flight",
+                               "Requests in flight per backend server.",
                                ["role", "backend"], registry=r)
         self.prefill_latency = Histogram("kvrelay_proxy:prefill_latency_seconds",
                                          "Prefill leg: request sent to response read.", ["backend"],
                                          buckets=LATENCY_BUCKETS, registry=r)
         self.decode_latency = Histogram("kvrelay_proxy:decode_latency_seconds",
-                                        "Decode leg: request sent to last byte relayed.", ["backend"],
-                                        buckets=LATENCY_BUCKETS, registry=r)
-        self.failures = Counter("kvrelay_proxy:backend_failures", "Backend attempts that failed, by reason.",
+                                        "Decode leg: request sent to last byte relayed.",
+                                        ["backend"], buckets=LATENCY_BUCKETS, registry=r)
+        self.failures = Counter("kvrelay_proxy:backend_failures",
+                                "Backend attempts that failed, by reason.",
                                 ["role", "backend", "reason"], registry=r)
         self.healthy = Gauge("kvrelay_proxy:backend_healthy",
                              "1 when the backend's last background /health probe answered 200.",
@@ -134,16 +137,17 @@ class ProxyMetrics:
                                     "Free notices sent to prefill servers after a failed decode.",
                                     ["result"], registry=r)
         self.decisions = Counter("kvrelay_proxy:routing_decisions",
-                                 "Routing decisions: role prefill/decode (cache_hit, load_override, "
-                                 "least_loaded, round_robin) and role disagg (prefill_then_decode, "
+                                 "Routing decisions: role prefill/decode (cache_hit, "
+                                 "load_override, least_loaded, round_robin) and role disagg "
+                                 "(prefill_then_decode, "
                                  "direct_to_decode).", ["role", "decision"], registry=r)
         self.table_blocks = Gauge("kvrelay_proxy:prefix_table_blocks",
                                   "Prompt blocks the router believes a backend holds.",
                                   ["role", "backend"], registry=r)
         self.forgotten = Counter("kvrelay_proxy:prefix_table_forgotten",
                                  "Times a backend's prefix-table entries were dropped, by reason "
-                                 "(unhealthy, connect, restarted, missed_hits).", ["role", "backend", "reason"],
-                                 registry=r)
+                                 "(unhealthy, connect, restarted, missed_hits).",
+                                 ["role", "backend", "reason"], registry=r)
         for result in FREE_RESULTS:
             self.free_notices.labels(result)
         for decision in ("prefill_then_decode", "direct_to_decode"):
@@ -194,7 +198,7 @@ class ProxyState:
     health_interval_s: float = HEALTH_INTERVAL_S
     health_client: httpx.AsyncClient | None = None
     prober: asyncio.Task | None = None
-    slow_probes: dict[str, int] = field(default_factory=dict)   # backend → probes timed out in a row
+    slow_probes: dict[str, int] = field(default_factory=dict)  # backend → probes timed out in a row
     tasks: set[asyncio.Task] = field(default_factory=set)
 
     hasher: Hasher = field(default_factory=Hasher)
@@ -207,7 +211,8 @@ class ProxyState:
         routing = routing or RoutingSettings()
         p = [Backend("prefill", h, port) for h, port in prefill]
         d = [Backend("decode", h, port) for h, port in decode]
-        return cls(p, d, ProxyMetrics(p + d), routing.router(p, "prefill"), routing.router(d, "decode"),
+        return cls(p, d, ProxyMetrics(p + d), routing.router(p, "prefill"),
+                   routing.router(d, "decode"),
                    auth or ProxyAuth(), routing, health_interval_s, hasher=routing.hasher())
 
     def router(self, b: Backend) -> Router:
@@ -338,8 +343,10 @@ class ProxyState:
 def _backend_client(b: Backend) -> httpx.AsyncClient:
     return httpx.AsyncClient(
         base_url=b.url, trust_env=False,    # never route backend traffic through an HTTP(S)_PROXY
-        timeout=httpx.Timeout(connect=CONNECT_TIMEOUT_S, read=None, write=WRITE_TIMEOUT_S, pool=None),
-        limits=httpx.Limits(max_connections=MAX_CONNECTIONS, max_keepalive_connections=MAX_KEEPALIVE),
+        timeout=httpx.Timeout(connect=CONNECT_TIMEOUT_S, read=None, write=WRITE_TIMEOUT_S,
+                              pool=None),
+        limits=httpx.Limits(max_connections=MAX_CONNECTIONS,
+                            max_keepalive_connections=MAX_KEEPALIVE),
         headers={"Accept-Encoding": "identity"})
 
 
@@ -520,7 +527,8 @@ def _prefill_result(backend: Backend, resp: httpx.Response, request_id: str,
     except (ValueError, AttributeError):
         kv_params = None
     if not isinstance(kv_params, dict):
-        return _error(502, f"prefill server {backend.name} answered without kv_transfer_params; is it "
+        return _error(502,
+                      f"prefill server {backend.name} answered without kv_transfer_params; is it "
                       "started with --kv-transfer-config (kv_role kv_producer or kv_both)?",
                       "BadGatewayError", request_id)
     return Prefilled(backend, routable_kv_params(kv_params, backend.host), seconds)
@@ -535,7 +543,8 @@ class DecodeLeg:
     started: float
 
 
-async def _open_decode(state: ProxyState, path: str, payload: dict[str, Any], headers: dict[str, str],
+async def _open_decode(state: ProxyState, path: str, payload: dict[str, Any],
+                       headers: dict[str, str],
                        request_id: str, order: list[Backend]) -> DecodeLeg | Response:
     """Send the decode request to the servers of `order`, first one first; only a server that
     failed before any response (as for prefill) is replaced by the next one."""
@@ -587,7 +596,8 @@ class RelayStream(Response):
             self.on_end(outcome)
 
     async def _relay(self, send: Send) -> str:
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        await send({"type": "http.response.start", "status": self.status_code,
+                    "headers": self.raw_headers})
         tail = b"\n\n"                   # the last two bytes relayed: are we between SSE events?
         try:
             async for chunk in self.leg.response.aiter_raw():
@@ -608,7 +618,8 @@ class RelayStream(Response):
         message = f"decode server {self.leg.backend.name} broke off the stream: {_describe(e)}"
         logger.warning(message)
         if between_events and (self.media_type or "").startswith("text/event-stream"):
-            error = {"message": message, "type": "ServiceUnavailableError", "param": None, "code": 503}
+            error = {"message": message, "type": "ServiceUnavailableError", "param": None,
+                     "code": 503}
             tail = f"data: {json.dumps({'error': error})}\n\ndata: [DONE]\n\n".encode()
             await send({"type": "http.response.body", "body": tail, "more_body": False})
         return "upstream_error"
@@ -626,11 +637,14 @@ async def _send_free(state: ProxyState, prefilled: Prefilled, headers: dict[str,
     if body is None or backend.client is None:
         return
     try:
-        resp = await backend.client.post(FREE_PATH, json=body, headers=headers, timeout=FREE_TIMEOUT_S)
-        result = "sent" if resp.is_success else ("not_found" if resp.status_code == 404 else "rejected")
+        resp = await backend.client.post(FREE_PATH, json=body, headers=headers,
+                                         timeout=FREE_TIMEOUT_S)
+        result = "sent" if resp.is_success else ("not_found" if resp.status_code == 404
+                                                 else "rejected")
     except httpx.HTTPError as e:
         result = "error"
-        logger.debug("request %s: free notice to %s failed: %s", request_id, backend.name, _describe(e))
+        logger.debug("request %s: free notice to %s failed: %s", request_id, backend.name,
+                     _describe(e))
     state.metrics.free_notices.labels(result).inc()
     logger.debug("request %s: free notice to %s: %s", request_id, backend.name, result)
 
@@ -654,7 +668,8 @@ async def relay_completion(state: ProxyState, request: Request, path: str) -> Re
     else:
         try:
             answer = await _unless_disconnected(
-                request.receive, _prefill(state, path, body, headers, request_id, route.prefill.order))
+                request.receive,
+                _prefill(state, path, body, headers, request_id, route.prefill.order))
         except ClientGone:
             return _finish(state, path, _client_closed(request_id, "during prefill"))
         if isinstance(answer, Response):
@@ -729,7 +744,8 @@ async def _decode(state: ProxyState, request: Request, path: str, payload: dict[
 
     try:
         leg = await _unless_disconnected(
-            request.receive, _open_decode(state, path, payload, headers, request_id, route.decode.order))
+            request.receive,
+            _open_decode(state, path, payload, headers, request_id, route.decode.order))
     except ClientGone:
         free()
         return _client_closed(request_id, "before decode answered")
@@ -743,8 +759,8 @@ async def _decode(state: ProxyState, request: Request, path: str, payload: dict[
         seconds = time.monotonic() - leg.started
         state.release(leg.backend)
         state.metrics.decode_latency.labels(leg.backend.name).observe(seconds)
-        logger.debug("request %s: decode on %s: %s after %.3fs", request_id, leg.backend.name, outcome,
-                     seconds)
+        logger.debug("request %s: decode on %s: %s after %.3fs", request_id, leg.backend.name,
+                     outcome, seconds)
         if outcome != "done":
             free()
 
@@ -786,8 +802,8 @@ async def _decode_whole(request: Request, leg: DecodeLeg, request_id: str,
         return _client_closed(request_id, "before decode finished")
     except httpx.TransportError as e:
         outcome = "upstream_error"
-        return _error(502, f"decode server {leg.backend.name} failed: {_describe(e)}", "BadGatewayError",
-                      request_id)
+        return _error(502, f"decode server {leg.backend.name} failed: {_describe(e)}",
+                      "BadGatewayError", request_id)
     finally:
         with anyio.CancelScope(shield=True):
             await leg.response.aclose()
@@ -822,7 +838,8 @@ async def _probe(state: ProxyState, backend: Backend) -> str | None:
 
 async def health(state: ProxyState) -> Response:
     reasons = await asyncio.gather(*(_probe(state, b) for b in state.backends))
-    servers = [{"role": b.role, "server": b.name, "healthy": r is None, **({"error": r} if r else {})}
+    servers = [{"role": b.role, "server": b.name, "healthy": r is None,
+                **({"error": r} if r else {})}
                for b, r in zip(state.backends, reasons)]
     down = [s for s in servers if not s["healthy"]]
     status = 503 if down else 200
@@ -838,13 +855,15 @@ async def models(state: ProxyState, request: Request) -> Response:
     for backend in state.decode_router.choose(None).order:
         assert backend.client is not None
         try:
-            resp = await backend.client.get("/v1/models", headers=headers, timeout=HEALTH_TIMEOUT_S * 5)
+            resp = await backend.client.get("/v1/models", headers=headers,
+                                            timeout=HEALTH_TIMEOUT_S * 5)
         except httpx.TransportError as e:
             state.failed(backend, "connect" if _is_connect_error(e) else "transport")
             failures.append(f"{backend.name} ({_describe(e)})")
             continue
         return _finish(state, "/v1/models", _copy_response(resp, resp.content, request_id))
-    return _finish(state, "/v1/models", _error(503, "no decode server answered: " + "; ".join(failures),
+    return _finish(state, "/v1/models", _error(503,
+                                               "no decode server answered: " + "; ".join(failures),
                                                "ServiceUnavailableError", request_id))
 
 

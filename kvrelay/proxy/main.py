@@ -57,8 +57,8 @@ def add_proxy_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--prefiller-host", "--prefiller-hosts", dest="prefiller_host", nargs="+",
                    default=["127.0.0.1"], metavar="HOST", help="prefill server host(s)")
-    p.add_argument("--prefiller-port", "--prefiller-ports", dest="prefiller_port", nargs="+", type=int,
-                   default=[8100], metavar="PORT", help="prefill server port(s)")
+    p.add_argument("--prefiller-port", "--prefiller-ports", dest="prefiller_port", nargs="+",
+                   type=int, default=[8100], metavar="PORT", help="prefill server port(s)")
     p.add_argument("--decoder-host", "--decoder-hosts", dest="decoder_host", nargs="+",
                    default=["127.0.0.1"], metavar="HOST", help="decode server host(s)")
     p.add_argument("--decoder-port", "--decoder-ports", dest="decoder_port", nargs="+", type=int,
@@ -103,7 +103,8 @@ def add_proxy_flags(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog=PROG, description="Disaggregated prefill/decode proxy (vLLM's wire format).")
+    parser = _Parser(prog=PROG,
+                     description="Disaggregated prefill/decode proxy (vLLM's wire format).")
     add_proxy_flags(parser)
     return parser
 
@@ -116,7 +117,8 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         raise EndpointError(f"--health-interval: {args.health_interval:g} is negative")
     routing = _routing_settings(args)
     return ProxySettings(host=args.host, port=args.port, routing=routing,
-                         prefill=expand_endpoints(args.prefiller_host, args.prefiller_port, "prefiller"),
+                         prefill=expand_endpoints(args.prefiller_host, args.prefiller_port,
+                                                  "prefiller"),
                          decode=expand_endpoints(args.decoder_host, args.decoder_port, "decoder"),
                          log_level=args.log_level, api_key=args.api_key or envs.PROXY_API_KEY.raw(),
                          health_interval_s=args.health_interval)

@@ -198,8 +198,9 @@ def _check_lengths(state: ServerState, ids: list[int], max_tokens: int | None) -
     if max_tokens > room:
         raise OpenAIError(
             f"This model's maximum context length is {state.max_model_len} tokens. However, you "
-            f"requested {n + max_tokens} tokens ({n} in the prompt, {max_tokens} in the completion). "
-            f"Please reduce the length of the prompt or max_tokens.", param="max_tokens")
+            f"requested {n + max_tokens} tokens ({n} in the prompt, {max_tokens} in the "
+            "completion). Please reduce the length of the prompt or "
+            "max_tokens.", param="max_tokens")
     return max_tokens
 
 
@@ -216,8 +217,8 @@ def _sampling(state: ServerState, body: Any, max_tokens: int, logprobs: int | No
     if best_of is not None and best_of > 1:
         # vLLM's V1 engine refuses it too; silently returning n samples would mislead
         raise OpenAIError("best_of > 1 is not supported; use n", param="best_of")
-    params = _check(_make_sampling, state, body, max_tokens, logprobs, prompt_logprobs, extra_stop_ids,
-                    structured)
+    params = _check(_make_sampling, state, body, max_tokens, logprobs, prompt_logprobs,
+                    extra_stop_ids, structured)
     if state.vocab_size:
         _check(validate_for_model, params, state.vocab_size, state.max_logprobs, logprobs_param)
     return params
@@ -242,7 +243,8 @@ def _make_sampling(state: ServerState, body: Any, max_tokens: int, logprobs: int
 
 
 def _token_text(state: ServerState, token_id: int) -> str:
-    return state.tokenizer.decode([token_id], skip_special_tokens=False) if state.tokenizer else str(token_id)
+    return state.tokenizer.decode([token_id],
+                                  skip_special_tokens=False) if state.tokenizer else str(token_id)
 
 
 def _completion_logprobs(state: ServerState, token_ids: list[int], logprobs: list | None,
@@ -258,7 +260,8 @@ def _completion_logprobs(state: ServerState, token_ids: list[int], logprobs: lis
         tops.append({_token_text(state, t): v.logprob for t, v in lp.items()})
         offsets.append(pos)
         pos += len(text)
-    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+            "text_offset": offsets}
 
 
 def _chat_logprobs(state: ServerState, token_ids: list[int], logprobs: list | None,
@@ -270,7 +273,8 @@ def _chat_logprobs(state: ServerState, token_ids: list[int], logprobs: list | No
         text = _token_text(state, tid)
         top = sorted(lp.values(), key=lambda v: v.rank)[:top_n] if top_n else []
         content.append({"token": text, "logprob": lp[tid].logprob, "bytes": list(text.encode()),
-                        "top_logprobs": [{"token": _token_text(state, v.token_id), "logprob": v.logprob,
+                        "top_logprobs": [{"token": _token_text(state, v.token_id),
+                                          "logprob": v.logprob,
                                           "bytes": list(_token_text(state, v.token_id).encode())}
                                          for v in top]})
     return {"content": content}
@@ -416,7 +420,8 @@ class _Edge:
         if length and length.isdigit() and int(length) > http_body.MAX_BODY_BYTES:
             return _error_response(_body_error(http_body.too_large()))
         if path.startswith("/v1/") and method == "POST" and not state.ready:
-            return JSONResponse({"error": {"message": "the server is not ready", "type": "ServiceUnavailableError",
+            return JSONResponse({"error": {"message": "the server is not ready",
+                                           "type": "ServiceUnavailableError",
                                            "param": None, "code": 503}}, status_code=503)
         return None
 
@@ -465,8 +470,8 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        logger.error("%s %s failed: %s: %s", request.method, request.url.path, type(exc).__name__, exc,
-                     exc_info=exc)
+        logger.error("%s %s failed: %s: %s", request.method, request.url.path, type(exc).__name__,
+                     exc, exc_info=exc)
         return _error_response(OpenAIError("internal server error", 500, "InternalServerError"))
 
 
@@ -496,7 +501,8 @@ def build_app(state: ServerState) -> FastAPI:
             message = f"malformed JSON body: {first.get('ctx', {}).get('error', 'invalid JSON')}"
         else:
             message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
-        return JSONResponse(OpenAIError(message, param=".".join(loc) or None).body(), status_code=400)
+        return JSONResponse(OpenAIError(message, param=".".join(loc) or None).body(),
+                            status_code=400)
 
     @app.exception_handler(KVHoldRefused)
     async def _hold_refused(_: Request, exc: KVHoldRefused) -> JSONResponse:
@@ -505,12 +511,14 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(KVTransferFailed)
     async def _kv_failed(_: Request, exc: KVTransferFailed) -> JSONResponse:
-        body = {"error": {"message": str(exc), "type": "KVTransferError", "param": None, "code": 502}}
+        body = {"error": {"message": str(exc), "type": "KVTransferError", "param": None,
+                          "code": 502}}
         return JSONResponse(body, status_code=502)
 
     @app.exception_handler(EngineDeadError)
     async def _engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
-        body = {"error": {"message": str(exc), "type": "ServiceUnavailableError", "param": None, "code": 503}}
+        body = {"error": {"message": str(exc), "type": "ServiceUnavailableError", "param": None,
+                          "code": 503}}
         return JSONResponse(body, status_code=503)
 
     app.add_middleware(_Edge, state=state)
@@ -528,7 +536,8 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(state.metrics.render() if state.metrics else b"", media_type="text/plain; version=0.0.4")
+        return Response(state.metrics.render() if state.metrics else b"",
+                        media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -550,9 +559,11 @@ def build_app(state: ServerState) -> FastAPI:
         gens = [state.engine.generate(f"{base_id}-{i}", ids, p, body.kv_transfer_params)
                 for i, ((_, ids), p) in enumerate(zip(prompts, params))]
         if body.stream:
-            return StreamingResponse(_stream_completions(state, body, model, base_id, created, prompts, gens),
+            return StreamingResponse(_stream_completions(state, body, model, base_id, created,
+                                                         prompts, gens),
                                      media_type="text/event-stream")
-        finals = await _until_disconnect(request, asyncio.ensure_future(_collect(state, gens, prompts)))
+        finals = await _until_disconnect(request,
+                                         asyncio.ensure_future(_collect(state, gens, prompts)))
         choices, completion_tokens = [], 0
         for i, out in enumerate(finals):
             text_prefix = ""
@@ -561,13 +572,16 @@ def build_app(state: ServerState) -> FastAPI:
             for o in out.outputs:
                 completion_tokens += len(o.token_ids)
                 choices.append({"index": i * body.n + o.index, "text": text_prefix + o.text,
-                                "logprobs": _completion_logprobs(state, o.token_ids, o.logprobs, len(text_prefix)),
+                                "logprobs": _completion_logprobs(state, o.token_ids, o.logprobs,
+                                                                 len(text_prefix)),
                                 "finish_reason": o.finish_reason, "stop_reason": o.stop_reason})
         prompt_tokens = sum(len(ids) for _, ids in prompts)
         return {"id": base_id, "object": "text_completion", "created": created, "model": model,
-                "choices": choices, "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "choices": choices, "usage": {"prompt_tokens": prompt_tokens,
+                                              "completion_tokens": completion_tokens,
                                               "total_tokens": prompt_tokens + completion_tokens},
-                **({"kv_transfer_params": finals[0].kv_transfer_params} if body.kv_transfer_params else {})}
+                **({"kv_transfer_params": finals[0].kv_transfer_params} if body.kv_transfer_params
+                   else {})}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -588,7 +602,8 @@ def build_app(state: ServerState) -> FastAPI:
         created = int(time.time())
         gen = state.engine.generate(base_id, rendered.prompt_ids, params, body.kv_transfer_params)
         if body.stream:
-            return StreamingResponse(_stream_chat(state, body, model, base_id, created, rendered, gen),
+            return StreamingResponse(_stream_chat(state, body, model, base_id, created, rendered,
+                                                  gen),
                                      media_type="text/event-stream")
         (final,) = await _until_disconnect(request, asyncio.ensure_future(
             _collect(state, [gen], [(None, rendered.prompt_ids)])))
@@ -597,14 +612,18 @@ def build_app(state: ServerState) -> FastAPI:
             completion_tokens += len(o.token_ids)
             parsed = state.chat.parse(o.token_ids, o.text, rendered.tools)
             choices.append({"index": o.index, "message": parsed.message(),
-                            "logprobs": _chat_logprobs(state, o.token_ids, o.logprobs, body.top_logprobs or 0),
-                            "finish_reason": finish_reason(o.finish_reason, bool(parsed.tool_calls)),
+                            "logprobs": _chat_logprobs(state, o.token_ids, o.logprobs,
+                                                       body.top_logprobs or 0),
+                            "finish_reason": finish_reason(o.finish_reason,
+                                                           bool(parsed.tool_calls)),
                             "stop_reason": o.stop_reason})
         prompt_tokens = len(rendered.prompt_ids)
         return {"id": base_id, "object": "chat.completion", "created": created, "model": model,
-                "choices": choices, "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "choices": choices, "usage": {"prompt_tokens": prompt_tokens,
+                                              "completion_tokens": completion_tokens,
                                               "total_tokens": prompt_tokens + completion_tokens},
-                **({"kv_transfer_params": final.kv_transfer_params} if body.kv_transfer_params else {})}
+                **({"kv_transfer_params": final.kv_transfer_params} if body.kv_transfer_params
+                   else {})}
 
     @app.post("/v1/kv_transfer/free")
     async def kv_transfer_free(body: KVTransferFreeRequest):
@@ -654,13 +673,17 @@ async def _stream_completions(state: ServerState, body: CompletionRequest, model
                 text = o.delta_text
                 if body.echo and (i, o.index) not in echoed:
                     echoed.add((i, o.index))
-                    text = (prompts[i][0] or (state.tokenizer.decode(prompts[i][1]) if state.tokenizer else "")) + text
+                    text = (prompts[i][0] or (state.tokenizer.decode(prompts[i][1])
+                                              if state.tokenizer else "")) + text
                 key = (i, o.index)
-                lp = _completion_logprobs(state, o.delta_token_ids, o.delta_logprobs, offsets.get(key, 0))
+                lp = _completion_logprobs(state, o.delta_token_ids, o.delta_logprobs,
+                                          offsets.get(key, 0))
                 offsets[key] = offsets.get(key, 0) + len(text)
-                yield _sse({"id": base_id, "object": "text_completion", "created": created, "model": model,
-                            "choices": [{"index": i * body.n + o.index, "text": text, "logprobs": lp,
-                                         "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}]})
+                yield _sse({"id": base_id, "object": "text_completion", "created": created,
+                            "model": model,
+                            "choices": [{"index": i * body.n + o.index, "text": text,
+                                         "logprobs": lp, "finish_reason": o.finish_reason,
+                                         "stop_reason": o.stop_reason}]})
             if out.finished:
                 timings[i].finished(len(prompts[i][1]), [o.finish_reason for o in out.outputs])
     except (EngineError, EngineDeadError, KVTransferFailed, RequestFailed) as e:
@@ -669,22 +692,27 @@ async def _stream_completions(state: ServerState, body: CompletionRequest, model
         return
     if body.stream_options and body.stream_options.include_usage:
         prompt_tokens = sum(len(ids) for _, ids in prompts)
-        yield _sse({"id": base_id, "object": "text_completion", "created": created, "model": model, "choices": [],
-                    "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+        yield _sse({"id": base_id, "object": "text_completion", "created": created, "model": model,
+                    "choices": [],
+                    "usage": {"prompt_tokens": prompt_tokens,
+                              "completion_tokens": completion_tokens,
                               "total_tokens": prompt_tokens + completion_tokens}})
     yield "data: [DONE]\n\n"
 
 
 async def _stream_chat(state: ServerState, body: ChatCompletionRequest, model: str, base_id: str,
-                       created: int, rendered: Any, gen: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+                       created: int, rendered: Any,
+                       gen: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
     timing = _Timing(state.metrics)
     completion_tokens = 0
     streams = {}
 
     def chunk(index: int, delta: dict[str, Any], finish: str | None = None, **extra: Any) -> str:
-        return _sse({"id": base_id, "object": "chat.completion.chunk", "created": created, "model": model,
+        return _sse({"id": base_id, "object": "chat.completion.chunk", "created": created,
+                     "model": model,
                      "choices": [{"index": index, "delta": delta, "logprobs": extra.get("logprobs"),
-                                  "finish_reason": finish, **({"stop_reason": extra["stop_reason"]} if finish else {})}]})
+                                  "finish_reason": finish,
+                                  **({"stop_reason": extra["stop_reason"]} if finish else {})}]})
 
     for index in range(body.n):
         yield chunk(index, {"role": "assistant", "content": ""})
@@ -695,7 +723,8 @@ async def _stream_chat(state: ServerState, body: ChatCompletionRequest, model: s
             completion_tokens += new_tokens
             for o in out.outputs:
                 parser = streams.setdefault(o.index, state.chat.stream_parser(rendered.tools))
-                lp = _chat_logprobs(state, o.delta_token_ids, o.delta_logprobs, body.top_logprobs or 0)
+                lp = _chat_logprobs(state, o.delta_token_ids, o.delta_logprobs,
+                                    body.top_logprobs or 0)
                 for delta in parser.feed(o.delta_token_ids, o.delta_text):
                     yield chunk(o.index, delta, logprobs=lp)
                     lp = None
@@ -711,7 +740,9 @@ async def _stream_chat(state: ServerState, body: ChatCompletionRequest, model: s
     else:
         if body.stream_options and body.stream_options.include_usage:
             prompt_tokens = len(rendered.prompt_ids)
-            yield _sse({"id": base_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                        "choices": [], "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            yield _sse({"id": base_id, "object": "chat.completion.chunk", "created": created,
+                        "model": model,
+                        "choices": [], "usage": {"prompt_tokens": prompt_tokens,
+                                                 "completion_tokens": completion_tokens,
                                                  "total_tokens": prompt_tokens + completion_tokens}})
     yield "data: [DONE]\n\n"
