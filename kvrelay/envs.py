@@ -98,7 +98,8 @@ ATTENTION_KERNEL = EnvVar("KVRELAY_ATTENTION_KERNEL", None, "auto",
 SINGLE_THREAD_STEP_MACS = EnvVar(
     "KVRELAY_SINGLE_THREAD_STEP_MACS", None, "16e6",
     "CPU: a step under this many multiply-adds runs on one thread (intra-op parallelism of "
-    "small ops costs more in barriers than it saves, and collapses when cores are shared); 0: never")
+    "small ops costs more in barriers than it saves, and collapses when cores are shared); "
+    "0: never")
 
 
 def parse_id_list(text: str) -> list[int]:
@@ -111,7 +112,8 @@ def parse_id_list(text: str) -> list[int]:
         try:
             start, stop = int(lo), int(hi or lo)
         except ValueError:
-            raise ValueError(f"bad device list {text!r}: expected ids and ranges like 0-3,6") from None
+            raise ValueError(f"bad device list {text!r}: expected ids and ranges like "
+                             "0-3,6") from None
         if stop < start:
             raise ValueError(f"bad device list {text!r}: range {part} is descending")
         ids.extend(range(start, stop + 1))

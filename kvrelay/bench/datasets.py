@@ -238,5 +238,6 @@ def sharegpt_dataset(counter: Counter, num: int, output_len: int | None = None, 
             out.append(conv)
             total += len(conv)
     if total < num:
-        raise ValueError(f"sharegpt: only {total} requests pass the length filter (asked for {num})")
+        raise ValueError(f"sharegpt: only {total} requests pass the length filter "
+                         f"(asked for {num})")
     return out

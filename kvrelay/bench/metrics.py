@@ -90,7 +90,8 @@ def parse_goodput(items: list[str] | None) -> dict[str, float]:
         try:
             slos[name] = float(value)
         except ValueError:
-            raise ValueError(f"--goodput {item!r}: {value!r} is not a number of milliseconds") from None
+            raise ValueError(f"--goodput {item!r}: {value!r} is not a number of "
+                             "milliseconds") from None
         if slos[name] <= 0:
             raise ValueError(f"--goodput {item!r}: the SLO must be > 0 ms")
     return slos

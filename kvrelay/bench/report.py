@@ -173,7 +173,8 @@ def compare_table(a: dict[str, Any], b: dict[str, Any], name_a: str = "A",
         better = ""
         if low is not None and _num(va) and _num(vb) and va != vb:
             better = name_a if (va < vb) == low else name_b
-        out.append(f"{label:<34}{_fmt(va):>{w}}  {_fmt(vb):>{w}}  {_fmt(ratio, '{:.3f}'):>7}  {better}")
+        ratio_text = _fmt(ratio, "{:.3f}")
+        out.append(f"{label:<34}{_fmt(va):>{w}}  {_fmt(vb):>{w}}  {ratio_text:>7}  {better}")
     return "\n".join(out)
 
 

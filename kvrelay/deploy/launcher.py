@@ -58,8 +58,8 @@ class Component:
         with open(self.log_path, mode) as log:      # the child keeps its own copy of the descriptor
             self.log_offset = log.tell()
             self.proc = subprocess.Popen([sys.executable, "-m", "kvrelay.cli", *self.args],
-                                         stdout=log,
-                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL,
                                          env=self.env, start_new_session=True)
         self.is_ready = False
         self.started_at = time.monotonic()

@@ -3,8 +3,8 @@ or print (`--dry-run`) every process's exact command and environment for any mac
 
     kvrelay deploy --model DIR --prefill 2 --decode 1 -- --max-model-len 4096
     kvrelay deploy --config topo.yaml
-    kvrelay deploy --model openai/gpt-oss-120b --prefill 16 --prefill-tp 4 --decode 1 --decode-tp 8 \\
-        --decode-dp 8 --enable-expert-parallel --devices 0-63 \\
+    kvrelay deploy --model openai/gpt-oss-120b --prefill 16 --prefill-tp 4 \\
+        --decode 1 --decode-tp 8 --decode-dp 8 --enable-expert-parallel --devices 0-63 \\
         --hosts prefill=PREFILL_HOST decode=DECODE_HOST --dry-run
 
 Steps: check the layout against the model's config (plan.py), generate the topology's KV
@@ -150,7 +150,8 @@ def load_yaml(path: Path) -> dict[str, Any]:
     except yaml.YAMLError as e:
         raise TopologyError([f"{path}: not valid YAML ({e})"]) from None
     if not isinstance(data, dict):
-        raise TopologyError([f"{path}: expected a mapping at the top (model:, prefill:, decode: …)"])
+        raise TopologyError([f"{path}: expected a mapping at the top "
+                             "(model:, prefill:, decode: …)"])
     return data
 
 
@@ -345,7 +346,8 @@ def _print_endpoints(plan: Plan, deployment, seconds: float) -> None:
     if plan.proxy:
         _say(f"  proxy      {plan.proxy.url}  (log {logs['proxy']})")
     for s in plan.servers:
-        side = f"  side channel {','.join(map(str, s.side_channel_ports))}" if s.side_channel_ports else ""
+        ports = ",".join(map(str, s.side_channel_ports))
+        side = f"  side channel {ports}" if s.side_channel_ports else ""
         _say(f"  {s.name:<10} {s.url}  {s.layout}, devices {format_ids(s.devices)}{side}  (log "
              f"{logs[s.name]})")
     _say(f"OpenAI base URL: {plan.entry.url}/v1 (model {plan.served_name}). Ctrl-C stops "

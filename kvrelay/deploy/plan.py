@@ -287,7 +287,8 @@ def _neuron_config(topo: Topology, spec: RoleSpec) -> dict[str, Any]:
                   "num_seqs_buckets": [seqs]}
         else:
             nc = {"quantization": "mxfp4"}
-            if spec.role == "prefill" and spec.expert_parallel and spec.tp % 2 == 0 and spec.dp == 1:
+            if (spec.role == "prefill" and spec.expert_parallel and spec.tp % 2 == 0
+                    and spec.dp == 1):
                 nc["ep_degree"] = 2
             if spec.role == "decode" and spec.dp > 1:
                 nc |= {"embedding_dp_size": spec.dp, "lm_head_dp_size": spec.dp}
@@ -311,7 +312,8 @@ def _additional_configs(args: tuple[str, ...]) -> list[dict[str, Any]]:
         try:
             value = json.loads(text)
         except json.JSONDecodeError as e:
-            raise TopologyError([f"--additional-config {text!r}: malformed JSON ({e.msg})"]) from None
+            raise TopologyError(
+                [f"--additional-config {text!r}: malformed JSON ({e.msg})"]) from None
         if not isinstance(value, dict):
             raise TopologyError([f"--additional-config {text!r}: expected a JSON object"])
         out.append(value)
@@ -396,7 +398,8 @@ def _exports(topo: Topology) -> tuple[tuple[str, str], ...]:
 
 
 def listen_host(topo: Topology) -> str:
-    """127.0.0.1 when everything runs on this machine, else all interfaces (as the tutorial runs)."""
+    """127.0.0.1 when everything runs on this machine, else all interfaces (as the tutorial
+    runs)."""
     return "127.0.0.1" if topo.local else "0.0.0.0"
 
 
@@ -464,7 +467,8 @@ def render(plan: Plan) -> str:
             sides = (f", side channel {_span(s.side_channel_ports)}" if s.side_channel_ports
                      else "")
             out += ["",
-                    f"# {s.name}: {s.layout}, devices {format_ids(s.devices)}, HTTP {s.port}{sides}",
+                    f"# {s.name}: {s.layout}, devices {format_ids(s.devices)}, "
+                    f"HTTP {s.port}{sides}",
                     shell_command(s.args, s.env) + " &"]
         if plan.proxy and plan.proxy.host == host:
             out += ["",

@@ -7,11 +7,15 @@ flags given on the command line override the file), then into a `Topology`:
     served_model_name: null             # --served-model-name for every server
     preset: tutorial                    # tutorial | none (default: tutorial for the built-in ids)
     connector: nixl                     # nixl | tcp
-    kv_backend: LIBFABRIC               # NIXL backend (default LIBFABRIC with the tutorial preset, else UCX)
-    devices: 0-63                       # device ids of each host (default: this machine's CPU cores)
+    kv_backend: LIBFABRIC               # NIXL backend (default: LIBFABRIC with the
+                                        #   tutorial preset, else UCX)
+    devices: 0-63                       # device ids of each host (default: this
+                                        #   machine's CPU cores)
     hosts: {prefill: [A], decode: [B], proxy: A}
-    ports: {proxy: 8000, prefill: 8100, decode: 8200, prefill_side_channel: 5559, decode_side_channel: 5659}
-    prefill: {count: 16, tp: 4, dp: 1, enable_expert_parallel: true, ep_degree: 2, max_num_seqs: 1, args: []}
+    ports: {proxy: 8000, prefill: 8100, decode: 8200,
+            prefill_side_channel: 5559, decode_side_channel: 5659}
+    prefill: {count: 16, tp: 4, dp: 1, enable_expert_parallel: true, ep_degree: 2,
+              max_num_seqs: 1, args: []}
     decode:  {count: 1, tp: 8, dp: 8, enable_expert_parallel: true, max_num_seqs: 4, args: []}
     single:  {tp: 8}                    # instead of prefill/decode: one server, no proxy
     serve_args: []                      # appended to every server's command
@@ -70,7 +74,8 @@ class RoleSpec:
 
 @dataclass(frozen=True)
 class Ports:
-    """First port of each series; server i of a role takes first + i (side channel: one per DP rank)."""
+    """First port of each series; server i of a role takes first + i (side channel: one per
+    DP rank)."""
 
     proxy: int = 8000
     prefill: int = 8100
@@ -208,14 +213,15 @@ def _role(name: str, sec: dict[str, Any], hosts: list[str], problems: list[str])
 
 
 def _hosts(raw: Any, problems: list[str]) -> dict[str, list[str]]:
-    """`{prefill: [A, B], decode: B, proxy: A}`; the flag form `ROLE=H[,H]` or a bare `H` (every role)."""
+    """`{prefill: [A, B], decode: B, proxy: A}`; the flag form `ROLE=H[,H]` or a bare `H`
+    (every role)."""
     if raw is None:
         return {}
     if isinstance(raw, (list, tuple)):
         parsed: dict[str, list[str]] = {}
         for item in raw:
-            role, _sep, names = str(item).rpartition("=") if "=" in str(item) else ("all", "",
-                                                                                    str(item))
+            text = str(item)
+            role, _sep, names = text.rpartition("=") if "=" in text else ("all", "", text)
             parsed.setdefault(role or "all", []).extend(h for h in names.split(",") if h)
         raw = parsed
     if not isinstance(raw, dict):

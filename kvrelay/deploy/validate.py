@@ -174,7 +174,8 @@ class Validator:
     results: list[CheckResult] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        headers = {"Authorization": f"Bearer {self.options.api_key}"} if self.options.api_key else {}
+        key = self.options.api_key
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.headers = headers
         self.client = httpx.Client(base_url=self.options.base_url.rstrip("/"),
                                    timeout=self.options.timeout, headers=headers, trust_env=False)
@@ -210,8 +211,8 @@ class Validator:
             down = _down_servers(resp)
             return False, f"HTTP {resp.status_code}" + (f"; down: {down}" if down else "")
         servers = self._listed_servers(resp)
-        listing = f" ({len(servers['prefill'])} prefill, {len(servers['decode'])} decode behind it)" \
-            if servers["prefill"] or servers["decode"] else ""
+        listing = (f" ({len(servers['prefill'])} prefill, {len(servers['decode'])} decode "
+                   "behind it)") if servers["prefill"] or servers["decode"] else ""
         return True, f"HTTP 200{listing}"
 
     def models(self) -> tuple[bool, str]:
@@ -284,7 +285,8 @@ class Validator:
         text = f"Request {nonce} {i}: " + " ".join(WORDS[(i + k) % len(WORDS)]
                                                    for k in range(words))
         body: dict[str, Any] = {"model": self.model,
-                                "max_tokens": TRAFFIC_MAX_TOKENS[(i // 2) % len(TRAFFIC_MAX_TOKENS)]}
+                                "max_tokens":
+                                    TRAFFIC_MAX_TOKENS[(i // 2) % len(TRAFFIC_MAX_TOKENS)]}
         chat = kind.startswith("chat")
         if chat:
             body["messages"] = [{"role": "user", "content": text}]
@@ -322,7 +324,8 @@ class Validator:
         return {role: servers[role] or listed[role] for role in servers}
 
     def _listed_servers(self, resp: httpx.Response) -> dict[str, list[str]]:
-        """The backends `kvrelay proxy` lists in its /health body ({"servers": [{role, server}]})."""
+        """The backends `kvrelay proxy` lists in its /health body
+        ({"servers": [{role, server}]})."""
         out: dict[str, list[str]] = {"prefill": [], "decode": []}
         try:
             body = resp.json()
@@ -392,7 +395,8 @@ def _describe(e: Exception, timeout: float) -> str:
     if isinstance(e, ShapeError):
         return str(e)
     if isinstance(e, httpx.TimeoutException):
-        return f"no answer within {timeout:g}s ({type(e).__name__}; raise --timeout on a slow machine)"
+        return (f"no answer within {timeout:g}s ({type(e).__name__}; raise --timeout on a slow "
+                "machine)")
     return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
 
 

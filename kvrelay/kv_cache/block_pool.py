@@ -89,7 +89,8 @@ class BlockPool:
             if block.block_id == NULL_BLOCK:
                 continue
             if block.ref_cnt <= 0:
-                raise AssertionError(f"block {block.block_id} released with ref_cnt {block.ref_cnt}")
+                raise AssertionError(
+                    f"block {block.block_id} released with ref_cnt {block.ref_cnt}")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free[block.block_id] = None

@@ -7,9 +7,10 @@ client ──POST /v1/completions──▶ proxy        X-Request-Id: the client
                                    │
    1. prefill (--routing: longest cached prefix by default; only a server that fails before
       answering is skipped; --disagg-policy auto may skip this leg: straight to 2.)
-                                   ├──▶ prefill  body: max_tokens 1, stream false, no stream_options /
-                                   │             min_tokens / min_completion_tokens,
-                                   │             kv_transfer_params {do_remote_decode: true, ...null}
+                                   ├──▶ prefill  body: max_tokens 1, stream false, no
+                                   │             stream_options / min_tokens /
+                                   │             min_completion_tokens, kv_transfer_params
+                                   │             {do_remote_decode: true, ...null}
                                    │◀── 200 {..., kv_transfer_params {do_remote_prefill: true,
                                    │        remote_engine_id, remote_block_ids, remote_host,
                                    │        remote_port, remote_request_id, tp_size}}
@@ -17,8 +18,9 @@ client ──POST /v1/completions──▶ proxy        X-Request-Id: the client
                                    │    never re-sent elsewhere: the request reached a server)
                                    │    every server failing before answering → 503
    2. decode (--routing, by load and KV usage; failing before answering → the next one)
-                                   ├──▶ decode   the ORIGINAL body + the prefill's kv_transfer_params
-                                   │             (remote_host 0.0.0.0/empty → the prefill host used)
+                                   ├──▶ decode   the ORIGINAL body + the prefill's
+                                   │             kv_transfer_params (remote_host 0.0.0.0/empty
+                                   │             → the prefill host used)
 client ◀── SSE chunks / JSON ──────┘◀── decode pulls the KV over NIXL, streams; relayed unbuffered
 ```
 
@@ -39,7 +41,8 @@ the same loop reads their `/metrics` (load, KV usage and capacity, prefix-cache 
 Server choice and whether to disaggregate at all are `policy.py`'s (`_route`), over the prefix
 table of `prefix.py`. `POST /v1/responses` takes the same legs (its prefill body is
 `responses.py`'s); a `previous_response_id` follow-up, GET and DELETE go to the decode
-server that stored the response (`responses.ResponseHomes`, learned from relayed answers). Every error the proxy itself returns is an OpenAI error body.
+server that stored the response (`responses.ResponseHomes`, learned from relayed answers).
+Every error the proxy itself returns is an OpenAI error body.
 """
 from __future__ import annotations
 

@@ -210,7 +210,8 @@ def _sampling(state: ServerState, body: Any, max_tokens: int, logprobs: int | No
               structured: StructuredOutputsParams | None = None) -> SamplingParams:
     for name, asked in ((logprobs_param, logprobs), ("prompt_logprobs", prompt_logprobs)):
         if asked is not None and state.max_logprobs != -1 and asked > state.max_logprobs:
-            hint = " (logprobs are disabled on this server: --max-logprobs 0)" if state.max_logprobs == 0 else ""
+            hint = (" (logprobs are disabled on this server: --max-logprobs 0)"
+                    if state.max_logprobs == 0 else "")
             raise OpenAIError(f"{name}={asked} exceeds the server's --max-logprobs "
                               f"{state.max_logprobs}{hint}", param=name)
     best_of = getattr(body, "best_of", None)      # request models without it (e.g. new endpoints)
@@ -280,7 +281,8 @@ def _chat_logprobs(state: ServerState, token_ids: list[int], logprobs: list | No
     return {"content": content}
 
 
-async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def _merge(
+        streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Interleave several generators' outputs as they arrive (prompt index, output)."""
     if len(streams) == 1:                      # the common case: no pump task, no queue
         try:
@@ -568,7 +570,8 @@ def build_app(state: ServerState) -> FastAPI:
         for i, out in enumerate(finals):
             text_prefix = ""
             if body.echo:
-                text_prefix = prompts[i][0] if prompts[i][0] is not None else state.tokenizer.decode(out.prompt_token_ids) if state.tokenizer else ""
+                text_prefix = prompts[i][0] if prompts[i][0] is not None else (
+                    state.tokenizer.decode(out.prompt_token_ids) if state.tokenizer else "")
             for o in out.outputs:
                 completion_tokens += len(o.token_ids)
                 choices.append({"index": i * body.n + o.index, "text": text_prefix + o.text,
@@ -741,8 +744,8 @@ async def _stream_chat(state: ServerState, body: ChatCompletionRequest, model: s
         if body.stream_options and body.stream_options.include_usage:
             prompt_tokens = len(rendered.prompt_ids)
             yield _sse({"id": base_id, "object": "chat.completion.chunk", "created": created,
-                        "model": model,
-                        "choices": [], "usage": {"prompt_tokens": prompt_tokens,
-                                                 "completion_tokens": completion_tokens,
-                                                 "total_tokens": prompt_tokens + completion_tokens}})
+                        "model": model, "choices": [],
+                        "usage": {"prompt_tokens": prompt_tokens,
+                                  "completion_tokens": completion_tokens,
+                                  "total_tokens": prompt_tokens + completion_tokens}})
     yield "data: [DONE]\n\n"

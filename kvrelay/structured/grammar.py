@@ -98,7 +98,8 @@ def build_grammar(p: StructuredOutputsParams, analysis_budget: int = 0) -> str:
 def _harmony_grammars(p: StructuredOutputsParams, budget: int) -> list[dict[str, Any]]:
     rules = ["start: analysis? answer" if budget > 0 else "start: answer"]
     if budget > 0:
-        rules += ['analysis: <|channel|> "analysis" <|message|> think <|end|> <|start|> "assistant"',
+        rules += ['analysis: <|channel|> "analysis" <|message|> think <|end|> '
+                  '<|start|> "assistant"',
                   f"think[max_tokens={budget}]: /(.|\\n)*/"]
     answers, subs = [], []
     fmt = _format_grammar(p)
