@@ -102,7 +102,7 @@ class SamplingParams:
              f"logprobs must be non-negative, got {self.logprobs}"),
             ("prompt_logprobs", self.prompt_logprobs is None or self.prompt_logprobs >= 0,
              f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}"),
-            ("stop", all(s for s in self.stop), "stop strings must be non-empty"),
+            ("stop", all(s for s in self.stop or []), "stop strings must be non-empty"),
         ]
         for param, ok, message in checks:
             if not ok:

@@ -27,7 +27,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from kvrelay import envs
 from kvrelay.deploy.plan import (
@@ -53,7 +53,7 @@ logger = logging.getLogger("kvrelay.deploy")
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 

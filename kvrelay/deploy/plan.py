@@ -405,7 +405,8 @@ def listen_host(topo: Topology) -> str:
 
 def format_ids(ids: tuple[int, ...] | list[int]) -> str:
     """(0, 1, 2, 3, 6) → "0-3,6" (the NEURON_VISIBLE_DEVICES syntax)."""
-    parts, run = [], []
+    parts: list[str] = []
+    run: list[int] = []
     for i in ids:
         if run and i == run[-1] + 1:
             run.append(i)

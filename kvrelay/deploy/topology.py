@@ -221,8 +221,8 @@ def _hosts(raw: Any, problems: list[str]) -> dict[str, list[str]]:
         parsed: dict[str, list[str]] = {}
         for item in raw:
             text = str(item)
-            role, _sep, names = text.rpartition("=") if "=" in text else ("all", "", text)
-            parsed.setdefault(role or "all", []).extend(h for h in names.split(",") if h)
+            role, _sep, listed = text.rpartition("=") if "=" in text else ("all", "", text)
+            parsed.setdefault(role or "all", []).extend(h for h in listed.split(",") if h)
         raw = parsed
     if not isinstance(raw, dict):
         problems.append("hosts: expected a mapping such as {prefill: [PREFILL_HOST], decode: "
@@ -233,11 +233,11 @@ def _hosts(raw: Any, problems: list[str]) -> dict[str, list[str]]:
         if role not in (*ROLES, "proxy", "all"):
             problems.append(f"hosts: unknown role {role!r} (prefill, decode, single, proxy)")
             continue
-        names = [names] if isinstance(names, str) else list(names or [])
-        if not names or not all(isinstance(h, str) and h for h in names):
+        hosts = [names] if isinstance(names, str) else list(names or [])
+        if not hosts or not all(isinstance(h, str) and h for h in hosts):
             problems.append(f"hosts.{role}: expected host names")
             continue
-        out[role] = names
+        out[role] = hosts
     return out
 
 

@@ -27,7 +27,7 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import httpx
 
@@ -219,7 +219,8 @@ class Validator:
         resp = self.client.get("/v1/models")
         if resp.status_code != 200:
             return False, _http_error(resp)
-        ids = [m.get("id") for m in resp.json().get("data", []) if isinstance(m, dict)]
+        ids = [m["id"] for m in resp.json().get("data", [])
+               if isinstance(m, dict) and isinstance(m.get("id"), str)]
         if not ids:
             return False, "no models listed"
         if self.model is None:
@@ -452,7 +453,7 @@ def run_checks(options: ValidateOptions) -> list[CheckResult]:
 # ---------------------------------------------------------------------------- the command
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 from kvrelay.kv_cache.block_pool import NULL_BLOCK, BlockPool, KVBlock
 from kvrelay.kv_cache.hashing import BlockHash, hash_block, root_hash
@@ -104,8 +105,9 @@ class KVCacheManager:
         blocks = []
         for g, group in enumerate(self.groups):
             first = self._first_needed_block(group.window, limit * self.block_size)
-            found = [self.pool.lookup(g, h) for h in hashes[first:limit]]
-            blocks.append([self.pool.blocks[NULL_BLOCK]] * first + found)  # type: ignore[list-item]
+            # every hash below `limit` is cached: found above
+            found = cast("list[KVBlock]", [self.pool.lookup(g, h) for h in hashes[first:limit]])
+            blocks.append([self.pool.blocks[NULL_BLOCK]] * first + found)
         self.stats.hits += limit * self.block_size
         return PrefixHit(limit * self.block_size, blocks)
 

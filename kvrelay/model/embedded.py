@@ -46,7 +46,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -391,7 +391,7 @@ def build_tokenizer_json(tok: TokenizerSpec) -> str:
 
     bpe = models.BPE(
         vocab={token: i for i, token in enumerate(tok.tokens)},
-        merges=[tuple(m.split(" ", 1)) for m in tok.merges],
+        merges=[cast("tuple[str, str]", tuple(m.split(" ", 1))) for m in tok.merges],
         unk_token=None, fuse_unk=False, byte_fallback=False,
     )
     tokenizer = Tokenizer(bpe)

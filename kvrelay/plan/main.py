@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import NoReturn
 
 from kvrelay.plan.capacity import (
     Measured,
@@ -26,7 +27,7 @@ PROG = "kvrelay plan"
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 

@@ -18,6 +18,7 @@ import socket
 import sys
 from dataclasses import dataclass, field
 from types import FrameType
+from typing import NoReturn
 
 import uvicorn
 
@@ -47,7 +48,7 @@ class ProxySettings:
 class _Parser(argparse.ArgumentParser):
     """argparse with one-line errors naming the flag (no usage dump)."""
 
-    def error(self, message: str):  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 

@@ -23,7 +23,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -289,7 +289,7 @@ async def _merge(
             async for out in streams[0]:
                 yield 0, out
         finally:
-            await streams[0].aclose()
+            await _close(streams[0])
         return
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
@@ -321,14 +321,21 @@ async def _merge(
         # pumps have ended every generator has run its own cleanup (the aborts)
         await asyncio.gather(*tasks, return_exceptions=True)
         for s in streams:
-            await s.aclose()
+            await _close(s)
+
+
+async def _close(stream: AsyncIterator[RequestOutput]) -> None:
+    """Run a generator's cleanup (its abort) now, not when it is garbage-collected."""
+    if isinstance(stream, AsyncGenerator):
+        await stream.aclose()
 
 
 class _Timing:
     """Observes TTFT / ITL / e2e for one request into the metrics."""
 
     def __init__(self, metrics: ServerMetrics | None) -> None:
-        self.metrics, self.start, self.last, self.tokens = metrics, time.monotonic(), None, 0
+        self.metrics, self.start, self.tokens = metrics, time.monotonic(), 0
+        self.last: float | None = None
 
     def tokens_arrived(self, n: int) -> None:
         if not self.metrics or n <= 0:
@@ -392,7 +399,7 @@ class _Edge:
         request_id = headers.get("x-request-id") or uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = request_id
 
-        async def send_with_id(message: dict) -> None:
+        async def send_with_id(message: MutableMapping[str, Any]) -> None:
             if message["type"] == "http.response.start":
                 MutableHeaders(scope=message).append("X-Request-Id", request_id)
             await send(message)
@@ -481,10 +488,11 @@ def _stream_error(e: Exception) -> dict[str, Any]:
     """The error event a stream ends with when the engine fails its request."""
     if isinstance(e, EngineError):
         return OpenAIError(str(e), param=e.param).body()
-    kind, code = {KVTransferFailed: ("KVTransferError", 502),
-                  RequestFailed: ("InternalServerError", 500),
-                  KVHoldRefused: ("ServiceUnavailableError", 503),
-                  }.get(type(e), ("ServiceUnavailableError", 503))
+    kinds: dict[type[Exception], tuple[str, int]] = {
+        KVTransferFailed: ("KVTransferError", 502),
+        RequestFailed: ("InternalServerError", 500),
+        KVHoldRefused: ("ServiceUnavailableError", 503)}
+    kind, code = kinds.get(type(e), ("ServiceUnavailableError", 503))
     return {"error": {"message": str(e), "type": kind, "param": None, "code": code}}
 
 
@@ -570,7 +578,8 @@ def build_app(state: ServerState) -> FastAPI:
         for i, out in enumerate(finals):
             text_prefix = ""
             if body.echo:
-                text_prefix = prompts[i][0] if prompts[i][0] is not None else (
+                prompt_text = prompts[i][0]
+                text_prefix = prompt_text if prompt_text is not None else (
                     state.tokenizer.decode(out.prompt_token_ids) if state.tokenizer else "")
             for o in out.outputs:
                 completion_tokens += len(o.token_ids)
@@ -663,7 +672,7 @@ async def _stream_completions(state: ServerState, body: CompletionRequest, model
                               gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[str]:
     timings = [_Timing(state.metrics) for _ in gens]
     completion_tokens = 0
-    echoed: set[int] = set()
+    echoed: set[tuple[int, int]] = set()
     offsets: dict[tuple[int, int], int] = {}
     try:
         async for i, out in _merge(gens):
@@ -708,7 +717,9 @@ async def _stream_chat(state: ServerState, body: ChatCompletionRequest, model: s
                        gen: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
     timing = _Timing(state.metrics)
     completion_tokens = 0
-    streams = {}
+    streams: dict[int, Any] = {}
+    chat = state.chat
+    assert chat is not None, "the chat endpoint answers 400 without a chat template"
 
     def chunk(index: int, delta: dict[str, Any], finish: str | None = None, **extra: Any) -> str:
         return _sse({"id": base_id, "object": "chat.completion.chunk", "created": created,
@@ -725,7 +736,7 @@ async def _stream_chat(state: ServerState, body: ChatCompletionRequest, model: s
             timing.tokens_arrived(new_tokens)
             completion_tokens += new_tokens
             for o in out.outputs:
-                parser = streams.setdefault(o.index, state.chat.stream_parser(rendered.tools))
+                parser = streams.setdefault(o.index, chat.stream_parser(rendered.tools))
                 lp = _chat_logprobs(state, o.delta_token_ids, o.delta_logprobs,
                                     body.top_logprobs or 0)
                 for delta in parser.feed(o.delta_token_ids, o.delta_text):

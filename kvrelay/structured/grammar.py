@@ -87,7 +87,7 @@ def build_grammar(p: StructuredOutputsParams, analysis_budget: int = 0) -> str:
     fmt = _format_grammar(p)
     if p.tool_call is not None and fmt is None:
         fmt = {"json_schema": _calls_schema(p.tool_call, p)}
-    elif p.tool_call is not None:          # a formatted answer or the calls
+    elif p.tool_call is not None and fmt is not None:     # a formatted answer or the calls
         calls = {"name": "calls", "json_schema": _calls_schema(p.tool_call, p)}
         return json.dumps({"grammars": [{"lark_grammar": "start: @body | @calls"},
                                         {"name": "body", **fmt}, calls]})
