@@ -153,10 +153,9 @@ def compare_table(a: dict[str, Any], b: dict[str, Any], name_a: str = "A",
     rows: list[tuple[str, Any, Any, bool | None]] = [(label, a.get(k), b.get(k), low)
                                                      for k, label, low in COMPARE_KEYS]
     for name in METRIC_NAMES:
-        for stat in ("mean", "median") + tuple(sorted({k.split("_")[0] for k in a
-                                                       if k.endswith(f"_{name}_ms")
-                                                        and k.startswith("p")},
-                                                      key=lambda s: float(s[1:]))):
+        percentiles = {k.split("_")[0] for k in a
+                       if k.endswith(f"_{name}_ms") and k.startswith("p")}
+        for stat in ("mean", "median") + tuple(sorted(percentiles, key=lambda s: float(s[1:]))):
             key = f"{stat}_{name}_ms"
             if key in a or key in b:
                 rows.append((f"{stat.capitalize() if stat[0] != 'p' else stat.upper()} "

@@ -42,8 +42,8 @@ def poem_lines(text: str) -> list[str]:
 
 @lru_cache(maxsize=1)
 def bundled_sonnets() -> tuple[str, ...]:
-    text = resources.files("kvrelay.bench").joinpath("data",
-                                                     "sonnets.txt").read_text(encoding="utf-8")
+    sonnets = resources.files("kvrelay.bench").joinpath("data", "sonnets.txt")
+    text = sonnets.read_text(encoding="utf-8")
     return tuple(poem_lines(text))
 
 

@@ -142,8 +142,8 @@ class ProxyMetrics:
         self.decisions = Counter("kvrelay_proxy:routing_decisions",
                                  "Routing decisions: role prefill/decode (cache_hit, "
                                  "load_override, least_loaded, round_robin) and role disagg "
-                                 "(prefill_then_decode, "
-                                 "direct_to_decode).", ["role", "decision"], registry=r)
+                                 "(prefill_then_decode, direct_to_decode).",
+                                 ["role", "decision"], registry=r)
         self.table_blocks = Gauge("kvrelay_proxy:prefix_table_blocks",
                                   "Prompt blocks the router believes a backend holds.",
                                   ["role", "backend"], registry=r)
