@@ -1,12 +1,18 @@
-"""Every environment variable kvrelay reads, typed, in one place.
+"""Every environment variable that configures kvrelay, typed, in one place.
 
 Each `KVRELAY_X` also answers to the tutorial's (vLLM / Neuron) name, so the
 tutorial's exports work unchanged; the KVRELAY_ name wins when both are set.
+
+Not here: variables of other libraries that kvrelay only gives a default when the user
+has not set them (UCX_* and NIXL_LOG_LEVEL in disagg/nixl.py, OMP_WAIT_POLICY /
+GOMP_SPINCOUNT in cli.py, PATH while the native kernels build, TIKTOKEN_ENCODINGS_BASE
+written for openai-harmony), and the environment a launcher copies to its children.
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -41,30 +47,33 @@ class EnvVar:
         return f"{self.alias} (or {self.name})" if self.alias else self.name
 
 
-SIDE_CHANNEL_HOST = EnvVar("KVRELAY_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1",
+SIDE_CHANNEL_HOST = EnvVar("KVRELAY_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_HOST",
+                           "127.0.0.1",
                            "listen address of the KV-transfer handshake (prefill side)")
 SIDE_CHANNEL_PORT = EnvVar("KVRELAY_NIXL_SIDE_CHANNEL_PORT", "VLLM_NIXL_SIDE_CHANNEL_PORT", "5600",
                            "port of the KV-transfer handshake listener (one per DP rank from here)")
-ENGINE_READY_TIMEOUT_S = EnvVar("KVRELAY_ENGINE_READY_TIMEOUT_S", "VLLM_ENGINE_READY_TIMEOUT_S", "600",
-                                "seconds allowed from launch until the engine is ready")
+ENGINE_READY_TIMEOUT_S = EnvVar("KVRELAY_ENGINE_READY_TIMEOUT_S", "VLLM_ENGINE_READY_TIMEOUT_S",
+                                "600", "seconds allowed from launch until the engine is ready")
 EXECUTE_MODEL_TIMEOUT_S = EnvVar("KVRELAY_EXECUTE_MODEL_TIMEOUT_SECONDS",
                                  "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "300",
                                  "seconds one engine step may take before its requests fail")
-COMPILATION_TIMEOUT_S = EnvVar("KVRELAY_COMPILATION_TIMEOUT", "VLLM_NEURON_COMPILATION_TIMEOUT", "600",
-                               "seconds allowed for warm-up / graph capture / compilation")
+COMPILATION_TIMEOUT_S = EnvVar("KVRELAY_COMPILATION_TIMEOUT", "VLLM_NEURON_COMPILATION_TIMEOUT",
+                               "600", "seconds allowed for warm-up / graph capture / compilation")
 VISIBLE_DEVICES = EnvVar("KVRELAY_VISIBLE_DEVICES", "NEURON_VISIBLE_DEVICES", None,
                          "device slice: CPU core ids on CPU, GPU ids on CUDA, e.g. 0-3")
-CACHE_DIR = EnvVar("KVRELAY_CACHE_DIR", None, None, "where the embedded model is built")
+CACHE_DIR = EnvVar("KVRELAY_CACHE_DIR", None, None,
+                   "where the embedded model is built and the o200k vocabulary unpacked")
 CPU_HALF_MATMUL = EnvVar("KVRELAY_CPU_HALF_MATMUL", None, "auto",
-                         "bf16/fp16 weights on CPU: 'native' half-precision GEMMs, 'fp32' (upcast the "
-                         "weights per matmul, keep them half in memory) or 'auto' (fp32 unless oneDNN "
-                         "has a native bf16 path on this CPU)")
+                         "bf16/fp16 weights on CPU: 'native' half-precision GEMMs, 'fp32' (upcast "
+                         "the weights per matmul, keep them half in memory) or 'auto' (fp32 unless "
+                         "oneDNN has a native bf16 path on this CPU)")
 PROXY_API_KEY = EnvVar("KVRELAY_API_KEY", "VLLM_API_KEY", None,
                        "the key clients must present (Authorization: Bearer) to kvrelay proxy; "
                        "--api-key wins")
-PROXY_BACKEND_KEY = EnvVar("OPENAI_API_KEY", None, None,
-                           "kvrelay proxy's key for its backends, sent only for clients it "
-                           "authenticated with --api-key")
+OPENAI_API_KEY = EnvVar("OPENAI_API_KEY", None, None,
+                        "kvrelay proxy's key for its backends, sent only for clients it "
+                        "authenticated with --api-key; the default bearer token of "
+                        "`kvrelay bench serve` and `kvrelay validate`")
 KV_SECRET = EnvVar("KVRELAY_KV_SECRET", None, None,
                    "shared secret of one topology's KV plane: side channel and KV transports "
                    "authenticate peers with it (kvrelay deploy generates one); unset: no "
@@ -83,13 +92,14 @@ KERNELS_DIR = EnvVar("KVRELAY_KERNELS_DIR", None, None,
                      "$XDG_CACHE_HOME/kvrelay/kernels or ~/.cache/kvrelay/kernels; shared by "
                      "every KVRELAY_CACHE_DIR, one build per kvrelay/torch version)")
 ATTENTION_KERNEL = EnvVar("KVRELAY_ATTENTION_KERNEL", None, "auto",
-                          "decode attention on CPU: 'auto' (the C++ paged kernel, built on first use; "
-                          "the PyTorch reference path if it cannot be built) or 'reference'")
+                          "decode attention on CPU: 'auto' (the C++ paged kernel, built on first "
+                          "use; the PyTorch reference path if it cannot be built) or 'reference'")
 
 SINGLE_THREAD_STEP_MACS = EnvVar(
     "KVRELAY_SINGLE_THREAD_STEP_MACS", None, "16e6",
     "CPU: a step under this many multiply-adds runs on one thread (intra-op parallelism of "
-    "small ops costs more in barriers than it saves, and collapses when cores are shared); 0: never")
+    "small ops costs more in barriers than it saves, and collapses when cores are shared); "
+    "0: never")
 
 
 def parse_id_list(text: str) -> list[int]:
@@ -102,7 +112,8 @@ def parse_id_list(text: str) -> list[int]:
         try:
             start, stop = int(lo), int(hi or lo)
         except ValueError:
-            raise ValueError(f"bad device list {text!r}: expected ids and ranges like 0-3,6") from None
+            raise ValueError(f"bad device list {text!r}: expected ids and ranges like "
+                             "0-3,6") from None
         if stop < start:
             raise ValueError(f"bad device list {text!r}: range {part} is descending")
         ids.extend(range(start, stop + 1))
@@ -116,6 +127,33 @@ RESPONSES_STORE = EnvVar("KVRELAY_ENABLE_RESPONSES_API_STORE", "VLLM_ENABLE_RESP
 RESPONSES_STORE_MAX_ENTRIES = EnvVar("KVRELAY_RESPONSES_STORE_MAX_ENTRIES", None, "1000",
                                      "responses kept in memory; the least recently used are "
                                      "evicted first")
+
+# -- where things are cached on disk
+XDG_CACHE_HOME = EnvVar("XDG_CACHE_HOME", None, None,
+                        "the user's cache folder (default ~/.cache); kvrelay's caches go under "
+                        "its kvrelay/ unless KVRELAY_CACHE_DIR / KVRELAY_KERNELS_DIR say otherwise")
+HF_HUB_CACHE = EnvVar("HF_HUB_CACHE", None, None,
+                      "Hugging Face hub cache searched for a --model given as a repo id "
+                      "(default $HF_HOME/hub); kvrelay never downloads")
+HF_HOME = EnvVar("HF_HOME", None, "~/.cache/huggingface", "Hugging Face home (see HF_HUB_CACHE)")
+# -- disaggregation
+SIDE_CHANNEL_ADVERTISE_HOST = EnvVar(
+    "KVRELAY_SIDE_CHANNEL_ADVERTISE_HOST", None, None,
+    "the host a prefill server puts in kv_transfer_params for decode servers to reach its side "
+    "channel (default: the bind host, or the default route's IP for a wildcard bind)")
+
+
+def user_cache_dir() -> Path:
+    """$XDG_CACHE_HOME, else ~/.cache."""
+    xdg = XDG_CACHE_HOME.raw()
+    return Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+
+
+def kvrelay_cache_dir() -> Path:
+    """$KVRELAY_CACHE_DIR, else $XDG_CACHE_HOME/kvrelay, else ~/.cache/kvrelay."""
+    explicit = CACHE_DIR.raw()
+    return Path(explicit).expanduser() if explicit else user_cache_dir() / "kvrelay"
+
 
 # every variable above, for docs and checks (computed, so additions never collide)
 ALL = tuple(v for v in list(globals().values()) if isinstance(v, EnvVar))

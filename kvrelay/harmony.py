@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -60,6 +60,7 @@ def uses_harmony(tokenizer: Tokenizer | Mapping[str, int]) -> bool:
     """True when `tokenizer` (a `tokenizers.Tokenizer`, or a token → id vocabulary that
     includes the added tokens) has harmony's `<|start|>`, `<|channel|>`, `<|message|>`,
     `<|end|>` and `<|return|>` at harmony's ids 200006, 200005, 200008, 200007, 200002."""
+    lookup: Callable[[str], int | None]
     if isinstance(tokenizer, Mapping):
         lookup = tokenizer.get
     else:
@@ -216,7 +217,7 @@ def build_conversation(messages: Sequence[Mapping[str, Any]], reasoning_effort: 
                            .with_channel("analysis"))
             content = _text(msg.get("content"), where)
             calls = msg.get("tool_calls") or []
-            if content or not calls and not reasoning:
+            if content or (not calls and not reasoning):
                 out.append(Message.from_role_and_content(Role.ASSISTANT, content)
                            .with_channel("final"))
             for j, call in enumerate(calls):
@@ -440,6 +441,7 @@ class HarmonyStreamParser:
             # ended inside a "header" of plain text: output without harmony, show it as content
             # (a header cut short, e.g. `<|start|>assistant<|channel|>`, is just dropped)
             out = self._enter_fallback(None)
+            assert self._fallback is not None          # _enter_fallback set it
             text = self._fallback.flush()
             if text:
                 out.append(self._emit("final", None, text))
@@ -495,6 +497,7 @@ class HarmonyStreamParser:
     def _fallback_feed(self, token: int) -> list[Delta]:
         if token in (RETURN_ID, CALL_ID) and self._chat.finish is None:
             self._chat.finish = "stop" if token == RETURN_ID else "tool_calls"
+        assert self._fallback is not None          # called only in fallback mode
         text = self._fallback.feed(token)
         return [self._emit("final", None, text)] if text else []
 

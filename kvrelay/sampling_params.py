@@ -86,21 +86,23 @@ class SamplingParams:
              f"temperature must be non-negative (and finite), got {self.temperature}"),
             ("top_p", _finite(self.top_p) and 0 < self.top_p <= 1,
              f"top_p must be in (0, 1], got {self.top_p}"),
-            ("top_k", self.top_k >= 0, f"top_k must be -1 (disable) or at least 1, got {self.top_k}"),
+            ("top_k", self.top_k >= 0,
+             f"top_k must be -1 (disable) or at least 1, got {self.top_k}"),
             ("min_p", _finite(self.min_p) and 0 <= self.min_p <= 1,
              f"min_p must be in [0, 1], got {self.min_p}"),
             ("seed", self.seed is None or INT64_MIN <= self.seed <= INT64_MAX,
              f"seed must fit in a signed 64-bit integer, got {self.seed}"),
             ("max_tokens", self.max_tokens is None or self.max_tokens >= 1,
              f"max_tokens must be at least 1, got {self.max_tokens}"),
-            ("min_tokens", self.min_tokens >= 0, f"min_tokens must be non-negative, got {self.min_tokens}"),
+            ("min_tokens", self.min_tokens >= 0,
+             f"min_tokens must be non-negative, got {self.min_tokens}"),
             ("min_tokens", self.max_tokens is None or self.min_tokens <= self.max_tokens,
              f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"),
             ("logprobs", self.logprobs is None or self.logprobs >= 0,
              f"logprobs must be non-negative, got {self.logprobs}"),
             ("prompt_logprobs", self.prompt_logprobs is None or self.prompt_logprobs >= 0,
              f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}"),
-            ("stop", all(s for s in self.stop), "stop strings must be non-empty"),
+            ("stop", all(s for s in self.stop or []), "stop strings must be non-empty"),
         ]
         for param, ok, message in checks:
             if not ok:
@@ -124,8 +126,8 @@ def _clamped_bias(bias: dict | None) -> dict[int, float] | None:
         try:
             token, value = int(key), float(value)
         except (TypeError, ValueError):
-            raise SamplingParamsError(f"logit_bias: {key!r}: {value!r} is not a token id and a number",
-                                      "logit_bias") from None
+            raise SamplingParamsError(f"logit_bias: {key!r}: {value!r} is not a token id and a "
+                                      "number", "logit_bias") from None
         if not math.isfinite(value):
             raise SamplingParamsError(f"logit_bias[{key}] must be a finite number", "logit_bias")
         out[token] = min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, value))

@@ -33,7 +33,8 @@ class RequestOptions:
 
     def __post_init__(self) -> None:
         if self.endpoint not in ENDPOINTS:
-            raise ValueError(f"--endpoint must be one of {', '.join(ENDPOINTS)}; got {self.endpoint}")
+            raise ValueError(f"--endpoint must be one of {', '.join(ENDPOINTS)}; got "
+                             f"{self.endpoint}")
 
     @property
     def chat(self) -> bool:
@@ -106,7 +107,8 @@ async def send(client: httpx.AsyncClient, url: str, opts: RequestOptions, req: S
                     chunk = json.loads(data)
                     if "error" in chunk and not chunk.get("choices"):
                         err = chunk["error"]
-                        raise RuntimeError(err.get("message", str(err)) if isinstance(err, dict) else str(err))
+                        raise RuntimeError(err.get("message", str(err)) if isinstance(err, dict)
+                                           else str(err))
                     if chunk.get("usage"):
                         usage = chunk["usage"]
                     text = chunk_text(chunk)

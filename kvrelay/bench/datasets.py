@@ -30,7 +30,8 @@ class SampleRequest:
     prompt: str
     prompt_len: int                  # estimated with the dataset's counter; the server's usage wins
     output_len: int                  # max_tokens
-    messages: tuple[dict[str, str], ...] | None = None   # chat history (multi-turn); else one user turn
+    # chat history (multi-turn); else one user turn
+    messages: tuple[dict[str, str], ...] | None = None
 
     def chat_messages(self) -> list[dict[str, str]]:
         return list(self.messages) if self.messages else [{"role": "user", "content": self.prompt}]
@@ -50,7 +51,8 @@ def _lengths(rng: random.Random, mean: int, range_ratio: float, n: int) -> list[
 # --------------------------------------------------------------------------- random
 
 def random_dataset(counter: Counter, num: int, input_len: int, output_len: int,
-                   range_ratio: float = 0.0, prefix_len: int = 0, seed: int = 0) -> list[Conversation]:
+                   range_ratio: float = 0.0, prefix_len: int = 0,
+                   seed: int = 0) -> list[Conversation]:
     """`prefix_len` tokens shared by every prompt, then `input_len` (± ratio) random tokens."""
     rng = random.Random(seed)
     prefix = counter.random_units(rng, prefix_len)
@@ -64,7 +66,8 @@ def random_dataset(counter: Counter, num: int, input_len: int, output_len: int,
 
 
 def prefix_repetition_dataset(counter: Counter, num: int, prefix_len: int, suffix_len: int,
-                              num_prefixes: int, output_len: int, seed: int = 0) -> list[Conversation]:
+                              num_prefixes: int, output_len: int,
+                              seed: int = 0) -> list[Conversation]:
     """`num_prefixes` random prefixes; prompt i = prefix[i mod num_prefixes] + a unique random
     suffix; shuffled. Sharing = prefix_len / (prefix_len + suffix_len) of each prompt."""
     if num_prefixes < 1:
@@ -97,7 +100,8 @@ def sonnet_dataset(counter: Counter, num: int, input_len: int, output_len: int, 
     if not lines:
         raise ValueError("the sonnet text has no lines")
     if prefix_len >= input_len:
-        raise ValueError(f"--sonnet-prefix-len ({prefix_len}) must be below --sonnet-input-len ({input_len})")
+        raise ValueError(f"--sonnet-prefix-len ({prefix_len}) must be below --sonnet-input-len "
+                         f"({input_len})")
     prefix = SONNET_INSTRUCTION
     for line in lines:
         if counter.count(prefix + line + "\n") > prefix_len:
@@ -198,7 +202,8 @@ class ShareGPTLimits:
 
     def keep(self, prompt_len: int, output_len: int) -> bool:
         return (prompt_len >= self.min_len and output_len >= self.min_len
-                and prompt_len <= self.max_prompt_len and prompt_len + output_len <= self.max_total_len)
+                and prompt_len <= self.max_prompt_len
+                and prompt_len + output_len <= self.max_total_len)
 
 
 def sharegpt_dataset(counter: Counter, num: int, output_len: int | None = None, seed: int = 0,
@@ -233,5 +238,6 @@ def sharegpt_dataset(counter: Counter, num: int, output_len: int | None = None, 
             out.append(conv)
             total += len(conv)
     if total < num:
-        raise ValueError(f"sharegpt: only {total} requests pass the length filter (asked for {num})")
+        raise ValueError(f"sharegpt: only {total} requests pass the length filter "
+                         f"(asked for {num})")
     return out

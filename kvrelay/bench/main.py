@@ -28,21 +28,25 @@ BACKEND_ENDPOINTS = {"vllm": "/v1/completions", "openai": "/v1/completions",
 
 def _serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="benchmark an OpenAI-compatible server",
-                       description="Benchmark online serving (vLLM bench serve's flags and metrics).")
+                       description="Benchmark online serving (vLLM bench serve's flags and "
+                                   "metrics).")
     g = p.add_argument_group("server")
-    g.add_argument("--base-url", default=None, help="e.g. http://127.0.0.1:8000 (overrides --host/--port)")
+    g.add_argument("--base-url", default=None,
+                   help="e.g. http://127.0.0.1:8000 (overrides --host/--port)")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--endpoint", default=None, choices=ENDPOINTS, help="default /v1/completions")
     g.add_argument("--backend", default=None, choices=tuple(BACKEND_ENDPOINTS),
-                   help="vLLM's name for the API flavour; openai-chat = --endpoint /v1/chat/completions")
+                   help="vLLM's name for the API flavour; openai-chat = --endpoint "
+                        "/v1/chat/completions")
     g.add_argument("--model", default=None, help="default: the first model of GET /v1/models")
     g.add_argument("--tokenizer", default=None,
-                   help="tokenizer.json or a model directory: exact prompt lengths (default: word units, "
-                        "token counts from the server's usage)")
+                   help="tokenizer.json or a model directory: exact prompt lengths (default: word "
+                        "units, token counts from the server's usage)")
     d = p.add_argument_group("dataset")
     d.add_argument("--dataset-name", default="random", choices=DATASETS)
-    d.add_argument("--dataset-path", default=None, help="sharegpt JSON or sonnet text (default: bundled)")
+    d.add_argument("--dataset-path", default=None,
+                   help="sharegpt JSON or sonnet text (default: bundled)")
     d.add_argument("--num-prompts", type=int, default=1000)
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--random-input-len", type=int, default=1024)
@@ -55,7 +59,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     d.add_argument("--prefix-repetition-output-len", type=int, default=128)
     d.add_argument("--sharegpt-output-len", type=int, default=None)
     d.add_argument("--sharegpt-multi-turn", action="store_true",
-                   help="send a conversation's turns in order, each with the whole history as prompt")
+                   help="send a conversation's turns in order, each with the whole history as "
+                        "prompt")
     d.add_argument("--sharegpt-max-turns", type=int, default=5)
     d.add_argument("--sharegpt-max-prompt-len", type=int, default=1024)
     d.add_argument("--sharegpt-max-total-len", type=int, default=2048)
@@ -65,15 +70,20 @@ def _serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     r = p.add_argument_group("load")
     r.add_argument("--request-rate", type=float, default=math.inf,
                    help="requests (conversations) per second; inf sends all at once")
-    r.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the intervals; 1 = Poisson")
+    r.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape of the intervals; 1 = Poisson")
     r.add_argument("--max-concurrency", type=int, default=None)
     r.add_argument("--ignore-eos", action="store_true")
     r.add_argument("--temperature", type=float, default=0.0)
     o = p.add_argument_group("output")
-    o.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el", help="of ttft,tpot,itl,e2el")
-    o.add_argument("--metric-percentiles", default="50,90,99", help="comma-separated, e.g. 50,90,99")
-    o.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS", help="SLOs, e.g. ttft:200 tpot:50")
-    o.add_argument("--save-result", action="store_true", help="write the JSON result (and the PNG figure)")
+    o.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el",
+                   help="of ttft,tpot,itl,e2el")
+    o.add_argument("--metric-percentiles", default="50,90,99",
+                   help="comma-separated, e.g. 50,90,99")
+    o.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
+                   help="SLOs, e.g. ttft:200 tpot:50")
+    o.add_argument("--save-result", action="store_true",
+                   help="write the JSON result (and the PNG figure)")
     o.add_argument("--result-dir", default=".")
     o.add_argument("--result-filename", default=None)
     o.add_argument("--no-plot", action="store_true", help="with --save-result: no PNG figure")
@@ -105,17 +115,20 @@ class OutputConfig:
         names = [m.strip() for m in args.percentile_metrics.split(",") if m.strip()]
         bad = [m for m in names if m not in METRIC_NAMES]
         if bad:
-            raise ValueError(f"--percentile-metrics: unknown {', '.join(bad)} (choose from {','.join(METRIC_NAMES)})")
+            raise ValueError(f"--percentile-metrics: unknown {', '.join(bad)} (choose from "
+                             f"{','.join(METRIC_NAMES)})")
         try:
             ps = [float(x) for x in args.metric_percentiles.split(",") if x.strip()]
         except ValueError:
-            raise ValueError(f"--metric-percentiles: {args.metric_percentiles!r} is not a list of numbers") from None
+            raise ValueError(f"--metric-percentiles: {args.metric_percentiles!r} is not a list of "
+                             "numbers") from None
         if any(not 0 < p < 100 for p in ps):
             raise ValueError("--metric-percentiles must each lie in (0, 100)")
         return cls(names, ps, parse_goodput(args.goodput))
 
 
-def build_dataset(args: argparse.Namespace, counter: datasets.Counter) -> list[datasets.Conversation]:
+def build_dataset(args: argparse.Namespace,
+                  counter: datasets.Counter) -> list[datasets.Conversation]:
     n, seed = args.num_prompts, args.seed
     if n < 1:
         raise ValueError("--num-prompts must be >= 1")
@@ -159,14 +172,16 @@ def serve(args: argparse.Namespace) -> int:
           f"requests={n_requests} (conversations={len(convs)}) rate={args.request_rate} "
           f"concurrency={args.max_concurrency or 'unlimited'} lengths: {counter.name}", flush=True)
     cfg = RunConfig(base_url, RequestOptions(endpoint, model, args.ignore_eos, args.temperature),
-                    args.request_rate, args.burstiness, args.max_concurrency, args.seed, args.disable_tqdm)
+                    args.request_rate, args.burstiness, args.max_concurrency, args.seed,
+                    args.disable_tqdm)
     count = counter.count if isinstance(counter, HFTokenCounter) else None
     outcome = asyncio.run(run(cfg, convs, count))
     metrics = compute_metrics(outcome.results, outcome.duration, out_cfg.percentiles, out_cfg.slos)
     info: dict[str, Any] = {
         "date": time.strftime("%Y%m%d-%H%M%S"), "backend": "kvrelay-bench",
         "endpoint_type": "openai-chat" if cfg.options.chat else "openai", "label": args.label,
-        "base_url": base_url, "endpoint": endpoint, "model_id": model, "tokenizer_id": args.tokenizer,
+        "base_url": base_url, "endpoint": endpoint, "model_id": model,
+        "tokenizer_id": args.tokenizer,
         "dataset_name": args.dataset_name + ("-multi-turn" if args.sharegpt_multi_turn
                                              and args.dataset_name == "sharegpt" else ""),
         "num_prompts": n_requests, "num_conversations": len(convs),
@@ -178,7 +193,8 @@ def serve(args: argparse.Namespace) -> int:
         "prefix_cache_sources": list(outcome.prefix_sources),
         "output_throughput_timeline": output_timeline(outcome.results, outcome.duration),
     }
-    d = report.result_dict(metrics, outcome.results, out_cfg.percentile_metrics, out_cfg.percentiles, info)
+    d = report.result_dict(metrics, outcome.results, out_cfg.percentile_metrics,
+                           out_cfg.percentiles, info)
     print(report.summary_table(d, out_cfg.percentile_metrics, out_cfg.percentiles), flush=True)
     if args.save_result:
         path = Path(args.result_dir) / (args.result_filename or report.default_filename(d))

@@ -34,7 +34,7 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)
     latency: float = 0.0             # E2EL
     start_time: float = 0.0          # seconds since the benchmark started
-    chunk_times: list[float] = field(default_factory=list)   # arrival of each text chunk, same clock
+    chunk_times: list[float] = field(default_factory=list)  # arrival of each text chunk, same clock
     generated_text: str = ""
     error: str = ""
 
@@ -75,7 +75,7 @@ def summarize(values_s: list[float], percentiles: list[float]) -> Summary:
     """Seconds in, milliseconds out. An empty list summarises to zeros (as vLLM reports)."""
     ms = [x * 1000.0 for x in values_s]
     if not ms:
-        return Summary(0.0, 0.0, 0.0, {p: 0.0 for p in percentiles})
+        return Summary(0.0, 0.0, 0.0, dict.fromkeys(percentiles, 0.0))
     return Summary(statistics.fmean(ms), statistics.median(ms), statistics.pstdev(ms),
                    {p: percentile(ms, p) for p in percentiles})
 
@@ -90,7 +90,8 @@ def parse_goodput(items: list[str] | None) -> dict[str, float]:
         try:
             slos[name] = float(value)
         except ValueError:
-            raise ValueError(f"--goodput {item!r}: {value!r} is not a number of milliseconds") from None
+            raise ValueError(f"--goodput {item!r}: {value!r} is not a number of "
+                             "milliseconds") from None
         if slos[name] <= 0:
             raise ValueError(f"--goodput {item!r}: the SLO must be > 0 ms")
     return slos
@@ -104,7 +105,8 @@ def meets_slos(r: RequestResult, slos: dict[str, float]) -> bool:
     return all(measured[name] * 1000.0 <= limit for name, limit in slos.items())
 
 
-def output_timeline(results: list[RequestResult], duration: float, bucket_s: float = 1.0) -> list[float]:
+def output_timeline(results: list[RequestResult], duration: float,
+                    bucket_s: float = 1.0) -> list[float]:
     """Output tokens per second in consecutive buckets of `bucket_s` seconds.
 
     Each successful request's `output_len` tokens are spread over its chunks (a chunk of a
@@ -170,7 +172,8 @@ def compute_metrics(results: list[RequestResult], duration: float, percentiles: 
         completed=len(ok), failed=len(results) - len(ok), duration=duration,
         total_input=total_in, total_output=total_out,
         request_throughput=len(ok) / duration, request_goodput=goodput,
-        output_throughput=total_out / duration, total_token_throughput=(total_in + total_out) / duration,
+        output_throughput=total_out / duration,
+        total_token_throughput=(total_in + total_out) / duration,
         max_output_tokens_per_s=max(timeline) if timeline else 0.0,
         max_concurrent_requests=peak_concurrency(results),
         summaries={name: summarize(series[name], percentiles) for name in METRIC_NAMES})

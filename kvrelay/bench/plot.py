@@ -35,7 +35,8 @@ def save_figure(results: list[RequestResult], duration: float, path: Path, title
     ax = axes.flat[3]
     bucket = max(1.0, round(duration / 60))           # ~60 points whatever the run's length
     timeline = output_timeline(results, duration, bucket)
-    ax.plot([(i + 0.5) * bucket for i in range(len(timeline))], timeline, marker=".", color="tab:green")
+    ax.plot([(i + 0.5) * bucket for i in range(len(timeline))], timeline, marker=".",
+            color="tab:green")
     ax.set_xlabel("time since start (s)")
     ax.set_ylabel("output tokens / s")
     ax.set_title(f"output throughput over time ({bucket:g} s buckets)")

@@ -41,7 +41,8 @@ def result_dict(m: BenchmarkMetrics, results: list[RequestResult], percentile_me
         "duration": m.duration, "completed": m.completed, "failed": m.failed,
         "total_input_tokens": m.total_input, "total_output_tokens": m.total_output,
         "request_throughput": m.request_throughput, "request_goodput": m.request_goodput,
-        "output_throughput": m.output_throughput, "total_token_throughput": m.total_token_throughput,
+        "output_throughput": m.output_throughput,
+        "total_token_throughput": m.total_token_throughput,
         "max_output_tokens_per_s": m.max_output_tokens_per_s,
         "max_concurrent_requests": m.max_concurrent_requests,
     }
@@ -65,7 +66,8 @@ def result_dict(m: BenchmarkMetrics, results: list[RequestResult], percentile_me
     return d
 
 
-def summary_table(d: dict[str, Any], percentile_metrics: list[str], percentiles: list[float]) -> str:
+def summary_table(d: dict[str, Any], percentile_metrics: list[str],
+                  percentiles: list[float]) -> str:
     lines = [_rule(" Serving Benchmark Result ", "="),
              _row("Successful requests:", d["completed"]),
              _row("Failed requests:", d["failed"])]
@@ -94,7 +96,8 @@ def summary_table(d: dict[str, Any], percentile_metrics: list[str], percentiles:
         for p in percentiles:
             lines.append(_row(f"P{p_word(p)} {short} (ms):", d[f"p{p_word(p)}_{name}_ms"]))
     lines.append(_rule("Prefix Cache (server /metrics)"))
-    lines.append(_row("Prefix cache queries (tokens):", _int_or_none(d.get("prefix_cache_queries"))))
+    lines.append(_row("Prefix cache queries (tokens):",
+                      _int_or_none(d.get("prefix_cache_queries"))))
     lines.append(_row("Prefix cache hits (tokens):", _int_or_none(d.get("prefix_cache_hits"))))
     rate = d.get("prefix_cache_hit_rate")
     lines.append(_row("Prefix cache hit rate (%):", None if rate is None else 100 * rate))
@@ -143,17 +146,20 @@ COMPARE_KEYS = (
 )
 
 
-def compare_table(a: dict[str, Any], b: dict[str, Any], name_a: str = "A", name_b: str = "B") -> str:
+def compare_table(a: dict[str, Any], b: dict[str, Any], name_a: str = "A",
+                  name_b: str = "B") -> str:
     """Side by side with B/A; "better" says which side wins on that row (lower is better for
     latencies, higher for throughputs)."""
-    rows: list[tuple[str, Any, Any, bool | None]] = [(label, a.get(k), b.get(k), low) for k, label, low in COMPARE_KEYS]
+    rows: list[tuple[str, Any, Any, bool | None]] = [(label, a.get(k), b.get(k), low)
+                                                     for k, label, low in COMPARE_KEYS]
     for name in METRIC_NAMES:
-        for stat in ("mean", "median") + tuple(sorted({k.split("_")[0] for k in a if k.endswith(f"_{name}_ms")
-                                                        and k.startswith("p")}, key=lambda s: float(s[1:]))):
+        percentiles = {k.split("_")[0] for k in a
+                       if k.endswith(f"_{name}_ms") and k.startswith("p")}
+        for stat in ("mean", "median") + tuple(sorted(percentiles, key=lambda s: float(s[1:]))):
             key = f"{stat}_{name}_ms"
             if key in a or key in b:
-                rows.append((f"{stat.capitalize() if stat[0] != 'p' else stat.upper()} {name.upper()} (ms)",
-                             a.get(key), b.get(key), True))
+                rows.append((f"{stat.capitalize() if stat[0] != 'p' else stat.upper()} "
+                             f"{name.upper()} (ms)", a.get(key), b.get(key), True))
     if "prefix_cache_hit_rate" in a or "prefix_cache_hit_rate" in b:
         pa, pb = a.get("prefix_cache_hit_rate"), b.get("prefix_cache_hit_rate")
         rows.append(("Prefix cache hit rate (%)", None if pa is None else 100 * pa,
@@ -166,7 +172,8 @@ def compare_table(a: dict[str, Any], b: dict[str, Any], name_a: str = "A", name_
         better = ""
         if low is not None and _num(va) and _num(vb) and va != vb:
             better = name_a if (va < vb) == low else name_b
-        out.append(f"{label:<34}{_fmt(va):>{w}}  {_fmt(vb):>{w}}  {_fmt(ratio, '{:.3f}'):>7}  {better}")
+        ratio_text = _fmt(ratio, "{:.3f}")
+        out.append(f"{label:<34}{_fmt(va):>{w}}  {_fmt(vb):>{w}}  {ratio_text:>7}  {better}")
     return "\n".join(out)
 
 

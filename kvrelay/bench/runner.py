@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -17,6 +16,7 @@ from dataclasses import dataclass
 import httpx
 from tqdm import tqdm
 
+from kvrelay import envs
 from kvrelay.bench import server_metrics
 from kvrelay.bench.arrivals import arrival_offsets
 from kvrelay.bench.client import RequestOptions, send
@@ -52,10 +52,11 @@ class RunOutcome:
 def _client(cfg: RunConfig, n_requests: int) -> httpx.AsyncClient:
     conns = cfg.max_concurrency or max(1, n_requests)
     headers = {}
-    if key := os.environ.get("OPENAI_API_KEY"):
+    if key := envs.OPENAI_API_KEY.raw():
         headers["Authorization"] = f"Bearer {key}"
     return httpx.AsyncClient(timeout=httpx.Timeout(6 * 3600, connect=30), headers=headers,
-                             limits=httpx.Limits(max_connections=conns + 4, max_keepalive_connections=conns + 4),
+                             limits=httpx.Limits(max_connections=conns + 4,
+                                                 max_keepalive_connections=conns + 4),
                              trust_env=False)
 
 

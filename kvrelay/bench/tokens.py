@@ -42,7 +42,8 @@ def poem_lines(text: str) -> list[str]:
 
 @lru_cache(maxsize=1)
 def bundled_sonnets() -> tuple[str, ...]:
-    text = resources.files("kvrelay.bench").joinpath("data", "sonnets.txt").read_text(encoding="utf-8")
+    sonnets = resources.files("kvrelay.bench").joinpath("data", "sonnets.txt")
+    text = sonnets.read_text(encoding="utf-8")
     return tuple(poem_lines(text))
 
 
@@ -90,7 +91,8 @@ class HFTokenCounter:
         self.name = str(p)
         self.tok = Tokenizer.from_file(str(file))
         special = set(self.tok.get_added_tokens_decoder())
-        self.normal_ids = sorted(set(self.tok.get_vocab(with_added_tokens=False).values()) - special)
+        vocab = self.tok.get_vocab(with_added_tokens=False)
+        self.normal_ids = sorted(set(vocab.values()) - special)
         if not self.normal_ids:
             raise ValueError(f"--tokenizer {path}: the tokenizer has no ordinary tokens")
 

@@ -57,9 +57,10 @@ class Component:
         mode = "ab" if self.proc is not None else "wb"
         with open(self.log_path, mode) as log:      # the child keeps its own copy of the descriptor
             self.log_offset = log.tell()
-            self.proc = subprocess.Popen([sys.executable, "-m", "kvrelay.cli", *self.args], stdout=log,
-                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen([sys.executable, "-m", "kvrelay.cli", *self.args],
+                                         stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL,
+                                         env=self.env, start_new_session=True)
         self.is_ready = False
         self.started_at = time.monotonic()
 
@@ -102,7 +103,8 @@ class Component:
         return True
 
 
-def child_env(exports: tuple[tuple[str, str], ...], own: tuple[tuple[str, str], ...]) -> dict[str, str]:
+def child_env(exports: tuple[tuple[str, str], ...],
+              own: tuple[tuple[str, str], ...]) -> dict[str, str]:
     """This process's environment plus the plan's variables. A KVRELAY_ twin of a variable the
     plan sets by its tutorial name is dropped, since the KVRELAY_ name would win."""
     env = dict(os.environ)
@@ -136,8 +138,8 @@ class Deployment:
 
     def __init__(self, plan: Plan, log_dir: Path, kv_secret: str = "") -> None:
         if not plan.topology.local:
-            raise ValueError("deploy starts processes on this machine only; for other hosts use --dry-run "
-                             "and run the printed commands there")
+            raise ValueError("deploy starts processes on this machine only; for other hosts use "
+                             "--dry-run and run the printed commands there")
         self.plan = plan
         self.log_dir = log_dir
         self.kv_secret = kv_secret               # handed to every server, printed nowhere
@@ -164,7 +166,8 @@ class Deployment:
         logger.info("started %s (pid %d), log %s", name, c.pid, c.log_path)
         return c
 
-    def await_ready(self, components: list[Component], timeout: float, stop: threading.Event) -> bool:
+    def await_ready(self, components: list[Component], timeout: float,
+                    stop: threading.Event) -> bool:
         """True once each logged "Application startup complete"; False if `stop` was set.
         Raises DeployFailure when one exits first or the timeout passes."""
         deadline = time.monotonic() + timeout
@@ -183,8 +186,8 @@ class Deployment:
                 c = pending[0]
                 raise DeployFailure(
                     f"{', '.join(p.name for p in pending)} not ready within {timeout:.0f}s (raise "
-                    f"--engine-ready-timeout or {envs.ENGINE_READY_TIMEOUT_S.shown}); last lines of "
-                    f"{c.log_path}:\n{c.tail()}")
+                    f"--engine-ready-timeout or {envs.ENGINE_READY_TIMEOUT_S.shown}); last lines "
+                    f"of {c.log_path}:\n{c.tail()}")
             time.sleep(0.25)
 
     def watch(self, stop: threading.Event) -> Component | None:
@@ -239,9 +242,10 @@ class Deployment:
             while c.poll() is None and time.monotonic() < deadline and not self.force.is_set():
                 time.sleep(0.1)
             if c.poll() is None:
-                logger.warning("%s (pid %d) did not stop within %.0fs: killing it", c.name, c.pid, grace)
+                logger.warning("%s (pid %d) did not stop within %.0fs: killing it", c.name, c.pid,
+                               grace)
         for c in self.components:
-            c.signal_group(signal.SIGKILL)          # the leader if still there, and stragglers of its group
+            c.signal_group(signal.SIGKILL)  # the leader if still there, and stragglers of its group
             if c.proc is not None:
                 try:
                     c.proc.wait(10)

@@ -3,8 +3,8 @@ or print (`--dry-run`) every process's exact command and environment for any mac
 
     kvrelay deploy --model DIR --prefill 2 --decode 1 -- --max-model-len 4096
     kvrelay deploy --config topo.yaml
-    kvrelay deploy --model openai/gpt-oss-120b --prefill 16 --prefill-tp 4 --decode 1 --decode-tp 8 \\
-        --decode-dp 8 --enable-expert-parallel --devices 0-63 \\
+    kvrelay deploy --model openai/gpt-oss-120b --prefill 16 --prefill-tp 4 \\
+        --decode 1 --decode-tp 8 --decode-dp 8 --enable-expert-parallel --devices 0-63 \\
         --hosts prefill=PREFILL_HOST decode=DECODE_HOST --dry-run
 
 Steps: check the layout against the model's config (plan.py), generate the topology's KV
@@ -28,7 +28,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from kvrelay import envs
 from kvrelay.deploy.plan import (
@@ -54,19 +54,24 @@ logger = logging.getLogger("kvrelay.deploy")
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog=PROG, usage=f"{PROG} [flags] [-- serve flags for every server]",
-                description="Stand up a kvrelay topology on this machine, or print its commands (--dry-run).")
-    p.add_argument("--config", type=Path, default=None, help="topology YAML (flags given here override it)")
-    p.add_argument("--model", default=None, help="checkpoint directory, or openai/gpt-oss-120b | openai/gpt-oss-20b (built-in configs for "
-                        "--dry-run); default: the embedded model")
+                description="Stand up a kvrelay topology on this machine, or print its commands "
+                            "(--dry-run).")
+    p.add_argument("--config", type=Path, default=None,
+                   help="topology YAML (flags given here override it)")
+    p.add_argument("--model", default=None,
+                   help="checkpoint directory, or openai/gpt-oss-120b | openai/gpt-oss-20b "
+                        "(built-in configs for --dry-run); default: the embedded model")
     p.add_argument("--served-model-name", default=None)
-    p.add_argument("--prefill", type=int, default=None, metavar="N", help="prefill servers (kv_producer); no --prefill/--decode: a single instance")
-    p.add_argument("--decode", type=int, default=None, metavar="N", help="decode servers (kv_consumer)")
+    p.add_argument("--prefill", type=int, default=None, metavar="N",
+                   help="prefill servers (kv_producer); no --prefill/--decode: a single instance")
+    p.add_argument("--decode", type=int, default=None, metavar="N",
+                   help="decode servers (kv_consumer)")
     p.add_argument("--prefill-tp", type=int, default=None, metavar="N")
     p.add_argument("--prefill-dp", type=int, default=None, metavar="N")
     p.add_argument("--prefill-ep-degree", type=int, default=None, metavar="N",
@@ -86,16 +91,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", default=None, metavar="IDS",
                    help="device ids of each host, e.g. 0-63 (default: this machine's CPU cores)")
     p.add_argument("--hosts", nargs="+", default=None, metavar="ROLE=HOST[,HOST]",
-                   help="hosts per role (prefill, decode, single, proxy) for --dry-run layouts across machines")
+                   help="hosts per role (prefill, decode, single, proxy) for --dry-run layouts "
+                        "across machines")
     p.add_argument("--proxy-args", default=None, metavar="'FLAGS'",
-                   help="flags for the proxy, one string (e.g. '--routing cache_aware --disagg-policy auto')")
-    p.add_argument("--connector", choices=("nixl", "tcp"), default=None, help="KV transport (default nixl)")
-    p.add_argument("--kv-backend", default=None, help="NIXL backend (default UCX; LIBFABRIC with --preset tutorial)")
+                   help="flags for the proxy, one string (e.g. '--routing cache_aware "
+                        "--disagg-policy auto')")
+    p.add_argument("--connector", choices=("nixl", "tcp"), default=None,
+                   help="KV transport (default nixl)")
+    p.add_argument("--kv-backend", default=None,
+                   help="NIXL backend (default UCX; LIBFABRIC with --preset tutorial)")
     p.add_argument("--preset", choices=PRESETS, default=None,
-                   help="tutorial: the tutorial's serve flags and neuron_config (default for the built-in ids)")
-    p.add_argument("--log-dir", type=Path, default=None, help="where each process logs (default: a new temp dir)")
-    p.add_argument("--dry-run", action="store_true", help="check the topology and print every command; start nothing")
-    p.add_argument("--no-validate", action="store_true", help="skip `kvrelay validate` once everything is up")
+                   help="tutorial: the tutorial's serve flags and neuron_config (default for the "
+                        "built-in ids)")
+    p.add_argument("--log-dir", type=Path, default=None,
+                   help="where each process logs (default: a new temp dir)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="check the topology and print every command; start nothing")
+    p.add_argument("--no-validate", action="store_true",
+                   help="skip `kvrelay validate` once everything is up")
     p.add_argument("--no-restart", action="store_true",
                    help="when a process exits, stop everything (default: restart it with backoff)")
     p.add_argument("--validate-requests", type=int, default=16, metavar="N",
@@ -103,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--validate-timeout", type=float, default=300.0, metavar="S",
                    help="seconds validate allows each request")
     p.add_argument("--engine-ready-timeout", type=float, default=None, metavar="S",
-                   help=f"seconds each server may take to be ready (default: {envs.ENGINE_READY_TIMEOUT_S.shown})")
+                   help="seconds each server may take to be ready (default: "
+                        f"{envs.ENGINE_READY_TIMEOUT_S.shown})")
     return p
 
 
@@ -142,14 +156,16 @@ def load_yaml(path: Path) -> dict[str, Any]:
     except yaml.YAMLError as e:
         raise TopologyError([f"{path}: not valid YAML ({e})"]) from None
     if not isinstance(data, dict):
-        raise TopologyError([f"{path}: expected a mapping at the top (model:, prefill:, decode: …)"])
+        raise TopologyError([f"{path}: expected a mapping at the top "
+                             "(model:, prefill:, decode: …)"])
     return data
 
 
 def build_plan(args: argparse.Namespace, serve_args: list[str]) -> Plan:
     settings = load_yaml(args.config) if args.config else {}
     flags = flag_settings(args, serve_args)
-    if "serve_args" in settings and "serve_args" in flags:     # the file's first, then the command line's
+    # the file's first, then the command line's
+    if "serve_args" in settings and "serve_args" in flags:
         flags["serve_args"] = list(settings["serve_args"]) + flags["serve_args"]
     settings = merge_settings(settings, flags)
     if args.enable_expert_parallel:
@@ -167,7 +183,8 @@ def build_plan(args: argparse.Namespace, serve_args: list[str]) -> Plan:
 
 def _enable_expert_parallel(settings: dict[str, Any]) -> None:
     """--enable-expert-parallel: on every role the topology has (a single instance if none)."""
-    roles = [r for r in ("single", "prefill", "decode") if isinstance(settings.get(r), dict)] or ["single"]
+    roles = [r for r in ("single", "prefill", "decode")
+             if isinstance(settings.get(r), dict)] or ["single"]
     for role in roles:
         settings[role] = dict(settings.get(role) or {}, enable_expert_parallel=True)
 
@@ -204,12 +221,14 @@ def main(argv: list[str] | None = None) -> int:
 def launch(plan: Plan, args: argparse.Namespace) -> int:
     from kvrelay.deploy.launcher import DeployFailure, Deployment, ports_in_use
     if not plan.topology.local:
-        print(f"{PROG}: error: hosts other than this machine ({', '.join(_hosts(plan))}): deploy starts "
-              f"processes here only; use --dry-run and run the printed commands on each host", file=sys.stderr)
+        print(f"{PROG}: error: hosts other than this machine ({', '.join(_hosts(plan))}): deploy "
+              "starts processes here only; use --dry-run and run the printed commands on each "
+              "host", file=sys.stderr)
         return 1
     busy = ports_in_use(plan)
     if busy:
-        print(f"{PROG}: error: " + "; ".join(busy) + " (choose others with --base-port / --side-channel-port)",
+        print(f"{PROG}: error: " + "; ".join(busy) + " (choose others with --base-port / "
+                                                     "--side-channel-port)",
               file=sys.stderr)
         return 1
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="kvrelay-deploy-"))
@@ -234,7 +253,8 @@ def launch(plan: Plan, args: argparse.Namespace) -> int:
     return rc
 
 
-def _run(plan: Plan, args: argparse.Namespace, deployment, stop: threading.Event, timeout: float) -> int:
+def _run(plan: Plan, args: argparse.Namespace, deployment, stop: threading.Event,
+         timeout: float) -> int:
     """Start, await, validate, then wait for a signal (0) or a component's death (1)."""
     t0 = time.monotonic()
     servers = deployment.start_servers()
@@ -278,7 +298,8 @@ def _validate(plan: Plan, args: argparse.Namespace, stop: threading.Event) -> bo
     from kvrelay.deploy.validate import ValidateOptions, run_checks
     entry = plan.entry
     options = ValidateOptions(
-        base_url=f"http://{entry.host}:{entry.port}", model=plan.served_name, expect_di=plan.proxy is not None,
+        base_url=f"http://{entry.host}:{entry.port}", model=plan.served_name,
+        expect_di=plan.proxy is not None,
         decode_urls=tuple(s.url for s in plan.role_servers("decode")),
         prefill_urls=tuple(s.url for s in plan.role_servers("prefill")),
         num_requests=args.validate_requests, timeout=args.validate_timeout,
@@ -306,7 +327,8 @@ def _ready_timeout(plan: Plan, args: argparse.Namespace) -> float:
 
 def _with_export(plan: Plan, name: str, value: str) -> Plan:
     from dataclasses import replace
-    return replace(plan, exports=tuple(kv for kv in plan.exports if kv[0] != name) + ((name, value),))
+    return replace(plan,
+                   exports=tuple(kv for kv in plan.exports if kv[0] != name) + ((name, value),))
 
 
 def _hosts(plan: Plan) -> list[str]:
@@ -320,7 +342,8 @@ def _print_summary(plan: Plan, log_dir: Path) -> None:
     for w in plan.warnings:
         _say(f"warning: {w}")
     _say(f"KV secret: a new one for this topology, in every server's {KV_SECRET_ENV} (not shown)")
-    _say(f"starting {len(plan.servers)} server(s){' and the proxy' if plan.proxy else ''}; logs in {log_dir}")
+    _say(f"starting {len(plan.servers)} server(s){' and the proxy' if plan.proxy else ''}; logs in "
+         f"{log_dir}")
 
 
 def _print_endpoints(plan: Plan, deployment, seconds: float) -> None:
@@ -329,9 +352,12 @@ def _print_endpoints(plan: Plan, deployment, seconds: float) -> None:
     if plan.proxy:
         _say(f"  proxy      {plan.proxy.url}  (log {logs['proxy']})")
     for s in plan.servers:
-        side = f"  side channel {','.join(map(str, s.side_channel_ports))}" if s.side_channel_ports else ""
-        _say(f"  {s.name:<10} {s.url}  {s.layout}, devices {format_ids(s.devices)}{side}  (log {logs[s.name]})")
-    _say(f"OpenAI base URL: {plan.entry.url}/v1 (model {plan.served_name}). Ctrl-C stops everything.")
+        ports = ",".join(map(str, s.side_channel_ports))
+        side = f"  side channel {ports}" if s.side_channel_ports else ""
+        _say(f"  {s.name:<10} {s.url}  {s.layout}, devices {format_ids(s.devices)}{side}  (log "
+             f"{logs[s.name]})")
+    _say(f"OpenAI base URL: {plan.entry.url}/v1 (model {plan.served_name}). Ctrl-C stops "
+         "everything.")
 
 
 def _say(text: str) -> None:

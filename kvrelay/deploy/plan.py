@@ -32,8 +32,8 @@ from kvrelay.deploy.topology import LOOPBACK, RoleSpec, Topology, TopologyError
 from kvrelay.model.config import GptOssConfig
 
 # flags deploy sets itself; passing them through would contradict the plan
-RESERVED_FLAGS = {"--host", "--port", "--tensor-parallel-size", "-tp", "--data-parallel-size", "-dp",
-                  "--enable-expert-parallel", "--kv-transfer-config", "--served-model-name"}
+RESERVED_FLAGS = {"--host", "--port", "--tensor-parallel-size", "-tp", "--data-parallel-size",
+                  "-dp", "--enable-expert-parallel", "--kv-transfer-config", "--served-model-name"}
 TUTORIAL_MAX_NUM_SEQS = {"single": 4, "prefill": 1, "decode": 4}
 TUTORIAL_MAX_MODEL_LEN = 16384
 TUTORIAL_BATCHED_TOKENS = 8192
@@ -116,7 +116,8 @@ class RoleLayout:
     @property
     def label(self) -> str:
         s = self.spec
-        parts = [f"TP{s.tp}"] + ([f"DP{s.dp}"] if s.dp > 1 else []) + ([f"EP{self.ep_width}"] if self.ep_width > 1 else [])
+        parts = [f"TP{s.tp}"] + ([f"DP{s.dp}"] if s.dp > 1 else []) + ([f"EP{self.ep_width}"]
+                                                                       if self.ep_width > 1 else [])
         return " ".join(parts)
 
 
@@ -153,7 +154,8 @@ def describe_layout(layout: RoleLayout, cfg: GptOssConfig) -> str:
     kv = cfg.num_key_value_heads / s.tp if s.tp <= cfg.num_key_value_heads else 1
     experts = cfg.num_local_experts // layout.ep_width if layout.ep_width else cfg.num_local_experts
     split = s.tp // layout.ep_inner if s.dp == 1 or not s.expert_parallel else 1
-    moe = f"{_count(experts, 'expert')} per rank" + (f" (each split over {split} ranks)" if split > 1 else "")
+    moe = f"{_count(experts, 'expert')} per rank" + (f" (each split over {split} ranks)"
+                                                     if split > 1 else "")
     return (f"{layout.label}: {_count(s.ranks, 'device')} per server; per rank "
             f"{_count(cfg.num_attention_heads // s.tp, 'head')}, {_count(kv, 'KV head')}, {moe}")
 
@@ -184,7 +186,8 @@ def make_plan(topo: Topology, cfg: GptOssConfig) -> Plan:
     return Plan(topo, cfg, tuple(servers), proxy, _exports(topo), tuple(warnings))
 
 
-def _servers(topo: Topology, layouts: dict[str, RoleLayout], warnings: list[str]) -> list[ServerPlan]:
+def _servers(topo: Topology, layouts: dict[str, RoleLayout],
+             warnings: list[str]) -> list[ServerPlan]:
     cursor: dict[str, int] = defaultdict(int)           # next device index, per host
     used: dict[str, int] = defaultdict(int)             # devices asked for, per host
     out = []
@@ -195,11 +198,13 @@ def _servers(topo: Topology, layouts: dict[str, RoleLayout], warnings: list[str]
         for i in range(spec.count):
             host = spec.hosts[i * len(spec.hosts) // spec.count]
             start = cursor[host]
-            devices = tuple(topo.devices[(start + k) % len(topo.devices)] for k in range(spec.ranks))
+            devices = tuple(topo.devices[(start + k) % len(topo.devices)]
+                            for k in range(spec.ranks))
             cursor[host], used[host] = start + spec.ranks, used[host] + spec.ranks
             name = "serve" if spec.role == "single" else f"{spec.role}-{i}"
             port = first_port + i
-            sides = tuple(range(side + i * spec.dp, side + (i + 1) * spec.dp)) if topo.disaggregated else ()
+            sides = tuple(range(side + i * spec.dp,
+                                side + (i + 1) * spec.dp)) if topo.disaggregated else ()
             env = [("NEURON_VISIBLE_DEVICES", format_ids(devices))]
             if sides:
                 env.append(("VLLM_NIXL_SIDE_CHANNEL_PORT", str(sides[0])))
@@ -208,14 +213,16 @@ def _servers(topo: Topology, layouts: dict[str, RoleLayout], warnings: list[str]
     for host, n in used.items():
         if n > len(topo.devices):
             warnings.append(f"host {host}: {n} ranks on {len(topo.devices)} devices "
-                            f"({format_ids(topo.devices)}): device slices overlap, so CPU cores are shared "
-                            f"(one thread per rank); on Neuron or GPUs this layout needs {n} devices per host")
+                            f"({format_ids(topo.devices)}): device slices overlap, so CPU cores "
+                            "are shared (one thread per rank); on Neuron or GPUs this layout needs "
+                            f"{n} devices per host")
     return out
 
 
 def _serve_args(topo: Topology, layout: RoleLayout, port: int) -> tuple[str, ...]:
     spec = layout.spec
-    args = ["serve", *([topo.model] if topo.model else []), "--host", listen_host(topo), "--port", str(port)]
+    args = ["serve", *([topo.model] if topo.model else []), "--host", listen_host(topo), "--port",
+            str(port)]
     if topo.served_model_name:
         args += ["--served-model-name", topo.served_model_name]
     args += ["--tensor-parallel-size", str(spec.tp), "--data-parallel-size", str(spec.dp)]
@@ -253,9 +260,11 @@ def _preset_args(topo: Topology, spec: RoleSpec) -> list[str]:
         head.append("--enable-prefix-caching")
     else:
         head += ["--dtype", "bfloat16"]
-    head += ["--max-model-len", str(TUTORIAL_MAX_MODEL_LEN), "--max-num-batched-tokens", str(TUTORIAL_BATCHED_TOKENS)]
+    head += ["--max-model-len", str(TUTORIAL_MAX_MODEL_LEN), "--max-num-batched-tokens",
+             str(TUTORIAL_BATCHED_TOKENS)]
     tail = ["--max-logprobs", "0"] if spec.role == "decode" else []
-    tail += ["--no-disable-hybrid-kv-cache-manager", "--hf-overrides", json.dumps({"quantization_config": {}})]
+    tail += ["--no-disable-hybrid-kv-cache-manager", "--hf-overrides",
+             json.dumps({"quantization_config": {}})]
     return head + args + tail
 
 
@@ -271,15 +280,18 @@ def _neuron_config(topo: Topology, spec: RoleSpec) -> dict[str, Any]:
     if topo.preset == "tutorial":
         seqs = max_num_seqs(topo, spec)
         if spec.role == "single":
-            nc = {"num_batched_tokens_buckets": [TUTORIAL_BATCHED_TOKENS], "num_seqs_buckets": [seqs]}
+            nc = {"num_batched_tokens_buckets": [TUTORIAL_BATCHED_TOKENS],
+                  "num_seqs_buckets": [seqs]}
         else:
             nc = {"quantization": "mxfp4"}
-            if spec.role == "prefill" and spec.expert_parallel and spec.tp % 2 == 0 and spec.dp == 1:
+            if (spec.role == "prefill" and spec.expert_parallel and spec.tp % 2 == 0
+                    and spec.dp == 1):
                 nc["ep_degree"] = 2
             if spec.role == "decode" and spec.dp > 1:
                 nc |= {"embedding_dp_size": spec.dp, "lm_head_dp_size": spec.dp}
             nc |= {"kv_segment_size_buckets": [TUTORIAL_BATCHED_TOKENS],
-                   "num_batched_tokens_buckets": [TUTORIAL_BATCHED_TOKENS], "num_seqs_buckets": [seqs]}
+                   "num_batched_tokens_buckets": [TUTORIAL_BATCHED_TOKENS],
+                   "num_seqs_buckets": [seqs]}
     if spec.ep_degree is not None:
         nc["ep_degree"] = spec.ep_degree
     for raw in _additional_configs(topo.serve_args + spec.args):
@@ -297,7 +309,8 @@ def _additional_configs(args: tuple[str, ...]) -> list[dict[str, Any]]:
         try:
             value = json.loads(text)
         except json.JSONDecodeError as e:
-            raise TopologyError([f"--additional-config {text!r}: malformed JSON ({e.msg})"]) from None
+            raise TopologyError(
+                [f"--additional-config {text!r}: malformed JSON ({e.msg})"]) from None
         if not isinstance(value, dict):
             raise TopologyError([f"--additional-config {text!r}: expected a JSON object"])
         out.append(value)
@@ -319,13 +332,14 @@ def _without_additional_config(args: tuple[str, ...]) -> list[str]:
 
 def _reserved_flag_problems(topo: Topology) -> list[str]:
     problems = []
-    for where, args in [("serve args", topo.serve_args)] + [(f"{r.role} args", r.args) for r in topo.roles]:
+    for where, args in [("serve args", topo.serve_args)] + [(f"{r.role} args", r.args)
+                                                            for r in topo.roles]:
         for a in args:
             flag = a.split("=", 1)[0]
             if flag in RESERVED_FLAGS:
-                problems.append(f"{where}: {flag} is set by deploy from the topology (use deploy's own "
-                                f"flags: --base-port, --prefill-tp, --decode-dp, --enable-expert-parallel, "
-                                f"--connector, --served-model-name …)")
+                problems.append(f"{where}: {flag} is set by deploy from the topology (use deploy's "
+                                "own flags: --base-port, --prefill-tp, --decode-dp, "
+                                "--enable-expert-parallel, --connector, --served-model-name …)")
     return problems
 
 
@@ -334,8 +348,9 @@ def _tested_layout_warnings(topo: Topology, layouts: dict[str, RoleLayout]) -> l
     decode = layouts.get("decode")
     if tutorial is None or decode is None or decode.ep_width in (1, tutorial.decode_ep):
         return []
-    return [(f"decode EP{decode.ep_width}: the tutorial tested EP{tutorial.decode_ep} for this model "
-            f"(TP{tutorial.decode_tp} DP{tutorial.decode_dp}); other EP degrees have produced degenerate output")]
+    return [(f"decode EP{decode.ep_width}: the tutorial tested EP{tutorial.decode_ep} for this "
+             f"model (TP{tutorial.decode_tp} DP{tutorial.decode_dp}); other EP degrees have "
+             "produced degenerate output")]
 
 
 def _proxy(topo: Topology, servers: list[ServerPlan]) -> ProxyPlan:
@@ -407,13 +422,15 @@ def _exports(topo: Topology) -> tuple[tuple[str, str], ...]:
 
 
 def listen_host(topo: Topology) -> str:
-    """127.0.0.1 when everything runs on this machine, else all interfaces (as the tutorial runs)."""
+    """127.0.0.1 when everything runs on this machine, else all interfaces (as the tutorial
+    runs)."""
     return "127.0.0.1" if topo.local else "0.0.0.0"
 
 
 def format_ids(ids: tuple[int, ...] | list[int]) -> str:
     """(0, 1, 2, 3, 6) → "0-3,6" (the NEURON_VISIBLE_DEVICES syntax)."""
-    parts, run = [], []
+    parts: list[str] = []
+    run: list[int] = []
     for i in ids:
         if run and i == run[-1] + 1:
             run.append(i)
@@ -428,7 +445,8 @@ def format_ids(ids: tuple[int, ...] | list[int]) -> str:
 
 # ---------------------------------------------------------------------------- rendering
 
-def shell_command(args: tuple[str, ...], env: tuple[tuple[str, str], ...] = (), program: str = "kvrelay") -> str:
+def shell_command(args: tuple[str, ...], env: tuple[tuple[str, str], ...] = (),
+                  program: str = "kvrelay") -> str:
     """One copy-pasteable command: env assignments, then one flag (with its values) per line."""
     words = [f"{k}={shlex.quote(v)}" for k, v in env] + [program]
     lines: list[list[str]] = [words]
@@ -447,13 +465,15 @@ def shell_command(args: tuple[str, ...], env: tuple[tuple[str, str], ...] = (), 
 def render(plan: Plan) -> str:
     """The dry-run's report: the layout, then per host its exports and exact commands."""
     topo, cfg = plan.topology, plan.config
-    out = [(f"model {plan.served_name}: {cfg.num_hidden_layers} layers, {cfg.num_attention_heads} heads, "
-           f"{cfg.num_key_value_heads} KV heads, head_dim {cfg.head_dim}, hidden {cfg.hidden_size}, "
-           f"{cfg.num_local_experts} experts top-{cfg.num_experts_per_tok}, vocab {cfg.vocab_size}")]
+    out = [(f"model {plan.served_name}: {cfg.num_hidden_layers} layers, {cfg.num_attention_heads} "
+            f"heads, {cfg.num_key_value_heads} KV heads, head_dim {cfg.head_dim}, hidden "
+            f"{cfg.hidden_size}, {cfg.num_local_experts} experts top-{cfg.num_experts_per_tok}, "
+            f"vocab {cfg.vocab_size}")]
     for spec in topo.roles:
         layout = role_layout(topo, spec)
         out.append(f"  {spec.role} × {spec.count}: {describe_layout(layout, cfg)}")
-    out.append(f"layout OK: {len(plan.servers)} server(s), {sum(len(s.devices) for s in plan.servers)} ranks"
+    out.append(f"layout OK: {len(plan.servers)} server(s), "
+               f"{sum(len(s.devices) for s in plan.servers)} ranks"
                + (", 1 proxy" if plan.proxy else ""))
     out += [f"warning: {w}" for w in plan.warnings]
     out += KV_SECRET_NOTE
@@ -469,14 +489,19 @@ def render(plan: Plan) -> str:
         if mine:
             out.append(KV_SECRET_EXPORT)
         for s in mine:
-            sides = (f", side channel {_span(s.side_channel_ports)}" if s.side_channel_ports else "")
-            out += ["", f"# {s.name}: {s.layout}, devices {format_ids(s.devices)}, HTTP {s.port}{sides}",
+            sides = (f", side channel {_span(s.side_channel_ports)}" if s.side_channel_ports
+                     else "")
+            out += ["",
+                    f"# {s.name}: {s.layout}, devices {format_ids(s.devices)}, "
+                    f"HTTP {s.port}{sides}",
                     shell_command(s.args, s.env) + " &"]
         if plan.proxy and plan.proxy.host == host:
-            out += ["", "# proxy: start once every server above logs \"Application startup complete\"",
+            out += ["",
+                    "# proxy: start once every server above logs \"Application startup complete\"",
                     shell_command(plan.proxy.args)]
     entry = plan.entry
-    validate = ["validate", "--base-url", f"http://{entry.host}:{entry.port}", "--model", plan.served_name]
+    validate = ["validate", "--base-url", f"http://{entry.host}:{entry.port}", "--model",
+                plan.served_name]
     if plan.proxy:
         validate.append("--expect-di")
     out += ["", "# then, from any machine that reaches it:", shell_command(tuple(validate))]
@@ -488,7 +513,8 @@ def _names(servers: list[ServerPlan]) -> list[str]:
     out = []
     for role in dict.fromkeys(s.role for s in servers):
         mine = [s.name for s in servers if s.role == role]
-        out.append(mine[0] if len(mine) == 1 else f"{mine[0]} … {mine[-1]}" if len(mine) > 2 else ", ".join(mine))
+        out.append(mine[0] if len(mine) == 1 else f"{mine[0]} … {mine[-1]}" if len(mine) > 2
+                   else ", ".join(mine))
     return out
 
 

@@ -12,7 +12,8 @@ from typing import Any
 
 from kvrelay.model.config import GptOssConfig, load_config
 
-EMBEDDED_MODEL_NAME = "kvrelay/smollm2-135m-gpt-oss"     # as kvrelay.model.embedded (which imports torch)
+# as kvrelay.model.embedded (which imports torch)
+EMBEDDED_MODEL_NAME = "kvrelay/smollm2-135m-gpt-oss"
 
 _GPT_OSS_COMMON: dict[str, Any] = {
     "model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"],
@@ -20,7 +21,8 @@ _GPT_OSS_COMMON: dict[str, Any] = {
     "num_attention_heads": 64, "num_key_value_heads": 8, "num_experts_per_tok": 4,
     "sliding_window": 128, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
     "rope_theta": 150000, "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
-                                           "beta_slow": 1.0, "original_max_position_embeddings": 4096,
+                                           "beta_slow": 1.0,
+                                           "original_max_position_embeddings": 4096,
                                            "truncate": False},
     "swiglu_limit": 7.0, "attention_bias": True, "torch_dtype": "bfloat16",
     "eos_token_id": 200002, "pad_token_id": 199999,
@@ -48,7 +50,8 @@ class TutorialDefaults:
 
 TUTORIAL: dict[str, TutorialDefaults] = {
     "openai/gpt-oss-120b": TutorialDefaults(decode_tp=8, decode_dp=8, decode_optimization_level=2),
-    "openai/gpt-oss-20b": TutorialDefaults(decode_tp=8, decode_dp=4, decode_optimization_level=None),
+    "openai/gpt-oss-20b": TutorialDefaults(decode_tp=8, decode_dp=4,
+                                           decode_optimization_level=None),
 }
 
 
@@ -64,7 +67,8 @@ def model_config(model: str | None, served_name: str | None = None) -> GptOssCon
         return load_config(path)
     for name in (model, served_name):
         if name in BUILTIN_CONFIGS:
-            return GptOssConfig.from_dict(BUILTIN_CONFIGS[name], source=f"built-in config of {name}")
+            return GptOssConfig.from_dict(BUILTIN_CONFIGS[name],
+                                          source=f"built-in config of {name}")
     known = ", ".join(BUILTIN_CONFIGS)
     raise ValueError(f"model {model!r}: no config.json there and not a built-in id ({known}); "
                      f"pass a checkpoint directory")

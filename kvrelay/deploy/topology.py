@@ -7,11 +7,15 @@ flags given on the command line override the file), then into a `Topology`:
     served_model_name: null             # --served-model-name for every server
     preset: tutorial                    # tutorial | none (default: tutorial for the built-in ids)
     connector: nixl                     # nixl | tcp
-    kv_backend: LIBFABRIC               # NIXL backend (default LIBFABRIC with the tutorial preset, else UCX)
-    devices: 0-63                       # device ids of each host (default: this machine's CPU cores)
+    kv_backend: LIBFABRIC               # NIXL backend (default: LIBFABRIC with the
+                                        #   tutorial preset, else UCX)
+    devices: 0-63                       # device ids of each host (default: this
+                                        #   machine's CPU cores)
     hosts: {prefill: [A], decode: [B], proxy: A}
-    ports: {proxy: 8000, prefill: 8100, decode: 8200, prefill_side_channel: 5559, decode_side_channel: 5659}
-    prefill: {count: 16, tp: 4, dp: 1, enable_expert_parallel: true, ep_degree: 2, max_num_seqs: 1, args: []}
+    ports: {proxy: 8000, prefill: 8100, decode: 8200,
+            prefill_side_channel: 5559, decode_side_channel: 5659}
+    prefill: {count: 16, tp: 4, dp: 1, enable_expert_parallel: true, ep_degree: 2,
+              max_num_seqs: 1, args: []}
     decode:  {count: 1, tp: 8, dp: 8, enable_expert_parallel: true, max_num_seqs: 4, args: []}
     single:  {tp: 8}                    # instead of prefill/decode: one server, no proxy
     serve_args: []                      # appended to every server's command
@@ -71,7 +75,8 @@ class RoleSpec:
 
 @dataclass(frozen=True)
 class Ports:
-    """First port of each series; server i of a role takes first + i (side channel: one per DP rank)."""
+    """First port of each series; server i of a role takes first + i (side channel: one per
+    DP rank)."""
 
     proxy: int = 8000
     prefill: int = 8100
@@ -105,7 +110,8 @@ class Topology:
     @property
     def local(self) -> bool:
         """Every process on this machine (loopback addresses only)."""
-        return all(h in LOOPBACK for r in self.roles for h in r.hosts) and self.proxy_host in LOOPBACK
+        return all(h in LOOPBACK for r in self.roles
+                   for h in r.hosts) and self.proxy_host in LOOPBACK
 
 
 # ---------------------------------------------------------------------------- settings → Topology
@@ -121,24 +127,27 @@ def merge_settings(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]
     return merged
 
 
-def topology_from_settings(s: dict[str, Any], default_preset: str, this_machine: tuple[int, ...] | None = None
+def topology_from_settings(s: dict[str, Any], default_preset: str,
+                           this_machine: tuple[int, ...] | None = None
                            ) -> Topology:
     """Build and sanity-check a Topology from the YAML-shaped settings mapping."""
     problems: list[str] = []
     unknown = sorted(set(s) - TOP_KEYS)
     if unknown:
-        raise TopologyError([f"unknown setting {unknown[0]!r} (known: {', '.join(sorted(TOP_KEYS))})"])
+        raise TopologyError([f"unknown setting {unknown[0]!r} (known: "
+                             f"{', '.join(sorted(TOP_KEYS))})"])
     model = s.get("model")
     if model is not None and (not model or not isinstance(model, str)):
-        raise TopologyError([(f"model: expected a checkpoint directory or a hub id such as openai/gpt-oss-120b, "
-                             f"got {model!r}")])
+        raise TopologyError([("model: expected a checkpoint directory or a hub id such as "
+                              f"openai/gpt-oss-120b, got {model!r}")])
     preset = s.get("preset") or default_preset
     connector = s.get("connector") or "nixl"
     if preset not in PRESETS:
         problems.append(f"preset {preset!r}: expected one of {', '.join(PRESETS)}")
     if connector not in CONNECTORS:
         problems.append(f"connector {connector!r}: expected one of {', '.join(CONNECTORS)}")
-    default_backend = "TCP" if connector == "tcp" else ("LIBFABRIC" if preset == "tutorial" else "UCX")
+    default_backend = "TCP" if connector == "tcp" else ("LIBFABRIC" if preset == "tutorial"
+                                                        else "UCX")
     hosts = _hosts(s.get("hosts"), problems)
     roles = _roles(s, hosts, problems)
     ports = _ports(s.get("ports") or {}, problems)
@@ -149,7 +158,8 @@ def topology_from_settings(s: dict[str, Any], default_preset: str, this_machine:
         env = {}
     if problems:
         raise TopologyError(problems)
-    first_prefill = next((r.hosts[0] for r in roles if r.role in ("prefill", "single")), "127.0.0.1")
+    first_prefill = next((r.hosts[0] for r in roles if r.role in ("prefill", "single")),
+                         "127.0.0.1")
     return Topology(
         model=model, roles=roles, served_model_name=s.get("served_model_name"), preset=preset,
         connector=connector, kv_backend=str(s.get("kv_backend") or default_backend).upper(),
@@ -159,32 +169,36 @@ def topology_from_settings(s: dict[str, Any], default_preset: str, this_machine:
         env=tuple((str(k), str(v)) for k, v in env.items()))
 
 
-def _roles(s: dict[str, Any], hosts: dict[str, list[str]], problems: list[str]) -> tuple[RoleSpec, ...]:
+def _roles(s: dict[str, Any], hosts: dict[str, list[str]],
+           problems: list[str]) -> tuple[RoleSpec, ...]:
     sections = {name: s[name] for name in ROLES if s.get(name) is not None}
     for name, sec in sections.items():
         if not isinstance(sec, dict):
             problems.append(f"{name}: expected a mapping such as {{count: 1, tp: 1}}")
-    sections = {n: sec for n, sec in sections.items() if isinstance(sec, dict) and sec.get("count", 1) != 0}
+    sections = {n: sec for n, sec in sections.items() if isinstance(sec, dict)
+                and sec.get("count", 1) != 0}
     if "single" in sections and len(sections) > 1:
-        problems.append("single together with prefill/decode: a topology is either one server or prefill + decode")
+        problems.append("single together with prefill/decode: a topology is either one server or "
+                        "prefill + decode")
     elif set(sections) == {"prefill"} or set(sections) == {"decode"}:
         missing = ({"prefill", "decode"} - set(sections)).pop()
-        problems.append(f"disaggregated serving needs at least one {missing} server (--{missing} N); "
-                        f"for a single instance leave out --prefill and --decode")
+        problems.append(f"disaggregated serving needs at least one {missing} server (--{missing} "
+                        "N); for a single instance leave out --prefill and --decode")
     if not sections:
         sections = {"single": {}}
     roles = []
     for name in ("single", "prefill", "decode"):
         if name in sections:
-            roles.append(_role(name, sections[name], hosts.get(name) or hosts.get("all") or ["127.0.0.1"],
-                               problems))
+            roles.append(_role(name, sections[name],
+                               hosts.get(name) or hosts.get("all") or ["127.0.0.1"], problems))
     return tuple(roles)
 
 
 def _role(name: str, sec: dict[str, Any], hosts: list[str], problems: list[str]) -> RoleSpec:
     unknown = sorted(set(sec) - ROLE_KEYS)
     if unknown:
-        problems.append(f"{name}: unknown setting {unknown[0]!r} (known: {', '.join(sorted(ROLE_KEYS))})")
+        problems.append(f"{name}: unknown setting {unknown[0]!r} (known: "
+                        f"{', '.join(sorted(ROLE_KEYS))})")
     values: dict[str, Any] = {}
     for key in ("count", "tp", "dp", "ep_degree", "max_num_seqs"):
         value = sec.get(key)
@@ -197,32 +211,36 @@ def _role(name: str, sec: dict[str, Any], hosts: list[str], problems: list[str])
     if name == "single" and values.get("count", 1) != 1:
         problems.append(f"single.count: a single instance is one server, got {values['count']}")
     return RoleSpec(role=name, expert_parallel=bool(sec.get("enable_expert_parallel", False)),
-                    hosts=tuple(hosts), args=_str_tuple(sec.get("args"), f"{name}.args", problems), **values)
+                    hosts=tuple(hosts), args=_str_tuple(sec.get("args"), f"{name}.args", problems),
+                    **values)
 
 
 def _hosts(raw: Any, problems: list[str]) -> dict[str, list[str]]:
-    """`{prefill: [A, B], decode: B, proxy: A}`; the flag form `ROLE=H[,H]` or a bare `H` (every role)."""
+    """`{prefill: [A, B], decode: B, proxy: A}`; the flag form `ROLE=H[,H]` or a bare `H`
+    (every role)."""
     if raw is None:
         return {}
     if isinstance(raw, (list, tuple)):
         parsed: dict[str, list[str]] = {}
         for item in raw:
-            role, _sep, names = str(item).rpartition("=") if "=" in str(item) else ("all", "", str(item))
-            parsed.setdefault(role or "all", []).extend(h for h in names.split(",") if h)
+            text = str(item)
+            role, _sep, listed = text.rpartition("=") if "=" in text else ("all", "", text)
+            parsed.setdefault(role or "all", []).extend(h for h in listed.split(",") if h)
         raw = parsed
     if not isinstance(raw, dict):
-        problems.append("hosts: expected a mapping such as {prefill: [PREFILL_HOST], decode: [DECODE_HOST]}")
+        problems.append("hosts: expected a mapping such as {prefill: [PREFILL_HOST], decode: "
+                        "[DECODE_HOST]}")
         return {}
     out: dict[str, list[str]] = {}
     for role, names in raw.items():
         if role not in (*ROLES, "proxy", "all"):
             problems.append(f"hosts: unknown role {role!r} (prefill, decode, single, proxy)")
             continue
-        names = [names] if isinstance(names, str) else list(names or [])
-        if not names or not all(isinstance(h, str) and h for h in names):
+        hosts = [names] if isinstance(names, str) else list(names or [])
+        if not hosts or not all(isinstance(h, str) and h for h in hosts):
             problems.append(f"hosts.{role}: expected host names")
             continue
-        out[role] = names
+        out[role] = hosts
     return out
 
 
@@ -255,7 +273,8 @@ def ports_from_bases(base: int | None, side_channel: int | None) -> dict[str, in
     return out
 
 
-def _devices(raw: Any, this_machine: tuple[int, ...] | None, problems: list[str]) -> tuple[int, ...]:
+def _devices(raw: Any, this_machine: tuple[int, ...] | None,
+             problems: list[str]) -> tuple[int, ...]:
     if raw is None:
         return this_machine or tuple(sorted(os.sched_getaffinity(0)))
     try:

@@ -23,20 +23,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import httpx
+
+from kvrelay import envs
 
 PROG = "kvrelay validate"
 TUTORIAL_PROMPT = "The capital of France is "
 CHAT_MESSAGE = "What is the capital of France? Answer in one word."
 FINISH_REASONS = ("length", "stop")
-WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog", "while", "seven", "wise", "owls", "count", "silver", "stars", "above", "a", "quiet", "harbour", "full", "of", "boats"]
+WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog", "while", "seven",
+         "wise", "owls", "count", "silver", "stars", "above", "a", "quiet", "harbour", "full", "of",
+         "boats"]
 PROMPT_WORDS = (8, 24, 48)            # traffic prompt lengths, in words
 TRAFFIC_MAX_TOKENS = (8, 16, 32)      # and output lengths
 KINDS = ("completion", "completion-stream", "chat", "chat-stream")
@@ -171,10 +174,11 @@ class Validator:
     results: list[CheckResult] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        headers = {"Authorization": f"Bearer {self.options.api_key}"} if self.options.api_key else {}
+        key = self.options.api_key
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.headers = headers
-        self.client = httpx.Client(base_url=self.options.base_url.rstrip("/"), timeout=self.options.timeout,
-                                   headers=headers, trust_env=False)
+        self.client = httpx.Client(base_url=self.options.base_url.rstrip("/"),
+                                   timeout=self.options.timeout, headers=headers, trust_env=False)
         self.model = self.options.model
 
     def run(self) -> list[CheckResult]:
@@ -207,15 +211,16 @@ class Validator:
             down = _down_servers(resp)
             return False, f"HTTP {resp.status_code}" + (f"; down: {down}" if down else "")
         servers = self._listed_servers(resp)
-        listing = f" ({len(servers['prefill'])} prefill, {len(servers['decode'])} decode behind it)" \
-            if servers["prefill"] or servers["decode"] else ""
+        listing = (f" ({len(servers['prefill'])} prefill, {len(servers['decode'])} decode "
+                   "behind it)") if servers["prefill"] or servers["decode"] else ""
         return True, f"HTTP 200{listing}"
 
     def models(self) -> tuple[bool, str]:
         resp = self.client.get("/v1/models")
         if resp.status_code != 200:
             return False, _http_error(resp)
-        ids = [m.get("id") for m in resp.json().get("data", []) if isinstance(m, dict)]
+        ids = [m["id"] for m in resp.json().get("data", [])
+               if isinstance(m, dict) and isinstance(m.get("id"), str)]
         if not ids:
             return False, "no models listed"
         if self.model is None:
@@ -227,7 +232,8 @@ class Validator:
 
     # -- the tutorial's requests ----------------------------------------------------------------
     def completion(self) -> tuple[bool, str]:
-        body = {"model": self.model, "prompt": self.options.prompt, "max_tokens": self.options.max_tokens}
+        body = {"model": self.model, "prompt": self.options.prompt,
+                "max_tokens": self.options.max_tokens}
         resp = self.client.post("/v1/completions", json=body)
         if resp.status_code != 200:
             return False, _http_error(resp)
@@ -260,22 +266,28 @@ class Validator:
             shown = "; ".join(f"#{i} {kind}: {err}" for i, kind, err in failed[:3])
             more = f" (+{len(failed) - 3} more)" if len(failed) > 3 else ""
             return False, f"{len(failed)}/{n} failed: {shown}{more}"
-        return True, (f"{n}/{n} ok ({streamed} streamed) in {wall:.1f}s; {tokens} completion tokens, "
-                      f"{tokens / wall:.1f} tok/s; latency p50 {latencies[len(latencies) // 2]:.2f}s "
-                      f"max {latencies[-1]:.2f}s")
+        return True, (f"{n}/{n} ok ({streamed} streamed) in {wall:.1f}s; {tokens} completion "
+                      f"tokens, {tokens / wall:.1f} tok/s; latency p50 "
+                      f"{latencies[len(latencies) // 2]:.2f}s max {latencies[-1]:.2f}s")
 
     async def _traffic(self, n: int) -> list[tuple[str, str | None, int, float]]:
         nonce = uuid.uuid4().hex[:8]
         limits = httpx.Limits(max_connections=n)
-        async with httpx.AsyncClient(base_url=self.options.base_url.rstrip("/"), timeout=self.options.timeout,
-                                     headers=self.headers, trust_env=False, limits=limits) as client:
+        async with httpx.AsyncClient(base_url=self.options.base_url.rstrip("/"),
+                                     timeout=self.options.timeout,
+                                     headers=self.headers, trust_env=False,
+                                     limits=limits) as client:
             return await asyncio.gather(*(self._one(client, i, nonce) for i in range(n)))
 
-    async def _one(self, client: httpx.AsyncClient, i: int, nonce: str) -> tuple[str, str | None, int, float]:
+    async def _one(self, client: httpx.AsyncClient, i: int,
+                   nonce: str) -> tuple[str, str | None, int, float]:
         kind = KINDS[i % len(KINDS)]
         words = PROMPT_WORDS[i % len(PROMPT_WORDS)]
-        text = f"Request {nonce} {i}: " + " ".join(WORDS[(i + k) % len(WORDS)] for k in range(words))
-        body: dict[str, Any] = {"model": self.model, "max_tokens": TRAFFIC_MAX_TOKENS[(i // 2) % len(TRAFFIC_MAX_TOKENS)]}
+        text = f"Request {nonce} {i}: " + " ".join(WORDS[(i + k) % len(WORDS)]
+                                                   for k in range(words))
+        body: dict[str, Any] = {"model": self.model,
+                                "max_tokens":
+                                    TRAFFIC_MAX_TOKENS[(i // 2) % len(TRAFFIC_MAX_TOKENS)]}
         chat = kind.startswith("chat")
         if chat:
             body["messages"] = [{"role": "user", "content": text}]
@@ -293,7 +305,8 @@ class Validator:
                 resp = await client.post(path, json=body)
                 if resp.status_code != 200:
                     raise ShapeError(_http_error(resp))
-                tokens = (check_chat if chat else check_completion)(resp.json())[2]["completion_tokens"]
+                tokens = (check_chat if chat
+                          else check_completion)(resp.json())[2]["completion_tokens"]
         except (ShapeError, httpx.HTTPError, json.JSONDecodeError) as e:
             error = _describe(e, self.options.timeout)
             return kind, error, 0, time.perf_counter() - t0
@@ -301,7 +314,8 @@ class Validator:
 
     # -- disaggregation ------------------------------------------------------------------------
     def _servers(self) -> dict[str, list[str]]:
-        servers = {"prefill": list(self.options.prefill_urls), "decode": list(self.options.decode_urls)}
+        servers = {"prefill": list(self.options.prefill_urls),
+                   "decode": list(self.options.decode_urls)}
         if servers["decode"]:
             return servers
         try:
@@ -311,7 +325,8 @@ class Validator:
         return {role: servers[role] or listed[role] for role in servers}
 
     def _listed_servers(self, resp: httpx.Response) -> dict[str, list[str]]:
-        """The backends `kvrelay proxy` lists in its /health body ({"servers": [{role, server}]})."""
+        """The backends `kvrelay proxy` lists in its /health body
+        ({"servers": [{role, server}]})."""
         out: dict[str, list[str]] = {"prefill": [], "decode": []}
         try:
             body = resp.json()
@@ -342,14 +357,15 @@ class Validator:
 
     def kv_transfer(self, before: dict[str, dict[str, float] | str]) -> tuple[bool, str]:
         if not any(k.startswith("decode ") for k in before):
-            return False, (f"no decode servers known: pass --decode-url (the server at {self.options.base_url} "
-                           f"lists none in /health)")
+            return False, ("no decode servers known: pass --decode-url (the server at "
+                           f"{self.options.base_url} lists none in /health)")
         after = self._di_snapshot()
         problems, pulled, nbytes, notes = [], 0.0, 0.0, []
         for key, now in after.items():
             then = before.get(key)
             if isinstance(now, str) or isinstance(then, str) or then is None:
-                problems.append(f"{key}: metrics unreadable ({now if isinstance(now, str) else then})")
+                problems.append(f"{key}: metrics unreadable "
+                                f"({now if isinstance(now, str) else then})")
                 continue
             if key.startswith("decode ") and TRANSFERS not in now:
                 problems.append(f"{key}: no {TRANSFERS} metric (not a kv_consumer?)")
@@ -365,21 +381,23 @@ class Validator:
                 pulled += now.get(TRANSFERS, 0) - then.get(TRANSFERS, 0)
                 nbytes += now.get(TRANSFER_BYTES, 0) - then.get(TRANSFER_BYTES, 0)
         if not problems and pulled < 1:
-            problems.append("the decode servers pulled no KV during this run (kvrelay:kv_transfers unchanged): "
-                            "requests are not going through prefill → decode")
+            problems.append("the decode servers pulled no KV during this run (kvrelay:kv_transfers "
+                            "unchanged): requests are not going through prefill → decode")
         decodes = sum(k.startswith("decode ") for k in after)
         if problems:
             return False, "; ".join(problems)
         note = f"; note: {', '.join(notes)}" if notes else ""
-        return True, (f"{decodes} decode server(s) pulled KV {pulled:.0f} times ({nbytes / 2**20:.2f} MiB) "
-                      f"during this run; 0 transfer failures, 0 handshake errors on {len(after)} server(s){note}")
+        return True, (f"{decodes} decode server(s) pulled KV {pulled:.0f} times "
+                      f"({nbytes / 2**20:.2f} MiB) during this run; 0 transfer failures, 0 "
+                      f"handshake errors on {len(after)} server(s){note}")
 
 
 def _describe(e: Exception, timeout: float) -> str:
     if isinstance(e, ShapeError):
         return str(e)
     if isinstance(e, httpx.TimeoutException):
-        return f"no answer within {timeout:g}s ({type(e).__name__}; raise --timeout on a slow machine)"
+        return (f"no answer within {timeout:g}s ({type(e).__name__}; raise --timeout on a slow "
+                "machine)")
     return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
 
 
@@ -391,7 +409,8 @@ def _down_servers(resp: httpx.Response) -> str:
     down = body.get("down") if isinstance(body, dict) else None
     if not isinstance(down, list):
         return ""
-    return ", ".join(f"{d.get('role')} {d.get('server')} ({d.get('error')})" for d in down if isinstance(d, dict))
+    return ", ".join(f"{d.get('role')} {d.get('server')} ({d.get('error')})" for d in down
+                     if isinstance(d, dict))
 
 
 async def _streamed(client: httpx.AsyncClient, path: str, body: dict[str, Any], chat: bool) -> int:
@@ -434,26 +453,34 @@ def run_checks(options: ValidateOptions) -> list[CheckResult]:
 # ---------------------------------------------------------------------------- the command
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, description="The tutorial's 'Confirm your work' checks against a server or proxy.")
-    p.add_argument("--base-url", required=True, help="the proxy (DI) or the server, e.g. http://127.0.0.1:8000")
-    p.add_argument("--model", default=None, help="model name for requests (default: the first of /v1/models)")
+    p = _Parser(prog=PROG,
+                description="The tutorial's 'Confirm your work' checks against a server or proxy.")
+    p.add_argument("--base-url", required=True,
+                   help="the proxy (DI) or the server, e.g. http://127.0.0.1:8000")
+    p.add_argument("--model", default=None,
+                   help="model name for requests (default: the first of /v1/models)")
     p.add_argument("--expect-di", action="store_true",
-                   help="also check that decode servers pulled KV with no failures or handshake errors")
+                   help="also check that decode servers pulled KV with no failures or handshake "
+                        "errors")
     p.add_argument("--decode-url", action="append", default=[], metavar="URL",
-                   help="a decode server whose /metrics to read (repeatable; default: the proxy's listing)")
+                   help="a decode server whose /metrics to read (repeatable; default: the proxy's "
+                        "listing)")
     p.add_argument("--prefill-url", action="append", default=[], metavar="URL",
-                   help="a prefill server whose /metrics to read (repeatable; default: the proxy's listing)")
-    p.add_argument("--num-requests", type=int, default=16, help="concurrent requests of the traffic check")
+                   help="a prefill server whose /metrics to read (repeatable; default: the proxy's "
+                        "listing)")
+    p.add_argument("--num-requests", type=int, default=16,
+                   help="concurrent requests of the traffic check")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds allowed for each request")
-    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+    p.add_argument("--api-key", default=envs.OPENAI_API_KEY.raw(),
                    help="bearer token (default: $OPENAI_API_KEY)")
     p.add_argument("--prompt", default=TUTORIAL_PROMPT, help="the completion check's prompt")
-    p.add_argument("--max-tokens", type=int, default=16, help="max_tokens of the completion and chat checks")
+    p.add_argument("--max-tokens", type=int, default=16,
+                   help="max_tokens of the completion and chat checks")
     return p
 
 
@@ -464,7 +491,8 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else 2
     if args.num_requests < 0 or args.timeout <= 0 or args.max_tokens < 1:
-        print(f"{PROG}: error: --num-requests must be ≥ 0, --timeout and --max-tokens positive", file=sys.stderr)
+        print(f"{PROG}: error: --num-requests must be ≥ 0, --timeout and --max-tokens positive",
+              file=sys.stderr)
         return 2
     options = ValidateOptions(
         base_url=args.base_url, model=args.model, expect_di=args.expect_di,

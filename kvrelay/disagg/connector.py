@@ -113,7 +113,6 @@ class TransferStats:
     transport_fallbacks: int = 0
     leases_expired: int = 0
     read_done_notices: int = 0
-    explicit_frees: int = 0
 
 
 def pairing_hash(spec: dict[str, Any], prefill_tp: int, decode_tp: int) -> str:

@@ -55,10 +55,12 @@ def rank_heads(tp_size: int, num_kv_heads: int, rank: int) -> HeadRange:
         raise ValueError(f"rank {rank} outside tensor_parallel_size {tp_size}")
     if tp_size >= num_kv_heads:
         if tp_size % num_kv_heads:
-            raise ValueError(f"tensor_parallel_size {tp_size} is not a multiple of the {num_kv_heads} KV heads")
+            raise ValueError(f"tensor_parallel_size {tp_size} is not a multiple of the "
+                             f"{num_kv_heads} KV heads")
         return HeadRange(rank * num_kv_heads // tp_size, 1)
     if num_kv_heads % tp_size:
-        raise ValueError(f"tensor_parallel_size {tp_size} does not divide the {num_kv_heads} KV heads")
+        raise ValueError(f"tensor_parallel_size {tp_size} does not divide the {num_kv_heads} KV "
+                         "heads")
     per = num_kv_heads // tp_size
     return HeadRange(rank * per, per)
 
@@ -68,9 +70,9 @@ def tp_mismatch(prefill_tp: int, decode_tp: int) -> str | None:
     if prefill_tp < 1 or decode_tp < 1:
         return f"tensor_parallel_size must be positive (prefill {prefill_tp}, decode {decode_tp})"
     if decode_tp % prefill_tp:
-        return (f"tensor_parallel_size: prefill {prefill_tp}, decode {decode_tp}: the decode TP size must "
-                f"be a multiple of the prefill TP size (each decode rank reads its KV heads from one "
-                f"prefill rank)")
+        return (f"tensor_parallel_size: prefill {prefill_tp}, decode {decode_tp}: the decode TP "
+                "size must be a multiple of the prefill TP size (each decode rank reads its KV "
+                "heads from one prefill rank)")
     return None
 
 
@@ -82,6 +84,8 @@ def head_slice(prefill_tp: int, decode_tp: int, num_kv_heads: int, decode_rank: 
     src_rank = decode_rank // (decode_tp // prefill_tp)
     mine = rank_heads(decode_tp, num_kv_heads, decode_rank)
     theirs = rank_heads(prefill_tp, num_kv_heads, src_rank)
-    if not (theirs.start <= mine.start and mine.stop <= theirs.stop):   # guaranteed by the rule above
-        raise AssertionError(f"decode rank {decode_rank} heads {mine} not held by prefill rank {src_rank} {theirs}")
+    # guaranteed by the rule above
+    if not (theirs.start <= mine.start and mine.stop <= theirs.stop):
+        raise AssertionError(f"decode rank {decode_rank} heads {mine} not held by prefill rank "
+                             f"{src_rank} {theirs}")
     return HeadSlice(src_rank, mine.start - theirs.start, mine.count, theirs.count)

@@ -303,10 +303,6 @@ class NixlTransport(KVTransport):
             self._agents[agent] = self._agents.get(agent, 0) + 1
             self._peers[peer_id] = _Peer(agent, agent_str, b64, [tuple(r) for r in regions], mem_type)
 
-    def has_peer(self, peer_id: str) -> bool:
-        with self._lock:
-            return peer_id in self._peers
-
     def remove_peer(self, peer_id: str) -> None:
         with self._lock:
             if peer_id in self._peers:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import socket
 import struct
 import threading
@@ -27,11 +26,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvrelay import envs
+
 logger = logging.getLogger(__name__)
 
 MAX_FRAME = 16 * 1024 * 1024
 _HEADER = struct.Struct(">I")
-ADVERTISE_HOST_ENV = "KVRELAY_SIDE_CHANNEL_ADVERTISE_HOST"
+ADVERTISE_HOST_ENV = envs.SIDE_CHANNEL_ADVERTISE_HOST.name
 _ENV_HINT = "VLLM_NIXL_SIDE_CHANNEL_HOST/VLLM_NIXL_SIDE_CHANNEL_PORT"
 
 
@@ -131,7 +132,7 @@ def advertised_host(bind_host: str) -> str:
     the first non-loopback IPv4 address of an interface that is up; else 127.0.0.1.
     Any other bind address is advertised as is.
     """
-    env = os.environ.get(ADVERTISE_HOST_ENV, "").strip()
+    env = (envs.SIDE_CHANNEL_ADVERTISE_HOST.raw() or "").strip()
     if env:
         return env
     if bind_host not in ("0.0.0.0", "::", "", "*", "[::]"):

@@ -357,10 +357,6 @@ class TcpTransport(KVTransport):
                 self._close_idle(old)
             self._peers[peer_id] = _TcpPeer(host, port, list(regions))
 
-    def has_peer(self, peer_id: str) -> bool:
-        with self._lock:
-            return peer_id in self._peers
-
     def remove_peer(self, peer_id: str) -> None:
         with self._lock:
             peer = self._peers.pop(peer_id, None)

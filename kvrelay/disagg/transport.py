@@ -98,9 +98,6 @@ class KVTransport(ABC):
         """Make a remote transport readable (idempotent; new metadata replaces old)."""
 
     @abstractmethod
-    def has_peer(self, peer_id: str) -> bool: ...
-
-    @abstractmethod
     def remove_peer(self, peer_id: str) -> None: ...
 
     @abstractmethod

@@ -71,11 +71,15 @@ def _store(world: ExpertWorld, is_master: bool) -> tuple[dist.Store, socket.sock
     return store, listener
 
 
-def _gloo(store: dist.Store, prefix: str, rank: int, size: int, world: ExpertWorld) -> dist.ProcessGroup:
-    opts = dist.ProcessGroupGloo._Options()
-    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address_towards(world.address))]
+def _gloo(store: dist.Store, prefix: str, rank: int, size: int,
+          world: ExpertWorld) -> dist.ProcessGroup:
+    opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # private, no stubs
+    device = dist.ProcessGroupGloo.create_device(hostname=local_address_towards(world.address))
+    opts._devices = [device]
     opts._timeout = timedelta(seconds=world.timeout_s)
-    return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, opts)
+    # the stubs call ProcessGroupGloo a Backend; it is used (and works) as a process group
+    return dist.ProcessGroupGloo(  # type: ignore[return-value]
+        dist.PrefixStore(prefix, store), rank, size, opts)
 
 
 def local_address_towards(address: str) -> str:

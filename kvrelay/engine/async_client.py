@@ -170,9 +170,6 @@ class AsyncEngine:
         finally:
             self._frees.pop(token, None)
 
-    def request_stats(self) -> None:
-        self._send(("stats",))
-
     @staticmethod
     def _accumulate(stream: _Stream, delta: RequestOutput) -> RequestOutput:
         acc = stream.accumulated

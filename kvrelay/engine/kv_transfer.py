@@ -137,7 +137,6 @@ class KVTransferGlue:
         if self.connector is None or not self.connector.holds(request_id, capability):
             return False
         self.connector.released(request_id)
-        self.connector.stats.explicit_frees += 1
         return self.scheduler.release_held(request_id)
 
     def cancel(self, req: Request) -> None:

@@ -40,7 +40,7 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
-    arrival: int = 0                          # admission order: older requests keep priority
+    arrival: int = 0      # Scheduler.add's counter; read by nothing: queue order is priority
     status: Status = Status.WAITING
     num_computed_tokens: int = 0
     output_token_ids: list[int] = field(default_factory=list)

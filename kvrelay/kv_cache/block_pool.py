@@ -37,7 +37,8 @@ class OutOfBlocks(Exception):
 class BlockPool:
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 2:
-            raise ValueError(f"the KV cache needs at least 2 blocks (one is the null block), got {num_blocks}")
+            raise ValueError("the KV cache needs at least 2 blocks (one is the null block), got "
+                             f"{num_blocks}")
         self.num_blocks = num_blocks
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_blocks))
@@ -88,7 +89,8 @@ class BlockPool:
             if block.block_id == NULL_BLOCK:
                 continue
             if block.ref_cnt <= 0:
-                raise AssertionError(f"block {block.block_id} released with ref_cnt {block.ref_cnt}")
+                raise AssertionError(
+                    f"block {block.block_id} released with ref_cnt {block.ref_cnt}")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free[block.block_id] = None
@@ -106,10 +108,6 @@ class BlockPool:
                 del self.cached[(block.group, block.block_hash)]
             block.block_hash, block.group = None, -1
 
-    def reset_prefix_cache(self) -> None:
-        for block in self.blocks[1:]:
-            self._uncache(block)
-
     def check_integrity(self) -> None:
         """free + used == total; ref counts ≥ 0; free ⇔ ref_cnt 0; cache map consistent."""
         for block in self.blocks[1:]:
@@ -117,7 +115,8 @@ class BlockPool:
                 raise AssertionError(f"block {block.block_id} has ref_cnt {block.ref_cnt}")
             if (block.ref_cnt == 0) != (block.block_id in self.free):
                 raise AssertionError(f"block {block.block_id}: ref_cnt {block.ref_cnt} but "
-                                     f"{'in' if block.block_id in self.free else 'not in'} free queue")
+                                     f"{'in' if block.block_id in self.free else 'not in'} free "
+                                     "queue")
         if NULL_BLOCK in self.free:
             raise AssertionError("the null block is in the free queue")
         for (group, block_hash), block in self.cached.items():

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 from kvrelay.kv_cache.block_pool import NULL_BLOCK, BlockPool, KVBlock
 from kvrelay.kv_cache.hashing import BlockHash, hash_block, root_hash
@@ -73,7 +74,8 @@ class KVCacheManager:
     def num_blocks_held(self, req_id: str) -> int:
         return sum(b.block_id != NULL_BLOCK for t in self.requests[req_id].tables for b in t)
 
-    def _hashes(self, state: _RequestState, tokens: Sequence[int], num_full: int) -> list[BlockHash]:
+    def _hashes(self, state: _RequestState, tokens: Sequence[int],
+                num_full: int) -> list[BlockHash]:
         B = self.block_size
         while len(state.hashes) < num_full:
             i = len(state.hashes)
@@ -103,8 +105,9 @@ class KVCacheManager:
         blocks = []
         for g, group in enumerate(self.groups):
             first = self._first_needed_block(group.window, limit * self.block_size)
-            found = [self.pool.lookup(g, h) for h in hashes[first:limit]]
-            blocks.append([self.pool.blocks[NULL_BLOCK]] * first + found)  # type: ignore[list-item]
+            # every hash below `limit` is cached: found above
+            found = cast("list[KVBlock]", [self.pool.lookup(g, h) for h in hashes[first:limit]])
+            blocks.append([self.pool.blocks[NULL_BLOCK]] * first + found)
         self.stats.hits += limit * self.block_size
         return PrefixHit(limit * self.block_size, blocks)
 
@@ -221,6 +224,7 @@ class KVCacheManager:
     def assert_no_leaks(self) -> None:
         """No request holds blocks and every block but the null block is free."""
         self.check_integrity()
-        held = [r for r, s in self.requests.items() if any(b.block_id != NULL_BLOCK for t in s.tables for b in t)]
+        held = [r for r, s in self.requests.items()
+                if any(b.block_id != NULL_BLOCK for t in s.tables for b in t)]
         if held or self.pool.num_free != self.pool.num_blocks - 1:
             raise AssertionError(f"KV blocks leaked: {self.pool.num_used} in use, held by {held}")

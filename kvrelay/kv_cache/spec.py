@@ -1,7 +1,10 @@
 """What two KV caches must agree on to exchange blocks (disaggregated serving).
 
-Prefill and decode servers compare `compat_hash()` during the side-channel handshake;
-a mismatch is an error naming the differing fields (`differences`), never garbage.
+Prefill and decode servers exchange this spec in the side-channel handshake
+(`disagg/connector.py`) and compare it field by field, then both TP sizes and a hash of
+spec and TP sizes (`pairing_hash`); a mismatch is an error naming the differing fields,
+never garbage. `compat_hash()` and `differences()` are the same checks on two specs held
+in one process.
 """
 from __future__ import annotations
 

@@ -247,10 +247,6 @@ def load_config(model_dir: Path, hf_overrides: dict[str, Any] | None = None) -> 
     return GptOssConfig.from_dict(merge_overrides(raw, hf_overrides), source=str(path))
 
 
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def log_mscale(factor: float) -> float:
     """YaRN's attention scaling: 0.1·ln(factor) + 1 (1 when factor ≤ 1)."""
     return 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0

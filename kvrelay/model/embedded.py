@@ -46,11 +46,13 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 from filelock import FileLock
+
+from kvrelay import envs
 
 logger = logging.getLogger(__name__)
 
@@ -97,11 +99,7 @@ def find_gguf() -> Path:
 
 def cache_root() -> Path:
     """$KVRELAY_CACHE_DIR, else $XDG_CACHE_HOME/kvrelay, else ~/.cache/kvrelay."""
-    if os.environ.get("KVRELAY_CACHE_DIR"):
-        return Path(os.environ["KVRELAY_CACHE_DIR"]).expanduser()
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "kvrelay"
-    return Path.home() / ".cache" / "kvrelay"
+    return envs.kvrelay_cache_dir()
 
 
 def is_complete(model_dir: Path) -> bool:
@@ -393,7 +391,7 @@ def build_tokenizer_json(tok: TokenizerSpec) -> str:
 
     bpe = models.BPE(
         vocab={token: i for i, token in enumerate(tok.tokens)},
-        merges=[tuple(m.split(" ", 1)) for m in tok.merges],
+        merges=[cast("tuple[str, str]", tuple(m.split(" ", 1))) for m in tok.merges],
         unk_token=None, fuse_unk=False, byte_fallback=False,
     )
     tokenizer = Tokenizer(bpe)

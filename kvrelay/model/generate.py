@@ -1,8 +1,10 @@
 """A minimal greedy loop over the model with a paged KV cache.
 
-Stands in for the engine (scheduler + runner) until it exists; the model tests use
-it to drive incremental decoding. Each sequence gets its own blocks from a simple
-free list (optionally shuffled, so block tables are deliberately non-contiguous).
+A test and benchmark harness, not part of serving (the engine's scheduler and runner
+are): the model tests use it to drive the model alone through prefill, chunked prefill
+and incremental decoding, and `benchmarks/model_forward.py` to time forward passes.
+Each sequence gets its own blocks from a simple free list (optionally shuffled, so
+block tables are deliberately non-contiguous).
 """
 from __future__ import annotations
 
@@ -53,12 +55,14 @@ class PagedGreedyLoop:
             for p in range(seq.computed, end):
                 ids.append(seq.tokens[p])
                 pos.append(p)
-                slots.append(seq.blocks[p // self.block_size] * self.block_size + p % self.block_size)
+                block = seq.blocks[p // self.block_size]
+                slots.append(block * self.block_size + p % self.block_size)
             q_lens.append(n)
             seq_lens.append(end)
             seq.computed = end
         width = max(len(s.blocks) for s in seqs)
-        table = torch.tensor([s.blocks + [0] * (width - len(s.blocks)) for s in seqs], device=device)
+        table = torch.tensor([s.blocks + [0] * (width - len(s.blocks)) for s in seqs],
+                             device=device)
         slot_t = torch.tensor(slots, device=device)
         qsl = torch.tensor([0] + q_lens, device=device).cumsum(0)
         num_decodes = next((i for i, n in enumerate(q_lens) if n != 1), len(q_lens))

@@ -106,13 +106,6 @@ class GptOssModel(nn.Module):
     def num_kv_heads_local(self) -> int:
         return self.layers[0].self_attn.qkv.num_kv_heads
 
-    def load(self, src: WeightSource) -> None:
-        self.embed_tokens.load(src, "model.embed_tokens.weight")
-        for i, layer in enumerate(self.layers):
-            layer.load(src, f"model.layers.{i}")
-        self.norm.weight.copy_(src.get("model.norm.weight"))
-        self.lm_head.load(src, "lm_head.weight")
-
     def allocate_kv_cache(self, num_blocks: int, block_size: int,
                           device: torch.device | str = "cpu") -> list[torch.Tensor]:
         shape = (2, num_blocks, self.num_kv_heads_local, block_size, self.config.head_dim)

@@ -18,18 +18,18 @@ from __future__ import annotations
 import json
 import logging
 import mmap
-import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from kvrelay import envs
 from kvrelay.model.config import CheckpointError, GptOssConfig, load_config
-from kvrelay.model.gpt_oss import GptOssModel
+from kvrelay.model.gpt_oss import DecoderLayer, GptOssModel
 from kvrelay.model.mxfp4 import BLOCK
 from kvrelay.model.parallel import ParallelContext
 
@@ -162,7 +162,7 @@ def _tensor_files(model_dir: Path) -> dict[str, str]:
     if single.is_file():
         try:
             with safe_open(str(single), framework="pt") as f:
-                return {name: SINGLE_FILE for name in f.keys()}
+                return dict.fromkeys(f.keys(), SINGLE_FILE)
         except Exception as e:
             raise CheckpointError(f"{single}: not a readable safetensors file ({e})") from None
     raise CheckpointError(f"{model_dir}: no {SINGLE_FILE} or {INDEX_FILE} found")
@@ -170,7 +170,7 @@ def _tensor_files(model_dir: Path) -> dict[str, str]:
 
 def expected_tensors(c: GptOssConfig, mxfp4_on_disk: bool) -> dict[str, tuple[int, ...]]:
     """Every tensor name of a gpt-oss checkpoint with its shape."""
-    H, I, E, hd = c.hidden_size, c.intermediate_size, c.num_local_experts, c.head_dim
+    H, I, E, hd = c.hidden_size, c.intermediate_size, c.num_local_experts, c.head_dim  # noqa: E741
     q, kv = c.num_attention_heads * hd, c.num_key_value_heads * hd
     shapes: dict[str, tuple[int, ...]] = {
         "model.embed_tokens.weight": (c.vocab_size, H),
@@ -274,7 +274,7 @@ def _load_with_progress(model: GptOssModel, src: SafetensorsWeights, progress: b
         model.embed_tokens.load(src, "model.embed_tokens.weight")
         src.release()
         bar.update()
-        for i, layer in enumerate(model.layers):
+        for i, layer in enumerate(cast("list[DecoderLayer]", model.layers)):
             layer.load(src, f"model.layers.{i}")
             src.release()
             bar.update()
@@ -290,8 +290,8 @@ def resolve_model_path(model: str, download_dir: str | None = None) -> Path:
     path = Path(model).expanduser()
     if path.is_dir():
         return path
-    cache = Path(download_dir or os.environ.get("HF_HUB_CACHE")
-                 or Path(os.environ.get("HF_HOME", "~/.cache/huggingface")) / "hub").expanduser()
+    cache = Path(download_dir or envs.HF_HUB_CACHE.raw()
+                 or Path(envs.HF_HOME.raw() or "~/.cache/huggingface") / "hub").expanduser()
     snapshots = cache / f"models--{model.replace('/', '--')}" / "snapshots"
     found = sorted(snapshots.glob("*/config.json"), key=lambda p: p.stat().st_mtime) \
         if snapshots.is_dir() else []

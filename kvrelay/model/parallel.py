@@ -140,18 +140,22 @@ def validate_layout(num_heads: int, num_kv_heads: int, num_experts: int, tp_size
     if tp_size < 1 or ep_size < 1:
         raise ValueError(f"parallel sizes must be at least 1 (tp={tp_size}, ep={ep_size})")
     if num_heads % tp_size:
-        raise ValueError(f"tensor_parallel_size {tp_size} does not divide the {num_heads} attention heads")
+        raise ValueError(f"tensor_parallel_size {tp_size} does not divide the {num_heads} "
+                         "attention heads")
     if tp_size > num_kv_heads and tp_size % num_kv_heads:
-        raise ValueError(f"tensor_parallel_size {tp_size} exceeds the {num_kv_heads} KV heads and is "
-                         f"not a multiple of them (KV heads are replicated in whole groups)")
+        raise ValueError(f"tensor_parallel_size {tp_size} exceeds the {num_kv_heads} KV heads and "
+                         "is not a multiple of them (KV heads are replicated in whole groups)")
     if tp_size <= num_kv_heads and num_kv_heads % tp_size:
-        raise ValueError(f"tensor_parallel_size {tp_size} does not divide the {num_kv_heads} KV heads")
+        raise ValueError(f"tensor_parallel_size {tp_size} does not divide the {num_kv_heads} KV "
+                         "heads")
     across = dp_size > 1 and ep_size == tp_size * dp_size
     if num_experts % ep_size:
         how = f" (TP {tp_size} × DP {dp_size})" if across else ""
-        raise ValueError(f"expert-parallel width {ep_size}{how} does not divide the {num_experts} experts")
+        raise ValueError(f"expert-parallel width {ep_size}{how} does not divide the {num_experts} "
+                         "experts")
     if not across and (ep_size > tp_size or tp_size % ep_size):
-        raise ValueError(f"expert-parallel width {ep_size} must divide tensor_parallel_size {tp_size}")
+        raise ValueError(f"expert-parallel width {ep_size} must divide tensor_parallel_size "
+                         f"{tp_size}")
 
 
 def cpu_slices(cores: list[int], ranks: int) -> tuple[tuple[int, ...], ...]:

@@ -62,4 +62,5 @@ def load_tokenizer(model_dir: str | Path) -> CheckpointTokenizer:
     eos = _ids(gen.get("eos_token_id")) or _ids(cfg.get("eos_token_id"))
     special = {k: v for k, v in tok_cfg.items()
                if k in ("bos_token", "eos_token", "pad_token", "unk_token") and isinstance(v, str)}
-    return CheckpointTokenizer(Tokenizer.from_file(str(path)), eos, tok_cfg.get("chat_template"), special)
+    return CheckpointTokenizer(Tokenizer.from_file(str(path)), eos, tok_cfg.get("chat_template"),
+                               special)

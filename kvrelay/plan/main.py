@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import NoReturn
 
 from kvrelay.plan.capacity import (
     Measured,
@@ -26,7 +27,7 @@ PROG = "kvrelay plan"
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
@@ -60,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _inputs(a: argparse.Namespace) -> tuple[Measured, Workload]:
-    prefill = a.prefill_tok_s or (prefill_from_result(a.prefill_result) if a.prefill_result else None)
+    prefill = a.prefill_tok_s or (prefill_from_result(a.prefill_result) if a.prefill_result
+                                  else None)
     decode, batch, itl1 = a.decode_tok_s, a.decode_batch, a.itl_at_1_ms
     if a.decode_result:
         d_tok, d_batch, _ = decode_from_result(a.decode_result)

@@ -7,9 +7,10 @@ client ──POST /v1/completions──▶ proxy        X-Request-Id: the client
                                    │
    1. prefill (--routing: longest cached prefix by default; only a server that fails before
       answering is skipped; --disagg-policy auto may skip this leg: straight to 2.)
-                                   ├──▶ prefill  body: max_tokens 1, stream false, no stream_options /
-                                   │             min_tokens / min_completion_tokens,
-                                   │             kv_transfer_params {do_remote_decode: true, ...null}
+                                   ├──▶ prefill  body: max_tokens 1, stream false, no
+                                   │             stream_options / min_tokens /
+                                   │             min_completion_tokens, kv_transfer_params
+                                   │             {do_remote_decode: true, ...null}
                                    │◀── 200 {..., kv_transfer_params {do_remote_prefill: true,
                                    │        remote_engine_id, remote_block_ids, remote_host,
                                    │        remote_port, remote_request_id, tp_size}}
@@ -17,8 +18,9 @@ client ──POST /v1/completions──▶ proxy        X-Request-Id: the client
                                    │    never re-sent elsewhere: the request reached a server)
                                    │    every server failing before answering → 503
    2. decode (--routing, by load and KV usage; failing before answering → the next one)
-                                   ├──▶ decode   the ORIGINAL body + the prefill's kv_transfer_params
-                                   │             (remote_host 0.0.0.0/empty → the prefill host used)
+                                   ├──▶ decode   the ORIGINAL body + the prefill's
+                                   │             kv_transfer_params (remote_host 0.0.0.0/empty
+                                   │             → the prefill host used)
 client ◀── SSE chunks / JSON ──────┘◀── decode pulls the KV over NIXL, streams; relayed unbuffered
 ```
 
@@ -39,7 +41,8 @@ the same loop reads their `/metrics` (load, KV usage and capacity, prefix-cache 
 Server choice and whether to disaggregate at all are `policy.py`'s (`_route`), over the prefix
 table of `prefix.py`. `POST /v1/responses` takes the same legs (its prefill body is
 `responses.py`'s); a `previous_response_id` follow-up, GET and DELETE go to the decode
-server that stored the response (`responses.ResponseHomes`, learned from relayed answers). Every error the proxy itself returns is an OpenAI error body.
+server that stored the response (`responses.ResponseHomes`, learned from relayed answers).
+Every error the proxy itself returns is an OpenAI error body.
 """
 from __future__ import annotations
 
@@ -73,8 +76,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
+from kvrelay import http_body
 from kvrelay.proxy import responses, scrape
-from kvrelay.proxy.body import BodyError, parse_object, read_limited
 from kvrelay.proxy.policy import Choice, Router, RoutingSettings, hit_correction
 from kvrelay.proxy.prefix import Hasher, PromptKey
 from kvrelay.proxy.routing import (
@@ -115,17 +118,20 @@ class ProxyMetrics:
 
     def __init__(self, backends: list[Backend]) -> None:
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("kvrelay_proxy:requests", "Client requests by endpoint and status returned.",
+        self.requests = Counter("kvrelay_proxy:requests",
+                                "Client requests by endpoint and status returned.",
                                 ["endpoint", "status"], registry=r)
-        self.in_flight = Gauge("kvrelay_proxy:backend_in_flight", "Requests in flight per backend server.",
+        self.in_flight = Gauge("kvrelay_proxy:backend_in_flight",
+                               "Requests in flight per backend server.",
                                ["role", "backend"], registry=r)
         self.prefill_latency = Histogram("kvrelay_proxy:prefill_latency_seconds",
                                          "Prefill leg: request sent to response read.", ["backend"],
                                          buckets=LATENCY_BUCKETS, registry=r)
         self.decode_latency = Histogram("kvrelay_proxy:decode_latency_seconds",
-                                        "Decode leg: request sent to last byte relayed.", ["backend"],
-                                        buckets=LATENCY_BUCKETS, registry=r)
-        self.failures = Counter("kvrelay_proxy:backend_failures", "Backend attempts that failed, by reason.",
+                                        "Decode leg: request sent to last byte relayed.",
+                                        ["backend"], buckets=LATENCY_BUCKETS, registry=r)
+        self.failures = Counter("kvrelay_proxy:backend_failures",
+                                "Backend attempts that failed, by reason.",
                                 ["role", "backend", "reason"], registry=r)
         self.healthy = Gauge("kvrelay_proxy:backend_healthy",
                              "1 when the backend's last background /health probe answered 200.",
@@ -134,16 +140,17 @@ class ProxyMetrics:
                                     "Free notices sent to prefill servers after a failed decode.",
                                     ["result"], registry=r)
         self.decisions = Counter("kvrelay_proxy:routing_decisions",
-                                 "Routing decisions: role prefill/decode (cache_hit, load_override, "
-                                 "least_loaded, round_robin) and role disagg (prefill_then_decode, "
-                                 "direct_to_decode).", ["role", "decision"], registry=r)
+                                 "Routing decisions: role prefill/decode (cache_hit, "
+                                 "load_override, least_loaded, round_robin) and role disagg "
+                                 "(prefill_then_decode, direct_to_decode).",
+                                 ["role", "decision"], registry=r)
         self.table_blocks = Gauge("kvrelay_proxy:prefix_table_blocks",
                                   "Prompt blocks the router believes a backend holds.",
                                   ["role", "backend"], registry=r)
         self.forgotten = Counter("kvrelay_proxy:prefix_table_forgotten",
                                  "Times a backend's prefix-table entries were dropped, by reason "
-                                 "(unhealthy, connect, restarted, missed_hits).", ["role", "backend", "reason"],
-                                 registry=r)
+                                 "(unhealthy, connect, restarted, missed_hits).",
+                                 ["role", "backend", "reason"], registry=r)
         for result in FREE_RESULTS:
             self.free_notices.labels(result)
         for decision in ("prefill_then_decode", "direct_to_decode"):
@@ -194,7 +201,7 @@ class ProxyState:
     health_interval_s: float = HEALTH_INTERVAL_S
     health_client: httpx.AsyncClient | None = None
     prober: asyncio.Task | None = None
-    slow_probes: dict[str, int] = field(default_factory=dict)   # backend → probes timed out in a row
+    slow_probes: dict[str, int] = field(default_factory=dict)  # backend → probes timed out in a row
     tasks: set[asyncio.Task] = field(default_factory=set)
 
     hasher: Hasher = field(default_factory=Hasher)
@@ -207,7 +214,8 @@ class ProxyState:
         routing = routing or RoutingSettings()
         p = [Backend("prefill", h, port) for h, port in prefill]
         d = [Backend("decode", h, port) for h, port in decode]
-        return cls(p, d, ProxyMetrics(p + d), routing.router(p, "prefill"), routing.router(d, "decode"),
+        return cls(p, d, ProxyMetrics(p + d), routing.router(p, "prefill"),
+                   routing.router(d, "decode"),
                    auth or ProxyAuth(), routing, health_interval_s, hasher=routing.hasher())
 
     def router(self, b: Backend) -> Router:
@@ -338,8 +346,10 @@ class ProxyState:
 def _backend_client(b: Backend) -> httpx.AsyncClient:
     return httpx.AsyncClient(
         base_url=b.url, trust_env=False,    # never route backend traffic through an HTTP(S)_PROXY
-        timeout=httpx.Timeout(connect=CONNECT_TIMEOUT_S, read=None, write=WRITE_TIMEOUT_S, pool=None),
-        limits=httpx.Limits(max_connections=MAX_CONNECTIONS, max_keepalive_connections=MAX_KEEPALIVE),
+        timeout=httpx.Timeout(connect=CONNECT_TIMEOUT_S, read=None, write=WRITE_TIMEOUT_S,
+                              pool=None),
+        limits=httpx.Limits(max_connections=MAX_CONNECTIONS,
+                            max_keepalive_connections=MAX_KEEPALIVE),
         headers={"Accept-Encoding": "identity"})
 
 
@@ -427,11 +437,12 @@ async def _unless_disconnected(receive: Receive, work: Awaitable[T]) -> T:
 
 async def _read_body(request: Request, request_id: str) -> dict[str, Any] | Response:
     try:
-        raw = await read_limited(request.headers.get("content-length"), request.stream())
-        return parse_object(raw)
-    except BodyError as e:
+        raw = await http_body.read_limited(request.stream(),
+                                           content_length=request.headers.get("content-length"))
+        return http_body.parse_object(raw)
+    except http_body.BodyError as e:
         type_ = "RequestTooLarge" if e.status == 413 else "BadRequestError"
-        return _error(e.status, str(e), type_, request_id)
+        return _error(e.status, e.message, type_, request_id)
 
 
 # ---------------------------------------------------------------------------- prefill leg
@@ -519,7 +530,8 @@ def _prefill_result(backend: Backend, resp: httpx.Response, request_id: str,
     except (ValueError, AttributeError):
         kv_params = None
     if not isinstance(kv_params, dict):
-        return _error(502, f"prefill server {backend.name} answered without kv_transfer_params; is it "
+        return _error(502,
+                      f"prefill server {backend.name} answered without kv_transfer_params; is it "
                       "started with --kv-transfer-config (kv_role kv_producer or kv_both)?",
                       "BadGatewayError", request_id)
     return Prefilled(backend, routable_kv_params(kv_params, backend.host), seconds)
@@ -534,7 +546,8 @@ class DecodeLeg:
     started: float
 
 
-async def _open_decode(state: ProxyState, path: str, payload: dict[str, Any], headers: dict[str, str],
+async def _open_decode(state: ProxyState, path: str, payload: dict[str, Any],
+                       headers: dict[str, str],
                        request_id: str, order: list[Backend]) -> DecodeLeg | Response:
     """Send the decode request to the servers of `order`, first one first; only a server that
     failed before any response (as for prefill) is replaced by the next one."""
@@ -586,7 +599,8 @@ class RelayStream(Response):
             self.on_end(outcome)
 
     async def _relay(self, send: Send) -> str:
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        await send({"type": "http.response.start", "status": self.status_code,
+                    "headers": self.raw_headers})
         tail = b"\n\n"                   # the last two bytes relayed: are we between SSE events?
         try:
             async for chunk in self.leg.response.aiter_raw():
@@ -607,7 +621,8 @@ class RelayStream(Response):
         message = f"decode server {self.leg.backend.name} broke off the stream: {_describe(e)}"
         logger.warning(message)
         if between_events and (self.media_type or "").startswith("text/event-stream"):
-            error = {"message": message, "type": "ServiceUnavailableError", "param": None, "code": 503}
+            error = {"message": message, "type": "ServiceUnavailableError", "param": None,
+                     "code": 503}
             tail = f"data: {json.dumps({'error': error})}\n\ndata: [DONE]\n\n".encode()
             await send({"type": "http.response.body", "body": tail, "more_body": False})
         return "upstream_error"
@@ -625,11 +640,14 @@ async def _send_free(state: ProxyState, prefilled: Prefilled, headers: dict[str,
     if body is None or backend.client is None:
         return
     try:
-        resp = await backend.client.post(FREE_PATH, json=body, headers=headers, timeout=FREE_TIMEOUT_S)
-        result = "sent" if resp.is_success else ("not_found" if resp.status_code == 404 else "rejected")
+        resp = await backend.client.post(FREE_PATH, json=body, headers=headers,
+                                         timeout=FREE_TIMEOUT_S)
+        result = "sent" if resp.is_success else ("not_found" if resp.status_code == 404
+                                                 else "rejected")
     except httpx.HTTPError as e:
         result = "error"
-        logger.debug("request %s: free notice to %s failed: %s", request_id, backend.name, _describe(e))
+        logger.debug("request %s: free notice to %s failed: %s", request_id, backend.name,
+                     _describe(e))
     state.metrics.free_notices.labels(result).inc()
     logger.debug("request %s: free notice to %s: %s", request_id, backend.name, result)
 
@@ -653,7 +671,8 @@ async def relay_completion(state: ProxyState, request: Request, path: str) -> Re
     else:
         try:
             answer = await _unless_disconnected(
-                request.receive, _prefill(state, path, body, headers, request_id, route.prefill.order))
+                request.receive,
+                _prefill(state, path, body, headers, request_id, route.prefill.order))
         except ClientGone:
             return _finish(state, path, _client_closed(request_id, "during prefill"))
         if isinstance(answer, Response):
@@ -728,7 +747,8 @@ async def _decode(state: ProxyState, request: Request, path: str, payload: dict[
 
     try:
         leg = await _unless_disconnected(
-            request.receive, _open_decode(state, path, payload, headers, request_id, route.decode.order))
+            request.receive,
+            _open_decode(state, path, payload, headers, request_id, route.decode.order))
     except ClientGone:
         free()
         return _client_closed(request_id, "before decode answered")
@@ -742,8 +762,8 @@ async def _decode(state: ProxyState, request: Request, path: str, payload: dict[
         seconds = time.monotonic() - leg.started
         state.release(leg.backend)
         state.metrics.decode_latency.labels(leg.backend.name).observe(seconds)
-        logger.debug("request %s: decode on %s: %s after %.3fs", request_id, leg.backend.name, outcome,
-                     seconds)
+        logger.debug("request %s: decode on %s: %s after %.3fs", request_id, leg.backend.name,
+                     outcome, seconds)
         if outcome != "done":
             free()
 
@@ -785,8 +805,8 @@ async def _decode_whole(request: Request, leg: DecodeLeg, request_id: str,
         return _client_closed(request_id, "before decode finished")
     except httpx.TransportError as e:
         outcome = "upstream_error"
-        return _error(502, f"decode server {leg.backend.name} failed: {_describe(e)}", "BadGatewayError",
-                      request_id)
+        return _error(502, f"decode server {leg.backend.name} failed: {_describe(e)}",
+                      "BadGatewayError", request_id)
     finally:
         with anyio.CancelScope(shield=True):
             await leg.response.aclose()
@@ -821,7 +841,8 @@ async def _probe(state: ProxyState, backend: Backend) -> str | None:
 
 async def health(state: ProxyState) -> Response:
     reasons = await asyncio.gather(*(_probe(state, b) for b in state.backends))
-    servers = [{"role": b.role, "server": b.name, "healthy": r is None, **({"error": r} if r else {})}
+    servers = [{"role": b.role, "server": b.name, "healthy": r is None,
+                **({"error": r} if r else {})}
                for b, r in zip(state.backends, reasons)]
     down = [s for s in servers if not s["healthy"]]
     status = 503 if down else 200
@@ -837,13 +858,15 @@ async def models(state: ProxyState, request: Request) -> Response:
     for backend in state.decode_router.choose(None).order:
         assert backend.client is not None
         try:
-            resp = await backend.client.get("/v1/models", headers=headers, timeout=HEALTH_TIMEOUT_S * 5)
+            resp = await backend.client.get("/v1/models", headers=headers,
+                                            timeout=HEALTH_TIMEOUT_S * 5)
         except httpx.TransportError as e:
             state.failed(backend, "connect" if _is_connect_error(e) else "transport")
             failures.append(f"{backend.name} ({_describe(e)})")
             continue
         return _finish(state, "/v1/models", _copy_response(resp, resp.content, request_id))
-    return _finish(state, "/v1/models", _error(503, "no decode server answered: " + "; ".join(failures),
+    return _finish(state, "/v1/models", _error(503,
+                                               "no decode server answered: " + "; ".join(failures),
                                                "ServiceUnavailableError", request_id))
 
 
@@ -918,7 +941,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception) -> Response:
-        logger.exception("internal error on %s %s", request.method, request.url.path)
+        logger.error("internal error on %s %s", request.method, request.url.path, exc_info=exc)
         return _error(500, f"internal proxy error: {type(exc).__name__}", "InternalServerError",
                       request.headers.get("x-request-id"))
 

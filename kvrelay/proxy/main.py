@@ -18,6 +18,7 @@ import socket
 import sys
 from dataclasses import dataclass, field
 from types import FrameType
+from typing import NoReturn
 
 import uvicorn
 
@@ -47,7 +48,7 @@ class ProxySettings:
 class _Parser(argparse.ArgumentParser):
     """argparse with one-line errors naming the flag (no usage dump)."""
 
-    def error(self, message: str):  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
@@ -57,8 +58,8 @@ def add_proxy_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--prefiller-host", "--prefiller-hosts", dest="prefiller_host", nargs="+",
                    default=["127.0.0.1"], metavar="HOST", help="prefill server host(s)")
-    p.add_argument("--prefiller-port", "--prefiller-ports", dest="prefiller_port", nargs="+", type=int,
-                   default=[8100], metavar="PORT", help="prefill server port(s)")
+    p.add_argument("--prefiller-port", "--prefiller-ports", dest="prefiller_port", nargs="+",
+                   type=int, default=[8100], metavar="PORT", help="prefill server port(s)")
     p.add_argument("--decoder-host", "--decoder-hosts", dest="decoder_host", nargs="+",
                    default=["127.0.0.1"], metavar="HOST", help="decode server host(s)")
     p.add_argument("--decoder-port", "--decoder-ports", dest="decoder_port", nargs="+", type=int,
@@ -103,7 +104,8 @@ def add_proxy_flags(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog=PROG, description="Disaggregated prefill/decode proxy (vLLM's wire format).")
+    parser = _Parser(prog=PROG,
+                     description="Disaggregated prefill/decode proxy (vLLM's wire format).")
     add_proxy_flags(parser)
     return parser
 
@@ -116,7 +118,8 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         raise EndpointError(f"--health-interval: {args.health_interval:g} is negative")
     routing = _routing_settings(args)
     return ProxySettings(host=args.host, port=args.port, routing=routing,
-                         prefill=expand_endpoints(args.prefiller_host, args.prefiller_port, "prefiller"),
+                         prefill=expand_endpoints(args.prefiller_host, args.prefiller_port,
+                                                  "prefiller"),
                          decode=expand_endpoints(args.decoder_host, args.decoder_port, "decoder"),
                          log_level=args.log_level, api_key=args.api_key or envs.PROXY_API_KEY.raw(),
                          health_interval_s=args.health_interval)
@@ -182,7 +185,7 @@ def serve(settings: ProxySettings) -> int:
               f"{(e.strerror or str(e)).lower()}", file=sys.stderr, flush=True)
         return 1
     from kvrelay.proxy.app import ProxyAuth, build_app
-    auth = ProxyAuth(api_key=settings.api_key, backend_key=envs.PROXY_BACKEND_KEY.raw())
+    auth = ProxyAuth(api_key=settings.api_key, backend_key=envs.OPENAI_API_KEY.raw())
     app = build_app(settings.prefill, settings.decode, auth, settings.health_interval_s,
                     settings.routing)
     config = uvicorn.Config(app, host=settings.host, port=settings.port,

@@ -182,5 +182,6 @@ class RoutingSettings:
     def router(self, backends: list[Backend], role: str) -> Router:
         """Decode servers are never plain round-robin: a decode request lasts its whole
         generation, so under `round_robin` they stay least-loaded (the tutorial's proxy)."""
-        policy = "least_loaded" if role == "decode" and self.routing == "round_robin" else self.routing
+        round_robin_decode = role == "decode" and self.routing == "round_robin"
+        policy = "least_loaded" if round_robin_decode else self.routing
         return Router(backends, policy, self.load_margin, PrefixTable(self.table_blocks))

@@ -8,7 +8,7 @@ request in the engine (its KV blocks are freed at once).
 
 Every error leaves as OpenAI's error object, whatever raised it: the door (`_Edge`:
 auth, body size as it streams, JSON that parses to something the tokenizer and
-pydantic can take — `body_guard.py`), pydantic validation, FastAPI's 404/405, the
+pydantic can take — `kvrelay/http_body.py`), pydantic validation, FastAPI's 404/405, the
 engine (400 naming the field, 500 for a request that failed inside the engine while
 the others went on, 502 a failed KV transfer, 503 a dead engine or a prefill whose
 `hold_share` is full, with Retry-After), a client over its `hold_rate` of
@@ -23,7 +23,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +34,7 @@ from pydantic import BaseModel, Field
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvrelay import http_body
 from kvrelay.engine.async_client import (
     AsyncEngine,
     EngineDeadError,
@@ -50,8 +51,6 @@ from kvrelay.sampling_params import (
     check_token_ids,
     validate_for_model,
 )
-from kvrelay.server import body_guard
-from kvrelay.server.body_guard import MAX_BODY_BYTES
 from kvrelay.server import structured_hooks
 from kvrelay.server.chat import ChatRenderer, finish_reason
 from kvrelay.server.hold_limit import HoldRateLimiter, retry_after
@@ -63,8 +62,8 @@ from kvrelay.server.protocol import (
     error_type_for,
 )
 from kvrelay.server.structured import is_harmony_chat, request_constraint
-from kvrelay.structured.params import StructuredOutputsParams
 from kvrelay.server.tools import AgentOptions, check_chat_tool_choice
+from kvrelay.structured.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -199,8 +198,9 @@ def _check_lengths(state: ServerState, ids: list[int], max_tokens: int | None) -
     if max_tokens > room:
         raise OpenAIError(
             f"This model's maximum context length is {state.max_model_len} tokens. However, you "
-            f"requested {n + max_tokens} tokens ({n} in the prompt, {max_tokens} in the completion). "
-            f"Please reduce the length of the prompt or max_tokens.", param="max_tokens")
+            f"requested {n + max_tokens} tokens ({n} in the prompt, {max_tokens} in the "
+            "completion). Please reduce the length of the prompt or "
+            "max_tokens.", param="max_tokens")
     return max_tokens
 
 
@@ -210,15 +210,16 @@ def _sampling(state: ServerState, body: Any, max_tokens: int, logprobs: int | No
               structured: StructuredOutputsParams | None = None) -> SamplingParams:
     for name, asked in ((logprobs_param, logprobs), ("prompt_logprobs", prompt_logprobs)):
         if asked is not None and state.max_logprobs != -1 and asked > state.max_logprobs:
-            hint = " (logprobs are disabled on this server: --max-logprobs 0)" if state.max_logprobs == 0 else ""
+            hint = (" (logprobs are disabled on this server: --max-logprobs 0)"
+                    if state.max_logprobs == 0 else "")
             raise OpenAIError(f"{name}={asked} exceeds the server's --max-logprobs "
                               f"{state.max_logprobs}{hint}", param=name)
     best_of = getattr(body, "best_of", None)      # request models without it (e.g. new endpoints)
     if best_of is not None and best_of > 1:
         # vLLM's V1 engine refuses it too; silently returning n samples would mislead
         raise OpenAIError("best_of > 1 is not supported; use n", param="best_of")
-    params = _check(_make_sampling, state, body, max_tokens, logprobs, prompt_logprobs, extra_stop_ids,
-                    structured)
+    params = _check(_make_sampling, state, body, max_tokens, logprobs, prompt_logprobs,
+                    extra_stop_ids, structured)
     if state.vocab_size:
         _check(validate_for_model, params, state.vocab_size, state.max_logprobs, logprobs_param)
     return params
@@ -243,7 +244,8 @@ def _make_sampling(state: ServerState, body: Any, max_tokens: int, logprobs: int
 
 
 def _token_text(state: ServerState, token_id: int) -> str:
-    return state.tokenizer.decode([token_id], skip_special_tokens=False) if state.tokenizer else str(token_id)
+    return state.tokenizer.decode([token_id],
+                                  skip_special_tokens=False) if state.tokenizer else str(token_id)
 
 
 def _completion_logprobs(state: ServerState, token_ids: list[int], logprobs: list | None,
@@ -259,7 +261,8 @@ def _completion_logprobs(state: ServerState, token_ids: list[int], logprobs: lis
         tops.append({_token_text(state, t): v.logprob for t, v in lp.items()})
         offsets.append(pos)
         pos += len(text)
-    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+            "text_offset": offsets}
 
 
 def _chat_logprobs(state: ServerState, token_ids: list[int], logprobs: list | None,
@@ -271,20 +274,22 @@ def _chat_logprobs(state: ServerState, token_ids: list[int], logprobs: list | No
         text = _token_text(state, tid)
         top = sorted(lp.values(), key=lambda v: v.rank)[:top_n] if top_n else []
         content.append({"token": text, "logprob": lp[tid].logprob, "bytes": list(text.encode()),
-                        "top_logprobs": [{"token": _token_text(state, v.token_id), "logprob": v.logprob,
+                        "top_logprobs": [{"token": _token_text(state, v.token_id),
+                                          "logprob": v.logprob,
                                           "bytes": list(_token_text(state, v.token_id).encode())}
                                          for v in top]})
     return {"content": content}
 
 
-async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def _merge(
+        streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Interleave several generators' outputs as they arrive (prompt index, output)."""
     if len(streams) == 1:                      # the common case: no pump task, no queue
         try:
             async for out in streams[0]:
                 yield 0, out
         finally:
-            await streams[0].aclose()
+            await _close(streams[0])
         return
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
@@ -316,14 +321,21 @@ async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[t
         # pumps have ended every generator has run its own cleanup (the aborts)
         await asyncio.gather(*tasks, return_exceptions=True)
         for s in streams:
-            await s.aclose()
+            await _close(s)
+
+
+async def _close(stream: AsyncIterator[RequestOutput]) -> None:
+    """Run a generator's cleanup (its abort) now, not when it is garbage-collected."""
+    if isinstance(stream, AsyncGenerator):
+        await stream.aclose()
 
 
 class _Timing:
     """Observes TTFT / ITL / e2e for one request into the metrics."""
 
     def __init__(self, metrics: ServerMetrics | None) -> None:
-        self.metrics, self.start, self.last, self.tokens = metrics, time.monotonic(), None, 0
+        self.metrics, self.start, self.tokens = metrics, time.monotonic(), 0
+        self.last: float | None = None
 
     def tokens_arrived(self, n: int) -> None:
         if not self.metrics or n <= 0:
@@ -387,7 +399,7 @@ class _Edge:
         request_id = headers.get("x-request-id") or uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = request_id
 
-        async def send_with_id(message: dict) -> None:
+        async def send_with_id(message: MutableMapping[str, Any]) -> None:
             if message["type"] == "http.response.start":
                 MutableHeaders(scope=message).append("X-Request-Id", request_id)
             await send(message)
@@ -395,31 +407,49 @@ class _Edge:
         refusal = self._refusal(scope["path"], scope["method"], headers)
         if refusal is None and scope["method"] in ("POST", "PUT", "PATCH"):
             try:
-                body = await body_guard.read_body(receive)
-            except body_guard.ClientGone:
+                body = await http_body.read_limited(http_body.asgi_chunks(receive))
+            except http_body.ClientGone:
                 return
-            except OpenAIError as e:             # over the limit while streaming in (chunked)
-                refusal = _error_response(e)
+            except http_body.BodyError as e:     # over the limit while streaming in (chunked)
+                refusal = _error_response(_body_error(e))
             else:
-                bad = body_guard.check_json(body) if body_guard.is_json(headers.get("content-type")) else None
-                refusal = _error_response(bad) if bad else None
-                receive = body_guard.replay(body, receive)
+                refusal = _json_refusal(body, headers.get("content-type"))
+                receive = http_body.replay(body, receive)
         app = refusal or self.app
         await app(scope, receive, send_with_id)
 
     def _refusal(self, path: str, method: str, headers: Headers) -> JSONResponse | None:
         state = self.state
-        if state.api_key and path.startswith("/v1/"):
-            if headers.get("authorization") != f"Bearer {state.api_key}":
-                return JSONResponse(OpenAIError("invalid or missing API key", 401, "AuthenticationError").body(),
-                                    status_code=401)
+        if (state.api_key and path.startswith("/v1/")
+                and headers.get("authorization") != f"Bearer {state.api_key}"):
+            return JSONResponse(
+                OpenAIError("invalid or missing API key", 401, "AuthenticationError").body(),
+                status_code=401)
         length = headers.get("content-length")
-        if length and length.isdigit() and int(length) > MAX_BODY_BYTES:
-            return _error_response(body_guard.too_large())
+        if length and length.isdigit() and int(length) > http_body.MAX_BODY_BYTES:
+            return _error_response(_body_error(http_body.too_large()))
         if path.startswith("/v1/") and method == "POST" and not state.ready:
-            return JSONResponse({"error": {"message": "the server is not ready", "type": "ServiceUnavailableError",
+            return JSONResponse({"error": {"message": "the server is not ready",
+                                           "type": "ServiceUnavailableError",
                                            "param": None, "code": 503}}, status_code=503)
         return None
+
+
+def _json_refusal(body: bytes, content_type: str | None) -> JSONResponse | None:
+    """A 400 for a JSON body pydantic and the tokenizer could not take; an empty body is
+    left to FastAPI (it names the missing field)."""
+    if not http_body.is_json(content_type) or not body.strip():
+        return None
+    try:
+        http_body.parse_json(body)
+    except http_body.BodyError as e:
+        return _error_response(_body_error(e))
+    return None
+
+
+def _body_error(e: http_body.BodyError) -> OpenAIError:
+    return OpenAIError(e.message, e.status,
+                       "RequestTooLarge" if e.status == 413 else "BadRequestError", e.param)
 
 
 def _error_response(error: OpenAIError, headers: Mapping[str, str] | None = None) -> JSONResponse:
@@ -449,8 +479,8 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        logger.error("%s %s failed: %s: %s", request.method, request.url.path, type(exc).__name__, exc,
-                     exc_info=exc)
+        logger.error("%s %s failed: %s: %s", request.method, request.url.path, type(exc).__name__,
+                     exc, exc_info=exc)
         return _error_response(OpenAIError("internal server error", 500, "InternalServerError"))
 
 
@@ -458,10 +488,11 @@ def _stream_error(e: Exception) -> dict[str, Any]:
     """The error event a stream ends with when the engine fails its request."""
     if isinstance(e, EngineError):
         return OpenAIError(str(e), param=e.param).body()
-    kind, code = {KVTransferFailed: ("KVTransferError", 502),
-                  RequestFailed: ("InternalServerError", 500),
-                  KVHoldRefused: ("ServiceUnavailableError", 503),
-                  }.get(type(e), ("ServiceUnavailableError", 503))
+    kinds: dict[type[Exception], tuple[str, int]] = {
+        KVTransferFailed: ("KVTransferError", 502),
+        RequestFailed: ("InternalServerError", 500),
+        KVHoldRefused: ("ServiceUnavailableError", 503)}
+    kind, code = kinds.get(type(e), ("ServiceUnavailableError", 503))
     return {"error": {"message": str(e), "type": kind, "param": None, "code": code}}
 
 
@@ -480,7 +511,8 @@ def build_app(state: ServerState) -> FastAPI:
             message = f"malformed JSON body: {first.get('ctx', {}).get('error', 'invalid JSON')}"
         else:
             message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
-        return JSONResponse(OpenAIError(message, param=".".join(loc) or None).body(), status_code=400)
+        return JSONResponse(OpenAIError(message, param=".".join(loc) or None).body(),
+                            status_code=400)
 
     @app.exception_handler(KVHoldRefused)
     async def _hold_refused(_: Request, exc: KVHoldRefused) -> JSONResponse:
@@ -489,12 +521,14 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(KVTransferFailed)
     async def _kv_failed(_: Request, exc: KVTransferFailed) -> JSONResponse:
-        body = {"error": {"message": str(exc), "type": "KVTransferError", "param": None, "code": 502}}
+        body = {"error": {"message": str(exc), "type": "KVTransferError", "param": None,
+                          "code": 502}}
         return JSONResponse(body, status_code=502)
 
     @app.exception_handler(EngineDeadError)
     async def _engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
-        body = {"error": {"message": str(exc), "type": "ServiceUnavailableError", "param": None, "code": 503}}
+        body = {"error": {"message": str(exc), "type": "ServiceUnavailableError", "param": None,
+                          "code": 503}}
         return JSONResponse(body, status_code=503)
 
     app.add_middleware(_Edge, state=state)
@@ -512,7 +546,8 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(state.metrics.render() if state.metrics else b"", media_type="text/plain; version=0.0.4")
+        return Response(state.metrics.render() if state.metrics else b"",
+                        media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -534,24 +569,31 @@ def build_app(state: ServerState) -> FastAPI:
         gens = [state.engine.generate(f"{base_id}-{i}", ids, p, body.kv_transfer_params)
                 for i, ((_, ids), p) in enumerate(zip(prompts, params))]
         if body.stream:
-            return StreamingResponse(_stream_completions(state, body, model, base_id, created, prompts, gens),
+            return StreamingResponse(_stream_completions(state, body, model, base_id, created,
+                                                         prompts, gens),
                                      media_type="text/event-stream")
-        finals = await _until_disconnect(request, asyncio.ensure_future(_collect(state, gens, prompts)))
+        finals = await _until_disconnect(request,
+                                         asyncio.ensure_future(_collect(state, gens, prompts)))
         choices, completion_tokens = [], 0
         for i, out in enumerate(finals):
             text_prefix = ""
             if body.echo:
-                text_prefix = prompts[i][0] if prompts[i][0] is not None else state.tokenizer.decode(out.prompt_token_ids) if state.tokenizer else ""
+                prompt_text = prompts[i][0]
+                text_prefix = prompt_text if prompt_text is not None else (
+                    state.tokenizer.decode(out.prompt_token_ids) if state.tokenizer else "")
             for o in out.outputs:
                 completion_tokens += len(o.token_ids)
                 choices.append({"index": i * body.n + o.index, "text": text_prefix + o.text,
-                                "logprobs": _completion_logprobs(state, o.token_ids, o.logprobs, len(text_prefix)),
+                                "logprobs": _completion_logprobs(state, o.token_ids, o.logprobs,
+                                                                 len(text_prefix)),
                                 "finish_reason": o.finish_reason, "stop_reason": o.stop_reason})
         prompt_tokens = sum(len(ids) for _, ids in prompts)
         return {"id": base_id, "object": "text_completion", "created": created, "model": model,
-                "choices": choices, "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "choices": choices, "usage": {"prompt_tokens": prompt_tokens,
+                                              "completion_tokens": completion_tokens,
                                               "total_tokens": prompt_tokens + completion_tokens},
-                **({"kv_transfer_params": finals[0].kv_transfer_params} if body.kv_transfer_params else {})}
+                **({"kv_transfer_params": finals[0].kv_transfer_params} if body.kv_transfer_params
+                   else {})}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -572,7 +614,8 @@ def build_app(state: ServerState) -> FastAPI:
         created = int(time.time())
         gen = state.engine.generate(base_id, rendered.prompt_ids, params, body.kv_transfer_params)
         if body.stream:
-            return StreamingResponse(_stream_chat(state, body, model, base_id, created, rendered, gen),
+            return StreamingResponse(_stream_chat(state, body, model, base_id, created, rendered,
+                                                  gen),
                                      media_type="text/event-stream")
         (final,) = await _until_disconnect(request, asyncio.ensure_future(
             _collect(state, [gen], [(None, rendered.prompt_ids)])))
@@ -581,14 +624,18 @@ def build_app(state: ServerState) -> FastAPI:
             completion_tokens += len(o.token_ids)
             parsed = state.chat.parse(o.token_ids, o.text, rendered.tools)
             choices.append({"index": o.index, "message": parsed.message(),
-                            "logprobs": _chat_logprobs(state, o.token_ids, o.logprobs, body.top_logprobs or 0),
-                            "finish_reason": finish_reason(o.finish_reason, bool(parsed.tool_calls)),
+                            "logprobs": _chat_logprobs(state, o.token_ids, o.logprobs,
+                                                       body.top_logprobs or 0),
+                            "finish_reason": finish_reason(o.finish_reason,
+                                                           bool(parsed.tool_calls)),
                             "stop_reason": o.stop_reason})
         prompt_tokens = len(rendered.prompt_ids)
         return {"id": base_id, "object": "chat.completion", "created": created, "model": model,
-                "choices": choices, "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "choices": choices, "usage": {"prompt_tokens": prompt_tokens,
+                                              "completion_tokens": completion_tokens,
                                               "total_tokens": prompt_tokens + completion_tokens},
-                **({"kv_transfer_params": final.kv_transfer_params} if body.kv_transfer_params else {})}
+                **({"kv_transfer_params": final.kv_transfer_params} if body.kv_transfer_params
+                   else {})}
 
     @app.post("/v1/kv_transfer/free")
     async def kv_transfer_free(body: KVTransferFreeRequest):
@@ -625,7 +672,7 @@ async def _stream_completions(state: ServerState, body: CompletionRequest, model
                               gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[str]:
     timings = [_Timing(state.metrics) for _ in gens]
     completion_tokens = 0
-    echoed: set[int] = set()
+    echoed: set[tuple[int, int]] = set()
     offsets: dict[tuple[int, int], int] = {}
     try:
         async for i, out in _merge(gens):
@@ -638,13 +685,17 @@ async def _stream_completions(state: ServerState, body: CompletionRequest, model
                 text = o.delta_text
                 if body.echo and (i, o.index) not in echoed:
                     echoed.add((i, o.index))
-                    text = (prompts[i][0] or (state.tokenizer.decode(prompts[i][1]) if state.tokenizer else "")) + text
+                    text = (prompts[i][0] or (state.tokenizer.decode(prompts[i][1])
+                                              if state.tokenizer else "")) + text
                 key = (i, o.index)
-                lp = _completion_logprobs(state, o.delta_token_ids, o.delta_logprobs, offsets.get(key, 0))
+                lp = _completion_logprobs(state, o.delta_token_ids, o.delta_logprobs,
+                                          offsets.get(key, 0))
                 offsets[key] = offsets.get(key, 0) + len(text)
-                yield _sse({"id": base_id, "object": "text_completion", "created": created, "model": model,
-                            "choices": [{"index": i * body.n + o.index, "text": text, "logprobs": lp,
-                                         "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}]})
+                yield _sse({"id": base_id, "object": "text_completion", "created": created,
+                            "model": model,
+                            "choices": [{"index": i * body.n + o.index, "text": text,
+                                         "logprobs": lp, "finish_reason": o.finish_reason,
+                                         "stop_reason": o.stop_reason}]})
             if out.finished:
                 timings[i].finished(len(prompts[i][1]), [o.finish_reason for o in out.outputs])
     except (EngineError, EngineDeadError, KVTransferFailed, RequestFailed) as e:
@@ -653,22 +704,29 @@ async def _stream_completions(state: ServerState, body: CompletionRequest, model
         return
     if body.stream_options and body.stream_options.include_usage:
         prompt_tokens = sum(len(ids) for _, ids in prompts)
-        yield _sse({"id": base_id, "object": "text_completion", "created": created, "model": model, "choices": [],
-                    "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+        yield _sse({"id": base_id, "object": "text_completion", "created": created, "model": model,
+                    "choices": [],
+                    "usage": {"prompt_tokens": prompt_tokens,
+                              "completion_tokens": completion_tokens,
                               "total_tokens": prompt_tokens + completion_tokens}})
     yield "data: [DONE]\n\n"
 
 
 async def _stream_chat(state: ServerState, body: ChatCompletionRequest, model: str, base_id: str,
-                       created: int, rendered: Any, gen: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+                       created: int, rendered: Any,
+                       gen: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
     timing = _Timing(state.metrics)
     completion_tokens = 0
-    streams = {}
+    streams: dict[int, Any] = {}
+    chat = state.chat
+    assert chat is not None, "the chat endpoint answers 400 without a chat template"
 
     def chunk(index: int, delta: dict[str, Any], finish: str | None = None, **extra: Any) -> str:
-        return _sse({"id": base_id, "object": "chat.completion.chunk", "created": created, "model": model,
+        return _sse({"id": base_id, "object": "chat.completion.chunk", "created": created,
+                     "model": model,
                      "choices": [{"index": index, "delta": delta, "logprobs": extra.get("logprobs"),
-                                  "finish_reason": finish, **({"stop_reason": extra["stop_reason"]} if finish else {})}]})
+                                  "finish_reason": finish,
+                                  **({"stop_reason": extra["stop_reason"]} if finish else {})}]})
 
     for index in range(body.n):
         yield chunk(index, {"role": "assistant", "content": ""})
@@ -678,8 +736,9 @@ async def _stream_chat(state: ServerState, body: ChatCompletionRequest, model: s
             timing.tokens_arrived(new_tokens)
             completion_tokens += new_tokens
             for o in out.outputs:
-                parser = streams.setdefault(o.index, state.chat.stream_parser(rendered.tools))
-                lp = _chat_logprobs(state, o.delta_token_ids, o.delta_logprobs, body.top_logprobs or 0)
+                parser = streams.setdefault(o.index, chat.stream_parser(rendered.tools))
+                lp = _chat_logprobs(state, o.delta_token_ids, o.delta_logprobs,
+                                    body.top_logprobs or 0)
                 for delta in parser.feed(o.delta_token_ids, o.delta_text):
                     yield chunk(o.index, delta, logprobs=lp)
                     lp = None
@@ -695,7 +754,9 @@ async def _stream_chat(state: ServerState, body: ChatCompletionRequest, model: s
     else:
         if body.stream_options and body.stream_options.include_usage:
             prompt_tokens = len(rendered.prompt_ids)
-            yield _sse({"id": base_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                        "choices": [], "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                                                 "total_tokens": prompt_tokens + completion_tokens}})
+            yield _sse({"id": base_id, "object": "chat.completion.chunk", "created": created,
+                        "model": model, "choices": [],
+                        "usage": {"prompt_tokens": prompt_tokens,
+                                  "completion_tokens": completion_tokens,
+                                  "total_tokens": prompt_tokens + completion_tokens}})
     yield "data: [DONE]\n\n"

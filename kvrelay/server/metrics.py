@@ -66,31 +66,51 @@ class _EngineCollector(Collector):
             c.add_metric(values, value)
             return c
 
-        yield gauge("vllm:num_requests_running", "Requests in the running batch.", s.get("num_requests_running", 0))
-        yield gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", s.get("num_requests_waiting", 0))
-        yield gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).", s.get("kv_cache_usage_perc", 0))
-        yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.get("prefix_cache_queries", 0))
-        yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.get("prefix_cache_hits", 0))
-        yield counter("vllm:num_preemptions", "Requests preempted (recomputed later).", s.get("num_preemptions", 0))
-        yield gauge("kvrelay:kv_blocks_free", "Free KV blocks (cached ones included).", s.get("blocks_free", 0))
-        yield gauge("kvrelay:kv_blocks_used", "KV blocks held by requests.", s.get("blocks_used", 0))
+        yield gauge("vllm:num_requests_running", "Requests in the running batch.",
+                    s.get("num_requests_running", 0))
+        yield gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.",
+                    s.get("num_requests_waiting", 0))
+        yield gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).",
+                    s.get("kv_cache_usage_perc", 0))
+        yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      s.get("prefix_cache_queries", 0))
+        yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                      s.get("prefix_cache_hits", 0))
+        yield counter("vllm:num_preemptions", "Requests preempted (recomputed later).",
+                      s.get("num_preemptions", 0))
+        yield gauge("kvrelay:kv_blocks_free", "Free KV blocks (cached ones included).",
+                    s.get("blocks_free", 0))
+        yield gauge("kvrelay:kv_blocks_used", "KV blocks held by requests.",
+                    s.get("blocks_used", 0))
         yield gauge("kvrelay:kv_blocks_total", "Usable KV blocks.", s.get("blocks_total", 0))
         yield counter("kvrelay:engine_steps", "Engine steps run.", s.get("num_steps", 0))
         if "dp_dummy_steps" in s:
             yield counter("kvrelay:dp_dummy_steps", "Forwards of an idle replica so that experts "
                           "spanning data-parallel replicas step in lockstep.", s["dp_dummy_steps"])
         if "kv_transfers" in s:
-            yield counter("kvrelay:kv_transfers", "KV loads completed (decode side).", s["kv_transfers"])
-            yield counter("kvrelay:kv_transfer_failures", "KV loads that failed.", s["kv_transfer_failures"])
-            yield counter("kvrelay:kv_transfer_bytes", "Bytes of KV pulled.", s["kv_transfer_bytes"])
-            yield counter("kvrelay:kv_transfer_seconds", "Seconds spent pulling KV.", s["kv_transfer_seconds"])
-            yield counter("kvrelay:kv_handshakes", "Side-channel handshakes done.", s["kv_handshakes"])
-            yield counter("kvrelay:kv_handshake_errors", "Side-channel handshakes refused.", s["kv_handshake_errors"])
-            yield gauge("kvrelay:kv_transport_fallback", "1 if the requested KV backend fell back.", s["kv_transport_fallbacks"])
-            yield gauge("kvrelay:kv_blocks_held_for_remote", "Blocks kept for decode servers (prefill).", s["kv_blocks_held_for_remote"])
-            yield gauge("kvrelay:kv_requests_held_for_remote", "Requests whose KV awaits a decode read.", s["kv_requests_held_for_remote"])
-            yield counter("kvrelay:kv_leases_expired", "Held requests freed by lease expiry.", s["kv_leases_expired"])
-            yield counter("kvrelay:kv_read_done_notices", "Held requests freed by decode's read-done notice.", s["kv_read_done_notices"])
+            yield counter("kvrelay:kv_transfers", "KV loads completed (decode side).",
+                          s["kv_transfers"])
+            yield counter("kvrelay:kv_transfer_failures", "KV loads that failed.",
+                          s["kv_transfer_failures"])
+            yield counter("kvrelay:kv_transfer_bytes", "Bytes of KV pulled.",
+                          s["kv_transfer_bytes"])
+            yield counter("kvrelay:kv_transfer_seconds", "Seconds spent pulling KV.",
+                          s["kv_transfer_seconds"])
+            yield counter("kvrelay:kv_handshakes", "Side-channel handshakes done.",
+                          s["kv_handshakes"])
+            yield counter("kvrelay:kv_handshake_errors", "Side-channel handshakes refused.",
+                          s["kv_handshake_errors"])
+            yield gauge("kvrelay:kv_transport_fallback", "1 if the requested KV backend fell back.",
+                        s["kv_transport_fallbacks"])
+            yield gauge("kvrelay:kv_blocks_held_for_remote",
+                        "Blocks kept for decode servers (prefill).", s["kv_blocks_held_for_remote"])
+            yield gauge("kvrelay:kv_requests_held_for_remote",
+                        "Requests whose KV awaits a decode read.", s["kv_requests_held_for_remote"])
+            yield counter("kvrelay:kv_leases_expired", "Held requests freed by lease expiry.",
+                          s["kv_leases_expired"])
+            yield counter("kvrelay:kv_read_done_notices",
+                          "Held requests freed by decode's read-done notice.",
+                          s["kv_read_done_notices"])
 
 
 class ServerMetrics:
@@ -103,7 +123,8 @@ class ServerMetrics:
         labels = ["model_name"]
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", labels,
                               buckets=LATENCY_BUCKETS, registry=self.registry).labels(model_name)
-        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between output tokens.", labels,
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between output tokens.",
+                             labels,
                              buckets=LATENCY_BUCKETS, registry=self.registry).labels(model_name)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Request latency.", labels,
                              buckets=LATENCY_BUCKETS, registry=self.registry).labels(model_name)

@@ -57,7 +57,8 @@ def _response_format(rf: Any) -> dict[str, Any] | None:
     if rf is None:
         return None
     if not isinstance(rf, Mapping) or not isinstance(rf.get("type"), str):
-        raise OpenAIError("response_format must be an object with a \"type\"", param="response_format")
+        raise OpenAIError("response_format must be an object with a \"type\"",
+                          param="response_format")
     kind = rf["type"]
     if kind == "text":
         return None

@@ -158,7 +158,8 @@ def parse_tool_choice(raw: Any, tools: Sequence[FunctionTool],
             raise OpenAIError(f"{param}: expected 'auto', 'none', 'required' or a named function, "
                               f"got {raw!r}", param=param)
         if raw == "required" and not tools:
-            raise OpenAIError(f"{param}: 'required' needs at least one tool in 'tools'", param=param)
+            raise OpenAIError(f"{param}: 'required' needs at least one tool in 'tools'",
+                              param=param)
         return {"auto": ToolChoice("auto"), "none": ToolChoice("none"),
                 "required": ToolChoice("required")}[raw]
     if isinstance(raw, Mapping) and raw.get("type") == "function":

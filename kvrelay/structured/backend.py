@@ -56,7 +56,8 @@ class _Key:
 
 
 class GrammarBackend:
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(self, tokenizer_json: str, vocab_size: int,
+                 eos_token_ids: tuple[int, ...]) -> None:
         import llguidance
         self._ll = llguidance
         self.vocab_size = vocab_size

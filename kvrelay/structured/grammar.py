@@ -87,7 +87,7 @@ def build_grammar(p: StructuredOutputsParams, analysis_budget: int = 0) -> str:
     fmt = _format_grammar(p)
     if p.tool_call is not None and fmt is None:
         fmt = {"json_schema": _calls_schema(p.tool_call, p)}
-    elif p.tool_call is not None:          # a formatted answer or the calls
+    elif p.tool_call is not None and fmt is not None:     # a formatted answer or the calls
         calls = {"name": "calls", "json_schema": _calls_schema(p.tool_call, p)}
         return json.dumps({"grammars": [{"lark_grammar": "start: @body | @calls"},
                                         {"name": "body", **fmt}, calls]})
@@ -98,7 +98,8 @@ def build_grammar(p: StructuredOutputsParams, analysis_budget: int = 0) -> str:
 def _harmony_grammars(p: StructuredOutputsParams, budget: int) -> list[dict[str, Any]]:
     rules = ["start: analysis? answer" if budget > 0 else "start: answer"]
     if budget > 0:
-        rules += ['analysis: <|channel|> "analysis" <|message|> think <|end|> <|start|> "assistant"',
+        rules += ['analysis: <|channel|> "analysis" <|message|> think <|end|> '
+                  '<|start|> "assistant"',
                   f"think[max_tokens={budget}]: /(.|\\n)*/"]
     answers, subs = [], []
     fmt = _format_grammar(p)

@@ -54,7 +54,7 @@ def test_decided_and_logged_once_at_construction(decide, caplog):
     L.cpu_half_matmul_in_fp32.cache_clear()
     from kvrelay.model.parallel import ParallelContext
     with caplog.at_level(logging.INFO, logger="kvrelay.model.layers.linear"):
-        layer = L.ColumnParallelLinear(32, 16, ParallelContext(), torch.bfloat16)
+        layer = L.RowParallelLinear(32, 16, ParallelContext(), torch.bfloat16)
         L.RowParallelLinear(16, 32, ParallelContext(), torch.bfloat16)
         layer(torch.randn(8, 32).bfloat16())
     lines = [r.getMessage() for r in caplog.records if "half-precision matmuls" in r.getMessage()]

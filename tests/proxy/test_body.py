@@ -1,11 +1,12 @@
-"""`kvrelay.proxy.body`: the limits and refusals of body reading, exact values."""
+"""`kvrelay.http_body` as the proxy uses it: the limits and refusals of body reading,
+exact values."""
 from __future__ import annotations
 
 import asyncio
 
 import pytest
 
-from kvrelay.proxy.body import MAX_JSON_DEPTH, BodyError, parse_object, read_limited
+from kvrelay.http_body import MAX_JSON_DEPTH, BodyError, parse_object, read_limited
 
 
 async def _chunks(parts: list[bytes], seen: list[int]):
@@ -14,10 +15,11 @@ async def _chunks(parts: list[bytes], seen: list[int]):
         yield p
 
 
-def _read(length: str | None, parts: list[bytes], limit: int) -> tuple[bytes | BodyError, list[int]]:
+def _read(length: str | None, parts: list[bytes],
+          limit: int) -> tuple[bytes | BodyError, list[int]]:
     seen: list[int] = []
     try:
-        return asyncio.run(read_limited(length, _chunks(parts, seen), limit)), seen
+        return asyncio.run(read_limited(_chunks(parts, seen), limit, length)), seen
     except BodyError as e:
         return e, seen
 
@@ -38,7 +40,8 @@ def _nested(depth: int) -> bytes:
     return b'{"a": ' + b"[" * (depth - 1) + b"]" * (depth - 1) + b"}"
 
 
-@pytest.mark.parametrize("depth, ok", [(MAX_JSON_DEPTH, True), (MAX_JSON_DEPTH + 1, False), (5000, False),
+@pytest.mark.parametrize("depth, ok", [(MAX_JSON_DEPTH, True), (MAX_JSON_DEPTH + 1, False),
+                                       (5000, False),
                                        (100_000, False)])
 def test_nesting_limit(depth, ok):
     if ok:
@@ -53,8 +56,8 @@ def test_nesting_limit(depth, ok):
     (b'{"t": NaN}', "NaN is not valid JSON (numbers must be finite)"),
     (b'{"t": [1, -Infinity]}', "-Infinity is not valid JSON (numbers must be finite)"),
     (b'{"t": 1e400}', "the number 1e400 is out of range (numbers must be finite)"),
-    (b'{"t": "a\\ud800b"}', "the JSON body has a lone UTF-16 surrogate (\\ud800): not a Unicode string"),
-    (b'{"t": {"\\udc00": 1}}', "the JSON body has a lone UTF-16 surrogate (\\udc00): not a Unicode string"),
+    (b'{"t": "a\\ud800b"}', "t: a lone UTF-16 surrogate (\\ud800) is not valid text"),
+    (b'{"t": {"\\udc00": 1}}', "t.\\udc00: a lone UTF-16 surrogate (\\udc00) is not valid text"),
     (b'{"t": "\xc3("}', "the request body is not valid UTF-8 (byte 7)"),
     (b'"just a string"', "the request body must be a JSON object"),
 ])

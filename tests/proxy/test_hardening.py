@@ -223,7 +223,7 @@ def test_unknown_paths_and_methods_are_openai_errors(proxies, method, path, stat
 
 
 def test_chunked_body_over_the_limit_is_413_as_it_streams(fakes, proxies):
-    from kvrelay.proxy.body import MAX_BODY_BYTES
+    from kvrelay.http_body import MAX_BODY_BYTES
     chunk = b" " * 2**20
     sent = 0
 

@@ -183,3 +183,21 @@ def test_free_needs_the_capability_and_tells_nothing_else():
     right = client.post("/v1/kv_transfer/free", json={"remote_request_id": rid,
                                                        "remote_capability": CAPABILITY})
     assert right.status_code == 200 and rid not in engine.held
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"remote_capability": CAPABILITY}, "remote_request_id"),                  # missing
+    ({"remote_request_id": "", "remote_capability": CAPABILITY}, "remote_request_id"),
+    ({"remote_request_id": 7, "remote_capability": CAPABILITY}, "remote_request_id"),
+    ({"remote_request_id": "r", "remote_capability": ""}, "remote_capability"),
+    (["remote_request_id", "r"], None),                                        # not an object
+])
+def test_free_rejects_a_malformed_body_with_400(body, param):
+    """What an `assert` once checked is a 400 with an OpenAI error body naming the field,
+    and the engine is not asked to free anything."""
+    engine = FakePrefill()
+    client = _client(_app(engine, None), "10.0.0.13")
+    rid = _hold(client).json()["kv_transfer_params"]["remote_request_id"]
+    error = _is_openai_error(client.post("/v1/kv_transfer/free", json=body), 400)
+    assert error["param"] == param and error["type"] == "BadRequestError"
+    assert rid in engine.held

@@ -66,8 +66,7 @@ def kernels_root() -> Path:
     configured = envs.KERNELS_DIR.raw()
     if configured:
         return Path(configured).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "kvrelay" / "kernels"
+    return envs.user_cache_dir() / "kvrelay" / "kernels"
 
 
 def build_dir() -> Path:

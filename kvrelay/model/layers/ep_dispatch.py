@@ -35,6 +35,8 @@ def moe_across_replicas(router: nn.Module, experts: nn.Module, x: torch.Tensor,
                         ctx: ParallelContext) -> torch.Tensor:
     """x [T, H] (this replica's tokens) → MoE output [T, H]."""
     group = ctx.expert_group
+    if group is None:
+        raise RuntimeError("expert-parallel step without an expert group")
     counts = group.token_counts
     if len(counts) != ctx.dp_size:
         raise RuntimeError(f"expert-parallel step without the replicas' token counts "
@@ -70,9 +72,12 @@ def report_expert_layout(model: nn.Module, ctx: ParallelContext) -> list[list[in
     global rank 0 logs the table (the proof that each rank loaded only its share).
     A collective: every rank of every replica calls it once after loading."""
     group = ctx.expert_group
-    experts = [layer.mlp.experts for layer in model.layers]
+    if group is None:
+        raise RuntimeError("expert layout report without an expert group")
+    experts = [layer.mlp.experts for layer in model.layers]  # type: ignore[union-attr]
     mine = torch.tensor([[group.rank, ctx.dp_rank, ctx.tp_rank, experts[0].first_expert,
-                          experts[0].num_local, sum(e.nbytes() for e in experts)]], dtype=torch.int64)
+                          experts[0].num_local, sum(e.nbytes() for e in experts)]],
+                        dtype=torch.int64)
     table = group.all_gather(mine).tolist()                  # [size, 6]
     if group.rank == 0:
         for g, r, j, e0, n, nbytes in table:

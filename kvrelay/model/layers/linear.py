@@ -1,6 +1,5 @@
 """Tensor-parallel linear layers (Megatron style).
 
-    ColumnParallelLinear  y_r = x W_rᵀ + b_r        output features sharded; no comm
     RowParallelLinear     y   = Σ_r x_r W_rᵀ  + b   input features sharded; all-reduce,
                                                   bias added by the first rank only
     QKVParallelLinear     one fused column-parallel matmul for q, k and v of this
@@ -107,26 +106,6 @@ def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     if dtype in _HALF:
         cpu_half_matmul_in_fp32()      # decide (and log) at model construction, not mid-step
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
-
-
-class ColumnParallelLinear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, ctx: ParallelContext,
-                 dtype: torch.dtype, bias: bool = True) -> None:
-        super().__init__()
-        self.ctx = ctx
-        self.out_local = divide(out_features, ctx.tp_size, "output features")
-        self.weight = _param(self.out_local, in_features, dtype=dtype)
-        self.bias = _param(self.out_local, dtype=dtype) if bias else None
-
-    def load(self, src: WeightSource, prefix: str) -> None:
-        start = self.ctx.tp_rank * self.out_local
-        stop = start + self.out_local
-        self.weight.copy_(src.get(f"{prefix}.weight", 0, start, stop))
-        if self.bias is not None:
-            self.bias.copy_(src.get(f"{prefix}.bias", 0, start, stop))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
