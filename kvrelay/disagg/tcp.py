@@ -32,15 +32,10 @@ from dataclasses import dataclass, field
 import torch
 
 from kvrelay.disagg.side_channel import (
-    MAX_FRAME,
-    FrameError,
-    OversizedFrame,
     _Conn,
     admit_connection,
     advertised_host,
     authenticate_connection,
-    recv_frame,
-    send_frame,
     warn_limited,
 )
 from kvrelay.disagg.transport import (
@@ -55,6 +50,7 @@ from kvrelay.disagg.transport import (
     check_notify,
     tensor_regions,
 )
+from kvrelay.framing import MAX_FRAME, FrameError, OversizedFrame, recv_frame, send_frame
 
 logger = logging.getLogger(__name__)
 

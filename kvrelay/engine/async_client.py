@@ -20,10 +20,24 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
-from typing import Any
 
 from kvrelay.config import EngineArgs
 from kvrelay.engine.core_proc import run_engine_core
+from kvrelay.engine.messages import (
+    AbortRequests,
+    AddRequest,
+    EngineInfo,
+    EngineStats,
+    Fatal,
+    Freed,
+    FreeRemote,
+    FromEngine,
+    Ready,
+    RequestRefused,
+    Shutdown,
+    StepOutputs,
+    ToEngine,
+)
 from kvrelay.engine.outputs import RequestOutput
 from kvrelay.sampling_params import SamplingParams
 
@@ -79,8 +93,8 @@ class AsyncEngine:
         self.args = args
         self.step_timeout_s = step_timeout_s
         self.streams: dict[str, _Stream] = {}
-        self.stats: dict[str, float] = {}
-        self.info: dict[str, Any] = {}
+        self.stats = EngineStats()                 # the core's latest snapshot
+        self.info: EngineInfo | None = None        # what the core resolved at start-up
         self.ready = asyncio.Event()
         self.dead: str | None = None
         self._send_lock = threading.Lock()
@@ -112,7 +126,7 @@ class AsyncEngine:
         self._stopping = True
         if self.process.is_alive():
             try:
-                self._send(("shutdown",))
+                self._send(Shutdown())
             except (OSError, EngineDeadError):
                 pass
             self.process.join(timeout_s)
@@ -134,7 +148,7 @@ class AsyncEngine:
         self.streams[request_id] = stream
         finished = False
         try:
-            self._send(("add", request_id, prompt, params, kv_transfer_params))
+            self._send(AddRequest(request_id, prompt, params, kv_transfer_params))
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
@@ -154,24 +168,21 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         try:
-            self._send(("abort", [request_id]))
+            self._send(AbortRequests([request_id]))
         except (OSError, EngineDeadError):
             pass
 
     async def free_remote(self, request_id: str, capability: str) -> bool:
         """Free the blocks held for a decode under `request_id`, if `capability` is the
-        one it was held with; whether anything was freed (the core answers "freed")."""
+        one it was held with; whether anything was freed (the core answers `Freed`)."""
         token = next(self._free_tokens)
         answer = asyncio.get_running_loop().create_future()
         self._frees[token] = answer
         try:
-            self._send(("free_remote", request_id, capability, token))
+            self._send(FreeRemote(request_id, capability, token))
             return bool(await asyncio.wait_for(answer, FREE_TIMEOUT_S))
         finally:
             self._frees.pop(token, None)
-
-    def request_stats(self) -> None:
-        self._send(("stats",))
 
     @staticmethod
     def _accumulate(stream: _Stream, delta: RequestOutput) -> RequestOutput:
@@ -198,54 +209,54 @@ class AsyncEngine:
         return acc
 
     # -- plumbing ---------------------------------------------------------------------------
-    def _send(self, message: tuple) -> None:
+    def _send(self, message: ToEngine) -> None:
         if self.dead:
             raise EngineDeadError(self.dead)
         with self._send_lock:
             self._conn.send(message)
 
     def _reader(self) -> None:
+        assert self._loop is not None
         while True:
             try:
-                message = self._conn.recv()
+                message: FromEngine = self._conn.recv()
             except (EOFError, OSError):
-                message = ("fatal", "the engine process exited")
+                message = Fatal("the engine process exited")
             try:
                 self._loop.call_soon_threadsafe(self._dispatch, message)
             except RuntimeError:                     # the event loop closed: the server is gone
                 return
-            if message[0] == "fatal":
+            if isinstance(message, Fatal):
                 return
 
-    def _dispatch(self, message: tuple) -> None:
-        kind = message[0]
-        if kind == "ready":
-            self.info, self.stats = message[1], message[1]["stats"]
+    def _dispatch(self, message: FromEngine) -> None:
+        if isinstance(message, Ready):
+            self.info, self.stats = message.info, message.stats
             self.ready.set()
-        elif kind == "outputs":
-            self.stats = message[2]
+        elif isinstance(message, StepOutputs):
+            self.stats = message.stats
             self.last_step = time.monotonic()
-            for out in message[1]:
+            for out in message.outputs:
                 stream = self.streams.get(out.request_id)
                 if stream is not None:
                     stream.queue.put_nowait(out)
-        elif kind == "freed":
-            answer = self._frees.get(message[1])
+        elif isinstance(message, Freed):
+            answer = self._frees.get(message.token)
             if answer is not None and not answer.done():
-                answer.set_result(message[2])
-        elif kind == "error":
-            stream = self.streams.get(message[1])
+                answer.set_result(message.freed)
+        elif isinstance(message, RequestRefused):
+            stream = self.streams.get(message.request_id)
             if stream is not None:
-                status, param = (message[3], message[4]) if len(message) > 4 else (400, None)
-                error = EngineError(message[2], param) if status < 500 else RequestFailed(message[2])
+                error = (EngineError(message.message, message.param) if message.status < 500
+                         else RequestFailed(message.message))
                 stream.queue.put_nowait(error)
-        elif kind == "fatal":
+        elif isinstance(message, Fatal):
             if self.dead is None:
-                self.dead = message[1]
+                self.dead = message.reason
                 if self._stopping or self._terminated():     # an asked-for exit, not a crash
                     logger.info("engine core stopped")
                 else:
-                    logger.error("engine core failed: %s (exit code %s)", message[1],
+                    logger.error("engine core failed: %s (exit code %s)", message.reason,
                                  self.process.exitcode)
             for stream in self.streams.values():
                 stream.queue.put_nowait(EngineDeadError(self.dead))

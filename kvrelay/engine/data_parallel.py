@@ -30,6 +30,7 @@ from typing import Any
 from kvrelay import envs
 from kvrelay.config import EngineArgs
 from kvrelay.engine.async_client import AsyncEngine
+from kvrelay.engine.messages import AddRequest, EngineInfo, EngineStats, ToEngine, Wake
 from kvrelay.engine.outputs import RequestOutput
 from kvrelay.sampling_params import SamplingParams
 
@@ -66,9 +67,9 @@ class _Waking:
 
     group: DataParallelEngine | None = None
 
-    def _send(self, message: tuple) -> None:
+    def _send(self, message: ToEngine) -> None:
         super()._send(message)  # type: ignore[misc]
-        if message[0] == "add" and self.group is not None:
+        if isinstance(message, AddRequest) and self.group is not None:
             self.group.wake_all()
 
 
@@ -102,7 +103,7 @@ class DataParallelEngine:
         self.wave += 1
         for r in self.replicas:
             try:
-                r._send(("wake", self.wave))
+                r._send(Wake(self.wave))
             except (OSError, RuntimeError) as e:  # a dead replica; the watchdog stops the server
                 logger.debug("wake not delivered to a replica: %s", e)
 
@@ -115,7 +116,7 @@ class DataParallelEngine:
         return next((d for d in dead if "exited" in d), dead[0] if dead else None)
 
     @property
-    def info(self) -> dict[str, Any]:
+    def info(self) -> EngineInfo | None:
         return self.replicas[0].info
 
     @property
@@ -123,14 +124,8 @@ class DataParallelEngine:
         return {k: v for r in self.replicas for k, v in r.streams.items()}
 
     @property
-    def stats(self) -> dict[str, float]:
-        total: dict[str, float] = {}
-        for r in self.replicas:
-            for k, v in r.stats.items():
-                total[k] = total.get(k, 0) + v
-        if total:
-            total["kv_cache_usage_perc"] = total.get("kv_cache_usage_perc", 0) / len(self.replicas)
-        return total
+    def stats(self) -> EngineStats:
+        return EngineStats.total([r.stats for r in self.replicas])
 
     def start(self) -> None:
         for r in self.replicas:
@@ -153,7 +148,7 @@ class DataParallelEngine:
             r.check_stalled()
 
     def pick(self) -> AsyncEngine:
-        return min(self.replicas, key=lambda r: (len(r.streams), r.stats.get("num_requests_waiting", 0)))
+        return min(self.replicas, key=lambda r: (len(r.streams), r.stats.num_requests_waiting))
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
                        kv_transfer_params: dict | None = None) -> AsyncIterator[RequestOutput]:

@@ -6,16 +6,16 @@
                    --data-parallel-address HEAD --data-parallel-rpc-port P)
         replicas [S, S + L'), no API server; connects to the head and relays
 
-Wire format: length-prefixed JSON frames (4-byte big-endian length, then UTF-8 JSON
-object) — never pickle over the network. The headless node opens with
+Wire format: the length-prefixed JSON frames of `kvrelay/framing.py` (64 MiB at most) —
+never pickle over the network. The headless node opens with
 
-    {"type": "hello", "version": 1, "layout": {data_parallel_size, tensor_parallel_size,
+    {"type": "hello", "version": 2, "layout": {data_parallel_size, tensor_parallel_size,
      enable_expert_parallel, model_config}, "start_rank": S, "local_size": L'}
 
 and the head answers {"type": "welcome", "master_port": port | null} or
 {"type": "reject", "error": "..."} (the headless node exits 1 with that message; the
 head logs it and keeps waiting). After that, both directions carry the engine-core
-messages of `core_proc.py` as {"type": kind, "replica": rank, ...fields}.
+messages of `engine/messages.py` as {"type": tag, "replica": rank, ...fields}.
 
 Failure: a headless node that loses the head stops its replicas and exits 1; a head
 that loses a headless node fails that node's replicas (the server then stops, as for
@@ -25,147 +25,60 @@ headless node stops its replicas and exits 0 when all have exited.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import multiprocessing as mp
 import os
 import signal
 import socket
-import struct
 import threading
 import time
-from dataclasses import asdict, fields, replace
+from dataclasses import replace
 from multiprocessing.connection import Connection
 from typing import Any
 
-from kvrelay import envs
+from kvrelay import envs, framing
 from kvrelay.config import EngineArgs
 from kvrelay.engine.async_client import AsyncEngine, EngineDeadError
-from kvrelay.engine.outputs import CompletionOutput, RequestOutput
-from kvrelay.engine.request import Logprob
-from kvrelay.sampling_params import SamplingParams
+from kvrelay.engine.messages import (
+    AddRequest,
+    EngineStats,
+    Fatal,
+    FromEngine,
+    Message,
+    Shutdown,
+    ToEngine,
+    from_wire,
+    to_wire,
+)
+from kvrelay.framing import FrameError
 
 logger = logging.getLogger(__name__)
 
-VERSION = 1
+VERSION = 2           # 2: the frames of engine/messages.py (typed messages, named fields)
 MAX_FRAME = 64 << 20
 
 
-# -- framing ---------------------------------------------------------------------------------
-class FrameError(ConnectionError):
-    pass
-
-
-def send_frame(sock: socket.socket, obj: dict[str, Any]) -> None:
-    body = json.dumps(obj, separators=(",", ":")).encode()
-    sock.sendall(struct.pack(">I", len(body)) + body)
-
-
 def recv_frame(sock: socket.socket) -> dict[str, Any]:
-    (n,) = struct.unpack(">I", _recv_exact(sock, 4))
-    if n > MAX_FRAME:
-        raise FrameError(f"frame of {n} bytes exceeds the {MAX_FRAME}-byte limit")
-    try:
-        obj = json.loads(_recv_exact(sock, n))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise FrameError(f"malformed frame: {e}") from None
-    if not isinstance(obj, dict) or not isinstance(obj.get("type"), str):
-        raise FrameError("malformed frame: expected an object with a 'type'")
-    return obj
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("connection closed")
-        buf += chunk
-    return bytes(buf)
-
-
-# -- engine-core messages ⇄ JSON ---------------------------------------------------------------
-_PARAM_FIELDS = [f.name for f in fields(SamplingParams) if f.name != "logits_processors"]
-
-
-def _params_out(params: SamplingParams) -> dict[str, Any]:
-    """SamplingParams → JSON (structured_outputs as its dict; `SamplingParams(**d)` reads it)."""
-    d = {k: getattr(params, k) for k in _PARAM_FIELDS}
-    if params.structured_outputs is not None:
-        d["structured_outputs"] = params.structured_outputs.to_dict()
-    return d
-
-
-def _logprobs_out(lps: list | None) -> list | None:
-    if lps is None:
-        return None
-    return [None if d is None else [[lp.token_id, lp.logprob, lp.rank] for lp in d.values()] for d in lps]
-
-
-def _logprobs_in(lps: list | None) -> list | None:
-    if lps is None:
-        return None
-    return [None if d is None else {int(t): Logprob(int(t), float(p), int(r)) for t, p, r in d} for d in lps]
-
-
-def _output_out(o: RequestOutput) -> dict[str, Any]:
-    d = asdict(replace(o, outputs=[], prompt_logprobs=None))
-    d["outputs"] = [{**{k: v for k, v in asdict(replace(c, logprobs=None, delta_logprobs=None)).items()},
-                     "logprobs": _logprobs_out(c.logprobs), "delta_logprobs": _logprobs_out(c.delta_logprobs)}
-                    for c in o.outputs]
-    d["prompt_logprobs"] = _logprobs_out(o.prompt_logprobs)
-    return d
-
-
-def _output_in(d: dict[str, Any]) -> RequestOutput:
-    outputs = [CompletionOutput(**{**c, "logprobs": _logprobs_in(c["logprobs"]),
-                                   "delta_logprobs": _logprobs_in(c["delta_logprobs"])}) for c in d["outputs"]]
-    return RequestOutput(**{**d, "outputs": outputs, "prompt_logprobs": _logprobs_in(d["prompt_logprobs"])})
-
-
-def encode(message: tuple, replica: int) -> dict[str, Any]:
-    """An engine-core pipe message (either direction) → a JSON frame."""
-    kind, rest = message[0], message[1:]
-    frame: dict[str, Any] = {"type": kind, "replica": replica}
-    if kind == "add":
-        request_id, prompt, params, kv_transfer_params = rest
-        if params.logits_processors:
-            raise ValueError("per-request logits processors cannot be sent to a replica on another node")
-        frame.update(id=request_id, prompt=list(prompt), kv=kv_transfer_params,
-                     params=_params_out(params))
-    elif kind == "outputs":
-        frame.update(outputs=[_output_out(o) for o in rest[0]], stats=rest[1])
-    elif kind in ("abort", "wake", "ready", "fatal"):
-        frame["value"] = rest[0]
-    elif kind in ("free_remote", "freed"):       # (request id, capability, token) / (token, ok)
-        frame["args"] = list(rest)
-    elif kind == "error":
-        frame.update(id=rest[0], error=rest[1])
-        if len(rest) > 2:                        # (status, param): see engine/core_proc.py
-            frame.update(status=rest[2], param=rest[3])
-    elif kind not in ("shutdown", "stats"):
-        raise ValueError(f"unknown engine message {kind!r}")
+    """One frame of the link; ConnectionError when the peer closed it."""
+    frame = framing.recv_frame(sock, MAX_FRAME)
+    if frame is None:
+        raise ConnectionError("connection closed")
     return frame
 
 
-def decode(frame: dict[str, Any]) -> tuple:
-    kind = frame["type"]
-    if kind == "add":
-        return ("add", str(frame["id"]), [int(t) for t in frame["prompt"]],
-                SamplingParams(**frame["params"]), frame.get("kv"))
-    if kind == "outputs":
-        return ("outputs", [_output_in(o) for o in frame["outputs"]], frame["stats"])
-    if kind in ("abort", "wake", "ready", "fatal"):
-        return (kind, frame["value"])
-    if kind in ("free_remote", "freed"):
-        return (kind, *frame["args"])
-    if kind == "error":
-        if "status" in frame:
-            return ("error", frame["id"], frame["error"], int(frame["status"]), frame.get("param"))
-        return ("error", frame["id"], frame["error"])
-    if kind in ("shutdown", "stats"):
-        return (kind,)
-    raise FrameError(f"unknown message type {kind!r}")
+def send_frame(sock: socket.socket, frame: dict[str, Any]) -> None:
+    # NaN/inf allowed: a logprob may be -inf, and both ends are kvrelay
+    framing.send_frame(sock, frame, MAX_FRAME, allow_nan=True)
+
+
+# -- engine-core messages ⇄ frames -----------------------------------------------------------
+def encode(message: Message, replica: int) -> dict[str, Any]:
+    """An engine-core message (either direction) → the JSON frame for `replica`."""
+    return {**to_wire(message), "replica": replica}
+
+
+def decode(frame: dict[str, Any]) -> Message:
+    return from_wire(frame)
 
 
 # -- the layout both sides must agree on -------------------------------------------------------
@@ -236,7 +149,7 @@ class RemoteNode:
                 why = f"lost the headless node: {e}"
         self.closed = True
         for replica in self.replicas.values():
-            replica.deliver(("fatal", f"data-parallel replica {replica.rank}: {why}"))
+            replica.deliver(Fatal(f"data-parallel replica {replica.rank}: {why}"))
 
     def close(self) -> None:
         self.closed = True
@@ -258,7 +171,7 @@ class RemoteReplica(AsyncEngine):
         self.rank = rank
         self.args = None
         self.step_timeout_s = step_timeout_s
-        self.streams, self.stats, self.info = {}, {}, {}
+        self.streams, self.stats, self.info = {}, EngineStats(), None
         self.ready = asyncio.Event()
         self.dead: str | None = None
         self._send_lock = threading.Lock()
@@ -270,14 +183,14 @@ class RemoteReplica(AsyncEngine):
         import asyncio
         self._loop = asyncio.get_running_loop()
 
-    def deliver(self, message: tuple) -> None:
+    def deliver(self, message: FromEngine) -> None:
         if self._loop is not None:
             try:
                 self._loop.call_soon_threadsafe(self._dispatch, message)
             except RuntimeError:          # the server's event loop has ended
                 pass
 
-    def _send(self, message: tuple) -> None:
+    def _send(self, message: ToEngine) -> None:
         if self.dead:
             raise EngineDeadError(self.dead)
         if self.node is None:
@@ -286,13 +199,13 @@ class RemoteReplica(AsyncEngine):
             self.node.send(encode(message, self.rank))
         except OSError as e:
             raise EngineDeadError(f"data-parallel replica {self.rank}: {e}") from None
-        if message[0] == "add" and self.group is not None:
+        if isinstance(message, AddRequest) and self.group is not None:
             self.group.wake_all()
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         if self.node is not None and not self.node.closed:
             try:
-                self.node.send(encode(("shutdown",), self.rank))
+                self.node.send(encode(Shutdown(), self.rank))
             except OSError:
                 pass
 
@@ -380,7 +293,7 @@ def run_headless(args: EngineArgs) -> int:
     send_frame(sock, {"type": "hello", "version": VERSION, "layout": layout_of(args),
                       "start_rank": args.data_parallel_start_rank, "local_size": args.local_replicas})
     answer = recv_frame(sock)
-    if answer["type"] != "welcome":
+    if answer.get("type") != "welcome":
         sock.close()
         raise ValueError(f"the data-parallel head refused this node: {answer.get('error')}")
     sock.settimeout(None)
@@ -411,13 +324,13 @@ def _relay(sock: socket.socket, cores: dict[int, tuple[Any, Connection]]) -> int
             except (EOFError, OSError):
                 if stopping.is_set() or rank in shut:
                     return
-                message = ("fatal", f"the engine process of data-parallel replica {rank} exited")
+                message = Fatal(f"the engine process of data-parallel replica {rank} exited")
             try:
                 with send_lock:
                     send_frame(sock, encode(message, rank))
             except OSError:
                 return
-            if message[0] == "fatal":
+            if isinstance(message, Fatal):
                 return
 
     for rank, (_, conn) in cores.items():
@@ -440,7 +353,7 @@ def _relay(sock: socket.socket, cores: dict[int, tuple[Any, Connection]]) -> int
             if rank not in cores:
                 raise FrameError(f"message for replica {rank!r}, which this node does not run")
             message = decode(frame)
-            if message[0] == "shutdown":
+            if isinstance(message, Shutdown):
                 shut.add(rank)
             try:
                 cores[rank][1].send(message)
@@ -459,7 +372,7 @@ def _relay(sock: socket.socket, cores: dict[int, tuple[Any, Connection]]) -> int
 def _stop_cores(cores: dict[int, tuple[Any, Connection]]) -> None:
     for p, conn in cores.values():
         try:
-            conn.send(("shutdown",))
+            conn.send(Shutdown())
         except OSError:
             pass
     deadline = time.monotonic() + 15
