@@ -21,7 +21,6 @@ import logging
 import os
 import signal
 import traceback
-from dataclasses import replace
 from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
@@ -56,7 +55,9 @@ class CoreEngine(Protocol):
     num_steps: int
     num_dummy_steps: int
     expert_world: Any
-    transfer_busy: bool
+
+    @property
+    def transfer_busy(self) -> bool: ...
 
     def has_unfinished_requests(self) -> bool: ...
     def add_request(self, request_id: str, prompt: Any, params: Any,

@@ -38,12 +38,15 @@ from typing import Any
 
 from kvrelay import envs, framing
 from kvrelay.config import EngineArgs
-from kvrelay.engine.async_client import AsyncEngine, EngineDeadError
+from kvrelay.engine.async_client import CoreClient
+from kvrelay.engine.client import EngineDeadError
+from kvrelay.engine.core_proc import run_engine_core
+from kvrelay.engine.dp_placement import replica_args
 from kvrelay.engine.messages import (
-    AddRequest,
-    EngineStats,
+    FROM_ENGINE,
+    TO_ENGINE,
+    CodecError,
     Fatal,
-    FromEngine,
     Message,
     Shutdown,
     ToEngine,
@@ -79,6 +82,11 @@ def encode(message: Message, replica: int) -> dict[str, Any]:
 
 def decode(frame: dict[str, Any]) -> Message:
     return from_wire(frame)
+
+
+def _replica_of(frame: dict[str, Any]) -> int | None:
+    rank = frame.get("replica")
+    return rank if isinstance(rank, int) else None
 
 
 # -- the layout both sides must agree on -------------------------------------------------------
@@ -141,15 +149,18 @@ class RemoteNode:
         try:
             while True:
                 frame = recv_frame(self.sock)
-                replica = self.replicas.get(frame.get("replica"))
+                replica = self.replicas.get(_replica_of(frame))  # type: ignore[arg-type]
+                message = decode(frame)
+                if not isinstance(message, FROM_ENGINE):
+                    raise CodecError(f"a headless node sent {message.tag!r}")
                 if replica is not None:
-                    replica.deliver(decode(frame))
+                    replica.receive(message)
         except (OSError, ValueError, KeyError, TypeError) as e:
             if not isinstance(e, ConnectionError) or str(e) != "connection closed":
                 why = f"lost the headless node: {e}"
         self.closed = True
         for replica in self.replicas.values():
-            replica.deliver(Fatal(f"data-parallel replica {replica.rank}: {why}"))
+            replica.receive(Fatal(f"data-parallel replica {replica.rank}: {why}"))
 
     def close(self) -> None:
         self.closed = True
@@ -160,49 +171,25 @@ class RemoteNode:
         self.sock.close()
 
 
-class RemoteReplica(AsyncEngine):
-    """A replica run by a headless node; the same interface as a local `AsyncEngine`."""
-
-    group: Any = None
+class RemoteReplica(CoreClient):
+    """A replica run by a headless node: an engine core reached through its `RemoteNode`."""
 
     def __init__(self, rank: int, step_timeout_s: float | None = None) -> None:
-        # the AsyncEngine state, without an engine process of our own
-        import asyncio
+        super().__init__(step_timeout_s)
         self.rank = rank
-        self.args = None
-        self.step_timeout_s = step_timeout_s
-        self.streams, self.stats, self.info = {}, EngineStats(), None
-        self.ready = asyncio.Event()
-        self.dead: str | None = None
-        self._send_lock = threading.Lock()
-        self._loop = None
-        self.last_step = time.monotonic()
         self.node: RemoteNode | None = None
 
-    def start(self) -> None:
-        import asyncio
-        self._loop = asyncio.get_running_loop()
-
-    def deliver(self, message: FromEngine) -> None:
-        if self._loop is not None:
-            try:
-                self._loop.call_soon_threadsafe(self._dispatch, message)
-            except RuntimeError:          # the server's event loop has ended
-                pass
-
-    def _send(self, message: ToEngine) -> None:
-        if self.dead:
-            raise EngineDeadError(self.dead)
+    def _deliver(self, message: ToEngine) -> None:
         if self.node is None:
-            raise EngineDeadError(f"data-parallel replica {self.rank}: its headless node has not connected")
+            raise EngineDeadError(f"data-parallel replica {self.rank}: its headless node "
+                                  f"has not connected")
         try:
             self.node.send(encode(message, self.rank))
         except OSError as e:
             raise EngineDeadError(f"data-parallel replica {self.rank}: {e}") from None
-        if isinstance(message, AddRequest) and self.group is not None:
-            self.group.wake_all()
 
-    def shutdown(self, timeout_s: float = 10.0) -> None:
+    def shutdown(self) -> None:
+        self._stopping = True
         if self.node is not None and not self.node.closed:
             try:
                 self.node.send(encode(Shutdown(), self.rank))
@@ -285,8 +272,6 @@ def connect_to_head(args: EngineArgs, timeout_s: float) -> socket.socket:
 
 def run_headless(args: EngineArgs) -> int:
     """Run this node's replicas for the head; returns the exit code."""
-    from kvrelay.engine.core_proc import run_engine_core
-    from kvrelay.engine.data_parallel import replica_args
     timeout = envs.ENGINE_READY_TIMEOUT_S.as_float() or 600.0
     sock = connect_to_head(args, timeout)
     sock.settimeout(60)
@@ -349,14 +334,17 @@ def _relay(sock: socket.socket, cores: dict[int, tuple[Any, Connection]]) -> int
     try:
         while len(shut) < len(cores):
             frame = recv_frame(sock)
-            rank = frame.get("replica")
-            if rank not in cores:
-                raise FrameError(f"message for replica {rank!r}, which this node does not run")
+            target = _replica_of(frame)
+            if target is None or target not in cores:
+                raise FrameError(f"message for replica {frame.get('replica')!r}, which this "
+                                 f"node does not run")
             message = decode(frame)
+            if not isinstance(message, TO_ENGINE):
+                raise CodecError(f"the head sent {message.tag!r}")
             if isinstance(message, Shutdown):
-                shut.add(rank)
+                shut.add(target)
             try:
-                cores[rank][1].send(message)
+                cores[target][1].send(message)
             except OSError:
                 pass
     except (OSError, ValueError) as e:

@@ -188,10 +188,10 @@ class Fatal:
 ToEngine = AddRequest | AbortRequests | FreeRemote | Wake | Shutdown
 FromEngine = Ready | StepOutputs | RequestRefused | Freed | Fatal
 Message = ToEngine | FromEngine
+TO_ENGINE = (AddRequest, AbortRequests, FreeRemote, Wake, Shutdown)
+FROM_ENGINE = (Ready, StepOutputs, RequestRefused, Freed, Fatal)
 
-MESSAGE_TYPES: dict[str, type] = {m.tag: m for m in (
-    AddRequest, AbortRequests, FreeRemote, Wake, Shutdown,
-    Ready, StepOutputs, RequestRefused, Freed, Fatal)}
+MESSAGE_TYPES: dict[str, type[Message]] = {m.tag: m for m in TO_ENGINE + FROM_ENGINE}
 
 
 def as_delta(out: RequestOutput, first: bool = True) -> RequestOutput:
@@ -249,7 +249,7 @@ def from_wire(frame: dict[str, Any]) -> Message:
             body["info"], body["stats"] = EngineInfo(**body["info"]), EngineStats(**body["stats"])
         return cls(**body)
     except (KeyError, TypeError) as e:
-        raise CodecError(f"malformed {cls.tag!r} message: {type(e).__name__}: {e}") from None
+        raise CodecError(f"malformed {frame['type']!r} message: {type(e).__name__}: {e}") from None
 
 
 _PARAM_FIELDS = [f.name for f in fields(SamplingParams) if f.name != "logits_processors"]

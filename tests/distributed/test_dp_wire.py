@@ -2,13 +2,17 @@
 and the hello checks that name what differs."""
 from __future__ import annotations
 
+import asyncio
 import socket
+import threading
 
 import pytest
 
+from kvrelay.engine.client import EngineDeadError
 from kvrelay.engine.dp_remote import (
     VERSION,
     FrameError,
+    RemoteReplica,
     check_hello,
     decode,
     encode,
@@ -117,3 +121,43 @@ def test_hello_gives_the_node_its_ranks():
 def test_hello_mismatches_are_named(msg, changes, claimed):
     with pytest.raises(ValueError, match=msg):
         check_hello(hello(**changes), LAYOUT, claimed, head_local=2)
+
+
+class FakeNode:
+    """A headless node that answers frees at once, from another thread (as its reader does)."""
+
+    closed = False
+
+    def __init__(self) -> None:
+        self.replica: RemoteReplica | None = None
+        self.sent: list[Message] = []
+
+    def send(self, frame: dict) -> None:
+        message = decode(frame)
+        self.sent.append(message)
+        if isinstance(message, FreeRemote):
+            threading.Thread(target=self.replica.receive,
+                             args=(Freed(message.token, message.capability == "cap"),)).start()
+
+
+def test_a_remote_replica_answers_frees_and_fails_its_streams_when_lost():
+    """A replica on a headless node is a whole engine client: an explicit free gets its
+    answer, and losing the node fails the requests in flight on it (EngineDeadError)."""
+
+    async def main() -> None:
+        replica, node = RemoteReplica(2), FakeNode()
+        replica.node, node.replica = node, replica
+        replica.start()
+        assert await asyncio.wait_for(replica.free_remote("r1", "cap"), 5) is True
+        assert await asyncio.wait_for(replica.free_remote("r1", "other"), 5) is False
+        gen = replica.generate("r2", [1, 2], SamplingParams(max_tokens=2))
+        pending = asyncio.ensure_future(gen.__anext__())
+        await asyncio.sleep(0.05)
+        replica.receive(Fatal("data-parallel replica 2: lost the headless node"))
+        with pytest.raises(EngineDeadError, match="lost the headless node"):
+            await asyncio.wait_for(pending, 5)
+        assert replica.dead and isinstance(node.sent[-1], AddRequest)
+        replica.shutdown()
+        assert isinstance(node.sent[-1], Shutdown)
+
+    asyncio.run(main())
