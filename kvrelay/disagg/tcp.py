@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvrelay.disagg.auth import AuthError, client_authenticate
 from kvrelay.disagg.side_channel import (
     _Conn,
     admit_connection,
@@ -405,7 +406,6 @@ class TcpTransport(KVTransport):
                                 f"({type(e).__name__}: {e})") from e
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self.secret is not None:
-            from kvrelay.disagg.auth import AuthError, client_authenticate
             try:
                 client_authenticate(s, self.secret)
             except AuthError as e:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -35,6 +36,22 @@ logger = logging.getLogger(__name__)
 
 BUSY_POLL_S = 0.01        # some replica waits on KV transfers or blocks: poll this often
 IN_FLIGHT_POLL_S = 0.001  # a wake is on its way to some replica
+
+
+@dataclass(frozen=True)
+class RoundRow:
+    """What each replica contributes to a round's all-gather (as three ints)."""
+
+    num_tokens: int      # tokens this replica schedules this round
+    wave: int            # the newest wake it has seen
+    busy: bool           # unfinished work it cannot schedule yet, or KV transfers in flight
+
+    def to_ints(self) -> list[int]:
+        return [self.num_tokens, self.wave, int(self.busy)]
+
+    @classmethod
+    def from_ints(cls, row: list[int]) -> RoundRow:
+        return cls(int(row[0]), int(row[1]), bool(row[2]))
 
 
 class _Pipe:
@@ -80,8 +97,9 @@ def run_lockstep(engine: Any, conn: Connection, handle: Callable, stats_of: Call
         plan = engine.plan_step()
         busy = engine.transfer_busy or (engine.has_unfinished_requests() and plan.num_tokens == 0)
         try:
-            rows = sync.all_gather([plan.num_tokens, pipe.seen, int(busy)])
-            counts = tuple(r[0] for r in rows)
+            mine = RoundRow(plan.num_tokens, pipe.seen, busy)
+            rows = [RoundRow.from_ints(r) for r in sync.all_gather(mine.to_ints())]
+            counts = tuple(r.num_tokens for r in rows)
             outputs = engine.run_planned(plan, counts)
         except BaseException as e:  # noqa: BLE001 -- any failure ends this replica, reported in one line
             conn.send(Fatal(f"engine step failed: {type(e).__name__}: {e}"))
@@ -91,8 +109,8 @@ def run_lockstep(engine: Any, conn: Connection, handle: Callable, stats_of: Call
         if outputs or stats != last_stats:
             conn.send(StepOutputs([as_delta(o) for o in outputs], stats))
             last_stats = stats
-        waves = [r[1] for r in rows]
-        any_busy = any(r[2] for r in rows)
+        waves = [r.wave for r in rows]
+        any_busy = any(r.busy for r in rows)
         live = any(counts) or any_busy or min(waves) < max(waves)
         if live and not any(counts):
             pipe.drain(timeout=IN_FLIGHT_POLL_S if min(waves) < max(waves) else BUSY_POLL_S)
