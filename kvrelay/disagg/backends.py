@@ -49,32 +49,32 @@ def make_transport(backends: Sequence[str] | None = None, *, agent_name: str | N
         logger.warning("KV transfer: NIXL backend %s requested but NIXL is not installed (%s); "
                        "falling back to kvrelay's TCP transport. Install NIXL with `pip install "
                        "nixl-cu12==1.5.1 && pip install --no-deps nixl==1.5.1`.", asked, missing)
-        t = TcpTransport(host=host, port=port, secret=secret, serve=serve)
-        t.fallback_from = asked
-        return t
+        tcp = TcpTransport(host=host, port=port, secret=secret, serve=serve)
+        tcp.fallback_from = asked
+        return tcp
 
     try:
-        t = nixl_mod.NixlTransport(agent_name, backends=requested, backend_options=backend_options,
-                                   ucx_host=ucx_host)
+        nixl = nixl_mod.NixlTransport(agent_name, backends=requested,
+                                      backend_options=backend_options, ucx_host=ucx_host)
     except TransportUnavailable as e:
         reason = str(e)
     else:
-        if t.unavailable_backends:          # some of several loaded: NixlTransport warned
-            t.fallback_from = ",".join(t.unavailable_backends)
-        return t
+        if nixl.unavailable_backends:          # some of several loaded: NixlTransport warned
+            nixl.fallback_from = ",".join(nixl.unavailable_backends)
+        return nixl
     if requested != ["UCX"]:
         try:
-            t = nixl_mod.NixlTransport(agent_name, backends=["UCX"],
-                                       backend_options=backend_options, ucx_host=ucx_host)
+            nixl = nixl_mod.NixlTransport(agent_name, backends=["UCX"],
+                                          backend_options=backend_options, ucx_host=ucx_host)
         except TransportUnavailable as e:
             reason += f"; UCX: {e}"
         else:
             logger.warning("KV transfer: NIXL backend %s is not available here (%s); falling back "
                            "to NIXL UCX.", asked, reason)
-            t.fallback_from = asked
-            return t
+            nixl.fallback_from = asked
+            return nixl
     logger.warning("KV transfer: NIXL backend %s is not available here (%s); falling back to "
                    "kvrelay's TCP transport.", asked, reason)
-    t = TcpTransport(host=host, port=port, secret=secret, serve=serve)
-    t.fallback_from = asked
-    return t
+    tcp = TcpTransport(host=host, port=port, secret=secret, serve=serve)
+    tcp.fallback_from = asked
+    return tcp

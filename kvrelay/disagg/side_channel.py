@@ -5,8 +5,8 @@ Wire format: each message is one frame of `kvrelay/framing.py` (a 4-byte big-end
 length, then UTF-8 JSON encoding an object). Frames over the limit (requests to the
 server: 64 KiB; replies: 16 MiB; the authentication exchange: 4 KiB) or that are not a
 JSON object are rejected with an error reply; an oversized frame also closes the
-connection (its body is never read). With a KV secret, a connection authenticates before its first request
-(`kvrelay.disagg.auth`).
+connection (its body is never read). With a KV secret, a connection authenticates before
+its first request (`kvrelay.disagg.auth`).
 
 A request is any JSON object; the server answers `{"ok": true, "result": {...}}` with
 what the handler returned, or `{"ok": false, "error": "..."}` when the request was

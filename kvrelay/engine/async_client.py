@@ -187,7 +187,8 @@ class CoreClient:
             o.token_ids.extend(d.delta_token_ids)
             if d.delta_logprobs is not None:
                 o.logprobs = (o.logprobs or []) + list(d.delta_logprobs)
-            o.delta_text, o.delta_token_ids, o.delta_logprobs = d.delta_text, d.delta_token_ids, d.delta_logprobs
+            o.delta_text, o.delta_token_ids = d.delta_text, d.delta_token_ids
+            o.delta_logprobs = d.delta_logprobs
             o.finish_reason, o.stop_reason = d.finish_reason, d.stop_reason
         acc.finished = delta.finished
         acc.num_cached_tokens = delta.num_cached_tokens

@@ -57,7 +57,8 @@ class DataParallelEngine:
                                            for r in range(local)]
         self.listener: HeadListener | None = None
         if local < args.data_parallel_size:
-            remote = [RemoteReplica(r, step_timeout_s) for r in range(local, args.data_parallel_size)]
+            remote = [RemoteReplica(r, step_timeout_s)
+                      for r in range(local, args.data_parallel_size)]
             self.replicas += remote
             self.listener = HeadListener(args, remote)
         for r in self.replicas:

@@ -7,19 +7,19 @@
         replicas [S, S + L'), no API server; connects to the head and relays
 
 Wire format: the length-prefixed JSON frames of `kvrelay/framing.py` (64 MiB at most) —
-never pickle over the network. The headless node opens with
+never pickle over the network; every frame is a message of `engine/messages.py`
+(`to_wire`: {"type": tag, ...fields}). The headless node opens with
 
-    {"type": "hello", "version": 2, "layout": {data_parallel_size, tensor_parallel_size,
-     enable_expert_parallel, model_config}, "start_rank": S, "local_size": L'}
+    Hello(version 2, Layout(data_parallel_size, tensor_parallel_size,
+          enable_expert_parallel, model_config hash), start_rank S, local_size L')
 
-and the head answers {"type": "welcome", "master_port": port | null} or
-{"type": "reject", "error": "..."} (the headless node exits 1 with that message; the
-head logs it and keeps waiting). After that, both directions carry the engine-core
-messages of `engine/messages.py` as {"type": tag, "replica": rank, ...fields}.
+and the head answers Welcome(master_port | None) or Reject(error) (the headless node
+exits 1 with that message; the head logs it and keeps waiting). After that, both
+directions carry the engine-core messages, with the replica's rank added as "replica".
 
 Failure: a headless node that loses the head stops its replicas and exits 1; a head
 that loses a headless node fails that node's replicas (the server then stops, as for
-any dead replica). Shutdown: the head sends "shutdown" to each remote replica; the
+any dead replica). Shutdown: the head sends Shutdown to each remote replica; the
 headless node stops its replicas and exits 0 when all have exited.
 """
 from __future__ import annotations
@@ -47,9 +47,13 @@ from kvrelay.engine.messages import (
     TO_ENGINE,
     CodecError,
     Fatal,
+    Hello,
+    Layout,
     Message,
+    Reject,
     Shutdown,
     ToEngine,
+    Welcome,
     from_wire,
     to_wire,
 )
@@ -98,30 +102,36 @@ def _model_dir(args: EngineArgs):
     return resolve_model_path(args.model, args.download_dir)
 
 
-def layout_of(args: EngineArgs) -> dict[str, Any]:
+def layout_of(args: EngineArgs) -> Layout:
     raw = (_model_dir(args) / "config.json").read_bytes()
-    return {"data_parallel_size": args.data_parallel_size, "tensor_parallel_size": args.tensor_parallel_size,
-            "enable_expert_parallel": args.enable_expert_parallel,
-            "model_config": hashlib.sha256(raw).hexdigest()[:16]}
+    return Layout(data_parallel_size=args.data_parallel_size,
+                  tensor_parallel_size=args.tensor_parallel_size,
+                  enable_expert_parallel=args.enable_expert_parallel,
+                  model_config=hashlib.sha256(raw).hexdigest()[:16])
 
 
-def check_hello(hello: dict[str, Any], mine: dict[str, Any], claimed: set[int], head_local: int) -> list[int]:
+_FLAGS = {"data_parallel_size": "--data-parallel-size",
+          "tensor_parallel_size": "--tensor-parallel-size",
+          "enable_expert_parallel": "--enable-expert-parallel",
+          "model_config": "the model's config.json"}
+
+
+def check_hello(hello: Message, mine: Layout, claimed: set[int], head_local: int) -> list[int]:
     """The replica ranks a headless node may run, or ValueError naming the mismatch."""
-    if hello.get("type") != "hello" or hello.get("version") != VERSION:
-        raise ValueError(f"expected a version {VERSION} hello, got {hello.get('type')!r} "
-                         f"version {hello.get('version')!r}")
-    theirs = hello.get("layout") or {}
-    names = {"data_parallel_size": "--data-parallel-size", "tensor_parallel_size": "--tensor-parallel-size",
-             "enable_expert_parallel": "--enable-expert-parallel", "model_config": "the model's config.json"}
-    for key, flag in names.items():
-        if theirs.get(key) != mine[key]:
-            raise ValueError(f"{flag} differs: the head has {mine[key]}, the headless node {theirs.get(key)}")
-    start, local = int(hello.get("start_rank", -1)), int(hello.get("local_size", 0))
+    if not isinstance(hello, Hello) or hello.version != VERSION:
+        raise ValueError(f"expected a version {VERSION} hello, got {hello.tag!r} "
+                         f"version {getattr(hello, 'version', None)!r}")
+    for key, flag in _FLAGS.items():
+        ours, theirs = getattr(mine, key), getattr(hello.layout, key)
+        if theirs != ours:
+            raise ValueError(f"{flag} differs: the head has {ours}, the headless node {theirs}")
+    start, local = hello.start_rank, hello.local_size
     ranks = list(range(start, start + local))
-    dp = mine["data_parallel_size"]
+    dp = mine.data_parallel_size
     if not ranks or start < head_local or start + local > dp:
-        raise ValueError(f"replica ranks [{start}, {start + local}) are not in [{head_local}, {dp}) "
-                         f"(the head runs ranks [0, {head_local}) of --data-parallel-size {dp})")
+        raise ValueError(f"replica ranks [{start}, {start + local}) are not in "
+                         f"[{head_local}, {dp}) (the head runs ranks [0, {head_local}) of "
+                         f"--data-parallel-size {dp})")
     taken = sorted(claimed & set(ranks))
     if taken:
         raise ValueError(f"replica rank {taken[0]} is already run by another headless node")
@@ -225,24 +235,25 @@ class HeadListener:
     def _welcome(self, conn: socket.socket, peer: tuple) -> None:
         conn.settimeout(30)
         try:
-            hello = recv_frame(conn)
+            hello = decode(recv_frame(conn))
             ranks = check_hello(hello, self.layout, self.claimed, self.args.local_replicas)
         except (OSError, ValueError) as e:
             logger.error("refused a headless node at %s:%d: %s", peer[0], peer[1], e)
             try:
-                send_frame(conn, {"type": "reject", "error": str(e)})
+                send_frame(conn, to_wire(Reject(str(e))))
             except OSError:
                 pass
             conn.close()
             return
         self.claimed |= set(ranks)
-        send_frame(conn, {"type": "welcome", "master_port": self.args.data_parallel_master_port})
+        send_frame(conn, to_wire(Welcome(self.args.data_parallel_master_port)))
         conn.settimeout(None)
         node = RemoteNode(conn, {r: self.remote[r] for r in ranks})
         for r in ranks:
             self.remote[r].node = node
         self.nodes.append(node)
-        logger.info("headless node %s:%d joined with data-parallel ranks %s", peer[0], peer[1], ranks)
+        logger.info("headless node %s:%d joined with data-parallel ranks %s", peer[0], peer[1],
+                    ranks)
 
     def close(self) -> None:
         self.closed = True
@@ -264,8 +275,9 @@ def connect_to_head(args: EngineArgs, timeout_s: float) -> socket.socket:
         except OSError as e:
             if time.monotonic() >= deadline:
                 raise ConnectionError(
-                    f"cannot reach the data-parallel head at {address}:{port} (--data-parallel-address / "
-                    f"--data-parallel-rpc-port): {e.strerror or e}; gave up after {timeout_s:.0f}s "
+                    f"cannot reach the data-parallel head at {address}:{port} "
+                    f"(--data-parallel-address / --data-parallel-rpc-port): "
+                    f"{e.strerror or e}; gave up after {timeout_s:.0f}s "
                     f"({envs.ENGINE_READY_TIMEOUT_S.shown})") from None
             time.sleep(0.5)
 
@@ -275,20 +287,23 @@ def run_headless(args: EngineArgs) -> int:
     timeout = envs.ENGINE_READY_TIMEOUT_S.as_float() or 600.0
     sock = connect_to_head(args, timeout)
     sock.settimeout(60)
-    send_frame(sock, {"type": "hello", "version": VERSION, "layout": layout_of(args),
-                      "start_rank": args.data_parallel_start_rank, "local_size": args.local_replicas})
-    answer = recv_frame(sock)
-    if answer.get("type") != "welcome":
+    send_frame(sock, to_wire(Hello(VERSION, layout_of(args), args.data_parallel_start_rank,
+                                   args.local_replicas)))
+    answer = decode(recv_frame(sock))
+    if not isinstance(answer, Welcome):
         sock.close()
-        raise ValueError(f"the data-parallel head refused this node: {answer.get('error')}")
+        why = answer.error if isinstance(answer, Reject) else f"answered {answer.tag!r}"
+        raise ValueError(f"the data-parallel head refused this node: {why}")
     sock.settimeout(None)
-    args = replace(args, data_parallel_master_port=answer.get("master_port"))
-    ranks = range(args.data_parallel_start_rank, args.data_parallel_start_rank + args.local_replicas)
+    args = replace(args, data_parallel_master_port=answer.master_port)
+    start = args.data_parallel_start_rank
+    ranks = range(start, start + args.local_replicas)
     ctx = mp.get_context("spawn")
     cores: dict[int, tuple[mp.process.BaseProcess, Connection]] = {}
     for r in ranks:
         mine, theirs = ctx.Pipe()
-        p = ctx.Process(target=run_engine_core, args=(replica_args(args, r), theirs, logging.getLogger().level),
+        p = ctx.Process(target=run_engine_core,
+                        args=(replica_args(args, r), theirs, logging.getLogger().level),
                         name=f"kvrelay-engine-core-dp{r}", daemon=False)
         p.start()
         cores[r] = (p, mine)

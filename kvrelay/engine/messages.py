@@ -1,4 +1,5 @@
-"""The messages between the API process and an engine core, and their one JSON codec.
+"""The messages between the API process and an engine core (and the data-parallel
+handshake), and their one JSON codec.
 
     API process ──AddRequest | AbortRequests | FreeRemote | Wake | Shutdown──▶ engine core
     API process ◀──Ready | StepOutputs | RequestRefused | Freed | Fatal────── engine core
@@ -185,13 +186,49 @@ class Fatal:
     reason: str
 
 
+# -- the data-parallel head ⇄ headless node handshake (engine/dp_remote.py) -----------------
+@dataclass(frozen=True)
+class Layout:
+    """What a head and its headless nodes must agree on."""
+
+    data_parallel_size: int
+    tensor_parallel_size: int
+    enable_expert_parallel: bool
+    model_config: str              # a hash of the model's config.json
+
+
+@dataclass(frozen=True)
+class Hello:
+    """A headless node's first frame: its layout and the replica ranks it runs."""
+
+    tag: ClassVar[str] = "hello"
+    version: int
+    layout: Layout
+    start_rank: int
+    local_size: int
+
+
+@dataclass(frozen=True)
+class Welcome:
+    tag: ClassVar[str] = "welcome"
+    master_port: int | None        # the expert world's port (experts across replicas)
+
+
+@dataclass(frozen=True)
+class Reject:
+    tag: ClassVar[str] = "reject"
+    error: str
+
+
 ToEngine = AddRequest | AbortRequests | FreeRemote | Wake | Shutdown
 FromEngine = Ready | StepOutputs | RequestRefused | Freed | Fatal
-Message = ToEngine | FromEngine
+Handshake = Hello | Welcome | Reject
+Message = ToEngine | FromEngine | Handshake
 TO_ENGINE = (AddRequest, AbortRequests, FreeRemote, Wake, Shutdown)
 FROM_ENGINE = (Ready, StepOutputs, RequestRefused, Freed, Fatal)
 
-MESSAGE_TYPES: dict[str, type[Message]] = {m.tag: m for m in TO_ENGINE + FROM_ENGINE}
+MESSAGE_TYPES: dict[str, type[Message]] = {
+    m.tag: m for m in TO_ENGINE + FROM_ENGINE + (Hello, Welcome, Reject)}
 
 
 def as_delta(out: RequestOutput, first: bool = True) -> RequestOutput:
@@ -211,7 +248,7 @@ class CodecError(ValueError):
 
 # -- the JSON codec ---------------------------------------------------------------------------
 def to_wire(message: Message) -> dict[str, Any]:
-    """An engine message → a JSON-able object with its tag as "type"."""
+    """A message → a JSON-able object with its tag as "type"."""
     if isinstance(message, AddRequest):
         if message.params.logits_processors:
             raise ValueError("per-request logits processors cannot be sent to a replica on "
@@ -247,6 +284,10 @@ def from_wire(frame: dict[str, Any]) -> Message:
             body["stats"] = EngineStats(**body["stats"])
         elif cls is Ready:
             body["info"], body["stats"] = EngineInfo(**body["info"]), EngineStats(**body["stats"])
+        elif cls is Hello:
+            body["layout"] = Layout(**body["layout"])
+            body["start_rank"] = int(body["start_rank"])
+            body["local_size"] = int(body["local_size"])
         return cls(**body)
     except (KeyError, TypeError) as e:
         raise CodecError(f"malformed {frame['type']!r} message: {type(e).__name__}: {e}") from None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
+from dataclasses import asdict
 
 import pytest
 
@@ -25,21 +26,25 @@ from kvrelay.engine.messages import (
     EngineInfo,
     EngineStats,
     Fatal,
+    Hello,
+    Layout,
     Freed,
     FreeRemote,
     Message,
     Ready,
+    Reject,
     RequestRefused,
     Shutdown,
     StepOutputs,
     Wake,
+    Welcome,
 )
 from kvrelay.engine.outputs import CompletionOutput, RequestOutput
 from kvrelay.engine.request import Logprob
 from kvrelay.sampling_params import SamplingParams
 
-LAYOUT = {"data_parallel_size": 4, "tensor_parallel_size": 2, "enable_expert_parallel": True,
-          "model_config": "abc"}
+LAYOUT = Layout(data_parallel_size=4, tensor_parallel_size=2, enable_expert_parallel=True,
+                model_config="abc")
 
 
 def roundtrip(message: Message, replica: int = 3) -> Message:
@@ -78,7 +83,9 @@ INFO = EngineInfo(max_model_len=96, model_dir="/m", pid=7, vocab_size=201088,
                                      RequestRefused("r1", "bad"),
                                      RequestRefused("r2", "no", 500, None),
                                      RequestRefused("r3", "bad", 400, "stop_token_ids"),
-                                     Fatal("gone"), Ready(INFO, EngineStats(blocks_total=9))])
+                                     Fatal("gone"), Ready(INFO, EngineStats(blocks_total=9)),
+                                     Hello(VERSION, LAYOUT, 2, 2), Welcome(None), Welcome(29500),
+                                     Reject("--tensor-parallel-size differs")])
 def test_small_messages_round_trip(message):
     assert roundtrip(message) == message
 
@@ -101,8 +108,11 @@ def test_malformed_frames_are_refused():
 
 
 def hello(**changes):
-    return {"type": "hello", "version": VERSION, "layout": LAYOUT | changes.pop("layout", {}),
-            "start_rank": 2, "local_size": 2} | changes
+    """A hello as it arrives: a frame through the codec."""
+    layout = asdict(LAYOUT) | changes.pop("layout", {})
+    frame = {"type": "hello", "version": VERSION, "layout": layout, "start_rank": 2,
+             "local_size": 2} | changes
+    return decode(frame)
 
 
 def test_hello_gives_the_node_its_ranks():
@@ -119,6 +129,7 @@ def test_hello_gives_the_node_its_ranks():
     (f"expected a version {VERSION} hello", {"version": 99}, set()),
 ])
 def test_hello_mismatches_are_named(msg, changes, claimed):
+    """A node of another layout or rank range is refused with the flag that differs."""
     with pytest.raises(ValueError, match=msg):
         check_hello(hello(**changes), LAYOUT, claimed, head_local=2)
 
@@ -161,3 +172,10 @@ def test_a_remote_replica_answers_frees_and_fails_its_streams_when_lost():
         assert isinstance(node.sent[-1], Shutdown)
 
     asyncio.run(main())
+
+
+def test_a_malformed_or_foreign_first_frame_is_refused():
+    with pytest.raises(ValueError, match="malformed 'hello'"):
+        decode({"type": "hello", "version": VERSION, "start_rank": 2})
+    with pytest.raises(ValueError, match="expected a version 2 hello, got 'welcome'"):
+        check_hello(Welcome(None), LAYOUT, set(), head_local=2)
