@@ -33,6 +33,7 @@ from kvrelay.disagg.capability import REFUSED, capability_matches, parse_notify
 from kvrelay.disagg.layout import HeadSlice, head_slice
 from kvrelay.disagg.params import KVTransferConfig
 from kvrelay.disagg.side_channel import advertised_host
+from kvrelay.disagg.tcp import TcpTransport
 from kvrelay.disagg.transport import ReadDesc, TransferError
 
 logger = logging.getLogger(__name__)
@@ -154,12 +155,12 @@ class KVWorker:
         self._lock = threading.Lock()
         self.grants: dict[str, ReadGrant] = {}
         self._grants_changed = threading.Condition()
-        if cfg.is_producer and hasattr(self.transport, "authorize"):
-            self.transport.authorize = self._authorize
+        if cfg.is_producer and isinstance(self.transport, TcpTransport):
+            self.transport.authorize = self._authorize   # NIXL reads are one-sided: never asked
 
     @property
     def fell_back(self) -> bool:
-        return bool(getattr(self.transport, "fallback_from", None))
+        return bool(self.transport.fallback_from)
 
     def metadata(self) -> dict[str, Any]:
         return self.transport.metadata()

@@ -119,8 +119,9 @@ _FLAGS = {"data_parallel_size": "--data-parallel-size",
 def check_hello(hello: Message, mine: Layout, claimed: set[int], head_local: int) -> list[int]:
     """The replica ranks a headless node may run, or ValueError naming the mismatch."""
     if not isinstance(hello, Hello) or hello.version != VERSION:
+        version = hello.version if isinstance(hello, Hello) else None
         raise ValueError(f"expected a version {VERSION} hello, got {hello.tag!r} "
-                         f"version {getattr(hello, 'version', None)!r}")
+                         f"version {version!r}")
     for key, flag in _FLAGS.items():
         ours, theirs = getattr(mine, key), getattr(hello.layout, key)
         if theirs != ours:
