@@ -22,13 +22,15 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from kvrelay.structured.params import StructuredOutputsParams
 
+if TYPE_CHECKING:           # the API process reads these params without loading torch
+    import torch
+
 # (output token ids so far, logits [V] float32) -> logits [V]
-LogitsProcessor = Callable[[Sequence[int], torch.Tensor], torch.Tensor]
+LogitsProcessor = Callable[[Sequence[int], "torch.Tensor"], "torch.Tensor"]
 
 SAMPLING_EPS = 1e-5                      # vLLM's _SAMPLING_EPS: below it, temperature is greedy
 LOGIT_BIAS_LIMIT = 100.0

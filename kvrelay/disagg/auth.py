@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from kvrelay import envs
+from kvrelay.framing import FrameError, recv_frame, send_frame
 
 logger = logging.getLogger(__name__)
 
@@ -98,8 +99,6 @@ def client_authenticate(
     sock: socket.socket, secret: bytes, max_frame: int = PREAUTH_MAX_FRAME
 ) -> None:
     """Run the client's half on a fresh connection; AuthError unless both sides proved K."""
-    from kvrelay.disagg.side_channel import FrameError, recv_frame, send_frame
-
     deadline = time.monotonic() + AUTH_TIMEOUT_S
     nc = secrets.token_bytes(_NONCE_BYTES)
     try:
@@ -123,8 +122,6 @@ def client_authenticate(
 def server_authenticate(sock: socket.socket, secret: bytes) -> None:
     """Run the server's half; on failure the peer has been told AUTH_FAILED (best effort)
     and AuthError is raised (the caller closes the connection)."""
-    from kvrelay.disagg.side_channel import FrameError, recv_frame, send_frame
-
     deadline = time.monotonic() + AUTH_TIMEOUT_S
     try:
         hello = recv_frame(sock, PREAUTH_MAX_FRAME, deadline=deadline)

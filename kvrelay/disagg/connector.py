@@ -30,7 +30,6 @@ import base64
 import collections
 import concurrent.futures
 import hashlib
-import hmac
 import logging
 import secrets
 import threading
@@ -39,8 +38,17 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvrelay import envs
+from kvrelay.disagg.auth import load_secret, warn_if_exposed
+from kvrelay.disagg.capability import REFUSED, capability_matches, notify_message, parse_notify
 from kvrelay.disagg.layout import tp_mismatch
 from kvrelay.disagg.params import KVTransferConfig
+from kvrelay.disagg.side_channel import (
+    SideChannelError,
+    SideChannelServer,
+    advertised_host,
+    side_channel_call,
+    warn_limited,
+)
 from kvrelay.disagg.worker import (
     GroupPull,
     KVWork,
@@ -66,7 +74,6 @@ class HoldRefused(RuntimeError):
     """Holding a finished request's blocks for a decode would exceed the hold share."""
 
 
-REFUSED = "unknown request or wrong capability"     # all a peer learns about a bad claim/release
 
 
 @dataclass
@@ -121,26 +128,6 @@ def pairing_hash(spec: dict[str, Any], prefill_tp: int, decode_tp: int) -> str:
     return hashlib.sha256(blob).hexdigest()
 
 
-def notify_message(remote_request_id: str, decode_tp: int, capability: str) -> bytes:
-    """What each decode rank's read tells the prefill: the request, how many ranks read,
-    and the request's capability (a notice without the right one frees nothing)."""
-    return f"{remote_request_id}:{decode_tp}:{capability}".encode()
-
-
-def parse_notify(raw: bytes) -> tuple[str, int, str] | None:
-    """(request id, number of notices that complete it, capability); None if malformed."""
-    parts = raw.decode(errors="replace").rsplit(":", 2)
-    if len(parts) != 3 or not parts[1].isdigit() or int(parts[1]) < 1:
-        return None
-    return parts[0], int(parts[1]), parts[2]
-
-
-def capability_matches(given: object, issued: str) -> bool:
-    """Constant-time comparison of a presented capability with the issued one."""
-    return isinstance(given, str) and hmac.compare_digest(given.encode(), issued.encode())
-
-
-
 @dataclass
 class KVConnector:
     config: KVTransferConfig
@@ -153,7 +140,6 @@ class KVConnector:
     stats: TransferStats = field(default_factory=TransferStats)
 
     def __post_init__(self) -> None:
-        from kvrelay.disagg.auth import load_secret
         self.secret = load_secret(self.config.extra)
         setup = KVWorkerSetup(self.config, self.engine_id, self.spec.num_kv_heads, self.tp_size)
         self.local = KVWorker(setup, 0, self.kv_tensors)
@@ -191,11 +177,9 @@ class KVConnector:
 
     # -- prefill side -------------------------------------------------------------------
     def _listen(self) -> None:
-        from kvrelay.disagg.side_channel import SideChannelServer, advertised_host
         host = envs.SIDE_CHANNEL_HOST.raw() or "127.0.0.1"
         port = envs.SIDE_CHANNEL_PORT.as_int() or 0
         port = port + self.port_offset if port else 0
-        from kvrelay.disagg.auth import warn_if_exposed
         warn_if_exposed(host, self.secret, "side channel")
         self.server = SideChannelServer(host, port, self._handle, secret=self.secret,
                                         max_connections=self.config.max_connections)
@@ -236,7 +220,6 @@ class KVConnector:
     def _grant(self, message: dict[str, Any], claim: bool) -> _Grant:
         """The live grant `message` names with its capability (side-channel thread);
         SideChannelError with nothing but REFUSED otherwise. A grant is claimed once."""
-        from kvrelay.disagg.side_channel import SideChannelError, warn_limited
         request_id, capability = message.get("request_id"), message.get("capability")
         with self._grant_lock:
             grant = self.grants.get(request_id) if isinstance(request_id, str) else None
@@ -299,7 +282,6 @@ class KVConnector:
 
     def read_done(self) -> list[str]:
         """Held requests every decode rank finished reading (or that decode released)."""
-        from kvrelay.disagg.side_channel import warn_limited
         done = []
         raw = list(self.local.notifications())
         for notices in self._events("notify"):
@@ -335,7 +317,6 @@ class KVConnector:
     def peer(self, engine_id: str, host: str, port: int) -> PeerInfo:
         if engine_id in self.peers:
             return self.peers[engine_id]
-        from kvrelay.disagg.side_channel import side_channel_call
         reply = side_channel_call(host, port, {"type": "handshake", "version": HANDSHAKE_VERSION,
                                                "engine_id": self.engine_id, "spec": self.spec.__dict__,
                                                "tp_size": self.tp_size}, secret=self.secret)
@@ -407,7 +388,6 @@ class KVConnector:
         """Before any read: present the request's capability to the prefill, which answers
         with the blocks it issued for that request (once). Block ids that a client put in
         kv_transfer_params are read only if they are exactly those."""
-        from kvrelay.disagg.side_channel import SideChannelError, side_channel_call
         try:
             reply = side_channel_call(params.remote_host, params.remote_port,
                                       {"type": "claim", "request_id": params.remote_request_id,
@@ -426,7 +406,6 @@ class KVConnector:
 
     def release_remote(self, params: Any) -> None:
         """Ask the prefill (in the background) to free blocks we will not read."""
-        from kvrelay.disagg.side_channel import side_channel_call
 
         def send() -> None:
             try:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvrelay.disagg.side_channel import interface_addresses
 from kvrelay.disagg.transport import (
     METADATA_VERSION,
     KVTransport,
@@ -98,7 +99,6 @@ def _avoid_exit_segfault() -> None:
 def ucx_interface(host: str) -> str | None:
     """The network interface that carries `host` (an IPv4 address): "lo" for loopback,
     else the interface holding that address; None when no interface does."""
-    from kvrelay.disagg.side_channel import interface_addresses
     if host.startswith("127.") or host == "localhost":
         return "lo"
     for name, addr in interface_addresses():

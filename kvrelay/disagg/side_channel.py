@@ -1,13 +1,12 @@
 """The KV side channel: a small request/response service on the prefill server's
 `VLLM_NIXL_SIDE_CHANNEL_HOST:PORT` where decode servers fetch transport metadata.
 
-Wire format: each message is one frame — a 4-byte big-endian length, then that many
-bytes of UTF-8 JSON encoding an object. Frames over the limit (requests to the server:
-64 KiB; replies: 16 MiB; the authentication exchange: 4 KiB) or that are not a JSON
-object are rejected with an error reply; an oversized frame also closes the connection
-(its body is never read). A frame's buffer grows as its bytes arrive. Nothing is
-unpickled. With a KV secret, a connection authenticates before its first request
-(`kvrelay.disagg.auth`).
+Wire format: each message is one frame of `kvrelay/framing.py` (a 4-byte big-endian
+length, then UTF-8 JSON encoding an object). Frames over the limit (requests to the
+server: 64 KiB; replies: 16 MiB; the authentication exchange: 4 KiB) or that are not a
+JSON object are rejected with an error reply; an oversized frame also closes the
+connection (its body is never read). With a KV secret, a connection authenticates before
+its first request (`kvrelay.disagg.auth`).
 
 A request is any JSON object; the server answers `{"ok": true, "result": {...}}` with
 what the handler returned, or `{"ok": false, "error": "..."}` when the request was
@@ -17,7 +16,6 @@ or raises `SideChannelError`.
 """
 from __future__ import annotations
 
-import json
 import logging
 import socket
 import struct
@@ -27,91 +25,24 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvrelay import envs
+from kvrelay.disagg.auth import AuthError, client_authenticate, server_authenticate
+from kvrelay.framing import (
+    MAX_FRAME,
+    FrameError,
+    OversizedFrame,
+    encode_frame,
+    recv_frame,
+    send_frame,
+)
 
 logger = logging.getLogger(__name__)
 
-MAX_FRAME = 16 * 1024 * 1024
-_HEADER = struct.Struct(">I")
 ADVERTISE_HOST_ENV = envs.SIDE_CHANNEL_ADVERTISE_HOST.name
 _ENV_HINT = "VLLM_NIXL_SIDE_CHANNEL_HOST/VLLM_NIXL_SIDE_CHANNEL_PORT"
 
 
 class SideChannelError(RuntimeError):
     """A side-channel call failed; the message names the address and the reason."""
-
-
-class FrameError(SideChannelError):
-    """A frame was oversized or not a JSON object."""
-
-
-class OversizedFrame(FrameError):
-    """A frame's announced length exceeds the limit (its body was not read)."""
-
-
-# ---------------------------------------------------------------------------------------
-# framing (also used by the TCP transport)
-
-
-def encode_frame(obj: dict, max_frame: int = MAX_FRAME) -> bytes:
-    if not isinstance(obj, dict):
-        raise TypeError(f"a side-channel message must be a dict, got {type(obj).__name__}")
-    body = json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
-    if len(body) > max_frame:
-        raise OversizedFrame(f"message of {len(body)} bytes exceeds the {max_frame}-byte frame limit")
-    return _HEADER.pack(len(body)) + body
-
-
-def send_frame(sock: socket.socket, obj: dict, max_frame: int = MAX_FRAME) -> None:
-    sock.sendall(encode_frame(obj, max_frame))
-
-
-_CHUNK = 64 * 1024
-
-
-def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes | None:
-    """Exactly n bytes; None on EOF before the first byte; ConnectionError on EOF inside.
-
-    The buffer grows as bytes arrive (at most 64 KiB per receive), so a peer that
-    announces a large frame and sends nothing costs nothing. With a `deadline`
-    (time.monotonic()) the whole read must finish by then (TimeoutError), however
-    slowly the bytes trickle in."""
-    buf = bytearray()
-    while len(buf) < n:
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"no complete frame within the time allowed "
-                                   f"({len(buf)} of {n} bytes)")
-            sock.settimeout(left)
-        chunk = sock.recv(min(n - len(buf), _CHUNK))
-        if not chunk:
-            if not buf:
-                return None
-            raise ConnectionError(f"connection closed after {len(buf)} of {n} bytes")
-        buf += chunk
-    return bytes(buf)
-
-
-def recv_frame(sock: socket.socket, max_frame: int = MAX_FRAME,
-               deadline: float | None = None) -> dict | None:
-    """One frame as a dict; None on clean EOF. FrameError when the frame is oversized
-    (body left unread) or is not a JSON object (body consumed). `deadline`: see recv_exact."""
-    head = recv_exact(sock, _HEADER.size, deadline)
-    if head is None:
-        return None
-    (n,) = _HEADER.unpack(head)
-    if n > max_frame:
-        raise OversizedFrame(f"frame of {n} bytes exceeds the {max_frame}-byte limit")
-    body = recv_exact(sock, n, deadline) if n else b""
-    if body is None:
-        raise ConnectionError("connection closed inside a frame")
-    try:
-        obj = json.loads(body)
-    except (ValueError, RecursionError) as e:
-        raise FrameError(f"frame is not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
-    if not isinstance(obj, dict):
-        raise FrameError(f"frame must hold a JSON object, got {type(obj).__name__}")
-    return obj
 
 
 def _family(host: str) -> int:
@@ -217,7 +148,6 @@ def authenticate_connection(conn: socket.socket, secret: bytes, lock: threading.
     """The server side of the KV secret's challenge–response on `conn` (see auth.py); on
     success the connection counts as authenticated in `conns` (so it is never evicted as a
     pending one) unless it was evicted meanwhile."""
-    from kvrelay.disagg.auth import AuthError, server_authenticate
     try:
         server_authenticate(conn, secret)
     except AuthError as e:
@@ -442,7 +372,6 @@ class SideChannelClient:
             raise _connect_error(host, self.port, e, timeout) from e
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if secret is not None:
-            from kvrelay.disagg.auth import AuthError, client_authenticate
             try:
                 client_authenticate(self._sock, secret)
             except AuthError as e:
@@ -453,9 +382,8 @@ class SideChannelClient:
 
     def call(self, message: dict) -> dict:
         where = f"KV side channel {self.host}:{self.port}"
-        frame = encode_frame(message, self.max_frame)
         try:
-            self._sock.sendall(frame)
+            self._sock.sendall(encode_frame(message, self.max_frame))
             reply = recv_frame(self._sock, self.max_frame)
         except FrameError as e:
             raise SideChannelError(f"{where}: bad reply: {e}") from e

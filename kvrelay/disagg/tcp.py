@@ -31,16 +31,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvrelay.disagg.auth import AuthError, client_authenticate
 from kvrelay.disagg.side_channel import (
-    MAX_FRAME,
-    FrameError,
-    OversizedFrame,
     _Conn,
     admit_connection,
     advertised_host,
     authenticate_connection,
-    recv_frame,
-    send_frame,
     warn_limited,
 )
 from kvrelay.disagg.transport import (
@@ -55,6 +51,7 @@ from kvrelay.disagg.transport import (
     check_notify,
     tensor_regions,
 )
+from kvrelay.framing import MAX_FRAME, FrameError, OversizedFrame, recv_frame, send_frame
 
 logger = logging.getLogger(__name__)
 
@@ -405,7 +402,6 @@ class TcpTransport(KVTransport):
                                 f"({type(e).__name__}: {e})") from e
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self.secret is not None:
-            from kvrelay.disagg.auth import AuthError, client_authenticate
             try:
                 client_authenticate(s, self.secret)
             except AuthError as e:

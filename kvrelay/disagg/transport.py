@@ -14,8 +14,8 @@ against both sides' registered regions before anything moves: a bad one is a
 
 Implementations: `NixlTransport` (NIXL, normally its UCX backend; `nixl.py`) and
 `TcpTransport` (plain TCP scatter/gather, for machines without NIXL; `tcp.py`).
-`make_transport` picks one from the configured backend names, falling back (with a
-logged WARNING and `.fallback_from` set) when the requested one is unavailable.
+`backends.make_transport` picks one from the configured backend names, falling back
+(with a logged WARNING and `.fallback_from` set) when the requested one is unavailable.
 """
 from __future__ import annotations
 
@@ -228,70 +228,3 @@ def check_metadata(metadata: object, expected: str, peer_id: str) -> dict:
 
 # ---------------------------------------------------------------------------------------
 # choosing a transport
-
-def make_transport(backends: Sequence[str] | None = None, *, agent_name: str | None = None,
-                   backend_options: dict[str, dict[str, str]] | None = None,
-                   host: str = "127.0.0.1", port: int = 0, secret: bytes | None = None,
-                   serve: bool = True, ucx_host: str | None = None) -> KVTransport:
-    """The transport for `backends` (vLLM's `kv_connector_extra_config["backends"]`,
-    default ["UCX"]).
-
-    - ["TCP"] → TcpTransport(host, port).
-    - NIXL backends (["UCX"], ["LIBFABRIC"], several) → NixlTransport with those whose
-      plugins load; if none loads, NIXL UCX; if NIXL is missing or UCX does not load
-      either, TcpTransport. Each fallback logs a WARNING naming what was asked for and
-      what is used, and sets `.fallback_from` to the requested names not in use
-      ("LIBFABRIC", "UCX", "LIBFABRIC,UCX"; None when all are) so the caller can count
-      it in a metric.
-
-    `host`/`port` are where a TcpTransport listens (it serves reads to peers unless
-    `serve` is False; with a `secret` its peers authenticate first). `ucx_host`: the
-    address whose interface NIXL's UCX may listen on (`NixlTransport`).
-    """
-    from kvrelay.disagg.tcp import TcpTransport
-
-    requested = [str(b).upper() for b in (backends or ["UCX"])]
-    if not requested:
-        requested = ["UCX"]
-    asked = ",".join(requested)
-    if requested == ["TCP"]:
-        return TcpTransport(host=host, port=port, secret=secret, serve=serve)
-    if "TCP" in requested:
-        raise ValueError(f"KV transport backends {requested}: TCP cannot be combined with NIXL backends")
-
-    from kvrelay.disagg import nixl as nixl_mod
-
-    missing = nixl_mod.nixl_import_error()
-    if missing is not None:
-        logger.warning("KV transfer: NIXL backend %s requested but NIXL is not installed (%s); "
-                       "falling back to kvrelay's TCP transport. Install NIXL with `pip install "
-                       "nixl-cu12==1.5.1 && pip install --no-deps nixl==1.5.1`.", asked, missing)
-        t = TcpTransport(host=host, port=port, secret=secret, serve=serve)
-        t.fallback_from = asked
-        return t
-
-    try:
-        t = nixl_mod.NixlTransport(agent_name, backends=requested, backend_options=backend_options,
-                                   ucx_host=ucx_host)
-    except TransportUnavailable as e:
-        reason = str(e)
-    else:
-        if t.unavailable_backends:          # some of several loaded: NixlTransport warned
-            t.fallback_from = ",".join(t.unavailable_backends)
-        return t
-    if requested != ["UCX"]:
-        try:
-            t = nixl_mod.NixlTransport(agent_name, backends=["UCX"],
-                                       backend_options=backend_options, ucx_host=ucx_host)
-        except TransportUnavailable as e:
-            reason += f"; UCX: {e}"
-        else:
-            logger.warning("KV transfer: NIXL backend %s is not available here (%s); falling back "
-                           "to NIXL UCX.", asked, reason)
-            t.fallback_from = asked
-            return t
-    logger.warning("KV transfer: NIXL backend %s is not available here (%s); falling back to "
-                   "kvrelay's TCP transport.", asked, reason)
-    t = TcpTransport(host=host, port=port, secret=secret, serve=serve)
-    t.fallback_from = asked
-    return t

@@ -27,8 +27,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvrelay import envs
+from kvrelay.disagg.auth import load_secret, warn_if_exposed
+from kvrelay.disagg.backends import make_transport
+from kvrelay.disagg.capability import REFUSED, capability_matches, parse_notify
 from kvrelay.disagg.layout import HeadSlice, head_slice
 from kvrelay.disagg.params import KVTransferConfig
+from kvrelay.disagg.side_channel import advertised_host
+from kvrelay.disagg.tcp import TcpTransport
+from kvrelay.disagg.transport import ReadDesc, TransferError
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +123,6 @@ def ucx_host(producer: bool, side_host: str | None) -> str | None:
     Unset, the consumer's loopback default says nothing about where the prefills are, and
     restricting UCX to loopback would cut it off from prefills on other hosts. A
     UCX_NET_DEVICES the user set wins in both cases (nixl.restrict_ucx_interface)."""
-    from kvrelay.disagg.side_channel import advertised_host
     if producer:
         return advertised_host(side_host or "127.0.0.1")
     return advertised_host(side_host) if side_host else None
@@ -125,8 +130,6 @@ def ucx_host(producer: bool, side_host: str | None) -> str | None:
 
 class KVWorker:
     def __init__(self, setup: KVWorkerSetup, rank: int, kv_tensors: list[Any]) -> None:
-        from kvrelay.disagg.auth import load_secret, warn_if_exposed
-        from kvrelay.disagg.transport import make_transport
         cfg = setup.config
         self.setup, self.rank = setup, rank
         # a TCP transport serves reads where the side channel listens (0.0.0.0 in the tutorial)
@@ -152,12 +155,12 @@ class KVWorker:
         self._lock = threading.Lock()
         self.grants: dict[str, ReadGrant] = {}
         self._grants_changed = threading.Condition()
-        if cfg.is_producer and hasattr(self.transport, "authorize"):
-            self.transport.authorize = self._authorize
+        if cfg.is_producer and isinstance(self.transport, TcpTransport):
+            self.transport.authorize = self._authorize   # NIXL reads are one-sided: never asked
 
     @property
     def fell_back(self) -> bool:
-        return bool(getattr(self.transport, "fallback_from", None))
+        return bool(self.transport.fallback_from)
 
     def metadata(self) -> dict[str, Any]:
         return self.transport.metadata()
@@ -205,7 +208,6 @@ class KVWorker:
             remote block r of tensor t, K/V kv:  [(kv·R + r)·Hs + off, … + n)·head_bytes
             local  block l:                      [(kv·L + l)·n, … + n)·head_bytes
         (R, L: blocks per tensor; Hs: heads per prefill block; off, n: this rank's slice.)"""
-        from kvrelay.disagg.transport import ReadDesc
         peer, s = self.peers[order.engine_id]
         hb, n = self.head_bytes, s.num_heads
         out = []
@@ -236,7 +238,6 @@ class KVWorker:
         request with its capability and every byte range lies inside one of the blocks
         issued for it; else why not. A grant sent to this rank may trail the decode's
         read by a step: wait for it a little."""
-        from kvrelay.disagg.connector import REFUSED, capability_matches, parse_notify
         parsed = parse_notify(notify)
         if parsed is None:
             return "a read must name its request and capability"
@@ -258,7 +259,6 @@ class KVWorker:
 
     # -- progress --------------------------------------------------------------------------
     def poll(self) -> list[LoadEvent]:
-        from kvrelay.disagg.transport import TransferError
         with self._lock:
             reads = list(self.reads.items())
         events = []

@@ -1,8 +1,11 @@
-"""The API server's handle on the engine-core process.
+"""The API server's handle on the engine-core process: `AsyncEngine`, an `EngineClient`.
 
-Owner of: the engine process, the pipe to it, and one asyncio queue per in-flight
-request. A reader thread receives the core's messages and hands them to the event
-loop; `generate` yields accumulated `RequestOutput`s as deltas arrive.
+`CoreClient` owns the API side of one engine core, whatever carries its messages: one
+asyncio queue per in-flight request, the deltas accumulated into outputs, the answers
+to explicit frees, the core's latest stats. `generate` yields accumulated
+`RequestOutput`s as deltas arrive. `AsyncEngine` adds the engine-core process on this
+machine and the pipe to it (a reader thread hands the core's messages to the event
+loop); `dp_remote.RemoteReplica` adds a core on a headless node, reached over TCP.
 
 Request ids: the engine's id of a request is the caller's id plus a random suffix,
 so requests that arrive with the same client id (a gateway retrying with one
@@ -18,39 +21,38 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Protocol
 
 from kvrelay.config import EngineArgs
+from kvrelay.engine.client import (
+    EngineDeadError,
+    EngineError,
+    KVHoldRefused,
+    KVTransferFailed,
+    RequestFailed,
+)
 from kvrelay.engine.core_proc import run_engine_core
+from kvrelay.engine.messages import (
+    AbortRequests,
+    AddRequest,
+    EngineInfo,
+    EngineStats,
+    Fatal,
+    Freed,
+    FreeRemote,
+    FromEngine,
+    Ready,
+    RequestRefused,
+    Shutdown,
+    StepOutputs,
+    ToEngine,
+)
 from kvrelay.engine.outputs import RequestOutput
 from kvrelay.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-class EngineError(RuntimeError):
-    """The engine refused a request (a client mistake) — maps to HTTP 400; `param`
-    names the request field when the engine knows it."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-class RequestFailed(RuntimeError):
-    """This request failed inside the engine, which went on serving the others — HTTP 500."""
-
-
-class KVTransferFailed(RuntimeError):
-    """The request's KV transfer failed (policy "fail") — maps to HTTP 502."""
-
-
-class KVHoldRefused(KVTransferFailed):
-    """A prefill could not hold this `do_remote_decode` request's KV for a decode: the
-    blocks held for decodes would exceed `hold_share` of its pool. The server is busy,
-    not broken, and the blocks are already freed — HTTP 503 with Retry-After."""
 
 
 # the engine's error_status → what `generate` raises (anything else: a failed transfer)
@@ -58,8 +60,10 @@ _FAILURES: dict[int, type[RuntimeError]] = {500: RequestFailed, 503: KVHoldRefus
 FREE_TIMEOUT_S = 30.0   # an explicit free waits at most this for the engine's answer
 
 
-class EngineDeadError(RuntimeError):
-    """The engine process failed; every in-flight request fails with this."""
+class Waker(Protocol):
+    """Replicas in lockstep (`engine/lockstep.py`): after an add, every one gets a wake."""
+
+    def wake_all(self) -> None: ...
 
 
 @dataclass
@@ -74,31 +78,40 @@ def _snapshot(out: RequestOutput) -> RequestOutput:
     return replace(out, outputs=[replace(o) for o in out.outputs])
 
 
-class AsyncEngine:
-    def __init__(self, args: EngineArgs, step_timeout_s: float | None = None) -> None:
-        self.args = args
+class CoreClient:
+    """The API side of one engine core; subclasses carry the messages (`_deliver`) and
+    hand the core's messages to `receive` (from any thread)."""
+
+    def __init__(self, step_timeout_s: float | None = None) -> None:
         self.step_timeout_s = step_timeout_s
         self.streams: dict[str, _Stream] = {}
-        self.stats: dict[str, float] = {}
-        self.info: dict[str, Any] = {}
+        self.stats = EngineStats()                 # the core's latest snapshot
+        self.info: EngineInfo | None = None        # what the core resolved at start-up
         self.ready = asyncio.Event()
         self.dead: str | None = None
-        self._send_lock = threading.Lock()
-        ctx = mp.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=run_engine_core, args=(args, child, logging.getLogger().level),
-                                   name="kvrelay-engine-core", daemon=False)
+        self.group: Waker | None = None            # lockstep: the DataParallelEngine
         self._loop: asyncio.AbstractEventLoop | None = None
         self.last_step = time.monotonic()          # when the core last reported a step
         self._stopping = False                     # shutdown() asked the core to exit
         self._frees: dict[int, asyncio.Future] = {}   # explicit frees awaiting the core's answer
         self._free_tokens = itertools.count()
 
+    # -- what a subclass provides -----------------------------------------------------------
+    def _deliver(self, message: ToEngine) -> None:
+        """Carry one message to the core (OSError or EngineDeadError when it cannot)."""
+        raise NotImplementedError
+
+    def _exit_was_asked(self) -> bool:
+        """Was the core's end (its `Fatal`) an asked-for exit rather than a crash?"""
+        return self._stopping
+
+    def _exit_detail(self) -> str:
+        """What the log line of a crashed core adds (e.g. the exit code)."""
+        return ""
+
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self.process.start()
-        threading.Thread(target=self._reader, name="kvrelay-engine-reader", daemon=True).start()
 
     async def wait_ready(self, timeout_s: float | None) -> None:
         try:
@@ -108,23 +121,13 @@ class AsyncEngine:
         if self.dead:
             raise EngineDeadError(self.dead)
 
-    def shutdown(self, timeout_s: float = 10.0) -> None:
-        self._stopping = True
-        if self.process.is_alive():
-            try:
-                self._send(("shutdown",))
-            except (OSError, EngineDeadError):
-                pass
-            self.process.join(timeout_s)
-        if self.process.is_alive():
-            self.process.terminate()
-            self.process.join(5)
-        if self.process.is_alive():
-            self.process.kill()
+    def shutdown(self) -> None:
+        raise NotImplementedError
 
     # -- requests ---------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
-                       kv_transfer_params: dict | None = None) -> AsyncIterator[RequestOutput]:
+                       kv_transfer_params: dict | None = None
+                       ) -> AsyncGenerator[RequestOutput, None]:
         if self.dead:
             raise EngineDeadError(self.dead)
         request_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
@@ -134,7 +137,7 @@ class AsyncEngine:
         self.streams[request_id] = stream
         finished = False
         try:
-            self._send(("add", request_id, prompt, params, kv_transfer_params))
+            self._send(AddRequest(request_id, prompt, params, kv_transfer_params))
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
@@ -154,18 +157,18 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         try:
-            self._send(("abort", [request_id]))
+            self._send(AbortRequests([request_id]))
         except (OSError, EngineDeadError):
             pass
 
     async def free_remote(self, request_id: str, capability: str) -> bool:
         """Free the blocks held for a decode under `request_id`, if `capability` is the
-        one it was held with; whether anything was freed (the core answers "freed")."""
+        one it was held with; whether anything was freed (the core answers `Freed`)."""
         token = next(self._free_tokens)
         answer = asyncio.get_running_loop().create_future()
         self._frees[token] = answer
         try:
-            self._send(("free_remote", request_id, capability, token))
+            self._send(FreeRemote(request_id, capability, token))
             return bool(await asyncio.wait_for(answer, FREE_TIMEOUT_S))
         finally:
             self._frees.pop(token, None)
@@ -184,7 +187,8 @@ class AsyncEngine:
             o.token_ids.extend(d.delta_token_ids)
             if d.delta_logprobs is not None:
                 o.logprobs = (o.logprobs or []) + list(d.delta_logprobs)
-            o.delta_text, o.delta_token_ids, o.delta_logprobs = d.delta_text, d.delta_token_ids, d.delta_logprobs
+            o.delta_text, o.delta_token_ids = d.delta_text, d.delta_token_ids
+            o.delta_logprobs = d.delta_logprobs
             o.finish_reason, o.stop_reason = d.finish_reason, d.stop_reason
         acc.finished = delta.finished
         acc.num_cached_tokens = delta.num_cached_tokens
@@ -195,67 +199,58 @@ class AsyncEngine:
         return acc
 
     # -- plumbing ---------------------------------------------------------------------------
-    def _send(self, message: tuple) -> None:
+    def _send(self, message: ToEngine) -> None:
         if self.dead:
             raise EngineDeadError(self.dead)
-        with self._send_lock:
-            self._conn.send(message)
+        self._deliver(message)
+        if isinstance(message, AddRequest) and self.group is not None:
+            self.group.wake_all()                  # lockstep: every replica learns of the add
 
-    def _reader(self) -> None:
-        while True:
-            try:
-                message = self._conn.recv()
-            except (EOFError, OSError):
-                message = ("fatal", "the engine process exited")
-            try:
-                self._loop.call_soon_threadsafe(self._dispatch, message)
-            except RuntimeError:                     # the event loop closed: the server is gone
-                return
-            if message[0] == "fatal":
-                return
+    def receive(self, message: FromEngine) -> bool:
+        """A message from the core, from any thread: handled in the event loop. False
+        when there is no event loop (not started, or closed: the server is gone)."""
+        if self._loop is None:
+            return False
+        try:
+            self._loop.call_soon_threadsafe(self._dispatch, message)
+        except RuntimeError:                       # the event loop closed
+            return False
+        return True
 
-    def _dispatch(self, message: tuple) -> None:
-        kind = message[0]
-        if kind == "ready":
-            self.info, self.stats = message[1], message[1]["stats"]
+    def _dispatch(self, message: FromEngine) -> None:
+        if isinstance(message, Ready):
+            self.info, self.stats = message.info, message.stats
             self.ready.set()
-        elif kind == "outputs":
-            self.stats = message[2]
+        elif isinstance(message, StepOutputs):
+            self.stats = message.stats
             self.last_step = time.monotonic()
-            for out in message[1]:
+            for out in message.outputs:
                 stream = self.streams.get(out.request_id)
                 if stream is not None:
                     stream.queue.put_nowait(out)
-        elif kind == "freed":
-            answer = self._frees.get(message[1])
+        elif isinstance(message, Freed):
+            answer = self._frees.get(message.token)
             if answer is not None and not answer.done():
-                answer.set_result(message[2])
-        elif kind == "error":
-            stream = self.streams.get(message[1])
+                answer.set_result(message.freed)
+        elif isinstance(message, RequestRefused):
+            stream = self.streams.get(message.request_id)
             if stream is not None:
-                status, param = (message[3], message[4]) if len(message) > 4 else (400, None)
-                error = EngineError(message[2], param) if status < 500 else RequestFailed(message[2])
+                error = (EngineError(message.message, message.param) if message.status < 500
+                         else RequestFailed(message.message))
                 stream.queue.put_nowait(error)
-        elif kind == "fatal":
+        elif isinstance(message, Fatal):
             if self.dead is None:
-                self.dead = message[1]
-                if self._stopping or self._terminated():     # an asked-for exit, not a crash
+                self.dead = message.reason
+                if self._exit_was_asked():
                     logger.info("engine core stopped")
                 else:
-                    logger.error("engine core failed: %s (exit code %s)", message[1],
-                                 self.process.exitcode)
+                    logger.error("engine core failed: %s%s", message.reason, self._exit_detail())
             for stream in self.streams.values():
                 stream.queue.put_nowait(EngineDeadError(self.dead))
             for answer in self._frees.values():
                 if not answer.done():
                     answer.set_exception(EngineDeadError(self.dead))
             self.ready.set()
-
-    def _terminated(self) -> bool:
-        """Did the core exit on SIGTERM/SIGINT (e.g. sent to the whole process group by a
-        supervisor stopping the server)? Called only once its pipe has closed."""
-        self.process.join(1.0)
-        return self.process.exitcode in (-signal.SIGTERM, -signal.SIGINT)
 
     def check_stalled(self) -> None:
         """Fail in-flight requests when the engine reported no step for longer than the
@@ -269,3 +264,61 @@ class AsyncEngine:
             for stream in self.streams.values():
                 stream.queue.put_nowait(error)
             self.last_step = time.monotonic()
+
+
+class AsyncEngine(CoreClient):
+    """An `EngineClient` for one engine-core process on this machine."""
+
+    def __init__(self, args: EngineArgs, step_timeout_s: float | None = None) -> None:
+        super().__init__(step_timeout_s)
+        self.args = args
+        self._send_lock = threading.Lock()
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=run_engine_core,
+                                   args=(args, child, logging.getLogger().level),
+                                   name="kvrelay-engine-core", daemon=False)
+
+    def start(self) -> None:
+        super().start()
+        self.process.start()
+        threading.Thread(target=self._reader, name="kvrelay-engine-reader", daemon=True).start()
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        self._stopping = True
+        if self.process.is_alive():
+            try:
+                self._send(Shutdown())
+            except (OSError, EngineDeadError):
+                pass
+            self.process.join(timeout_s)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(5)
+        if self.process.is_alive():
+            self.process.kill()
+
+    def _deliver(self, message: ToEngine) -> None:
+        with self._send_lock:
+            self._conn.send(message)
+
+    def _reader(self) -> None:
+        while True:
+            try:
+                message: FromEngine = self._conn.recv()
+            except (EOFError, OSError):
+                message = Fatal("the engine process exited")
+            if not self.receive(message) or isinstance(message, Fatal):
+                return
+
+    def _exit_was_asked(self) -> bool:
+        return self._stopping or self._terminated()
+
+    def _exit_detail(self) -> str:
+        return f" (exit code {self.process.exitcode})"
+
+    def _terminated(self) -> bool:
+        """Did the core exit on SIGTERM/SIGINT (e.g. sent to the whole process group by a
+        supervisor stopping the server)? Called only once its pipe has closed."""
+        self.process.join(1.0)
+        return self.process.exitcode in (-signal.SIGTERM, -signal.SIGINT)

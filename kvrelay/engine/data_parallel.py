@@ -5,7 +5,7 @@ Owner of: the replicas and the placement of requests. A replica is an `AsyncEngi
 node, or a `RemoteReplica` run by a headless node (`kvrelay/engine/dp_remote.py`)
 that connected to this head over --data-parallel-rpc-port. A request goes to the
 replica with the fewest requests in flight (ties: fewest waiting in its scheduler),
-and stays there. It offers `AsyncEngine`'s interface, so the server does not know.
+and stays there. It is an `EngineClient`, as `AsyncEngine` is, so the server does not know.
 
     node 0 (head): API server + replicas [0, local)      listens on address:rpc_port
     node k (--headless): replicas [start, start + local)  connects to the head
@@ -16,34 +16,25 @@ experts are sharded over all TP × DP ranks, which meet in one expert world at
 in lockstep (`engine/lockstep.py`); this class wakes all of them after every add.
 
 Replica r's device slice is the r-th equal share (among this node's replicas) of the
-visible devices.
+visible devices (`engine/dp_placement.py`).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import replace
-from typing import Any
 
-from kvrelay import envs
 from kvrelay.config import EngineArgs
-from kvrelay.engine.async_client import AsyncEngine
+from kvrelay.engine.async_client import AsyncEngine, CoreClient
+from kvrelay.engine.dp_placement import replica_args
+from kvrelay.engine.dp_remote import HeadListener, RemoteReplica
+from kvrelay.engine.messages import EngineInfo, EngineStats, Wake
 from kvrelay.engine.outputs import RequestOutput
 from kvrelay.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-def replica_devices(visible: str | None, dp: int, rank: int) -> str | None:
-    if not visible:
-        return None
-    ids = envs.parse_id_list(visible)
-    if len(ids) < dp:                      # more replicas than devices: share round-robin
-        return str(ids[rank % len(ids)])
-    per = len(ids) // dp
-    return ",".join(str(i) for i in ids[rank * per:(rank + 1) * per])
 
 
 def free_port(address: str) -> int:
@@ -52,31 +43,9 @@ def free_port(address: str) -> int:
         return s.getsockname()[1]
 
 
-def replica_args(args: EngineArgs, rank: int) -> EngineArgs:
-    """The engine arguments of replica `rank` on this node (its device slice among
-    this node's replicas)."""
-    visible = envs.VISIBLE_DEVICES.raw()
-    local_index = rank - args.data_parallel_start_rank
-    return replace(args, data_parallel_rank=rank,
-                   visible_devices=replica_devices(visible, args.local_replicas, local_index))
-
-
-class _Waking:
-    """Mixin for replicas in lockstep: after an add, every replica gets a wake."""
-
-    group: DataParallelEngine | None = None
-
-    def _send(self, message: tuple) -> None:
-        super()._send(message)  # type: ignore[misc]
-        if message[0] == "add" and self.group is not None:
-            self.group.wake_all()
-
-
-class LocalReplica(_Waking, AsyncEngine):
-    pass
-
-
 class DataParallelEngine:
+    """An `EngineClient` (`engine/client.py`) over N replicas."""
+
     def __init__(self, args: EngineArgs, step_timeout_s: float | None = None) -> None:
         self.args = args
         self.lockstep = args.experts_across_replicas
@@ -84,17 +53,18 @@ class DataParallelEngine:
             args = replace(args, data_parallel_master_port=free_port(args.data_parallel_address))
             self.args = args
         local = args.local_replicas
-        self.replicas: list[Any] = [LocalReplica(replica_args(args, r), step_timeout_s) for r in range(local)]
-        self.listener = None
+        self.replicas: list[CoreClient] = [AsyncEngine(replica_args(args, r), step_timeout_s)
+                                           for r in range(local)]
+        self.listener: HeadListener | None = None
         if local < args.data_parallel_size:
-            from kvrelay.engine.dp_remote import HeadListener, RemoteReplica
-            remote = [RemoteReplica(r, step_timeout_s) for r in range(local, args.data_parallel_size)]
+            remote = [RemoteReplica(r, step_timeout_s)
+                      for r in range(local, args.data_parallel_size)]
             self.replicas += remote
             self.listener = HeadListener(args, remote)
         for r in self.replicas:
             r.group = self if self.lockstep else None
         self.ready = asyncio.Event()
-        self.placement: dict[str, AsyncEngine] = {}
+        self.placement: dict[str, CoreClient] = {}
         self.wave = 0
 
     def wake_all(self) -> None:
@@ -102,11 +72,11 @@ class DataParallelEngine:
         self.wave += 1
         for r in self.replicas:
             try:
-                r._send(("wake", self.wave))
+                r._send(Wake(self.wave))
             except (OSError, RuntimeError) as e:  # a dead replica; the watchdog stops the server
                 logger.debug("wake not delivered to a replica: %s", e)
 
-    # -- the AsyncEngine interface ---------------------------------------------------------
+    # -- the EngineClient interface --------------------------------------------------------
     @property
     def dead(self) -> str | None:
         """Why a replica failed; the one that names an exited process first (with experts
@@ -115,7 +85,7 @@ class DataParallelEngine:
         return next((d for d in dead if "exited" in d), dead[0] if dead else None)
 
     @property
-    def info(self) -> dict[str, Any]:
+    def info(self) -> EngineInfo | None:
         return self.replicas[0].info
 
     @property
@@ -123,14 +93,8 @@ class DataParallelEngine:
         return {k: v for r in self.replicas for k, v in r.streams.items()}
 
     @property
-    def stats(self) -> dict[str, float]:
-        total: dict[str, float] = {}
-        for r in self.replicas:
-            for k, v in r.stats.items():
-                total[k] = total.get(k, 0) + v
-        if total:
-            total["kv_cache_usage_perc"] = total.get("kv_cache_usage_perc", 0) / len(self.replicas)
-        return total
+    def stats(self) -> EngineStats:
+        return EngineStats.total([r.stats for r in self.replicas])
 
     def start(self) -> None:
         for r in self.replicas:
@@ -152,11 +116,12 @@ class DataParallelEngine:
         for r in self.replicas:
             r.check_stalled()
 
-    def pick(self) -> AsyncEngine:
-        return min(self.replicas, key=lambda r: (len(r.streams), r.stats.get("num_requests_waiting", 0)))
+    def pick(self) -> CoreClient:
+        return min(self.replicas, key=lambda r: (len(r.streams), r.stats.num_requests_waiting))
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
-                       kv_transfer_params: dict | None = None) -> AsyncIterator[RequestOutput]:
+                       kv_transfer_params: dict | None = None
+                       ) -> AsyncGenerator[RequestOutput, None]:
         replica = self.pick()
         self.placement[request_id] = replica
         try:

@@ -6,166 +6,91 @@
                    --data-parallel-address HEAD --data-parallel-rpc-port P)
         replicas [S, S + L'), no API server; connects to the head and relays
 
-Wire format: length-prefixed JSON frames (4-byte big-endian length, then UTF-8 JSON
-object) — never pickle over the network. The headless node opens with
+Wire format: the length-prefixed JSON frames of `kvrelay/framing.py` (64 MiB at most) —
+never pickle over the network; every frame is a message of `engine/messages.py`
+(`to_wire`: {"type": tag, ...fields}). The headless node opens with
 
-    {"type": "hello", "version": 1, "layout": {data_parallel_size, tensor_parallel_size,
-     enable_expert_parallel, model_config}, "start_rank": S, "local_size": L'}
+    Hello(version 2, Layout(data_parallel_size, tensor_parallel_size,
+          enable_expert_parallel, model_config hash), start_rank S, local_size L')
 
-and the head answers {"type": "welcome", "master_port": port | null} or
-{"type": "reject", "error": "..."} (the headless node exits 1 with that message; the
-head logs it and keeps waiting). After that, both directions carry the engine-core
-messages of `core_proc.py` as {"type": kind, "replica": rank, ...fields}.
+and the head answers Welcome(master_port | None) or Reject(error) (the headless node
+exits 1 with that message; the head logs it and keeps waiting). After that, both
+directions carry the engine-core messages, with the replica's rank added as "replica".
 
 Failure: a headless node that loses the head stops its replicas and exits 1; a head
 that loses a headless node fails that node's replicas (the server then stops, as for
-any dead replica). Shutdown: the head sends "shutdown" to each remote replica; the
+any dead replica). Shutdown: the head sends Shutdown to each remote replica; the
 headless node stops its replicas and exits 0 when all have exited.
 """
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import multiprocessing as mp
 import os
 import signal
 import socket
-import struct
 import threading
 import time
-from dataclasses import asdict, fields, replace
+from dataclasses import replace
 from multiprocessing.connection import Connection
 from typing import Any
 
-from kvrelay import envs
+from kvrelay import envs, framing
 from kvrelay.config import EngineArgs
-from kvrelay.engine.async_client import AsyncEngine, EngineDeadError
-from kvrelay.engine.outputs import CompletionOutput, RequestOutput
-from kvrelay.engine.request import Logprob
-from kvrelay.sampling_params import SamplingParams
+from kvrelay.engine.async_client import CoreClient
+from kvrelay.engine.client import EngineDeadError
+from kvrelay.engine.core_proc import run_engine_core
+from kvrelay.engine.dp_placement import replica_args
+from kvrelay.engine.messages import (
+    FROM_ENGINE,
+    TO_ENGINE,
+    CodecError,
+    Fatal,
+    Hello,
+    Layout,
+    Message,
+    Reject,
+    Shutdown,
+    ToEngine,
+    Welcome,
+    from_wire,
+    to_wire,
+)
+from kvrelay.framing import FrameError
 
 logger = logging.getLogger(__name__)
 
-VERSION = 1
+VERSION = 2           # 2: the frames of engine/messages.py (typed messages, named fields)
 MAX_FRAME = 64 << 20
 
 
-# -- framing ---------------------------------------------------------------------------------
-class FrameError(ConnectionError):
-    pass
-
-
-def send_frame(sock: socket.socket, obj: dict[str, Any]) -> None:
-    body = json.dumps(obj, separators=(",", ":")).encode()
-    sock.sendall(struct.pack(">I", len(body)) + body)
-
-
 def recv_frame(sock: socket.socket) -> dict[str, Any]:
-    (n,) = struct.unpack(">I", _recv_exact(sock, 4))
-    if n > MAX_FRAME:
-        raise FrameError(f"frame of {n} bytes exceeds the {MAX_FRAME}-byte limit")
-    try:
-        obj = json.loads(_recv_exact(sock, n))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise FrameError(f"malformed frame: {e}") from None
-    if not isinstance(obj, dict) or not isinstance(obj.get("type"), str):
-        raise FrameError("malformed frame: expected an object with a 'type'")
-    return obj
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("connection closed")
-        buf += chunk
-    return bytes(buf)
-
-
-# -- engine-core messages ⇄ JSON ---------------------------------------------------------------
-_PARAM_FIELDS = [f.name for f in fields(SamplingParams) if f.name != "logits_processors"]
-
-
-def _params_out(params: SamplingParams) -> dict[str, Any]:
-    """SamplingParams → JSON (structured_outputs as its dict; `SamplingParams(**d)` reads it)."""
-    d = {k: getattr(params, k) for k in _PARAM_FIELDS}
-    if params.structured_outputs is not None:
-        d["structured_outputs"] = params.structured_outputs.to_dict()
-    return d
-
-
-def _logprobs_out(lps: list | None) -> list | None:
-    if lps is None:
-        return None
-    return [None if d is None else [[lp.token_id, lp.logprob, lp.rank] for lp in d.values()] for d in lps]
-
-
-def _logprobs_in(lps: list | None) -> list | None:
-    if lps is None:
-        return None
-    return [None if d is None else {int(t): Logprob(int(t), float(p), int(r)) for t, p, r in d} for d in lps]
-
-
-def _output_out(o: RequestOutput) -> dict[str, Any]:
-    d = asdict(replace(o, outputs=[], prompt_logprobs=None))
-    d["outputs"] = [{**{k: v for k, v in asdict(replace(c, logprobs=None, delta_logprobs=None)).items()},
-                     "logprobs": _logprobs_out(c.logprobs), "delta_logprobs": _logprobs_out(c.delta_logprobs)}
-                    for c in o.outputs]
-    d["prompt_logprobs"] = _logprobs_out(o.prompt_logprobs)
-    return d
-
-
-def _output_in(d: dict[str, Any]) -> RequestOutput:
-    outputs = [CompletionOutput(**{**c, "logprobs": _logprobs_in(c["logprobs"]),
-                                   "delta_logprobs": _logprobs_in(c["delta_logprobs"])}) for c in d["outputs"]]
-    return RequestOutput(**{**d, "outputs": outputs, "prompt_logprobs": _logprobs_in(d["prompt_logprobs"])})
-
-
-def encode(message: tuple, replica: int) -> dict[str, Any]:
-    """An engine-core pipe message (either direction) → a JSON frame."""
-    kind, rest = message[0], message[1:]
-    frame: dict[str, Any] = {"type": kind, "replica": replica}
-    if kind == "add":
-        request_id, prompt, params, kv_transfer_params = rest
-        if params.logits_processors:
-            raise ValueError("per-request logits processors cannot be sent to a replica on another node")
-        frame.update(id=request_id, prompt=list(prompt), kv=kv_transfer_params,
-                     params=_params_out(params))
-    elif kind == "outputs":
-        frame.update(outputs=[_output_out(o) for o in rest[0]], stats=rest[1])
-    elif kind in ("abort", "wake", "ready", "fatal"):
-        frame["value"] = rest[0]
-    elif kind in ("free_remote", "freed"):       # (request id, capability, token) / (token, ok)
-        frame["args"] = list(rest)
-    elif kind == "error":
-        frame.update(id=rest[0], error=rest[1])
-        if len(rest) > 2:                        # (status, param): see engine/core_proc.py
-            frame.update(status=rest[2], param=rest[3])
-    elif kind not in ("shutdown", "stats"):
-        raise ValueError(f"unknown engine message {kind!r}")
+    """One frame of the link; ConnectionError when the peer closed it."""
+    frame = framing.recv_frame(sock, MAX_FRAME)
+    if frame is None:
+        raise ConnectionError("connection closed")
     return frame
 
 
-def decode(frame: dict[str, Any]) -> tuple:
-    kind = frame["type"]
-    if kind == "add":
-        return ("add", str(frame["id"]), [int(t) for t in frame["prompt"]],
-                SamplingParams(**frame["params"]), frame.get("kv"))
-    if kind == "outputs":
-        return ("outputs", [_output_in(o) for o in frame["outputs"]], frame["stats"])
-    if kind in ("abort", "wake", "ready", "fatal"):
-        return (kind, frame["value"])
-    if kind in ("free_remote", "freed"):
-        return (kind, *frame["args"])
-    if kind == "error":
-        if "status" in frame:
-            return ("error", frame["id"], frame["error"], int(frame["status"]), frame.get("param"))
-        return ("error", frame["id"], frame["error"])
-    if kind in ("shutdown", "stats"):
-        return (kind,)
-    raise FrameError(f"unknown message type {kind!r}")
+def send_frame(sock: socket.socket, frame: dict[str, Any]) -> None:
+    # NaN/inf allowed: a logprob may be -inf, and both ends are kvrelay
+    framing.send_frame(sock, frame, MAX_FRAME, allow_nan=True)
+
+
+# -- engine-core messages ⇄ frames -----------------------------------------------------------
+def encode(message: Message, replica: int) -> dict[str, Any]:
+    """An engine-core message (either direction) → the JSON frame for `replica`."""
+    return {**to_wire(message), "replica": replica}
+
+
+def decode(frame: dict[str, Any]) -> Message:
+    return from_wire(frame)
+
+
+def _replica_of(frame: dict[str, Any]) -> int | None:
+    rank = frame.get("replica")
+    return rank if isinstance(rank, int) else None
 
 
 # -- the layout both sides must agree on -------------------------------------------------------
@@ -177,30 +102,37 @@ def _model_dir(args: EngineArgs):
     return resolve_model_path(args.model, args.download_dir)
 
 
-def layout_of(args: EngineArgs) -> dict[str, Any]:
+def layout_of(args: EngineArgs) -> Layout:
     raw = (_model_dir(args) / "config.json").read_bytes()
-    return {"data_parallel_size": args.data_parallel_size, "tensor_parallel_size": args.tensor_parallel_size,
-            "enable_expert_parallel": args.enable_expert_parallel,
-            "model_config": hashlib.sha256(raw).hexdigest()[:16]}
+    return Layout(data_parallel_size=args.data_parallel_size,
+                  tensor_parallel_size=args.tensor_parallel_size,
+                  enable_expert_parallel=args.enable_expert_parallel,
+                  model_config=hashlib.sha256(raw).hexdigest()[:16])
 
 
-def check_hello(hello: dict[str, Any], mine: dict[str, Any], claimed: set[int], head_local: int) -> list[int]:
+_FLAGS = {"data_parallel_size": "--data-parallel-size",
+          "tensor_parallel_size": "--tensor-parallel-size",
+          "enable_expert_parallel": "--enable-expert-parallel",
+          "model_config": "the model's config.json"}
+
+
+def check_hello(hello: Message, mine: Layout, claimed: set[int], head_local: int) -> list[int]:
     """The replica ranks a headless node may run, or ValueError naming the mismatch."""
-    if hello.get("type") != "hello" or hello.get("version") != VERSION:
-        raise ValueError(f"expected a version {VERSION} hello, got {hello.get('type')!r} "
-                         f"version {hello.get('version')!r}")
-    theirs = hello.get("layout") or {}
-    names = {"data_parallel_size": "--data-parallel-size", "tensor_parallel_size": "--tensor-parallel-size",
-             "enable_expert_parallel": "--enable-expert-parallel", "model_config": "the model's config.json"}
-    for key, flag in names.items():
-        if theirs.get(key) != mine[key]:
-            raise ValueError(f"{flag} differs: the head has {mine[key]}, the headless node {theirs.get(key)}")
-    start, local = int(hello.get("start_rank", -1)), int(hello.get("local_size", 0))
+    if not isinstance(hello, Hello) or hello.version != VERSION:
+        version = hello.version if isinstance(hello, Hello) else None
+        raise ValueError(f"expected a version {VERSION} hello, got {hello.tag!r} "
+                         f"version {version!r}")
+    for key, flag in _FLAGS.items():
+        ours, theirs = getattr(mine, key), getattr(hello.layout, key)
+        if theirs != ours:
+            raise ValueError(f"{flag} differs: the head has {ours}, the headless node {theirs}")
+    start, local = hello.start_rank, hello.local_size
     ranks = list(range(start, start + local))
-    dp = mine["data_parallel_size"]
+    dp = mine.data_parallel_size
     if not ranks or start < head_local or start + local > dp:
-        raise ValueError(f"replica ranks [{start}, {start + local}) are not in [{head_local}, {dp}) "
-                         f"(the head runs ranks [0, {head_local}) of --data-parallel-size {dp})")
+        raise ValueError(f"replica ranks [{start}, {start + local}) are not in "
+                         f"[{head_local}, {dp}) (the head runs ranks [0, {head_local}) of "
+                         f"--data-parallel-size {dp})")
     taken = sorted(claimed & set(ranks))
     if taken:
         raise ValueError(f"replica rank {taken[0]} is already run by another headless node")
@@ -228,15 +160,18 @@ class RemoteNode:
         try:
             while True:
                 frame = recv_frame(self.sock)
-                replica = self.replicas.get(frame.get("replica"))
+                replica = self.replicas.get(_replica_of(frame))  # type: ignore[arg-type]
+                message = decode(frame)
+                if not isinstance(message, FROM_ENGINE):
+                    raise CodecError(f"a headless node sent {message.tag!r}")
                 if replica is not None:
-                    replica.deliver(decode(frame))
+                    replica.receive(message)
         except (OSError, ValueError, KeyError, TypeError) as e:
             if not isinstance(e, ConnectionError) or str(e) != "connection closed":
                 why = f"lost the headless node: {e}"
         self.closed = True
         for replica in self.replicas.values():
-            replica.deliver(("fatal", f"data-parallel replica {replica.rank}: {why}"))
+            replica.receive(Fatal(f"data-parallel replica {replica.rank}: {why}"))
 
     def close(self) -> None:
         self.closed = True
@@ -247,52 +182,28 @@ class RemoteNode:
         self.sock.close()
 
 
-class RemoteReplica(AsyncEngine):
-    """A replica run by a headless node; the same interface as a local `AsyncEngine`."""
-
-    group: Any = None
+class RemoteReplica(CoreClient):
+    """A replica run by a headless node: an engine core reached through its `RemoteNode`."""
 
     def __init__(self, rank: int, step_timeout_s: float | None = None) -> None:
-        # the AsyncEngine state, without an engine process of our own
-        import asyncio
+        super().__init__(step_timeout_s)
         self.rank = rank
-        self.args = None
-        self.step_timeout_s = step_timeout_s
-        self.streams, self.stats, self.info = {}, {}, {}
-        self.ready = asyncio.Event()
-        self.dead: str | None = None
-        self._send_lock = threading.Lock()
-        self._loop = None
-        self.last_step = time.monotonic()
         self.node: RemoteNode | None = None
 
-    def start(self) -> None:
-        import asyncio
-        self._loop = asyncio.get_running_loop()
-
-    def deliver(self, message: tuple) -> None:
-        if self._loop is not None:
-            try:
-                self._loop.call_soon_threadsafe(self._dispatch, message)
-            except RuntimeError:          # the server's event loop has ended
-                pass
-
-    def _send(self, message: tuple) -> None:
-        if self.dead:
-            raise EngineDeadError(self.dead)
+    def _deliver(self, message: ToEngine) -> None:
         if self.node is None:
-            raise EngineDeadError(f"data-parallel replica {self.rank}: its headless node has not connected")
+            raise EngineDeadError(f"data-parallel replica {self.rank}: its headless node "
+                                  f"has not connected")
         try:
             self.node.send(encode(message, self.rank))
         except OSError as e:
             raise EngineDeadError(f"data-parallel replica {self.rank}: {e}") from None
-        if message[0] == "add" and self.group is not None:
-            self.group.wake_all()
 
-    def shutdown(self, timeout_s: float = 10.0) -> None:
+    def shutdown(self) -> None:
+        self._stopping = True
         if self.node is not None and not self.node.closed:
             try:
-                self.node.send(encode(("shutdown",), self.rank))
+                self.node.send(encode(Shutdown(), self.rank))
             except OSError:
                 pass
 
@@ -325,24 +236,25 @@ class HeadListener:
     def _welcome(self, conn: socket.socket, peer: tuple) -> None:
         conn.settimeout(30)
         try:
-            hello = recv_frame(conn)
+            hello = decode(recv_frame(conn))
             ranks = check_hello(hello, self.layout, self.claimed, self.args.local_replicas)
         except (OSError, ValueError) as e:
             logger.error("refused a headless node at %s:%d: %s", peer[0], peer[1], e)
             try:
-                send_frame(conn, {"type": "reject", "error": str(e)})
+                send_frame(conn, to_wire(Reject(str(e))))
             except OSError:
                 pass
             conn.close()
             return
         self.claimed |= set(ranks)
-        send_frame(conn, {"type": "welcome", "master_port": self.args.data_parallel_master_port})
+        send_frame(conn, to_wire(Welcome(self.args.data_parallel_master_port)))
         conn.settimeout(None)
         node = RemoteNode(conn, {r: self.remote[r] for r in ranks})
         for r in ranks:
             self.remote[r].node = node
         self.nodes.append(node)
-        logger.info("headless node %s:%d joined with data-parallel ranks %s", peer[0], peer[1], ranks)
+        logger.info("headless node %s:%d joined with data-parallel ranks %s", peer[0], peer[1],
+                    ranks)
 
     def close(self) -> None:
         self.closed = True
@@ -364,33 +276,35 @@ def connect_to_head(args: EngineArgs, timeout_s: float) -> socket.socket:
         except OSError as e:
             if time.monotonic() >= deadline:
                 raise ConnectionError(
-                    f"cannot reach the data-parallel head at {address}:{port} (--data-parallel-address / "
-                    f"--data-parallel-rpc-port): {e.strerror or e}; gave up after {timeout_s:.0f}s "
+                    f"cannot reach the data-parallel head at {address}:{port} "
+                    f"(--data-parallel-address / --data-parallel-rpc-port): "
+                    f"{e.strerror or e}; gave up after {timeout_s:.0f}s "
                     f"({envs.ENGINE_READY_TIMEOUT_S.shown})") from None
             time.sleep(0.5)
 
 
 def run_headless(args: EngineArgs) -> int:
     """Run this node's replicas for the head; returns the exit code."""
-    from kvrelay.engine.core_proc import run_engine_core
-    from kvrelay.engine.data_parallel import replica_args
     timeout = envs.ENGINE_READY_TIMEOUT_S.as_float() or 600.0
     sock = connect_to_head(args, timeout)
     sock.settimeout(60)
-    send_frame(sock, {"type": "hello", "version": VERSION, "layout": layout_of(args),
-                      "start_rank": args.data_parallel_start_rank, "local_size": args.local_replicas})
-    answer = recv_frame(sock)
-    if answer["type"] != "welcome":
+    send_frame(sock, to_wire(Hello(VERSION, layout_of(args), args.data_parallel_start_rank,
+                                   args.local_replicas)))
+    answer = decode(recv_frame(sock))
+    if not isinstance(answer, Welcome):
         sock.close()
-        raise ValueError(f"the data-parallel head refused this node: {answer.get('error')}")
+        why = answer.error if isinstance(answer, Reject) else f"answered {answer.tag!r}"
+        raise ValueError(f"the data-parallel head refused this node: {why}")
     sock.settimeout(None)
-    args = replace(args, data_parallel_master_port=answer.get("master_port"))
-    ranks = range(args.data_parallel_start_rank, args.data_parallel_start_rank + args.local_replicas)
+    args = replace(args, data_parallel_master_port=answer.master_port)
+    start = args.data_parallel_start_rank
+    ranks = range(start, start + args.local_replicas)
     ctx = mp.get_context("spawn")
     cores: dict[int, tuple[mp.process.BaseProcess, Connection]] = {}
     for r in ranks:
         mine, theirs = ctx.Pipe()
-        p = ctx.Process(target=run_engine_core, args=(replica_args(args, r), theirs, logging.getLogger().level),
+        p = ctx.Process(target=run_engine_core,
+                        args=(replica_args(args, r), theirs, logging.getLogger().level),
                         name=f"kvrelay-engine-core-dp{r}", daemon=False)
         p.start()
         cores[r] = (p, mine)
@@ -411,13 +325,13 @@ def _relay(sock: socket.socket, cores: dict[int, tuple[Any, Connection]]) -> int
             except (EOFError, OSError):
                 if stopping.is_set() or rank in shut:
                     return
-                message = ("fatal", f"the engine process of data-parallel replica {rank} exited")
+                message = Fatal(f"the engine process of data-parallel replica {rank} exited")
             try:
                 with send_lock:
                     send_frame(sock, encode(message, rank))
             except OSError:
                 return
-            if message[0] == "fatal":
+            if isinstance(message, Fatal):
                 return
 
     for rank, (_, conn) in cores.items():
@@ -436,14 +350,17 @@ def _relay(sock: socket.socket, cores: dict[int, tuple[Any, Connection]]) -> int
     try:
         while len(shut) < len(cores):
             frame = recv_frame(sock)
-            rank = frame.get("replica")
-            if rank not in cores:
-                raise FrameError(f"message for replica {rank!r}, which this node does not run")
+            target = _replica_of(frame)
+            if target is None or target not in cores:
+                raise FrameError(f"message for replica {frame.get('replica')!r}, which this "
+                                 f"node does not run")
             message = decode(frame)
-            if message[0] == "shutdown":
-                shut.add(rank)
+            if not isinstance(message, TO_ENGINE):
+                raise CodecError(f"the head sent {message.tag!r}")
+            if isinstance(message, Shutdown):
+                shut.add(target)
             try:
-                cores[rank][1].send(message)
+                cores[target][1].send(message)
             except OSError:
                 pass
     except (OSError, ValueError) as e:
@@ -459,7 +376,7 @@ def _relay(sock: socket.socket, cores: dict[int, tuple[Any, Connection]]) -> int
 def _stop_cores(cores: dict[int, tuple[Any, Connection]]) -> None:
     for p, conn in cores.values():
         try:
-            conn.send(("shutdown",))
+            conn.send(Shutdown())
         except OSError:
             pass
     deadline = time.monotonic() + 15

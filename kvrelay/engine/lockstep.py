@@ -9,7 +9,7 @@ round per step:
         ─▶ run_planned(): a forward if any replica has tokens (dummy token if this one has none)
 
 Waking up without spinning. Idle replicas sleep on their pipe. The API side sends
-every replica ("wake", w) right after it adds a request anywhere (w counts up), so an
+every replica `Wake(w)` right after it adds a request anywhere (w counts up), so an
 add is always followed by a wake on every pipe. A round is *live* — another round
 follows at once — while any replica has tokens, or some replica has not yet received
 the newest wake (lo < hi: it is on its way, and that replica may carry the new
@@ -26,13 +26,32 @@ from __future__ import annotations
 import logging
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
+
+from kvrelay.engine.messages import Fatal, Shutdown, StepOutputs, Wake, as_delta
 
 logger = logging.getLogger(__name__)
 
 BUSY_POLL_S = 0.01        # some replica waits on KV transfers or blocks: poll this often
 IN_FLIGHT_POLL_S = 0.001  # a wake is on its way to some replica
+
+
+@dataclass(frozen=True)
+class RoundRow:
+    """What each replica contributes to a round's all-gather (as three ints)."""
+
+    num_tokens: int      # tokens this replica schedules this round
+    wave: int            # the newest wake it has seen
+    busy: bool           # unfinished work it cannot schedule yet, or KV transfers in flight
+
+    def to_ints(self) -> list[int]:
+        return [self.num_tokens, self.wave, int(self.busy)]
+
+    @classmethod
+    def from_ints(cls, row: list[int]) -> RoundRow:
+        return cls(int(row[0]), int(row[1]), bool(row[2]))
 
 
 class _Pipe:
@@ -53,19 +72,19 @@ class _Pipe:
             except EOFError:
                 self.closed = True
                 return
-            if message[0] == "shutdown":
+            if isinstance(message, Shutdown):
                 self.closed = True
-            elif message[0] == "wake":
-                self.seen = max(self.seen, int(message[1]))
+            elif isinstance(message, Wake):
+                self.seen = max(self.seen, int(message.wave))
             else:
                 self.handle(self.engine, self.conn, message)
 
 
 def run_lockstep(engine: Any, conn: Connection, handle: Callable, stats_of: Callable) -> None:
-    from kvrelay.distributed.collectives import ReplicaSync
+    from kvrelay.distributed.collectives import ReplicaSync    # torch: the core process only
     sync = ReplicaSync(engine.expert_world)
     pipe = _Pipe(engine, conn, handle)
-    synced, live, last_stats = 0, False, {}
+    synced, live, last_stats = 0, False, None
     logger.info("replica %d of %d steps in lockstep with the others (experts across replicas)",
                 engine.expert_world.dp_rank, engine.expert_world.dp_size)
     while not pipe.closed:
@@ -78,20 +97,20 @@ def run_lockstep(engine: Any, conn: Connection, handle: Callable, stats_of: Call
         plan = engine.plan_step()
         busy = engine.transfer_busy or (engine.has_unfinished_requests() and plan.num_tokens == 0)
         try:
-            rows = sync.all_gather([plan.num_tokens, pipe.seen, int(busy)])
-            counts = tuple(r[0] for r in rows)
+            mine = RoundRow(plan.num_tokens, pipe.seen, busy)
+            rows = [RoundRow.from_ints(r) for r in sync.all_gather(mine.to_ints())]
+            counts = tuple(r.num_tokens for r in rows)
             outputs = engine.run_planned(plan, counts)
         except BaseException as e:  # noqa: BLE001 -- any failure ends this replica, reported in one line
-            conn.send(("fatal", f"engine step failed: {type(e).__name__}: {e}"))
+            conn.send(Fatal(f"engine step failed: {type(e).__name__}: {e}"))
             logger.error(traceback.format_exc())
             return
         stats = stats_of(engine)
         if outputs or stats != last_stats:
-            from kvrelay.engine.core_proc import as_delta
-            conn.send(("outputs", [as_delta(o) for o in outputs], stats))
+            conn.send(StepOutputs([as_delta(o) for o in outputs], stats))
             last_stats = stats
-        waves = [r[1] for r in rows]
-        any_busy = any(r[2] for r in rows)
+        waves = [r.wave for r in rows]
+        any_busy = any(r.busy for r in rows)
         live = any(counts) or any_busy or min(waves) < max(waves)
         if live and not any(counts):
             pipe.drain(timeout=IN_FLIGHT_POLL_S if min(waves) < max(waves) else BUSY_POLL_S)

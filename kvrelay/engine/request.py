@@ -5,12 +5,12 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
-
 from kvrelay.disagg.params import KVTransferParams
 from kvrelay.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    import torch
+
     from kvrelay.structured.backend import GrammarMatcher
 
 
@@ -58,6 +58,9 @@ class Request:
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
         if self.params.seed is not None:
+            # imported here: the scheduler and the API process import this module, and
+            # only the engine core (which has torch loaded already) samples
+            import torch
             self.generator = torch.Generator().manual_seed(self.params.seed)
 
     @property

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API.
 
 Request path: FastAPI validates the body (pydantic) → `ServerState` tokenises /
-renders the chat and checks lengths → `AsyncEngine.generate` (engine-core process)
+renders the chat and checks lengths → `EngineClient.generate` (engine-core process)
 yields accumulated outputs → responses are shaped as OpenAI's, streamed as SSE when
 asked. Client mistakes are 4xx with OpenAI's error object; a disconnect aborts the
 request in the engine (its KV blocks are freed at once).
@@ -35,8 +35,8 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvrelay import http_body
-from kvrelay.engine.async_client import (
-    AsyncEngine,
+from kvrelay.engine.client import (
+    EngineClient,
     EngineDeadError,
     EngineError,
     KVHoldRefused,
@@ -70,7 +70,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class ServerState:
-    engine: AsyncEngine
+    engine: EngineClient          # AsyncEngine, or DataParallelEngine with -dp N
     tokenizer: CheckpointTokenizer | None
     served_names: list[str]
     max_model_len: int

@@ -2,81 +2,32 @@
 
 The choice is made from the tokenizer (harmony special tokens present), not from
 `model_type`. Both renderers give prompt token ids plus extra stop token ids, and
-split the output into `content` and (harmony) `reasoning`.
+split the output into `content` and (harmony) `reasoning`. What both share (the
+`ChatRenderer` protocol, `Rendered`, `Parsed`) is in `chat_types.py`; `TemplateChat` is
+here, `HarmonyChat` in `harmony_chat.py`.
 """
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from kvrelay.model.tokenizer import CheckpointTokenizer
 from kvrelay.server import structured_hooks
-from kvrelay.server.protocol import ChatCompletionRequest, OpenAIError, message_text
-from kvrelay.server.tools import NO_TOOLS, ToolCallOut, ToolSpec, calls_from_json_array, tool_spec
+from kvrelay.server.chat_types import (
+    ChatRenderer,
+    Parsed,
+    Rendered,
+    StreamParser,
+    finish_reason,
+    request_tools,
+    tool_call_deltas,
+)
+from kvrelay.server.harmony_chat import HarmonyChat, is_harmony_tokenizer
+from kvrelay.server.protocol import ChatCompletionRequest, ChatMessage, OpenAIError, message_text
+from kvrelay.server.tools import NO_TOOLS, ToolSpec, calls_from_json_array
 
-
-@dataclass
-class Rendered:
-    prompt_ids: list[int]
-    stop_token_ids: list[int] = field(default_factory=list)
-    tools: ToolSpec = field(default_factory=ToolSpec)
-    # the grammar constraint for SamplingParams (tool_choice required / named), or None
-    structured: Any = None
-
-
-@dataclass
-class Parsed:
-    content: str
-    reasoning: str | None = None
-    tool_calls: list[ToolCallOut] = field(default_factory=list)
-
-    def message(self) -> dict[str, Any]:
-        """The OpenAI chat `message` object."""
-        message: dict[str, Any] = {"role": "assistant", "content": self.content}
-        if self.reasoning is not None:
-            message["reasoning"] = message["reasoning_content"] = self.reasoning
-        if self.tool_calls:
-            message["content"] = self.content or None
-            message["tool_calls"] = [c.as_chat() for c in self.tool_calls]
-        return message
-
-
-def finish_reason(engine_reason: str | None, made_calls: bool) -> str | None:
-    """OpenAI's `tool_calls` when the turn ended in calls (the engine says "stop")."""
-    return "tool_calls" if made_calls and engine_reason == "stop" else engine_reason
-
-
-class StreamParser(Protocol):
-    @property
-    def made_calls(self) -> bool: ...   # whether the output so far held tool calls
-
-    def feed(self, token_ids: list[int], text: str) -> list[dict[str, Any]]: ...
-
-    def flush(self) -> list[dict[str, Any]]: ...
-
-
-class ChatRenderer(Protocol):
-    def render(self, body: ChatCompletionRequest) -> Rendered: ...
-
-    def parse(self, token_ids: list[int], text: str, tools: ToolSpec = ...) -> Parsed: ...
-
-    def stream_parser(self, tools: ToolSpec = ...) -> StreamParser: ...
-
-
-def request_tools(body: ChatCompletionRequest) -> ToolSpec:
-    return tool_spec(body.tools, body.tool_choice)
-
-
-def tool_call_deltas(index: int, call: ToolCallOut, arguments: str,
-                     first: bool) -> dict[str, Any]:
-    """One OpenAI streaming tool-call delta: the first names the call, the rest add
-    arguments."""
-    entry: dict[str, Any] = {"index": index, "function": {"arguments": arguments}}
-    if first:
-        entry.update(id=call.id, type="function")
-        entry["function"] = {"name": call.name, "arguments": arguments}
-    return {"tool_calls": [entry]}
+__all__ = ["ChatRenderer", "Parsed", "Rendered", "StreamParser", "TemplateChat", "finish_reason",
+           "make_chat_renderer", "request_tools", "tool_call_deltas"]
 
 
 class _TextStream:
@@ -128,13 +79,14 @@ class TemplateChat:
             text = self.tokenizer.render_chat(messages, body.add_generation_prompt,
                                               **({"tools": tools} if tools else {}))
         except Exception as e:  # template errors are the client's (e.g. unsupported roles)
-            raise OpenAIError(f"could not render the chat template: {e}", param="messages") from None
-        return Rendered(self.tokenizer.encode(text), tools=spec, structured=structured_hooks.tool_call(spec, harmony=False))
+            raise OpenAIError(f"could not render the chat template: {e}",
+                              param="messages") from None
+        return Rendered(self.tokenizer.encode(text), tools=spec,
+                        structured=structured_hooks.tool_call(spec, harmony=False))
 
     def _message(self, raw: dict[str, Any]) -> dict[str, Any]:
         """A chat message for the template: text content; without a tool syntax in the
         template, earlier calls are shown as their JSON."""
-        from kvrelay.server.protocol import ChatMessage
         out = {"role": raw["role"], "content": message_text(ChatMessage.model_validate(raw))}
         calls = raw.get("tool_calls")
         if calls and self.template_has_tools:
@@ -161,7 +113,6 @@ class TemplateChat:
 def make_chat_renderer(tokenizer: CheckpointTokenizer | None) -> ChatRenderer | None:
     if tokenizer is None:
         return None
-    from kvrelay.server.harmony_chat import HarmonyChat, is_harmony_tokenizer
     if is_harmony_tokenizer(tokenizer):
         return HarmonyChat(tokenizer)
     if tokenizer.chat_template:

@@ -9,7 +9,7 @@ from typing import Any
 from kvrelay import harmony
 from kvrelay.model.tokenizer import CheckpointTokenizer
 from kvrelay.server import structured_hooks
-from kvrelay.server.chat import Parsed, Rendered, request_tools, tool_call_deltas
+from kvrelay.server.chat_types import Parsed, Rendered, request_tools, tool_call_deltas
 from kvrelay.server.protocol import ChatCompletionRequest, OpenAIError
 from kvrelay.server.tools import NO_TOOLS, ToolCallOut, ToolSpec
 

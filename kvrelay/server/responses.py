@@ -29,7 +29,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvrelay import harmony
-from kvrelay.engine.async_client import EngineDeadError, EngineError, KVTransferFailed
+from kvrelay.engine.client import EngineDeadError, EngineError, KVTransferFailed
 from kvrelay.engine.outputs import RequestOutput
 from kvrelay.server import api, structured_hooks
 from kvrelay.server.chat import Rendered

@@ -2,20 +2,52 @@
 and the hello checks that name what differs."""
 from __future__ import annotations
 
+import asyncio
 import socket
+import threading
+from dataclasses import asdict
 
 import pytest
 
-from kvrelay.engine.dp_remote import FrameError, check_hello, decode, encode, recv_frame, send_frame
+from kvrelay.engine.client import EngineDeadError
+from kvrelay.engine.dp_remote import (
+    VERSION,
+    FrameError,
+    RemoteReplica,
+    check_hello,
+    decode,
+    encode,
+    recv_frame,
+    send_frame,
+)
+from kvrelay.engine.messages import (
+    AbortRequests,
+    AddRequest,
+    EngineInfo,
+    EngineStats,
+    Fatal,
+    Hello,
+    Layout,
+    Freed,
+    FreeRemote,
+    Message,
+    Ready,
+    Reject,
+    RequestRefused,
+    Shutdown,
+    StepOutputs,
+    Wake,
+    Welcome,
+)
 from kvrelay.engine.outputs import CompletionOutput, RequestOutput
 from kvrelay.engine.request import Logprob
 from kvrelay.sampling_params import SamplingParams
 
-LAYOUT = {"data_parallel_size": 4, "tensor_parallel_size": 2, "enable_expert_parallel": True,
-          "model_config": "abc"}
+LAYOUT = Layout(data_parallel_size=4, tensor_parallel_size=2, enable_expert_parallel=True,
+                model_config="abc")
 
 
-def roundtrip(message: tuple, replica: int = 3) -> tuple:
+def roundtrip(message: Message, replica: int = 3) -> Message:
     a, b = socket.socketpair()
     with a, b:
         send_frame(a, encode(message, replica))
@@ -27,8 +59,8 @@ def roundtrip(message: tuple, replica: int = 3) -> tuple:
 def test_add_round_trips_the_sampling_params():
     params = SamplingParams(n=2, temperature=0.5, top_k=7, seed=3, max_tokens=9, stop=["w1"],
                             stop_token_ids=[4], logprobs=2, ignore_eos=True)
-    kind, rid, prompt, got, kv = roundtrip(("add", "r1", [1, 2, 3], params, {"do_remote_decode": True}))
-    assert (kind, rid, prompt, got, kv) == ("add", "r1", [1, 2, 3], params, {"do_remote_decode": True})
+    message = AddRequest("r1", [1, 2, 3], params, {"do_remote_decode": True})
+    assert roundtrip(message) == message
 
 
 def test_outputs_round_trip_with_logprobs():
@@ -36,16 +68,24 @@ def test_outputs_round_trip_with_logprobs():
     out = RequestOutput("r1", "w1 w2", [1, 2], [CompletionOutput(
         0, "", [], "length", None, None, delta_text=" w5", delta_token_ids=[5], delta_logprobs=[lp])],
         prompt_logprobs=[None, lp], num_cached_tokens=4, finished=True, kv_transfer_params={"a": [1]})
-    kind, outputs, stats = roundtrip(("outputs", [out], {"num_steps": 3}))
-    assert kind == "outputs" and stats == {"num_steps": 3}
-    assert outputs == [out]
+    stats = EngineStats(num_steps=3, kv_transfers=2, kv_cache_usage_perc=0.5)
+    got = roundtrip(StepOutputs([out], stats))
+    assert got == StepOutputs([out], stats)
+    assert got.stats["kv_transfers"] == 2 and "kv_handshakes" not in got.stats
 
 
-@pytest.mark.parametrize("message", [("abort", ["a", "b"]), ("wake", 7),
-                                     ("free_remote", "x", "cap", 3), ("freed", 3, True),
-                                     ("shutdown",),
-                                     ("stats",), ("error", "r1", "bad"), ("fatal", "gone"),
-                                     ("ready", {"max_model_len": 96, "stats": {}})])
+INFO = EngineInfo(max_model_len=96, model_dir="/m", pid=7, vocab_size=201088,
+                  kv_cache_spec={"block_size": 16}, native={"kernels": {"moe": "avx2"}})
+
+
+@pytest.mark.parametrize("message", [AbortRequests(["a", "b"]), Wake(7),
+                                     FreeRemote("x", "cap", 3), Freed(3, True), Shutdown(),
+                                     RequestRefused("r1", "bad"),
+                                     RequestRefused("r2", "no", 500, None),
+                                     RequestRefused("r3", "bad", 400, "stop_token_ids"),
+                                     Fatal("gone"), Ready(INFO, EngineStats(blocks_total=9)),
+                                     Hello(VERSION, LAYOUT, 2, 2), Welcome(None), Welcome(29500),
+                                     Reject("--tensor-parallel-size differs")])
 def test_small_messages_round_trip(message):
     assert roundtrip(message) == message
 
@@ -53,14 +93,14 @@ def test_small_messages_round_trip(message):
 def test_logits_processors_never_travel():
     params = SamplingParams(logits_processors=[lambda ids, logits: logits])
     with pytest.raises(ValueError, match="logits processors"):
-        encode(("add", "r", [1], params, None), 1)
+        encode(AddRequest("r", [1], params, None), 1)
 
 
 def test_malformed_frames_are_refused():
     a, b = socket.socketpair()
     with a, b:
         a.sendall(b"\x00\x00\x00\x03[1]")
-        with pytest.raises(FrameError, match="expected an object"):
+        with pytest.raises(FrameError, match="must hold a JSON object"):
             recv_frame(b)
         a.sendall(b"\xff\xff\xff\xff")
         with pytest.raises(FrameError, match="exceeds"):
@@ -68,8 +108,11 @@ def test_malformed_frames_are_refused():
 
 
 def hello(**changes):
-    return {"type": "hello", "version": 1, "layout": LAYOUT | changes.pop("layout", {}),
-            "start_rank": 2, "local_size": 2} | changes
+    """A hello as it arrives: a frame through the codec."""
+    layout = asdict(LAYOUT) | changes.pop("layout", {})
+    frame = {"type": "hello", "version": VERSION, "layout": layout, "start_rank": 2,
+             "local_size": 2} | changes
+    return decode(frame)
 
 
 def test_hello_gives_the_node_its_ranks():
@@ -83,8 +126,56 @@ def test_hello_gives_the_node_its_ranks():
     (r"replica ranks \[1, 3\) are not in \[2, 4\)", {"start_rank": 1}, set()),
     (r"replica ranks \[3, 5\) are not in \[2, 4\)", {"start_rank": 3}, set()),
     ("replica rank 3 is already run by another headless node", {}, {3}),
-    ("expected a version 1 hello", {"version": 99}, set()),
+    (f"expected a version {VERSION} hello", {"version": 99}, set()),
 ])
 def test_hello_mismatches_are_named(msg, changes, claimed):
+    """A node of another layout or rank range is refused with the flag that differs."""
     with pytest.raises(ValueError, match=msg):
         check_hello(hello(**changes), LAYOUT, claimed, head_local=2)
+
+
+class FakeNode:
+    """A headless node that answers frees at once, from another thread (as its reader does)."""
+
+    closed = False
+
+    def __init__(self) -> None:
+        self.replica: RemoteReplica | None = None
+        self.sent: list[Message] = []
+
+    def send(self, frame: dict) -> None:
+        message = decode(frame)
+        self.sent.append(message)
+        if isinstance(message, FreeRemote):
+            threading.Thread(target=self.replica.receive,
+                             args=(Freed(message.token, message.capability == "cap"),)).start()
+
+
+def test_a_remote_replica_answers_frees_and_fails_its_streams_when_lost():
+    """A replica on a headless node is a whole engine client: an explicit free gets its
+    answer, and losing the node fails the requests in flight on it (EngineDeadError)."""
+
+    async def main() -> None:
+        replica, node = RemoteReplica(2), FakeNode()
+        replica.node, node.replica = node, replica
+        replica.start()
+        assert await asyncio.wait_for(replica.free_remote("r1", "cap"), 5) is True
+        assert await asyncio.wait_for(replica.free_remote("r1", "other"), 5) is False
+        gen = replica.generate("r2", [1, 2], SamplingParams(max_tokens=2))
+        pending = asyncio.ensure_future(gen.__anext__())
+        await asyncio.sleep(0.05)
+        replica.receive(Fatal("data-parallel replica 2: lost the headless node"))
+        with pytest.raises(EngineDeadError, match="lost the headless node"):
+            await asyncio.wait_for(pending, 5)
+        assert replica.dead and isinstance(node.sent[-1], AddRequest)
+        replica.shutdown()
+        assert isinstance(node.sent[-1], Shutdown)
+
+    asyncio.run(main())
+
+
+def test_a_malformed_or_foreign_first_frame_is_refused():
+    with pytest.raises(ValueError, match="malformed 'hello'"):
+        decode({"type": "hello", "version": VERSION, "start_rank": 2})
+    with pytest.raises(ValueError, match="expected a version 2 hello, got 'welcome'"):
+        check_hello(Welcome(None), LAYOUT, set(), head_local=2)

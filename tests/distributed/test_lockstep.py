@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import pytest
 
 from kvrelay.engine import lockstep
+from kvrelay.engine.messages import Fatal, Shutdown, Wake
 
 
 @dataclass
@@ -68,11 +69,17 @@ class FakeEngine:
         return []
 
 
-def handle(engine: FakeEngine, conn, message: tuple) -> None:
-    if message[0] == "add":
-        engine.adds += 1
-        if message[1] > 0:                              # 0 tokens: a request the engine refused
-            engine.remaining.append(message[1])
+@dataclass(frozen=True)
+class Add:
+    """The fake engine's add message: a request of `n` one-token forwards."""
+
+    n: int
+
+
+def handle(engine: FakeEngine, conn, message: Add) -> None:
+    engine.adds += 1
+    if message.n > 0:                                   # 0 tokens: a request the engine refused
+        engine.remaining.append(message.n)
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -91,8 +98,8 @@ def test_replicas_step_together_and_sleep_together(monkeypatch, seed):
                 msg = conn.recv()
             except (EOFError, OSError):
                 return
-            if msg[0] == "fatal":
-                failures.append(msg[1])
+            if isinstance(msg, Fatal):
+                failures.append(msg.reason)
 
     threads = [threading.Thread(target=lockstep.run_lockstep,
                                 args=(engines[r], pipes[r][1], handle, lambda e: {"n": e.rounds}), daemon=True)
@@ -109,7 +116,7 @@ def test_replicas_step_together_and_sleep_together(monkeypatch, seed):
     for wave in range(1, 13):
         target = rng.randrange(dp)
         for r in range(dp):
-            messages = [("add", rng.choice([0, 1, 3, 5])), ("wake", wave)] if r == target else [("wake", wave)]
+            messages = [Add(rng.choice([0, 1, 3, 5])), Wake(wave)] if r == target else [Wake(wave)]
             at = max(schedule[r][-1][0] if schedule[r] else 0.0, now + rng.choice([0, 0, 0.002, 0.03]))
             schedule[r] += [(at, m) for m in messages]
         now += rng.choice([0, 0, 0.001, 0.05])
@@ -125,7 +132,7 @@ def test_replicas_step_together_and_sleep_together(monkeypatch, seed):
         t.start()
     for t in senders:
         t.join()
-    adds = [sum(m[0] == "add" for _, m in schedule[r]) for r in range(dp)]
+    adds = [sum(isinstance(m, Add) for _, m in schedule[r]) for r in range(dp)]
 
     def busy() -> bool:
         return any(e.remaining or e.adds < n for e, n in zip(engines, adds))
@@ -146,7 +153,7 @@ def test_replicas_step_together_and_sleep_together(monkeypatch, seed):
     assert engines[0].forwards == engines[1].forwards == engines[2].forwards
     assert sum(max(c) > 0 and 0 in c for c in engines[0].forwards) > 0   # dummy forwards happened
     for r in range(dp):
-        pipes[r][0].send(("shutdown",))
+        pipes[r][0].send(Shutdown())
     for t in threads:
         t.join(5)
         assert not t.is_alive()
