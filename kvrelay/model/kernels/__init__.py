@@ -28,6 +28,7 @@ import logging
 import os
 import platform
 import shutil
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -43,12 +44,26 @@ NAME = "kvrelay_kernels"
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("moe_op.cpp", "paged_decode_op.cpp", "moe_generic.cpp", "moe_avx2.cpp",
            "moe_avx512.cpp")
-# -fopenmp: at::parallel_for (csrc/parallel.h) is a header template that only opens a
-# parallel region when the extension itself is compiled with OpenMP; linked with -fopenmp,
-# the library needs `libgomp.so.1`, which resolves to the copy torch has already loaded
-# (one runtime, one thread pool, torch.set_num_threads respected).
-CFLAGS = ("-O3", "-std=c++17", "-fno-math-errno", "-fopenmp")
-LDFLAGS = ("-fopenmp",)
+
+
+def _thread_flags() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(compile, link) flags for the ops' at::parallel_for (csrc/parallel.h).
+
+    Where torch's parallel backend is OpenMP, at::parallel_for is a header template that
+    opens a parallel region only in code compiled with -fopenmp; linked with -fopenmp on
+    Linux, the library needs `libgomp.so.1`, which resolves to the copy torch has already
+    loaded (one runtime, one thread pool, torch.set_num_threads respected). With torch's
+    native thread pool, parallel_for calls into libtorch and needs no flag. Elsewhere
+    (macOS clang has no -fopenmp) the ops run on one thread; -fopenmp-simd keeps the
+    `omp simd` loops of the decode kernel vectorised either way."""
+    openmp = "parallel backend: OpenMP" in torch.__config__.parallel_info()
+    if openmp and sys.platform.startswith("linux"):
+        return ("-fopenmp",), ("-fopenmp",)
+    return ("-fopenmp-simd",), ()
+
+
+_THREAD_CFLAGS, LDFLAGS = _thread_flags()
+CFLAGS = ("-O3", "-std=c++17", "-fno-math-errno", *_THREAD_CFLAGS)
 
 
 @dataclass(frozen=True)
