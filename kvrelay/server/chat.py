@@ -89,6 +89,7 @@ class TemplateChat:
         template, earlier calls are shown as their JSON."""
         out = {"role": raw["role"], "content": message_text(ChatMessage.model_validate(raw))}
         calls = raw.get("tool_calls")
+        _check_calls(calls)
         if calls and self.template_has_tools:
             out["tool_calls"] = calls
         elif calls and not out["content"]:
@@ -118,3 +119,17 @@ def make_chat_renderer(tokenizer: CheckpointTokenizer | None) -> ChatRenderer | 
     if tokenizer.chat_template:
         return TemplateChat(tokenizer)
     return None
+
+
+def _check_calls(calls: Any) -> None:
+    """An assistant message's earlier `tool_calls`, shaped as OpenAI's (the harmony renderer
+    checks the same in kvrelay/harmony.py): a 400 naming the entry, never a 500."""
+    if calls is None:
+        return
+    if not isinstance(calls, list):
+        raise OpenAIError("tool_calls: expected a list", param="messages")
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise OpenAIError(f"tool_calls[{j}].function.name: expected a string",
+                              param="messages")

@@ -170,6 +170,18 @@ def test_template_model_tools_and_forced_call():
     assert '<assistant>[{"name": "get_weather", "parameters": "{\\"city\\"' in prompt, prompt
 
 
+@pytest.mark.parametrize("template", [TOOL_TEMPLATE, PLAIN_TEMPLATE])
+@pytest.mark.parametrize("calls", [["get_weather"], [{"function": "x"}], [{"function": {}}], "x"])
+def test_malformed_earlier_tool_calls_are_400s_on_template_models(template, calls):
+    """A template model used to answer tool_calls entries that are not objects with a 500."""
+    _, _, http, _ = _template("Fine.", template)
+    history = [*USER, {"role": "assistant", "content": "", "tool_calls": calls}]
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": history})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "messages" and "tool_calls" in error["message"]
+
+
 # ------------------------------------------------------------------ responses store
 
 
