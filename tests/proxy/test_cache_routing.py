@@ -147,11 +147,13 @@ def test_a_prefill_reporting_no_hits_loses_its_entries(routed):
     try:
         time.sleep(0.6)                                   # a scrape starts the check window
         prompt = "a prompt the servers keep evicting. " * 60   # ~540 tokens
-        for i in range(3):                                # two cache hits: ~1080 expected
+        # one cache hit (~528 tokens) is enough to check (HIT_CHECK_TOKENS 512), and only the
+        # second answer makes it so: a third request could be learned after the correction
+        for i in range(2):
             post(proxy, prompt + str(i), f"miss-{i}")
         wait_for(lambda: "reported fewer prefix-cache hits than expected" in proxy.log(),
                  timeout=5, what="the hit-rate correction")
-        assert decisions(proxy)[("prefill", "cache_hit")] >= 2
+        assert decisions(proxy)[("prefill", "cache_hit")] >= 1
         post(proxy, prompt + "3", "miss-3")
         assert "request miss-3: route: prefill then decode (policy always); prefill " \
                "127.0.0.1" in proxy.log()
