@@ -121,7 +121,8 @@ def sample(out: SchedulerOutput, logits: torch.Tensor, sampler: Sampler,
     # a decode-only step samples every row: no copy (64 rows of a 201k vocabulary are 51 MB
     # of fresh memory, page faults included, per step)
     rows = logits if len(sample_rows) == logits.shape[0] else logits[sample_rows]
-    result, errors = sampler.isolated(rows, reqs)
+    with torch.inference_mode():          # the forward's logits are inference tensors
+        result, errors = sampler.isolated(rows, reqs)
     for i, err in errors.items():
         fail(reqs[i], err, "sampling")
     sampled = {}
