@@ -2,12 +2,16 @@
 """Where one concurrency-1 token goes: engine spans in-process, plus the served ITL.
 
     python benchmarks/step_profile.py [--model tiny|PATH] [--prompt-len 200] [--tokens 64]
-        [--serve] [--engine-arg=--enforce-eager ...] [--out FILE.json]
+        [--serve] [--parts] [--cpu-time] [--out FILE.json]
 
 Engine part: `LLMEngine` in this process runs one greedy request; every stage of its
 `step()` is timed with `time.perf_counter_ns` spans (scheduler, step input, runner input
 preparation, forward, logits, sampler, scheduler update, detokenizer/outputs, and the
-engine→API message: `as_delta` + pickling). Medians over the decode steps.
+engine→API message: `as_delta` + pickling). Medians over the decode steps, and the
+prefill step (the whole prompt in one chunk) of the second, warm request.
+`--parts` also times the forward's modules, summed over the layers (embedding, the two
+norms, qkv, rotary, attention, o_proj, router, experts, final norm, LM head); each span
+adds ~0.3 µs of its own.
 
 Served part (--serve): `kvrelay serve` on the same checkpoint, `kvrelay bench serve` at
 concurrency 1 with the same lengths; median ITL − the engine's step = the API process,
@@ -35,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import CONFIGS, ROOT, build_checkpoint, log
 
-SPANS: dict[str, list[int]] = defaultdict(list)
+SPANS: dict[str, int] = defaultdict(int)      # the current step's spans, summed per name
 CLOCK = time.perf_counter_ns  # --cpu-time: time.thread_time_ns (1 thread; robust to load)
 
 
@@ -45,7 +49,7 @@ def _timed(name: str, fn: Callable) -> Callable:
         try:
             return fn(*args, **kwargs)
         finally:
-            SPANS[name].append(CLOCK() - t0)
+            SPANS[name] += CLOCK() - t0
 
     return wrapper
 
@@ -56,7 +60,7 @@ def instrument(engine: Any) -> None:
     engine.scheduler.update = _timed("scheduler.update", engine.scheduler.update)
     engine._step_input = _timed("engine.step_input", engine._step_input)
     engine._outputs = _timed("detokenize+outputs", engine._outputs)
-    engine.sampler = _timed("sampler", engine.sampler)
+    engine.sampler.isolated = _timed("sampler", engine.sampler.isolated)
     runner.prepare = _timed("runner.prepare", runner.prepare)
     model = runner.model
     forward = model.forward
@@ -65,8 +69,33 @@ def instrument(engine: Any) -> None:
     engine.step = _timed("step (total)", engine.step)
 
 
+# the forward's modules timed by --parts, by attribute path within a decoder layer
+LAYER_PARTS = {
+    "input_layernorm": "fwd.norms",
+    "post_attention_layernorm": "fwd.norms",
+    "self_attn.qkv": "fwd.qkv",
+    "self_attn.attn": "fwd.attention (kv write + attend)",
+    "self_attn.o_proj": "fwd.o_proj",
+    "mlp.router": "fwd.router",
+    "mlp.experts": "fwd.experts",
+}
+
+
+def instrument_parts(model: Any) -> None:
+    def wrap(module: Any, name: str) -> None:
+        module.forward = _timed(name, module.forward)
+
+    wrap(model.embed_tokens, "fwd.embedding")
+    wrap(model.norm, "fwd.norms")
+    wrap(model.lm_head, "logits.lm_head")
+    model.rotary.forward = _timed("fwd.rotary", model.rotary.forward)
+    for layer in model.layers:
+        for path, name in LAYER_PARTS.items():
+            wrap(layer.get_submodule(path), name)
+
+
 def engine_profile(
-    model: str, prompt_len: int, tokens: int, engine_args: dict[str, Any]
+    model: str, prompt_len: int, tokens: int, engine_args: dict[str, Any], parts: bool = False
 ) -> dict[str, Any]:
     import torch
 
@@ -78,24 +107,36 @@ def engine_profile(
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
     engine = LLMEngine(EngineArgs(model=model, **engine_args))
     instrument(engine)
+    if parts:
+        instrument_parts(engine.runner.model)
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    steps: list[dict[str, int]] = []
     for rep in range(2):  # the first request warms caches up
-        SPANS.clear()
+        steps.clear()
         engine.add_request(f"r{rep}", list(range(1, prompt_len + 1)), params)
-        steps = 0
         while engine.has_unfinished_requests():
+            SPANS.clear()
             outputs = engine.step()
             t0 = CLOCK()
             stats = engine_stats(engine)
             blob = pickle.dumps(("outputs", [as_delta(o) for o in outputs], stats))
-            SPANS["message (delta+stats+pickle)"].append(CLOCK() - t0)
-            SPANS["message bytes"].append(len(blob))
-            steps += 1
-    # decode steps only: drop the prefill step (the first)
+            SPANS["message (delta+stats+pickle)"] += CLOCK() - t0
+            SPANS["message bytes"] = len(blob)
+            steps.append(dict(SPANS))
+
+    def scaled(name: str, value: float) -> float:
+        return round(value if "bytes" in name else value / 1e6, 4)
+
+    decode = steps[1:]  # the first step is the prompt's prefill
     return {
-        name: statistics.median(v[1:] if len(v) > 1 else v) / (1 if "bytes" in name else 1e6)
-        for name, v in SPANS.items()
-    } | {"steps": steps}
+        "decode": {
+            name: scaled(name, statistics.median(s.get(name, 0) for s in decode))
+            for name in steps[0]
+        },
+        "prefill": {name: scaled(name, v) for name, v in steps[0].items()},
+        "prompt_tokens": prompt_len,
+        "steps": len(steps),
+    }
 
 
 def served_itl(model: str, prompt_len: int, tokens: int, serve_args: list[str]) -> dict[str, Any]:
@@ -196,6 +237,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=200)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--serve", action="store_true")
+    ap.add_argument("--parts", action="store_true", help="also time the forward's modules")
     ap.add_argument("--eager", action="store_true", help="--enforce-eager for both parts")
     ap.add_argument("--out", type=Path)
     ap.add_argument(
@@ -220,7 +262,7 @@ def main() -> None:
         "load": os.getloadavg(),
         "eager": a.eager,
         "clock": "thread CPU time" if a.cpu_time else "wall",
-        "engine_ms": engine_profile(model, a.prompt_len, a.tokens, engine_args),
+        "engine_ms": engine_profile(model, a.prompt_len, a.tokens, engine_args, a.parts),
     }
     if a.serve:
         result["served"] = served_itl(model, a.prompt_len, a.tokens, serve_args)
