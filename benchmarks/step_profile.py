@@ -11,7 +11,9 @@ engine→API message: `as_delta` + pickling). Medians over the decode steps, and
 prefill step (the whole prompt in one chunk) of the second, warm request.
 `--parts` also times the forward's modules, summed over the layers (embedding, the two
 norms, qkv, rotary, attention, o_proj, router, experts, final norm, LM head); each span
-adds ~0.3 µs of its own.
+adds ~0.3 µs of its own. With `KVRELAY_COMPILE_DECODE` set (compiled decode steps) the
+model's own spans are left out (wrapping a module fails the compiled graph's guards):
+`runner.execute` is input preparation + forward + LM head either way.
 
 Served part (--serve): `kvrelay serve` on the same checkpoint, `kvrelay bench serve` at
 concurrency 1 with the same lengths; median ITL − the engine's step = the API process,
@@ -61,37 +63,42 @@ def instrument(engine: Any) -> None:
     engine._step_input = _timed("engine.step_input", engine._step_input)
     engine._outputs = _timed("detokenize+outputs", engine._outputs)
     engine.sampler.isolated = _timed("sampler", engine.sampler.isolated)
+    runner.execute = _timed("runner.execute (prepare+forward+logits)", runner.execute)
+    engine.step = _timed("step (total)", engine.step)
+    if getattr(runner, "decode_buckets", ()):  # compiled: a wrapped module fails its guards
+        return
     runner.prepare = _timed("runner.prepare", runner.prepare)
     model = runner.model
     forward = model.forward
     model.forward = _timed("model.forward", forward)
     model.compute_logits = _timed("logits", model.compute_logits)
-    engine.step = _timed("step (total)", engine.step)
 
 
 # the forward's modules timed by --parts, by attribute path within a decoder layer
 LAYER_PARTS = {
-    "input_layernorm": "fwd.norms",
-    "post_attention_layernorm": "fwd.norms",
-    "self_attn.qkv": "fwd.qkv",
-    "self_attn.attn": "fwd.attention (kv write + attend)",
-    "self_attn.o_proj": "fwd.o_proj",
-    "mlp.router": "fwd.router",
-    "mlp.experts": "fwd.experts",
+    ("input_layernorm", "forward"): "fwd.norms",
+    ("post_attention_layernorm", "forward"): "fwd.norms",
+    ("self_attn.qkv", "qk_v"): "fwd.qkv",
+    ("self_attn.attn", "forward"): "fwd.attention (kv write + attend)",
+    ("self_attn.o_proj", "forward"): "fwd.o_proj",
+    ("mlp.router", "forward"): "fwd.router",
+    ("mlp.experts", "forward"): "fwd.experts",
 }
 
 
 def instrument_parts(model: Any) -> None:
-    def wrap(module: Any, name: str) -> None:
-        module.forward = _timed(name, module.forward)
+    def wrap(module: Any, name: str, method: str = "forward") -> None:
+        if not hasattr(module, method):  # an older tree (comparison runs): its forward
+            method = "forward"
+        setattr(module, method, _timed(name, getattr(module, method)))
 
     wrap(model.embed_tokens, "fwd.embedding")
     wrap(model.norm, "fwd.norms")
     wrap(model.lm_head, "logits.lm_head")
-    model.rotary.forward = _timed("fwd.rotary", model.rotary.forward)
+    wrap(model.rotary, "fwd.rotary", "rotate")
     for layer in model.layers:
-        for path, name in LAYER_PARTS.items():
-            wrap(layer.get_submodule(path), name)
+        for (path, method), name in LAYER_PARTS.items():
+            wrap(layer.get_submodule(path), name, method)
 
 
 def engine_profile(
@@ -105,9 +112,11 @@ def engine_profile(
     from kvrelay.sampling_params import SamplingParams
 
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
+    start = time.perf_counter()
     engine = LLMEngine(EngineArgs(model=model, **engine_args))
+    start = time.perf_counter() - start
     instrument(engine)
-    if parts:
+    if parts and not getattr(engine.runner, "decode_buckets", ()):
         instrument_parts(engine.runner.model)
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     steps: list[dict[str, int]] = []
@@ -135,6 +144,8 @@ def engine_profile(
         },
         "prefill": {name: scaled(name, v) for name, v in steps[0].items()},
         "prompt_tokens": prompt_len,
+        "engine_start_s": round(start, 1),
+        "compiled_decode_buckets": list(getattr(engine.runner, "decode_buckets", ())),
         "steps": len(steps),
     }
 

@@ -49,6 +49,7 @@ _NATIVE_DENSE_DTYPES = (torch.float32, torch.bfloat16)   # and MXFP4, whatever t
 DENSE_TORCH_MIN_ROWS = 8
 
 
+@torch.compiler.assume_constant_result      # a constant to torch.compile's tracing
 def moe_kernel_mode() -> str:
     mode = envs.MOE_KERNEL.raw() or "auto"
     if mode not in MOE_KERNEL_MODES:
@@ -178,11 +179,11 @@ class Experts(nn.Module):
             rows_per_expert = choices / (self.num_local * self.ctx.ep_size)
             if mode == "auto" and rows_per_expert >= DENSE_TORCH_MIN_ROWS:
                 return False
-        status = kernels.status()
-        if not status.available and mode == "native":
+        available = kernels.kernels_available()
+        if not available and mode == "native":
             raise RuntimeError(f"{envs.MOE_KERNEL.shown}=native but the native kernels could "
-                               f"not be built: {status.reason}")
-        return status.available
+                               f"not be built: {kernels.status().reason}")
+        return available
 
     def forward_native(self, x: torch.Tensor, weights: torch.Tensor,
                        expert_ids: torch.Tensor) -> torch.Tensor:
@@ -205,6 +206,8 @@ class Experts(nn.Module):
         bias = getattr(self, name).detach()
         if bias.dtype == torch.float32:
             return bias
+        if torch.compiler.is_compiling():      # traced: computed in the graph (or frozen)
+            return bias.float()
         key = (bias.data_ptr(), bias._version)
         cached = self._bias_f32.get(name)
         if cached is None or cached[0] != key:
