@@ -218,8 +218,9 @@ class ModelRunner:
         cfg.recompile_limit = max(cfg.recompile_limit, len(self.decode_buckets) + 1)
         self._compiled = torch.compile(self._forward_logits, dynamic=False, fullgraph=True)
         tables = [[[0]] for _ in range(self.num_groups)]
-        # set globally while compiling: `torch.compile(options=...)` does not apply freezing
-        with torch._inductor.config.patch(**COMPILE_OPTIONS):
+        # set globally while compiling: `torch.compile(options=...)` does not apply freezing;
+        # autotuning's tables of timings (written to stderr) left out of the server's log
+        with torch._inductor.config.patch(autotune_num_choices_displayed=0, **COMPILE_OPTIONS):
             self._compile_buckets(tables)
         if self._compiled is not None:
             # from now on only the graphs compiled above: a step whose guards they fail
