@@ -187,8 +187,8 @@ class ModelRunner:
         """A decode step through the graph compiled for `bucket`."""
         assert self._compiled is not None
         self._set_threads(bucket, bucket)           # the thread count it was compiled under
-        ids, positions, meta = self._prepare_decodes(step, bucket, self.table_width)
         try:
+            ids, positions, meta = self._prepare_decodes(step, bucket, self.table_width)
             logits = self._compiled(ids, positions, meta)                   # [bucket, V]
         except Exception as e:  # noqa: BLE001 -- stay correct: this step and later ones eager
             logger.warning("a compiled decode step failed (%s: %s); running eagerly from now on",
