@@ -104,6 +104,7 @@ class ModelRunner:
         self.decode_buckets = compile_buckets(model, self.device)
         self._compiled: Callable[..., torch.Tensor] | None = None
         self._aranges: dict[int, torch.Tensor] = {}
+        self._wide_tables: dict[tuple[int, int], torch.Tensor] = {}
         self.compiled_steps = 0              # decode steps that ran the compiled forward
 
     def prepare(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -131,7 +132,9 @@ class ModelRunner:
                          width: int | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """A decode-only step: token i of sequence i sits at position starts[i]. `rows`
-        pads it to a compiled batch size, `width` fixes the block tables' width.
+        pads it to a compiled batch size; `width` gives the block tables that width (the
+        compiled graphs' shape), in a persistent buffer per (group, rows) of which only the
+        used columns are rewritten: columns past a row's blocks are never read.
 
         The indices are computed on Python ints and become tensors in one call each: at
         a few sequences, tensor ops (each ~1 µs of dispatch) cost more than the maths."""
@@ -143,9 +146,17 @@ class ModelRunner:
             blocks = step.block_tables[g]
             slots.append(torch.tensor([t[p // B] * B + p % B for t, p in zip(blocks, starts)]
                                       + [-1] * pad, dtype=torch.int64, device=dev))
-            w = width or max(max(len(t) for t in blocks), 1)
+            w = max(max(len(t) for t in blocks), 1)
             padded = [t + [0] * (w - len(t)) for t in blocks] + [[0] * w] * pad
-            tables.append(torch.tensor(padded, dtype=torch.int64, device=dev).view(n, w))
+            table = torch.tensor(padded, dtype=torch.int64, device=dev).view(n, w)
+            if width is not None:
+                wide = self._wide_tables.get((g, n))
+                if wide is None:
+                    wide = self._wide_tables[(g, n)] = torch.zeros(
+                        n, width, dtype=torch.int64, device=dev)
+                wide[:, :w] = table
+                table = wide
+            tables.append(table)
         seq_lens = torch.tensor([p + 1 for p in starts] + [1] * pad, dtype=torch.int64, device=dev)
         meta = AttentionMetadata(self._arange(n + 1), seq_lens, tuple(tables), tuple(slots), B, n)
         ids = torch.tensor(step.token_ids + [0] * pad, dtype=torch.int64, device=dev)
