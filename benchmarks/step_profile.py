@@ -2,12 +2,18 @@
 """Where one concurrency-1 token goes: engine spans in-process, plus the served ITL.
 
     python benchmarks/step_profile.py [--model tiny|PATH] [--prompt-len 200] [--tokens 64]
-        [--serve] [--engine-arg=--enforce-eager ...] [--out FILE.json]
+        [--serve] [--parts] [--cpu-time] [--out FILE.json]
 
 Engine part: `LLMEngine` in this process runs one greedy request; every stage of its
 `step()` is timed with `time.perf_counter_ns` spans (scheduler, step input, runner input
 preparation, forward, logits, sampler, scheduler update, detokenizer/outputs, and the
-engine→API message: `as_delta` + pickling). Medians over the decode steps.
+engine→API message: `as_delta` + pickling). Medians over the decode steps, and the
+prefill step (the whole prompt in one chunk) of the second, warm request.
+`--parts` also times the forward's modules, summed over the layers (embedding, the two
+norms, qkv, rotary, attention, o_proj, router, experts, final norm, LM head); each span
+adds ~0.3 µs of its own. With `KVRELAY_COMPILE_DECODE` set (compiled decode steps) the
+model's own spans are left out (wrapping a module fails the compiled graph's guards):
+`runner.execute` is input preparation + forward + LM head either way.
 
 Served part (--serve): `kvrelay serve` on the same checkpoint, `kvrelay bench serve` at
 concurrency 1 with the same lengths; median ITL − the engine's step = the API process,
@@ -35,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import CONFIGS, ROOT, build_checkpoint, log
 
-SPANS: dict[str, list[int]] = defaultdict(list)
+SPANS: dict[str, int] = defaultdict(int)      # the current step's spans, summed per name
 CLOCK = time.perf_counter_ns  # --cpu-time: time.thread_time_ns (1 thread; robust to load)
 
 
@@ -45,7 +51,7 @@ def _timed(name: str, fn: Callable) -> Callable:
         try:
             return fn(*args, **kwargs)
         finally:
-            SPANS[name].append(CLOCK() - t0)
+            SPANS[name] += CLOCK() - t0
 
     return wrapper
 
@@ -57,17 +63,47 @@ def instrument(engine: Any) -> None:
     from kvrelay.engine import step_io
     step_io.step_input = _timed("engine.step_input", step_io.step_input)
     engine.output.outputs = _timed("detokenize+outputs", engine.output.outputs)
-    engine.sampler = _timed("sampler", engine.sampler)
+    engine.sampler.isolated = _timed("sampler", engine.sampler.isolated)
+    runner.execute = _timed("runner.execute (prepare+forward+logits)", runner.execute)
+    engine.step = _timed("step (total)", engine.step)
+    if getattr(runner, "decode_buckets", ()):  # compiled: a wrapped module fails its guards
+        return
     runner.prepare = _timed("runner.prepare", runner.prepare)
     model = runner.model
     forward = model.forward
     model.forward = _timed("model.forward", forward)
     model.compute_logits = _timed("logits", model.compute_logits)
-    engine.step = _timed("step (total)", engine.step)
+
+
+# the forward's modules timed by --parts, by attribute path within a decoder layer
+LAYER_PARTS = {
+    ("input_layernorm", "forward"): "fwd.norms",
+    ("post_attention_layernorm", "forward"): "fwd.norms",
+    ("self_attn.qkv", "qk_v"): "fwd.qkv",
+    ("self_attn.attn", "forward"): "fwd.attention (kv write + attend)",
+    ("self_attn.o_proj", "forward"): "fwd.o_proj",
+    ("mlp.router", "forward"): "fwd.router",
+    ("mlp.experts", "forward"): "fwd.experts",
+}
+
+
+def instrument_parts(model: Any) -> None:
+    def wrap(module: Any, name: str, method: str = "forward") -> None:
+        if not hasattr(module, method):  # an older tree (comparison runs): its forward
+            method = "forward"
+        setattr(module, method, _timed(name, getattr(module, method)))
+
+    wrap(model.embed_tokens, "fwd.embedding")
+    wrap(model.norm, "fwd.norms")
+    wrap(model.lm_head, "logits.lm_head")
+    wrap(model.rotary, "fwd.rotary", "rotate")
+    for layer in model.layers:
+        for (path, method), name in LAYER_PARTS.items():
+            wrap(layer.get_submodule(path), name, method)
 
 
 def engine_profile(
-    model: str, prompt_len: int, tokens: int, engine_args: dict[str, Any]
+    model: str, prompt_len: int, tokens: int, engine_args: dict[str, Any], parts: bool = False
 ) -> dict[str, Any]:
     import torch
 
@@ -77,26 +113,42 @@ def engine_profile(
     from kvrelay.sampling_params import SamplingParams
 
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
+    start = time.perf_counter()
     engine = LLMEngine(EngineArgs(model=model, **engine_args))
+    start = time.perf_counter() - start
     instrument(engine)
+    if parts and not getattr(engine.runner, "decode_buckets", ()):
+        instrument_parts(engine.runner.model)
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    steps: list[dict[str, int]] = []
     for rep in range(2):  # the first request warms caches up
-        SPANS.clear()
+        steps.clear()
         engine.add_request(f"r{rep}", list(range(1, prompt_len + 1)), params)
-        steps = 0
         while engine.has_unfinished_requests():
+            SPANS.clear()
             outputs = engine.step()
             t0 = CLOCK()
             stats = engine_stats(engine)
             blob = pickle.dumps(("outputs", [as_delta(o) for o in outputs], stats))
-            SPANS["message (delta+stats+pickle)"].append(CLOCK() - t0)
-            SPANS["message bytes"].append(len(blob))
-            steps += 1
-    # decode steps only: drop the prefill step (the first)
+            SPANS["message (delta+stats+pickle)"] += CLOCK() - t0
+            SPANS["message bytes"] = len(blob)
+            steps.append(dict(SPANS))
+
+    def scaled(name: str, value: float) -> float:
+        return round(value if "bytes" in name else value / 1e6, 4)
+
+    decode = steps[1:]  # the first step is the prompt's prefill
     return {
-        name: statistics.median(v[1:] if len(v) > 1 else v) / (1 if "bytes" in name else 1e6)
-        for name, v in SPANS.items()
-    } | {"steps": steps}
+        "decode": {
+            name: scaled(name, statistics.median(s.get(name, 0) for s in decode))
+            for name in steps[0]
+        },
+        "prefill": {name: scaled(name, v) for name, v in steps[0].items()},
+        "prompt_tokens": prompt_len,
+        "engine_start_s": round(start, 1),
+        "compiled_decode_buckets": list(getattr(engine.runner, "decode_buckets", ())),
+        "steps": len(steps),
+    }
 
 
 def served_itl(model: str, prompt_len: int, tokens: int, serve_args: list[str]) -> dict[str, Any]:
@@ -197,6 +249,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=200)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--serve", action="store_true")
+    ap.add_argument("--parts", action="store_true", help="also time the forward's modules")
     ap.add_argument("--eager", action="store_true", help="--enforce-eager for both parts")
     ap.add_argument("--out", type=Path)
     ap.add_argument(
@@ -221,7 +274,7 @@ def main() -> None:
         "load": os.getloadavg(),
         "eager": a.eager,
         "clock": "thread CPU time" if a.cpu_time else "wall",
-        "engine_ms": engine_profile(model, a.prompt_len, a.tokens, engine_args),
+        "engine_ms": engine_profile(model, a.prompt_len, a.tokens, engine_args, a.parts),
     }
     if a.serve:
         result["served"] = served_itl(model, a.prompt_len, a.tokens, serve_args)

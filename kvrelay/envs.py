@@ -95,6 +95,14 @@ ATTENTION_KERNEL = EnvVar("KVRELAY_ATTENTION_KERNEL", None, "auto",
                           "decode attention on CPU: 'auto' (the C++ paged kernel, built on first "
                           "use; the PyTorch reference path if it cannot be built) or 'reference'")
 
+COMPILE_DECODE = EnvVar(
+    "KVRELAY_COMPILE_DECODE", None, None,
+    "CPU, one rank: padded batch sizes (e.g. '1,2,4,8') whose decode-only steps run the forward "
+    "compiled by torch.compile (Inductor: C++ wrapper, frozen weights, max-autotune GEMMs), "
+    "compiled during warm-up (~20-70 s per size the first time, then Inductor's disk cache); "
+    "a decode-only step pads to the smallest size that fits, other steps run eagerly; "
+    "unset: always eager")
+
 SINGLE_THREAD_STEP_MACS = EnvVar(
     "KVRELAY_SINGLE_THREAD_STEP_MACS", None, "16e6",
     "CPU: a step under this many multiply-adds runs on one thread (intra-op parallelism of "

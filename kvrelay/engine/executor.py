@@ -125,6 +125,8 @@ def warmup(executor: Executor, num_groups: int, config: EngineConfig) -> None:
     t0 = time.perf_counter()
     for step in warmup_steps(num_groups, config.args.block_size, dp):
         executor.execute(step)
+    if isinstance(executor, UniprocExecutor) and executor.runner is not None:
+        executor.runner.compile_decode()           # KVRELAY_COMPILE_DECODE's buckets, if any
     seconds = time.perf_counter() - t0
     if limit is not None and seconds > limit:
         raise TimeoutError(f"warm-up took {seconds:.0f}s, over the {limit:.0f}s allowed; "

@@ -14,6 +14,13 @@ Index maths for one step (block size B):
     slot[g,t] = table_g[i, pos[t] // B] * B + pos[t] % B     per KV-cache group g
     seq_lens  = start_i + q_i
 
+Compiled decode steps (`KVRELAY_COMPILE_DECODE`, opt-in): a decode-only step of S
+sequences pads to the smallest compiled batch size b ≥ S and runs the forward (and LM
+head) that torch.compile built for that shape during warm-up; every other step runs
+eagerly. Padding rows read and write nothing real: token 0 at position 0, no KV slot
+(-1), context 1 in the null block 0. The block tables of compiled steps are as wide as
+the longest sequence allowed (max positions / B), so the shapes are the same every step.
+
 KV tensors: with the hybrid manager a block id belongs to one group at a time, so
 layer j of group 0 and layer j of group 1 share one `[2, num_blocks, ...]` tensor;
 memory per block is (layers in the largest group) × 2 × kv_heads × B × head_dim.
@@ -21,16 +28,27 @@ memory per block is (layers in the largest group) × 2 × kv_heads × B × head_
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from kvrelay import envs
+from kvrelay.model import kernels
 from kvrelay.model.gpt_oss import GptOssModel
+from kvrelay.model.layers import moe, paged_decode
 from kvrelay.model.layers.attention import AttentionMetadata
 
 logger = logging.getLogger(__name__)
+
+
+# Inductor settings of compiled decode steps, each measured on the tiny model's c=1 step:
+# frozen weights are constants (folded, prepacked for oneDNN); the C++ wrapper calls the
+# kernels without Python; max-autotune picks Inductor's C++ GEMM templates, which skip
+# oneDNN's ~13 µs per call on tiny bf16 matmuls (eager 1.05 ms → 0.17 ms of CPU per step)
+COMPILE_OPTIONS: dict[str, Any] = {"freezing": True, "cpp_wrapper": True, "max_autotune": True}
 
 
 @dataclass
@@ -82,6 +100,12 @@ class ModelRunner:
         self.single_thread_macs = (envs.SINGLE_THREAD_STEP_MACS.as_float() or 0.0
                                    if self.device.type == "cpu" else 0.0)
         self.token_macs, self.row_macs = step_macs(model)
+        self.table_width = -(-model.max_positions // block_size)   # blocks of the longest sequence
+        self.decode_buckets = compile_buckets(model, self.device)
+        self._compiled: Callable[..., torch.Tensor] | None = None
+        self._aranges: dict[int, torch.Tensor] = {}
+        self._wide_tables: dict[tuple[int, int], torch.Tensor] = {}
+        self.compiled_steps = 0              # decode steps that ran the compiled forward
 
     def prepare(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         if step.num_decodes == len(step.query_lens):
@@ -104,25 +128,53 @@ class ModelRunner:
         ids = torch.tensor(step.token_ids, dtype=torch.int64, device=dev)
         return ids, positions.to(dev), meta
 
-    def _prepare_decodes(self, step: StepInput
+    def _prepare_decodes(self, step: StepInput, rows: int | None = None,
+                         width: int | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """A decode-only step: token i of sequence i sits at position starts[i]."""
-        dev, B, S = self.device, self.block_size, len(step.starts)
-        positions = torch.tensor(step.starts, dtype=torch.int64)
-        rows = torch.arange(S)
+        """A decode-only step: token i of sequence i sits at position starts[i]. `rows`
+        pads it to a compiled batch size; `width` gives the block tables that width (the
+        compiled graphs' shape), in a persistent buffer per (group, rows) of which only the
+        used columns are rewritten: columns past a row's blocks are never read.
+
+        The indices are computed on Python ints and become tensors in one call each: at
+        a few sequences, tensor ops (each ~1 µs of dispatch) cost more than the maths."""
+        dev, B, starts = self.device, self.block_size, step.starts
+        n = rows or len(starts)
+        pad = n - len(starts)
         tables, slots = [], []
         for g in range(self.num_groups):
-            table = _pad_table(step.block_tables[g])
-            tables.append(table.to(dev))
-            slots.append((table[rows, positions // B] * B + positions % B).to(dev))
-        meta = AttentionMetadata(torch.arange(S + 1, device=dev), (positions + 1).to(dev),
-                                 tuple(tables), tuple(slots), B, S)
-        ids = torch.tensor(step.token_ids, dtype=torch.int64, device=dev)
-        return ids, positions.to(dev), meta
+            blocks = step.block_tables[g]
+            slots.append(torch.tensor([t[p // B] * B + p % B for t, p in zip(blocks, starts)]
+                                      + [-1] * pad, dtype=torch.int64, device=dev))
+            w = max(max(len(t) for t in blocks), 1)
+            padded = [t + [0] * (w - len(t)) for t in blocks] + [[0] * w] * pad
+            table = torch.tensor(padded, dtype=torch.int64, device=dev).view(n, w)
+            if width is not None:
+                wide = self._wide_tables.get((g, n))
+                if wide is None:
+                    wide = self._wide_tables[(g, n)] = torch.zeros(
+                        n, width, dtype=torch.int64, device=dev)
+                wide[:, :w] = table
+                table = wide
+            tables.append(table)
+        seq_lens = torch.tensor([p + 1 for p in starts] + [1] * pad, dtype=torch.int64, device=dev)
+        meta = AttentionMetadata(self._arange(n + 1), seq_lens, tuple(tables), tuple(slots), B, n)
+        ids = torch.tensor(step.token_ids + [0] * pad, dtype=torch.int64, device=dev)
+        positions = torch.tensor(starts + [0] * pad, dtype=torch.int64, device=dev)
+        return ids, positions, meta
+
+    def _arange(self, n: int) -> torch.Tensor:
+        """query_start_loc of n - 1 decodes; never written, so one tensor per size serves."""
+        if n not in self._aranges:
+            self._aranges[n] = torch.arange(n, device=self.device)
+        return self._aranges[n]
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> torch.Tensor:
         """Runs the step; returns float32 logits [len(logits_rows), V] on the CPU."""
+        bucket = self._bucket(step)
+        if bucket:
+            return self._execute_compiled(step, bucket)
         self._set_threads(len(step.token_ids), len(step.logits_rows))
         ids, positions, meta = self.prepare(step)
         if step.dp_token_counts is not None:        # MoE layers gather all replicas' tokens
@@ -132,6 +184,72 @@ class ModelRunner:
         return self.model.compute_logits(hidden[rows]).cpu()
 
 
+    # -- compiled decode steps ------------------------------------------------------------------
+    def _bucket(self, step: StepInput) -> int | None:
+        """The compiled batch size this step pads to, or None (eager)."""
+        if self._compiled is None or step.num_decodes != len(step.query_lens) \
+                or step.dp_token_counts is not None:
+            return None
+        n = len(step.query_lens)
+        return next((b for b in self.decode_buckets if b >= n), None)
+
+    @torch.inference_mode()         # as `execute`: the graph's guards include grad mode
+    def _execute_compiled(self, step: StepInput, bucket: int) -> torch.Tensor:
+        """A decode step through the graph compiled for `bucket`."""
+        assert self._compiled is not None
+        self._set_threads(bucket, bucket)           # the thread count it was compiled under
+        try:
+            ids, positions, meta = self._prepare_decodes(step, bucket, self.table_width)
+            logits = self._compiled(ids, positions, meta)                   # [bucket, V]
+        except Exception as e:  # noqa: BLE001 -- stay correct: this step and later ones eager
+            logger.warning("a compiled decode step failed (%s: %s); running eagerly from now on",
+                           type(e).__name__, _first_line(e))
+            self._compiled, self.decode_buckets = None, ()
+            return self.execute(step)
+        self.compiled_steps += 1
+        rows = step.logits_rows
+        if rows == list(range(len(rows))):
+            return logits[:len(rows)].cpu()
+        return logits[torch.tensor(rows, dtype=torch.int64, device=self.device)].cpu()
+
+    def _forward_logits(self, ids: torch.Tensor, positions: torch.Tensor,
+                        meta: AttentionMetadata) -> torch.Tensor:
+        """The forward and LM head of every row: what `torch.compile` traces. The KV
+        caches are read as attributes, not passed: as arguments, the layers' aliases of
+        one tensor made the graph copy the whole cache around its in-place writes."""
+        return self.model.compute_logits(self.model(ids, positions, self.kv_caches, meta))
+
+    def compile_decode(self) -> None:
+        """Compiles the decode forward for every bucket by running a dummy decode step of
+        that size (writing nothing; reading the null block). A failure leaves the runner
+        eager, with a warning: compiling is an optimisation, never a reason not to serve."""
+        if not self.decode_buckets:
+            return
+        cfg = torch._dynamo.config
+        cfg.recompile_limit = max(cfg.recompile_limit, len(self.decode_buckets) + 1)
+        self._compiled = torch.compile(self._forward_logits, dynamic=False, fullgraph=True)
+        tables = [[[0]] for _ in range(self.num_groups)]
+        # set globally while compiling: `torch.compile(options=...)` does not apply freezing;
+        # autotuning's tables of timings (written to stderr) left out of the server's log
+        with torch._inductor.config.patch(autotune_num_choices_displayed=0, **COMPILE_OPTIONS):
+            self._compile_buckets(tables)
+        if self._compiled is not None:
+            # from now on only the graphs compiled above: a step whose guards they fail
+            # (none is expected) runs eagerly instead of recompiling for tens of seconds
+            # mid-serving; cheaper per call than torch.compile's own wrapper, too
+            self._compiled = torch._dynamo.run(self._forward_logits)
+
+    def _compile_buckets(self, tables: list[list[list[int]]]) -> None:
+        for b in self.decode_buckets:
+            t0 = time.perf_counter()
+            step = StepInput([0] * b, [1] * b, [0] * b, [t * b for t in tables],
+                             list(range(b)), num_decodes=b)
+            self._execute_compiled(step, b)
+            if self._compiled is None:
+                return                               # failed, and said so
+            logger.info("decode forward compiled for %d sequence(s) in %.1fs", b,
+                        time.perf_counter() - t0)
+
     def _set_threads(self, tokens: int, rows: int) -> None:
         if self.max_threads <= 1 or not self.single_thread_macs:
             return
@@ -140,16 +258,32 @@ class ModelRunner:
         if threads != torch.get_num_threads():
             torch.set_num_threads(threads)
 
-    def warmup(self) -> float:
-        """One small prefill and one decode through the model (first-call kernel setup)
-        writing only into the null block; returns the seconds it took."""
-        import time
-        t0 = time.perf_counter()
-        n = min(self.block_size, 8)
-        tables = [[[0]] for _ in range(self.num_groups)]
-        self.execute(StepInput([0] * n, [n], [0], tables, [n - 1]))
-        self.execute(StepInput([0], [1], [n - 1], tables, [0], num_decodes=1))
-        return time.perf_counter() - t0
+
+def compile_buckets(model: GptOssModel, device: torch.device) -> tuple[int, ...]:
+    """The decode batch sizes `KVRELAY_COMPILE_DECODE` asks to compile, or () where
+    compiling does not apply (with a warning saying why)."""
+    raw = envs.COMPILE_DECODE.raw()
+    if not raw:
+        return ()
+    try:
+        buckets = tuple(sorted({int(b) for b in raw.split(",") if b.strip()}))
+    except ValueError:
+        buckets = ()
+    if not buckets or buckets[0] < 1:
+        raise ValueError(f"{envs.COMPILE_DECODE.shown}: expected batch sizes such as "
+                         f"'1,2,4,8', got {raw!r}")
+    ctx = model.ctx
+    why = ("it compiles for the CPU only" if device.type != "cpu"
+           else "tensor/expert parallel collectives are not traced" if ctx.tp_size > 1
+           or ctx.ep_size > 1 or ctx.expert_group is not None
+           else "the native kernels are unavailable or turned off"
+           if not (paged_decode.enabled() and kernels.kernels_available()
+                   and moe.moe_kernel_mode() != "torch")
+           else "")
+    if why:
+        logger.warning("%s is set but ignored: %s", envs.COMPILE_DECODE.shown, why)
+        return ()
+    return buckets
 
 
 def step_macs(model: GptOssModel) -> tuple[int, int]:
@@ -162,6 +296,11 @@ def step_macs(model: GptOssModel) -> tuple[int, int]:
     moe = c.hidden_size * c.num_local_experts + experts
     tp = model.ctx.tp_size
     return c.num_hidden_layers * (attn + moe) // tp, c.vocab_size * c.hidden_size // tp
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else ""
 
 
 def _pad_table(rows: list[list[int]]) -> torch.Tensor:

@@ -54,8 +54,9 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv(x)                                  # [T, h, hd], [T, kvh, hd] x2
-        q, k = self.rotary(positions, q, k)
+        qk, v = self.qkv.qk_v(x)                               # [T, h + kvh, hd], [T, kvh, hd]
+        q, k = self.rotary.rotate(positions, qk).split(       # one rotary call for q and k
+            [self.qkv.num_heads, self.qkv.num_kv_heads], dim=1)
         out = self.attn(q, k, v, kv_cache, meta)               # [T, h, hd]
         return self.o_proj(out.flatten(1))                     # [T, H]
 
@@ -93,8 +94,8 @@ class GptOssModel(nn.Module):
         self.config, self.dtype, self.mxfp4 = config, dtype, mxfp4
         self.ctx = ctx = ctx or ParallelContext()
         self.layer_groups = kv_cache_groups(config, hybrid_kv_cache)
-        self.rotary = RotaryEmbedding(config.rope, config.head_dim,
-                                      max_positions or config.max_position_embeddings)
+        self.max_positions = max_positions or config.max_position_embeddings
+        self.rotary = RotaryEmbedding(config.rope, config.head_dim, self.max_positions)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx, dtype)
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, self.layer_groups[i], ctx, dtype, self.rotary, mxfp4)

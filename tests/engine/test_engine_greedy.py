@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from kvrelay import SamplingParams
+from kvrelay.engine import runner as runner_module
 from tests.factories import greedy_mismatch
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -69,3 +70,18 @@ def test_all_greedy_forces_greedy(tiny, make_llm):
     prompts = _prompts()[:3]
     outs = llm.generate(prompts, SamplingParams(temperature=1.0, top_k=50, max_tokens=12, ignore_eos=True))
     check_against_reference(tiny[1], prompts, outs)
+
+
+def test_compiled_decode_matches_transformers(tiny, make_llm, monkeypatch):
+    """KVRELAY_COMPILE_DECODE: decode-only steps of 1-4 sequences run the forward compiled
+    for 4 rows (1-3 sequences padded), and give the reference's tokens."""
+    monkeypatch.setenv("KVRELAY_COMPILE_DECODE", "4")
+    # the same graphs without autotuning or the C++ wrapper: minutes less to compile
+    monkeypatch.setattr(runner_module, "COMPILE_OPTIONS", {"freezing": True})
+    llm = make_llm(max_num_seqs=4)
+    runner = llm.engine.runner
+    assert runner.decode_buckets == (4,)            # compiled in warm-up, not fallen back
+    prompts = _prompts()
+    check_against_reference(tiny[1], prompts, llm.generate(prompts, GREEDY))
+    assert runner.compiled_steps >= GREEDY.max_tokens
+    assert runner.decode_buckets == (4,)            # no compiled step failed

@@ -161,6 +161,10 @@ def _register_fake() -> None:
     def _(q, kv_cache, block_table, seq_lens, sinks, scale, window, isa=""):
         return torch.empty_like(q)
 
+    @torch.library.register_fake("kvrelay_kernels::write_kv")
+    def _(kv_cache, k, v, slots):
+        return None
+
 
 @functools.cache
 def status() -> KernelStatus:
@@ -180,6 +184,7 @@ def status() -> KernelStatus:
     return KernelStatus(True, isas[0], isas, "", str(library))
 
 
+@torch.compiler.assume_constant_result      # a constant to torch.compile's tracing
 def kernels_available() -> bool:
     return status().available
 

@@ -157,7 +157,7 @@ class PagedAttention(nn.Module):
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q [T, h, hd], k/v [T, kvh, hd] → [T, h, hd]."""
         native = self.use_kernel and kernel.available(q.device)
-        if native and kv_cache.is_contiguous() and not torch.compiler.is_compiling():
+        if native and kv_cache.is_contiguous():
             kernel.write_kv(kv_cache, k, v, meta.slot_mappings[self.group])
         else:
             write_kv(kv_cache, k, v, meta.slot_mappings[self.group], meta.block_size)

@@ -84,7 +84,14 @@ def half_matmul_choice() -> HalfMatmulChoice:
 
 
 def upcasts(weight: torch.Tensor) -> bool:
-    return weight.dtype in _HALF and weight.device.type == "cpu" and cpu_half_matmul_in_fp32()
+    return weight.dtype in _HALF and weight.device.type == "cpu" and _in_fp32_constant()
+
+
+@torch.compiler.assume_constant_result
+def _in_fp32_constant() -> bool:
+    """`cpu_half_matmul_in_fp32()`, a constant to torch.compile (which traces through the
+    cache into the capability probes, and breaks the graph there)."""
+    return cpu_half_matmul_in_fp32()
 
 
 # Below this many rows a matmul streams its weights (GEMV-like) and torch's half kernel,
@@ -165,4 +172,12 @@ class QKVParallelLinear(nn.Module):
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         return (q.view(-1, self.num_heads, self.head_dim),        # [tokens, heads, hd]
                 k.view(-1, self.num_kv_heads, self.head_dim),     # [tokens, kv_heads, hd]
+                v.view(-1, self.num_kv_heads, self.head_dim))
+
+    def qk_v(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q and k heads side by side [tokens, heads + kv_heads, hd], v [tokens, kv_heads, hd]):
+        the layout in which one rotary call rotates q and k together."""
+        qkv = linear(x, self.weight, self.bias)                  # [tokens, q + 2 kv]
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        return (qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim),
                 v.view(-1, self.num_kv_heads, self.head_dim))

@@ -53,6 +53,7 @@ DENSE_TORCH_MIN_ROWS = 2
 DENSE_TORCH_MIN_WORK = 1 << 22
 
 
+@torch.compiler.assume_constant_result      # a constant to torch.compile's tracing
 def moe_kernel_mode() -> str:
     mode = envs.MOE_KERNEL.raw() or "auto"
     if mode not in MOE_KERNEL_MODES:
@@ -181,11 +182,11 @@ class Experts(nn.Module):
                 return False
             if mode == "auto" and self.dense_prefers_torch(choices):
                 return False
-        status = kernels.status()
-        if not status.available and mode == "native":
+        available = kernels.kernels_available()
+        if not available and mode == "native":
             raise RuntimeError(f"{envs.MOE_KERNEL.shown}=native but the native kernels could "
-                               f"not be built: {status.reason}")
-        return status.available
+                               f"not be built: {kernels.status().reason}")
+        return available
 
     def dense_prefers_torch(self, choices: int) -> bool:
         """Whether `choices` (token, expert) pairs give torch's GEMMs the edge over the
@@ -215,6 +216,8 @@ class Experts(nn.Module):
         bias = getattr(self, name).detach()
         if bias.dtype == torch.float32:
             return bias
+        if torch.compiler.is_compiling():      # traced: computed in the graph (or frozen)
+            return bias.float()
         key = (bias.data_ptr(), bias._version)
         cached = self._bias_f32.get(name)
         if cached is None or cached[0] != key:

@@ -37,7 +37,13 @@ def enabled() -> bool:
 
 
 def available(device: torch.device) -> bool:
-    return device.type == "cpu" and enabled()
+    return device.type == "cpu" and _enabled_constant()
+
+
+@torch.compiler.assume_constant_result
+def _enabled_constant() -> bool:
+    """`enabled()`, which torch.compile takes as a constant (it traces through caches)."""
+    return enabled()
 
 
 def decode(
@@ -60,7 +66,11 @@ def decode(
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
     """Copies each new token's K and V rows into its slot (one memcpy per KV head)."""
-    _ops().write_kv(kv_cache, k.to(kv_cache.dtype), v.to(kv_cache.dtype), slots)
+    k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
+    if torch.compiler.is_compiling():      # a mutating op in the graph, written in place
+        torch.ops.kvrelay_kernels.write_kv(kv_cache, k, v, slots)
+        return
+    _ops().write_kv(kv_cache, k, v, slots)
 
 
 class _Ops:

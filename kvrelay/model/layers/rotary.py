@@ -51,12 +51,40 @@ class RotaryEmbedding(nn.Module):
         freqs = positions[:, None] * inv_freq[None, :]                         # [max_pos, hd/2]
         self.register_buffer("cos", freqs.cos() * scale, persistent=False)
         self.register_buffer("sin", freqs.sin() * scale, persistent=False)
+        # the last step's (positions, its version, dtype, cos, sin): every layer of a step
+        # rotates the same positions, so the gather and casts run once per step, not per layer
+        self._last: tuple[torch.Tensor, int, torch.dtype, torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].to(q.dtype)[:, None, :]                      # [tokens, 1, hd/2]
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
+        cos, sin = self.cos_sin(positions, q.dtype)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x [tokens, heads, hd] rotated: q and k heads side by side take one call."""
+        cos, sin = self.cos_sin(positions, x.dtype)
+        return _rotate(x, cos, sin)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [tokens, 1, hd/2] of `positions` in `dtype` (cast after the gather, as
+        the reference does, so the values are the same)."""
+        if torch.compiler.is_compiling():                  # the graph computes it once anyway
+            return self._gather(positions, dtype)
+        # inference tensors (the runner's) have no version counter; the runner builds new
+        # positions every step and nothing writes them in place
+        version = 0 if positions.is_inference() else positions._version
+        last = self._last
+        if last is not None and last[0] is positions and last[1] == version and last[2] == dtype:
+            return last[3], last[4]
+        cos, sin = self._gather(positions, dtype)
+        self._last = (positions, version, dtype, cos, sin)
+        return cos, sin
+
+    def _gather(self, positions: torch.Tensor, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        return (self.cos[positions].to(dtype)[:, None, :],                    # [tokens, 1, hd/2]
+                self.sin[positions].to(dtype)[:, None, :])
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
