@@ -90,6 +90,8 @@ E2E_FIXTURES = {
 # in-process, over ~1.5 s each on 2 loaded cores
 SLOW_PATHS = (
     "tests/model/test_embedded.py",                       # the 135M embedded model vs transformers
+    # Inductor compiles (its own helper subprocesses included): 15-120 s
+    "tests/engine/test_engine_greedy.py::test_compiled_decode_matches_transformers",
     "tests/structured/test_engine.py::test_harmony_turn_constrained_from_the_first_token",
     "tests/agent/test_agent_api.py::test_responses_constraints",
     "tests/agent/test_responses_proxy.py::test_key_body_keys_the_prompt",
