@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import signal
 import statistics
@@ -569,7 +570,10 @@ def parse_variants(specs: list[str]) -> dict[str, dict[str, str]]:
     variants: dict[str, dict[str, str]] = {}
     for spec in specs:
         name, _, assignments = spec.partition(":")
-        pairs = [kv.partition("=") for kv in assignments.split(",") if kv]
+        # a comma starts a new assignment only before KEY=, so values may hold commas
+        # (KVRELAY_COMPILE_DECODE=1,8,64)
+        pairs = [kv.partition("=") for kv in re.split(r",(?=[A-Za-z_][A-Za-z0-9_]*=)",
+                                                       assignments) if kv]
         if not name or not pairs or any(not k or not sep for k, sep, _ in pairs):
             raise SystemExit(f"--variant {spec!r}: expected NAME:KEY=VALUE[,KEY=VALUE...]")
         variants[name] = {k: v for k, _, v in pairs}
