@@ -171,7 +171,9 @@ def warn_limited(fmt: str, *args) -> None:
     if now - _last_logged.get(fmt, -60.0) < 60.0:
         return
     _last_logged[fmt] = now
-    logger.warning(fmt + " (repeats of this warning are suppressed for a minute)", *args)
+    # the caller's format stays lazy: only a constant suffix is added to it
+    logger.warning(fmt + " (repeats of this warning are suppressed for a minute)",  # noqa: G003
+                   *args)
 
 
 class SideChannelServer:

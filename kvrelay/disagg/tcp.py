@@ -343,8 +343,8 @@ class TcpTransport(KVTransport):
             raise TransferError(f"peer {peer_id!r}: TCP metadata has port {port!r}")
         if (not isinstance(regions, list) or not regions
                 or not all(_is_int(r) and r > 0 for r in regions)):
-            raise TransferError(f"peer {peer_id!r}: TCP metadata regions must be a non-empty list of "
-                                f"positive sizes")
+            raise TransferError(f"peer {peer_id!r}: TCP metadata regions must be a non-empty list "
+                                "of positive sizes")
         with self._lock:
             self._check_open()
             old = self._peers.get(peer_id)
@@ -451,7 +451,8 @@ class TcpTransport(KVTransport):
             self._discard(sock)
             if handle.cancelled:
                 raise TransferError(f"TCP KV read from {where} was cancelled") from None
-            raise TransferError(f"TCP KV read from {where} failed: {type(e).__name__}: {e}") from None
+            raise TransferError(
+                f"TCP KV read from {where} failed: {type(e).__name__}: {e}") from None
         finally:
             handle.sock = None
         handle.finished_at = time.monotonic()

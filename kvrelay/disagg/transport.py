@@ -126,7 +126,8 @@ class KVTransport(ABC):
         deadline = time.monotonic() + timeout
         while self.poll(handle) != "done":
             if time.monotonic() > deadline:
-                raise TransferError(f"KV read from peer {handle.peer_id!r} not done after {timeout:.0f}s")
+                raise TransferError(f"KV read from peer {handle.peer_id!r} not done after "
+                                    f"{timeout:.0f}s")
             time.sleep(interval)
 
     def __enter__(self):
@@ -176,16 +177,17 @@ def check_descs(descs: Sequence[ReadDesc], local: Sequence[int], remote: Sequenc
             raise TransferError(f"read from peer {peer_id!r}: descriptor {i} is a "
                                 f"{type(d).__name__}, not a ReadDesc")
         if not all(_is_int(v) for v in (d.region, d.remote_offset, d.local_offset, d.nbytes)):
-            raise TransferError(f"read from peer {peer_id!r}: descriptor {i} has non-integer fields: {d}")
+            raise TransferError(f"read from peer {peer_id!r}: descriptor {i} has non-integer "
+                                f"fields: {d}")
         if d.nbytes <= 0 or d.remote_offset < 0 or d.local_offset < 0:
             raise TransferError(f"read from peer {peer_id!r}: descriptor {i} has a negative offset "
                                 f"or non-positive size: {d}")
         if not 0 <= d.region < len(local):
-            raise TransferError(f"read from peer {peer_id!r}: descriptor {i} names region {d.region}, "
-                                f"but this side registered {len(local)} regions")
+            raise TransferError(f"read from peer {peer_id!r}: descriptor {i} names region "
+                                f"{d.region}, but this side registered {len(local)} regions")
         if d.region >= len(remote):
-            raise TransferError(f"read from peer {peer_id!r}: descriptor {i} names region {d.region}, "
-                                f"but the peer registered {len(remote)} regions")
+            raise TransferError(f"read from peer {peer_id!r}: descriptor {i} names region "
+                                f"{d.region}, but the peer registered {len(remote)} regions")
         if d.local_offset + d.nbytes > local[d.region]:
             raise TransferError(f"read from peer {peer_id!r}: descriptor {i} writes bytes "
                                 f"[{d.local_offset}, {d.local_offset + d.nbytes}) of local region "
