@@ -18,6 +18,7 @@ import os
 import resource
 import sys
 import time
+from typing import NoReturn
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 
@@ -45,7 +46,7 @@ def _json_object(text: str) -> dict:
 class _Parser(argparse.ArgumentParser):
     """argparse with one-line errors naming the flag (no usage dump)."""
 
-    def error(self, message: str):  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
@@ -184,6 +185,8 @@ def _generate(args: argparse.Namespace) -> int:
           f"peak RSS {rss:.0f} MiB, ready in {time.perf_counter() - t0:.1f}s)", file=sys.stderr)
     prompt: str | list[int] = args.prompt
     if args.chat:
+        if engine.tokenizer is None:         # a one-line error, not an AttributeError traceback
+            raise ValueError(f"--chat needs a tokenizer.json in {engine.model_dir}")
         prompt = engine.tokenizer.encode_chat(args.prompt)
     t0 = time.perf_counter()
     out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=args.max_tokens))[0]
@@ -218,8 +221,8 @@ def agent_options(args: argparse.Namespace):
     return AgentOptions(enable_auto_tool_choice=args.enable_auto_tool_choice,
                         tool_call_parser=args.tool_call_parser,
                         reasoning_parser=args.reasoning_parser,
-                        responses_store_size=(envs.RESPONSES_STORE_MAX_ENTRIES.as_int() if store
-                                              else 0))
+                        responses_store_size=(envs.RESPONSES_STORE_MAX_ENTRIES.as_int() or 0
+                                              if store else 0))
 
 
 if __name__ == "__main__":
