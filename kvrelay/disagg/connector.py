@@ -167,7 +167,7 @@ class KVConnector:
         self.held_blocks: collections.Counter[int] = collections.Counter()
         self._grant_lock = threading.Lock()              # the side channel's threads read grants
         self.outbox = KVWork()                 # for ranks 1..N-1: cancels ride with the next step
-        self.server = None
+        self.server: SideChannelServer | None = None
         self.advertised: tuple[str, int] | None = None
         # filled by the side channel thread
         self._released: collections.deque[str] = collections.deque()
@@ -183,10 +183,10 @@ class KVConnector:
         port = envs.SIDE_CHANNEL_PORT.as_int() or 0
         port = port + self.port_offset if port else 0
         warn_if_exposed(host, self.secret, "side channel")
-        self.server = SideChannelServer(host, port, self._handle, secret=self.secret,
-                                        max_connections=self.config.max_connections)
-        self.server.start()
-        bound_host, bound_port = self.server.address
+        self.server = server = SideChannelServer(host, port, self._handle, secret=self.secret,
+                                                 max_connections=self.config.max_connections)
+        server.start()
+        bound_host, bound_port = server.address
         self.advertised = (advertised_host(host), bound_port)
         logger.info("KV side channel listening on %s:%d (advertised %s:%d), transport %s, "
                     "%d rank(s)", bound_host, bound_port, *self.advertised, self.transport.name,
@@ -213,7 +213,7 @@ class KVConnector:
             f"decode sent tp_size {decode_tp!r}"
         if tp_problem:
             problems.append(tp_problem)
-        if problems:
+        if problems or not isinstance(decode_tp, int):    # (an int when there is no problem)
             logger.error("refused a KV handshake from %s: incompatible KV cache (%s)",
                          message.get("engine_id"), "; ".join(problems))
             return {"ok": False, "error": "incompatible KV cache: " + "; ".join(problems)}
@@ -341,10 +341,12 @@ class KVConnector:
         if not problems and (not isinstance(ranks, list) or len(ranks) != prefill_tp):
             problems.append(f"prefill sent transport metadata for {len(ranks or [])} of its "
                             f"{prefill_tp} ranks")
-        if not problems and (reply.get("compat_hash")
-                             != pairing_hash(self.spec.__dict__, prefill_tp, self.tp_size)):
+        if not problems and isinstance(prefill_tp, int) and (
+                reply.get("compat_hash")
+                != pairing_hash(self.spec.__dict__, prefill_tp, self.tp_size)):
             problems.append("compatibility hash differs (KV cache spec serialised differently)")
-        if problems:
+        # (with no problem, prefill_tp is an int and ranks a list: checked above)
+        if problems or not isinstance(prefill_tp, int) or not isinstance(ranks, list):
             self.stats.handshake_errors += 1
             raise HandshakeError("incompatible KV cache: " + "; ".join(problems))
         peer = PeerInfo(engine_id, prefill_tp, int(reply["num_blocks"]),
@@ -392,7 +394,7 @@ class KVConnector:
             # builds its own read: waiting for rank 0's read setup, or for the next step,
             # delayed rank 1's start by 60-160 ms on this machine
             self.outbox.pulls.append(order)
-            self.link.send_kv(self.take_work())
+            self.link.send_kv(self._take_outbox())
         self._pending_events.extend(("load", e) for e in self.local.apply(KVWork(pulls=[order])))
 
     def claim(self, params: Any) -> None:
@@ -412,8 +414,12 @@ class KVConnector:
 
     def take_work(self) -> KVWork | None:
         """KV work for ranks 1..N-1 accumulated since the last call (None when there is none)."""
-        work, self.outbox = self.outbox, KVWork()
+        work = self._take_outbox()
         return work if work else None
+
+    def _take_outbox(self) -> KVWork:
+        work, self.outbox = self.outbox, KVWork()
+        return work
 
     def release_remote(self, params: Any) -> None:
         """Ask the prefill (in the background) to free blocks we will not read."""

@@ -36,7 +36,8 @@ class KVTransferParams:
             return None
         if not isinstance(raw, dict):
             raise ValueError("kv_transfer_params must be an object")
-        p = cls(**{k: raw.get(k) for k in cls.__dataclass_fields__ if k in raw})
+        given: dict[str, Any] = {k: raw[k] for k in cls.__dataclass_fields__ if k in raw}
+        p = cls(**given)
         if p.do_remote_prefill:
             required = ("remote_engine_id", "remote_block_ids", "remote_host", "remote_port",
                         "remote_request_id", "remote_capability")

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -191,7 +191,7 @@ class MultiprocExecutor:
         sentinels = {w.sentinel: w for w in self.workers}
         while sentinels and not self._closing:
             for s in wait(list(sentinels), timeout=1.0):
-                w = sentinels.pop(s)
+                w = sentinels.pop(cast(int, s))   # wait() returns the sentinels it was given
                 if self._closing:
                     continue
                 w.join(1)
