@@ -179,7 +179,7 @@ class NixlReadHandle(ReadHandle):
     state: str = "pending"          # pending | done | error
 
 
-class NixlTransport(KVTransport):
+class NixlTransport(KVTransport[NixlReadHandle]):
     name = "nixl"
 
     def __init__(self, agent_name: str | None = None, backends: Sequence[str] = ("UCX",),

@@ -143,7 +143,8 @@ def admit_connection(conns: dict[socket.socket, _Conn], limit: int, evict_pendin
     return False
 
 
-def authenticate_connection(conn: socket.socket, secret: bytes, lock: threading.Lock,
+def authenticate_connection(conn: socket.socket, secret: bytes,
+                            lock: threading.Lock | threading.RLock,
                             conns: dict[socket.socket, _Conn], peer, what: str) -> bool:
     """The server side of the KV secret's challenge–response on `conn` (see auth.py); on
     success the connection counts as authenticated in `conns` (so it is never evicted as a

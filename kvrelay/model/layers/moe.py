@@ -128,8 +128,10 @@ class Experts(nn.Module):
 
     def _load_dense(self, src: WeightSource, prefix: str, rows: tuple[int, int, int]) -> None:
         gate_up = self._local_slice(src, f"{prefix}.gate_up_proj", 2, *rows)       # [E, H, 2I]
-        # [E, I, H]
-        down = self._local_slice(src, f"{prefix}.down_proj", 1, self.i0, self.i1, self.i_local)
+        down = self._local_slice(src, f"{prefix}.down_proj", 1,                    # [E, I, H]
+                                 self.i0, self.i1, self.i_local)
+        # the loader keeps a dense checkpoint's experts dense (quantization "mxfp4" refuses it)
+        assert isinstance(self.gate_up, torch.Tensor) and isinstance(self.down, torch.Tensor)
         self.gate_up.copy_(gate_up.transpose(1, 2))
         self.down.copy_(down.transpose(1, 2))
 
@@ -254,12 +256,12 @@ class Experts(nn.Module):
         counts = torch.bincount(local.clamp(min=-1, max=self.num_local) + 1,
                                 minlength=self.num_local + 2)               # [-1 | local | above]
         start = int(counts[0])
-        counts = counts[1:self.num_local + 1].tolist()
-        chosen = order[start:start + sum(counts)]                           # [n] local choices
+        sizes: list[int] = counts[1:self.num_local + 1].tolist()            # choices per expert
+        chosen = order[start:start + sum(sizes)]                            # [n] local choices
         x_sorted = x[chosen // k]                                           # [n, H]
         y_sorted = torch.empty_like(x_sorted)
         offset = 0
-        for e, n in enumerate(counts):
+        for e, n in enumerate(sizes):
             if n:
                 dt = work_dtype if n >= UPCAST_MIN_ROWS else self.dtype    # see layers.linear
                 y_sorted[offset:offset + n] = self._expert(e, x_sorted[offset:offset + n].to(dt))
