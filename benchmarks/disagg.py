@@ -40,7 +40,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import git_sha, log, machine_info
+from common import git_sha, log, machine_info  # noqa: E402 -- after the sys.path insert
 
 PY = sys.executable
 SERVE_FLAGS = ["--max-model-len", "2048", "--max-num-seqs", "16", "--served-model-name", "bench"]

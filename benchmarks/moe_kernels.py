@@ -46,9 +46,9 @@ import torch  # after the OpenMP setting: libgomp reads it when loaded
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kvrelay.model import kernels, mxfp4
-from kvrelay.model.layers.moe import MoE
-from kvrelay.model.parallel import ParallelContext
+from kvrelay.model import kernels, mxfp4  # noqa: E402 -- after the sys.path insert
+from kvrelay.model.layers.moe import MoE  # noqa: E402 -- after the sys.path insert
+from kvrelay.model.parallel import ParallelContext  # noqa: E402 -- after the sys.path insert
 
 SHAPES = {
     "tiny": {"hidden": 128, "intermediate": 128, "experts": 8, "top_k": 2},

@@ -50,9 +50,21 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (CONFIGS, QUICK_CONFIGS, ROOT, THREADS, VLLM_PYTHON, build_checkpoint,  # noqa: E402
-                    cpu_jiffies, loadavg, log, machine_info, make_workload, measure_limits)
-from common import wait_for_quiet as common_wait_for_quiet  # noqa: E402
+from common import (
+    CONFIGS,
+    QUICK_CONFIGS,
+    ROOT,
+    THREADS,
+    VLLM_PYTHON,
+    build_checkpoint,
+    cpu_jiffies,
+    loadavg,
+    log,
+    machine_info,
+    make_workload,
+    measure_limits,
+)
+from common import wait_for_quiet as common_wait_for_quiet
 
 ENGINES = ("kvrelay", "transformers", "vllm")
 MAX_NUM_SEQS = 64

@@ -49,8 +49,18 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (CONFIGS, QUICK_CONFIGS, ROOT, THREADS, VLLM_PYTHON, build_checkpoint,  # noqa: E402
-                    loadavg, log, machine_info, wait_for_quiet)
+from common import (
+    CONFIGS,
+    QUICK_CONFIGS,
+    ROOT,
+    THREADS,
+    VLLM_PYTHON,
+    build_checkpoint,
+    loadavg,
+    log,
+    machine_info,
+    wait_for_quiet,
+)
 
 VLLM_BIN = str(Path(VLLM_PYTHON).parent / "vllm")
 SERVER_FLAGS = ["--dtype", "bfloat16", "--max-num-seqs", "64", "--max-model-len", "512"]

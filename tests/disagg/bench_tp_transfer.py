@@ -23,7 +23,7 @@ from tests.processes import Server, free_port
 
 # 8 layers (4 full + 4 sliding, window 128), 4 KV heads × 64 dims, float32:
 # per token and layer 2 · 4 · 64 · 4 B = 2 KiB
-CONFIG = dict(vocab_size=512, hidden_size=256, intermediate_size=384, head_dim=64, num_attention_heads=8,  # noqa: C408
+CONFIG = dict(vocab_size=512, hidden_size=256, intermediate_size=384, head_dim=64, num_attention_heads=8,
               num_key_value_heads=4, num_hidden_layers=8, num_local_experts=4, num_experts_per_tok=2,
               sliding_window=128, max_position_embeddings=4096)
 LAYOUTS = [(1, 1), (1, 2), (2, 2), (2, 4)]

@@ -73,7 +73,7 @@ def test_head_slice_every_combination(k):
             s = head_slice(a, b, k, d)
             src = rank_heads(a, k, s.src_rank)
             assert s.src_heads == src.count
-            assert 0 <= s.src_offset and s.src_offset + s.num_heads <= s.src_heads
+            assert s.src_offset >= 0 and s.src_offset + s.num_heads <= s.src_heads
             # the global heads read are exactly the ones decode rank d holds
             read = set(range(src.start + s.src_offset, src.start + s.src_offset + s.num_heads))
             assert read == holds(b, k, d), (a, b, k, d)

@@ -1,4 +1,6 @@
 """The CPU half-precision matmul seam (`layers.linear.linear`)."""
+from __future__ import annotations
+
 import pytest
 import torch
 import torch.nn.functional as F

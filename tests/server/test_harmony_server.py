@@ -9,7 +9,11 @@ import openai
 import pytest
 
 from tests.factories import make_hf_model, save_checkpoint
-from tests.harmony_factories import GPT_OSS_VOCAB_SIZE, make_o200k_tokenizer_json, scripted_harmony_answer
+from tests.harmony_factories import (
+    GPT_OSS_VOCAB_SIZE,
+    make_o200k_tokenizer_json,
+    scripted_harmony_answer,
+)
 from tests.processes import Server
 
 REASONING, FINAL = "The user asks for a capital. France's is Paris.", "Paris is the capital of France."
@@ -33,8 +37,16 @@ def harmony_server(tmp_path_factory):
 
 
 def test_prompt_is_harmony_rendering(harmony_server):
-    from openai_harmony import (Conversation, DeveloperContent, HarmonyEncodingName, Message, ReasoningEffort,
-                                Role, SystemContent, load_harmony_encoding)
+    from openai_harmony import (
+        Conversation,
+        DeveloperContent,
+        HarmonyEncodingName,
+        Message,
+        ReasoningEffort,
+        Role,
+        SystemContent,
+        load_harmony_encoding,
+    )
     server, _ = harmony_server
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
     out = client.chat.completions.create(model="gpt-oss-tiny", reasoning_effort="low", messages=[
