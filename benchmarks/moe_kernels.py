@@ -168,7 +168,7 @@ def mxfp4_copy(path: Path) -> Path:
     tensors = load_file(str(out / "model.safetensors"))
     for name in [n for n in tensors if n.endswith(("gate_up_proj", "down_proj"))]:
         w = tensors.pop(name).float()                              # [E, in, out]
-        blocks, scales = mxfp4.quantize(w.transpose(1, 2))         # [E, out, in/32, 16], [E, out, in/32]
+        blocks, scales = mxfp4.quantize(w.transpose(1, 2))  # [E, out, in/32, 16], [E, out, in/32]
         tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     cfg = json.loads((out / "config.json").read_text())

@@ -67,7 +67,8 @@ SERVER_FLAGS = ["--dtype", "bfloat16", "--max-num-seqs", "64", "--max-model-len"
 METRICS = ("output_throughput", "request_throughput", "total_token_throughput", "duration",
            "completed", "total_input_tokens", "total_output_tokens",
            "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms",
-           "p99_tpot_ms", "mean_itl_ms", "median_itl_ms", "p99_itl_ms", "mean_e2el_ms", "median_e2el_ms")
+           "p99_tpot_ms", "mean_itl_ms", "median_itl_ms", "p99_itl_ms", "mean_e2el_ms",
+           "median_e2el_ms")
 
 
 def vllm_env() -> dict[str, str]:
@@ -93,7 +94,8 @@ class Server:
 
     def __init__(self, engine: str, path: Path, log_path: Path) -> None:
         self.engine, self.port = engine, free_port()
-        flags = ["--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", "bench", *SERVER_FLAGS]
+        flags = ["--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", "bench",
+                 *SERVER_FLAGS]
         env = dict(os.environ, OMP_NUM_THREADS=str(THREADS), TOKENIZERS_PARALLELISM="false")
         if engine == "kvrelay":
             cmd = [sys.executable, "-m", "kvrelay.cli", "serve", str(path), *flags]
@@ -114,7 +116,8 @@ class Server:
         t0 = time.monotonic()
         while time.monotonic() - t0 < timeout_s:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.engine} server exited {self.proc.returncode} before ready")
+                raise RuntimeError(f"{self.engine} server exited {self.proc.returncode} before "
+                                   "ready")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
                     if r.status == 200:
@@ -148,7 +151,8 @@ class Server:
 
 # -- clients ------------------------------------------------------------------------------
 def run_vllm_bench(url: str, tokenizer: Path, concurrency: int, num_prompts: int, input_len: int,
-                   output_len: int, result_dir: Path, name: str, timeout_s: float) -> dict[str, Any]:
+                   output_len: int, result_dir: Path, name: str,
+                   timeout_s: float) -> dict[str, Any]:
     cmd = [VLLM_BIN, "bench", "serve", "--backend", "vllm", "--base-url", url, "--model", "bench",
            "--tokenizer", str(tokenizer), "--dataset-name", "random",
            "--random-input-len", str(input_len), "--random-output-len", str(output_len),
@@ -162,11 +166,12 @@ def run_vllm_bench(url: str, tokenizer: Path, concurrency: int, num_prompts: int
     if r.returncode != 0:
         raise RuntimeError(f"vllm bench serve exited {r.returncode}: {r.stderr.strip()[-400:]}")
     data = json.loads((result_dir / f"{name}.json").read_text())
-    return {k: data.get(k) for k in METRICS} | {"failed": data.get("failed", num_prompts - (data.get("completed") or 0))}
+    failed = data.get("failed", num_prompts - (data.get("completed") or 0))
+    return {k: data.get(k) for k in METRICS} | {"failed": failed}
 
 
-async def _httpx_bench(url: str, tokenizer: Path, concurrency: int, num_prompts: int, input_len: int,
-                       output_len: int) -> dict[str, Any]:
+async def _httpx_bench(url: str, tokenizer: Path, concurrency: int, num_prompts: int,
+                       input_len: int, output_len: int) -> dict[str, Any]:
     """Fallback client: streamed /v1/completions with token-id prompts, the same metrics
     as vllm bench serve (TTFT, TPOT = (e2e - ttft)/(out - 1), ITL, output tok/s)."""
     import httpx
@@ -209,10 +214,12 @@ async def _httpx_bench(url: str, tokenizer: Path, concurrency: int, num_prompts:
     return {"output_throughput": out / duration, "request_throughput": len(rows) / duration,
             "duration": duration, "completed": len(rows), "total_output_tokens": out,
             "total_input_tokens": input_len * len(rows),
-            "mean_ttft_ms": statistics.mean(ttft), "median_ttft_ms": statistics.median(ttft), "p99_ttft_ms": p99(ttft),
-            "mean_tpot_ms": statistics.mean(tpot), "median_tpot_ms": statistics.median(tpot), "p99_tpot_ms": p99(tpot),
-            "mean_itl_ms": statistics.mean(itl), "median_itl_ms": statistics.median(itl), "p99_itl_ms": p99(itl),
-            "failed": num_prompts - len(rows)}
+            "mean_ttft_ms": statistics.mean(ttft), "median_ttft_ms": statistics.median(ttft),
+            "p99_ttft_ms": p99(ttft),
+            "mean_tpot_ms": statistics.mean(tpot), "median_tpot_ms": statistics.median(tpot),
+            "p99_tpot_ms": p99(tpot),
+            "mean_itl_ms": statistics.mean(itl), "median_itl_ms": statistics.median(itl),
+            "p99_itl_ms": p99(itl), "failed": num_prompts - len(rows)}
 
 
 # -- kvrelay offline on the same workload -----------------------------------------------------
@@ -226,7 +233,8 @@ vocab = llm.engine.model_config.vocab_size
 rng = random.Random(0)
 prompts = [[rng.randrange(10, vocab) for _ in range(lin)] for _ in range(n)]
 params = SamplingParams(temperature=0, max_tokens=lout, ignore_eos=True)
-llm.generate([p[:16] for p in prompts[:8]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+llm.generate([p[:16] for p in prompts[:8]],
+             SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
 runs = []
 for _ in range(2):
     t = time.perf_counter()
@@ -251,7 +259,8 @@ def kvrelay_offline(path: Path, num: int, input_len: int, output_len: int) -> di
 # -- main -----------------------------------------------------------------------------------
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="tiny model only, 16 prompts, concurrency 1,8")
+    ap.add_argument("--quick", action="store_true",
+                    help="tiny model only, 16 prompts, concurrency 1,8")
     ap.add_argument("--models", default="tiny,embedded")
     ap.add_argument("--engines", default="kvrelay,vllm")
     ap.add_argument("--concurrency", default="1,8,64")
@@ -260,7 +269,8 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--client", choices=("vllm", "httpx"), default="vllm")
     ap.add_argument("--max-wait", type=float, default=None,
-                    help="seconds to wait for other processes to quieten before each server (default 180; 0 with --quick)")
+                    help="seconds to wait for other processes to quieten before each server "
+                         "(default 180; 0 with --quick)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args()
     if args.quick:
@@ -288,7 +298,8 @@ def main() -> None:
             models[m] = Path(m)
     results: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"), "machine": machine_info(), "client": client,
-        "workload": {"dataset": "random", "input_len": args.input_len, "output_len": args.output_len,
+        "workload": {"dataset": "random", "input_len": args.input_len,
+                     "output_len": args.output_len,
                      "num_prompts": args.num_prompts, "concurrency": concs, "ignore_eos": True},
         "server_flags": SERVER_FLAGS + ["--host", "127.0.0.1", "--served-model-name", "bench"],
         "models": {k: str(v) for k, v in models.items()}, "results": {}}
@@ -298,7 +309,8 @@ def main() -> None:
         res_m = results["results"].setdefault(mname, {})
         for engine in engines:
             quiet = wait_for_quiet(max_wait)
-            log(f"{mname}/{engine}: starting server (others busy {quiet['others_busy_cores_before']:.2f} cores)")
+            log(f"{mname}/{engine}: starting server (others busy "
+                f"{quiet['others_busy_cores_before']:.2f} cores)")
             server = Server(engine, path, work / f"{mname}-{engine}-server.log")
             entry: dict[str, Any] = {"cmd": " ".join(server.cmd), "pid": server.pid} | quiet
             try:
@@ -307,16 +319,18 @@ def main() -> None:
                     t0 = time.monotonic()
                     if client == "vllm":
                         r = run_vllm_bench(server.url, path, c, args.num_prompts, args.input_len,
-                                           args.output_len, work, f"{mname}-{engine}-c{c}", timeout_s=3600)
+                                           args.output_len, work, f"{mname}-{engine}-c{c}",
+                                           timeout_s=3600)
                     else:
                         r = asyncio.run(_httpx_bench(server.url, path, c, args.num_prompts,
                                                      args.input_len, args.output_len))
                     r["loadavg_after"] = loadavg()
                     entry[f"c{c}"] = r
-                    log(f"{mname}/{engine} c={c}: {r['output_throughput']:.1f} output tok/s, TTFT median "
-                        f"{r['median_ttft_ms']:.0f} ms, TPOT median {r['median_tpot_ms']:.1f} ms "
-                        f"({time.monotonic() - t0:.0f} s)")
-                    path_json.write_text(json.dumps(results | {"results": results["results"]}, indent=1))
+                    log(f"{mname}/{engine} c={c}: {r['output_throughput']:.1f} output tok/s, TTFT "
+                        f"median {r['median_ttft_ms']:.0f} ms, TPOT median "
+                        f"{r['median_tpot_ms']:.1f} ms ({time.monotonic() - t0:.0f} s)")
+                    path_json.write_text(json.dumps(results | {"results": results["results"]},
+                                                    indent=1))
             except Exception as e:                                 # noqa: BLE001
                 entry["error"] = f"{type(e).__name__}: {e}"
                 log(f"{mname}/{engine}: {entry['error']}")
@@ -329,8 +343,10 @@ def main() -> None:
             path_json.write_text(json.dumps(results, indent=1))
         if "kvrelay" in engines:
             wait_for_quiet(max_wait)
-            log(f"{mname}: kvrelay offline, {args.num_prompts} x {args.input_len} in / {args.output_len} out")
-            res_m["kvrelay_offline"] = kvrelay_offline(path, args.num_prompts, args.input_len, args.output_len)
+            log(f"{mname}: kvrelay offline, {args.num_prompts} x {args.input_len} in / "
+                f"{args.output_len} out")
+            res_m["kvrelay_offline"] = kvrelay_offline(path, args.num_prompts, args.input_len,
+                                                       args.output_len)
             path_json.write_text(json.dumps(results, indent=1))
         derive(res_m, concs)
         path_json.write_text(json.dumps(results, indent=1))
@@ -343,11 +359,13 @@ def derive(res_m: dict[str, Any], concs: list[int]) -> None:
     for c in concs:
         k, v = kv.get(f"c{c}"), vl.get(f"c{c}")
         if k and v:
-            d[f"c{c}_kvrelay_vs_vllm_output_tok_s"] = k["output_throughput"] / v["output_throughput"]
+            d[f"c{c}_kvrelay_vs_vllm_output_tok_s"] = (k["output_throughput"]
+                                                       / v["output_throughput"])
     top = max(concs)
     if kv.get(f"c{top}") and off.get("output_throughput"):
         ratio = kv[f"c{top}"]["output_throughput"] / off["output_throughput"]
-        d["served_over_offline"] = {"concurrency": top, "value": ratio, "target": 0.9, "met": ratio >= 0.9}
+        d["served_over_offline"] = {"concurrency": top, "value": ratio, "target": 0.9,
+                                    "met": ratio >= 0.9}
     res_m["derived"] = d
 
 
@@ -355,8 +373,8 @@ def report(results: dict[str, Any], concs: list[int]) -> None:
     print(f"\nclient: {results['client']}; workload: {results['workload']}")
     for mname, res_m in results["results"].items():
         print(f"\n== {mname} ({results['models'][mname]}) ==")
-        print(f"{'engine':8s} {'conc':>4s} {'out tok/s':>9s} {'TTFT mean':>9s} {'median':>8s} {'p99':>8s} "
-              f"{'TPOT mean':>9s} {'median':>8s} {'p99':>8s}")
+        print(f"{'engine':8s} {'conc':>4s} {'out tok/s':>9s} {'TTFT mean':>9s} {'median':>8s} "
+              f"{'p99':>8s} {'TPOT mean':>9s} {'median':>8s} {'p99':>8s}")
         for engine in ("kvrelay", "vllm"):
             e = res_m.get(engine)
             if not e:
@@ -366,8 +384,9 @@ def report(results: dict[str, Any], concs: list[int]) -> None:
             for c in concs:
                 r = e.get(f"c{c}")
                 if r:
-                    print(f"{engine:8s} {c:4d} {r['output_throughput']:9.1f} {r['mean_ttft_ms']:9.0f} "
-                          f"{r['median_ttft_ms']:8.0f} {r['p99_ttft_ms']:8.0f} {r['mean_tpot_ms']:9.1f} "
+                    print(f"{engine:8s} {c:4d} {r['output_throughput']:9.1f} "
+                          f"{r['mean_ttft_ms']:9.0f} {r['median_ttft_ms']:8.0f} "
+                          f"{r['p99_ttft_ms']:8.0f} {r['mean_tpot_ms']:9.1f} "
                           f"{r['median_tpot_ms']:8.1f} {r['p99_tpot_ms']:8.1f}")
         off = res_m.get("kvrelay_offline", {})
         if off.get("output_throughput"):

@@ -39,7 +39,8 @@ class FakeLink:
 
 
 def tcp(role: str) -> KVTransferConfig:
-    return KVTransferConfig(kv_connector="TcpConnector", kv_role=role, backends=("TCP",), lease_s=60)
+    return KVTransferConfig(kv_connector="TcpConnector", kv_role=role, backends=("TCP",),
+                            lease_s=60)
 
 
 def tensors(heads: int) -> list[torch.Tensor]:
@@ -148,4 +149,4 @@ def test_handshake_carries_every_rank(pair):
     decode.start_load("d5", p, [[5]], [KVCacheGroup(None, 2)], 0, 5, 4)
     peer = decode.peers["P"]
     assert peer.tp_size == 2 and len(peer.ranks) == 2 and peer.num_blocks == NB
-    assert decode.local.peers["P"][1].src_rank == 0                      # rank 0 reads prefill rank 0
+    assert decode.local.peers["P"][1].src_rank == 0  # rank 0 reads prefill rank 0
