@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -229,17 +230,18 @@ def measure_limits(quick: bool = False) -> dict[str, Any]:
     for dt, label in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
         a, b = torch.randn(n, n, dtype=dt), torch.randn(n, n, dtype=dt)
         # a @ bᵀ
-        out[f"{label}_linear_{n}_gflops"] = 2 * n**3 / best(lambda: F.linear(a, b), 3) / 1e9
+        out[f"{label}_linear_{n}_gflops"] = 2 * n**3 / best(partial(F.linear, a, b), 3) / 1e9
         # a @ b (transformers' experts use x @ W[in, out]); in bf16 without native bf16 this
         # path runs at ~0.1-1 GFLOP/s, so it is timed once at n/2
         m = n if dt == torch.float32 else n // 2
         a2, b2 = a[:m, :m].contiguous(), b[:m, :m].contiguous()
-        out[f"{label}_matmul_{m}_gflops"] = (2 * m**3 / best(lambda: a2 @ b2, 3 if m == n else 1)
-                                             / 1e9)
+        reps = 3 if m == n else 1
+        out[f"{label}_matmul_{m}_gflops"] = 2 * m**3 / best(partial(torch.matmul, a2, b2),
+                                                            reps) / 1e9
         # a decode-shaped linear: batch 64 through a 1024 -> 2048 weight
         x, w = torch.randn(64, 1024, dtype=dt), torch.randn(2048, 1024, dtype=dt)
         out[f"{label}_linear_64x1024x2048_gflops"] = (2 * 64 * 1024 * 2048
-                                                      / best(lambda: F.linear(x, w), 10) / 1e9)
+                                                      / best(partial(F.linear, x, w), 10) / 1e9)
     size = (256 if quick else 1024) * 2**20
     src = torch.empty(size // 4, dtype=torch.float32).fill_(1.0)
     dst = torch.empty_like(src)

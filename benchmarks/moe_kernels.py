@@ -75,7 +75,7 @@ def random_packed(e: int, rows: int, cols: int, g: torch.Generator) -> mxfp4.MXF
 
 def make_layer(shape: dict, storage: str, dtype: torch.dtype,
                packed: tuple[mxfp4.MXFP4Tensor, mxfp4.MXFP4Tensor], seed: int) -> MoE:
-    H, I, E, k = shape["hidden"], shape["intermediate"], shape["experts"], shape["top_k"]
+    H, I, E, k = shape["hidden"], shape["intermediate"], shape["experts"], shape["top_k"]  # noqa: E741 -- I as in the shape notation
     moe = MoE(H, I, E, k, ParallelContext(), dtype, 1.702, 7.0, storage == "mxfp4")
     g = torch.Generator().manual_seed(seed)
     moe.router.weight.copy_(torch.randn(E, H, generator=g))
@@ -113,7 +113,7 @@ def time_round(layers: dict, xs: dict, key: tuple[str, int],
 def run_shape(name: str, tokens: list[int], rounds: int, variants: list[str],
               threads: list[int], slow_s: float) -> list[dict]:
     shape = SHAPES[name]
-    H, I, E = shape["hidden"], shape["intermediate"], shape["experts"]
+    H, I, E = shape["hidden"], shape["intermediate"], shape["experts"]  # noqa: E741 -- I as in the shape notation
     g = torch.Generator().manual_seed(0)
     packed = (random_packed(E, 2 * I, H, g), random_packed(E, H, I, g))
     layers, expert_bytes = {}, {}

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -103,7 +104,7 @@ class Server:
             cmd = [VLLM_BIN, "serve", str(path), *flags]
             env |= vllm_env()
         self.cmd = cmd
-        self.log_file = open(log_path, "w")
+        self.log_file = open(log_path, "w")  # noqa: SIM115 -- closed by stop()
         self.proc = subprocess.Popen(cmd, stdout=self.log_file, stderr=subprocess.STDOUT, env=env,
                                      cwd=str(ROOT), start_new_session=True)
         self.pid = self.proc.pid
@@ -200,7 +201,7 @@ async def _httpx_bench(url: str, tokenizer: Path, concurrency: int, num_prompts:
             e2e = time.perf_counter() - t0
             ttft = times[0] - t0 if times else e2e
             rows.append({"ttft": ttft, "e2e": e2e, "out": out_tokens,
-                         "itl": [b - a for a, b in zip(times, times[1:])]})
+                         "itl": [b - a for a, b in itertools.pairwise(times)]})
 
     t0 = time.perf_counter()
     async with httpx.AsyncClient(timeout=None) as client:
@@ -210,7 +211,10 @@ async def _httpx_bench(url: str, tokenizer: Path, concurrency: int, num_prompts:
     tpot = [(r["e2e"] - r["ttft"]) / (r["out"] - 1) * 1e3 for r in rows if r["out"] > 1]
     itl = [x * 1e3 for r in rows for x in r["itl"]]
     out = sum(r["out"] for r in rows)
-    p99 = lambda xs: sorted(xs)[min(len(xs) - 1, int(0.99 * len(xs)))] if xs else None
+
+    def p99(xs: list[float]) -> float | None:
+        return sorted(xs)[min(len(xs) - 1, int(0.99 * len(xs)))] if xs else None
+
     return {"output_throughput": out / duration, "request_throughput": len(rows) / duration,
             "duration": duration, "completed": len(rows), "total_output_tokens": out,
             "total_input_tokens": input_len * len(rows),

@@ -23,7 +23,7 @@ class KvrelayProcess:
 
     def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None) -> None:
         self.log_path = log
-        self._log = open(log, "w")
+        self._log = open(log, "w")  # noqa: SIM115 -- closed by stop()
         full_env = os.environ | {"PYTHONUNBUFFERED": "1"} | (env or {})
         self.proc = subprocess.Popen([sys.executable, "-m", "kvrelay.cli", *args], stdout=self._log,
                                      stderr=subprocess.STDOUT, env=full_env, start_new_session=True)

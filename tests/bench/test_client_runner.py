@@ -154,7 +154,7 @@ vllm:prefix_cache_queries_total{engine="0",model_name="tiny"} 120.0
 vllm:prefix_cache_queries_total{engine="1",model_name="tiny"} 30.0
 vllm:prefix_cache_hits_total{engine="0",model_name="tiny"} 64.0
 vllm:prefix_cache_hits_created{engine="0",model_name="tiny"} 1.7e9
-"""
+"""  # noqa: E501 -- a metrics page as served
 
 
 def test_parse_counters_sums_label_sets_and_accepts_both_names():

@@ -70,7 +70,7 @@ def test_logprobs_beyond_max_logprobs_are_rejected(make_llm):
                              r"\(logprobs are disabled"):
         llm.generate([PROMPTS[0]], SamplingParams(logprobs=1))
     llm = make_llm(max_logprobs=2)
-    with pytest.raises(ValueError, match="logprobs=3 exceeds the server.s --max-logprobs 2"):
+    with pytest.raises(ValueError, match=r"logprobs=3 exceeds the server.s --max-logprobs 2"):
         llm.generate([PROMPTS[0]], SamplingParams(logprobs=3))
 
 

@@ -141,7 +141,7 @@ def test_partial_rotary_is_refused_not_misread(where):
     else:
         cfg["rope_scaling"]["partial_rotary_factor"] = 0.5
     with pytest.raises(CheckpointError,
-                       match="partial_rotary_factor 0.5: kvrelay rotates every head dim"):
+                       match=r"partial_rotary_factor 0.5: kvrelay rotates every head dim"):
         GptOssConfig.from_dict(cfg)
 
 

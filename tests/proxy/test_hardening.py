@@ -92,7 +92,7 @@ def test_unhealthy_prefill_gets_no_requests(fakes, proxies):
         wait_for(lambda: _samples(proxies["main"])[label] == 0,
                  what="the probe to mark it unhealthy")
         with client() as c:
-            for i in range(4):
+            for _ in range(4):
                 assert c.post(f"{proxies['main'].url}/v1/completions", json=BODY).status_code == 200
         assert sick.completions() == []
         assert sum(len(f.completions()) for f in fakes.prefill) == 4

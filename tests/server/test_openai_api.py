@@ -166,13 +166,12 @@ def test_metrics_parse_and_use_vllm_names(server, client):
 
 
 def test_client_disconnect_frees_kv_blocks(server):
-    with httpx.Client(timeout=30) as http:
-        with http.stream("POST", f"{server.url}/v1/completions",
-                         json={"prompt": PROMPT, "max_tokens": 80, "stream": True,
-                               "ignore_eos": True}) as r:
-            lines = r.iter_lines()
-            next(lines)
-            assert server.metrics()["kvrelay:kv_blocks_used"] > 0
+    body = {"prompt": PROMPT, "max_tokens": 80, "stream": True, "ignore_eos": True}
+    with (httpx.Client(timeout=30) as http,
+          http.stream("POST", f"{server.url}/v1/completions", json=body) as r):
+        lines = r.iter_lines()
+        next(lines)
+        assert server.metrics()["kvrelay:kv_blocks_used"] > 0
     # the connection is closed mid-stream: the engine aborts and frees the blocks
     import time
     deadline = time.monotonic() + 20

@@ -58,6 +58,6 @@ def test_stream_holds_back_what_could_still_become_a_stop_string(byte_tok):
 
 
 def test_include_stop_string(byte_tok):
-    d, deltas = stream(byte_tok, byte_tok.encode("Paris is the capital of France."),
-                       stop=["the"], include_stop=True)
+    d, _ = stream(byte_tok, byte_tok.encode("Paris is the capital of France."),
+                  stop=["the"], include_stop=True)
     assert d.text == "Paris is the"
