@@ -189,8 +189,8 @@ class TransformersEngine(_Engine):
 
     def info(self):
         return {"attn_implementation": self.model.config._attn_implementation,
-                "batching": "one left-padded static batch of all prompts, run to the longest "
-                            "output"}
+                "batching": "one left-padded static batch of all prompts, "
+                            "run to the longest output"}
 
 
 class VllmEngine(_Engine):

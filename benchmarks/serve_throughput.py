@@ -117,8 +117,8 @@ class Server:
         t0 = time.monotonic()
         while time.monotonic() - t0 < timeout_s:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.engine} server exited {self.proc.returncode} before "
-                                   "ready")
+                raise RuntimeError(f"{self.engine} server exited {self.proc.returncode} "
+                                   "before ready")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
                     if r.status == 200:

@@ -98,8 +98,8 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
                    help="'openai_gptoss': reasoning from harmony's analysis channel "
                         "(harmony checkpoints always split it)")
     p.add_argument("--logits-processors", nargs="+", default=[], metavar="MODULE:ATTR",
-                   help="factories f(params, prompt_ids) -> logits processor, applied to every "
-                        "request")
+                   help="factories f(params, prompt_ids) -> logits processor, "
+                        "applied to every request")
 
 
 SERVE_ENGINE_FLAGS = (

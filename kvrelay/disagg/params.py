@@ -94,8 +94,8 @@ class KVTransferConfig:
         if raw is None:
             return None
         known = {"kv_connector", "kv_role", "kv_buffer_device", "kv_connector_extra_config",
-                 "kv_load_failure_policy", "engine_id", "kv_rank", "kv_parallel_size", "kv_ip",
-                 "kv_port"}
+                 "kv_load_failure_policy", "engine_id",
+                 "kv_rank", "kv_parallel_size", "kv_ip", "kv_port"}
         unknown = sorted(set(raw) - known)
         if unknown:
             raise ValueError(f"--kv-transfer-config: unknown key {unknown[0]!r}")

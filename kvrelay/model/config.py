@@ -51,8 +51,8 @@ class RopeConfig:
 
     def __post_init__(self) -> None:
         if self.rope_type not in ("default", "yarn"):
-            raise ValueError(f"unsupported rope_type {self.rope_type!r}: expected 'default' or "
-                             "'yarn'")
+            raise ValueError(f"unsupported rope_type {self.rope_type!r}: "
+                             "expected 'default' or 'yarn'")
         if self.theta <= 0:
             raise ValueError(f"rope_theta must be positive, got {self.theta}")
 

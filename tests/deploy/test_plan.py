@@ -175,8 +175,8 @@ def test_single_instance_is_the_tutorials_first_command(capsys):
                     "--max-model-len", "16384", "--max-num-batched-tokens", "8192",
                     "--max-num-seqs", "4", "--no-disable-hybrid-kv-cache-manager", "--hf-overrides",
                     '{"quantization_config": {}}', "--additional-config",
-                    '{"neuron_config": {"num_batched_tokens_buckets": [8192], "num_seqs_buckets": '
-                    '[4]}}']
+                    '{"neuron_config": {"num_batched_tokens_buckets": [8192], '
+                    '"num_seqs_buckets": [4]}}']
     assert cmds[1][1] == ["validate", "--base-url", "http://127.0.0.1:8000", "--model",
                           "openai/gpt-oss-120b"]
     assert "export VLLM_NEURON_COMPILATION_TIMEOUT=1200" in out and "SIDE_CHANNEL" not in out

@@ -115,8 +115,8 @@ def test_kv_transfer_fails_on_handshake_errors_and_transfer_failures(fake):
     fake.script = Script(handshake_errors=2, transfer_failures_per_request=1)
     v = failed(verdicts(fake, expect_di=True, num_requests=2))
     key = f"decode {fake.url}"
-    assert v == {"kv-transfer": f"{key}: 2 handshake errors; {key}: 4 KV transfer failures during "
-                                "this run"}
+    assert v == {"kv-transfer": f"{key}: 2 handshake errors; "
+                                f"{key}: 4 KV transfer failures during this run"}
 
 
 def test_kv_transfer_needs_to_know_the_decode_servers(fake):

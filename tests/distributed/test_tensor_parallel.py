@@ -16,9 +16,9 @@ def tp1_outputs(tiny):
     return [o.outputs[0].token_ids for o in llm.generate(_prompts(), GREEDY)]
 
 
-@pytest.mark.parametrize("tp,extra", [(2, {}), (4, {}), (4, {"enable_expert_parallel": True}),
-                                      (4,
-                                       {"additional_config": {"neuron_config": {"ep_degree": 2}}})])
+@pytest.mark.parametrize("tp,extra", [
+    (2, {}), (4, {}), (4, {"enable_expert_parallel": True}),
+    (4, {"additional_config": {"neuron_config": {"ep_degree": 2}}})])
 def test_tp_greedy_equals_tp1(tiny, tp1_outputs, tp, extra):
     from tests.factories import greedy_mismatch
     llm = LLM(str(tiny[0]), dtype="float32", max_model_len=96, block_size=4,
