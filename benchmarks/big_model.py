@@ -22,7 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.common import cpu_flags, cpu_model, git_sha
+from benchmarks.common import cpu_flags, cpu_model, git_sha  # noqa: E402 -- after the sys.path insert
 
 
 def proc_status() -> dict[str, int]:

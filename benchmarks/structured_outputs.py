@@ -124,8 +124,8 @@ def main() -> None:
                       "json_cost_pct": 100 * (1 - cpu["json"] / cpu["none"]),
                       "sync_cost_pct": 100 * (1 - cpu["json-sync"] / cpu["none"]),
                       "thread_cost_pct": 100 * (1 - cpu["json-thread"] / cpu["none"])}
-    info = {"model": args.model, "temperature": args.temperature, "max_tokens": args.max_tokens, "reps": args.reps,
-            "threads": THREADS, "machine": machine_info(), "results": results}
+    info = {"model": args.model, "temperature": args.temperature, "max_tokens": args.max_tokens,
+            "reps": args.reps, "threads": THREADS, "machine": machine_info(), "results": results}
     print(f"model {args.model}, decode tokens per wall s | per CPU s (medians of {args.reps}), "
           f"max_tokens {args.max_tokens}; cost = CPU-time throughput lost vs none")
     print(f"{'conc':>5} {'none':>15} {'json':>15} {'json-sync':>15} {'json-thread':>15} "

@@ -1,6 +1,7 @@
 """Tensor-parallel scaling on this machine: TP=1 vs TP=2, measured interleaved.
 
-    python benchmarks/tp_scaling.py [--config big] [--rounds 5] [--out benchmarks/results/tp_scaling.json]
+    python benchmarks/tp_scaling.py [--config big] [--rounds 5]
+        [--out benchmarks/results/tp_scaling.json]
 
 Workloads (engine steps through `LLMEngine`, greedy, ignore_eos, prefix caching off):
   prefill   one 512-token prompt: the time of the step that computes it (TTFT without HTTP)
@@ -14,7 +15,9 @@ this shared, noisy machine hit all of them:
     tp1          TP=1 as `kvrelay serve` runs it: one process, torch's default threads
                  (one per core)
     tp1_1thread  TP=1 on one thread (what one TP=2 rank gets)
-    tp2          TP=2: two ranks, each pinned to its own core with one thread For every sample it records the share of the machine's CPU time that *other*
+    tp2          TP=2: two ranks, each pinned to its own core with one thread
+
+For every sample it records the share of the machine's CPU time that *other*
 processes used meanwhile (`/proc/stat` minus the benchmark's own process family). The
 report gives per-round TP2/TP1 ratios and their median — ratios of neighbouring samples
 are what survive the noise — plus the medians of the raw numbers.
@@ -54,8 +57,8 @@ def engine_main(model: str, tp: int, threads: int | None, dtype: str, conn) -> N
         torch.set_num_threads(threads)
     from kvrelay.config import EngineArgs
     from kvrelay.engine.core import LLMEngine
-    engine = LLMEngine(EngineArgs(model=model, dtype=dtype, tensor_parallel_size=tp, max_model_len=1024,
-                                  enable_prefix_caching=False, max_num_seqs=64))
+    engine = LLMEngine(EngineArgs(model=model, dtype=dtype, tensor_parallel_size=tp,
+                                  max_model_len=1024, enable_prefix_caching=False, max_num_seqs=64))
     workers = [w.pid for w in engine.executor.workers] if engine.executor else []
     conn.send(("ready", [os.getpid(), *workers], engine.model.weight_bytes()))
     rng = random.Random(tp)
@@ -143,7 +146,8 @@ def machine() -> dict[str, Any]:
                 if ln.startswith("model name")), "unknown")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=Path(__file__).parent, check=False).stdout.strip()
-    return {"cpu_model": cpu, "usable_cpus": len(os.sched_getaffinity(0)), "python": platform.python_version(),
+    return {"cpu_model": cpu, "usable_cpus": len(os.sched_getaffinity(0)),
+            "python": platform.python_version(),
             "torch": torch.__version__, "platform": platform.platform(), "kvrelay_commit": commit,
             "loadavg_start": Path("/proc/loadavg").read_text().split()[:3]}
 
@@ -163,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     engines: dict[str, Any] = {}
     for name, (tp, threads) in VARIANTS.items():
         mine, theirs = ctx.Pipe()
-        p = ctx.Process(target=engine_main, args=(str(model), tp, threads, args.dtype, theirs), daemon=False)
+        p = ctx.Process(target=engine_main, args=(str(model), tp, threads, args.dtype, theirs),
+                        daemon=False)
         p.start()
         ready = mine.recv()
         engines[name] = {"conn": mine, "proc": p, "family": ready[1], "weight_bytes": ready[2]}
@@ -190,11 +195,13 @@ def main(argv: list[str] | None = None) -> int:
             e["conn"].recv()
             e["proc"].join(30)
     report = summarize(samples)
-    out = {"machine": info, "config": args.config, "model_config": CONFIGS[args.config], "dtype": args.dtype,
+    out = {"machine": info, "config": args.config, "model_config": CONFIGS[args.config],
+           "dtype": args.dtype,
            "checkpoint": str(model), "rounds": args.rounds, "prefill_len": PREFILL_LEN,
            "decode_prompt": DECODE_PROMPT, "decode_steps": DECODE_STEPS,
            "weight_bytes_rank0": {v: e["weight_bytes"] for v, e in engines.items()},
-           "loadavg_end": Path("/proc/loadavg").read_text().split()[:3], "samples": samples, "summary": report}
+           "loadavg_end": Path("/proc/loadavg").read_text().split()[:3], "samples": samples,
+           "summary": report}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
     print(table(report))
@@ -211,21 +218,24 @@ def summarize(samples: dict[str, dict[str, list[dict]]]) -> dict[str, dict[str, 
             ratios = [b / a for a, b in zip(sec[base], sec["tp2"])]
             r[f"tp2_over_{base}"] = statistics.median(ratios)
             r[f"tp2_over_{base}_range"] = (min(ratios), max(ratios))
-        r["others_cpu_share_median"] = statistics.median(s["others_cpu_share"] for v in by for s in by[v])
+        r["others_cpu_share_median"] = statistics.median(s["others_cpu_share"] for v in by
+                                                         for s in by[v])
         report[name] = r
     return report
 
 
 def table(report: dict[str, dict[str, Any]]) -> str:
-    rows = [("| workload | TP=1 (2 threads) | TP=1 (1 thread) | TP=2 (1 thread/rank) | TP2/TP1 time, median "
-             "of rounds (range) | TP2/TP1-1-thread | others' CPU share |"), "|---|---|---|---|---|---|---|"]
+    rows = [("| workload | TP=1 (2 threads) | TP=1 (1 thread) | TP=2 (1 thread/rank) "
+             "| TP2/TP1 time, median of rounds (range) | TP2/TP1-1-thread | others' CPU share |"),
+            "|---|---|---|---|---|---|---|"]
     for name, r in report.items():
         unit = "ms" if name.startswith("prefill") else "ms/step"
         lo, hi = r["tp2_over_tp1_range"]
         lo1, hi1 = r["tp2_over_tp1_1thread_range"]
         rows.append(f"| {name} | {r['tp1_ms']:.1f} {unit} | {r['tp1_1thread_ms']:.1f} {unit} | "
                     f"{r['tp2_ms']:.1f} {unit} | {r['tp2_over_tp1']:.2f} ({lo:.2f}–{hi:.2f}) | "
-                    f"{r['tp2_over_tp1_1thread']:.2f} ({lo1:.2f}–{hi1:.2f}) | {r['others_cpu_share_median']:.0%} |")
+                    f"{r['tp2_over_tp1_1thread']:.2f} ({lo1:.2f}–{hi1:.2f}) | "
+                    f"{r['others_cpu_share_median']:.0%} |")
     return "\n".join(rows)
 
 

@@ -12,12 +12,13 @@
 from __future__ import annotations
 
 import argparse
-import os
 import json
 import logging
+import os
 import resource
 import sys
 import time
+from typing import NoReturn
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 
@@ -45,7 +46,7 @@ def _json_object(text: str) -> dict:
 class _Parser(argparse.ArgumentParser):
     """argparse with one-line errors naming the flag (no usage dump)."""
 
-    def error(self, message: str):  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
@@ -70,7 +71,8 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--headless", action="store_true",
                    help="run only this node's replicas (no API server); they join the head")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--disable-hybrid-kv-cache-manager", action=argparse.BooleanOptionalAction, default=False)
+    p.add_argument("--disable-hybrid-kv-cache-manager", action=argparse.BooleanOptionalAction,
+                   default=False)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
@@ -96,15 +98,17 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
                    help="'openai_gptoss': reasoning from harmony's analysis channel "
                         "(harmony checkpoints always split it)")
     p.add_argument("--logits-processors", nargs="+", default=[], metavar="MODULE:ATTR",
-                   help="factories f(params, prompt_ids) -> logits processor, applied to every request")
+                   help="factories f(params, prompt_ids) -> logits processor, "
+                        "applied to every request")
 
 
 SERVE_ENGINE_FLAGS = (
-    "model", "served_model_name", "tensor_parallel_size", "data_parallel_size", "enable_expert_parallel",
-    "data_parallel_size_local", "data_parallel_start_rank", "data_parallel_address", "data_parallel_rpc_port",
-    "headless",
-    "enable_prefix_caching", "disable_hybrid_kv_cache_manager", "max_model_len", "max_num_batched_tokens",
-    "max_num_seqs", "block_size", "dtype", "max_logprobs", "seed", "hf_overrides", "additional_config",
+    "model", "served_model_name", "tensor_parallel_size", "data_parallel_size",
+    "enable_expert_parallel", "data_parallel_size_local", "data_parallel_start_rank",
+    "data_parallel_address", "data_parallel_rpc_port", "headless",
+    "enable_prefix_caching", "disable_hybrid_kv_cache_manager", "max_model_len",
+    "max_num_batched_tokens", "max_num_seqs", "block_size", "dtype", "max_logprobs", "seed",
+    "hf_overrides", "additional_config",
     "kv_transfer_config", "optimization_level", "download_dir", "device", "kv_cache_memory_bytes",
     "num_gpu_blocks_override", "quantization", "logits_processors")
 
@@ -115,8 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("proxy", help="disaggregated-serving proxy (kvrelay proxy --help)")
     sub.add_parser("bench", help="serving benchmark (kvrelay bench serve --help)")
     sub.add_parser("deploy", help="stand up a topology on this machine (kvrelay deploy --help)")
-    sub.add_parser("validate", help="the tutorial's 'Confirm your work' checks (kvrelay validate --help)")
-    sub.add_parser("plan", help="recommend xPyD and --max-num-seqs from measurements (kvrelay plan --help)")
+    sub.add_parser("validate",
+                   help="the tutorial's 'Confirm your work' checks (kvrelay validate --help)")
+    sub.add_parser("plan",
+                   help="recommend xPyD and --max-num-seqs from measurements (kvrelay plan --help)")
     serve = sub.add_parser("serve", help="OpenAI-compatible server (vLLM's flags)")
     _add_serve_flags(serve)
     gen = sub.add_parser("generate", help="greedy generation with the model (no server)")
@@ -130,10 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["proxy"]:                   # the proxy parses its own flags (and needs no torch)
+    if argv[:1] == ["proxy"]:  # the proxy parses its own flags (and needs no torch)
         from kvrelay.proxy.main import main as proxy_main
         return proxy_main(argv[1:])
-    if argv[:1] == ["bench"]:                   # these parse their own flags and need no torch either
+    if argv[:1] == ["bench"]:  # these parse their own flags and need no torch either
         from kvrelay.bench.main import main as bench_main
         return bench_main(argv[1:])
     if argv[:1] == ["deploy"]:
@@ -179,6 +185,8 @@ def _generate(args: argparse.Namespace) -> int:
           f"peak RSS {rss:.0f} MiB, ready in {time.perf_counter() - t0:.1f}s)", file=sys.stderr)
     prompt: str | list[int] = args.prompt
     if args.chat:
+        if engine.tokenizer is None:         # a one-line error, not an AttributeError traceback
+            raise ValueError(f"--chat needs a tokenizer.json in {engine.model_dir}")
         prompt = engine.tokenizer.encode_chat(args.prompt)
     t0 = time.perf_counter()
     out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=args.max_tokens))[0]
@@ -197,7 +205,8 @@ def _serve(args: argparse.Namespace) -> int:
     from kvrelay.server.launch import serve
     engine_args = EngineArgs(**{name: getattr(args, name) for name in SERVE_ENGINE_FLAGS})
     agent = agent_options(args)                                           # flag errors first
-    config = EngineConfig.from_args(engine_args)   # every engine value checked before a process starts
+    # every engine value checked before a process starts
+    config = EngineConfig.from_args(engine_args)
     if engine_args.headless:
         from kvrelay.engine.dp_remote import run_headless
         return run_headless(config.args)
@@ -212,7 +221,8 @@ def agent_options(args: argparse.Namespace):
     return AgentOptions(enable_auto_tool_choice=args.enable_auto_tool_choice,
                         tool_call_parser=args.tool_call_parser,
                         reasoning_parser=args.reasoning_parser,
-                        responses_store_size=envs.RESPONSES_STORE_MAX_ENTRIES.as_int() if store else 0)
+                        responses_store_size=(envs.RESPONSES_STORE_MAX_ENTRIES.as_int() or 0
+                                              if store else 0))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ directory and the layout check import what they need when called.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -63,7 +64,8 @@ class NeuronConfig:
             raise ValueError("--additional-config: neuron_config must be a JSON object")
         unknown = set(nc) - NEURON_KEYS
         if unknown:
-            raise ValueError(f"--additional-config: unknown neuron_config key {sorted(unknown)[0]!r}")
+            raise ValueError("--additional-config: unknown neuron_config key "
+                             f"{sorted(unknown)[0]!r}")
         sampling = nc.get("on_device_sampling_config") or {}
         if not isinstance(sampling, dict) or set(sampling) - {"all_greedy", "do_sample", "top_k",
                                                              "top_p", "temperature", "global_topk",
@@ -92,20 +94,23 @@ class NeuronConfig:
         which is what `embedding_dp_size = lm_head_dp_size = --data-parallel-size` asks for."""
         for name in ("embedding_dp_size", "lm_head_dp_size", "ep_degree"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or value < 1):
                 raise ValueError(f"neuron_config.{name} must be a positive integer, got {value!r}")
         for name in ("embedding_dp_size", "lm_head_dp_size"):
             value = getattr(self, name)
             if value is not None and value != data_parallel_size:
                 raise ValueError(f"neuron_config.{name} {value} must equal --data-parallel-size "
-                                 f"{data_parallel_size} (the layer is replicated in every data-parallel "
-                                 f"replica and vocab-sharded over its {tensor_parallel_size} TP ranks)")
+                                 f"{data_parallel_size} (the layer is replicated in every "
+                                 "data-parallel replica and vocab-sharded over its "
+                                 f"{tensor_parallel_size} TP ranks)")
         across = tensor_parallel_size * data_parallel_size
         if (self.ep_degree is not None and enable_expert_parallel and data_parallel_size > 1
                 and self.ep_degree != across):
-            raise ValueError(f"neuron_config.ep_degree {self.ep_degree} conflicts with --enable-expert-parallel "
-                             f"across {data_parallel_size} data-parallel replicas (EP = TP {tensor_parallel_size} "
-                             f"× DP {data_parallel_size} = {across}); drop ep_degree")
+            raise ValueError(f"neuron_config.ep_degree {self.ep_degree} conflicts with "
+                             f"--enable-expert-parallel across {data_parallel_size} data-parallel "
+                             f"replicas (EP = TP {tensor_parallel_size} × DP {data_parallel_size} "
+                             f"= {across}); drop ep_degree")
 
     def check_buckets(self, max_num_batched_tokens: int, max_num_seqs: int) -> None:
         expect = {"num_batched_tokens_buckets": max_num_batched_tokens,
@@ -114,18 +119,20 @@ class NeuronConfig:
         for name, maximum in expect.items():
             buckets = getattr(self, name)
             if buckets and buckets[-1] != maximum:
-                flag = "--max-num-seqs" if name == "num_seqs_buckets" else "--max-num-batched-tokens"
-                raise ValueError(f"neuron_config.{name}: the last bucket ({buckets[-1]}) must equal "
-                                 f"{flag} ({maximum})")
+                flag = ("--max-num-seqs" if name == "num_seqs_buckets"
+                        else "--max-num-batched-tokens")
+                raise ValueError(f"neuron_config.{name}: the last bucket ({buckets[-1]}) must "
+                                 f"equal {flag} ({maximum})")
 
 
 def _buckets(nc: dict[str, Any], name: str) -> tuple[int, ...]:
     value = nc.get(name)
     if value is None:
         return ()
-    if not isinstance(value, list) or not value or not all(isinstance(v, int) and v > 0 for v in value):
+    if (not isinstance(value, list) or not value
+            or not all(isinstance(v, int) and v > 0 for v in value)):
         raise ValueError(f"neuron_config.{name} must be a non-empty list of positive integers")
-    if any(b <= a for a, b in zip(value, value[1:])):
+    if any(b <= a for a, b in itertools.pairwise(value)):
         raise ValueError(f"neuron_config.{name} must be strictly ascending, got {value}")
     return tuple(value)
 
@@ -191,23 +198,26 @@ class EngineArgs:
         self._check_data_parallel()
 
     def _check_data_parallel(self) -> None:
-        dp, local, start = self.data_parallel_size, self.local_replicas, self.data_parallel_start_rank
+        dp, local = self.data_parallel_size, self.local_replicas
+        start = self.data_parallel_start_rank
         if self.tensor_parallel_size < 1 or dp < 1:
-            raise ValueError(f"--tensor-parallel-size ({self.tensor_parallel_size}) and --data-parallel-size "
-                             f"({dp}) must be at least 1")
+            raise ValueError(f"--tensor-parallel-size ({self.tensor_parallel_size}) and "
+                             f"--data-parallel-size ({dp}) must be at least 1")
         if not 1 <= local <= dp:
-            raise ValueError(f"--data-parallel-size-local {local} must be between 1 and --data-parallel-size {dp}")
-        if start < 0 or start + local > dp:
-            raise ValueError(f"--data-parallel-start-rank {start} + --data-parallel-size-local {local} exceeds "
+            raise ValueError(f"--data-parallel-size-local {local} must be between 1 and "
                              f"--data-parallel-size {dp}")
+        if start < 0 or start + local > dp:
+            raise ValueError(f"--data-parallel-start-rank {start} + --data-parallel-size-local "
+                             f"{local} exceeds --data-parallel-size {dp}")
         if self.headless and start == 0:
-            raise ValueError("--headless needs --data-parallel-start-rank ≥ 1 (rank 0 runs on the head node "
-                             "with the API server)")
+            raise ValueError("--headless needs --data-parallel-start-rank ≥ 1 (rank 0 runs on the "
+                             "head node with the API server)")
         if not self.headless and start != 0:
-            raise ValueError(f"--data-parallel-start-rank {start} is for a --headless node; the head node "
-                             f"runs ranks from 0")
+            raise ValueError(f"--data-parallel-start-rank {start} is for a --headless node; the "
+                             "head node runs ranks from 0")
         if not 0 < self.data_parallel_rpc_port < 65536:
-            raise ValueError(f"--data-parallel-rpc-port must be a TCP port, got {self.data_parallel_rpc_port}")
+            raise ValueError("--data-parallel-rpc-port must be a TCP port, got "
+                             f"{self.data_parallel_rpc_port}")
 
     @property
     def local_replicas(self) -> int:

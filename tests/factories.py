@@ -43,7 +43,7 @@ def save_checkpoint(model, path: Path, mxfp4_experts: bool = False) -> Path:
     tensors = load_file(str(path / "model.safetensors"))
     for name in [n for n in tensors if n.endswith(("gate_up_proj", "down_proj"))]:
         w = tensors.pop(name)                                   # [E, in, out]
-        blocks, scales = mxfp4.quantize(w.transpose(1, 2))      # [E, out, in/32, 16], [E, out, in/32]
+        blocks, scales = mxfp4.quantize(w.transpose(1, 2))  # [E, out, in/32, 16], [E, out, in/32]
         tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     cfg = json.loads((path / "config.json").read_text())
@@ -83,7 +83,8 @@ def add_word_tokenizer(path: Path, vocab_size: int, eos_id: int | None = None) -
     return path
 
 
-def greedy_mismatch(hf_model, prompt: list[int], generated: list[int], eps: float = 1e-4) -> str | None:
+def greedy_mismatch(hf_model, prompt: list[int], generated: list[int],
+                    eps: float = 1e-4) -> str | None:
     """The brief's near-tie rule: `generated` must equal the reference's greedy choice at
     every position up to the first one where the reference's top-2 logit gap is below
     eps (after which the sequences may diverge). Returns a description of the first

@@ -23,7 +23,7 @@ class KvrelayProcess:
 
     def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None) -> None:
         self.log_path = log
-        self._log = open(log, "w")
+        self._log = open(log, "w")  # noqa: SIM115 -- closed by stop()
         full_env = os.environ | {"PYTHONUNBUFFERED": "1"} | (env or {})
         self.proc = subprocess.Popen([sys.executable, "-m", "kvrelay.cli", *args], stdout=self._log,
                                      stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
@@ -37,7 +37,8 @@ class KvrelayProcess:
             if text in self.log():
                 return
             if self.proc.poll() is not None:
-                raise RuntimeError(f"process exited with {self.proc.returncode}:\n{self.log()[-3000:]}")
+                raise RuntimeError("process exited with "
+                                   f"{self.proc.returncode}:\n{self.log()[-3000:]}")
             time.sleep(0.2)
         raise TimeoutError(f"no {text!r} within {timeout}s:\n{self.log()[-3000:]}")
 
@@ -58,7 +59,8 @@ class KvrelayProcess:
 
 
 class Server(KvrelayProcess):
-    def __init__(self, model: str | None, extra: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, model: str | None, extra: list[str], log: Path,
+                 env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         args = ["serve"] + ([model] if model else []) + ["--port", str(self.port)] + extra

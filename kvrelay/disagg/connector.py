@@ -136,7 +136,7 @@ class KVConnector:
     kv_tensors: list[Any]                  # rank 0's KV tensors
     tp_size: int = 1
     link: RankLink | None = None           # ranks 1..N-1 (None at TP=1)
-    port_offset: int = 0                   # data-parallel replica r listens on SIDE_CHANNEL_PORT + r
+    port_offset: int = 0  # data-parallel replica r listens on SIDE_CHANNEL_PORT + r
     stats: TransferStats = field(default_factory=TransferStats)
 
     def __post_init__(self) -> None:
@@ -149,14 +149,14 @@ class KVConnector:
         for rank, md in enumerate(self.rank_metadata):
             if "error" in md:
                 self.local.close()
-                raise RuntimeError(f"KV transfer: tensor-parallel rank {rank} could not start its transport: "
-                                   f"{md['error']}")
+                raise RuntimeError(f"KV transfer: tensor-parallel rank {rank} could not start its "
+                                   f"transport: {md['error']}")
         kinds = {md.get("transport") for md in self.rank_metadata}
         if len(kinds) > 1:
             self.local.close()
-            raise RuntimeError(f"KV transfer: the tensor-parallel ranks use different transports "
-                               f"{[md.get('transport') for md in self.rank_metadata]} (a NIXL backend loads in "
-                               f"some processes only?)")
+            raise RuntimeError("KV transfer: the tensor-parallel ranks use different transports "
+                               f"{[md.get('transport') for md in self.rank_metadata]} (a NIXL "
+                               "backend loads in some processes only?)")
         self.stats.transport_fallbacks += int(self.local.fell_back)
         self.num_blocks = self.local.num_blocks
         self.peers: dict[str, PeerInfo] = {}
@@ -167,10 +167,12 @@ class KVConnector:
         self.held_blocks: collections.Counter[int] = collections.Counter()
         self._grant_lock = threading.Lock()              # the side channel's threads read grants
         self.outbox = KVWork()                 # for ranks 1..N-1: cancels ride with the next step
-        self.server = None
+        self.server: SideChannelServer | None = None
         self.advertised: tuple[str, int] | None = None
-        self._released: collections.deque[str] = collections.deque()   # filled by the side channel thread
-        self._notifier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvrelay-kv-release")
+        # filled by the side channel thread
+        self._released: collections.deque[str] = collections.deque()
+        self._notifier = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="kvrelay-kv-release")
         self._pending_events: list[tuple] = []
         if self.config.is_producer:
             self._listen()
@@ -181,13 +183,14 @@ class KVConnector:
         port = envs.SIDE_CHANNEL_PORT.as_int() or 0
         port = port + self.port_offset if port else 0
         warn_if_exposed(host, self.secret, "side channel")
-        self.server = SideChannelServer(host, port, self._handle, secret=self.secret,
-                                        max_connections=self.config.max_connections)
-        self.server.start()
-        bound_host, bound_port = self.server.address
+        self.server = server = SideChannelServer(host, port, self._handle, secret=self.secret,
+                                                 max_connections=self.config.max_connections)
+        server.start()
+        bound_host, bound_port = server.address
         self.advertised = (advertised_host(host), bound_port)
-        logger.info("KV side channel listening on %s:%d (advertised %s:%d), transport %s, %d rank(s)",
-                    bound_host, bound_port, *self.advertised, self.transport.name, self.tp_size)
+        logger.info("KV side channel listening on %s:%d (advertised %s:%d), transport %s, "
+                    "%d rank(s)", bound_host, bound_port, *self.advertised, self.transport.name,
+                    self.tp_size)
 
     def _handle(self, message: dict[str, Any]) -> dict[str, Any]:
         kind = message.get("type")
@@ -200,8 +203,9 @@ class KVConnector:
         if kind != "handshake":
             return {"ok": False, "error": f"unknown message type {message.get('type')!r}"}
         if message.get("version") != HANDSHAKE_VERSION:
-            return {"ok": False, "error": f"handshake version {message.get('version')} != {HANDSHAKE_VERSION} "
-                                          f"(prefill and decode run different kvrelay versions)"}
+            return {"ok": False,
+                    "error": f"handshake version {message.get('version')} != {HANDSHAKE_VERSION} "
+                             f"(prefill and decode run different kvrelay versions)"}
         theirs = message.get("spec") or {}
         problems = _spec_differences(self.spec, theirs, "prefill", "decode")
         decode_tp = message.get("tp_size")
@@ -209,12 +213,13 @@ class KVConnector:
             f"decode sent tp_size {decode_tp!r}"
         if tp_problem:
             problems.append(tp_problem)
-        if problems:
+        if problems or not isinstance(decode_tp, int):    # (an int when there is no problem)
             logger.error("refused a KV handshake from %s: incompatible KV cache (%s)",
                          message.get("engine_id"), "; ".join(problems))
             return {"ok": False, "error": "incompatible KV cache: " + "; ".join(problems)}
-        return {"ok": True, "engine_id": self.engine_id, "spec": self.spec.__dict__, "tp_size": self.tp_size,
-                "num_blocks": self.num_blocks, "ranks": [_encode(md) for md in self.rank_metadata],
+        return {"ok": True, "engine_id": self.engine_id, "spec": self.spec.__dict__,
+                "tp_size": self.tp_size, "num_blocks": self.num_blocks,
+                "ranks": [_encode(md) for md in self.rank_metadata],
                 "compat_hash": pairing_hash(self.spec.__dict__, self.tp_size, decode_tp)}
 
     def _grant(self, message: dict[str, Any], claim: bool) -> _Grant:
@@ -318,12 +323,14 @@ class KVConnector:
         if engine_id in self.peers:
             return self.peers[engine_id]
         reply = side_channel_call(host, port, {"type": "handshake", "version": HANDSHAKE_VERSION,
-                                               "engine_id": self.engine_id, "spec": self.spec.__dict__,
+                                               "engine_id": self.engine_id,
+                                               "spec": self.spec.__dict__,
                                                "tp_size": self.tp_size}, secret=self.secret)
         self.stats.handshakes += 1
         if not reply.get("ok"):
             self.stats.handshake_errors += 1
-            raise HandshakeError(f"prefill engine at {host}:{port} refused the handshake: {reply.get('error')}")
+            raise HandshakeError(f"prefill engine at {host}:{port} refused the handshake: "
+                                 f"{reply.get('error')}")
         problems = _spec_differences(self.spec, reply.get("spec") or {}, "decode", "prefill")
         prefill_tp = reply.get("tp_size")
         tp_problem = tp_mismatch(prefill_tp, self.tp_size) if isinstance(prefill_tp, int) else \
@@ -332,25 +339,31 @@ class KVConnector:
             problems.append(tp_problem)
         ranks = reply.get("ranks")
         if not problems and (not isinstance(ranks, list) or len(ranks) != prefill_tp):
-            problems.append(f"prefill sent transport metadata for {len(ranks or [])} of its {prefill_tp} ranks")
-        if not problems and reply.get("compat_hash") != pairing_hash(self.spec.__dict__, prefill_tp, self.tp_size):
+            problems.append(f"prefill sent transport metadata for {len(ranks or [])} of its "
+                            f"{prefill_tp} ranks")
+        if not problems and isinstance(prefill_tp, int) and (
+                reply.get("compat_hash")
+                != pairing_hash(self.spec.__dict__, prefill_tp, self.tp_size)):
             problems.append("compatibility hash differs (KV cache spec serialised differently)")
-        if problems:
+        # (with no problem, prefill_tp is an int and ranks a list: checked above)
+        if problems or not isinstance(prefill_tp, int) or not isinstance(ranks, list):
             self.stats.handshake_errors += 1
             raise HandshakeError("incompatible KV cache: " + "; ".join(problems))
-        peer = PeerInfo(engine_id, prefill_tp, int(reply["num_blocks"]), tuple(_decode(md) for md in ranks))
+        peer = PeerInfo(engine_id, prefill_tp, int(reply["num_blocks"]),
+                        tuple(_decode(md) for md in ranks))
         self.local.apply(KVWork(peers=[peer]))
         if engine_id in self.local.peer_errors:
             raise HandshakeError(self.local.peer_errors[engine_id])
         if self.link is not None:
             self.outbox.peers.append(peer)
         self.peers[engine_id] = peer
-        logger.info("KV handshake with %s at %s:%d done (transport %s, prefill TP %d, decode TP %d)",
-                    engine_id, host, port, self.transport.name, prefill_tp, self.tp_size)
+        logger.info("KV handshake with %s at %s:%d done (transport %s, prefill TP %d, "
+                    "decode TP %d)", engine_id, host, port, self.transport.name, prefill_tp,
+                    self.tp_size)
         return peer
 
-    def start_load(self, request_id: str, params: Any, local_tables: list[list[int]], groups: list[Any],
-                   hit_tokens: int, prompt_len: int, block_size: int) -> None:
+    def start_load(self, request_id: str, params: Any, local_tables: list[list[int]],
+                   groups: list[Any], hit_tokens: int, prompt_len: int, block_size: int) -> None:
         peer = self.peer(params.remote_engine_id, params.remote_host, params.remote_port)
         remote_tables = params.remote_block_ids
         if len(remote_tables) != len(local_tables):
@@ -381,7 +394,7 @@ class KVConnector:
             # builds its own read: waiting for rank 0's read setup, or for the next step,
             # delayed rank 1's start by 60-160 ms on this machine
             self.outbox.pulls.append(order)
-            self.link.send_kv(self.take_work())
+            self.link.send_kv(self._take_outbox())
         self._pending_events.extend(("load", e) for e in self.local.apply(KVWork(pulls=[order])))
 
     def claim(self, params: Any) -> None:
@@ -401,8 +414,12 @@ class KVConnector:
 
     def take_work(self) -> KVWork | None:
         """KV work for ranks 1..N-1 accumulated since the last call (None when there is none)."""
-        work, self.outbox = self.outbox, KVWork()
+        work = self._take_outbox()
         return work if work else None
+
+    def _take_outbox(self) -> KVWork:
+        work, self.outbox = self.outbox, KVWork()
+        return work
 
     def release_remote(self, params: Any) -> None:
         """Ask the prefill (in the background) to free blocks we will not read."""
@@ -414,8 +431,8 @@ class KVConnector:
                                    "capability": params.remote_capability},
                                   timeout=5, secret=self.secret)
             except Exception as e:  # the prefill's lease frees them anyway
-                logger.warning("could not ask %s:%s to free %s: %s", params.remote_host, params.remote_port,
-                               params.remote_request_id, e)
+                logger.warning("could not ask %s:%s to free %s: %s", params.remote_host,
+                               params.remote_port, params.remote_request_id, e)
         self._notifier.submit(send)
 
     def _events(self, kind: str) -> list[Any]:
@@ -436,13 +453,15 @@ class KVConnector:
                 continue                                  # cancelled or failed meanwhile
             load.waiting.discard(e.rank)
             load.nbytes += e.nbytes
-            load.ranks[e.rank] = (e.started - load.started, e.seconds, time.monotonic() - load.started)
+            load.ranks[e.rank] = (e.started - load.started, e.seconds,
+                                  time.monotonic() - load.started)
             if e.error is not None and load.error is None:
                 load.error = e.error
         finished = []
         now = time.monotonic()
         for request_id, load in list(self.loads.items()):
-            if load.waiting and load.error is None and now - load.started > self.config.load_timeout_s:
+            if (load.waiting and load.error is None
+                    and now - load.started > self.config.load_timeout_s):
                 load.error = f"timed out after {self.config.load_timeout_s:.0f}s"
             if load.waiting and load.error is None:
                 continue
@@ -450,9 +469,11 @@ class KVConnector:
                 self._cancel_reads(request_id)
             del self.loads[request_id]
             if logger.isEnabledFor(logging.DEBUG):
-                timings = {r: tuple(round(1000 * x, 1) for x in v) for r, v in sorted(load.ranks.items())}
-                logger.debug("KV load %s: %d bytes in %.1f ms (per rank: started +ms, read ms, seen +ms: "
-                             "%s)%s", request_id, load.nbytes, 1000 * (now - load.started), timings,
+                timings = {r: tuple(round(1000 * x, 1) for x in v)
+                           for r, v in sorted(load.ranks.items())}
+                logger.debug("KV load %s: %d bytes in %.1f ms (per rank: started +ms, read ms, "
+                             "seen +ms: %s)%s", request_id, load.nbytes,
+                             1000 * (now - load.started), timings,
                              f", failed: {load.error}" if load.error else "")
             if load.error is None:
                 self.stats.transfers += 1
@@ -506,14 +527,16 @@ def _spec_differences(mine: KVCacheSpec, theirs: dict[str, Any], me: str, them: 
         pair = {me: a, them: b}
         return f"{key}: prefill {pair['prefill']!r}, decode {pair['decode']!r}"
 
-    diffs = [say(k, fields[k], theirs.get(k)) for k in fields if k != "model" and fields[k] != theirs.get(k)]
+    diffs = [say(k, fields[k], theirs.get(k))
+             for k in fields if k != "model" and fields[k] != theirs.get(k)]
     if fields["model"].split(":")[-1] != str(theirs.get("model", "")).split(":")[-1]:
         diffs.insert(0, say("model config", fields["model"], theirs.get("model")))
     return diffs
 
 
 def _encode(metadata: dict[str, Any]) -> dict[str, Any]:
-    return {k: {"__b64__": base64.b64encode(v).decode()} if isinstance(v, bytes) else v for k, v in metadata.items()}
+    return {k: {"__b64__": base64.b64encode(v).decode()} if isinstance(v, bytes) else v
+            for k, v in metadata.items()}
 
 
 def _decode(metadata: dict[str, Any]) -> dict[str, Any]:

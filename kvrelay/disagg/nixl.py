@@ -179,7 +179,7 @@ class NixlReadHandle(ReadHandle):
     state: str = "pending"          # pending | done | error
 
 
-class NixlTransport(KVTransport):
+class NixlTransport(KVTransport[NixlReadHandle]):
     name = "nixl"
 
     def __init__(self, agent_name: str | None = None, backends: Sequence[str] = ("UCX",),
@@ -204,7 +204,8 @@ class NixlTransport(KVTransport):
         try:
             self._agent = api.nixl_agent(self.agent_name, cfg)
         except Exception as e:
-            raise TransportUnavailable(f"NIXL agent could not start: {type(e).__name__}: {e}") from e
+            raise TransportUnavailable(
+                f"NIXL agent could not start: {type(e).__name__}: {e}") from e
         failed: dict[str, str] = {}
         applied: dict[str, dict[str, str]] = {}
         self.backends: list[str] = []
@@ -224,10 +225,12 @@ class NixlTransport(KVTransport):
         if not self.backends:
             detail = "; ".join(f"{b}: {why}" for b, why in failed.items())
             del self._agent
-            raise TransportUnavailable(f"NIXL could not create backend(s) {list(failed)} ({detail})")
+            raise TransportUnavailable(
+                f"NIXL could not create backend(s) {list(failed)} ({detail})")
         if failed:
-            logger.warning("NIXL agent %s: backend(s) %s unavailable (%s); using %s", self.agent_name,
-                           list(failed), "; ".join(f"{b}: {w}" for b, w in failed.items()), self.backends)
+            logger.warning("NIXL agent %s: backend(s) %s unavailable (%s); using %s",
+                           self.agent_name, list(failed),
+                           "; ".join(f"{b}: {w}" for b, w in failed.items()), self.backends)
         self.unavailable_backends = failed           # name → why it did not load
         self.backend_options = applied
 
@@ -279,8 +282,9 @@ class NixlTransport(KVTransport):
         if mem_type not in ("DRAM", "VRAM"):
             raise TransferError(f"peer {peer_id!r}: NIXL metadata has mem_type {mem_type!r}")
         if (not isinstance(regions, list) or not regions or not all(
-                isinstance(r, list) and len(r) == 3 and all(isinstance(v, int) and not isinstance(v, bool)
-                                                            and v >= 0 for v in r) for r in regions)):
+                isinstance(r, list) and len(r) == 3
+                and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in r)
+                for r in regions)):
             raise TransferError(f"peer {peer_id!r}: NIXL metadata regions must be a non-empty list "
                                 f"of [addr, nbytes, device] non-negative integers")
         try:
@@ -297,11 +301,12 @@ class NixlTransport(KVTransport):
             try:
                 agent = self._agent.add_remote_agent(raw)
             except Exception as e:
-                raise TransferError(f"peer {peer_id!r}: NIXL could not load the peer's agent metadata "
-                                    f"({type(e).__name__}: {e})") from e
+                raise TransferError(f"peer {peer_id!r}: NIXL could not load the peer's agent "
+                                    f"metadata ({type(e).__name__}: {e})") from e
             agent_str = agent.decode(errors="replace") if isinstance(agent, bytes) else str(agent)
             self._agents[agent] = self._agents.get(agent, 0) + 1
-            self._peers[peer_id] = _Peer(agent, agent_str, b64, [tuple(r) for r in regions], mem_type)
+            self._peers[peer_id] = _Peer(agent, agent_str, b64, [tuple(r) for r in regions],
+                                         mem_type)
 
     def remove_peer(self, peer_id: str) -> None:
         with self._lock:
@@ -311,7 +316,8 @@ class NixlTransport(KVTransport):
     def _drop_peer(self, peer_id: str) -> None:
         for h in [h for h in self._inflight if h.peer_id == peer_id]:
             if h.state == "pending":
-                h.state, h.error = "error", f"read from peer {peer_id!r} aborted: the peer was removed"
+                h.state = "error"
+                h.error = f"read from peer {peer_id!r} aborted: the peer was removed"
             if h.xfer is not None:
                 self._release_xfer(h)
             self._inflight.discard(h)
@@ -361,20 +367,20 @@ class NixlTransport(KVTransport):
                 rdl = self._agent.get_xfer_descs(remote, peer.mem_type)
                 xfer = self._agent.initialize_xfer("READ", ldl, rdl, peer.agent, notify)
             except Exception as e:
-                raise TransferError(f"NIXL could not set up a READ of {n} descriptors ({total} bytes) "
-                                    f"from peer {peer_id!r} (agent {peer.agent_str}): "
+                raise TransferError(f"NIXL could not set up a READ of {n} descriptors ({total} "
+                                    f"bytes) from peer {peer_id!r} (agent {peer.agent_str}): "
                                     f"{type(e).__name__}: {e}") from e
             handle.xfer = xfer
             try:
                 state = self._agent.transfer(xfer)
             except Exception as e:
                 self._release_xfer(handle)
-                raise TransferError(f"NIXL READ from peer {peer_id!r} (agent {peer.agent_str}) failed "
-                                    f"to start: {type(e).__name__}: {e}") from e
+                raise TransferError(f"NIXL READ from peer {peer_id!r} (agent {peer.agent_str}) "
+                                    f"failed to start: {type(e).__name__}: {e}") from e
             if state == "ERR":
                 self._release_xfer(handle)
-                raise TransferError(f"NIXL READ from peer {peer_id!r} (agent {peer.agent_str}) failed "
-                                    f"to start (transfer returned ERR)")
+                raise TransferError(f"NIXL READ from peer {peer_id!r} (agent {peer.agent_str}) "
+                                    "failed to start (transfer returned ERR)")
             if state == "DONE":
                 handle.state, handle.finished_at = "done", time.monotonic()
             self._inflight.add(handle)
@@ -398,9 +404,10 @@ class NixlTransport(KVTransport):
                 elif state == "ERR":
                     peer = self._peers.get(handle.peer_id)
                     handle.state = "error"
-                    handle.error = (f"NIXL READ of {handle.nbytes} bytes from peer {handle.peer_id!r}"
+                    handle.error = (f"NIXL READ of {handle.nbytes} bytes from peer "
+                                    f"{handle.peer_id!r}"
                                     f"{f' (agent {peer.agent_str})' if peer else ''} failed: {why} "
-                                    f"(peer process gone or unreachable?)")
+                                    "(peer process gone or unreachable?)")
         if handle.state == "error":
             raise TransferError(handle.error)
         return "done" if handle.state == "done" else "pending"

@@ -36,7 +36,8 @@ class KVTransferParams:
             return None
         if not isinstance(raw, dict):
             raise ValueError("kv_transfer_params must be an object")
-        p = cls(**{k: raw.get(k) for k in cls.__dataclass_fields__ if k in raw})
+        given: dict[str, Any] = {k: raw[k] for k in cls.__dataclass_fields__ if k in raw}
+        p = cls(**given)
         if p.do_remote_prefill:
             required = ("remote_engine_id", "remote_block_ids", "remote_host", "remote_port",
                         "remote_request_id", "remote_capability")
@@ -44,10 +45,11 @@ class KVTransferParams:
             if missing:
                 raise ValueError(f"kv_transfer_params.do_remote_prefill needs {', '.join(missing)}")
             ids = p.remote_block_ids
-            if not isinstance(ids, list) or not all(isinstance(g, list) and all(isinstance(b, int) and b >= 0
-                                                                               for b in g) for g in ids):
-                raise ValueError("kv_transfer_params.remote_block_ids must be a list of block-id lists "
-                                 "(one per KV-cache group)")
+            if not isinstance(ids, list) or not all(
+                    isinstance(g, list) and all(isinstance(b, int) and b >= 0 for b in g)
+                    for g in ids):
+                raise ValueError("kv_transfer_params.remote_block_ids must be a list of block-id "
+                                 "lists (one per KV-cache group)")
             if not isinstance(p.remote_port, int) or not 0 < p.remote_port < 65536:
                 raise ValueError("kv_transfer_params.remote_port must be a TCP port")
             if not isinstance(p.remote_capability, str) or len(p.remote_capability) > 256:
@@ -92,27 +94,32 @@ class KVTransferConfig:
         if raw is None:
             return None
         known = {"kv_connector", "kv_role", "kv_buffer_device", "kv_connector_extra_config",
-                 "kv_load_failure_policy", "engine_id", "kv_rank", "kv_parallel_size", "kv_ip", "kv_port"}
+                 "kv_load_failure_policy", "engine_id",
+                 "kv_rank", "kv_parallel_size", "kv_ip", "kv_port"}
         unknown = sorted(set(raw) - known)
         if unknown:
             raise ValueError(f"--kv-transfer-config: unknown key {unknown[0]!r}")
         if raw.get("kv_connector", "NixlConnector") not in ("NixlConnector", "TcpConnector"):
-            raise ValueError(f"--kv-transfer-config: kv_connector {raw['kv_connector']!r} is not supported "
-                             f"(NixlConnector or TcpConnector)")
+            raise ValueError(f"--kv-transfer-config: kv_connector {raw['kv_connector']!r} is not "
+                             "supported (NixlConnector or TcpConnector)")
         role = raw.get("kv_role", "kv_both")
         if role not in ROLES:
-            raise ValueError(f"--kv-transfer-config: kv_role must be one of {', '.join(ROLES)}, got {role!r}")
+            raise ValueError(f"--kv-transfer-config: kv_role must be one of {', '.join(ROLES)}, "
+                             f"got {role!r}")
         device = raw.get("kv_buffer_device", "cuda")
         if device not in ("cuda", "cpu"):
-            raise ValueError(f"--kv-transfer-config: kv_buffer_device must be cuda or cpu, got {device!r}")
+            raise ValueError("--kv-transfer-config: kv_buffer_device must be cuda or cpu, got "
+                             f"{device!r}")
         extra = dict(raw.get("kv_connector_extra_config") or {})
         policy = raw.get("kv_load_failure_policy", extra.pop("kv_load_failure_policy", "fail"))
         if policy not in FAILURE_POLICIES:
-            raise ValueError(f"--kv-transfer-config: kv_load_failure_policy must be fail or recompute, "
-                             f"got {policy!r}")
-        backends = extra.pop("backends", ["UCX"] if raw.get("kv_connector") != "TcpConnector" else ["TCP"])
+            raise ValueError("--kv-transfer-config: kv_load_failure_policy must be fail or "
+                             f"recompute, got {policy!r}")
+        backends = extra.pop("backends",
+                             ["UCX"] if raw.get("kv_connector") != "TcpConnector" else ["TCP"])
         if not isinstance(backends, list) or not backends:
-            raise ValueError("--kv-transfer-config: kv_connector_extra_config.backends must be a non-empty list")
+            raise ValueError("--kv-transfer-config: kv_connector_extra_config.backends must be a "
+                             "non-empty list")
         hold_share = _number(extra.pop("hold_share", 0.5), "hold_share")
         if not 0 < hold_share <= 1:
             raise ValueError(f"--kv-transfer-config: kv_connector_extra_config.hold_share must "
@@ -133,9 +140,11 @@ class KVTransferConfig:
         if secret_file is not None and (not isinstance(secret_file, str) or not secret_file):
             raise ValueError("--kv-transfer-config: kv_connector_extra_config.secret_file must be "
                              "a path")
-        return cls(kv_connector=raw.get("kv_connector", "NixlConnector"), kv_role=role, kv_buffer_device=device,
-                   backends=tuple(str(b).upper() for b in backends), kv_load_failure_policy=policy,
-                   lease_s=float(extra.pop("lease_s", 120.0)), load_timeout_s=float(extra.pop("load_timeout_s", 60.0)),
+        return cls(kv_connector=raw.get("kv_connector", "NixlConnector"), kv_role=role,
+                   kv_buffer_device=device, backends=tuple(str(b).upper() for b in backends),
+                   kv_load_failure_policy=policy,
+                   lease_s=float(extra.pop("lease_s", 120.0)),
+                   load_timeout_s=float(extra.pop("load_timeout_s", 60.0)),
                    hold_share=hold_share, hold_rate=hold_rate, hold_burst=hold_burst,
                    max_connections=int(max_connections),
                    engine_id=raw.get("engine_id"), extra=extra)

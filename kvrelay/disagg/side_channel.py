@@ -143,7 +143,8 @@ def admit_connection(conns: dict[socket.socket, _Conn], limit: int, evict_pendin
     return False
 
 
-def authenticate_connection(conn: socket.socket, secret: bytes, lock: threading.Lock,
+def authenticate_connection(conn: socket.socket, secret: bytes,
+                            lock: threading.Lock | threading.RLock,
                             conns: dict[socket.socket, _Conn], peer, what: str) -> bool:
     """The server side of the KV secret's challenge–response on `conn` (see auth.py); on
     success the connection counts as authenticated in `conns` (so it is never evicted as a
@@ -171,7 +172,9 @@ def warn_limited(fmt: str, *args) -> None:
     if now - _last_logged.get(fmt, -60.0) < 60.0:
         return
     _last_logged[fmt] = now
-    logger.warning(fmt + " (repeats of this warning are suppressed for a minute)", *args)
+    # the caller's format stays lazy: only a constant suffix is added to it
+    logger.warning(fmt + " (repeats of this warning are suppressed for a minute)",  # noqa: G003
+                   *args)
 
 
 class SideChannelServer:

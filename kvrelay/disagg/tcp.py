@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TypeGuard
 
 import torch
 
@@ -63,7 +64,7 @@ IDLE_TIMEOUT_S = 120.0       # a served connection idle this long is closed
 POOLED_MAX_AGE_S = 30.0      # readers reuse an idle connection only this long (< IDLE_TIMEOUT_S)
 
 
-def _is_int(x) -> bool:
+def _is_int(x: object) -> TypeGuard[int]:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
@@ -116,7 +117,7 @@ class TcpReadHandle(ReadHandle):
     cancelled: bool = False
 
 
-class TcpTransport(KVTransport):
+class TcpTransport(KVTransport[TcpReadHandle]):
     name = "tcp"
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, timeout: float = 30.0,
@@ -175,7 +176,7 @@ class TcpTransport(KVTransport):
                 raise TransferError("TcpTransport.register() may be called only once")
             regions = tensor_regions(tensors)
             flat = [t.detach().reshape(-1).view(torch.uint8) for t in tensors]
-            self._views = [memoryview(f.numpy()).cast("B") if f.device.type == "cpu" else None
+            self._views = [f.numpy().data.cast("B") if f.device.type == "cpu" else None
                            for f in flat]
             self._flat = flat
             self._regions = regions
@@ -303,7 +304,7 @@ class TcpTransport(KVTransport):
             # CUDA region: copy to host in chunks
             for s in range(off, off + n, _STAGE_BYTES):
                 e = min(off + n, s + _STAGE_BYTES)
-                views.append(memoryview(self._flat[region][s:e].cpu().numpy()).cast("B"))
+                views.append(self._flat[region][s:e].cpu().numpy().data.cast("B"))
                 staged += e - s
             if staged > _STAGE_BYTES:
                 _send_views(conn, views)
@@ -343,8 +344,8 @@ class TcpTransport(KVTransport):
             raise TransferError(f"peer {peer_id!r}: TCP metadata has port {port!r}")
         if (not isinstance(regions, list) or not regions
                 or not all(_is_int(r) and r > 0 for r in regions)):
-            raise TransferError(f"peer {peer_id!r}: TCP metadata regions must be a non-empty list of "
-                                f"positive sizes")
+            raise TransferError(f"peer {peer_id!r}: TCP metadata regions must be a non-empty list "
+                                "of positive sizes")
         with self._lock:
             self._check_open()
             old = self._peers.get(peer_id)
@@ -451,7 +452,8 @@ class TcpTransport(KVTransport):
             self._discard(sock)
             if handle.cancelled:
                 raise TransferError(f"TCP KV read from {where} was cancelled") from None
-            raise TransferError(f"TCP KV read from {where} failed: {type(e).__name__}: {e}") from None
+            raise TransferError(
+                f"TCP KV read from {where} failed: {type(e).__name__}: {e}") from None
         finally:
             handle.sock = None
         handle.finished_at = time.monotonic()
@@ -474,7 +476,7 @@ class TcpTransport(KVTransport):
             for s in range(0, d.nbytes, _STAGE_BYTES):
                 n = min(_STAGE_BYTES, d.nbytes - s)
                 stage = torch.empty(n, dtype=torch.uint8)
-                _recv_views(sock, [memoryview(stage.numpy()).cast("B")])
+                _recv_views(sock, [stage.numpy().data.cast("B")])
                 lo = d.local_offset + s
                 self._flat[d.region][lo:lo + n].copy_(stage)
         _recv_views(sock, views)

@@ -24,6 +24,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 import torch
 
@@ -74,8 +75,12 @@ class ReadHandle:
         return None if self.finished_at is None else self.finished_at - self.started_at
 
 
-class KVTransport(ABC):
-    """One per rank. Safe to call from several threads (each method takes a lock)."""
+H = TypeVar("H", bound=ReadHandle)
+
+
+class KVTransport(ABC, Generic[H]):
+    """One per rank. Safe to call from several threads (each method takes a lock).
+    `H`: the transport's own ReadHandle subclass, which only it accepts back."""
 
     name: str                       # "nixl" | "tcp"
     fallback_from: str | None = None    # set by make_transport when it fell back
@@ -101,16 +106,16 @@ class KVTransport(ABC):
     def remove_peer(self, peer_id: str) -> None: ...
 
     @abstractmethod
-    def start_read(self, peer_id: str, descs: Sequence[ReadDesc], notify: bytes) -> ReadHandle:
+    def start_read(self, peer_id: str, descs: Sequence[ReadDesc], notify: bytes) -> H:
         """Start one batched one-sided READ; `notify` reaches the peer when it is done.
         An empty `descs` only delivers `notify`."""
 
     @abstractmethod
-    def poll(self, handle: ReadHandle) -> str:
+    def poll(self, handle: H) -> str:
         """"pending" or "done"; raises TransferError if the read failed."""
 
     @abstractmethod
-    def release(self, handle: ReadHandle) -> None:
+    def release(self, handle: H) -> None:
         """Free the handle; an unfinished read is cancelled first (best effort for NIXL;
         for TCP no byte lands in local memory after release returns)."""
 
@@ -121,12 +126,13 @@ class KVTransport(ABC):
     @abstractmethod
     def close(self) -> None: ...
 
-    def wait(self, handle: ReadHandle, timeout: float = 30.0, interval: float = 0.0005) -> None:
+    def wait(self, handle: H, timeout: float = 30.0, interval: float = 0.0005) -> None:
         """Poll until done (tests, tools); TransferError on failure or timeout."""
         deadline = time.monotonic() + timeout
         while self.poll(handle) != "done":
             if time.monotonic() > deadline:
-                raise TransferError(f"KV read from peer {handle.peer_id!r} not done after {timeout:.0f}s")
+                raise TransferError(f"KV read from peer {handle.peer_id!r} not done after "
+                                    f"{timeout:.0f}s")
             time.sleep(interval)
 
     def __enter__(self):
@@ -176,16 +182,17 @@ def check_descs(descs: Sequence[ReadDesc], local: Sequence[int], remote: Sequenc
             raise TransferError(f"read from peer {peer_id!r}: descriptor {i} is a "
                                 f"{type(d).__name__}, not a ReadDesc")
         if not all(_is_int(v) for v in (d.region, d.remote_offset, d.local_offset, d.nbytes)):
-            raise TransferError(f"read from peer {peer_id!r}: descriptor {i} has non-integer fields: {d}")
+            raise TransferError(f"read from peer {peer_id!r}: descriptor {i} has non-integer "
+                                f"fields: {d}")
         if d.nbytes <= 0 or d.remote_offset < 0 or d.local_offset < 0:
             raise TransferError(f"read from peer {peer_id!r}: descriptor {i} has a negative offset "
                                 f"or non-positive size: {d}")
         if not 0 <= d.region < len(local):
-            raise TransferError(f"read from peer {peer_id!r}: descriptor {i} names region {d.region}, "
-                                f"but this side registered {len(local)} regions")
+            raise TransferError(f"read from peer {peer_id!r}: descriptor {i} names region "
+                                f"{d.region}, but this side registered {len(local)} regions")
         if d.region >= len(remote):
-            raise TransferError(f"read from peer {peer_id!r}: descriptor {i} names region {d.region}, "
-                                f"but the peer registered {len(remote)} regions")
+            raise TransferError(f"read from peer {peer_id!r}: descriptor {i} names region "
+                                f"{d.region}, but the peer registered {len(remote)} regions")
         if d.local_offset + d.nbytes > local[d.region]:
             raise TransferError(f"read from peer {peer_id!r}: descriptor {i} writes bytes "
                                 f"[{d.local_offset}, {d.local_offset + d.nbytes}) of local region "

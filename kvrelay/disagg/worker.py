@@ -136,12 +136,14 @@ class KVWorker:
         side_host = envs.SIDE_CHANNEL_HOST.raw()
         bind = (side_host or "127.0.0.1") if cfg.is_producer else "127.0.0.1"
         # UCX error mode "none": control traffic over shared memory, ~100x faster first read;
-        # a vanished peer is still caught by the load timeout (kv_connector_extra_config.load_timeout_s)
+        # a vanished peer is still caught by the load timeout
+        # (kv_connector_extra_config.load_timeout_s)
         options = cfg.extra.get("backend_options") or {"UCX": {"ucx_error_handling_mode": "none"}}
         secret = load_secret(cfg.extra)
         if cfg.is_producer and rank == 0:       # one warning per server (the side channel's too)
             warn_if_exposed(bind, secret, "KV transport")
-        self.transport = make_transport(list(cfg.backends), agent_name=f"{setup.engine_id}-rank{rank}",
+        self.transport = make_transport(list(cfg.backends),
+                                        agent_name=f"{setup.engine_id}-rank{rank}",
                                         host=bind, backend_options=options, secret=secret,
                                         serve=cfg.is_producer,
                                         ucx_host=ucx_host(cfg.is_producer, side_host))
@@ -193,7 +195,8 @@ class KVWorker:
         try:
             s = head_slice(peer.tp_size, self.setup.tp_size, self.setup.num_kv_heads, self.rank)
             if s.num_heads != self.num_heads:
-                raise ValueError(f"this rank holds {self.num_heads} KV heads but reads {s.num_heads}")
+                raise ValueError(f"this rank holds {self.num_heads} KV heads but reads "
+                                 f"{s.num_heads}")
             self.transport.add_peer(peer.engine_id, peer.ranks[s.src_rank])
         except Exception as e:
             self.peer_errors[peer.engine_id] = f"cannot read from prefill {peer.engine_id}: {e}"
@@ -215,13 +218,15 @@ class KVWorker:
             for remote, local in zip(g.remote_blocks, g.local_blocks):
                 for tensor in range(g.num_layers):
                     for kv in (0, 1):
-                        out.append(ReadDesc(tensor, ((kv * peer.num_blocks + remote) * s.src_heads + s.src_offset) * hb,
+                        remote_row = (kv * peer.num_blocks + remote) * s.src_heads + s.src_offset
+                        out.append(ReadDesc(tensor, remote_row * hb,
                                             (kv * self.num_blocks + local) * n * hb, n * hb))
         return out
 
     def _start(self, order: PullOrder) -> None:
         if order.engine_id not in self.peers:
-            raise RuntimeError(self.peer_errors.get(order.engine_id, f"no handshake with {order.engine_id}"))
+            raise RuntimeError(self.peer_errors.get(order.engine_id,
+                                                    f"no handshake with {order.engine_id}"))
         descs = self.descs(order)
         handle = self.transport.start_read(order.engine_id, descs, order.notify)
         with self._lock:
@@ -273,8 +278,10 @@ class KVWorker:
                 if self.reads.pop(request_id, None) is None:
                     continue                                  # cancelled meanwhile
             self.transport.release(read.handle)
-            events.append(LoadEvent(self.rank, request_id, error, read.nbytes if error is None else 0,
-                                    time.monotonic() - read.handle.started_at, read.handle.started_at))
+            events.append(LoadEvent(self.rank, request_id, error,
+                                    read.nbytes if error is None else 0,
+                                    time.monotonic() - read.handle.started_at,
+                                    read.handle.started_at))
         return events
 
     def notifications(self) -> list[bytes]:
@@ -297,7 +304,8 @@ class WorkerKV:
         self.events = events
         events.cancel_join_thread()      # never block this process's exit on unread reports
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._report, name=f"kvrelay-kv-rank{rank}", daemon=True)
+        self._thread = threading.Thread(target=self._report, name=f"kvrelay-kv-rank{rank}",
+                                        daemon=True)
         self._thread.start()
 
     def apply(self, work: KVWork) -> None:
@@ -315,7 +323,8 @@ class WorkerKV:
             except Exception as e:    # a closed transport at shutdown, or a bug: say so, keep going
                 if self._stop.is_set():
                     return
-                logger.warning("rank %d: KV progress thread: %s: %s", self.worker.rank, type(e).__name__, e)
+                logger.warning("rank %d: KV progress thread: %s: %s", self.worker.rank,
+                               type(e).__name__, e)
             # busy only while reads are in flight; otherwise look for notices 50 times a second
             time.sleep(0.0005 if self.worker.reads else 0.02)
 

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -90,8 +90,8 @@ def _setup_rank(spec: RankSpec, rank: int):
     # 600 s made a TP server that stayed idle for 10 minutes lose its workers. A dead
     # peer still fails ops at once (gloo sees the closed connection; the monitor reports
     # it) and a hung step fails its requests through VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS.
-    dist.init_process_group("gloo", init_method=spec.init_method, rank=rank, world_size=spec.tp_size,
-                            timeout=IDLE_SAFE_TIMEOUT)
+    dist.init_process_group("gloo", init_method=spec.init_method, rank=rank,
+                            world_size=spec.tp_size, timeout=IDLE_SAFE_TIMEOUT)
     if spec.expert_world is not None:
         from kvrelay.distributed.collectives import GlooExpertGroup
         w = spec.expert_world
@@ -99,8 +99,8 @@ def _setup_rank(spec: RankSpec, rank: int):
                                               TorchDistCollectives(), GlooExpertGroup(w, rank))
     else:
         ep_rank = rank * spec.ep_size // spec.tp_size
-        ctx = ParallelContext(tp_rank=rank, tp_size=spec.tp_size, ep_rank=ep_rank, ep_size=spec.ep_size,
-                              comm=TorchDistCollectives())
+        ctx = ParallelContext(tp_rank=rank, tp_size=spec.tp_size, ep_rank=ep_rank,
+                              ep_size=spec.ep_size, comm=TorchDistCollectives())
     loaded = load_model(spec.model_dir, dtype=spec.dtype, quantization=spec.quantization,
                         hf_overrides=spec.hf_overrides, ctx=ctx, hybrid_kv_cache=spec.hybrid,
                         max_positions=spec.max_positions, progress=rank == 0, config=spec.config)
@@ -181,7 +181,8 @@ class MultiprocExecutor:
         while not self.failed and time.monotonic() < deadline:
             dead = next((w for w in self.workers if w.exitcode is not None), None)
             if dead is not None:
-                return f"tensor-parallel worker {dead.name} (pid {dead.pid}) exited with code {dead.exitcode}"
+                return (f"tensor-parallel worker {dead.name} (pid {dead.pid}) exited with code "
+                        f"{dead.exitcode}")
             time.sleep(0.05)
         return self.failed or f"tensor-parallel collective failed: {error}"
 
@@ -190,11 +191,12 @@ class MultiprocExecutor:
         sentinels = {w.sentinel: w for w in self.workers}
         while sentinels and not self._closing:
             for s in wait(list(sentinels), timeout=1.0):
-                w = sentinels.pop(s)
+                w = sentinels.pop(cast(int, s))   # wait() returns the sentinels it was given
                 if self._closing:
                     continue
                 w.join(1)
-                self.failed = f"tensor-parallel worker {w.name} (pid {w.pid}) exited with code {w.exitcode}"
+                self.failed = (f"tensor-parallel worker {w.name} (pid {w.pid}) exited with code "
+                               f"{w.exitcode}")
                 logger.error("%s; stopping the other ranks", self.failed)
                 self._kill_all()          # rank 0's pending collective then fails at once
                 return

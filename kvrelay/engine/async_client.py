@@ -116,7 +116,7 @@ class CoreClient:
     async def wait_ready(self, timeout_s: float | None) -> None:
         try:
             await asyncio.wait_for(self.ready.wait(), timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise TimeoutError(f"the engine was not ready within {timeout_s:.0f}s") from None
         if self.dead:
             raise EngineDeadError(self.dead)

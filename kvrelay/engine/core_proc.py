@@ -51,11 +51,13 @@ class CoreEngine(Protocol):
 
     kv: Any
     scheduler: Any
-    connector: Any
     num_steps: int
     num_dummy_steps: int
-    expert_world: Any
 
+    @property
+    def connector(self) -> Any: ...
+    @property
+    def expert_world(self) -> Any: ...
     @property
     def transfer_busy(self) -> bool: ...
 

@@ -61,7 +61,8 @@ class IncrementalDetokenizer:
 
     def take(self, finished: bool) -> str:
         """The text not yet handed out (all of it once the request finished)."""
-        end = len(self.text) if finished or self.stopped_on else max(len(self.text) - self.holdback, self.emitted)
+        end = (len(self.text) if finished or self.stopped_on
+               else max(len(self.text) - self.holdback, self.emitted))
         delta = self.text[self.emitted:end]
         self.emitted = end
         return delta

@@ -374,7 +374,7 @@ def _relay(sock: socket.socket, cores: dict[int, tuple[Any, Connection]]) -> int
 
 
 def _stop_cores(cores: dict[int, tuple[Any, Connection]]) -> None:
-    for p, conn in cores.values():
+    for _proc, conn in cores.values():
         try:
             conn.send(Shutdown())
         except OSError:

@@ -81,7 +81,7 @@ class _Pipe:
 
 
 def run_lockstep(engine: Any, conn: Connection, handle: Callable, stats_of: Callable) -> None:
-    from kvrelay.distributed.collectives import ReplicaSync    # torch: the core process only
+    from kvrelay.distributed.collectives import ReplicaSync  # torch: the core process only
     sync = ReplicaSync(engine.expert_world)
     pipe = _Pipe(engine, conn, handle)
     synced, live, last_stats = 0, False, None

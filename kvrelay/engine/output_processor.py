@@ -10,7 +10,7 @@ and how much of each child was already reported (the deltas a stream sends).
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from kvrelay.disagg.params import KVTransferParams
@@ -137,8 +137,9 @@ class OutputProcessor:
             return
         detok = parent.detok.get(req.request_id)
         if detok is None:
+            stops: Sequence[str] = req.params.stop or ()   # a list after SamplingParams' checks
             detok = parent.detok[req.request_id] = IncrementalDetokenizer(
-                self.tokenizer, req.prompt_token_ids, req.params.stop,
+                self.tokenizer, req.prompt_token_ids, stops,
                 req.params.include_stop_str_in_output, req.params.skip_special_tokens)
         new = req.output_token_ids[len(detok.ids) - min(len(req.prompt_token_ids), PROMPT_CONTEXT):]
         stop = detok.add(new)

@@ -52,7 +52,7 @@ class Request:
     generator: torch.Generator | None = None
     fork_of: Request | None = None            # n > 1: waits for this sibling's prompt KV
     kv_transfer: KVTransferParams | None = None   # disaggregated serving (see kvrelay/disagg)
-    error: str | None = None                  # why an aborted request failed (reported to the client)
+    error: str | None = None  # why an aborted request failed (reported to the client)
     grammar: GrammarMatcher | None = None     # structured outputs: advanced with every token
 
     def __post_init__(self) -> None:

@@ -51,7 +51,8 @@ class RopeConfig:
 
     def __post_init__(self) -> None:
         if self.rope_type not in ("default", "yarn"):
-            raise ValueError(f"unsupported rope_type {self.rope_type!r}: expected 'default' or 'yarn'")
+            raise ValueError(f"unsupported rope_type {self.rope_type!r}: "
+                             "expected 'default' or 'yarn'")
         if self.theta <= 0:
             raise ValueError(f"rope_theta must be positive, got {self.theta}")
 
@@ -237,7 +238,8 @@ def merge_overrides(cfg: dict[str, Any], overrides: dict[str, Any] | None) -> di
 def load_config(model_dir: Path, hf_overrides: dict[str, Any] | None = None) -> GptOssConfig:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
-        raise CheckpointError(f"{path}: not found; a gpt-oss checkpoint directory needs config.json")
+        raise CheckpointError(
+            f"{path}: not found; a gpt-oss checkpoint directory needs config.json")
     try:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as e:

@@ -23,7 +23,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping, MutableMapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -281,8 +281,8 @@ def _chat_logprobs(state: ServerState, token_ids: list[int], logprobs: list | No
     return {"content": content}
 
 
-async def _merge(
-        streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def _merge(streams: Sequence[AsyncIterator[RequestOutput]]
+                 ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Interleave several generators' outputs as they arrive (prompt index, output)."""
     if len(streams) == 1:                      # the common case: no pump task, no queue
         try:
@@ -652,7 +652,7 @@ def build_app(state: ServerState) -> FastAPI:
     return app
 
 
-async def _collect(state: ServerState, gens: list[AsyncIterator[RequestOutput]],
+async def _collect(state: ServerState, gens: Sequence[AsyncIterator[RequestOutput]],
                    prompts: list[tuple[str | None, list[int]]]) -> list[RequestOutput]:
     finals: list[RequestOutput | None] = [None] * len(gens)
     timings = [_Timing(state.metrics) for _ in gens]
@@ -669,7 +669,7 @@ async def _collect(state: ServerState, gens: list[AsyncIterator[RequestOutput]],
 
 async def _stream_completions(state: ServerState, body: CompletionRequest, model: str, base_id: str,
                               created: int, prompts: list[tuple[str | None, list[int]]],
-                              gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[str]:
+                              gens: Sequence[AsyncIterator[RequestOutput]]) -> AsyncIterator[str]:
     timings = [_Timing(state.metrics) for _ in gens]
     completion_tokens = 0
     echoed: set[tuple[int, int]] = set()

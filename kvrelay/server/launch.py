@@ -19,6 +19,7 @@ import uvicorn
 from kvrelay import envs
 from kvrelay.config import EngineConfig
 from kvrelay.engine.async_client import AsyncEngine
+from kvrelay.engine.client import EngineClient
 from kvrelay.model.tokenizer import load_tokenizer
 from kvrelay.server.api import ServerState, build_app
 from kvrelay.server.chat import make_chat_renderer
@@ -43,7 +44,7 @@ class _DrainingServer(uvicorn.Server):
     """uvicorn re-raises SIGINT/SIGTERM after its graceful shutdown, which would end the
     process "killed by signal"; a drained shutdown is a clean exit, so we swallow them."""
 
-    def capture_signals(self):  # type: ignore[override]
+    def capture_signals(self):
         manager = super().capture_signals()
 
         @contextlib.contextmanager
@@ -77,13 +78,15 @@ def serve(config: EngineConfig, host: str, port: int, api_key: str | None,
     model_dir, names, args = config.model_dir, list(config.served_names), config.args
     tokenizer = load_tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
     timeout = envs.EXECUTE_MODEL_TIMEOUT_S.as_float()
+    engine: EngineClient
     if args.data_parallel_size > 1:
         from kvrelay.engine.data_parallel import DataParallelEngine
         engine = DataParallelEngine(args, step_timeout_s=timeout)
     else:
         engine = AsyncEngine(args, step_timeout_s=timeout)
     state = ServerState(engine=engine, tokenizer=tokenizer, served_names=names, max_model_len=0,
-                       max_logprobs=args.max_logprobs, api_key=api_key, defaults=sampling_defaults(model_dir),
+                       max_logprobs=args.max_logprobs, api_key=api_key,
+                       defaults=sampling_defaults(model_dir),
                        chat=make_chat_renderer(tokenizer), agent=agent or AgentOptions())
     state.metrics = ServerMetrics(lambda: engine.stats, names[0], lambda: engine.info)
     state.hold_limiter = hold_limiter(config)
@@ -113,7 +116,7 @@ def serve(config: EngineConfig, host: str, port: int, api_key: str | None,
     return outcome["rc"]
 
 
-async def _await_ready(engine: AsyncEngine, state: ServerState, server: uvicorn.Server,
+async def _await_ready(engine: EngineClient, state: ServerState, server: uvicorn.Server,
                        outcome: dict[str, int]) -> None:
     timeout = envs.ENGINE_READY_TIMEOUT_S.as_float()
     try:
@@ -129,12 +132,14 @@ async def _await_ready(engine: AsyncEngine, state: ServerState, server: uvicorn.
         outcome["rc"] = 1
         server.should_exit = True
         return
-    state.max_model_len = engine.info["max_model_len"]
-    state.vocab_size = engine.info.get("vocab_size", 0)
+    info = engine.info
+    assert info is not None, "wait_ready returns once the core sent its start-up info"
+    state.max_model_len = info.max_model_len
+    state.vocab_size = info.vocab_size
     logging.getLogger("uvicorn.error").info(READY_LINE, extra={"kvrelay": True})
 
 
-async def _watchdog(engine: AsyncEngine, server: uvicorn.Server, outcome: dict[str, int]) -> None:
+async def _watchdog(engine: EngineClient, server: uvicorn.Server, outcome: dict[str, int]) -> None:
     """Fails stalled requests; when the engine process has died (e.g. a tensor-parallel
     worker was killed) the in-flight requests have already failed with 503 and the
     server shuts down with exit code 1."""

@@ -8,7 +8,7 @@ from there, so it costs nothing per step.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -44,8 +44,8 @@ def native_families(native: dict[str, Any], labels: list[str],
 
 
 class _EngineCollector(Collector):
-    def __init__(self, stats: Callable[[], dict[str, float]], model_name: str,
-                 info: Callable[[], dict[str, Any]] | None = None) -> None:
+    def __init__(self, stats: Callable[[], Mapping[str, Any]], model_name: str,
+                 info: Callable[[], Mapping[str, Any] | None] | None = None) -> None:
         self.stats, self.model_name, self.info = stats, model_name, info
 
     def collect(self) -> Iterator:
@@ -114,8 +114,8 @@ class _EngineCollector(Collector):
 
 
 class ServerMetrics:
-    def __init__(self, stats: Callable[[], dict[str, float]], model_name: str,
-                 info: Callable[[], dict[str, Any]] | None = None) -> None:
+    def __init__(self, stats: Callable[[], Mapping[str, Any]], model_name: str,
+                 info: Callable[[], Mapping[str, Any] | None] | None = None) -> None:
         """`stats`: the engine's latest per-step snapshot; `info`: its start-up "ready" info."""
         self.registry = CollectorRegistry()
         self.model_name = model_name

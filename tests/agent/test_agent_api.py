@@ -296,7 +296,8 @@ def test_attach_combines_with_a_response_format():
     assert p.structured_outputs.json == {"type": "object"}
     assert p.structured_outputs.tool_call.required is False
     assert [f.name for f in p.structured_outputs.tool_call.functions] == ["get_weather", "get_time"]
-    p = structured_hooks.attach(SamplingParams(structured_outputs=fmt), None, tool_spec(TOOLS, "none"))
+    p = structured_hooks.attach(SamplingParams(structured_outputs=fmt), None,
+                                tool_spec(TOOLS, "none"))
     assert p.structured_outputs == fmt
     forced = structured_hooks.tool_call(required, harmony=True)
     p = structured_hooks.attach(SamplingParams(structured_outputs=fmt), forced, required)

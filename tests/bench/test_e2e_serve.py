@@ -23,12 +23,14 @@ def server(tiny, tmp_path_factory):
 
 
 def bench(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvrelay.cli", "bench", "serve", "--disable-tqdm", *args],
+    return subprocess.run([sys.executable, "-m", "kvrelay.cli", "bench", "serve", "--disable-tqdm",
+                           *args],
                           capture_output=True, text=True, timeout=timeout, check=False)
 
 
 def test_prefix_repetition_run_against_kvrelay(server, tiny, tmp_path):
-    r = bench("--base-url", server.url, "--dataset-name", "prefix_repetition", "--tokenizer", str(tiny[0]),
+    r = bench("--base-url", server.url, "--dataset-name", "prefix_repetition", "--tokenizer",
+              str(tiny[0]),
               "--prefix-repetition-prefix-len", "32", "--prefix-repetition-suffix-len", "8",
               "--prefix-repetition-num-prefixes", "2", "--prefix-repetition-output-len", "6",
               "--num-prompts", "8", "--max-concurrency", "2", "--ignore-eos", "--seed", "1",
@@ -41,7 +43,8 @@ def test_prefix_repetition_run_against_kvrelay(server, tiny, tmp_path):
     assert d["completed"] == 8 and d["failed"] == 0
     assert d["total_output_tokens"] == 8 * 6                 # usage counts, ignore_eos
     assert d["input_lens"] == [40] * 8                       # exact with the tokenizer
-    for key in ("request_throughput", "output_throughput", "total_token_throughput", "request_goodput",
+    for key in ("request_throughput", "output_throughput", "total_token_throughput",
+                "request_goodput",
                 "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_itl_ms",
                 "mean_e2el_ms", "ttfts", "itls", "errors"):
         assert key in d, key
@@ -53,7 +56,8 @@ def test_prefix_repetition_run_against_kvrelay(server, tiny, tmp_path):
 
 
 def test_chat_random_without_tokenizer(server):
-    r = bench("--base-url", server.url, "--endpoint", "/v1/chat/completions", "--dataset-name", "random",
+    r = bench("--base-url", server.url, "--endpoint", "/v1/chat/completions", "--dataset-name",
+              "random",
               "--random-input-len", "12", "--random-output-len", "4", "--num-prompts", "4",
               "--request-rate", "50", "--ignore-eos")
     assert r.returncode == 0, r.stdout + r.stderr

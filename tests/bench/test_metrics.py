@@ -19,8 +19,8 @@ from kvrelay.bench.metrics import (
 
 def ok(ttft: float, latency: float, out: int, prompt: int = 10, itl: list[float] | None = None,
        start: float = 0.0, chunks: list[float] | None = None) -> RequestResult:
-    return RequestResult(success=True, prompt_len=prompt, output_len=out, ttft=ttft, latency=latency,
-                         itl=itl or [], start_time=start, chunk_times=chunks or [])
+    return RequestResult(success=True, prompt_len=prompt, output_len=out, ttft=ttft,
+                         latency=latency, itl=itl or [], start_time=start, chunk_times=chunks or [])
 
 
 def test_percentile_interpolates_linearly_like_numpy():
@@ -97,7 +97,7 @@ def test_peak_concurrency_and_timeline():
     results = [ok(0.1, 2.0, 4, start=0.0, chunks=[0.1, 0.5, 1.2, 1.9]),
                ok(0.1, 1.0, 2, start=0.5, chunks=[0.6, 1.4]),
                ok(0.1, 1.0, 4, start=2.0, chunks=[2.1, 2.9])]       # 2 chunks carry 4 tokens
-    assert peak_concurrency(results) == 2                            # the third starts as the first ends
+    assert peak_concurrency(results) == 2  # the third starts as the first ends
     assert output_timeline(results, 3.0) == [3.0, 3.0, 4.0]
     m = compute_metrics(results, 3.0, [99])
     assert m.max_output_tokens_per_s == 4.0 and m.max_concurrent_requests == 2

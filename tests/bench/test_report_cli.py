@@ -13,8 +13,8 @@ from kvrelay.bench.metrics import RequestResult, compute_metrics
 
 VLLM_KEYS = ["completed", "failed", "duration", "total_input_tokens", "total_output_tokens",
              "request_throughput", "request_goodput", "output_throughput", "total_token_throughput",
-             "mean_ttft_ms", "median_ttft_ms", "std_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms",
-             "mean_itl_ms", "p99_itl_ms", "mean_e2el_ms", "p99_e2el_ms",
+             "mean_ttft_ms", "median_ttft_ms", "std_ttft_ms", "p99_ttft_ms", "mean_tpot_ms",
+             "p99_tpot_ms", "mean_itl_ms", "p99_itl_ms", "mean_e2el_ms", "p99_e2el_ms",
              "ttfts", "itls", "input_lens", "output_lens", "errors", "generated_texts"]
 
 
@@ -27,7 +27,8 @@ def test_result_dict_uses_vllms_keys_and_the_table_shows_them():
     res = _results()
     m = compute_metrics(res, 1.0, [50, 99.9])
     d = report.result_dict(m, res, ["ttft", "tpot", "itl", "e2el"], [50, 99.9],
-                           {"max_concurrency": 4, "request_rate": "inf", "prefix_cache_hit_rate": 0.25,
+                           {"max_concurrency": 4, "request_rate": "inf",
+                            "prefix_cache_hit_rate": 0.25,
                             "prefix_cache_queries": 100.0, "prefix_cache_hits": 25.0})
     for key in VLLM_KEYS + ["p50_ttft_ms", "p99.9_ttft_ms"]:
         if key not in ("p99_ttft_ms", "p99_tpot_ms", "p99_itl_ms", "p99_e2el_ms"):
@@ -51,7 +52,8 @@ def test_table_says_na_without_prefix_counters():
 def test_compare_prints_ratios(tmp_path, capsys):
     a = {"completed": 10, "failed": 0, "output_throughput": 100.0, "mean_ttft_ms": 50.0,
          "median_ttft_ms": 40.0, "p99_ttft_ms": 90.0, "prefix_cache_hit_rate": None}
-    b = a | {"output_throughput": 150.0, "mean_ttft_ms": 25.0, "p99_ttft_ms": 45.0, "prefix_cache_hit_rate": 0.5}
+    b = a | {"output_throughput": 150.0, "mean_ttft_ms": 25.0, "p99_ttft_ms": 45.0,
+             "prefix_cache_hit_rate": 0.5}
     (tmp_path / "a.json").write_text(json.dumps(a))
     (tmp_path / "b.json").write_text(json.dumps(b))
     assert main(["compare", str(tmp_path / "a.json"), str(tmp_path / "b.json")]) == 0
@@ -81,6 +83,7 @@ def test_unknown_flag_exits_two(capsys):
 
 
 def test_the_bench_imports_no_torch():
-    code = ("import sys, kvrelay.bench.main, kvrelay.bench.runner, kvrelay.bench.plot, kvrelay.bench.tokens; "
-            "kvrelay.bench.main.build_parser(); assert 'torch' not in sys.modules, 'torch imported'")
+    code = ("import sys, kvrelay.bench.main, kvrelay.bench.runner, kvrelay.bench.plot, "
+            "kvrelay.bench.tokens; kvrelay.bench.main.build_parser(); assert 'torch' not in "
+            "sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -26,7 +26,8 @@ class Script:
     model: str = "fake-model"
     text: str = " Paris, the capital."
     finish_reason: str | None = "length"
-    usage: dict[str, Any] | None = field(default_factory=lambda: {"prompt_tokens": 6, "completion_tokens": 16,
+    usage: dict[str, Any] | None = field(default_factory=lambda: {"prompt_tokens": 6,
+                                                                  "completion_tokens": 16,
                                                                    "total_tokens": 22})
     chat_status: int = 200
     stream_done: bool = True           # end streams with data: [DONE]
@@ -52,9 +53,11 @@ class FakeServer:
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.lock = threading.Lock()
-        config = uvicorn.Config(_app(self), log_level="warning", lifespan="off", timeout_graceful_shutdown=1)
+        config = uvicorn.Config(_app(self), log_level="warning", lifespan="off",
+                                timeout_graceful_shutdown=1)
         self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       daemon=True)
 
     def start(self) -> FakeServer:
         self.thread.start()
@@ -83,7 +86,8 @@ class FakeServer:
 
 def _choice(s: Script, chat: bool) -> dict[str, Any]:
     if chat:
-        return {"index": 0, "message": {"role": "assistant", "content": s.text}, "finish_reason": s.finish_reason}
+        return {"index": 0, "message": {"role": "assistant", "content": s.text},
+                "finish_reason": s.finish_reason}
     return {"index": 0, "text": s.text, "finish_reason": s.finish_reason, "logprobs": None}
 
 
@@ -105,9 +109,11 @@ def _app(fake: FakeServer) -> FastAPI:
     async def health() -> Response:
         servers = [{"role": "decode", "server": f"127.0.0.1:{fake.port}", "healthy": True}] \
             if fake.script.list_backends else []
-        down = [] if fake.script.health == 200 else [{"role": "prefill", "server": "127.0.0.1:1", "healthy": False,
+        down = [] if fake.script.health == 200 else [{"role": "prefill", "server": "127.0.0.1:1",
+                                                      "healthy": False,
                                                       "error": "connection refused"}]
-        return JSONResponse({"status": "ok" if not down else "unavailable", "down": down, "servers": servers},
+        return JSONResponse({"status": "ok" if not down else "unavailable", "down": down,
+                             "servers": servers},
                             status_code=fake.script.health)
 
     @app.get("/v1/models")
@@ -117,15 +123,19 @@ def _app(fake: FakeServer) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         if not fake.script.metrics:
-            return Response("# no kv metrics\nvllm:num_requests_running 0\n", media_type="text/plain")
+            return Response("# no kv metrics\nvllm:num_requests_running 0\n",
+                            media_type="text/plain")
         lines = [
-            "# TYPE kvrelay:kv_transfers counter", f'kvrelay:kv_transfers_total{{engine="0"}} {fake.transfers}',
+            "# TYPE kvrelay:kv_transfers counter",
+            f'kvrelay:kv_transfers_total{{engine="0"}} {fake.transfers}',
             "# TYPE kvrelay:kv_transfer_failures counter",
             f'kvrelay:kv_transfer_failures_total{{engine="0"}} {fake.failures}',
-            "# TYPE kvrelay:kv_transfer_bytes counter", f'kvrelay:kv_transfer_bytes_total{{engine="0"}} {fake.transfers * 4096}',
+            "# TYPE kvrelay:kv_transfer_bytes counter",
+            f'kvrelay:kv_transfer_bytes_total{{engine="0"}} {fake.transfers * 4096}',
             "# TYPE kvrelay:kv_handshake_errors counter",
             f'kvrelay:kv_handshake_errors_total{{engine="0"}} {fake.script.handshake_errors}',
-            "# TYPE kvrelay:kv_transport_fallback gauge", 'kvrelay:kv_transport_fallback{engine="0"} 0',
+            "# TYPE kvrelay:kv_transport_fallback gauge",
+            'kvrelay:kv_transport_fallback{engine="0"} 0',
         ]
         return Response("\n".join(lines) + "\n", media_type="text/plain")
 
@@ -135,7 +145,8 @@ def _app(fake: FakeServer) -> FastAPI:
         if chat and fake.script.chat_status != 200:
             status = fake.script.chat_status
         if status is not None:
-            return JSONResponse({"error": {"message": "scripted failure", "type": "ServiceUnavailableError",
+            return JSONResponse({"error": {"message": "scripted failure",
+                                           "type": "ServiceUnavailableError",
                                            "param": None, "code": status}}, status_code=status)
         s = fake.script
         if body.get("stream"):
@@ -145,7 +156,8 @@ def _app(fake: FakeServer) -> FastAPI:
                 if s.stream_done:
                     yield "data: [DONE]\n\n"
             return StreamingResponse(sse(), media_type="text/event-stream")
-        out: dict[str, Any] = {"id": "x", "object": "chat.completion" if chat else "text_completion",
+        out: dict[str, Any] = {"id": "x",
+                               "object": "chat.completion" if chat else "text_completion",
                                "model": s.model, "choices": [_choice(s, chat)]}
         if s.usage is not None:
             out["usage"] = s.usage

@@ -62,8 +62,8 @@ def _await_proxy_sees_healthy(c: httpx.Client, role: str, deadline: float) -> No
 
 
 def _kvrelay(*args: str, timeout: float) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvrelay.cli", *args], capture_output=True, text=True, check=False,
-                          timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "kvrelay.cli", *args], capture_output=True,
+                          text=True, check=False, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -74,15 +74,18 @@ def deployment(tiny_no_eos, tmp_path_factory):
     env = os.environ | {"UCX_NET_DEVICES": "lo", "PYTHONUNBUFFERED": "1"}
     with open(out_path, "w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "kvrelay.cli", "deploy", "--model", str(tiny_no_eos), "--prefill", "2", "--decode",
-             "1", "--base-port", str(base), "--side-channel-port", str(side), "--log-dir", str(logs),
-             "--validate-requests", "2", "--", "--dtype", "float32", "--max-model-len", "256", "--block-size", "4"],
+            [sys.executable, "-m", "kvrelay.cli", "deploy", "--model", str(tiny_no_eos),
+             "--prefill", "2", "--decode", "1", "--base-port", str(base),
+             "--side-channel-port", str(side), "--log-dir", str(logs), "--validate-requests", "2",
+             "--", "--dtype", "float32", "--max-model-len", "256", "--block-size", "4"],
             stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    info = {"proc": proc, "base": base, "side": side, "out": out_path, "url": f"http://127.0.0.1:{base}"}
+    info = {"proc": proc, "base": base, "side": side, "out": out_path,
+            "url": f"http://127.0.0.1:{base}"}
     try:
         deadline = time.monotonic() + 150
         while READY not in out_path.read_text():
-            assert proc.poll() is None, f"deploy exited with {proc.returncode}:\n{out_path.read_text()}"
+            assert proc.poll() is None, (f"deploy exited with {proc.returncode}:\n"
+                                         f"{out_path.read_text()}")
             assert time.monotonic() < deadline, f"deploy not ready:\n{out_path.read_text()}"
             time.sleep(0.3)
         yield info
@@ -101,22 +104,26 @@ def test_deploy_validated_its_own_topology(deployment):
     for check in ("health", "models", "completion", "chat", "traffic", "kv-transfer"):
         assert f"validate: PASS {check}:" in text, text
     base, side = deployment["base"], deployment["side"]
-    assert f"prefill-1  http://127.0.0.1:{base + 101}  TP1, devices 1  side channel {side + 1}" in text
+    assert (f"prefill-1  http://127.0.0.1:{base + 101}  TP1, devices 1  "
+            f"side channel {side + 1}") in text
     assert f"decode-0   http://127.0.0.1:{base + 200}" in text
 
 
 def test_validate_expect_di_against_the_proxy(deployment):
-    r = _kvrelay("validate", "--base-url", deployment["url"], "--expect-di", "--num-requests", "4", timeout=120)
+    r = _kvrelay("validate", "--base-url", deployment["url"], "--expect-di", "--num-requests", "4",
+                 timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     lines = r.stdout.splitlines()
     assert [line.split(":")[0] for line in lines[:6]] == [
-        "PASS health", "PASS models", "PASS completion", "PASS chat", "PASS traffic", "PASS kv-transfer"]
+        "PASS health", "PASS models", "PASS completion", "PASS chat", "PASS traffic",
+        "PASS kv-transfer"]
     assert lines[0] == "PASS health: HTTP 200 (2 prefill, 1 decode behind it)"
 
 
 def test_bench_serve_against_the_proxy(deployment):
     pytest.importorskip("kvrelay.bench")
-    r = _kvrelay("bench", "serve", "--disable-tqdm", "--base-url", deployment["url"], "--dataset-name", "random",
+    r = _kvrelay("bench", "serve", "--disable-tqdm", "--base-url", deployment["url"],
+                 "--dataset-name", "random",
                  "--random-input-len", "12", "--random-output-len", "4", "--num-prompts", "4",
                  "--max-concurrency", "2", "--ignore-eos", timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -164,7 +171,7 @@ def test_a_killed_server_is_restarted_while_the_proxy_routes_around_it(deploymen
     with httpx.Client(base_url=deployment["url"], timeout=60, trust_env=False) as c:
         while alive(old):
             time.sleep(0.05)
-        for _ in range(4):                          # round-robin meets the dead one: retried elsewhere
+        for _ in range(4):  # round-robin meets the dead one: retried elsewhere
             r = c.post("/v1/completions", json=body)
             assert r.status_code == 200, r.text
         deadline = time.monotonic() + 150
@@ -173,10 +180,12 @@ def test_a_killed_server_is_restarted_while_the_proxy_routes_around_it(deploymen
             assert time.monotonic() < deadline, out.read_text()
             time.sleep(0.3)
         text = out.read_text()
-        assert f"prefill-0 (pid {old}) exited with status -9; restarting it in 1s (restart 1" in text
+        assert (f"prefill-0 (pid {old}) exited with status -9; restarting it in 1s "
+                "(restart 1") in text
         new = _started_pids(text)["prefill-0"]
         assert new != old and alive(new)
-        assert _environ(new)["KVRELAY_KV_SECRET"] == _environ(_started_pids(text)["prefill-1"])["KVRELAY_KV_SECRET"]
+        sibling = _started_pids(text)["prefill-1"]
+        assert _environ(new)["KVRELAY_KV_SECRET"] == _environ(sibling)["KVRELAY_KV_SECRET"]
         _await_proxy_sees_healthy(c, "prefill", deadline)
         for _ in range(6):                          # the restarted server takes its turns again
             assert c.post("/v1/completions", json=body).status_code == 200
@@ -190,9 +199,9 @@ def test_sigint_stops_everything(deployment):
     children = descendants(proc.pid)
     assert len(children) >= 4                       # 3 servers (+ engine cores) and the proxy
     ports = [deployment["base"] + o for o in OFFSETS]
-    side_channels = [deployment["side"] + o for o in SIDE_OFFSETS[:2]]      # the prefill servers listen
+    side_channels = [deployment["side"] + o for o in SIDE_OFFSETS[:2]]  # the prefill servers listen
     assert all(_listening(p) for p in ports + side_channels)
-    os.killpg(proc.pid, signal.SIGINT)              # deploy's own group: what Ctrl-C in its terminal does
+    os.killpg(proc.pid, signal.SIGINT)  # deploy's own group: what Ctrl-C in its terminal does
     assert proc.wait(60) == 0, deployment["out"].read_text()
     text = deployment["out"].read_text()
     assert "SIGINT: stopping everything" in text and "stopped 4 process(es)" in text
@@ -203,7 +212,8 @@ def test_sigint_stops_everything(deployment):
     assert [p for p in ports + side_channels if _listening(p)] == []
     logs = sorted(deployment["out"].parent.glob("*.log"))
     assert len(logs) == 4
-    errors = [f"{f.name}: {line}" for f in logs for line in f.read_text().splitlines() if "ERROR" in line]
+    errors = [f"{f.name}: {line}" for f in logs for line in f.read_text().splitlines()
+              if "ERROR" in line]
     assert errors == []                             # a clean shutdown is not an error
 
 
@@ -212,9 +222,10 @@ def test_no_restart_stops_everything_when_one_server_dies(tiny_no_eos, tmp_path)
     out_path = tmp_path / "deploy.out"
     with open(out_path, "w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "kvrelay.cli", "deploy", "--model", str(tiny_no_eos), "--base-port", str(base),
-             "--log-dir", str(tmp_path), "--no-validate", "--no-restart", "--", "--dtype", "float32",
-             "--max-model-len", "64", "--block-size", "4"],
+            [sys.executable, "-m", "kvrelay.cli", "deploy", "--model", str(tiny_no_eos),
+             "--base-port", str(base), "--log-dir", str(tmp_path), "--no-validate",
+             "--no-restart", "--", "--dtype", "float32", "--max-model-len", "64",
+             "--block-size", "4"],
             stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 150

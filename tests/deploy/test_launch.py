@@ -20,7 +20,8 @@ from tests.processes import alive
 
 @pytest.fixture()
 def config_dir(tmp_path):
-    """A checkpoint directory with only config.json: enough to plan, and for serve to parse its flags."""
+    """A checkpoint directory with only config.json: enough to plan, and for serve to parse
+    its flags."""
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "config.json").write_text(json.dumps({"model_type": "gpt_oss"} | TINY))
     return tmp_path / "ckpt"
@@ -31,15 +32,16 @@ def test_a_taken_port_is_refused_before_anything_starts(config_dir, capsys):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        rc = main(["--model", str(config_dir), "--prefill", "1", "--decode", "1", "--base-port", str(port - 100),
-                   "--side-channel-port", str(port + 1000)])
+        rc = main(["--model", str(config_dir), "--prefill", "1", "--decode", "1", "--base-port",
+                   str(port - 100), "--side-channel-port", str(port + 1000)])
     assert rc == 1
     err = capsys.readouterr().err
     assert f"prefill-0 HTTP port {port} is already in use on this machine" in err
 
 
 def test_other_hosts_need_dry_run(config_dir, capsys):
-    rc = main(["--model", str(config_dir), "--prefill", "1", "--decode", "1", "--hosts", "decode=10.0.0.2"])
+    rc = main(["--model", str(config_dir), "--prefill", "1", "--decode", "1", "--hosts",
+               "decode=10.0.0.2"])
     assert rc == 1
     assert "use --dry-run and run the printed commands on each host" in capsys.readouterr().err
 
@@ -55,14 +57,15 @@ def test_the_plan_overrides_kvrelay_twins_of_its_variables(monkeypatch):
 
 def test_a_server_that_fails_stops_the_rest_and_shows_its_log(config_dir, tmp_path):
     r = subprocess.run(
-        [sys.executable, "-m", "kvrelay.cli", "deploy", "--model", str(config_dir), "--prefill", "1", "--decode", "1",
+        [sys.executable, "-m", "kvrelay.cli", "deploy", "--model", str(config_dir), "--prefill",
+         "1", "--decode", "1",
          "--base-port", str(_free_block()), "--side-channel-port", str(_free_block()),
          "--log-dir", str(tmp_path / "logs"), "--", "--no-such-flag"],
         capture_output=True, text=True, timeout=120, check=False)
     assert r.returncode == 1, r.stdout + r.stderr
     out = r.stdout
     assert "exited with status 2 before it was ready; last lines of" in out
-    assert "unrecognized arguments: --no-such-flag" in out               # the server's own message, in the tail
+    assert "unrecognized arguments: --no-such-flag" in out  # the server's own message, in the tail
     assert "stopped 2 process(es)" in out
     started = next(line for line in out.splitlines() if line.startswith("kvrelay deploy: started "))
     pids = [int(p.split(")")[0]) for p in started.split("(pid ")[1:]]
@@ -101,16 +104,17 @@ def test_serve_refuses_a_taken_port_in_one_line_before_the_model_loads(tiny, whe
         free = _free_block()
         http, side = (port, free) if where == "http" else (free, port)
         t0 = time.monotonic()
-        r = subprocess.run([sys.executable, "-m", "kvrelay.cli", "serve", str(tiny[0]), "--port", str(http),
-                            "--kv-transfer-config", kv], capture_output=True, text=True, timeout=60, check=False,
-                           env=os.environ | {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(side)})
+        r = subprocess.run([sys.executable, "-m", "kvrelay.cli", "serve", str(tiny[0]), "--port",
+                            str(http),
+                            "--kv-transfer-config", kv], capture_output=True, text=True, timeout=60,
+                           check=False, env=os.environ | {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(side)})
         elapsed = time.monotonic() - t0
     what = "HTTP" if where == "http" else \
         "KV side channel (VLLM_NIXL_SIDE_CHANNEL_PORT (or KVRELAY_NIXL_SIDE_CHANNEL_PORT))"
     assert r.returncode == 1, f"{r.stdout}{r.stderr} ({elapsed:.1f}s)"
     assert r.stdout == "" and r.stderr == (
-        f"kvrelay serve: error: cannot listen on 127.0.0.1:{port} ({what}): address already in use; "
-        "stop what uses it or choose another port\n"), f"after {elapsed:.1f}s"
+        f"kvrelay serve: error: cannot listen on 127.0.0.1:{port} ({what}): address already in "
+        "use; stop what uses it or choose another port\n"), f"after {elapsed:.1f}s"
 
 
 def test_supervise_restarts_with_growing_backoff(config_dir, tmp_path):
@@ -119,7 +123,8 @@ def test_supervise_restarts_with_growing_backoff(config_dir, tmp_path):
     from kvrelay.deploy.main import build_parser, build_plan
     plan = build_plan(build_parser().parse_args(["--model", str(config_dir)]), [])
     deployment = Deployment(plan, tmp_path)
-    flaky = Component("flaky", ("serve", "--no-such-flag"), child_env((), ()), tmp_path / "flaky.log")
+    flaky = Component("flaky", ("serve", "--no-such-flag"), child_env((), ()),
+                      tmp_path / "flaky.log")
     deployment.components.append(flaky)
     flaky.start()
     said: list[str] = []
@@ -134,9 +139,10 @@ def test_supervise_restarts_with_growing_backoff(config_dir, tmp_path):
         stop.set()
         watcher.join(10)
         deployment.stop(grace=5)
-    waits = [s.split("restarting it in ")[1].split(" (")[0] for s in said if "restarting it in" in s]
+    waits = [s.split("restarting it in ")[1].split(" (")[0] for s in said
+             if "restarting it in" in s]
     assert waits[:3] == ["1s", "2s", "4s"], said
     assert said[0].startswith("flaky (pid ") and "exited with status 2" in said[0]
     assert "unrecognized arguments: --no-such-flag" in said[0]          # its log tail
     assert sum(s.startswith("restarted flaky (pid ") for s in said) >= 2
-    assert flaky.log_text().count("unrecognized arguments") >= 3         # restarts append to the log
+    assert flaky.log_text().count("unrecognized arguments") >= 3  # restarts append to the log

@@ -14,9 +14,10 @@ from kvrelay.deploy.plan import format_ids, make_plan, shell_command
 from kvrelay.deploy.shapes import model_config
 from kvrelay.deploy.topology import TopologyError, topology_from_settings
 
-TUTORIAL_120B = ["--model", "openai/gpt-oss-120b", "--prefill", "16", "--prefill-tp", "4", "--decode", "1",
-                 "--decode-tp", "8", "--decode-dp", "8", "--enable-expert-parallel", "--devices", "0-63",
-                 "--hosts", "prefill=PREFILL_HOST", "decode=DECODE_HOST", "--dry-run"]
+TUTORIAL_120B = ["--model", "openai/gpt-oss-120b", "--prefill", "16", "--prefill-tp", "4",
+                 "--decode", "1",
+                 "--decode-tp", "8", "--decode-dp", "8", "--enable-expert-parallel", "--devices",
+                 "0-63", "--hosts", "prefill=PREFILL_HOST", "decode=DECODE_HOST", "--dry-run"]
 TUTORIAL_KV = '{"kv_connector": "NixlConnector", "kv_role": "%s", "kv_buffer_device": "cuda", ' \
               '"kv_connector_extra_config": {"backends": ["LIBFABRIC"]}}'
 
@@ -32,7 +33,8 @@ def commands(text: str) -> list[tuple[dict[str, str], list[str]]]:
     joined = text.replace("\\\n", " ")
     out = []
     for line in joined.splitlines():
-        words = shlex.split(line.rstrip(" &")) if "kvrelay " in line and not line.startswith("#") else []
+        command = "kvrelay " in line and not line.startswith("#")
+        words = shlex.split(line.rstrip(" &")) if command else []
         if not words:
             continue
         env = dict(w.split("=", 1) for w in words if re.match(r"^[A-Z_]+=", w))
@@ -68,12 +70,15 @@ def test_tutorial_120b_16p1d_dry_run(capsys):
     assert len(serve) == 17
     assert [c[1][0] for c in cmds].count("proxy") == 1 and cmds[-1][1][0] == "validate"
     assert "layout OK: 17 server(s), 128 ranks, 1 proxy" in out
-    assert "decode × 1: TP8 DP8 EP64: 64 devices per server; per rank 8 heads, 1 KV head, 2 experts per rank" in out
+    assert ("decode × 1: TP8 DP8 EP64: 64 devices per server; per rank 8 heads, 1 KV head, "
+            "2 experts per rank") in out
     for i, (env, argv) in enumerate(serve[:16]):
-        assert env == {"NEURON_VISIBLE_DEVICES": f"{4 * i}-{4 * i + 3}", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(5559 + i)}
+        assert env == {"NEURON_VISIBLE_DEVICES": f"{4 * i}-{4 * i + 3}",
+                       "VLLM_NIXL_SIDE_CHANNEL_PORT": str(5559 + i)}
         assert argv[:2] == ["serve", "openai/gpt-oss-120b"]
         assert flag(argv, "--port") == [str(8100 + i)] and flag(argv, "--host") == ["0.0.0.0"]
-        assert flag(argv, "--tensor-parallel-size") == ["4"] and flag(argv, "--data-parallel-size") == ["1"]
+        assert flag(argv, "--tensor-parallel-size") == ["4"]
+        assert flag(argv, "--data-parallel-size") == ["1"]
         assert "--enable-expert-parallel" in argv and flag(argv, "--max-num-seqs") == ["1"]
         assert flag(argv, "--kv-transfer-config") == [TUTORIAL_KV % "kv_producer"]
         assert json.loads(flag(argv, "--additional-config")[0]) == {"neuron_config": {
@@ -82,27 +87,34 @@ def test_tutorial_120b_16p1d_dry_run(capsys):
     env, decode = serve[16]
     assert env == {"NEURON_VISIBLE_DEVICES": "0-63", "VLLM_NIXL_SIDE_CHANNEL_PORT": "5659"}
     assert flag(decode, "--port") == ["8200"] and flag(decode, "--optimization-level") == ["2"]
-    assert flag(decode, "--tensor-parallel-size") == ["8"] and flag(decode, "--data-parallel-size") == ["8"]
+    assert flag(decode, "--tensor-parallel-size") == ["8"]
+    assert flag(decode, "--data-parallel-size") == ["8"]
     assert flag(decode, "--max-logprobs") == ["0"] and flag(decode, "--max-num-seqs") == ["4"]
     assert flag(decode, "--kv-transfer-config") == [TUTORIAL_KV % "kv_consumer"]
     assert json.loads(flag(decode, "--additional-config")[0])["neuron_config"] == {
-        "quantization": "mxfp4", "embedding_dp_size": 8, "lm_head_dp_size": 8, "kv_segment_size_buckets": [8192],
+        "quantization": "mxfp4", "embedding_dp_size": 8, "lm_head_dp_size": 8,
+        "kv_segment_size_buckets": [8192],
         "num_batched_tokens_buckets": [8192], "num_seqs_buckets": [4]}
     for argv in (serve[0][1], decode):
-        assert flag(argv, "--max-model-len") == ["16384"] and flag(argv, "--max-num-batched-tokens") == ["8192"]
-        assert flag(argv, "--hf-overrides") == ['{"quantization_config": {}}'] and flag(argv, "--dtype") == ["bfloat16"]
+        assert flag(argv, "--max-model-len") == ["16384"]
+        assert flag(argv, "--max-num-batched-tokens") == ["8192"]
+        assert flag(argv, "--hf-overrides") == ['{"quantization_config": {}}']
+        assert flag(argv, "--dtype") == ["bfloat16"]
         assert "--no-disable-hybrid-kv-cache-manager" in argv
     proxy = next(argv for _, argv in cmds if argv[0] == "proxy")
-    assert proxy == ["proxy", "--port", "8000", "--host", "0.0.0.0", "--prefiller-host", "PREFILL_HOST",
-                     "--prefiller-port", *map(str, range(8100, 8116)), "--decoder-host", "DECODE_HOST",
-                     "--decoder-port", "8200"]
-    assert cmds[-1][1] == ["validate", "--base-url", "http://PREFILL_HOST:8000", "--model", "openai/gpt-oss-120b",
-                           "--expect-di"]
+    assert proxy == ["proxy", "--port", "8000", "--host", "0.0.0.0", "--prefiller-host",
+                     "PREFILL_HOST",
+                     "--prefiller-port", *map(str, range(8100, 8116)), "--decoder-host",
+                     "DECODE_HOST", "--decoder-port", "8200"]
+    assert cmds[-1][1] == ["validate", "--base-url", "http://PREFILL_HOST:8000", "--model",
+                           "openai/gpt-oss-120b", "--expect-di"]
     # per host: the tutorial's exports, the prefill servers and the proxy on PREFILL_HOST
     assert "# ---- host PREFILL_HOST: prefill-0 … prefill-15, proxy" in out
     assert "# ---- host DECODE_HOST: decode-0" in out
-    for line in ("export VLLM_NEURON_COMPILATION_TIMEOUT=2400", "export VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS=1200",
-                 "export VLLM_ENGINE_READY_TIMEOUT_S=5400", "export VLLM_NIXL_SIDE_CHANNEL_HOST=0.0.0.0"):
+    for line in ("export VLLM_NEURON_COMPILATION_TIMEOUT=2400",
+                 "export VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS=1200",
+                 "export VLLM_ENGINE_READY_TIMEOUT_S=5400",
+                 "export VLLM_NIXL_SIDE_CHANNEL_HOST=0.0.0.0"):
         assert out.count(line) == 2
     assert "# decode-0: TP8 DP8 EP64, devices 0-63, HTTP 8200, side channel 5659-5666" in out
 
@@ -116,8 +128,10 @@ def test_tutorial_20b_variant(capsys):
     assert len(serve) == 17
     decode = serve[16]
     assert "--optimization-level" not in decode and flag(decode, "--data-parallel-size") == ["4"]
-    assert json.loads(flag(decode, "--additional-config")[0])["neuron_config"]["lm_head_dp_size"] == 4
-    assert "decode × 1: TP8 DP4 EP32: 32 devices per server; per rank 8 heads, 1 KV head, 1 expert per rank" in out
+    neuron = json.loads(flag(decode, "--additional-config")[0])["neuron_config"]
+    assert neuron["lm_head_dp_size"] == 4
+    assert ("decode × 1: TP8 DP4 EP32: 32 devices per server; per rank 8 heads, 1 KV head, "
+            "1 expert per rank") in out
     assert "warning" not in out
 
 
@@ -125,8 +139,8 @@ def test_20b_with_the_120b_decode_layout_is_refused(capsys):
     argv = [a if a != "openai/gpt-oss-120b" else "openai/gpt-oss-20b" for a in TUTORIAL_120B]
     rc, out, err = dry_run(capsys, argv)
     assert rc == 1 and out == ""
-    assert err == ("kvrelay deploy: error: invalid topology:\n"
-                   "  decode: expert-parallel width 64 (TP 8 × DP 8) does not divide the 32 experts\n")
+    assert err == ("kvrelay deploy: error: invalid topology:\n  decode: expert-parallel width 64 "
+                   "(TP 8 × DP 8) does not divide the 32 experts\n")
 
 
 def test_yaml_config_gives_the_same_commands(capsys, tmp_path):
@@ -142,24 +156,29 @@ decode: {count: 1, tp: 8, dp: 8, enable_expert_parallel: true}
     assert rc == 0, err
     assert from_yaml == from_flags
     # flags override the file
-    rc, out, _ = dry_run(capsys, ["--config", str(tmp_path / "topo.yaml"), "--prefill", "2", "--dry-run"])
+    rc, out, _ = dry_run(capsys,
+                         ["--config", str(tmp_path / "topo.yaml"), "--prefill", "2", "--dry-run"])
     assert rc == 0 and len([c for c in commands(out) if c[1][0] == "serve"]) == 3
 
 
 def test_single_instance_is_the_tutorials_first_command(capsys):
-    rc, out, err = dry_run(capsys, ["--model", "openai/gpt-oss-120b", "-tp", "8", "--devices", "0-63", "--dry-run"])
+    rc, out, err = dry_run(capsys, ["--model", "openai/gpt-oss-120b", "-tp", "8", "--devices",
+                                    "0-63", "--dry-run"])
     assert rc == 0, err
     cmds = commands(out)
     assert [c[1][0] for c in cmds] == ["serve", "validate"]
     env, argv = cmds[0]
     assert env == {"NEURON_VISIBLE_DEVICES": "0-7"}
     assert argv == ["serve", "openai/gpt-oss-120b", "--host", "127.0.0.1", "--port", "8000",
-                    "--tensor-parallel-size", "8", "--data-parallel-size", "1", "--enable-prefix-caching",
-                    "--max-model-len", "16384", "--max-num-batched-tokens", "8192", "--max-num-seqs", "4",
-                    "--no-disable-hybrid-kv-cache-manager", "--hf-overrides", '{"quantization_config": {}}',
-                    "--additional-config",
-                    '{"neuron_config": {"num_batched_tokens_buckets": [8192], "num_seqs_buckets": [4]}}']
-    assert cmds[1][1] == ["validate", "--base-url", "http://127.0.0.1:8000", "--model", "openai/gpt-oss-120b"]
+                    "--tensor-parallel-size", "8", "--data-parallel-size", "1",
+                    "--enable-prefix-caching",
+                    "--max-model-len", "16384", "--max-num-batched-tokens", "8192",
+                    "--max-num-seqs", "4", "--no-disable-hybrid-kv-cache-manager", "--hf-overrides",
+                    '{"quantization_config": {}}', "--additional-config",
+                    '{"neuron_config": {"num_batched_tokens_buckets": [8192], '
+                    '"num_seqs_buckets": [4]}}']
+    assert cmds[1][1] == ["validate", "--base-url", "http://127.0.0.1:8000", "--model",
+                          "openai/gpt-oss-120b"]
     assert "export VLLM_NEURON_COMPILATION_TIMEOUT=1200" in out and "SIDE_CHANNEL" not in out
 
 
@@ -167,25 +186,33 @@ def test_single_instance_is_the_tutorials_first_command(capsys):
 
 def test_local_2p1d_ports_side_channels_and_shared_cores(tiny_config_dir):
     plan = plan_of({"model": str(tiny_config_dir), "prefill": {"count": 2}, "decode": {"count": 1},
-                    "ports": {"proxy": 9000, "prefill": 9100, "decode": 9200, "prefill_side_channel": 9300,
-                              "decode_side_channel": 9400}})
-    got = [(s.name, s.host, s.port, s.side_channel_ports, s.devices, dict(s.env)) for s in plan.servers]
+                    "ports": {"proxy": 9000, "prefill": 9100, "decode": 9200,
+                              "prefill_side_channel": 9300, "decode_side_channel": 9400}})
+    got = [(s.name, s.host, s.port, s.side_channel_ports, s.devices, dict(s.env))
+           for s in plan.servers]
     assert got == [
-        ("prefill-0", "127.0.0.1", 9100, (9300,), (0,), {"NEURON_VISIBLE_DEVICES": "0", "VLLM_NIXL_SIDE_CHANNEL_PORT": "9300"}),
-        ("prefill-1", "127.0.0.1", 9101, (9301,), (1,), {"NEURON_VISIBLE_DEVICES": "1", "VLLM_NIXL_SIDE_CHANNEL_PORT": "9301"}),
-        ("decode-0", "127.0.0.1", 9200, (9400,), (0,), {"NEURON_VISIBLE_DEVICES": "0", "VLLM_NIXL_SIDE_CHANNEL_PORT": "9400"}),
+        ("prefill-0", "127.0.0.1", 9100, (9300,), (0,),
+         {"NEURON_VISIBLE_DEVICES": "0", "VLLM_NIXL_SIDE_CHANNEL_PORT": "9300"}),
+        ("prefill-1", "127.0.0.1", 9101, (9301,), (1,),
+         {"NEURON_VISIBLE_DEVICES": "1", "VLLM_NIXL_SIDE_CHANNEL_PORT": "9301"}),
+        ("decode-0", "127.0.0.1", 9200, (9400,), (0,),
+         {"NEURON_VISIBLE_DEVICES": "0", "VLLM_NIXL_SIDE_CHANNEL_PORT": "9400"}),
     ]
-    assert plan.warnings == (("host 127.0.0.1: 3 ranks on 2 devices (0-1): device slices overlap, so CPU cores are "
-                             "shared (one thread per rank); on Neuron or GPUs this layout needs 3 devices per host"),)
+    assert plan.warnings == (("host 127.0.0.1: 3 ranks on 2 devices (0-1): device slices overlap, "
+                              "so CPU cores are shared (one thread per rank); on Neuron or GPUs "
+                              "this layout needs 3 devices per host"),)
     assert dict(plan.exports) == {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}
-    assert plan.proxy.args == ("proxy", "--port", "9000", "--host", "127.0.0.1", "--prefiller-host", "127.0.0.1",
+    assert plan.proxy.args == ("proxy", "--port", "9000", "--host", "127.0.0.1", "--prefiller-host",
+                               "127.0.0.1",
                                "--prefiller-port", "9100", "9101", "--decoder-host", "127.0.0.1",
                                "--decoder-port", "9200")
     prefill = plan.servers[0].args
     assert prefill[:12] == ("serve", str(tiny_config_dir), "--host", "127.0.0.1", "--port", "9100",
-                            "--tensor-parallel-size", "1", "--data-parallel-size", "1", "--kv-transfer-config",
-                            ('{"kv_connector": "NixlConnector", "kv_role": "kv_producer", "kv_buffer_device": "cuda", '
-                            '"kv_connector_extra_config": {"backends": ["UCX"]}}'))
+                            "--tensor-parallel-size", "1", "--data-parallel-size", "1",
+                            "--kv-transfer-config",
+                            ('{"kv_connector": "NixlConnector", "kv_role": "kv_producer", '
+                             '"kv_buffer_device": "cuda", "kv_connector_extra_config": '
+                             '{"backends": ["UCX"]}}'))
 
 
 def test_servers_spread_over_their_hosts_and_fill_devices_in_order(tiny_config_dir):
@@ -198,20 +225,26 @@ def test_servers_spread_over_their_hosts_and_fill_devices_in_order(tiny_config_d
                    ("decode-0", "C", "0-3", (5659, 5660)), ("decode-1", "C", "4-7", (5661, 5662))]
     assert plan.warnings == ()
     assert plan.proxy.host == "A" and dict(plan.exports)["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "0.0.0.0"
-    assert plan.proxy.args[5:] == ("--prefiller-host", "A", "A", "B", "B", "--prefiller-port", "8100", "8101",
-                                   "8102", "8103", "--decoder-host", "C", "--decoder-port", "8200", "8201")
+    assert plan.proxy.args[5:] == ("--prefiller-host", "A", "A", "B", "B", "--prefiller-port",
+                                   "8100", "8101",
+                                   "8102", "8103", "--decoder-host", "C", "--decoder-port", "8200",
+                                   "8201")
 
 
 def test_tcp_connector_and_passthrough_args(tiny_config_dir):
-    plan = plan_of({"model": str(tiny_config_dir), "connector": "tcp", "prefill": {"count": 1, "args": ["--seed", "3"]},
-                    "decode": {"count": 1}, "serve_args": ["--dtype", "float32", "--additional-config",
-                                                           '{"neuron_config": {"num_seqs_buckets": [8]}}']})
+    plan = plan_of({"model": str(tiny_config_dir), "connector": "tcp",
+                    "prefill": {"count": 1, "args": ["--seed", "3"]},
+                    "decode": {"count": 1},
+                    "serve_args": ["--dtype", "float32", "--additional-config",
+                                   '{"neuron_config": {"num_seqs_buckets": [8]}}']})
     prefill, decode = (s.args for s in plan.servers)
     assert json.loads(prefill[prefill.index("--kv-transfer-config") + 1]) == {
-        "kv_connector": "TcpConnector", "kv_role": "kv_producer", "kv_connector_extra_config": {"backends": ["TCP"]}}
+        "kv_connector": "TcpConnector", "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"backends": ["TCP"]}}
     assert prefill[-6:] == ("--additional-config", '{"neuron_config": {"num_seqs_buckets": [8]}}',
                             "--dtype", "float32", "--seed", "3")
-    assert decode[-4:] == ("--additional-config", '{"neuron_config": {"num_seqs_buckets": [8]}}', "--dtype", "float32")
+    assert decode[-4:] == ("--additional-config", '{"neuron_config": {"num_seqs_buckets": [8]}}',
+                           "--dtype", "float32")
 
 
 def test_printed_commands_parse_back_to_the_plan(tiny_config_dir):
@@ -231,16 +264,19 @@ def test_format_ids():
 # ---------------------------------------------------------------------------- refusals
 
 @pytest.mark.parametrize("argv, problems", [
-    (["--prefill-tp", "3"], ["prefill: tensor_parallel_size 3 does not divide the 64 attention heads",
-                             "tensor_parallel_size: prefill 3, decode 8: the decode TP size must be a multiple of "
-                             "the prefill TP size (each decode rank reads its KV heads from one prefill rank)"]),
+    (["--prefill-tp", "3"],
+     ["prefill: tensor_parallel_size 3 does not divide the 64 attention heads",
+      "tensor_parallel_size: prefill 3, decode 8: the decode TP size must be a multiple of the "
+      "prefill TP size (each decode rank reads its KV heads from one prefill rank)"]),
     (["--decode-tp", "2", "--decode-dp", "32"],
-     ["tensor_parallel_size: prefill 4, decode 2: the decode TP size must be a multiple of the prefill TP size "
-      "(each decode rank reads its KV heads from one prefill rank)"]),
-    (["--decode-dp", "3"], ["decode: expert-parallel width 24 (TP 8 × DP 3) does not divide the 128 experts"]),
+     ["tensor_parallel_size: prefill 4, decode 2: the decode TP size must be a multiple of the "
+      "prefill TP size (each decode rank reads its KV heads from one prefill rank)"]),
+    (["--decode-dp", "3"],
+     ["decode: expert-parallel width 24 (TP 8 × DP 3) does not divide the 128 experts"]),
     (["--decode-tp", "16", "--decode-dp", "16"],
      ["decode: expert-parallel width 256 (TP 16 × DP 16) does not divide the 128 experts"]),
-    (["--prefill-ep-degree", "8"], ["prefill: expert-parallel width 8 must divide tensor_parallel_size 4"]),
+    (["--prefill-ep-degree", "8"],
+     ["prefill: expert-parallel width 8 must divide tensor_parallel_size 4"]),
 ])
 def test_invalid_tutorial_variants_are_refused_naming_the_numbers(capsys, argv, problems):
     rc, out, err = dry_run(capsys, _override(TUTORIAL_120B, argv))
@@ -253,35 +289,41 @@ def test_neuron_config_is_checked_as_serve_checks_it(capsys):
     rc, _, err = dry_run(capsys, TUTORIAL_120B + ["--", "--additional-config", extra])
     assert rc == 1
     assert err.splitlines()[1:] == [
-        ("  prefill: neuron_config.lm_head_dp_size 4 must equal --data-parallel-size 1 (the layer is replicated in "
-        "every data-parallel replica and vocab-sharded over its 4 TP ranks)"),
-        ("  decode: neuron_config.lm_head_dp_size 4 must equal --data-parallel-size 8 (the layer is replicated in "
-        "every data-parallel replica and vocab-sharded over its 8 TP ranks)")]
-    rc, _, err = dry_run(capsys, TUTORIAL_120B + ["--", "--additional-config", '{"neuron_config": {"colour": 1}}'])
-    assert rc == 1 and "  prefill: --additional-config: unknown neuron_config key 'colour'" in err.splitlines()
+        ("  prefill: neuron_config.lm_head_dp_size 4 must equal --data-parallel-size 1 (the layer "
+         "is replicated in every data-parallel replica and vocab-sharded over its 4 TP ranks)"),
+        ("  decode: neuron_config.lm_head_dp_size 4 must equal --data-parallel-size 8 (the layer "
+         "is replicated in every data-parallel replica and vocab-sharded over its 8 TP ranks)")]
+    rc, _, err = dry_run(capsys, TUTORIAL_120B + ["--", "--additional-config",
+                                                  '{"neuron_config": {"colour": 1}}'])
+    assert rc == 1
+    assert "  prefill: --additional-config: unknown neuron_config key 'colour'" in err.splitlines()
 
 
 def test_port_collisions_on_one_host(capsys):
     argv = _override(TUTORIAL_120B, ["--hosts", "all=HOST"])
     rc, _, err = dry_run(capsys, _override(argv, ["--prefill", "101"]))
     assert rc == 1
-    assert "  port collision on HOST: decode-0 HTTP and prefill-100 HTTP both use 8200" in err.splitlines()
-    assert ("  port collision on HOST: decode-0 side channel and prefill-100 side channel both use 5659"
+    assert ("  port collision on HOST: decode-0 HTTP and prefill-100 HTTP both use 8200"
             in err.splitlines())
+    assert ("  port collision on HOST: decode-0 side channel and prefill-100 side channel "
+            "both use 5659" in err.splitlines())
 
 
 @pytest.mark.parametrize("settings, problem", [
-    ({"prefill": {"count": 2}}, ("disaggregated serving needs at least one decode server (--decode N); "
-                                "for a single instance leave out --prefill and --decode")),
-    ({"single": {"tp": 2}, "decode": {"count": 1}}, ("single together with prefill/decode: a topology is either one "
-                                                     "server or prefill + decode")),
-    ({"prefill": {"count": 1, "tp": 0}, "decode": {}}, "prefill.tp: expected a positive integer, got 0"),
-    ({"prefill": {"count": 1, "pt": 2}, "decode": {}}, ("prefill: unknown setting 'pt' (known: args, count, dp, "
-                                                        "enable_expert_parallel, ep_degree, max_num_seqs, tp)")),
+    ({"prefill": {"count": 2}}, ("disaggregated serving needs at least one decode server (--decode "
+                                 "N); for a single instance leave out --prefill and --decode")),
+    ({"single": {"tp": 2}, "decode": {"count": 1}},
+     "single together with prefill/decode: a topology is either one server or prefill + decode"),
+    ({"prefill": {"count": 1, "tp": 0}, "decode": {}},
+     "prefill.tp: expected a positive integer, got 0"),
+    ({"prefill": {"count": 1, "pt": 2}, "decode": {}},
+     ("prefill: unknown setting 'pt' (known: args, count, dp, enable_expert_parallel, "
+      "ep_degree, max_num_seqs, tp)")),
     ({"ports": {"proxy": 70000}}, "ports.proxy: 70000 is not a TCP port"),
     ({"devices": "3-1"}, "devices: bad device list '3-1': range 3-1 is descending"),
-    ({"flavour": 1}, ("unknown setting 'flavour' (known: connector, decode, devices, env, hosts, kv_backend, model, "
-                     "ports, prefill, preset, proxy_args, serve_args, served_model_name, single)")),
+    ({"flavour": 1}, ("unknown setting 'flavour' (known: connector, decode, devices, env, hosts, "
+                      "kv_backend, model, ports, prefill, preset, proxy_args, serve_args, "
+                      "served_model_name, single)")),
 ])
 def test_bad_settings_are_refused(tiny_config_dir, settings, problem):
     with pytest.raises(TopologyError) as e:
@@ -290,40 +332,47 @@ def test_bad_settings_are_refused(tiny_config_dir, settings, problem):
 
 
 def test_flags_deploy_sets_itself_cannot_be_passed_through(capsys, tiny_config_dir):
-    rc, _, err = dry_run(capsys, ["--model", str(tiny_config_dir), "--prefill", "1", "--decode", "1", "--dry-run",
-                                  "--", "--port", "9000", "--dtype", "float32"])
+    rc, _, err = dry_run(capsys, ["--model", str(tiny_config_dir), "--prefill", "1", "--decode",
+                                  "1", "--dry-run", "--", "--port", "9000", "--dtype", "float32"])
     assert rc == 1
     assert err.splitlines()[1].startswith("  serve args: --port is set by deploy from the topology")
 
 
 def test_proxy_args_reach_the_proxy_command_and_are_checked(capsys, tiny_config_dir):
     base = ["--model", str(tiny_config_dir), "--prefill", "2", "--decode", "1", "--dry-run"]
-    rc, out, _ = dry_run(capsys, base + ["--proxy-args", "--routing round_robin --disagg-policy auto"])
+    rc, out, _ = dry_run(capsys,
+                         base + ["--proxy-args", "--routing round_robin --disagg-policy auto"])
     assert rc == 0
     proxy = next(argv for _, argv in commands(out) if argv[0] == "proxy")
-    assert flag(proxy, "--routing") == ["round_robin"] and flag(proxy, "--disagg-policy") == ["auto"]
+    assert flag(proxy, "--routing") == ["round_robin"]
+    assert flag(proxy, "--disagg-policy") == ["auto"]
     from kvrelay.proxy.main import build_parser
     parsed = build_parser().parse_args(proxy[1:])         # the printed command is the proxy's
     assert parsed.prefiller_port == [8100, 8101] and parsed.routing == "round_robin"
-    for bad, problem in [("--routing nope", "proxy_args: argument --routing: invalid choice: 'nope'"),
+    for bad, problem in [("--routing nope",
+                          "proxy_args: argument --routing: invalid choice: 'nope'"),
                          ("--port 9", "proxy_args: --port is set by deploy from the topology"),
                          ("--frobnicate", "proxy_args: unknown flag --frobnicate")]:
         rc, _, err = dry_run(capsys, base + [f"--proxy-args={bad}"])
         assert rc == 1 and err.splitlines()[1].strip().startswith(problem), err
-    rc, _, err = dry_run(capsys, ["--model", str(tiny_config_dir), "--dry-run", "--proxy-args", "--routing x"])
+    rc, _, err = dry_run(capsys, ["--model", str(tiny_config_dir), "--dry-run", "--proxy-args",
+                                  "--routing x"])
     assert rc == 1 and "a single instance has no proxy" in err
 
 
 def test_unknown_model_and_bad_flags(capsys, tmp_path):
     rc, _, err = dry_run(capsys, ["--model", str(tmp_path / "nothing"), "--dry-run"])
-    assert rc == 1 and "no config.json there and not a built-in id (openai/gpt-oss-120b, openai/gpt-oss-20b)" in err
+    assert rc == 1
+    assert ("no config.json there and not a built-in id (openai/gpt-oss-120b, "
+            "openai/gpt-oss-20b)") in err
     rc, _, err = dry_run(capsys, ["--model", "x", "--prefill", "two"])
     assert rc == 2 and "--prefill: invalid int value: 'two'" in err
 
 
 def test_without_a_model_the_servers_serve_the_embedded_one(tiny_config_dir):
     topo = topology_from_settings({"prefill": {}, "decode": {}}, "none", this_machine=(0, 1))
-    plan = make_plan(topo, model_config(str(tiny_config_dir)))   # the embedded model's config is not needed here
+    # the embedded model's config is not needed here
+    plan = make_plan(topo, model_config(str(tiny_config_dir)))
     assert topo.model is None and plan.served_name == "kvrelay/smollm2-135m-gpt-oss"
     assert [s.args[:3] for s in plan.servers] == [("serve", "--host", "127.0.0.1")] * 2
 

@@ -29,7 +29,8 @@ def test_every_check_passes_on_a_good_server(fake):
     assert list(v) == ["health", "models", "completion", "chat", "traffic", "kv-transfer"]
     assert failed(v) == {}
     assert v["health"][1] == "HTTP 200 (0 prefill, 1 decode behind it)"
-    assert v["completion"][1].startswith("16 tokens, finish_reason length, prompt_tokens 6: ' Paris")
+    assert v["completion"][1].startswith(
+        "16 tokens, finish_reason length, prompt_tokens 6: ' Paris")
     assert v["traffic"][1].startswith("16/16 ok (8 streamed)")
     # completion + chat + 16 traffic requests, each one KV pull in the fake
     assert v["kv-transfer"][1].startswith("1 decode server(s) pulled KV 18 times")
@@ -39,7 +40,8 @@ def test_main_prints_one_line_per_check_and_exits_0(fake, capsys):
     assert main(["--base-url", fake.url, "--num-requests", "4", "--expect-di"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in lines] == [
-        "PASS health", "PASS models", "PASS completion", "PASS chat", "PASS traffic", "PASS kv-transfer", "PASS"]
+        "PASS health", "PASS models", "PASS completion", "PASS chat", "PASS traffic",
+        "PASS kv-transfer", "PASS"]
     assert lines[-1] == f"PASS: 6/6 checks passed against {fake.url}"
 
 
@@ -66,12 +68,15 @@ def test_unreachable_server_fails_every_check():
 
 @pytest.mark.parametrize("script, check, reason", [
     (Script(text=""), "completion", "choices[0].text is empty ('')"),
-    (Script(finish_reason="abort"), "completion", "choices[0].finish_reason is 'abort', expected length or stop"),
-    (Script(finish_reason=None), "completion", "choices[0].finish_reason is None, expected length or stop"),
+    (Script(finish_reason="abort"), "completion",
+     "choices[0].finish_reason is 'abort', expected length or stop"),
+    (Script(finish_reason=None), "completion",
+     "choices[0].finish_reason is None, expected length or stop"),
     (Script(usage=None), "completion", "usage is missing"),
     (Script(usage={"prompt_tokens": 6, "completion_tokens": 0}), "completion",
      "usage.completion_tokens is 0, expected a positive integer"),
-    (Script(usage={"prompt_tokens": 6}), "completion", "usage.completion_tokens is None, expected a positive integer"),
+    (Script(usage={"prompt_tokens": 6}), "completion",
+     "usage.completion_tokens is None, expected a positive integer"),
     (Script(usage={"prompt_tokens": 6, "completion_tokens": 16, "total_tokens": 30}), "completion",
      "usage.total_tokens 30 != prompt_tokens + completion_tokens"),
     (Script(chat_status=500), "chat", "HTTP 500"),
@@ -94,22 +99,24 @@ def test_traffic_counts_failed_requests(fake):
 def test_traffic_needs_streams_to_end_with_done(fake):
     fake.script = Script(stream_done=False)
     v = failed(verdicts(fake, num_requests=4))
-    assert v == {"traffic": "2/4 failed: #1 completion-stream: the stream ended without data: [DONE]; "
-                            "#3 chat-stream: the stream ended without data: [DONE]"}
+    assert v == {"traffic": "2/4 failed: #1 completion-stream: the stream ended without data: "
+                            "[DONE]; #3 chat-stream: the stream ended without data: [DONE]"}
 
 
 def test_kv_transfer_fails_when_decode_pulled_nothing(fake):
     fake.script = Script(pull=False)
     v = failed(verdicts(fake, expect_di=True, num_requests=2))
-    assert v == {"kv-transfer": "the decode servers pulled no KV during this run (kvrelay:kv_transfers unchanged): "
-                                "requests are not going through prefill → decode"}
+    assert v == {"kv-transfer": "the decode servers pulled no KV during this run "
+                                "(kvrelay:kv_transfers unchanged): requests are not going through "
+                                "prefill → decode"}
 
 
 def test_kv_transfer_fails_on_handshake_errors_and_transfer_failures(fake):
     fake.script = Script(handshake_errors=2, transfer_failures_per_request=1)
     v = failed(verdicts(fake, expect_di=True, num_requests=2))
     key = f"decode {fake.url}"
-    assert v == {"kv-transfer": f"{key}: 2 handshake errors; {key}: 4 KV transfer failures during this run"}
+    assert v == {"kv-transfer": f"{key}: 2 handshake errors; "
+                                f"{key}: 4 KV transfer failures during this run"}
 
 
 def test_kv_transfer_needs_to_know_the_decode_servers(fake):
@@ -123,4 +130,5 @@ def test_kv_transfer_needs_to_know_the_decode_servers(fake):
 def test_kv_transfer_fails_when_the_decode_server_is_not_a_consumer(fake):
     fake.script = Script(metrics=False)
     v = failed(verdicts(fake, expect_di=True, num_requests=0))
-    assert v == {"kv-transfer": f"decode {fake.url}: no kvrelay:kv_transfers_total metric (not a kv_consumer?)"}
+    assert v == {"kv-transfer": f"decode {fake.url}: no kvrelay:kv_transfers_total metric (not a "
+                                "kv_consumer?)"}

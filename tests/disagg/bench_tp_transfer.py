@@ -23,18 +23,21 @@ from tests.processes import Server, free_port
 
 # 8 layers (4 full + 4 sliding, window 128), 4 KV heads × 64 dims, float32:
 # per token and layer 2 · 4 · 64 · 4 B = 2 KiB
-CONFIG = dict(vocab_size=512, hidden_size=256, intermediate_size=384, head_dim=64, num_attention_heads=8,  # noqa: C408
-              num_key_value_heads=4, num_hidden_layers=8, num_local_experts=4, num_experts_per_tok=2,
-              sliding_window=128, max_position_embeddings=4096)
+CONFIG = dict(vocab_size=512, hidden_size=256, intermediate_size=384, head_dim=64,
+              num_attention_heads=8,
+              num_key_value_heads=4, num_hidden_layers=8, num_local_experts=4,
+              num_experts_per_tok=2, sliding_window=128, max_position_embeddings=4096)
 LAYOUTS = [(1, 1), (1, 2), (2, 2), (2, 4)]
 
 
-def run(model: Path, a: int, b: int, prompt_len: int, requests: int, logs: Path) -> dict[str, float]:
+def run(model: Path, a: int, b: int, prompt_len: int, requests: int,
+        logs: Path) -> dict[str, float]:
     flags = ["--dtype", "float32", "--max-model-len", str(prompt_len + 64), "--block-size", "16"]
     servers = []
     for role, tp in (("kv_producer", a), ("kv_consumer", b)):
         env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()), "UCX_NET_DEVICES": "lo"}
-        servers.append(Server(str(model), flags + ["-tp", str(tp), "--kv-transfer-config", kv_config(role)],
+        servers.append(Server(str(model),
+                              flags + ["-tp", str(tp), "--kv-transfer-config", kv_config(role)],
                               logs / f"{role}-tp{a}-{b}.log", env=env))
     prefill, decode = servers
     try:
@@ -43,8 +46,10 @@ def run(model: Path, a: int, b: int, prompt_len: int, requests: int, logs: Path)
         latencies = []
         for i in range(requests):
             prompt = [(i * 31 + 7 * j) % 500 + 5 for j in range(prompt_len)]
-            first = {"prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
-            params = httpx.post(f"{prefill.url}/v1/completions", json=first, timeout=600).json()["kv_transfer_params"]
+            first = {"prompt": prompt, "max_tokens": 1,
+                     "kv_transfer_params": {"do_remote_decode": True}}
+            params = httpx.post(f"{prefill.url}/v1/completions", json=first,
+                                timeout=600).json()["kv_transfer_params"]
             t0 = time.perf_counter()
             r = httpx.post(f"{decode.url}/v1/completions", timeout=600,
                            json={"prompt": prompt, "max_tokens": 1, "kv_transfer_params": params})
@@ -69,8 +74,8 @@ def main() -> None:
         model = save_checkpoint(make_hf_model(seed=3, **CONFIG), Path(tmp) / "ckpt")
         add_word_tokenizer(model, CONFIG["vocab_size"])
         for a, b in LAYOUTS:
-            print(f"prefill TP{a} → decode TP{b}:", run(model, a, b, args.prompt_len, args.requests, Path(tmp)),
-                  flush=True)
+            print(f"prefill TP{a} → decode TP{b}:",
+                  run(model, a, b, args.prompt_len, args.requests, Path(tmp)), flush=True)
 
 
 if __name__ == "__main__":

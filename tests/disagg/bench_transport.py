@@ -83,14 +83,14 @@ def main() -> None:
     configs = [("tcp", "tcp", None), ("nixl", "nixl (UCX, error mode peer)", None),
                ("nixl-none", "nixl (UCX, error mode none)",
                 {"UCX": {"ucx_error_handling_mode": "none"}})]
-    print(f"{PER_READ} scattered blocks of {BLOCK // 1024} KiB per read ({PER_READ * BLOCK >> 20} MiB), "
-          f"{args.iters} reads, poll interval {args.interval}s")
+    print(f"{PER_READ} scattered blocks of {BLOCK // 1024} KiB per read ({PER_READ * BLOCK >> 20} "
+          f"MiB), {args.iters} reads, poll interval {args.interval}s")
     for key, label, opts in configs:
         if args.only and args.only != key:
             continue
         r = run("tcp" if key == "tcp" else "nixl", opts, args.iters, args.interval)
-        print(f"{label:30s} handshake {r['handshake_ms']:7.2f} ms  first read {r['first_ms']:7.2f} ms  "
-              f"median {r['median_ms']:6.3f} ms (p90 {r['p90_ms']:6.3f})  "
+        print(f"{label:30s} handshake {r['handshake_ms']:7.2f} ms  first read {r['first_ms']:7.2f} "
+              f"ms  median {r['median_ms']:6.3f} ms (p90 {r['p90_ms']:6.3f})  "
               f"{r['GBps_median']:5.2f} GB/s median, {r['GBps_mean']:5.2f} mean  "
               f"{r['us_per_desc']:5.1f} us/desc", flush=True)
 

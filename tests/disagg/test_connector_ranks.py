@@ -39,7 +39,8 @@ class FakeLink:
 
 
 def tcp(role: str) -> KVTransferConfig:
-    return KVTransferConfig(kv_connector="TcpConnector", kv_role=role, backends=("TCP",), lease_s=60)
+    return KVTransferConfig(kv_connector="TcpConnector", kv_role=role, backends=("TCP",),
+                            lease_s=60)
 
 
 def tensors(heads: int) -> list[torch.Tensor]:
@@ -148,4 +149,20 @@ def test_handshake_carries_every_rank(pair):
     decode.start_load("d5", p, [[5]], [KVCacheGroup(None, 2)], 0, 5, 4)
     peer = decode.peers["P"]
     assert peer.tp_size == 2 and len(peer.ranks) == 2 and peer.num_blocks == NB
-    assert decode.local.peers["P"][1].src_rank == 0                      # rank 0 reads prefill rank 0
+    assert decode.local.peers["P"][1].src_rank == 0  # rank 0 reads prefill rank 0
+
+
+@pytest.mark.parametrize("tamper, problem", [
+    ({"tp_size": "1"}, "prefill sent tp_size '1'"),
+    ({"ranks": []}, "prefill sent transport metadata for 0 of its 1 ranks"),
+    ({"compat_hash": "x"}, "compatibility hash differs"),
+])
+def test_decode_refuses_a_malformed_handshake_reply(pair, monkeypatch, tamper, problem):
+    from kvrelay.disagg import connector
+    prefill, decode = pair(1, 1)
+    real = connector.side_channel_call
+    monkeypatch.setattr(connector, "side_channel_call",
+                        lambda *a, **kw: real(*a, **kw) | tamper)
+    with pytest.raises(HandshakeError, match=f"incompatible KV cache: {problem}"):
+        decode.peer("P", *prefill.advertised)
+    assert decode.stats.handshake_errors == 1 and "P" not in decode.peers

@@ -368,7 +368,7 @@ def test_forged_release_and_notice_free_nothing(pair):
     prefill, _ = pair
     a = issued(prefill, "A", [1, 2, 3])
     for bad in ({}, {"capability": "x"}, {"capability": a.remote_capability + "x"}):
-        with pytest.raises(SideChannelError, match="^.*unknown request or wrong capability$"):
+        with pytest.raises(SideChannelError, match=r"^.*unknown request or wrong capability$"):
             call(prefill, {"type": "release", "request_id": "A", **bad})
     prefill.transport._notifs += [
         b"A:1",

@@ -73,12 +73,12 @@ def test_head_slice_every_combination(k):
             s = head_slice(a, b, k, d)
             src = rank_heads(a, k, s.src_rank)
             assert s.src_heads == src.count
-            assert 0 <= s.src_offset and s.src_offset + s.num_heads <= s.src_heads
+            assert s.src_offset >= 0 and s.src_offset + s.num_heads <= s.src_heads
             # the global heads read are exactly the ones decode rank d holds
             read = set(range(src.start + s.src_offset, src.start + s.src_offset + s.num_heads))
             assert read == holds(b, k, d), (a, b, k, d)
             used.add(s.src_rank)
-        assert used == set(range(a))                            # the load spreads over every prefill rank
+        assert used == set(range(a))  # the load spreads over every prefill rank
 
 
 def test_head_slice_examples():
@@ -92,7 +92,8 @@ def test_head_slice_examples():
     # K=2, prefill TP1, decode TP4 (replicated): ranks 2 and 3 both read head 1
     assert [head_slice(1, 4, 2, d).src_offset for d in range(4)] == [0, 0, 1, 1]
     # the tutorial: gpt-oss (8 KV heads), prefill TP4, decode TP8: one head each
-    assert [head_slice(4, 8, 8, d) for d in (0, 7)] == [HeadSlice(0, 0, 1, 2), HeadSlice(3, 1, 1, 2)]
+    assert [head_slice(4, 8, 8, d) for d in (0, 7)] == [HeadSlice(0, 0, 1, 2),
+                                                        HeadSlice(3, 1, 1, 2)]
     assert rank_heads(8, 8, 7) == HeadRange(7, 1)
 
 
@@ -130,14 +131,16 @@ def tcp_setup(role: str, engine_id: str, k: int, tp: int) -> KVWorkerSetup:
     return KVWorkerSetup(cfg, engine_id, k, tp)
 
 
-@pytest.mark.parametrize("a,b,k", [(1, 1, 2), (1, 2, 2), (2, 2, 2), (1, 4, 2), (2, 4, 2), (2, 4, 4), (4, 4, 2),
-                                   (1, 2, 1)])
+@pytest.mark.parametrize("a,b,k", [(1, 1, 2), (1, 2, 2), (2, 2, 2), (1, 4, 2), (2, 4, 2), (2, 4, 4),
+                                   (4, 4, 2), (1, 2, 1)])
 def test_rank_reads_assemble_the_decode_shards(a, b, k):
     torch.manual_seed(a * 100 + b * 10 + k)
-    full = [torch.randn(2, NUM_BLOCKS, k, B, HD) for _ in range(LAYERS)]      # the prefill's KV (all heads)
+    # the prefill's KV (all heads)
+    full = [torch.randn(2, NUM_BLOCKS, k, B, HD) for _ in range(LAYERS)]
     prefill = [KVWorker(tcp_setup("kv_producer", "P", k, a), r, [shard(t, a, k, r) for t in full])
                for r in range(a)]
-    local = [[torch.zeros(2, NUM_BLOCKS + 2, max(k // b, 1), B, HD) for _ in range(LAYERS)] for _ in range(b)]
+    local = [[torch.zeros(2, NUM_BLOCKS + 2, max(k // b, 1), B, HD) for _ in range(LAYERS)]
+             for _ in range(b)]
     decode = [KVWorker(tcp_setup("kv_consumer", "D", k, b), d, local[d]) for d in range(b)]
     try:
         peer = PeerInfo("P", a, NUM_BLOCKS, tuple(w.metadata() for w in prefill))
@@ -154,7 +157,8 @@ def test_rank_reads_assemble_the_decode_shards(a, b, k):
             if len(events) == b:
                 break
             time.sleep(0.005)
-        assert sorted(e.rank for e in events) == list(range(b)) and all(e.error is None for e in events)
+        assert sorted(e.rank for e in events) == list(range(b))
+        assert all(e.error is None for e in events)
         for d in range(b):
             want = [shard(t, b, k, d) for t in full]
             for g in groups:
@@ -162,7 +166,7 @@ def test_rank_reads_assemble_the_decode_shards(a, b, k):
                     for t in range(g.num_layers):
                         assert torch.equal(local[d][t][:, lb], want[t][:, rb]), (d, t, rb)
             for t in range(LAYERS):
-                assert not local[d][t][:, [0, 2, 5, 6]].any()                  # nothing else written
+                assert not local[d][t][:, [0, 2, 5, 6]].any()  # nothing else written
         notes = []
         for _ in range(200):
             notes += [n for w in prefill for n in w.notifications()]

@@ -84,9 +84,9 @@ def test_oversized_frame_rejected_and_server_still_serves(server):
         assert recv_frame(s)["ok"] is False
     # a client-side oversized message never leaves
     big = {"op": "echo", "payload": "x" * 5000}
-    with pytest.raises(SideChannelError, match="exceeds"):
-        with SideChannelClient(*server.address, max_frame=4096) as c:
-            c.call(big)
+    with (pytest.raises(SideChannelError, match="exceeds"),
+          SideChannelClient(*server.address, max_frame=4096) as c):
+        c.call(big)
     assert side_channel_call(*server.address, {"op": "echo", "payload": 2}) == {"echo": 2}
 
 
@@ -143,9 +143,9 @@ def test_connection_refused_names_address_and_env():
 
 
 def test_listen_error_names_address():
-    with SideChannelServer("127.0.0.1", 0, handler) as srv:
-        with pytest.raises(SideChannelError, match=f"127.0.0.1:{srv.address[1]}.*VLLM_NIXL"):
-            SideChannelServer("127.0.0.1", srv.address[1], handler).start()
+    with (SideChannelServer("127.0.0.1", 0, handler) as srv,
+          pytest.raises(SideChannelError, match=f"127.0.0.1:{srv.address[1]}.*VLLM_NIXL")):
+        SideChannelServer("127.0.0.1", srv.address[1], handler).start()
 
 
 def test_advertised_host(monkeypatch):

@@ -152,7 +152,8 @@ def test_metadata_of_other_transport_is_refused():
     from kvrelay.disagg.tcp import TcpTransport
     with TcpTransport() as t:
         t.register([torch.zeros(4)])
-        with pytest.raises(TransferError, match="uses KV transport 'nixl' but this side uses 'tcp'"):
+        with pytest.raises(TransferError,
+                           match="uses KV transport 'nixl' but this side uses 'tcp'"):
             t.add_peer("p", {"transport": "nixl", "version": 1})
         with pytest.raises(TransferError, match="version"):
             t.add_peer("p", {"transport": "tcp", "version": 99})

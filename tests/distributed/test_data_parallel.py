@@ -12,9 +12,11 @@ from tests.processes import Server, descendants
 def test_two_replicas_serve_and_match_one_engine(tiny, tmp_path):
     prompts = [[5, 17, 29, 40], [100, 101, 7], list(range(20, 45)), [9, 9, 9, 9, 9, 1]]
     llm = LLM(str(tiny[0]), dtype="float32", max_model_len=96, block_size=4)
-    want = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8,
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(temperature=0,
+                                                                                 max_tokens=8,
                                                                                 ignore_eos=True))]
-    s = Server(str(tiny[0]), ["--dtype", "float32", "--max-model-len", "96", "--block-size", "4", "-dp", "2"],
+    s = Server(str(tiny[0]),
+               ["--dtype", "float32", "--max-model-len", "96", "--block-size", "4", "-dp", "2"],
                tmp_path / "serve.log", env={"NEURON_VISIBLE_DEVICES": "0-1"})
     try:
         s.wait_ready()

@@ -26,10 +26,10 @@ from kvrelay.engine.messages import (
     EngineInfo,
     EngineStats,
     Fatal,
-    Hello,
-    Layout,
     Freed,
     FreeRemote,
+    Hello,
+    Layout,
     Message,
     Ready,
     Reject,
@@ -66,8 +66,9 @@ def test_add_round_trips_the_sampling_params():
 def test_outputs_round_trip_with_logprobs():
     lp = {5: Logprob(5, -0.25, 1), 9: Logprob(9, -1.5, 2)}
     out = RequestOutput("r1", "w1 w2", [1, 2], [CompletionOutput(
-        0, "", [], "length", None, None, delta_text=" w5", delta_token_ids=[5], delta_logprobs=[lp])],
-        prompt_logprobs=[None, lp], num_cached_tokens=4, finished=True, kv_transfer_params={"a": [1]})
+        0, "", [], "length", None, None, delta_text=" w5", delta_token_ids=[5],
+        delta_logprobs=[lp])], prompt_logprobs=[None, lp], num_cached_tokens=4, finished=True,
+                        kv_transfer_params={"a": [1]})
     stats = EngineStats(num_steps=3, kv_transfers=2, kv_cache_usage_perc=0.5)
     got = roundtrip(StepOutputs([out], stats))
     assert got == StepOutputs([out], stats)
@@ -120,7 +121,8 @@ def test_hello_gives_the_node_its_ranks():
 
 
 @pytest.mark.parametrize("msg,changes,claimed", [
-    ("--tensor-parallel-size differs: the head has 2, the headless node 4", {"layout": {"tensor_parallel_size": 4}}, set()),
+    ("--tensor-parallel-size differs: the head has 2, the headless node 4",
+     {"layout": {"tensor_parallel_size": 4}}, set()),
     ("--enable-expert-parallel differs", {"layout": {"enable_expert_parallel": False}}, set()),
     ("the model's config.json differs", {"layout": {"model_config": "zzz"}}, set()),
     (r"replica ranks \[1, 3\) are not in \[2, 4\)", {"start_rank": 1}, set()),

@@ -18,15 +18,16 @@ from tests.processes import Server
 PROMPTS = [[5, 17, 29, 40], [100, 101, 7], list(range(20, 45)), [9, 9, 9, 9, 9, 1], [61, 2, 88]]
 MAX_TOKENS = 8
 BASE = ["--dtype", "float32", "--max-model-len", "96", "--block-size", "4"]
-LAYOUT_LINE = re.compile(r"expert parallel: rank (\d+) \(replica (\d+), tp rank (\d+)\) holds experts "
-                         r"\[(\d+), (\d+)\) of each layer, (\d+) bytes")
+LAYOUT_LINE = re.compile(r"expert parallel: rank (\d+) \(replica (\d+), tp rank (\d+)\) holds "
+                         r"experts \[(\d+), (\d+)\) of each layer, (\d+) bytes")
 
 
 @pytest.fixture(scope="module")
 def tp1_tokens(tiny):
     llm = LLM(str(tiny[0]), dtype="float32", max_model_len=96, block_size=4)
     try:
-        outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+        outs = llm.generate(PROMPTS,
+                            SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
         return [o.outputs[0].token_ids for o in outs]
     finally:
         llm.shutdown()
@@ -34,7 +35,8 @@ def tp1_tokens(tiny):
 
 def ask(url: str, prompt: list[int]) -> list[str]:
     r = httpx.post(f"{url}/v1/completions", timeout=120, json={
-        "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "logprobs": 1})
+        "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+        "logprobs": 1})
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["logprobs"]["tokens"]
 
@@ -82,7 +84,8 @@ def test_experts_across_replicas_match_tp1(tiny, tp1_tokens, tmp_path, tp, dp):
 def test_idle_replicas_do_not_spin(tiny, tmp_path):
     """With no work, the engine cores sleep on their pipes: almost no CPU time."""
     from tests.processes import descendants
-    s = Server(str(tiny[0]), BASE + ["-dp", "2", "--enable-expert-parallel"], tmp_path / "serve.log")
+    s = Server(str(tiny[0]), BASE + ["-dp", "2", "--enable-expert-parallel"],
+               tmp_path / "serve.log")
     try:
         s.wait_ready()
         ask(s.url, PROMPTS[0])
@@ -108,7 +111,8 @@ def test_idle_replicas_do_not_spin(tiny, tmp_path):
 
 def test_killed_worker_of_one_replica_stops_everything(tiny, tmp_path):
     from tests.processes import alive, descendants
-    s = Server(str(tiny[0]), BASE + ["-tp", "2", "-dp", "2", "--enable-expert-parallel"], tmp_path / "serve.log")
+    s = Server(str(tiny[0]), BASE + ["-tp", "2", "-dp", "2", "--enable-expert-parallel"],
+               tmp_path / "serve.log")
     try:
         s.wait_ready()
         family = descendants(s.proc.pid)

@@ -50,7 +50,7 @@ class FakeEngine:
     def __init__(self, rank: int, size: int) -> None:
         self.expert_world = World(rank, size)
         self.remaining: list[int] = []
-        self.forwards: list[tuple[int, ...]] = []        # the counts of every forward this replica ran
+        self.forwards: list[tuple[int, ...]] = []  # the counts of every forward this replica ran
         self.rounds = 0
         self.adds = 0                                     # add messages handled
         self.transfer_busy = False
@@ -102,7 +102,8 @@ def test_replicas_step_together_and_sleep_together(monkeypatch, seed):
                 failures.append(msg.reason)
 
     threads = [threading.Thread(target=lockstep.run_lockstep,
-                                args=(engines[r], pipes[r][1], handle, lambda e: {"n": e.rounds}), daemon=True)
+                                args=(engines[r], pipes[r][1], handle, lambda e: {"n": e.rounds}),
+                                daemon=True)
                for r in range(dp)]
     for r in range(dp):
         threading.Thread(target=drain, args=(pipes[r][0],), daemon=True).start()
@@ -117,7 +118,8 @@ def test_replicas_step_together_and_sleep_together(monkeypatch, seed):
         target = rng.randrange(dp)
         for r in range(dp):
             messages = [Add(rng.choice([0, 1, 3, 5])), Wake(wave)] if r == target else [Wake(wave)]
-            at = max(schedule[r][-1][0] if schedule[r] else 0.0, now + rng.choice([0, 0, 0.002, 0.03]))
+            at = max(schedule[r][-1][0] if schedule[r] else 0.0,
+                     now + rng.choice([0, 0, 0.002, 0.03]))
             schedule[r] += [(at, m) for m in messages]
         now += rng.choice([0, 0, 0.001, 0.05])
 

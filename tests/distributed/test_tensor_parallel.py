@@ -16,11 +16,13 @@ def tp1_outputs(tiny):
     return [o.outputs[0].token_ids for o in llm.generate(_prompts(), GREEDY)]
 
 
-@pytest.mark.parametrize("tp,extra", [(2, {}), (4, {}), (4, {"enable_expert_parallel": True}),
-                                      (4, {"additional_config": {"neuron_config": {"ep_degree": 2}}})])
+@pytest.mark.parametrize("tp,extra", [
+    (2, {}), (4, {}), (4, {"enable_expert_parallel": True}),
+    (4, {"additional_config": {"neuron_config": {"ep_degree": 2}}})])
 def test_tp_greedy_equals_tp1(tiny, tp1_outputs, tp, extra):
     from tests.factories import greedy_mismatch
-    llm = LLM(str(tiny[0]), dtype="float32", max_model_len=96, block_size=4, tensor_parallel_size=tp, **extra)
+    llm = LLM(str(tiny[0]), dtype="float32", max_model_len=96, block_size=4,
+              tensor_parallel_size=tp, **extra)
     try:
         outs = [o.outputs[0].token_ids for o in llm.generate(_prompts(), GREEDY)]
         for prompt, ours, ref in zip(_prompts(), outs, tp1_outputs):
@@ -34,7 +36,8 @@ def test_tp_greedy_equals_tp1(tiny, tp1_outputs, tp, extra):
 @pytest.mark.parametrize("tp,extra,message", [
     (3, {}, "tensor_parallel_size 3 does not divide the 4 attention heads"),
     (8, {}, "tensor_parallel_size 8 does not divide the 4 attention heads"),
-    (2, {"additional_config": {"neuron_config": {"ep_degree": 3}}}, "expert-parallel width 3 does not divide the 4 experts"),
+    (2, {"additional_config": {"neuron_config": {"ep_degree": 3}}},
+     "expert-parallel width 3 does not divide the 4 experts"),
 ])
 def test_invalid_layouts_are_refused(tiny, tp, extra, message):
     with pytest.raises(ValueError, match=message):

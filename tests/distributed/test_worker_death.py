@@ -12,7 +12,8 @@ from tests.processes import Server, alive, descendants
 
 
 def test_killed_worker_fails_requests_and_stops_the_server(tiny, tmp_path):
-    s = Server(str(tiny[0]), ["--dtype", "float32", "--max-model-len", "96", "--block-size", "4", "-tp", "2"],
+    s = Server(str(tiny[0]),
+               ["--dtype", "float32", "--max-model-len", "96", "--block-size", "4", "-tp", "2"],
                tmp_path / "serve.log")
     try:
         s.wait_ready()

@@ -77,18 +77,21 @@ class VethPair:
 class NetnsProcess(KvrelayProcess):
     """`kvrelay <args>` inside a network namespace (its own process group, as the base)."""
 
-    def __init__(self, netns: str, args: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, netns: str, args: list[str], log: Path,
+                 env: dict[str, str] | None = None) -> None:
         self.log_path = log
         self._log = open(log, "w")  # noqa: SIM115 (closed by stop())
         full_env = os.environ | {"PYTHONUNBUFFERED": "1"} | (env or {})
-        self.proc = subprocess.Popen(["ip", "netns", "exec", netns, sys.executable, "-m", "kvrelay.cli", *args],
+        self.proc = subprocess.Popen(["ip", "netns", "exec", netns, sys.executable, "-m",
+                                      "kvrelay.cli", *args],
                                      stdout=self._log, stderr=subprocess.STDOUT, env=full_env,
                                      start_new_session=True)
 
 
 def http(netns: str, calls: list[dict]) -> list[dict]:
     """Run HTTP calls from inside `netns`: each {"method", "url", "json"?} → {"status", "body"}."""
-    r = subprocess.run(["ip", "netns", "exec", netns, sys.executable, str(CLIENT)], input=json.dumps(calls),
+    r = subprocess.run(["ip", "netns", "exec", netns, sys.executable, str(CLIENT)],
+                       input=json.dumps(calls),
                        capture_output=True, text=True, timeout=300, check=False)
     if r.returncode != 0:
         raise RuntimeError(f"client in {netns} failed: {r.stderr[-2000:]}")

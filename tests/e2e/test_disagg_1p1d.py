@@ -46,7 +46,8 @@ def pair(request, tiny, tmp_path_factory):
 def test_greedy_equals_single_instance(tiny, pair, reference):
     prefill, decode = pair
     for n in PROMPT_LENS:
-        body = {"prompt": _prompt(n), "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "logprobs": 0}
+        body = {"prompt": _prompt(n), "max_tokens": MAX_TOKENS, "temperature": 0,
+                "ignore_eos": True, "logprobs": 0}
         params, d = prefill_then_decode(prefill, decode, body, f"req-{n}")
         assert d.status_code == 200, d.text
         # the engine's id: the client's (X-Request-Id) plus a suffix that keeps it unique
@@ -74,10 +75,12 @@ def test_streaming_and_n(tiny, pair, reference):
     prefill, decode = pair
     body = {"prompt": _prompt(11), "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
     first = dict(body, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
-    params = httpx.post(f"{prefill.url}/v1/completions", json=first, timeout=60).json()["kv_transfer_params"]
+    params = httpx.post(f"{prefill.url}/v1/completions", json=first,
+                        timeout=60).json()["kv_transfer_params"]
     with httpx.stream("POST", f"{decode.url}/v1/completions", timeout=60,
                       json=dict(body, stream=True, n=2, kv_transfer_params=params)) as r:
-        lines = [line for line in r.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")
+                 and line != "data: [DONE]"]
     import json
     texts = {0: "", 1: ""}
     for line in lines:
@@ -113,16 +116,19 @@ def test_explicit_free(pair):
 
 def test_handshake_mismatch_is_a_clear_error(tiny, pair, tmp_path):
     prefill, _ = pair
-    other = start(str(tiny[0]), "kv_consumer", tmp_path / "decode8.log", flags=["--block-size", "8"])
+    other = start(str(tiny[0]), "kv_consumer", tmp_path / "decode8.log",
+                  flags=["--block-size", "8"])
     try:
         other.wait_ready()
         r = httpx.post(f"{prefill.url}/v1/completions", timeout=60, json={
-            "prompt": _prompt(20), "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+            "prompt": _prompt(20), "max_tokens": 1,
+            "kv_transfer_params": {"do_remote_decode": True}})
         params = r.json()["kv_transfer_params"]
         d = httpx.post(f"{other.url}/v1/completions", timeout=60, json={
             "prompt": _prompt(20), "max_tokens": 3, "kv_transfer_params": params})
         assert d.status_code == 502
-        assert "incompatible KV cache: block_size: prefill 4, decode 8" in d.json()["error"]["message"]
+        message = d.json()["error"]["message"]
+        assert "incompatible KV cache: block_size: prefill 4, decode 8" in message
         deadline = time.monotonic() + 5
         while "incompatible KV cache" not in prefill.log() and time.monotonic() < deadline:
             time.sleep(0.2)

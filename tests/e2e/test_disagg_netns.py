@@ -45,25 +45,33 @@ def _wait_ready(server: NetnsProcess, netns: str, url: str) -> None:
 def test_1p1d_across_namespaces_over_ucx(tiny, hosts, tmp_path):
     p, d = hosts.prefill, hosts.decode
     ucx = {"UCX_TLS": "tcp"}
-    prefill = NetnsProcess(p.netns, ["serve", str(tiny[0]), "--host", "0.0.0.0", "--port", str(HTTP_PORT), *COMMON,
-                                     "--kv-transfer-config", kv_config("kv_producer")], tmp_path / "prefill.log",
-                           env=ucx | {"UCX_NET_DEVICES": p.device, "VLLM_NIXL_SIDE_CHANNEL_HOST": "0.0.0.0",
+    prefill = NetnsProcess(p.netns, ["serve", str(tiny[0]), "--host", "0.0.0.0", "--port",
+                                     str(HTTP_PORT), *COMMON,
+                                     "--kv-transfer-config", kv_config("kv_producer")],
+                           tmp_path / "prefill.log",
+                           env=ucx | {"UCX_NET_DEVICES": p.device,
+                                      "VLLM_NIXL_SIDE_CHANNEL_HOST": "0.0.0.0",
                                       "VLLM_NIXL_SIDE_CHANNEL_PORT": str(SIDE_PORT)})
     decode = NetnsProcess(d.netns, ["serve", str(tiny[0]), "--port", str(HTTP_PORT), *COMMON,
-                                    "--kv-transfer-config", kv_config("kv_consumer")], tmp_path / "decode.log",
-                          env=ucx | {"UCX_NET_DEVICES": d.device, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(SIDE_PORT)})
+                                    "--kv-transfer-config", kv_config("kv_consumer")],
+                          tmp_path / "decode.log",
+                          env=ucx | {"UCX_NET_DEVICES": d.device,
+                                     "VLLM_NIXL_SIDE_CHANNEL_PORT": str(SIDE_PORT)})
     prefill_url, decode_url = f"http://{p.address}:{HTTP_PORT}", f"http://127.0.0.1:{HTTP_PORT}"
     try:
-        _wait_ready(prefill, d.netns, prefill_url)          # reached from the decode host, over the veth
+        _wait_ready(prefill, d.netns, prefill_url)  # reached from the decode host, over the veth
         _wait_ready(decode, d.netns, decode_url)
         assert f"advertised {p.address}:{SIDE_PORT}" in prefill.log()
         llm = LLM(str(tiny[0]), dtype="float32", max_model_len=96, block_size=4)
-        want = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+        want = llm.generate(PROMPTS,
+                            SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
         calls = []
         for prompt in PROMPTS:
-            body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+            body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                    "ignore_eos": True}
             calls.append({"method": "POST", "url": f"{prefill_url}/v1/completions",
-                          "json": dict(body, max_tokens=1, kv_transfer_params={"do_remote_decode": True})})
+                          "json": dict(body, max_tokens=1,
+                                       kv_transfer_params={"do_remote_decode": True})})
             calls.append({"method": "POST", "url": f"{decode_url}/v1/completions",
                           "json": dict(body, **{"$prefill_params": True})})
         answers = http(d.netns, calls)
@@ -76,12 +84,15 @@ def test_1p1d_across_namespaces_over_ucx(tiny, hosts, tmp_path):
                 ids = [int(t.removeprefix("w")) for t in text.split()]
                 assert greedy_mismatch(tiny[1], prompt, ids) is None
         m = _metrics(d.netns, decode_url)
-        assert m["kvrelay:kv_transfers_total"] == len(PROMPTS) and m["kvrelay:kv_transfer_failures_total"] == 0
+        assert m["kvrelay:kv_transfers_total"] == len(PROMPTS)
+        assert m["kvrelay:kv_transfer_failures_total"] == 0
         assert m["kvrelay:kv_transfer_bytes_total"] > 0 and m["kvrelay:kv_transport_fallback"] == 0
         deadline = time.monotonic() + 20
-        while (m := _metrics(d.netns, prefill_url))["kvrelay:kv_blocks_used"] and time.monotonic() < deadline:
+        while ((m := _metrics(d.netns, prefill_url))["kvrelay:kv_blocks_used"]
+               and time.monotonic() < deadline):
             time.sleep(0.3)
-        assert m["kvrelay:kv_blocks_used"] == 0 and m["kvrelay:kv_read_done_notices_total"] == len(PROMPTS)
+        assert m["kvrelay:kv_blocks_used"] == 0
+        assert m["kvrelay:kv_read_done_notices_total"] == len(PROMPTS)
     finally:
         prefill.stop()
         decode.stop()

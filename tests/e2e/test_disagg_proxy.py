@@ -21,10 +21,12 @@ def deployment(tiny, tmp_path_factory):
     """2 prefill servers (UCX_TLS=tcp: a real network path) + 1 decode + the proxy."""
     logs = tmp_path_factory.mktemp("2p1d")
     env = {"UCX_TLS": "tcp"}
-    prefills = [start(str(tiny[0]), "kv_producer", logs / f"prefill{i}.log", env=env) for i in range(2)]
+    prefills = [start(str(tiny[0]), "kv_producer", logs / f"prefill{i}.log", env=env)
+                for i in range(2)]
     decode = start(str(tiny[0]), "kv_consumer", logs / "decode.log", env=env)
     port = free_port()
-    proxy = KvrelayProcess(["proxy", "--port", str(port), "--prefiller-host", "127.0.0.1", "--prefiller-port",
+    proxy = KvrelayProcess(["proxy", "--port", str(port), "--prefiller-host", "127.0.0.1",
+                            "--prefiller-port",
                             *[str(p.port) for p in prefills], "--decoder-host", "127.0.0.1",
                             "--decoder-port", str(decode.port)], logs / "proxy.log")
     try:
@@ -55,19 +57,21 @@ def test_greedy_through_the_proxy_equals_single_instance(tiny, deployment):
     want = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
     for prompt, w in zip(PROMPTS, want):
-        got = client.completions.create(model=str(tiny[0]), prompt=prompt, max_tokens=8, temperature=0,
-                                        extra_body={"ignore_eos": True})
+        got = client.completions.create(model=str(tiny[0]), prompt=prompt, max_tokens=8,
+                                        temperature=0, extra_body={"ignore_eos": True})
         if got.choices[0].text != w.outputs[0].text:
             ids = [int(t.removeprefix("w")) for t in got.choices[0].text.split()]
             assert greedy_mismatch(tiny[1], prompt, ids) is None
-        streamed = client.completions.create(model=str(tiny[0]), prompt=prompt, max_tokens=8, temperature=0,
+        streamed = client.completions.create(model=str(tiny[0]), prompt=prompt, max_tokens=8,
+                                             temperature=0,
                                              stream=True, extra_body={"ignore_eos": True})
         assert "".join(c.choices[0].text for c in streamed if c.choices) == got.choices[0].text
     # both prefill servers took turns, the decode pulled KV each time, nothing is held
     served = [p.metrics()["vllm:prompt_tokens_total"] for p in prefills]
     assert all(n > 0 for n in served)
     m = decode.metrics()
-    assert m["kvrelay:kv_transfers_total"] >= len(PROMPTS) and m["kvrelay:kv_transfer_failures_total"] == 0
+    assert m["kvrelay:kv_transfers_total"] >= len(PROMPTS)
+    assert m["kvrelay:kv_transfer_failures_total"] == 0
     for p in prefills:
         assert wait_metric(p, "kvrelay:kv_blocks_used", 0)["kvrelay:kv_blocks_used"] == 0
 
@@ -75,8 +79,10 @@ def test_greedy_through_the_proxy_equals_single_instance(tiny, deployment):
 def test_chat_through_the_proxy(tiny, deployment):
     url, _, _ = deployment
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
-    out = client.chat.completions.create(model=str(tiny[0]), messages=[{"role": "user", "content": "w10 w11"}],
-                                         max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    out = client.chat.completions.create(model=str(tiny[0]),
+                                         messages=[{"role": "user", "content": "w10 w11"}],
+                                         max_tokens=5, temperature=0,
+                                         extra_body={"ignore_eos": True})
     assert out.choices[0].message.content and out.usage.completion_tokens == 5
 
 
@@ -91,7 +97,8 @@ def test_a_request_a_prefill_refuses_is_not_sent_to_the_other(deployment):
 
     before = refusals()
     for i in range(2):                          # round-robin: one lands on each prefill server
-        r = httpx.post(f"{url}/v1/completions", timeout=60, headers={"X-Request-Id": f"bad-temp-{i}"},
+        r = httpx.post(f"{url}/v1/completions", timeout=60,
+                       headers={"X-Request-Id": f"bad-temp-{i}"},
                        json={"prompt": "w5 w17", "max_tokens": 4, "temperature": -1})
         assert r.status_code == 400 and "temperature" in r.json()["error"]["message"], r.text
     deadline = time.monotonic() + 5

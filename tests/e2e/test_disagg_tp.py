@@ -39,7 +39,8 @@ def servers(tiny, tmp_path_factory):
     logs = tmp_path_factory.mktemp("di-tp")
     made = {
         "prefill1": start(str(tiny[0]), "kv_producer", logs / "prefill-tp1.log"),
-        "prefill2": start(str(tiny[0]), "kv_producer", logs / "prefill-tp2.log", flags=["-tp", "2"]),
+        "prefill2": start(str(tiny[0]), "kv_producer", logs / "prefill-tp2.log",
+                          flags=["-tp", "2"]),
         "decode2": start(str(tiny[0]), "kv_consumer", logs / "decode-tp2.log", flags=["-tp", "2"]),
     }
     try:
@@ -53,7 +54,8 @@ def servers(tiny, tmp_path_factory):
 
 def _reference(tiny, prompts: list[list[int]]) -> list[list[int]]:
     llm = LLM(str(tiny[0]), dtype="float32", max_model_len=96, block_size=BLOCK)
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    outs = llm.generate(prompts,
+                        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
     return [o.outputs[0].token_ids for o in outs]
 
 
@@ -68,7 +70,8 @@ def test_decode_tp2_greedy_equals_single_instance(tiny, servers, prefill_tp):
     want = _reference(tiny, prompts)
     before = decode.metrics()
     for n, prompt, ref in zip(PROMPT_LENS, prompts, want):
-        body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "logprobs": 0}
+        body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+                "logprobs": 0}
         params, d = prefill_then_decode(prefill, decode, body, f"tp{prefill_tp}-{n}")
         assert d.status_code == 200, d.text
         assert params["tp_size"] == prefill_tp
@@ -77,7 +80,8 @@ def test_decode_tp2_greedy_equals_single_instance(tiny, servers, prefill_tp):
             assert greedy_mismatch(tiny[1], prompt, got) is None, f"prompt length {n}"
     after = decode.metrics()
     # every request's KV was pulled by both decode ranks: exactly the prompt's bytes, no recompute
-    assert after["kvrelay:kv_transfers_total"] - before["kvrelay:kv_transfers_total"] == len(PROMPT_LENS)
+    transfers = after["kvrelay:kv_transfers_total"] - before["kvrelay:kv_transfers_total"]
+    assert transfers == len(PROMPT_LENS)
     assert after["kvrelay:kv_transfer_failures_total"] == 0
     pulled = after["kvrelay:kv_transfer_bytes_total"] - before["kvrelay:kv_transfer_bytes_total"]
     assert pulled == sum(_expected_bytes(n) for n in PROMPT_LENS)
@@ -94,7 +98,8 @@ def test_streaming_with_n_from_tp2_prefill(tiny, servers):
     want = " " + " ".join(f"w{t}" for t in _reference(tiny, [prompt])[0])
     body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
     first = dict(body, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
-    params = httpx.post(f"{prefill.url}/v1/completions", json=first, timeout=60).json()["kv_transfer_params"]
+    params = httpx.post(f"{prefill.url}/v1/completions", json=first,
+                        timeout=60).json()["kv_transfer_params"]
     import json
     texts = {0: "", 1: ""}
     with httpx.stream("POST", f"{decode.url}/v1/completions", timeout=60,
@@ -113,7 +118,8 @@ def test_prefill_tp2_to_decode_tp1_is_refused(tiny, servers, tmp_path):
     try:
         decode.wait_ready()
         r = httpx.post(f"{prefill.url}/v1/completions", timeout=60, json={
-            "prompt": _prompt(10, 3), "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+            "prompt": _prompt(10, 3), "max_tokens": 1,
+            "kv_transfer_params": {"do_remote_decode": True}})
         params = r.json()["kv_transfer_params"]
         d = httpx.post(f"{decode.url}/v1/completions", timeout=60, json={
             "prompt": _prompt(10, 3), "max_tokens": 3, "kv_transfer_params": params})
@@ -135,7 +141,8 @@ def test_prefill_tp2_to_decode_tp1_is_refused(tiny, servers, tmp_path):
 
 def test_tcp_transport_prefill_tp2_to_decode_tp2(tiny, tmp_path):
     """The TCP fallback: each rank listens on its own port; same results, nothing held."""
-    prefill = start(str(tiny[0]), "kv_producer", tmp_path / "prefill.log", "TCP", flags=["-tp", "2"])
+    prefill = start(str(tiny[0]), "kv_producer", tmp_path / "prefill.log", "TCP",
+                    flags=["-tp", "2"])
     decode = start(str(tiny[0]), "kv_consumer", tmp_path / "decode.log", "TCP", flags=["-tp", "2"])
     try:
         prefill.wait_ready(timeout=300)
@@ -143,14 +150,16 @@ def test_tcp_transport_prefill_tp2_to_decode_tp2(tiny, tmp_path):
         lens = [6, 13]
         prompts = [_prompt(n, 120 + n) for n in lens]
         for n, prompt, ref in zip(lens, prompts, _reference(tiny, prompts)):
-            body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "logprobs": 0}
+            body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                    "ignore_eos": True, "logprobs": 0}
             _, d = prefill_then_decode(prefill, decode, body, f"tcp-{n}")
             assert d.status_code == 200, d.text
             got = _token_ids(d.json())
             if got != ref:
                 assert greedy_mismatch(tiny[1], prompt, got) is None, f"prompt length {n}"
         m = decode.metrics()
-        assert m["kvrelay:kv_transfers_total"] == len(lens) and m["kvrelay:kv_transport_fallback"] == 0
+        assert m["kvrelay:kv_transfers_total"] == len(lens)
+        assert m["kvrelay:kv_transport_fallback"] == 0
         assert m["kvrelay:kv_transfer_bytes_total"] == sum(_expected_bytes(n) for n in lens)
         assert wait_metric(prefill, "kvrelay:kv_blocks_used", 0)["kvrelay:kv_blocks_used"] == 0
     finally:
@@ -168,8 +177,8 @@ def test_decode_tp4_with_replicated_kv_heads(tiny, servers, tmp_path):
         lens = [7, 14]
         prompts = [_prompt(n, 90 + n) for n in lens]
         for n, prompt, ref in zip(lens, prompts, _reference(tiny, prompts)):
-            body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
-                    "logprobs": 0}
+            body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                    "ignore_eos": True, "logprobs": 0}
             _, d = prefill_then_decode(prefill, decode, body, f"tp4-{n}")
             assert d.status_code == 200, d.text
             got = _token_ids(d.json())

@@ -24,15 +24,17 @@ CONVERSATION = [(7 * i) % 150 + 4 for i in range(40)]      # 10 blocks of 4 toke
 def routed(tiny, tmp_path_factory):
     logs = tmp_path_factory.mktemp("routed")
     env = {"UCX_TLS": "tcp"}
-    prefills = [start(str(tiny[0]), "kv_producer", logs / f"prefill{i}.log", env=env) for i in range(2)]
+    prefills = [start(str(tiny[0]), "kv_producer", logs / f"prefill{i}.log", env=env)
+                for i in range(2)]
     decode = start(str(tiny[0]), "kv_consumer", logs / "decode.log", env=env)
     proxies: dict[str, tuple[str, KvrelayProcess]] = {}
     try:
         for policy in ("always", "auto"):
             port = free_port()
-            args = ["proxy", "--port", str(port), "--log-level", "debug", "--health-interval", "0.3",
-                    "--routing-block-size", "4", "--disagg-policy", policy, "--direct-max-tokens", "16",
-                    "--prefiller-port", *[str(p.port) for p in prefills],
+            args = ["proxy", "--port", str(port), "--log-level", "debug", "--health-interval",
+                    "0.3",
+                    "--routing-block-size", "4", "--disagg-policy", policy, "--direct-max-tokens",
+                    "16", "--prefiller-port", *[str(p.port) for p in prefills],
                     "--decoder-port", str(decode.port)]
             proxies[policy] = (f"http://127.0.0.1:{port}",
                                KvrelayProcess(args, logs / f"proxy-{policy}.log"))

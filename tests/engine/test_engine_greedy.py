@@ -16,7 +16,8 @@ def _prompts(vocab: int = 160) -> list[list[int]]:
     shared = torch.randint(0, vocab, (21,), generator=g).tolist()   # shared prefix > window
     return [
         torch.randint(0, vocab, (n,), generator=g).tolist() for n in (3, 9, 26)
-    ] + [shared + torch.randint(0, vocab, (n,), generator=g).tolist() for n in (1, 6, 14)] + [shared]
+    ] + [shared + torch.randint(0, vocab, (n,), generator=g).tolist()
+         for n in (1, 6, 14)] + [shared]
 
 
 def check_against_reference(hf, prompts, outputs):
@@ -66,9 +67,11 @@ def test_buckets_validated_and_outputs_unchanged(tiny, make_llm):
 
 
 def test_all_greedy_forces_greedy(tiny, make_llm):
-    llm = make_llm(additional_config={"neuron_config": {"on_device_sampling_config": {"all_greedy": True}}})
+    sampling = {"on_device_sampling_config": {"all_greedy": True}}
+    llm = make_llm(additional_config={"neuron_config": sampling})
     prompts = _prompts()[:3]
-    outs = llm.generate(prompts, SamplingParams(temperature=1.0, top_k=50, max_tokens=12, ignore_eos=True))
+    outs = llm.generate(prompts,
+                        SamplingParams(temperature=1.0, top_k=50, max_tokens=12, ignore_eos=True))
     check_against_reference(tiny[1], prompts, outs)
 
 

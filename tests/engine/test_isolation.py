@@ -40,7 +40,8 @@ def test_a_request_failing_in_sampling_fails_alone(make_llm):
     finals = run(engine, {"g": (PROMPTS[0], GREEDY), "bad": ([SAMPLE_FAULT, 5, 6], SEEDED),
                           "s": (PROMPTS[1], SEEDED)})
     bad = finals["bad"]
-    assert bad.error_status == 500 and "InjectedFault" in bad.error and bad.outputs[0].finish_reason == "abort"
+    assert bad.error_status == 500 and "InjectedFault" in bad.error
+    assert bad.outputs[0].finish_reason == "abort"
     assert {k: finals[k].outputs[0].token_ids for k in ("g", "s")} == want
     assert engine.parents == {} and engine.child_parent == {}
 
@@ -119,7 +120,8 @@ def test_request_ids_in_use_are_refused(make_llm):
 
 
 @pytest.mark.parametrize("params,prompt,param", [
-    (SamplingParams(stop_token_ids=[160], min_tokens=2, max_tokens=4), PROMPTS[0], "stop_token_ids"),
+    (SamplingParams(stop_token_ids=[160], min_tokens=2, max_tokens=4), PROMPTS[0],
+     "stop_token_ids"),
     (SamplingParams(logit_bias={999: 1.0}), PROMPTS[0], "logit_bias"),
     (SamplingParams(), [5, 160], "prompt"),
     (SamplingParams(), [-1, 5], "prompt"),
@@ -164,7 +166,8 @@ def test_a_held_prefill_request_keeps_its_id(make_llm, monkeypatch):
     non-empty table" in the scheduler and kill the engine."""
     from tests.processes import free_port
     monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", str(free_port()))
-    engine = make_llm(kv_transfer_config={"kv_connector": "TcpConnector", "kv_role": "kv_producer"}).engine
+    engine = make_llm(kv_transfer_config={"kv_connector": "TcpConnector",
+                                          "kv_role": "kv_producer"}).engine
     try:
         remote = {"do_remote_decode": True}
         prefill = SamplingParams(temperature=0, max_tokens=1)

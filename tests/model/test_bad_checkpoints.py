@@ -31,7 +31,8 @@ def test_missing_tensor(ckpt):
 
 def test_unexpected_tensor(ckpt):
     _rewrite(ckpt, lambda t: t.update({"model.layers.0.mlp.extra": torch.zeros(2)}))
-    with pytest.raises(CheckpointError, match=r"model\.safetensors: unexpected tensor model\.layers\.0\.mlp\.extra"):
+    with pytest.raises(CheckpointError,
+                       match=r"model\.safetensors: unexpected tensor model\.layers\.0\.mlp\.extra"):
         load_model(ckpt, progress=False)
 
 
@@ -39,7 +40,9 @@ def test_misshaped_tensor_names_file_tensor_and_shapes(ckpt):
     # a transposed expert weight: [E, out, in] instead of transformers' [E, in, out]
     name = "model.layers.0.mlp.experts.gate_up_proj"
     _rewrite(ckpt, lambda t: t.update({name: t[name].transpose(1, 2).contiguous()}))
-    with pytest.raises(CheckpointError, match=rf"model\.safetensors: tensor {name} has shape \[4, 192, 64\], expected \[4, 64, 192\]"):
+    with pytest.raises(CheckpointError,
+                       match=rf"model\.safetensors: tensor {name} has shape \[4, 192, 64\], "
+                             r"expected \[4, 64, 192\]"):
         load_model(ckpt, progress=False)
 
 
@@ -58,13 +61,15 @@ def test_bad_json(ckpt):
 
 def test_no_weights(ckpt):
     (ckpt / "model.safetensors").unlink()
-    with pytest.raises(CheckpointError, match=r"no model\.safetensors or model\.safetensors\.index\.json"):
+    with pytest.raises(CheckpointError,
+                       match=r"no model\.safetensors or model\.safetensors\.index\.json"):
         load_model(ckpt, progress=False)
 
 
 def test_corrupt_safetensors(ckpt):
     (ckpt / "model.safetensors").write_bytes(b"\x00" * 16)
-    with pytest.raises(CheckpointError, match=r"model\.safetensors: not a readable safetensors file"):
+    with pytest.raises(CheckpointError,
+                       match=r"model\.safetensors: not a readable safetensors file"):
         load_model(ckpt, progress=False)
 
 
@@ -92,12 +97,15 @@ def test_rope_scaling_spelling(ckpt):
     cfg["rope_scaling"] = yarn
     (ckpt / "config.json").write_text(json.dumps(cfg))
     parsed = load_config(ckpt)
-    assert (parsed.rope.rope_type, parsed.rope.theta, parsed.rope.factor) == ("yarn", 150000.0, 32.0)
+    rope = parsed.rope
+    assert (rope.rope_type, rope.theta, rope.factor) == ("yarn", 150000.0, 32.0)
     assert parsed.rope.truncate is False
 
 
 def test_unresolvable_model_id_names_id_and_directory(tmp_path):
-    with pytest.raises(CheckpointError, match=rf"'openai/gpt-oss-120b' is not a local directory and was not found in {tmp_path}"):
+    with pytest.raises(CheckpointError,
+                       match=r"'openai/gpt-oss-120b' is not a local directory and was not found "
+                             rf"in {tmp_path}"):
         resolve_model_path("openai/gpt-oss-120b", download_dir=str(tmp_path))
 
 

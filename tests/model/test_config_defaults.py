@@ -42,7 +42,8 @@ CASES: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "yarn-old-type-key": (("rope_scaling",), {"rope_scaling": {"type": "yarn", "factor": 2.0}}),
     "yarn-null-betas": (("rope_scaling",), {"rope_scaling": YARN_BARE | {"beta_fast": None,
                                                                           "beta_slow": None}}),
-    "yarn-attention-factor": (("rope_scaling",), {"rope_scaling": YARN_BARE | {"attention_factor": 1.25}}),
+    "yarn-attention-factor": (("rope_scaling",),
+                              {"rope_scaling": YARN_BARE | {"attention_factor": 1.25}}),
     "scaling-without-type": (("rope_scaling",), {"rope_scaling": {"factor": 8.0}}),
     "plain-default-type": (("rope_scaling",), {"rope_scaling": {"rope_type": "default"}}),
     "rope-parameters": (("rope_scaling", "rope_theta"),
@@ -59,7 +60,8 @@ CASES: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "null-layer-types": ((), {"layer_types": None}),
     "no-swiglu": (("swiglu_limit", "swiglu_alpha"), {}),
     "no-eps-no-max-pos": (("rms_norm_eps", "max_position_embeddings"), {}),
-    "no-max-pos-yarn-bare": (("max_position_embeddings", "rope_scaling"), {"rope_scaling": YARN_BARE}),
+    "no-max-pos-yarn-bare": (("max_position_embeddings", "rope_scaling"),
+                             {"rope_scaling": YARN_BARE}),
     "initial-context-length-ignored": (("rope_scaling",), {"initial_context_length": 256,
                                                            "rope_scaling": YARN_BARE}),
     "no-attention-bias": (("attention_bias",), {}),
@@ -96,8 +98,8 @@ def test_config_fields_equal_transformers(name):
     ours, hf = GptOssConfig.from_dict(cfg), _transformers_config(cfg)
     for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                   "num_attention_heads", "num_key_value_heads", "head_dim", "num_local_experts",
-                  "num_experts_per_tok", "sliding_window", "max_position_embeddings", "rms_norm_eps",
-                  "swiglu_alpha", "swiglu_limit", "attention_bias"):
+                  "num_experts_per_tok", "sliding_window", "max_position_embeddings",
+                  "rms_norm_eps", "swiglu_alpha", "swiglu_limit", "attention_bias"):
         assert getattr(ours, field) == getattr(hf, field), field
     assert list(ours.layer_types) == list(hf.layer_types)
     params = hf.rope_parameters
@@ -105,13 +107,14 @@ def test_config_fields_equal_transformers(name):
     assert ours.rope.rope_type == params["rope_type"]
     if params["rope_type"] == "yarn":
         assert ours.rope.factor == params["factor"]
-        assert ours.rope.original_max_position_embeddings == params["original_max_position_embeddings"]
+        original = params["original_max_position_embeddings"]
+        assert ours.rope.original_max_position_embeddings == original
         assert ours.rope.truncate == params.get("truncate", True)
 
 
 @pytest.mark.parametrize("name", [n for n in CASES if "rope" in n or "yarn" in n or "scaling" in n
-                                  or n in ("full", "no-head-dim", "no-max-pos-yarn-bare", "no-sizes",
-                                           "initial-context-length-ignored")])
+                                  or n in ("full", "no-head-dim", "no-max-pos-yarn-bare",
+                                           "no-sizes", "initial-context-length-ignored")])
 def test_rope_frequencies_equal_transformers(name):
     cfg = _config_dict(name)
     ours, hf = GptOssConfig.from_dict(cfg), _transformers_config(cfg)
@@ -122,11 +125,12 @@ def test_rope_frequencies_equal_transformers(name):
 
 
 def test_missing_rope_scaling_is_gpt_oss_yarn():
-    """The bug this guards: no rope_scaling used to mean plain RoPE here, YaRN ×32 in transformers."""
+    """The bug this guards: no rope_scaling used to mean plain RoPE here, YaRN ×32 in
+    transformers."""
     rope = GptOssConfig.from_dict(_config_dict("no-rope-at-all")).rope
     assert (rope.rope_type, rope.theta, rope.factor, rope.beta_fast, rope.beta_slow,
-            rope.original_max_position_embeddings, rope.truncate) == ("yarn", 150000.0, 32.0, 32.0, 1.0,
-                                                                      4096, False)
+            rope.original_max_position_embeddings, rope.truncate) == ("yarn", 150000.0, 32.0, 32.0,
+                                                                      1.0, 4096, False)
 
 
 @pytest.mark.parametrize("where", ["top", "rope"])
@@ -136,7 +140,8 @@ def test_partial_rotary_is_refused_not_misread(where):
         cfg["partial_rotary_factor"] = 0.5
     else:
         cfg["rope_scaling"]["partial_rotary_factor"] = 0.5
-    with pytest.raises(CheckpointError, match="partial_rotary_factor 0.5: kvrelay rotates every head dim"):
+    with pytest.raises(CheckpointError,
+                       match=r"partial_rotary_factor 0.5: kvrelay rotates every head dim"):
         GptOssConfig.from_dict(cfg)
 
 
@@ -147,7 +152,8 @@ def test_checkpoint_files_load_as_transformers_reads_them(tmp_path):
     hf = _transformers_config({"model_type": "gpt_oss"} | TINY)
     hf.save_pretrained(tmp_path)
     ours = load_config(tmp_path)
-    assert (ours.head_dim, ours.num_key_value_heads, ours.sliding_window, ours.num_local_experts) == \
+    assert (ours.head_dim, ours.num_key_value_heads, ours.sliding_window,
+            ours.num_local_experts) == \
         (hf.head_dim, hf.num_key_value_heads, hf.sliding_window, hf.num_local_experts)
     torch.testing.assert_close(inverse_frequencies(ours.rope, ours.head_dim)[0],
                                _transformers_rope(hf)[0].float(), rtol=0, atol=0)

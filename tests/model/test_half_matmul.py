@@ -1,4 +1,6 @@
 """The CPU half-precision matmul seam (`layers.linear.linear`)."""
+from __future__ import annotations
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -46,7 +48,7 @@ def test_fp32_weights_are_never_touched(mode):
 
 def test_bad_mode_names_the_variable(mode):
     mode("fast")
-    with pytest.raises(ValueError, match="KVRELAY_CPU_HALF_MATMUL.*auto, native or fp32"):
+    with pytest.raises(ValueError, match=r"KVRELAY_CPU_HALF_MATMUL.*auto, native or fp32"):
         L.linear(*_inputs())
 
 

@@ -43,7 +43,7 @@ def mxfp4_ckpt(tmp_path_factory) -> Path:
     for k, tensors in enumerate(shards):
         file = f"model-{k:05d}-of-00002.safetensors"
         save_file(tensors, str(path / file), metadata={"format": "pt"})
-        weight_map |= {name: file for name in tensors}
+        weight_map |= dict.fromkeys(tensors, file)
     (path / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return path
 

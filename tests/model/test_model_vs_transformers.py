@@ -21,7 +21,8 @@ PLAIN = {"rope_type": "default", "rope_theta": 10000.0}
 CONFIGS = {
     # name: (config overrides, experts on disk)
     "gqa1-yarn-top2": (dict(num_key_value_heads=4, rope_parameters=YARN), "dense"),
-    "gqa2-plain-top1": (dict(num_key_value_heads=2, rope_parameters=PLAIN, num_experts_per_tok=1), "dense"),
+    "gqa2-plain-top1": (dict(num_key_value_heads=2, rope_parameters=PLAIN, num_experts_per_tok=1),
+                        "dense"),
     "gqa4-yarn-top4": (dict(num_key_value_heads=1, num_experts_per_tok=4), "dense"),
     "window-gt-prompt": (dict(sliding_window=64, num_hidden_layers=3), "dense"),
     "mxfp4-top4": (dict(num_experts_per_tok=4, num_hidden_layers=3), "mxfp4"),
@@ -34,7 +35,8 @@ def checkpoint(request, tmp_path_factory):
     overrides, experts = CONFIGS[request.param]
     overrides = {k: v for k, v in overrides.items() if v is not None or k != "rope_parameters"}
     hf = make_hf_model(seed=len(request.param), **overrides)
-    path = save_checkpoint(hf, tmp_path_factory.mktemp(request.param), mxfp4_experts=experts == "mxfp4")
+    path = save_checkpoint(hf, tmp_path_factory.mktemp(request.param),
+                           mxfp4_experts=experts == "mxfp4")
     reference = dequantized_reference(path) if experts == "mxfp4" else hf
     return path, reference, experts
 

@@ -32,7 +32,7 @@ def isas() -> tuple[str, ...]:
     return status.isas
 
 
-def make_experts(H: int, I: int, E: int, storage: str, seed: int,
+def make_experts(H: int, I: int, E: int, storage: str, seed: int,  # noqa: E741 -- I: shapes
                  ctx: ParallelContext | None = None) -> Experts:
     """Random experts; `storage` is fp32, bf16 or mxfp4 (weights on the MXFP4 grid)."""
     g = torch.Generator().manual_seed(seed)
@@ -57,7 +57,7 @@ def random_mxfp4(E: int, rows: int, cols: int, g: torch.Generator) -> mxfp4.MXFP
 
 def fp32_reference(ex: Experts) -> Experts:
     """The same experts as dense fp32 (MXFP4 dequantised exactly), for forward_torch."""
-    E, H, I = ex.num_local, ex.hidden, ex.intermediate
+    E, H, I = ex.num_local, ex.hidden, ex.intermediate  # noqa: E741 -- I as in the shape notation
     ref = Experts(H, I, E * ex.ctx.ep_size, ex.ctx, torch.float32, ALPHA, LIMIT, False)
     ref.gate_up_bias.copy_(ex.gate_up_bias.float())
     ref.down_bias.copy_(ex.down_bias.float())
@@ -105,7 +105,7 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_native_matches_reference_in_fp32(case, isas):
-    H, I, E, k, T, storage, pool = CASES[case]
+    H, I, E, k, T, storage, pool = CASES[case]  # noqa: E741 -- I as in the shape notation
     ex = make_experts(H, I, E, storage, seed=len(case))
     ref = fp32_reference(ex)
     weights, ids = routing(T, E, k, seed=T, experts=pool)
@@ -142,7 +142,7 @@ def test_torch_mode_never_calls_the_kernel(monkeypatch):
 
 def test_bad_mode_names_the_variable_at_construction(monkeypatch):
     monkeypatch.setenv("KVRELAY_MOE_KERNEL", "fast")
-    with pytest.raises(ValueError, match="KVRELAY_MOE_KERNEL.*auto, native or torch"):
+    with pytest.raises(ValueError, match=r"KVRELAY_MOE_KERNEL.*auto, native or torch"):
         make_experts(32, 32, 2, "fp32", seed=0)
 
 
@@ -229,7 +229,7 @@ def test_build_failure_falls_back_with_one_warning(broken_build, monkeypatch, ca
     assert torch.equal(outs[0], fp32_reference(ex).forward_torch(x, weights, ids)) or \
         (outs[0] - fp32_reference(ex).forward_torch(x, weights, ids)).abs().max() < 1e-5
     monkeypatch.setenv("KVRELAY_MOE_KERNEL", "native")
-    with pytest.raises(RuntimeError, match="KVRELAY_MOE_KERNEL=native.*no compiler"):
+    with pytest.raises(RuntimeError, match=r"KVRELAY_MOE_KERNEL=native.*no compiler"):
         ex(x, weights, ids)
 
 
@@ -335,7 +335,7 @@ THREADED_CASES = {
 def test_two_threads_give_the_single_thread_result_bit_for_bit(case, isas, threads):
     """Work items are independent and computed the same on any thread: the split over
     (expert, row tile, token chunk) never changes a bit, and both match the reference."""
-    H, I, E, k, T, storage, pool = THREADED_CASES[case]
+    H, I, E, k, T, storage, pool = THREADED_CASES[case]  # noqa: E741 -- I: intermediate size
     ex = make_experts(H, I, E, storage, seed=len(case))
     weights, ids = routing(T, E, k, seed=T, experts=pool)
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(3))

@@ -11,13 +11,15 @@ from tests.factories import make_hf_model, save_checkpoint
 def test_dequantize_equals_transformers_bit_for_bit():
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
     g = torch.Generator().manual_seed(0)
-    blocks = torch.randint(0, 256, (3, 40, 6, 16), dtype=torch.uint8, generator=g)   # [E, out, G, 16]
+    # [E, out, G, 16]
+    blocks = torch.randint(0, 256, (3, 40, 6, 16), dtype=torch.uint8, generator=g)
     scales = torch.randint(100, 140, (3, 40, 6), dtype=torch.uint8, generator=g)     # [E, out, G]
     theirs = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)          # [E, in, out]
     ours = mxfp4.dequantize(blocks, scales, torch.float32)                            # [E, out, in]
     assert torch.equal(ours.transpose(1, 2), theirs)
     theirs_bf16 = convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16)
-    assert torch.equal(mxfp4.dequantize(blocks, scales, torch.bfloat16).transpose(1, 2), theirs_bf16)
+    assert torch.equal(mxfp4.dequantize(blocks, scales, torch.bfloat16).transpose(1, 2),
+                       theirs_bf16)
 
 
 def test_nibble_order_and_scale():

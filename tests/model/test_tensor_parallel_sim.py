@@ -80,7 +80,8 @@ def checkpoint(request, tmp_path_factory):
 
 @pytest.mark.parametrize("tp,ep", [(2, 1), (4, 1), (4, 2), (2, 2), (4, 4)])
 def test_sharded_logits_equal_unsharded(checkpoint, tp, ep):
-    prompt = torch.randint(0, 162, (20,), generator=torch.Generator().manual_seed(tp * 10 + ep)).tolist()
+    prompt = torch.randint(0, 162, (20,),
+                           generator=torch.Generator().manual_seed(tp * 10 + ep)).tolist()
     full = run_sharded(checkpoint, prompt, tp=1)
     sharded = run_sharded(checkpoint, prompt, tp=tp, ep=ep)
     assert (sharded - full).abs().max().item() < 1e-4
@@ -106,5 +107,6 @@ def test_shard_range_pads_mxfp4_blocks_exactly():
 
 
 def test_indivisible_heads_are_rejected(checkpoint):
-    with pytest.raises(ValueError, match="num_attention_heads=8 is not divisible by the parallel size 3"):
+    with pytest.raises(ValueError,
+                       match="num_attention_heads=8 is not divisible by the parallel size 3"):
         load_model(checkpoint, ctx=ParallelContext(tp_rank=0, tp_size=3), progress=False)

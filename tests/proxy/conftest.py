@@ -71,15 +71,17 @@ def proxies(fakes, tmp_path_factory):
         "no_decode": ([LOCAL], [a], [LOCAL], [dead1], no_probe, {}),
         "keyed": ([LOCAL], [a, b, c], [LOCAL], [d], ["--api-key", PROXY_KEY],
                   {"OPENAI_API_KEY": BACKEND_KEY}),
-        "open_with_backend_key": ([LOCAL], [a], [LOCAL], [d], no_probe, {"OPENAI_API_KEY": BACKEND_KEY}),
-        "dropping": ([LOCAL], [fakes.dropper.port, a], [LOCAL], [fakes.dropper.port, d], no_probe, {}),
+        "open_with_backend_key": ([LOCAL], [a], [LOCAL], [d], no_probe,
+                                  {"OPENAI_API_KEY": BACKEND_KEY}),
+        "dropping": ([LOCAL], [fakes.dropper.port, a], [LOCAL], [fakes.dropper.port, d], no_probe,
+                     {}),
     }
     logs = tmp_path_factory.mktemp("proxy")
     running: dict[str, ProxyProcess] = {}
     try:
         for name, (ph, pp, dh, dp, extra, env) in topologies.items():
-            running[name] = ProxyProcess(proxy_args(free_port(), ph, pp, dh, dp) + extra, logs / f"{name}.log",
-                                         env=env)
+            running[name] = ProxyProcess(proxy_args(free_port(), ph, pp, dh, dp) + extra,
+                                         logs / f"{name}.log", env=env)
         for proc in running.values():
             proc.wait_ready()
         yield running

@@ -34,9 +34,11 @@ STREAM_TOKENS = ["Paris", ",", " the", " capital", "."]
 @dataclass
 class Script:
     status: int = 200                    # completions: answer this status (non-200: an error body)
-    remote_host: str | None = "10.1.2.3"  # prefill: the kv_transfer_params.remote_host it advertises
+    # prefill: the kv_transfer_params.remote_host it advertises
+    remote_host: str | None = "10.1.2.3"
     health: int = 200
-    mode: str = "normal"      # prefill: normal | slow | break_body; decode: normal | slow_stream | break | break_mid_event
+    # prefill: normal | slow | break_body; decode: normal | slow_stream | break | break_mid_event
+    mode: str = "normal"
     chunk_delay_s: float = 0.08          # decode streams: pause between SSE events
     extra_kv: dict[str, Any] = field(default_factory=dict)   # prefill: more kv_transfer_params keys
     metrics: str | None = None           # GET /metrics: this Prometheus text (None: 404)
@@ -62,10 +64,11 @@ class FakeBackend:
         self.sock.bind(("127.0.0.1", 0))
         self.port: int = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(build_fake_app(self), log_level="warning", timeout_graceful_shutdown=1,
-                                lifespan="off")
+        config = uvicorn.Config(build_fake_app(self), log_level="warning",
+                                timeout_graceful_shutdown=1, lifespan="off")
         self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       daemon=True)
 
     # -- lifecycle
     def start(self) -> FakeBackend:
@@ -100,9 +103,10 @@ class FakeBackend:
 
 def kv_params_of(fake: FakeBackend, request_id: str) -> dict[str, Any]:
     """What a fake prefill returns as kv_transfer_params for this X-Request-Id."""
-    return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": f"engine-{fake.port}",
-            "remote_block_ids": [[1, 2, 3], [7]], "remote_host": fake.script.remote_host, "remote_port": 5559,
-            "remote_request_id": f"prefill-{request_id}", "tp_size": 1}
+    return {"do_remote_prefill": True, "do_remote_decode": False,
+            "remote_engine_id": f"engine-{fake.port}",
+            "remote_block_ids": [[1, 2, 3], [7]], "remote_host": fake.script.remote_host,
+            "remote_port": 5559, "remote_request_id": f"prefill-{request_id}", "tp_size": 1}
 
 
 def build_fake_app(fake: FakeBackend) -> FastAPI:
@@ -110,7 +114,8 @@ def build_fake_app(fake: FakeBackend) -> FastAPI:
 
     async def record(request: Request) -> dict[str, Any]:
         body = json.loads(await request.body() or b"{}")
-        fake.requests.append(Recorded(request.url.path, body, {k.lower(): v for k, v in request.headers.items()}))
+        fake.requests.append(Recorded(request.url.path, body,
+                                      {k.lower(): v for k, v in request.headers.items()}))
         return body
 
     @app.get("/health")
@@ -125,7 +130,8 @@ def build_fake_app(fake: FakeBackend) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": "fake-model", "object": "model", "owned_by": fake.role}]}
+        return {"object": "list",
+                "data": [{"id": "fake-model", "object": "model", "owned_by": fake.role}]}
 
     @app.post("/v1/kv_transfer/free")
     async def free(request: Request) -> dict[str, Any]:
@@ -135,8 +141,10 @@ def build_fake_app(fake: FakeBackend) -> FastAPI:
     async def completion(request: Request, chat: bool) -> Response:
         body = await record(request)
         if fake.script.status != 200:
-            return JSONResponse({"error": {"message": f"scripted {fake.script.status} from {fake.role}",
-                                           "type": "BadRequestError", "param": None, "code": fake.script.status}},
+            return JSONResponse({"error": {"message": f"scripted {fake.script.status} from "
+                                                      f"{fake.role}",
+                                           "type": "BadRequestError", "param": None,
+                                           "code": fake.script.status}},
                                 status_code=fake.script.status)
         if fake.role == "prefill":
             return await prefill_answer(fake, request, body, chat)
@@ -155,17 +163,19 @@ def build_fake_app(fake: FakeBackend) -> FastAPI:
 
 def _choice(text: str, chat: bool, finish: str | None) -> dict[str, Any]:
     if chat:
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+        return {"index": 0, "message": {"role": "assistant", "content": text},
+                "finish_reason": finish}
     return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
 
 
 def _completion_json(text: str, chat: bool, tokens: int) -> dict[str, Any]:
-    return {"id": "cmpl-fake", "object": "chat.completion" if chat else "text_completion", "created": 0,
-            "model": "fake-model", "choices": [_choice(text, chat, "length")],
+    return {"id": "cmpl-fake", "object": "chat.completion" if chat else "text_completion",
+            "created": 0, "model": "fake-model", "choices": [_choice(text, chat, "length")],
             "usage": {"prompt_tokens": 5, "completion_tokens": tokens, "total_tokens": 5 + tokens}}
 
 
-async def prefill_answer(fake: FakeBackend, request: Request, body: dict[str, Any], chat: bool) -> Response:
+async def prefill_answer(fake: FakeBackend, request: Request, body: dict[str, Any],
+                         chat: bool) -> Response:
     if fake.script.mode == "break_body":   # the status line and part of the body, then the crash
         async def broken():
             yield b'{"id": "cmpl-fake", '
@@ -179,7 +189,8 @@ async def prefill_answer(fake: FakeBackend, request: Request, body: dict[str, An
                 return Response(status_code=499)
             await asyncio.sleep(0.05)
     out = _completion_json(STREAM_TOKENS[0], chat, 1)
-    out["kv_transfer_params"] = kv_params_of(fake, request.headers.get("x-request-id", "")) | fake.script.extra_kv
+    out["kv_transfer_params"] = kv_params_of(fake, request.headers.get("x-request-id",
+                                                                       "")) | fake.script.extra_kv
     return JSONResponse(out)
 
 
@@ -201,8 +212,10 @@ async def sse_events(fake: FakeBackend, chat: bool):
                 raise RuntimeError("scripted decode crash mid-stream")
             text = STREAM_TOKENS[i % len(STREAM_TOKENS)]
             delta = {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
-            event = {"id": "cmpl-fake", "object": "chat.completion.chunk" if chat else "text_completion",
-                     "created": 0, "model": "fake-model", "choices": [delta | {"finish_reason": None}]}
+            event = {"id": "cmpl-fake",
+                     "object": "chat.completion.chunk" if chat else "text_completion",
+                     "created": 0, "model": "fake-model",
+                     "choices": [delta | {"finish_reason": None}]}
             yield f"data: {json.dumps(event)}\n\n"
             await asyncio.sleep(fake.script.chunk_delay_s)
         yield "data: [DONE]\n\n"
@@ -266,8 +279,8 @@ class ProxyProcess:
                     if k not in ("OPENAI_API_KEY", "KVRELAY_API_KEY", "VLLM_API_KEY")}
         full_env |= {"PYTHONUNBUFFERED": "1"} | (env or {})
         code = f"import sys; from kvrelay.proxy.main import main; sys.exit(main({args!r}))"
-        self.proc = subprocess.Popen([sys.executable, "-c", code], stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=full_env, start_new_session=True)
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stdout=self._log,
+                                     stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
 
     def log(self) -> str:
         return self.log_path.read_text()
@@ -276,7 +289,8 @@ class ProxyProcess:
         deadline = time.monotonic() + timeout
         while "Application startup complete." not in self.log():
             if self.proc.poll() is not None:
-                raise RuntimeError(f"proxy exited with {self.proc.returncode}:\n{self.log()[-3000:]}")
+                raise RuntimeError("proxy exited with "
+                                   f"{self.proc.returncode}:\n{self.log()[-3000:]}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"proxy not ready within {timeout}s:\n{self.log()[-3000:]}")
             time.sleep(0.05)
@@ -294,8 +308,8 @@ class ProxyProcess:
         return self.proc.returncode
 
 
-def proxy_args(port: int, prefill_hosts: list[str], prefill_ports: list[int], decode_hosts: list[str],
-               decode_ports: list[int]) -> list[str]:
+def proxy_args(port: int, prefill_hosts: list[str], prefill_ports: list[int],
+               decode_hosts: list[str], decode_ports: list[int]) -> list[str]:
     return ["--port", str(port), "--log-level", "debug",
             "--prefiller-host", *prefill_hosts, "--prefiller-port", *map(str, prefill_ports),
             "--decoder-host", *decode_hosts, "--decoder-port", *map(str, decode_ports)]

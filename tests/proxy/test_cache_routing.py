@@ -55,16 +55,20 @@ def decisions(proxy: ProxyProcess) -> dict[tuple[str, str], float]:
 def post(proxy: ProxyProcess, prompt: str, request_id: str, chat: bool = False) -> None:
     with client() as c:
         if chat:
-            body = {"model": "m", "messages": [{"role": "user", "content": prompt}], "max_tokens": 2}
-            r = c.post(f"{proxy.url}/v1/chat/completions", json=body, headers={"X-Request-Id": request_id})
+            body = {"model": "m", "messages": [{"role": "user", "content": prompt}],
+                    "max_tokens": 2}
+            r = c.post(f"{proxy.url}/v1/chat/completions", json=body,
+                       headers={"X-Request-Id": request_id})
         else:
-            r = c.post(f"{proxy.url}/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 2},
+            r = c.post(f"{proxy.url}/v1/completions",
+                       json={"model": "m", "prompt": prompt, "max_tokens": 2},
                        headers={"X-Request-Id": request_id})
     assert r.status_code == 200, r.text
 
 
 def reached(fakes: list[FakeBackend], request_id: str) -> list[int]:
-    return [f.port for f in fakes for r in f.completions() if r.headers.get("x-request-id") == request_id]
+    return [f.port for f in fakes for r in f.completions()
+            if r.headers.get("x-request-id") == request_id]
 
 
 def test_a_repeated_prompt_returns_to_the_prefill_that_has_it(routed):

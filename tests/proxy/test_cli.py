@@ -12,9 +12,10 @@ from tests.proxy.fakes import ProxyProcess, client, refused_port
 
 @pytest.mark.parametrize("argv, message", [
     (["--prefiller-host", "a", "b", "--prefiller-port", "1", "2", "3"],
-     ("kvrelay proxy: error: --prefiller-host has 2 values and --prefiller-port has 3: give one host, "
-      "one port, or as many hosts as ports")),
-    (["--decoder-port", "x"], "kvrelay proxy: error: argument --decoder-port/--decoder-ports: invalid int value: 'x'"),
+     ("kvrelay proxy: error: --prefiller-host has 2 values and --prefiller-port has 3: give one "
+      "host, one port, or as many hosts as ports")),
+    (["--decoder-port", "x"],
+     "kvrelay proxy: error: argument --decoder-port/--decoder-ports: invalid int value: 'x'"),
     (["--bogus"], "kvrelay proxy: error: unrecognized arguments: --bogus"),
 ])
 def test_flag_errors_are_one_line_exit_2(capsys, argv, message):
@@ -31,7 +32,8 @@ def test_signals_exit_0_and_taken_port_exits_1(tmp_path):
     port_a, port_b = free_port(), free_port()
     (s1, dead_p), (s2, dead_d) = refused_port(), refused_port()
     backends = ["--prefiller-port", str(dead_p), "--decoder-port", str(dead_d)]
-    procs = [ProxyProcess(["--port", str(p), *backends], tmp_path / f"{p}.log") for p in (port_a, port_b)]
+    procs = [ProxyProcess(["--port", str(p), *backends], tmp_path / f"{p}.log")
+             for p in (port_a, port_b)]
     try:
         for p in procs:
             p.wait_ready()
@@ -45,8 +47,8 @@ def test_signals_exit_0_and_taken_port_exits_1(tmp_path):
         try:
             assert taken.proc.wait(30) == 1
             # one line, and nothing started: no app, no lifespan, no backend list
-            assert taken.log().strip() == (f"kvrelay proxy: error: cannot listen on 127.0.0.1:{port_a}: "
-                                           "address already in use")
+            assert taken.log().strip() == ("kvrelay proxy: error: cannot listen on "
+                                           f"127.0.0.1:{port_a}: address already in use")
         finally:
             taken.stop()
     finally:

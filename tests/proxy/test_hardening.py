@@ -37,9 +37,11 @@ def test_an_answered_prefill_request_is_never_sent_to_another_prefill(fakes, pro
     for f in fakes.prefill:
         f.script.status = status
     with client() as c:
-        r = c.post(f"{proxies['main'].url}/v1/completions", json=BODY, headers={"X-Request-Id": f"ans-{status}"})
+        r = c.post(f"{proxies['main'].url}/v1/completions", json=BODY,
+                   headers={"X-Request-Id": f"ans-{status}"})
     assert r.status_code == status
-    assert r.json()["error"]["message"] == f"scripted {status} from prefill"     # the backend's own body
+    # the backend's own body
+    assert r.json()["error"]["message"] == f"scripted {status} from prefill"
     assert r.headers["x-request-id"] == f"ans-{status}"
     assert prefill_attempts(fakes) == 1
     assert fakes.decode.completions() == []
@@ -49,12 +51,14 @@ def test_a_refused_connection_is_retried_on_the_next_prefill(fakes, proxies):
     a = fakes.prefill[0]
     with client() as c:                       # 'skipping': [refused, A]; round-robin starts on each
         for i in range(2):
-            r = c.post(f"{proxies['skipping'].url}/v1/completions", json=BODY, headers={"X-Request-Id": f"rt-{i}"})
+            r = c.post(f"{proxies['skipping'].url}/v1/completions", json=BODY,
+                       headers={"X-Request-Id": f"rt-{i}"})
             assert r.status_code == 200, r.text
     assert len(a.completions()) == 2
     dead = f"127.0.0.1:{fakes.refused[0]}"
     assert _samples(proxies["skipping"])[("kvrelay_proxy:backend_failures_total",
-                                          (("backend", dead), ("reason", "connect"), ("role", "prefill")))] >= 1
+                                          (("backend", dead), ("reason", "connect"),
+                                           ("role", "prefill")))] >= 1
 
 
 def test_a_server_that_closes_without_answering_is_retried_on_the_next(fakes, proxies):
@@ -62,7 +66,8 @@ def test_a_server_that_closes_without_answering_is_retried_on_the_next(fakes, pr
     keep-alive connection looks the same)."""
     with client() as c:
         for i in range(2):
-            r = c.post(f"{proxies['dropping'].url}/v1/completions", json=BODY, headers={"X-Request-Id": f"dr-{i}"})
+            r = c.post(f"{proxies['dropping'].url}/v1/completions", json=BODY,
+                       headers={"X-Request-Id": f"dr-{i}"})
             assert r.status_code == 200, r.text
     assert len(fakes.prefill[0].completions()) == 2 and len(fakes.decode.completions()) == 2
     assert fakes.dropper.dropped >= 2                    # both legs met it at least once
@@ -80,18 +85,21 @@ def test_a_prefill_answer_broken_mid_body_is_502_and_not_retried(fakes, proxies)
 
 def test_unhealthy_prefill_gets_no_requests(fakes, proxies):
     sick = fakes.prefill[1]
-    label = ("kvrelay_proxy:backend_healthy", (("backend", f"127.0.0.1:{sick.port}"), ("role", "prefill")))
+    label = ("kvrelay_proxy:backend_healthy",
+             (("backend", f"127.0.0.1:{sick.port}"), ("role", "prefill")))
     sick.script.health = 503
     try:
-        wait_for(lambda: _samples(proxies["main"])[label] == 0, what="the probe to mark it unhealthy")
+        wait_for(lambda: _samples(proxies["main"])[label] == 0,
+                 what="the probe to mark it unhealthy")
         with client() as c:
-            for i in range(4):
+            for _ in range(4):
                 assert c.post(f"{proxies['main'].url}/v1/completions", json=BODY).status_code == 200
         assert sick.completions() == []
         assert sum(len(f.completions()) for f in fakes.prefill) == 4
     finally:
         sick.script.health = 200
-        wait_for(lambda: _samples(proxies["main"])[label] == 1, what="the probe to see it healthy again")
+        wait_for(lambda: _samples(proxies["main"])[label] == 1,
+                 what="the probe to see it healthy again")
 
 
 # ------------------------------------------------------------------ kv_transfer_params
@@ -101,7 +109,8 @@ def test_prefill_kv_transfer_params_reach_decode_unchanged_with_unknown_keys(fak
     for f in fakes.prefill:
         f.script.extra_kv = extra
     with client() as c:
-        r = c.post(f"{proxies['main'].url}/v1/completions", json=BODY, headers={"X-Request-Id": "req-cap"})
+        r = c.post(f"{proxies['main'].url}/v1/completions", json=BODY,
+                   headers={"X-Request-Id": "req-cap"})
     assert r.status_code == 200
     prefill = served_by(fakes, "req-cap")
     [d] = fakes.decode.completions()
@@ -115,8 +124,8 @@ def test_proxy_key_required_on_v1(fakes, proxies):
     with client() as c:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": PROXY_KEY},
                         {"Authorization": f"Bearer {BACKEND_KEY}"}):
-            error = assert_openai_error(c.post(f"{url}/v1/completions", json=BODY, headers=headers), 401,
-                                        "AuthenticationError")
+            error = assert_openai_error(c.post(f"{url}/v1/completions", json=BODY, headers=headers),
+                                        401, "AuthenticationError")
             assert PROXY_KEY not in error["message"]
             assert_openai_error(c.get(f"{url}/v1/models", headers=headers), 401)
         assert c.get(f"{url}/health").status_code == 200            # probes stay open, as on vLLM
@@ -138,13 +147,16 @@ def test_backend_key_is_never_lent_to_keyless_clients(fakes, proxies):
     """Without --api-key the proxy authenticates nobody, so $OPENAI_API_KEY stays its own."""
     url = proxies["open_with_backend_key"].url
     with client() as c:
-        assert c.post(f"{url}/v1/completions", json=BODY, headers={"X-Request-Id": "req-open"}).status_code == 200
         assert c.post(f"{url}/v1/completions", json=BODY,
-                      headers={"X-Request-Id": "req-own", "Authorization": "Bearer client-own"}).status_code == 200
+                      headers={"X-Request-Id": "req-open"}).status_code == 200
+        assert c.post(f"{url}/v1/completions", json=BODY,
+                      headers={"X-Request-Id": "req-own",
+                               "Authorization": "Bearer client-own"}).status_code == 200
     seen = {r.headers["x-request-id"]: r.headers.get("authorization")
             for f in (fakes.prefill[0], fakes.decode) for r in f.completions()}
     assert seen == {"req-open": None, "req-own": "Bearer client-own"}
-    assert "OPENAI_API_KEY is set but the proxy has no --api-key" in proxies["open_with_backend_key"].log()
+    log = proxies["open_with_backend_key"].log()
+    assert "OPENAI_API_KEY is set but the proxy has no --api-key" in log
 
 
 def test_api_key_from_the_environment(monkeypatch):
@@ -164,13 +176,14 @@ def test_client_leaving_mid_stream_is_counted_as_499(fakes, proxies):
     proxy = proxies["main"]
     label = ("kvrelay_proxy:requests_total", (("endpoint", "/v1/completions"), ("status", "499")))
     before = _samples(proxy).get(label, 0)
-    with client() as c, c.stream("POST", f"{proxy.url}/v1/completions", json=BODY | {"stream": True},
+    with client() as c, c.stream("POST", f"{proxy.url}/v1/completions",
+                                 json=BODY | {"stream": True},
                                  headers={"X-Request-Id": "req-leaves"}) as r:
         assert r.status_code == 200
         next(r.iter_lines())                  # one event, then hang up
     wait_for(lambda: _samples(proxy).get(label, 0) == before + 1, what="a 499 in the metrics")
-    wait_for(lambda: "request req-leaves: client closed the connection mid-stream (499)" in proxy.log(),
-             what="the 499 log line")
+    line = "request req-leaves: client closed the connection mid-stream (499)"
+    wait_for(lambda: line in proxy.log(), what="the 499 log line")
     ok = ("kvrelay_proxy:requests_total", (("endpoint", "/v1/completions"), ("status", "200")))
     count = _samples(proxy).get(ok, 0)
     time.sleep(0.3)
@@ -208,7 +221,8 @@ def test_bad_bodies_are_400_openai_errors(fakes, proxies, raw, fragment):
 def test_surrogate_pair_and_moderate_nesting_pass(fakes, proxies):
     raw = b'{"prompt": "\\ud83d\\ude00", "max_tokens": 3, "x": ' + b"[" * 60 + b"]" * 60 + b"}"
     with client() as c:
-        r = c.post(f"{proxies['main'].url}/v1/completions", content=raw, headers={"X-Request-Id": "req-emoji"})
+        r = c.post(f"{proxies['main'].url}/v1/completions", content=raw,
+                   headers={"X-Request-Id": "req-emoji"})
     assert r.status_code == 200, r.text
     [p] = served_by(fakes, "req-emoji").completions()
     assert p.body["prompt"] == "\U0001F600"

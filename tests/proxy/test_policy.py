@@ -43,8 +43,10 @@ def test_text_prompts_hash_in_block_sized_character_chunks():
 
 
 def test_a_chat_continuation_extends_its_conversations_key():
-    turn1 = [{"role": "system", "content": "be brief " * 4}, {"role": "user", "content": "hello " * 5}]
-    turn2 = turn1 + [{"role": "assistant", "content": "hi " * 6}, {"role": "user", "content": "more"}]
+    turn1 = [{"role": "system", "content": "be brief " * 4},
+             {"role": "user", "content": "hello " * 5}]
+    turn2 = turn1 + [{"role": "assistant", "content": "hi " * 6},
+                     {"role": "user", "content": "more"}]
     k1 = H.key("/v1/chat/completions", {"model": "m", "messages": turn1})
     k2 = H.key("/v1/chat/completions", {"model": "m", "messages": turn2})
     assert len(k2.hashes) > len(k1.hashes) >= 5
@@ -209,7 +211,8 @@ def test_evict_drops_the_oldest():
 
 def test_only_a_bounded_head_is_hashed():
     from kvrelay.proxy.prefix import MAX_KEY_BLOCKS
-    k = H.key("/v1/completions", {"model": "m", "prompt": "y" * (H.chunk_chars * MAX_KEY_BLOCKS * 3)})
+    k = H.key("/v1/completions",
+              {"model": "m", "prompt": "y" * (H.chunk_chars * MAX_KEY_BLOCKS * 3)})
     assert len(k.hashes) == MAX_KEY_BLOCKS and k.tokens == H.chunk_chars * MAX_KEY_BLOCKS * 3 // 2
 
 

@@ -20,7 +20,8 @@ NULL_KV = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_
 
 def served_by(fakes, request_id: str):
     """The fake prefill that prefilled this request."""
-    hits = [f for f in fakes.prefill if any(r.headers.get("x-request-id") == request_id for r in f.completions())]
+    hits = [f for f in fakes.prefill
+            if any(r.headers.get("x-request-id") == request_id for r in f.completions())]
     assert len(hits) == 1, f"request {request_id} prefilled {len(hits)} times"
     return hits[0]
 
@@ -36,15 +37,16 @@ def test_completion_bodies_and_request_id(fakes, proxies):
             "stream": True, "stream_options": {"include_usage": True}, "min_tokens": 2, "n": 1,
             "kv_transfer_params": {"client": "ignored"}}
     with client() as c, c.stream("POST", f"{proxies['main'].url}/v1/completions", json=body,
-                                 headers={"X-Request-Id": "req-abc", "Authorization": "Bearer sk-test"}) as r:
+                                 headers={"X-Request-Id": "req-abc",
+                                          "Authorization": "Bearer sk-test"}) as r:
         assert r.status_code == 200
         assert r.headers["x-request-id"] == "req-abc"
         list(r.iter_lines())
     prefill = served_by(fakes, "req-abc")
     [p] = prefill.completions()
     assert p.path == "/v1/completions"
-    assert p.body == {"model": "m", "prompt": "The capital of France is", "max_tokens": 1, "temperature": 0,
-                      "stream": False, "n": 1, "kv_transfer_params": NULL_KV}
+    assert p.body == {"model": "m", "prompt": "The capital of France is", "max_tokens": 1,
+                      "temperature": 0, "stream": False, "n": 1, "kv_transfer_params": NULL_KV}
     [d] = fakes.decode.completions()
     assert d.path == "/v1/completions"
     assert d.body == body | {"kv_transfer_params": kv_params_of(prefill, "req-abc")}
@@ -54,7 +56,8 @@ def test_completion_bodies_and_request_id(fakes, proxies):
 
 
 def test_chat_bodies_new_request_id(fakes, proxies):
-    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 9,
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+            "max_completion_tokens": 9,
             "min_completion_tokens": 3, "min_tokens": 1, "stream": False}
     with client() as c:
         r = c.post(f"{proxies['main'].url}/v1/chat/completions", json=body)
@@ -67,7 +70,8 @@ def test_chat_bodies_new_request_id(fakes, proxies):
     prefill = served_by(fakes, request_id)
     [p] = prefill.completions()
     assert p.path == d.path == "/v1/chat/completions"
-    assert p.body == {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+    assert p.body == {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                      "max_tokens": 1,
                       "max_completion_tokens": 1, "stream": False, "kv_transfer_params": NULL_KV}
     assert "authorization" not in p.headers and "authorization" not in d.headers
     assert d.body == body | {"kv_transfer_params": kv_params_of(prefill, request_id)}
@@ -99,8 +103,8 @@ def test_round_robin_over_three_ports_on_one_host(fakes, proxies):
         for f in fakes.all:
             f.requests.clear()
         for i in range(6):
-            r = c.post(f"{proxies['main'].url}/v1/completions", json={"prompt": "x", "max_tokens": 2},
-                       headers={"X-Request-Id": f"rr-{i}"})
+            r = c.post(f"{proxies['main'].url}/v1/completions",
+                       json={"prompt": "x", "max_tokens": 2}, headers={"X-Request-Id": f"rr-{i}"})
             assert r.status_code == 200
             order.append(served_by(fakes, f"rr-{i}").port)
     assert sorted(set(order)) == sorted(f.port for f in fakes.prefill)
@@ -130,9 +134,11 @@ def test_sse_passes_through_chunk_by_chunk(fakes, proxies):
 def test_openai_client_through_the_proxy(fakes, proxies):
     oai = openai.OpenAI(base_url=f"{proxies['main'].url}/v1", api_key="sk-x",
                         http_client=httpx.Client(trust_env=False))
-    out = oai.completions.create(model="fake-model", prompt="The capital of France is", max_tokens=5)
+    out = oai.completions.create(model="fake-model", prompt="The capital of France is",
+                                 max_tokens=5)
     assert out.choices[0].text == "".join(STREAM_TOKENS)
-    chunks = list(oai.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "hi"}],
+    chunks = list(oai.chat.completions.create(model="fake-model",
+                                              messages=[{"role": "user", "content": "hi"}],
                                               max_tokens=5, stream=True))
     assert "".join(ch.choices[0].delta.content for ch in chunks) == "".join(STREAM_TOKENS)
     assert [m.id for m in oai.models.list().data] == ["fake-model"]
@@ -158,10 +164,12 @@ def test_client_disconnect_during_prefill_cancels_it(fakes, proxies):
         f.script.mode = "slow"
     body = json.dumps({"prompt": "x", "max_tokens": 3}).encode()
     with socket.create_connection(("127.0.0.1", proxies["main"].port)) as raw:
-        raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: proxy\r\nContent-Type: application/json\r\n"
+        raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: proxy\r\n"
+                    b"Content-Type: application/json\r\n"
                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
         wait_for(lambda: any(f.completions() for f in fakes.prefill), what="prefill request")
-    wait_for(lambda: any("prefill_disconnected" in f.events for f in fakes.prefill), what="prefill abort")
+    wait_for(lambda: any("prefill_disconnected" in f.events for f in fakes.prefill),
+             what="prefill abort")
     assert fakes.decode.completions() == []
 
 
@@ -185,7 +193,8 @@ def test_decode_stream_cut_mid_event_drops_the_connection(fakes, proxies):
             pytest.raises(httpx.RemoteProtocolError):
         for line in r.iter_lines():
             received.append(line)  # noqa: PERF402  (keeps the lines that came before the error)
-    assert [json.loads(d)["choices"][0]["text"] for d in sse_data(received)[:2]] == STREAM_TOKENS[:2]
+    texts = [json.loads(d)["choices"][0]["text"] for d in sse_data(received)[:2]]
+    assert texts == STREAM_TOKENS[:2]
     assert "[DONE]" not in sse_data(received)
     wait_for(lambda: served_by(fakes, "req-cut2").frees(), what="free notice")
 
@@ -207,14 +216,16 @@ def test_prefill_4xx_returned_unchanged_without_decode(fakes, proxies):
 def test_decode_error_returned_and_prefill_told_to_free(fakes, proxies):
     fakes.decode.script.status = 500
     with client() as c:
-        r = c.post(f"{proxies['main'].url}/v1/completions", json={"prompt": "x", "max_tokens": 3, "stream": True},
+        r = c.post(f"{proxies['main'].url}/v1/completions",
+                   json={"prompt": "x", "max_tokens": 3, "stream": True},
                    headers={"X-Request-Id": "req-free"})
     assert r.status_code == 500
     assert r.json()["error"]["message"] == "scripted 500 from decode"
     prefill = served_by(fakes, "req-free")
     wait_for(lambda: prefill.frees(), what="free notice")
     [notice] = prefill.frees()
-    assert notice.body == {"remote_request_id": "prefill-req-free", "remote_engine_id": f"engine-{prefill.port}"}
+    assert notice.body == {"remote_request_id": "prefill-req-free",
+                           "remote_engine_id": f"engine-{prefill.port}"}
     assert notice.headers["x-request-id"] == "req-free"
 
 
@@ -222,8 +233,8 @@ def test_dead_servers_are_skipped(fakes, proxies):
     a = fakes.prefill[0]
     with client() as c:
         for i in range(4):
-            r = c.post(f"{proxies['skipping'].url}/v1/completions", json={"prompt": "x", "max_tokens": 3},
-                       headers={"X-Request-Id": f"skip-{i}"})
+            r = c.post(f"{proxies['skipping'].url}/v1/completions",
+                       json={"prompt": "x", "max_tokens": 3}, headers={"X-Request-Id": f"skip-{i}"})
             assert r.status_code == 200, r.text
     assert len(a.completions()) == 4 and len(fakes.decode.completions()) == 4
     metrics = _samples(proxies["skipping"])
@@ -234,7 +245,8 @@ def test_dead_servers_are_skipped(fakes, proxies):
 
 def test_every_prefill_down_is_503(fakes, proxies):
     with client() as c:
-        r = c.post(f"{proxies['no_prefill'].url}/v1/completions", json={"prompt": "x", "max_tokens": 3})
+        r = c.post(f"{proxies['no_prefill'].url}/v1/completions",
+                   json={"prompt": "x", "max_tokens": 3})
     assert r.status_code == 503
     error = r.json()["error"]
     assert error["type"] == "ServiceUnavailableError" and error["code"] == 503
@@ -246,7 +258,8 @@ def test_every_prefill_down_is_503(fakes, proxies):
 def test_prefill_5xx_after_a_refused_server_is_returned_as_is(fakes, proxies):
     fakes.prefill[0].script.status = 500
     with client() as c:
-        r = c.post(f"{proxies['skipping'].url}/v1/completions", json={"prompt": "x", "max_tokens": 3})
+        r = c.post(f"{proxies['skipping'].url}/v1/completions",
+                   json={"prompt": "x", "max_tokens": 3})
     assert r.status_code == 500
     assert r.json()["error"]["message"] == "scripted 500 from prefill"
     assert len(fakes.prefill[0].completions()) == 1
@@ -255,8 +268,8 @@ def test_prefill_5xx_after_a_refused_server_is_returned_as_is(fakes, proxies):
 
 def test_decode_down_is_503_and_prefill_told_to_free(fakes, proxies):
     with client() as c:
-        r = c.post(f"{proxies['no_decode'].url}/v1/completions", json={"prompt": "x", "max_tokens": 3},
-                   headers={"X-Request-Id": "req-nodecode"})
+        r = c.post(f"{proxies['no_decode'].url}/v1/completions",
+                   json={"prompt": "x", "max_tokens": 3}, headers={"X-Request-Id": "req-nodecode"})
     assert r.status_code == 503
     assert "no decode server" in r.json()["error"]["message"]
     a = fakes.prefill[0]
@@ -281,7 +294,8 @@ def test_health_200_only_when_every_backend_is_up(fakes, proxies):
         fakes.prefill[1].script.health = 503
         r = c.get(url)
         assert r.status_code == 503
-        assert r.json()["down"] == [{"role": "prefill", "server": f"127.0.0.1:{fakes.prefill[1].port}",
+        assert r.json()["down"] == [{"role": "prefill",
+                                     "server": f"127.0.0.1:{fakes.prefill[1].port}",
                                      "healthy": False, "error": "HTTP 503"}]
         fakes.prefill[1].script.health = 200
         assert c.get(url).status_code == 200
@@ -311,20 +325,25 @@ def test_metrics_parse(fakes, proxies):
         r = c.post(f"{proxies['main'].url}/v1/completions", json={"prompt": "x", "max_tokens": 2})
         assert r.status_code == 200
         text = c.get(f"{proxies['main'].url}/metrics").text
-    families = {f.name: f.type for f in text_string_to_metric_families(text) if not f.name.endswith("_created")}
-    assert families == {"kvrelay_proxy:requests": "counter", "kvrelay_proxy:backend_in_flight": "gauge",
+    families = {f.name: f.type for f in text_string_to_metric_families(text)
+                if not f.name.endswith("_created")}
+    assert families == {"kvrelay_proxy:requests": "counter",
+                        "kvrelay_proxy:backend_in_flight": "gauge",
                         "kvrelay_proxy:prefill_latency_seconds": "histogram",
                         "kvrelay_proxy:decode_latency_seconds": "histogram",
-                        "kvrelay_proxy:backend_failures": "counter", "kvrelay_proxy:kv_free_notices": "counter",
+                        "kvrelay_proxy:backend_failures": "counter",
+                        "kvrelay_proxy:kv_free_notices": "counter",
                         "kvrelay_proxy:backend_healthy": "gauge",
                         "kvrelay_proxy:routing_decisions": "counter",
                         "kvrelay_proxy:prefix_table_blocks": "gauge",
                         "kvrelay_proxy:prefix_table_forgotten": "counter"}
     samples = _samples(proxies["main"])
-    assert samples[("kvrelay_proxy:requests_total", (("endpoint", "/v1/completions"), ("status", "200")))] >= 1
+    assert samples[("kvrelay_proxy:requests_total",
+                    (("endpoint", "/v1/completions"), ("status", "200")))] >= 1
     decode = f"127.0.0.1:{fakes.decode.port}"
     assert samples[("kvrelay_proxy:decode_latency_seconds_count", (("backend", decode),))] >= 1
-    assert sum(samples[("kvrelay_proxy:prefill_latency_seconds_count", (("backend", f"127.0.0.1:{f.port}"),))]
+    assert sum(samples[("kvrelay_proxy:prefill_latency_seconds_count",
+                        (("backend", f"127.0.0.1:{f.port}"),))]
                for f in fakes.prefill) >= 1
     wait_for(lambda: all(v == 0 for (n, _), v in _samples(proxies["main"]).items()
                          if n == "kvrelay_proxy:backend_in_flight"), what="in-flight back to 0")

@@ -38,8 +38,9 @@ def test_expand_endpoints(hosts, ports, expected):
 
 
 @pytest.mark.parametrize("hosts, ports, message", [
-    (["a", "b"], [1, 2, 3], ("--decoder-host has 2 values and --decoder-port has 3: give one host, one port, "
-                             "or as many hosts as ports")),
+    (["a", "b"], [1, 2, 3],
+     "--decoder-host has 2 values and --decoder-port has 3: give one host, one port, or as many "
+     "hosts as ports"),
     (["a"], [0], "--decoder-port: 0 is not a TCP port (1-65535)"),
     (["a"], [8200, 8200], "--decoder-host/--decoder-port: a:8200 listed twice"),
     ([""], [8200], "--decoder-host: empty host name"),
@@ -51,15 +52,17 @@ def test_expand_endpoints_errors(hosts, ports, message):
 
 
 def test_tutorial_flags_and_defaults():
-    args = build_parser().parse_args(["--port", "8000", "--host", "0.0.0.0", "--prefiller-host", "p",
-                                      "--prefiller-port", "8100", "8101", "8102", "--decoder-host", "d",
-                                      "--decoder-port", "8200"])
+    args = build_parser().parse_args(["--port", "8000", "--host", "0.0.0.0",
+                                      "--prefiller-host", "p",
+                                      "--prefiller-port", "8100", "8101", "8102",
+                                      "--decoder-host", "d", "--decoder-port", "8200"])
     s = settings_from_args(args)
     assert (s.host, s.port) == ("0.0.0.0", 8000)
     assert s.prefill == [("p", 8100), ("p", 8101), ("p", 8102)]
     assert s.decode == [("d", 8200)]
     d = settings_from_args(build_parser().parse_args([]))
-    assert (d.host, d.port, d.prefill, d.decode) == ("127.0.0.1", 8000, [("127.0.0.1", 8100)], [("127.0.0.1", 8200)])
+    assert (d.host, d.port, d.prefill, d.decode) == ("127.0.0.1", 8000, [("127.0.0.1", 8100)],
+                                                     [("127.0.0.1", 8200)])
 
 
 def test_vllm_plural_flag_spellings():
@@ -114,15 +117,17 @@ def test_backend_url():
 
 def test_prefill_body_completions():
     body = {"model": "m", "prompt": "p", "max_tokens": 16, "stream": True, "temperature": 0.5,
-            "stream_options": {"include_usage": True}, "min_tokens": 4, "kv_transfer_params": {"x": 1}}
+            "stream_options": {"include_usage": True}, "min_tokens": 4,
+            "kv_transfer_params": {"x": 1}}
     assert prefill_body(body) == {"model": "m", "prompt": "p", "max_tokens": 1, "stream": False,
                                   "temperature": 0.5, "kv_transfer_params": NULL_KV}
-    assert body["max_tokens"] == 16 and body["stream_options"] == {"include_usage": True}   # untouched
+    # untouched
+    assert body["max_tokens"] == 16 and body["stream_options"] == {"include_usage": True}
 
 
 def test_prefill_body_chat():
-    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 50,
-            "min_completion_tokens": 3}
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+            "max_completion_tokens": 50, "min_completion_tokens": 3}
     assert prefill_body(body) == {"model": "m", "messages": [{"role": "user", "content": "hi"}],
                                   "max_tokens": 1, "max_completion_tokens": 1, "stream": False,
                                   "kv_transfer_params": NULL_KV}
@@ -134,8 +139,9 @@ def test_prefill_body_chat():
 def test_decode_body_is_the_original_with_prefill_params():
     body = {"model": "m", "prompt": "p", "max_tokens": 16, "stream": True, "min_tokens": 4,
             "stream_options": {"include_usage": True}, "kv_transfer_params": {"x": 1}}
-    assert decode_body(body, PREFILLED_KV) == {"model": "m", "prompt": "p", "max_tokens": 16, "stream": True,
-                                               "min_tokens": 4, "stream_options": {"include_usage": True},
+    assert decode_body(body, PREFILLED_KV) == {"model": "m", "prompt": "p", "max_tokens": 16,
+                                               "stream": True, "min_tokens": 4,
+                                               "stream_options": {"include_usage": True},
                                                "kv_transfer_params": PREFILLED_KV}
 
 
@@ -149,7 +155,8 @@ def test_routable_kv_params(advertised, expected):
 
 
 def test_free_notice():
-    assert free_notice(PREFILLED_KV) == {"remote_request_id": "cmpl-42", "remote_engine_id": "eng-1"}
+    assert free_notice(PREFILLED_KV) == {"remote_request_id": "cmpl-42",
+                                         "remote_engine_id": "eng-1"}
     assert free_notice({"remote_engine_id": "eng-1"}) is None
 
 

@@ -10,7 +10,8 @@ from tests.processes import Server
 def server(tiny, tmp_path_factory):  # noqa: F811
     """`kvrelay serve` on the tiny checkpoint (float32), two served names."""
     s = Server(str(tiny[0]), ["--dtype", "float32", "--max-model-len", "96", "--block-size", "4",
-                              "--served-model-name", "tiny", "openai/gpt-oss-120b", "--max-logprobs", "5"],
+                              "--served-model-name", "tiny", "openai/gpt-oss-120b",
+                              "--max-logprobs", "5"],
                tmp_path_factory.mktemp("server") / "serve.log")
     try:
         s.wait_ready()

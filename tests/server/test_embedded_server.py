@@ -39,8 +39,8 @@ def test_tutorial_validation_requests(embedded):
 def test_paris_completion(embedded):
     server, _ = embedded
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=120)
-    out = client.completions.create(model="kvrelay/smollm2-135m-gpt-oss", prompt="The capital of France is",
-                                    max_tokens=8, temperature=0)
+    out = client.completions.create(model="kvrelay/smollm2-135m-gpt-oss",
+                                    prompt="The capital of France is", max_tokens=8, temperature=0)
     assert "Paris" in out.choices[0].text
 
 
@@ -52,9 +52,11 @@ def test_greedy_chat_equals_transformers(embedded):
     out = client.chat.completions.create(model="kvrelay/smollm2-135m-gpt-oss", messages=messages,
                                          max_tokens=20, temperature=0)
     tok = AutoTokenizer.from_pretrained(model_dir)
-    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                  return_dict=True)["input_ids"]
     assert out.usage.prompt_tokens == ids.shape[1]
-    ref = GptOssForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    ref = GptOssForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                            attn_implementation="eager")
     with torch.no_grad():
         gen = ref.generate(ids, max_new_tokens=20, do_sample=False)[0, ids.shape[1]:]
     want = tok.decode(gen, skip_special_tokens=True)

@@ -33,7 +33,8 @@ def _bound_cost(body: dict) -> None:
     for name in ("max_tokens", "max_completion_tokens", "min_tokens"):
         if isinstance(body.get(name), int) and body[name] > 8:
             body[name] = 8
-    if isinstance(body.get("prompt"), list) and body["prompt"] and isinstance(body["prompt"][0], (str, list)):
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         body["prompt"] = body["prompt"][:4]
 
 

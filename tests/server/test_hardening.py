@@ -31,7 +31,8 @@ def server(tiny, tmp_path_factory):
         s.stop()
 
 
-def post(server: Server, body: dict | None = None, path: str = "/v1/completions", **kwargs) -> httpx.Response:
+def post(server: Server, body: dict | None = None, path: str = "/v1/completions",
+         **kwargs) -> httpx.Response:
     if body is not None:
         kwargs["json"] = body
     kwargs.setdefault("headers", {}).setdefault("content-type", "application/json")
@@ -84,8 +85,10 @@ def test_lone_surrogates_are_400_naming_the_field(server):
     raw = b'{"model": "tiny", "prompt": "w5 \\ud800", "max_tokens": 4}'
     assert_openai_error(post(server, content=raw), 400, "prompt")
     raw = b'{"model": "tiny", "messages": [{"role": "user", "content": "w5 \\udfff w6"}]}'
-    assert_openai_error(post(server, path="/v1/chat/completions", content=raw), 400, "messages.0.content")
-    ok = b'{"model": "tiny", "prompt": "w5 \\ud83d\\ude00", "max_tokens": 2}'   # a valid pair is text
+    assert_openai_error(post(server, path="/v1/chat/completions", content=raw), 400,
+                        "messages.0.content")
+    # a valid pair is text
+    ok = b'{"model": "tiny", "prompt": "w5 \\ud83d\\ude00", "max_tokens": 2}'
     r = post(server, content=ok)
     assert r.status_code == 200, r.text
     assert_serves(server)
@@ -112,7 +115,8 @@ def test_temperature_below_epsilon_is_greedy(server):
 
 
 def test_logit_bias_in_the_vocabulary_is_applied(server):
-    r = post(server, OK | {"max_tokens": 5, "temperature": 0, "ignore_eos": True, "logit_bias": {"42": 100}})
+    r = post(server, OK | {"max_tokens": 5, "temperature": 0, "ignore_eos": True,
+                           "logit_bias": {"42": 100}})
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"].split() == ["w42"] * 5
 
@@ -120,18 +124,21 @@ def test_logit_bias_in_the_vocabulary_is_applied(server):
 def test_one_request_failing_inside_a_step_fails_alone(server):
     """A request whose sampling raises (scripted fault) gets a 500 while requests in the
     same batches complete in full, and the engine keeps serving."""
-    long = {"model": "tiny", "prompt": "w5 w17 w29", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    long = {"model": "tiny", "prompt": "w5 w17 w29", "max_tokens": 40, "temperature": 0,
+            "ignore_eos": True}
     results: list[httpx.Response] = []
-    threads = [threading.Thread(target=lambda: results.append(post(server, long))) for _ in range(3)]
+    threads = [threading.Thread(target=lambda: results.append(post(server, long)))
+               for _ in range(3)]
     for t in threads:
         t.start()
     faulty = post(server, OK | {"prompt": [SAMPLE_FAULT, 5, 17]})
-    streamed = httpx.post(f"{server.url}/v1/completions", json=OK | {"prompt": [SAMPLE_FAULT, 6], "stream": True},
-                          timeout=60)
+    streamed = httpx.post(f"{server.url}/v1/completions",
+                          json=OK | {"prompt": [SAMPLE_FAULT, 6], "stream": True}, timeout=60)
     for t in threads:
         t.join()
     error = assert_openai_error(faulty, 500)
-    assert error["type"] == "InternalServerError" and "injected fault while sampling" in error["message"]
+    assert error["type"] == "InternalServerError"
+    assert "injected fault while sampling" in error["message"]
     events = [json.loads(line[6:]) for line in streamed.text.splitlines()
               if line.startswith("data: ") and line != "data: [DONE]"]
     assert events[-1]["error"]["code"] == 500
@@ -152,7 +159,8 @@ def test_concurrent_requests_with_one_request_id_all_succeed(server):
     crash the engine); the id is still echoed."""
     body = OK | {"max_tokens": 24, "temperature": 0, "ignore_eos": True}
     with cf.ThreadPoolExecutor(4) as pool:
-        rs = list(pool.map(lambda _: post(server, body, headers={"X-Request-Id": "retry-7"}), range(4)))
+        rs = list(pool.map(lambda _: post(server, body, headers={"X-Request-Id": "retry-7"}),
+                           range(4)))
     assert [r.status_code for r in rs] == [200] * 4, [r.text for r in rs]
     assert {r.json()["id"] for r in rs} == {"cmpl-retry-7"}
     assert {r.headers["x-request-id"] for r in rs} == {"retry-7"}

@@ -9,10 +9,15 @@ import openai
 import pytest
 
 from tests.factories import make_hf_model, save_checkpoint
-from tests.harmony_factories import GPT_OSS_VOCAB_SIZE, make_o200k_tokenizer_json, scripted_harmony_answer
+from tests.harmony_factories import (
+    GPT_OSS_VOCAB_SIZE,
+    make_o200k_tokenizer_json,
+    scripted_harmony_answer,
+)
 from tests.processes import Server
 
-REASONING, FINAL = "The user asks for a capital. France's is Paris.", "Paris is the capital of France."
+REASONING = "The user asks for a capital. France's is Paris."
+FINAL = "Paris is the capital of France."
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +27,8 @@ def harmony_server(tmp_path_factory):
                                   intermediate_size=64, num_local_experts=2), path)
     make_o200k_tokenizer_json(path)
     script = scripted_harmony_answer(REASONING, FINAL)
-    s = Server(str(path), ["--dtype", "float32", "--max-model-len", "512", "--served-model-name", "gpt-oss-tiny",
+    s = Server(str(path), ["--dtype", "float32", "--max-model-len", "512", "--served-model-name",
+                           "gpt-oss-tiny",
                            "--logits-processors", "tests.server.scripted:force_script"],
                path / "serve.log", env={"KVRELAY_TEST_SCRIPT": json.dumps(script)})
     try:
@@ -33,24 +39,37 @@ def harmony_server(tmp_path_factory):
 
 
 def test_prompt_is_harmony_rendering(harmony_server):
-    from openai_harmony import (Conversation, DeveloperContent, HarmonyEncodingName, Message, ReasoningEffort,
-                                Role, SystemContent, load_harmony_encoding)
+    from openai_harmony import (
+        Conversation,
+        DeveloperContent,
+        HarmonyEncodingName,
+        Message,
+        ReasoningEffort,
+        Role,
+        SystemContent,
+        load_harmony_encoding,
+    )
     server, _ = harmony_server
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
     out = client.chat.completions.create(model="gpt-oss-tiny", reasoning_effort="low", messages=[
-        {"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Capital of France?"}])
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": "Capital of France?"}])
     enc = load_harmony_encoding(HarmonyEncodingName.HARMONY_GPT_OSS)
     conv = Conversation.from_messages([
-        Message.from_role_and_content(Role.SYSTEM, SystemContent.new().with_reasoning_effort(ReasoningEffort.LOW)),
-        Message.from_role_and_content(Role.DEVELOPER, DeveloperContent.new().with_instructions("Answer briefly.")),
+        Message.from_role_and_content(Role.SYSTEM,
+                                      SystemContent.new().with_reasoning_effort(ReasoningEffort.LOW)),
+        Message.from_role_and_content(Role.DEVELOPER,
+                                      DeveloperContent.new().with_instructions("Answer briefly.")),
         Message.from_role_and_content(Role.USER, "Capital of France?")])
-    assert out.usage.prompt_tokens == len(enc.render_conversation_for_completion(conv, Role.ASSISTANT))
+    assert out.usage.prompt_tokens == len(enc.render_conversation_for_completion(conv,
+                                                                                 Role.ASSISTANT))
 
 
 def test_channels_split_into_reasoning_and_content(harmony_server):
     server, script = harmony_server
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
-    out = client.chat.completions.create(model="gpt-oss-tiny", messages=[{"role": "user", "content": "Capital?"}])
+    out = client.chat.completions.create(model="gpt-oss-tiny",
+                                         messages=[{"role": "user", "content": "Capital?"}])
     choice = out.choices[0]
     assert choice.message.content == FINAL
     extra = choice.message.model_extra
@@ -62,8 +81,9 @@ def test_channels_split_into_reasoning_and_content(harmony_server):
 def test_streamed_channel_by_channel(harmony_server):
     server, _ = harmony_server
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+    messages = [{"role": "user", "content": "Capital?"}]
     chunks = list(client.chat.completions.create(model="gpt-oss-tiny", stream=True,
-                                                 messages=[{"role": "user", "content": "Capital?"}]))
+                                                 messages=messages))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     reasoning = "".join((d.model_extra or {}).get("reasoning") or "" for d in deltas)
     content = "".join(d.content or "" for d in deltas)

@@ -37,7 +37,8 @@ def test_sigterm_drains_in_flight_requests_and_exits_zero(tiny, tmp_path):
 
 
 def test_health_is_503_until_ready_and_ready_timeout_exits(tiny, tmp_path):
-    s = Server(str(tiny[0]), TINY_FLAGS, tmp_path / "serve.log", env={"VLLM_ENGINE_READY_TIMEOUT_S": "0.01"})
+    s = Server(str(tiny[0]), TINY_FLAGS, tmp_path / "serve.log",
+               env={"VLLM_ENGINE_READY_TIMEOUT_S": "0.01"})
     try:
         code = s.proc.wait(60)
         assert code == 1
@@ -49,11 +50,12 @@ def test_health_is_503_until_ready_and_ready_timeout_exits(tiny, tmp_path):
 
 
 def test_step_timeout_fails_the_request_instead_of_hanging(tiny, tmp_path):
-    s = Server(str(tiny[0]), TINY_FLAGS + ["--logits-processors", "tests.server.slow:sleepy"], tmp_path / "serve.log",
-               env={"VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "1"})
+    s = Server(str(tiny[0]), TINY_FLAGS + ["--logits-processors", "tests.server.slow:sleepy"],
+               tmp_path / "serve.log", env={"VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "1"})
     try:
         s.wait_ready()
-        r = httpx.post(f"{s.url}/v1/completions", timeout=60, json={"prompt": [1, 2], "max_tokens": 3})
+        r = httpx.post(f"{s.url}/v1/completions", timeout=60,
+                       json={"prompt": [1, 2], "max_tokens": 3})
         assert r.status_code == 503
         assert "raise VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS" in r.json()["error"]["message"]
     finally:
@@ -79,8 +81,10 @@ def test_api_key(tiny, tmp_path):
 @pytest.mark.parametrize("args,fragment", [
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     (["--hf-overrides", "{bad"], "argument --hf-overrides: malformed JSON"),
-    (["--additional-config", '{"neuron_config": {"bogus": 1}}'], "unknown neuron_config key 'bogus'"),
-    (["--additional-config", '{"neuron_config": {"num_seqs_buckets": [4, 2]}}'], "must be strictly ascending"),
+    (["--additional-config", '{"neuron_config": {"bogus": 1}}'],
+     "unknown neuron_config key 'bogus'"),
+    (["--additional-config", '{"neuron_config": {"num_seqs_buckets": [4, 2]}}'],
+     "must be strictly ascending"),
 ])
 def test_cli_errors_are_one_line(tiny, args, fragment):
     r = subprocess.run([sys.executable, "-m", "kvrelay.cli", "serve", str(tiny[0]), *args],
@@ -92,6 +96,8 @@ def test_cli_errors_are_one_line(tiny, args, fragment):
 
 def test_unknown_model_id_fails_with_clear_message(tmp_path):
     r = subprocess.run([sys.executable, "-m", "kvrelay.cli", "serve", "openai/gpt-oss-120b",
-                        "--download-dir", str(tmp_path)], capture_output=True, text=True, timeout=120)
+                        "--download-dir", str(tmp_path)], capture_output=True, text=True,
+                       timeout=120)
     assert r.returncode == 1
-    assert f"'openai/gpt-oss-120b' is not a local directory and was not found in {tmp_path}" in r.stderr
+    assert (f"'openai/gpt-oss-120b' is not a local directory and was not found in {tmp_path}"
+            in r.stderr)

@@ -29,18 +29,22 @@ def test_health_and_models(server, client):
 
 
 def test_greedy_completion_equals_offline_engine(client, offline):
-    want = offline.generate([PROMPT], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].outputs[0]
-    got = client.completions.create(model="openai/gpt-oss-120b", prompt=PROMPT, max_tokens=12, temperature=0,
-                                    extra_body={"ignore_eos": True})
+    want = offline.generate([PROMPT], SamplingParams(temperature=0, max_tokens=12,
+                                                     ignore_eos=True))[0].outputs[0]
+    got = client.completions.create(model="openai/gpt-oss-120b", prompt=PROMPT, max_tokens=12,
+                                    temperature=0, extra_body={"ignore_eos": True})
     assert got.choices[0].text == want.text
     assert got.choices[0].finish_reason == "length"
-    assert (got.usage.prompt_tokens, got.usage.completion_tokens, got.usage.total_tokens) == (11, 12, 23)
+    assert (got.usage.prompt_tokens, got.usage.completion_tokens,
+            got.usage.total_tokens) == (11, 12, 23)
 
 
 def test_streaming_completion_equals_non_streaming(client):
-    kwargs = dict(model="tiny", prompt="w5 w17 w29", max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
+    kwargs = dict(model="tiny", prompt="w5 w17 w29", max_tokens=10, temperature=0,
+                  extra_body={"ignore_eos": True})
     full = client.completions.create(**kwargs)
-    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True},
+                                            **kwargs))
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == full.choices[0].text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
@@ -48,35 +52,40 @@ def test_streaming_completion_equals_non_streaming(client):
 
 
 def test_n_echo_stop_and_logprobs(client):
-    out = client.completions.create(model="tiny", prompt="w5 w17 w29", max_tokens=6, n=3, temperature=0,
-                                    extra_body={"ignore_eos": True})
+    out = client.completions.create(model="tiny", prompt="w5 w17 w29", max_tokens=6, n=3,
+                                    temperature=0, extra_body={"ignore_eos": True})
     assert sorted(c.index for c in out.choices) == [0, 1, 2]
     assert len({c.text for c in out.choices}) == 1 and out.usage.completion_tokens == 18
-    echo = client.completions.create(model="tiny", prompt="w5 w17 w29", max_tokens=3, temperature=0, echo=True,
-                                     extra_body={"ignore_eos": True})
+    echo = client.completions.create(model="tiny", prompt="w5 w17 w29", max_tokens=3, temperature=0,
+                                     echo=True, extra_body={"ignore_eos": True})
     assert echo.choices[0].text.startswith("w5 w17 w29")
     base = client.completions.create(model="tiny", prompt="w5 w17 w29", max_tokens=8, temperature=0,
                                      extra_body={"ignore_eos": True}).choices[0].text
     stop_word = base.split()[2]
     cut = client.completions.create(model="tiny", prompt="w5 w17 w29", max_tokens=8, temperature=0,
-                                    stop=[" " + stop_word], extra_body={"ignore_eos": True}).choices[0]
+                                    stop=[" " + stop_word],
+                                    extra_body={"ignore_eos": True}).choices[0]
     assert cut.finish_reason == "stop" and cut.text == base[:base.index(" " + stop_word)]
-    lp = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2,
-                                   extra_body={"ignore_eos": True}).choices[0].logprobs
+    lp = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0,
+                                   logprobs=2, extra_body={"ignore_eos": True}).choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
     assert all(len(t) >= 2 for t in lp.top_logprobs)
-    assert all(max(t.values()) == v for t, v in zip(lp.top_logprobs, lp.token_logprobs))  # greedy = top-1
+    # greedy = top-1
+    assert all(max(t.values()) == v for t, v in zip(lp.top_logprobs, lp.token_logprobs))
 
 
 def test_chat_completion_and_stream(client):
     messages = [{"role": "user", "content": "w10 w11"}]
-    full = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
-                                          extra_body={"ignore_eos": True}, logprobs=True, top_logprobs=2)
+    full = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8,
+                                          temperature=0,
+                                          extra_body={"ignore_eos": True}, logprobs=True,
+                                          top_logprobs=2)
     message = full.choices[0].message
     assert message.role == "assistant" and message.content
     assert full.usage.prompt_tokens == 5                # w1 w10 w11 w2 w4
     assert len(full.choices[0].logprobs.content) == 8
-    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=8,
+                                                 temperature=0,
                                                  stream=True, extra_body={"ignore_eos": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == message.content
@@ -95,7 +104,8 @@ def _error(response: httpx.Response) -> dict:
     ({"prompt": "w1", "model": "nope"}, 404, "The model `nope` does not exist"),
     ({"prompt": list(range(1, 100))}, 400, "maximum context length is 96"),
     ({"prompt": "w1", "max_tokens": 0}, 400, "max_tokens"),
-    ({"prompt": "w1", "max_tokens": 200}, 400, "you requested 201 tokens (1 in the prompt, 200 in the completion)"),
+    ({"prompt": "w1", "max_tokens": 200}, 400,
+     "you requested 201 tokens (1 in the prompt, 200 in the completion)"),
     ({"prompt": "w1", "temperature": -1}, 400, "temperature"),
     ({"prompt": "w1", "logprobs": 6}, 400, "exceeds the server's --max-logprobs 5"),
     ({"prompt": ""}, 400, "the prompt is empty"),
@@ -104,9 +114,11 @@ def _error(response: httpx.Response) -> dict:
     ({"messages": []}, 400, "messages"),
 ])
 def test_bad_input_is_a_4xx_with_an_openai_error(server, body, status, fragment):
-    path = "/v1/chat/completions" if isinstance(body, dict) and "messages" in body else "/v1/completions"
+    chat = isinstance(body, dict) and "messages" in body
+    path = "/v1/chat/completions" if chat else "/v1/completions"
     content = body if isinstance(body, str) else json.dumps(body)
-    r = httpx.post(f"{server.url}{path}", content=content, headers={"content-type": "application/json"})
+    r = httpx.post(f"{server.url}{path}", content=content,
+                   headers={"content-type": "application/json"})
     assert r.status_code == status, r.text
     assert fragment in _error(r)["message"]
 
@@ -121,13 +133,14 @@ def test_bad_requests_leave_others_untouched(server, client):
     results = {}
 
     def good():
-        results["good"] = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=20, temperature=0,
-                                                    extra_body={"ignore_eos": True})
+        results["good"] = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=20,
+                                                    temperature=0, extra_body={"ignore_eos": True})
 
     t = threading.Thread(target=good)
     t.start()
     for _ in range(10):
-        assert httpx.post(f"{server.url}/v1/completions", json={"prompt": "w1", "max_tokens": 0}).status_code == 400
+        assert httpx.post(f"{server.url}/v1/completions",
+                          json={"prompt": "w1", "max_tokens": 0}).status_code == 400
     t.join(60)
     assert results["good"].usage.completion_tokens == 20
 
@@ -142,21 +155,23 @@ def test_request_id_is_echoed(server):
 def test_metrics_parse_and_use_vllm_names(server, client):
     client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3)
     m = server.metrics()
-    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "vllm:kv_cache_usage_perc",
                  "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
                  "vllm:time_to_first_token_seconds_count", "vllm:e2e_request_latency_seconds_count",
-                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "kvrelay:kv_blocks_free"):
+                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+                 "kvrelay:kv_blocks_free"):
         assert name in m, name
     assert m["vllm:generation_tokens_total"] >= 3
 
 
 def test_client_disconnect_frees_kv_blocks(server):
-    with httpx.Client(timeout=30) as http:
-        with http.stream("POST", f"{server.url}/v1/completions",
-                         json={"prompt": PROMPT, "max_tokens": 80, "stream": True, "ignore_eos": True}) as r:
-            lines = r.iter_lines()
-            next(lines)
-            assert server.metrics()["kvrelay:kv_blocks_used"] > 0
+    body = {"prompt": PROMPT, "max_tokens": 80, "stream": True, "ignore_eos": True}
+    with (httpx.Client(timeout=30) as http,
+          http.stream("POST", f"{server.url}/v1/completions", json=body) as r):
+        lines = r.iter_lines()
+        next(lines)
+        assert server.metrics()["kvrelay:kv_blocks_used"] > 0
     # the connection is closed mid-stream: the engine aborts and frees the blocks
     import time
     deadline = time.monotonic() + 20

@@ -60,7 +60,8 @@ def test_outputs_valid_through_the_proxy(bytes_ckpt, pair):
             response_format={"type": "json_schema",
                              "json_schema": {"name": "w", "schema": WEATHER}})
         valid_json(out.choices[0].message.content, WEATHER)
-        text = client.completions.create(model=str(bytes_ckpt), prompt="Code:", seed=seed, temperature=1.0,
+        text = client.completions.create(model=str(bytes_ckpt), prompt="Code:", seed=seed,
+                                         temperature=1.0,
                                          max_tokens=20, extra_body={"guided_regex": REGEX})
         valid_regex(text.choices[0].text)
     m = wait_metric(prefill, "kvrelay:kv_blocks_used", 0)

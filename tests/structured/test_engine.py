@@ -71,7 +71,8 @@ def test_requests_without_grammar_are_unchanged(llm):
     plain = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     alone = llm.generate("Tell me", plain)[0].outputs[0].token_ids
     mixed = llm.generate(["Tell me", "Tell me", "Other"],
-                         [plain, _sample(Constraint(json=PERSON), 1), _sample(Constraint(regex=REGEX), 2)])
+                         [plain, _sample(Constraint(json=PERSON), 1),
+                          _sample(Constraint(regex=REGEX), 2)])
     assert mixed[0].outputs[0].token_ids == alone
     assert len(alone) == 12
 
@@ -104,15 +105,18 @@ def test_harmony_turn_constrained_from_the_first_token(harmony_ckpt):
     from kvrelay import harmony
     llm = LLM(str(harmony_ckpt), dtype="float32", max_model_len=512, block_size=16)
     prompt = harmony.render_chat([{"role": "user", "content": "Weather in Paris?"}], None)
-    tools = ToolCallConstraint((FunctionSpec("get_weather", WEATHER), FunctionSpec("person", PERSON)))
+    tools = ToolCallConstraint((FunctionSpec("get_weather", WEATHER),
+                                FunctionSpec("person", PERSON)))
     budget = 12
 
     def params(c: Constraint, seed: int) -> SamplingParams:
         return SamplingParams(temperature=1.0, seed=seed, max_tokens=100, skip_special_tokens=False,
                               stop_token_ids=harmony.stop_token_ids(), structured_outputs=c)
     seeds = range(6)
-    answers = [params(Constraint(json=WEATHER, harmony=True, analysis_budget=budget), s) for s in seeds]
-    calls = [params(Constraint(tool_call=tools, harmony=True, analysis_budget=budget), s) for s in seeds]
+    answers = [params(Constraint(json=WEATHER, harmony=True, analysis_budget=budget), s)
+               for s in seeds]
+    calls = [params(Constraint(tool_call=tools, harmony=True, analysis_budget=budget), s)
+             for s in seeds]
     outs = llm.generate([prompt] * (len(answers) + len(calls)), answers + calls)
     analysed = 0
     for i, out in enumerate(outs):

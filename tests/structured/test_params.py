@@ -20,7 +20,8 @@ def test_one_format_at_most():
         StructuredOutputsParams(regex="a", tool_call=ToolCallConstraint((FunctionSpec("f"),)))
     with pytest.raises(ValueError, match="duplicate"):
         ToolCallConstraint((FunctionSpec("f"), FunctionSpec("f")))
-    p = StructuredOutputsParams(regex="a", tool_call=ToolCallConstraint((FunctionSpec("f"),), False))
+    p = StructuredOutputsParams(regex="a",
+                                tool_call=ToolCallConstraint((FunctionSpec("f"),), False))
     assert p.formats() == ["regex"]
 
 

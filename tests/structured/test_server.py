@@ -44,9 +44,11 @@ def _client(server: Server) -> openai.OpenAI:
 
 def test_chat_response_format_json_schema(server):
     client = _client(server)
-    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    fmt = {"type": "json_schema",
+           "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
     for seed in SEEDS:
-        out = client.chat.completions.create(model="tiny", seed=seed, temperature=1.0, max_tokens=120,
+        out = client.chat.completions.create(model="tiny", seed=seed, temperature=1.0,
+                                             max_tokens=120,
                                              messages=[{"role": "user", "content": "A person?"}],
                                              response_format=fmt)
         assert out.choices[0].finish_reason == "stop"
@@ -61,8 +63,8 @@ def test_completions_vllm_fields(server):
                              ({"guided_json": WEATHER}, lambda t: valid_json(t, WEATHER)),
                              ({"response_format": {"type": "json_object"}},
                               lambda t: t.startswith("{"))]:
-            out = client.completions.create(model="tiny", prompt="Answer:", seed=seed, temperature=1.0,
-                                            max_tokens=120, extra_body=extra)
+            out = client.completions.create(model="tiny", prompt="Answer:", seed=seed,
+                                            temperature=1.0, max_tokens=120, extra_body=extra)
             check(out.choices[0].text)
 
 

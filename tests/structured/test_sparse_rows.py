@@ -22,7 +22,8 @@ class FakeBackend:
 
     def fill(self, rows, ptr, batch):
         words = (VOCAB + 31) // 32
-        view = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_int32 * (batch * words)).from_address(ptr))
+        row_type = np.ctypeslib.ctypes.c_int32 * (batch * words)
+        view = np.ctypeslib.as_array(row_type.from_address(ptr))
         view = view.reshape(batch, words)
         for _, i in rows:
             for t in ALLOWED:

@@ -15,7 +15,8 @@ def byte_tok():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     corpus = ["Paris is the capital of France.", "Zürich, 東京 and São Paulo 🙂", "a b c"] * 20
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300,
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     return CheckpointTokenizer(tok, (), None, {})
 
 
@@ -57,6 +58,6 @@ def test_stream_holds_back_what_could_still_become_a_stop_string(byte_tok):
 
 
 def test_include_stop_string(byte_tok):
-    d, deltas = stream(byte_tok, byte_tok.encode("Paris is the capital of France."),
-                       stop=["the"], include_stop=True)
+    d, _ = stream(byte_tok, byte_tok.encode("Paris is the capital of France."),
+                  stop=["the"], include_stop=True)
     assert d.text == "Paris is the"

@@ -107,7 +107,7 @@ def test_bad_values_are_one_line_errors(ckpt, kwargs, message):
 def test_a_missing_checkpoint_names_the_path(tmp_path):
     with pytest.raises(ValueError, match="not a local directory"):
         EngineConfig.from_args(EngineArgs(model=str(tmp_path / "nope"), download_dir=str(tmp_path)))
-    with pytest.raises(ValueError, match="needs config.json"):
+    with pytest.raises(ValueError, match=r"needs config.json"):
         EngineConfig.from_args(EngineArgs(model=str(tmp_path)))
 
 

@@ -6,16 +6,36 @@ import hashlib
 import random
 
 import pytest
-from openai_harmony import (Author, Conversation, DeveloperContent, Message, ReasoningEffort,
-                            Role, StreamState, SystemContent, ToolDescription)
+from openai_harmony import (
+    Author,
+    Conversation,
+    DeveloperContent,
+    Message,
+    ReasoningEffort,
+    Role,
+    StreamState,
+    SystemContent,
+    ToolDescription,
+)
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from kvrelay import harmony
-from kvrelay.harmony import (HARMONY_SPECIAL_TOKENS, Delta, HarmonyStreamParser, get_encoding,
-                             parse_completion, render_chat, stop_token_ids, uses_harmony)
+from kvrelay.harmony import (
+    HARMONY_SPECIAL_TOKENS,
+    Delta,
+    HarmonyStreamParser,
+    get_encoding,
+    parse_completion,
+    render_chat,
+    stop_token_ids,
+    uses_harmony,
+)
 from kvrelay.model import o200k
-from tests.harmony_factories import (make_o200k_tokenizer_json, scripted_harmony_answer,
-                                     scripted_tool_call)
+from tests.harmony_factories import (
+    make_o200k_tokenizer_json,
+    scripted_harmony_answer,
+    scripted_tool_call,
+)
 
 
 @pytest.fixture(scope="module")

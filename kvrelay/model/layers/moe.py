@@ -65,7 +65,8 @@ class Router(nn.Module):
     def __init__(self, hidden: int, num_experts: int, top_k: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.top_k = top_k
-        self.weight = nn.Parameter(torch.zeros(num_experts, hidden, dtype=dtype), requires_grad=False)
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden, dtype=dtype),
+                                   requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(num_experts, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,7 +90,7 @@ class Experts(nn.Module):
                                                      ctx.moe_tp_rank, granule)
         # each (token, expert) pair gets the down bias once: from the first intermediate shard
         self.add_down_bias = self.i0 == 0
-        E, I = self.num_local, self.i_local
+        E, I = self.num_local, self.i_local  # noqa: E741 -- I as in the shape comments
         self.gate_up_bias = nn.Parameter(torch.zeros(E, 2 * I, dtype=dtype), requires_grad=False)
         self.down_bias = nn.Parameter(torch.zeros(E, hidden, dtype=dtype), requires_grad=False)
         self.gate_up: torch.Tensor | MXFP4Tensor
@@ -100,7 +101,8 @@ class Experts(nn.Module):
         if moe_kernel_mode() != "torch":
             kernels.status()    # build/load the kernels at model construction, not mid-request
         if not mxfp4:
-            self.gate_up = nn.Parameter(torch.zeros(E, 2 * I, hidden, dtype=dtype), requires_grad=False)
+            self.gate_up = nn.Parameter(torch.zeros(E, 2 * I, hidden, dtype=dtype),
+                                        requires_grad=False)
             self.down = nn.Parameter(torch.zeros(E, hidden, I, dtype=dtype), requires_grad=False)
 
     # -- loading -------------------------------------------------------------------------
@@ -127,23 +129,30 @@ class Experts(nn.Module):
 
     def _load_dense(self, src: WeightSource, prefix: str, rows: tuple[int, int, int]) -> None:
         gate_up = self._local_slice(src, f"{prefix}.gate_up_proj", 2, *rows)       # [E, H, 2I]
-        down = self._local_slice(src, f"{prefix}.down_proj", 1, self.i0, self.i1, self.i_local)  # [E, I, H]
+        down = self._local_slice(src, f"{prefix}.down_proj", 1,                    # [E, I, H]
+                                 self.i0, self.i1, self.i_local)
+        # the loader keeps a dense checkpoint's experts dense (quantization "mxfp4" refuses it)
+        assert isinstance(self.gate_up, torch.Tensor) and isinstance(self.down, torch.Tensor)
         self.gate_up.copy_(gate_up.transpose(1, 2))
         self.down.copy_(down.transpose(1, 2))
 
     def _load_mxfp4(self, src: WeightSource, prefix: str, rows: tuple[int, int, int]) -> None:
         g0, g1, gl = self.i0 // BLOCK, -(-self.i1 // BLOCK), self.i_local // BLOCK
-        gu = MXFP4Tensor(self._local_slice(src, f"{prefix}.gate_up_proj_blocks", 1, *rows).to(torch.uint8),
-                         self._local_slice(src, f"{prefix}.gate_up_proj_scales", 1, *rows).to(torch.uint8))
-        dn = MXFP4Tensor(self._local_slice(src, f"{prefix}.down_proj_blocks", 2, g0, g1, gl).to(torch.uint8),
-                         self._local_slice(src, f"{prefix}.down_proj_scales", 2, g0, g1, gl).to(torch.uint8))
+        gu = MXFP4Tensor(
+            self._local_slice(src, f"{prefix}.gate_up_proj_blocks", 1, *rows).to(torch.uint8),
+            self._local_slice(src, f"{prefix}.gate_up_proj_scales", 1, *rows).to(torch.uint8))
+        dn = MXFP4Tensor(
+            self._local_slice(src, f"{prefix}.down_proj_blocks", 2, g0, g1, gl).to(torch.uint8),
+            self._local_slice(src, f"{prefix}.down_proj_scales", 2, g0, g1, gl).to(torch.uint8))
         if self.mxfp4:
             self.gate_up, self.down = gu, dn
             return
         # dense experts requested: dequantise once at load
-        self.gate_up = nn.Parameter(torch.stack([gu.expert(e, self.dtype) for e in range(self.num_local)]),
+        self.gate_up = nn.Parameter(torch.stack([gu.expert(e, self.dtype)
+                                                 for e in range(self.num_local)]),
                                     requires_grad=False)
-        self.down = nn.Parameter(torch.stack([dn.expert(e, self.dtype) for e in range(self.num_local)]),
+        self.down = nn.Parameter(torch.stack([dn.expert(e, self.dtype)
+                                              for e in range(self.num_local)]),
                                  requires_grad=False)
 
     def _apply(self, fn, recurse=True):  # keep packed MXFP4 tensors on the module's device
@@ -162,7 +171,8 @@ class Experts(nn.Module):
         return w.expert(e, dtype) if isinstance(w, MXFP4Tensor) else w[e].to(dtype)
 
     # -- compute --------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weights: torch.Tensor,
+                expert_ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], weights/expert_ids [T, k] → this rank's partial output [T, H]."""
         if self.uses_native_kernel(expert_ids.numel()):
             return self.forward_native(x, weights, expert_ids)
@@ -249,12 +259,12 @@ class Experts(nn.Module):
         counts = torch.bincount(local.clamp(min=-1, max=self.num_local) + 1,
                                 minlength=self.num_local + 2)               # [-1 | local | above]
         start = int(counts[0])
-        counts = counts[1:self.num_local + 1].tolist()
-        chosen = order[start:start + sum(counts)]                           # [n] local choices
+        sizes: list[int] = counts[1:self.num_local + 1].tolist()            # choices per expert
+        chosen = order[start:start + sum(sizes)]                            # [n] local choices
         x_sorted = x[chosen // k]                                           # [n, H]
         y_sorted = torch.empty_like(x_sorted)
         offset = 0
-        for e, n in enumerate(counts):
+        for e, n in enumerate(sizes):
             if n:
                 dt = work_dtype if n >= UPCAST_MIN_ROWS else self.dtype    # see layers.linear
                 y_sorted[offset:offset + n] = self._expert(e, x_sorted[offset:offset + n].to(dt))
