@@ -59,7 +59,7 @@ class StepInput:
     block_tables: list[list[list[int]]]      # [group][chunk] → block ids
     logits_rows: list[int]                   # flattened token indices whose logits are wanted
     num_decodes: int = 0                     # leading chunks with one token each
-    dp_token_counts: tuple[int, ...] | None = None   # EP across DP: every replica's tokens this step
+    dp_token_counts: tuple[int, ...] | None = None  # EP across DP: every replica's tokens this step
     kv_work: Any = None                      # disaggregation: KV reads for ranks ≥ 1 to start
                                              # before this step (kvrelay/disagg/worker.KVWork)
 
@@ -178,7 +178,9 @@ class ModelRunner:
         self._set_threads(len(step.token_ids), len(step.logits_rows))
         ids, positions, meta = self.prepare(step)
         if step.dp_token_counts is not None:        # MoE layers gather all replicas' tokens
-            self.model.ctx.expert_group.begin_step(step.dp_token_counts)
+            group = self.model.ctx.expert_group
+            assert group is not None          # set whenever dp_token_counts is
+            group.begin_step(step.dp_token_counts)
         hidden = self.model(ids, positions, self.kv_caches, meta)             # [T, H]
         rows = torch.tensor(step.logits_rows, dtype=torch.int64, device=self.device)
         return self.model.compute_logits(hidden[rows]).cpu()

@@ -35,7 +35,7 @@ def _banned_ids(req: Request) -> list[int]:
     p = req.params
     if len(req.output_token_ids) >= p.min_tokens or req.grammar is not None:
         return []                       # a grammar decides alone when the output may end
-    return list(p.stop_token_ids) + ([] if p.ignore_eos else list(req.eos_token_ids))
+    return list(p.stop_token_ids or ()) + ([] if p.ignore_eos else list(req.eos_token_ids))
 
 
 class Sampler:
@@ -81,7 +81,8 @@ class Sampler:
         the rows that fail alone come back as {row: exception} (their token is -1).
         Seeded generators are rewound before the re-run, so every other row draws exactly
         what it would have drawn in the batch (a row's draw depends only on its noise)."""
-        states = {i: r.generator.get_state() for i, r in enumerate(requests) if r.generator is not None}
+        states = {i: r.generator.get_state() for i, r in enumerate(requests)
+                  if r.generator is not None}
         try:
             return self(logits, requests), {}
         except Exception as e:  # noqa: BLE001 -- attributed to rows below
@@ -151,7 +152,7 @@ class Sampler:
         top_p = torch.tensor([r.params.top_p for r in requests], dtype=probs.dtype)
         if bool((top_p < 1).any()):
             sorted_p, order = probs.sort(dim=-1, descending=True)
-            outside = (sorted_p.cumsum(-1) - sorted_p) > top_p[:, None]   # keep the smallest set ≥ p
+            outside = (sorted_p.cumsum(-1) - sorted_p) > top_p[:, None]  # keep the smallest set ≥ p
             probs = probs.scatter(1, order, sorted_p.masked_fill(outside, 0))
         min_p = torch.tensor([r.params.min_p for r in requests], dtype=probs.dtype)
         if bool((min_p > 0).any()):

@@ -94,8 +94,8 @@ class Scheduler:
         if request.num_prompt_tokens >= self.config.max_model_len:
             raise ValueError(
                 f"the prompt has {request.num_prompt_tokens} tokens; with max_model_len "
-                f"{self.config.max_model_len} at most {self.config.max_model_len - 1} prompt tokens "
-                f"leave room for one generated token")
+                f"{self.config.max_model_len} at most {self.config.max_model_len - 1} prompt "
+                "tokens leave room for one generated token")
         request.arrival = self._arrivals
         self._arrivals += 1
         self.requests[request.request_id] = request
@@ -132,7 +132,8 @@ class Scheduler:
         return out
 
     def _allocate_or_preempt(self, req: Request, n: int, out: SchedulerOutput) -> bool:
-        while not self.kv.allocate(req.request_id, req.num_computed_tokens, req.num_computed_tokens + n):
+        while not self.kv.allocate(req.request_id, req.num_computed_tokens,
+                                   req.num_computed_tokens + n):
             victim = self.running.pop()                  # the newest running request
             self._preempt(victim)
             out.preempted.append(victim.request_id)
@@ -152,7 +153,7 @@ class Scheduler:
                 continue
             tokens = req.all_token_ids
             hit = None
-            if req.params.prompt_logprobs is None:       # prompt logprobs need every position computed
+            if req.params.prompt_logprobs is None:  # prompt logprobs need every position computed
                 hit = self.kv.find_prefix_hit(req.request_id, tokens)
             start = hit.num_tokens if hit else 0
             n = min(req.num_tokens - start, budget)
@@ -200,7 +201,8 @@ class Scheduler:
             self.running.append(req)
             return
         if recompute:
-            logger.warning("KV load for %s failed (%s); recomputing the prompt locally", request_id, error)
+            logger.warning("KV load for %s failed (%s); recomputing the prompt locally", request_id,
+                           error)
             self.kv.free(request_id)
             req.kv_transfer = None
             req.num_computed_tokens = 0
@@ -255,7 +257,7 @@ class Scheduler:
         p = req.params
         num_out = len(req.output_token_ids)
         if num_out >= p.min_tokens:
-            if token in p.stop_token_ids:
+            if token in (p.stop_token_ids or ()):
                 req.stop_reason = token
                 return Status.FINISHED_STOPPED
             if not p.ignore_eos and token in req.eos_token_ids:

@@ -40,7 +40,8 @@ class Attention(nn.Module):
         c = config
         self.qkv = QKVParallelLinear(c.hidden_size, c.head_dim, c.num_attention_heads,
                                      c.num_key_value_heads, ctx, dtype)
-        self.o_proj = RowParallelLinear(c.num_attention_heads * c.head_dim, c.hidden_size, ctx, dtype)
+        self.o_proj = RowParallelLinear(c.num_attention_heads * c.head_dim, c.hidden_size, ctx,
+                                        dtype)
         self.attn = PagedAttention(self.qkv.num_heads, self.qkv.num_kv_heads, c.head_dim,
                                    c.window_of(layer), group, ctx)
         self.rotary = rotary
@@ -96,7 +97,8 @@ class GptOssModel(nn.Module):
         self.layer_groups = kv_cache_groups(config, hybrid_kv_cache)
         self.max_positions = max_positions or config.max_position_embeddings
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, self.max_positions)
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx, dtype)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx,
+                                                   dtype)
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, self.layer_groups[i], ctx, dtype, self.rotary, mxfp4)
             for i in range(config.num_hidden_layers))
@@ -105,7 +107,9 @@ class GptOssModel(nn.Module):
 
     @property
     def num_kv_heads_local(self) -> int:
-        return self.layers[0].self_attn.qkv.num_kv_heads
+        layer = self.layers[0]
+        assert isinstance(layer, DecoderLayer)
+        return layer.self_attn.qkv.num_kv_heads
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int,
                           device: torch.device | str = "cpu") -> list[torch.Tensor]:
@@ -129,8 +133,9 @@ class GptOssModel(nn.Module):
         total = 0
         for module in self.modules():
             if hasattr(module, "nbytes") and module is not self:
-                total += module.nbytes()
+                total += module.nbytes()  # type: ignore[operator]  # hasattr-checked above
         counted = {id(p) for m in self.modules() if hasattr(m, "nbytes") and m is not self
                    for p in m.parameters()}
-        total += sum(p.numel() * p.element_size() for p in self.parameters() if id(p) not in counted)
+        total += sum(p.numel() * p.element_size() for p in self.parameters()
+                     if id(p) not in counted)
         return total

@@ -47,7 +47,8 @@ class AttentionMetadata:
     slot_mappings: tuple[torch.Tensor, ...]  # per group: [T] int64
     block_size: int
     num_decodes: int = 0
-    _plans: dict[tuple[int, int | None, str], _GatherPlan] = field(default_factory=dict, repr=False)
+    _plans: dict[tuple[int, int | None, str], _GatherPlan | None] = field(default_factory=dict,
+                                                                          repr=False)
 
     @property
     def num_seqs(self) -> int:
@@ -182,9 +183,11 @@ class PagedAttention(nn.Module):
         return kernel.decode(q.to(kv_cache.dtype), kv_cache, table, meta.seq_lens[:nd],
                              self.sinks, self.scale, self.window or 0).to(q.dtype)
 
-    def _attend_part(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _GatherPlan) -> torch.Tensor:
+    def _attend_part(self, q: torch.Tensor, kv_cache: torch.Tensor,
+                     plan: _GatherPlan) -> torch.Tensor:
         s = plan.block_ids.shape[0]
-        kvh, g, hd, L = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim, plan.max_q
+        kvh, g = self.num_kv_heads, self.num_heads // self.num_kv_heads
+        hd, L = self.head_dim, plan.max_q
         keys = kv_cache[0, plan.block_ids]                                  # [s, nb, kvh, B, hd]
         values = kv_cache[1, plan.block_ids]
         keys = keys.transpose(1, 2).reshape(s, kvh, -1, hd)                 # [s, kvh, K, hd]
@@ -193,7 +196,8 @@ class PagedAttention(nn.Module):
         padded = q.new_zeros(s, L, self.num_heads, hd)                      # [s, L, h, hd]
         padded[plan.token_seq, plan.token_off] = q
         padded = padded.view(s, L, kvh, g, hd).permute(0, 2, 3, 1, 4).reshape(s, kvh, g * L, hd)
-        mask = plan.mask if L == 1 else plan.mask[:, :, None].expand(s, 1, g, L, -1).reshape(s, 1, g * L, -1)
+        mask = plan.mask if L == 1 else plan.mask[:, :, None].expand(s, 1, g, L,
+                                                                     -1).reshape(s, 1, g * L, -1)
         out, lse = _attend(padded, keys.to(q.dtype), values.to(q.dtype), mask, self.scale)
         sinks = self.sinks.view(kvh, g, 1).expand(kvh, g, L).reshape(1, kvh, g * L)
         out = out * torch.sigmoid(lse - sinks).unsqueeze(-1).to(out.dtype)  # [s, kvh, g*L, hd]

@@ -20,7 +20,8 @@ class _VocabShard(nn.Module):
         super().__init__()
         self.ctx, self.vocab = ctx, vocab
         self.start, self.stop, self.local = shard_range(vocab, ctx.tp_size, ctx.tp_rank)
-        self.weight = nn.Parameter(torch.zeros(self.local, hidden, dtype=dtype), requires_grad=False)
+        self.weight = nn.Parameter(torch.zeros(self.local, hidden, dtype=dtype),
+                                   requires_grad=False)
 
     def load(self, src: WeightSource, name: str) -> None:
         self.weight.copy_(padded_slice(src, name, 0, self.start, self.stop, self.local))

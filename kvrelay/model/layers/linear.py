@@ -55,7 +55,8 @@ def cpu_bf16_features() -> tuple[str, ...]:
 def _decide() -> HalfMatmulChoice:
     mode = envs.CPU_HALF_MATMUL.raw()
     if mode not in ("auto", "native", "fp32"):
-        raise ValueError(f"{envs.CPU_HALF_MATMUL.shown}: expected auto, native or fp32, got {mode!r}")
+        raise ValueError(f"{envs.CPU_HALF_MATMUL.shown}: expected auto, native or fp32, got "
+                         f"{mode!r}")
     features = cpu_bf16_features()
     if mode != "auto":
         return HalfMatmulChoice(mode == "native", features, f"{envs.CPU_HALF_MATMUL.name}={mode}")
@@ -163,8 +164,10 @@ class QKVParallelLinear(nn.Module):
                  ("v_proj", kv0, self.kv_size)]
         row = 0
         for name, start, size in spans:
-            self.weight[row:row + size].copy_(src.get(f"{prefix}.{name}.weight", 0, start, start + size))
-            self.bias[row:row + size].copy_(src.get(f"{prefix}.{name}.bias", 0, start, start + size))
+            self.weight[row:row + size].copy_(src.get(f"{prefix}.{name}.weight", 0, start,
+                                                      start + size))
+            self.bias[row:row + size].copy_(src.get(f"{prefix}.{name}.bias", 0, start,
+                                                    start + size))
             row += size
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

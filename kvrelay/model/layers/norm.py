@@ -10,7 +10,8 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         # Kept in float32 whatever the model dtype: the scale multiplies fp32 activations.
-        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=torch.float32), requires_grad=False)
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=torch.float32),
+                                   requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()                                                  # [tokens, hidden]

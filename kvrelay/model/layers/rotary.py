@@ -83,10 +83,12 @@ class RotaryEmbedding(nn.Module):
 
     def _gather(self, positions: torch.Tensor, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        return (self.cos[positions].to(dtype)[:, None, :],                    # [tokens, 1, hd/2]
-                self.sin[positions].to(dtype)[:, None, :])
+        cos, sin = self.cos, self.sin
+        assert isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)     # buffers
+        return (cos[positions].to(dtype)[:, None, :],                          # [tokens, 1, hd/2]
+                sin[positions].to(dtype)[:, None, :])
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)                                         # [tokens, heads, hd/2]
+    first, second = x.chunk(2, dim=-1)  # [tokens, heads, hd/2]
     return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
