@@ -19,12 +19,10 @@ a request reaches the engine.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping, MutableMapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Mapping, MutableMapping, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -36,7 +34,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvrelay import http_body
 from kvrelay.engine.client import (
-    EngineClient,
     EngineDeadError,
     EngineError,
     KVHoldRefused,
@@ -44,49 +41,38 @@ from kvrelay.engine.client import (
     RequestFailed,
 )
 from kvrelay.engine.outputs import RequestOutput
-from kvrelay.model.tokenizer import CheckpointTokenizer
-from kvrelay.sampling_params import (
-    SamplingParams,
-    SamplingParamsError,
-    check_token_ids,
-    validate_for_model,
-)
 from kvrelay.server import structured_hooks
-from kvrelay.server.chat import ChatRenderer, finish_reason
-from kvrelay.server.hold_limit import HoldRateLimiter, retry_after
-from kvrelay.server.metrics import ServerMetrics
+from kvrelay.server.chat import finish_reason
 from kvrelay.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIError,
     error_type_for,
 )
+from kvrelay.server.responses import add_responses_routes
+from kvrelay.server.serving import (
+    HOLD_RETRY_AFTER_S,
+    ServerState,
+    _Busy,
+    _chat_logprobs,
+    _check_hold_rate,
+    _check_lengths,
+    _check_model,
+    _collect,
+    _completion_logprobs,
+    _merge,
+    _prompts,
+    _sampling,
+    _sse,
+    _Timing,
+    _until_disconnect,
+)
 from kvrelay.server.structured import is_harmony_chat, request_constraint
-from kvrelay.server.tools import AgentOptions, check_chat_tool_choice
-from kvrelay.structured.params import StructuredOutputsParams
+from kvrelay.server.tools import check_chat_tool_choice
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class ServerState:
-    engine: EngineClient          # AsyncEngine, or DataParallelEngine with -dp N
-    tokenizer: CheckpointTokenizer | None
-    served_names: list[str]
-    max_model_len: int
-    max_logprobs: int
-    api_key: str | None = None
-    vocab_size: int = 0          # from the engine once ready; 0: not known (the engine checks)
-    defaults: dict[str, Any] = field(default_factory=dict)   # generation_config.json sampling
-    chat: ChatRenderer | None = None
-    metrics: ServerMetrics | None = None
-    agent: AgentOptions = field(default_factory=AgentOptions)   # tool / responses flags
-    accepting: bool = True
-    hold_limiter: HoldRateLimiter | None = None   # prefill: per-client do_remote_decode rate
-
-    @property
-    def ready(self) -> bool:
-        return self.engine.ready.is_set() and not self.engine.dead and self.accepting
 
 
 class KVTransferFreeRequest(BaseModel):
@@ -98,288 +84,46 @@ class KVTransferFreeRequest(BaseModel):
 
 
 # -- helpers --------------------------------------------------------------------------------
-def _check_model(state: ServerState, model: str | None) -> str:
-    if model is None:
-        return state.served_names[0]
-    if model not in state.served_names:
-        raise OpenAIError(f"The model `{model}` does not exist.", 404, "NotFoundError", "model")
-    return model
 
 
-def _tokenize(state: ServerState, prompt: str) -> list[int]:
-    if state.tokenizer is None:
-        raise OpenAIError("this model has no tokenizer; send prompts as token ids", param="prompt")
-    try:
-        return state.tokenizer.encode(prompt)
-    except Exception as e:  # noqa: BLE001 -- text the tokenizer cannot take is the client's
-        raise OpenAIError(f"the prompt could not be tokenized: {e}", param="prompt") from None
 
 
-def _prompts(state: ServerState, prompt: Any) -> list[tuple[str | None, list[int]]]:
-    prompts = _prompt_list(state, prompt)
-    if state.vocab_size:
-        for _, ids in prompts:                   # every list of a batch, before any is sent
-            _check(check_token_ids, ids, state.vocab_size, "prompt")
-    return prompts
 
 
-def _prompt_list(state: ServerState, prompt: Any) -> list[tuple[str | None, list[int]]]:
-    if isinstance(prompt, str):
-        return [(prompt, _tokenize(state, prompt))]
-    if prompt and all(isinstance(p, int) for p in prompt):
-        return [(None, list(prompt))]
-    if prompt and all(isinstance(p, str) for p in prompt):
-        return [(p, _tokenize(state, p)) for p in prompt]
-    if prompt and all(isinstance(p, list) for p in prompt):
-        return [(None, list(p)) for p in prompt]
-    raise OpenAIError("prompt must be a non-empty string, list of strings, or token id list(s)",
-                      param="prompt")
 
 
-class _Busy(OpenAIError):
-    """An OpenAIError with a Retry-After header (429 a client's rate, 503 a full prefill)."""
-
-    def __init__(self, message: str, status: int, type_: str, wait_s: float) -> None:
-        super().__init__(message, status, type_)
-        self.headers = {"Retry-After": str(retry_after(wait_s))}
 
 
 # a hold refused for the hold share: holds go back as decodes read them (ms to s), or at
 # the latest after the lease; clients (OpenAI's retries 429 and 5xx) come back after this
-HOLD_RETRY_AFTER_S = 1
 
 
-def _check_hold_rate(state: ServerState, request: Request, kv_transfer_params: Any) -> None:
-    """A do_remote_decode request places a KV hold: at most `hold_rate` per second per
-    client (kvrelay/server/hold_limit.py), else 429 with Retry-After."""
-    limiter = state.hold_limiter
-    if limiter is None or not isinstance(kv_transfer_params, dict):
-        return
-    if kv_transfer_params.get("do_remote_decode") is not True:
-        return
-    client = _hold_client(state, request)
-    wait = limiter.take(client) if client is not None else None
-    if wait is not None:
-        raise _Busy(limiter.message(wait), 429, "RateLimitError", wait)
 
 
-def _hold_client(state: ServerState, request: Request) -> str | None:
-    """Who is rate-bounded: the peer address; None (not bounded) for a request that
-    presented the server's --api-key (the door refused every other one): only the
-    operator's components, e.g. the proxy, hold it, and one shared key cannot tell
-    clients apart."""
-    if state.api_key:
-        return None
-    return request.client.host if request.client else "unknown"
 
 
-def _check(check: Any, *args: Any) -> Any:
-    """Run a sampling_params check; its SamplingParamsError becomes a 400 naming the field."""
-    try:
-        return check(*args)
-    except SamplingParamsError as e:
-        raise OpenAIError(str(e), param=e.param) from None
-    except ValueError as e:
-        raise OpenAIError(str(e)) from None
 
 
-def _check_lengths(state: ServerState, ids: list[int], max_tokens: int | None) -> int:
-    """Validates the prompt against the context; returns the max_tokens to use."""
-    n = len(ids)
-    if n == 0:
-        raise OpenAIError("the prompt is empty", param="prompt")
-    if n >= state.max_model_len:
-        raise OpenAIError(
-            f"This model's maximum context length is {state.max_model_len} tokens. However, your "
-            f"prompt has {n} tokens, leaving no room for a completion.", param="prompt")
-    room = state.max_model_len - n
-    if max_tokens is None:
-        return room
-    if max_tokens > room:
-        raise OpenAIError(
-            f"This model's maximum context length is {state.max_model_len} tokens. However, you "
-            f"requested {n + max_tokens} tokens ({n} in the prompt, {max_tokens} in the "
-            "completion). Please reduce the length of the prompt or "
-            "max_tokens.", param="max_tokens")
-    return max_tokens
 
 
-def _sampling(state: ServerState, body: Any, max_tokens: int, logprobs: int | None,
-              prompt_logprobs: int | None = None, extra_stop_ids: list[int] | None = None,
-              logprobs_param: str = "logprobs",
-              structured: StructuredOutputsParams | None = None) -> SamplingParams:
-    for name, asked in ((logprobs_param, logprobs), ("prompt_logprobs", prompt_logprobs)):
-        if asked is not None and state.max_logprobs != -1 and asked > state.max_logprobs:
-            hint = (" (logprobs are disabled on this server: --max-logprobs 0)"
-                    if state.max_logprobs == 0 else "")
-            raise OpenAIError(f"{name}={asked} exceeds the server's --max-logprobs "
-                              f"{state.max_logprobs}{hint}", param=name)
-    best_of = getattr(body, "best_of", None)      # request models without it (e.g. new endpoints)
-    if best_of is not None and best_of > 1:
-        # vLLM's V1 engine refuses it too; silently returning n samples would mislead
-        raise OpenAIError("best_of > 1 is not supported; use n", param="best_of")
-    params = _check(_make_sampling, state, body, max_tokens, logprobs, prompt_logprobs,
-                    extra_stop_ids, structured)
-    if state.vocab_size:
-        _check(validate_for_model, params, state.vocab_size, state.max_logprobs, logprobs_param)
-    return params
 
 
-def _make_sampling(state: ServerState, body: Any, max_tokens: int, logprobs: int | None,
-                   prompt_logprobs: int | None, extra_stop_ids: list[int] | None,
-                   structured: StructuredOutputsParams | None) -> SamplingParams:
-    d = state.defaults
-    return SamplingParams(
-        n=body.n,
-        temperature=body.temperature if body.temperature is not None else d.get("temperature", 1.0),
-        top_p=body.top_p if body.top_p is not None else d.get("top_p", 1.0),
-        top_k=body.top_k if body.top_k is not None else d.get("top_k", 0),
-        min_p=body.min_p if body.min_p is not None else 0.0,
-        seed=body.seed, max_tokens=max_tokens, min_tokens=body.min_tokens, stop=body.stop,
-        stop_token_ids=(body.stop_token_ids or []) + (extra_stop_ids or []),
-        ignore_eos=body.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-        include_stop_str_in_output=body.include_stop_str_in_output,
-        skip_special_tokens=body.skip_special_tokens, logit_bias=getattr(body, "logit_bias", None),
-        structured_outputs=structured)
 
 
-def _token_text(state: ServerState, token_id: int) -> str:
-    return state.tokenizer.decode([token_id],
-                                  skip_special_tokens=False) if state.tokenizer else str(token_id)
 
 
-def _completion_logprobs(state: ServerState, token_ids: list[int], logprobs: list | None,
-                         offset: int = 0) -> dict[str, Any] | None:
-    if logprobs is None:
-        return None
-    tokens, token_lps, tops, offsets = [], [], [], []
-    pos = offset
-    for tid, lp in zip(token_ids, logprobs):
-        text = _token_text(state, tid)
-        tokens.append(text)
-        token_lps.append(lp[tid].logprob)
-        tops.append({_token_text(state, t): v.logprob for t, v in lp.items()})
-        offsets.append(pos)
-        pos += len(text)
-    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
-            "text_offset": offsets}
 
 
-def _chat_logprobs(state: ServerState, token_ids: list[int], logprobs: list | None,
-                   top_n: int) -> dict[str, Any] | None:
-    if logprobs is None:
-        return None
-    content = []
-    for tid, lp in zip(token_ids, logprobs):
-        text = _token_text(state, tid)
-        top = sorted(lp.values(), key=lambda v: v.rank)[:top_n] if top_n else []
-        content.append({"token": text, "logprob": lp[tid].logprob, "bytes": list(text.encode()),
-                        "top_logprobs": [{"token": _token_text(state, v.token_id),
-                                          "logprob": v.logprob,
-                                          "bytes": list(_token_text(state, v.token_id).encode())}
-                                         for v in top]})
-    return {"content": content}
 
 
-async def _merge(streams: Sequence[AsyncIterator[RequestOutput]]
-                 ) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Interleave several generators' outputs as they arrive (prompt index, output)."""
-    if len(streams) == 1:                      # the common case: no pump task, no queue
-        try:
-            async for out in streams[0]:
-                yield 0, out
-        finally:
-            await _close(streams[0])
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
-        try:
-            async for out in stream:
-                await queue.put((i, out))
-        except BaseException as e:  # forward to the consumer
-            await queue.put((i, e))
-        finally:
-            await queue.put((i, done))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    remaining = len(tasks)
-    try:
-        while remaining:
-            i, item = await queue.get()
-            if item is done:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for t in tasks:
-            t.cancel()
-        # a generator still running in its pump cannot be closed; once the cancelled
-        # pumps have ended every generator has run its own cleanup (the aborts)
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for s in streams:
-            await _close(s)
 
 
-async def _close(stream: AsyncIterator[RequestOutput]) -> None:
-    """Run a generator's cleanup (its abort) now, not when it is garbage-collected."""
-    if isinstance(stream, AsyncGenerator):
-        await stream.aclose()
 
 
-class _Timing:
-    """Observes TTFT / ITL / e2e for one request into the metrics."""
-
-    def __init__(self, metrics: ServerMetrics | None) -> None:
-        self.metrics, self.start, self.tokens = metrics, time.monotonic(), 0
-        self.last: float | None = None
-
-    def tokens_arrived(self, n: int) -> None:
-        if not self.metrics or n <= 0:
-            return
-        now = time.monotonic()
-        if self.last is None:
-            self.metrics.ttft.observe(now - self.start)
-        else:
-            self.metrics.itl.observe((now - self.last) / n)
-        self.last, self.tokens = now, self.tokens + n
-        self.metrics.generation_tokens.inc(n)
-
-    def finished(self, prompt_tokens: int, reasons: list[str | None]) -> None:
-        if not self.metrics:
-            return
-        self.metrics.e2e.observe(time.monotonic() - self.start)
-        self.metrics.prompt_tokens.inc(prompt_tokens)
-        for reason in reasons:
-            self.metrics.request_success.labels(self.metrics.model_name, reason or "abort").inc()
 
 
-def _sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-async def _until_disconnect(request: Request, work: asyncio.Future) -> Any:
-    """Await `work`, cancelling it if the client goes away (which aborts the request)."""
-    async def watch() -> None:
-        while not await request.is_disconnected():
-            await asyncio.sleep(0.05)
-
-    watcher = asyncio.ensure_future(watch())
-    try:
-        done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if work in done:
-            return work.result()
-        work.cancel()
-        try:
-            await work
-        except BaseException:
-            pass
-        raise OpenAIError("client disconnected", 499, "ClientClosedRequest")
-    finally:
-        watcher.cancel()
 
 
 class _Edge:
@@ -647,24 +391,10 @@ def build_app(state: ServerState) -> FastAPI:
                               "remote_capability", 404, "NotFoundError", "remote_request_id")
         return {"ok": True}
 
-    from kvrelay.server.responses import add_responses_routes
     add_responses_routes(app, state)
     return app
 
 
-async def _collect(state: ServerState, gens: Sequence[AsyncIterator[RequestOutput]],
-                   prompts: list[tuple[str | None, list[int]]]) -> list[RequestOutput]:
-    finals: list[RequestOutput | None] = [None] * len(gens)
-    timings = [_Timing(state.metrics) for _ in gens]
-    try:
-        async for i, out in _merge(gens):
-            timings[i].tokens_arrived(sum(len(o.delta_token_ids) for o in out.outputs))
-            if out.finished:
-                finals[i] = out
-                timings[i].finished(len(prompts[i][1]), [o.finish_reason for o in out.outputs])
-    except EngineError as e:
-        raise OpenAIError(str(e), param=e.param) from None
-    return finals  # type: ignore[return-value]
 
 
 async def _stream_completions(state: ServerState, body: CompletionRequest, model: str, base_id: str,

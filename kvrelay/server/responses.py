@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from kvrelay import harmony
 from kvrelay.engine.client import EngineDeadError, EngineError, KVTransferFailed
 from kvrelay.engine.outputs import RequestOutput
-from kvrelay.server import api, structured_hooks
+from kvrelay.server import serving, structured_hooks
 from kvrelay.server.chat import Rendered
 from kvrelay.server.harmony_chat import HarmonyChat, is_function_call
 from kvrelay.server.protocol import ChatCompletionRequest, OpenAIError
@@ -442,8 +442,8 @@ def _text_format(body: ResponsesRequest) -> dict[str, Any] | None:
                       "{'type': 'json_schema', 'name': ..., 'schema': {...}}", param="text.format")
 
 
-def _prepare(state: api.ServerState, store: ResponseStore, body: ResponsesRequest) -> _Prepared:
-    model = api._check_model(state, body.model)
+def _prepare(state: serving.ServerState, store: ResponseStore, body: ResponsesRequest) -> _Prepared:
+    model = serving._check_model(state, body.model)
     if state.chat is None:
         raise OpenAIError("this model has no chat template", param="input")
     if body.background:
@@ -477,9 +477,9 @@ def _prepare(state: api.ServerState, store: ResponseStore, body: ResponsesReques
     if rendered.structured is None and schema is not None:
         rendered.structured = structured_hooks.json_format(
             schema, isinstance(state.chat, HarmonyChat), tools)
-    max_tokens = api._check_lengths(state, rendered.prompt_ids, body.max_output_tokens)
+    max_tokens = serving._check_lengths(state, rendered.prompt_ids, body.max_output_tokens)
     params = structured_hooks.attach(
-        api._sampling(state, chat, max_tokens, None, extra_stop_ids=rendered.stop_token_ids),
+        serving._sampling(state, chat, max_tokens, None, extra_stop_ids=rendered.stop_token_ids),
         rendered.structured)
     return _Prepared(body, model, messages, rendered, params, tools)
 
@@ -522,7 +522,7 @@ def _usage(p: _Prepared, output_tokens: int, reasoning_tokens: int,
             "total_tokens": prompt + output_tokens}
 
 
-def _finish(state: api.ServerState, store: ResponseStore, p: _Prepared, decoder: _Decoder,
+def _finish(state: serving.ServerState, store: ResponseStore, p: _Prepared, decoder: _Decoder,
             final: RequestOutput) -> dict[str, Any]:
     out = final.outputs[0]
     decoder.close()
@@ -537,12 +537,12 @@ def _finish(state: api.ServerState, store: ResponseStore, p: _Prepared, decoder:
     return response
 
 
-async def _create(state: api.ServerState, store: ResponseStore, p: _Prepared,
+async def _create(state: serving.ServerState, store: ResponseStore, p: _Prepared,
                   request: Request) -> dict[str, Any]:
     gen = state.engine.generate(p.response_id, p.rendered.prompt_ids, p.params,
                                 p.body.kv_transfer_params)
-    (final,) = await api._until_disconnect(request, asyncio.ensure_future(
-        api._collect(state, [gen], [(None, p.rendered.prompt_ids)])))
+    (final,) = await serving._until_disconnect(request, asyncio.ensure_future(
+        serving._collect(state, [gen], [(None, p.rendered.prompt_ids)])))
     decoder = _Decoder(isinstance(state.chat, HarmonyChat), _OutputBuilder(p.tools))
     out = final.outputs[0]
     decoder.feed(out.token_ids, out.text)
@@ -557,19 +557,20 @@ def _event(seq: int, payload: dict[str, Any]) -> str:
     return f"event: {payload['type']}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-async def _stream(state: api.ServerState, store: ResponseStore, p: _Prepared) -> AsyncIterator[str]:
+async def _stream(state: serving.ServerState, store: ResponseStore,
+                  p: _Prepared) -> AsyncIterator[str]:
     seq = 0
     decoder = _Decoder(isinstance(state.chat, HarmonyChat), _OutputBuilder(p.tools))
     start = _response(p, "in_progress", [], None, bool(p.body.store) and store.enabled)
     for kind in ("response.created", "response.in_progress"):
         yield _event(seq, {"type": kind, "response": start})
         seq += 1
-    timing = api._Timing(state.metrics)
+    timing = serving._Timing(state.metrics)
     gen = state.engine.generate(p.response_id, p.rendered.prompt_ids, p.params,
                                 p.body.kv_transfer_params)
     final = None
     try:
-        async for _, out in api._merge([gen]):
+        async for _, out in serving._merge([gen]):
             o = out.outputs[0]
             timing.tokens_arrived(len(o.delta_token_ids))
             decoder.feed(o.delta_token_ids, o.delta_text)
@@ -596,13 +597,13 @@ async def _stream(state: api.ServerState, store: ResponseStore, p: _Prepared) ->
 # ------------------------------------------------------------------ routes
 
 
-def add_responses_routes(app: FastAPI, state: api.ServerState) -> ResponseStore:
+def add_responses_routes(app: FastAPI, state: serving.ServerState) -> ResponseStore:
     store = ResponseStore(state.agent.responses_store_size)
     app.state.responses_store = store
 
     @app.post("/v1/responses")
     async def create_response(body: ResponsesRequest, request: Request):
-        api._check_hold_rate(state, request, body.kv_transfer_params)
+        serving._check_hold_rate(state, request, body.kv_transfer_params)
         p = _prepare(state, store, body)
         if body.stream:
             return StreamingResponse(_stream(state, store, p), media_type="text/event-stream")
