@@ -348,9 +348,9 @@ def build_app(state: ServerState) -> FastAPI:
         rendered = state.chat.render(body)
         check_chat_tool_choice(rendered.tools, state.agent)
         max_tokens = _check_lengths(state, rendered.prompt_ids, body.max_new_tokens)
-        top = body.top_logprobs if body.logprobs else None
+        top = (body.top_logprobs or 0) if body.logprobs else None   # logprobs alone: the chosen
         params = structured_hooks.attach(
-            _sampling(state, body, max_tokens, top if body.logprobs else None,
+            _sampling(state, body, max_tokens, top,
                       extra_stop_ids=rendered.stop_token_ids, logprobs_param="top_logprobs",
                       structured=request_constraint(body, is_harmony_chat(state.chat))),
             rendered.structured, rendered.tools)

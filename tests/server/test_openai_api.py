@@ -84,6 +84,14 @@ def test_chat_completion_and_stream(client):
     assert message.role == "assistant" and message.content
     assert full.usage.prompt_tokens == 5                # w1 w10 w11 w2 w4
     assert len(full.choices[0].logprobs.content) == 8
+    # logprobs alone (no top_logprobs): the chosen tokens' logprobs, no alternatives (OpenAI)
+    bare = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8,
+                                          temperature=0, extra_body={"ignore_eos": True},
+                                          logprobs=True).choices[0].logprobs.content
+    assert [(t.token, t.top_logprobs) for t in bare] == [
+        (t.token, []) for t in full.choices[0].logprobs.content]
+    assert [t.logprob for t in bare] == pytest.approx(
+        [t.logprob for t in full.choices[0].logprobs.content], abs=1e-4)
     chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=8,
                                                  temperature=0,
                                                  stream=True, extra_body={"ignore_eos": True}))
