@@ -128,6 +128,10 @@ PREFIX_WORKLOADS = {       # sized for 2 shared cores: short outputs, prompts <=
     "sharegpt_multi_turn": ["--dataset-name", "sharegpt", "--sharegpt-multi-turn",
                             "--sharegpt-max-turns", "4", "--sharegpt-output-len", "8",
                             "--sharegpt-max-prompt-len", "512"],
+    # longer conversations: more of each turn's prompt is the previous turn's prompt
+    "sharegpt_multi_turn_long": ["--dataset-name", "sharegpt", "--sharegpt-multi-turn",
+                                 "--sharegpt-max-turns", "8", "--sharegpt-output-len", "8",
+                                 "--sharegpt-max-prompt-len", "1536"],
     "prefix_repetition": ["--dataset-name", "prefix_repetition",
                           "--prefix-repetition-prefix-len", "256",
                           "--prefix-repetition-suffix-len", "16",
