@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from kvrelay import envs
-from kvrelay.model import kernels
+from kvrelay.model import compile_hints, kernels
 from kvrelay.model.gpt_oss import GptOssModel
 from kvrelay.model.layers import moe, paged_decode
 from kvrelay.model.layers.attention import AttentionMetadata
@@ -229,6 +229,7 @@ class ModelRunner:
             return
         cfg = torch._dynamo.config
         cfg.recompile_limit = max(cfg.recompile_limit, len(self.decode_buckets) + 1)
+        compile_hints.apply()                    # the capability probes are constants
         self._compiled = torch.compile(self._forward_logits, dynamic=False, fullgraph=True)
         tables = [[[0]] for _ in range(self.num_groups)]
         # set globally while compiling: `torch.compile(options=...)` does not apply freezing;

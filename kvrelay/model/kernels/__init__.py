@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from kvrelay import envs
+from kvrelay.model import compile_hints
 
 logger = logging.getLogger(__name__)
 
@@ -184,7 +185,7 @@ def status() -> KernelStatus:
     return KernelStatus(True, isas[0], isas, "", str(library))
 
 
-@torch.compiler.assume_constant_result      # a constant to torch.compile's tracing
+@compile_hints.constant_result      # a constant to torch.compile's tracing
 def kernels_available() -> bool:
     return status().available
 

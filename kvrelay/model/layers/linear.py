@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvrelay import envs
+from kvrelay.model import compile_hints
 from kvrelay.model.parallel import ParallelContext, divide
 from kvrelay.model.weights import WeightSource
 
@@ -88,7 +89,7 @@ def upcasts(weight: torch.Tensor) -> bool:
     return weight.dtype in _HALF and weight.device.type == "cpu" and _in_fp32_constant()
 
 
-@torch.compiler.assume_constant_result
+@compile_hints.constant_result
 def _in_fp32_constant() -> bool:
     """`cpu_half_matmul_in_fp32()`, a constant to torch.compile (which traces through the
     cache into the capability probes, and breaks the graph there)."""

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvrelay import envs
-from kvrelay.model import kernels
+from kvrelay.model import compile_hints, kernels
 from kvrelay.model.layers.ep_dispatch import moe_across_replicas
 from kvrelay.model.layers.linear import UPCAST_MIN_ROWS, linear, upcasts
 from kvrelay.model.mxfp4 import BLOCK, MXFP4Tensor
@@ -53,7 +53,7 @@ DENSE_TORCH_MIN_ROWS = 2
 DENSE_TORCH_MIN_WORK = 1 << 22
 
 
-@torch.compiler.assume_constant_result      # a constant to torch.compile's tracing
+@compile_hints.constant_result      # a constant to torch.compile's tracing
 def moe_kernel_mode() -> str:
     mode = envs.MOE_KERNEL.raw() or "auto"
     if mode not in MOE_KERNEL_MODES:

@@ -24,7 +24,7 @@ import functools
 import torch
 
 from kvrelay import envs
-from kvrelay.model import kernels
+from kvrelay.model import compile_hints, kernels
 
 
 @functools.cache
@@ -40,7 +40,7 @@ def available(device: torch.device) -> bool:
     return device.type == "cpu" and _enabled_constant()
 
 
-@torch.compiler.assume_constant_result
+@compile_hints.constant_result
 def _enabled_constant() -> bool:
     """`enabled()`, which torch.compile takes as a constant (it traces through caches)."""
     return enabled()
