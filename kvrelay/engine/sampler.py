@@ -120,7 +120,11 @@ class Sampler:
         if any(r.grammar is not None for r in requests):
             # the rows are the sampler's own copy; keep the raw ones only for logprobs
             wants_raw = any(r.params.logprobs is not None for r in requests)
-            logits, allowed = self.masks.apply(logits.clone() if wants_raw else logits, requests)
+            plain = frozenset(i for i, r in enumerate(requests)
+                              if (self.all_greedy or r.params.greedy) and not r.params.logit_bias
+                              and not r.params.logits_processors)
+            logits, allowed = self.masks.apply(logits.clone() if wants_raw else logits, requests,
+                                               plain)
         changed = False
         for i, req in enumerate(requests):
             banned = _banned_ids(req)

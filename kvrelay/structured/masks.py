@@ -62,15 +62,18 @@ class TokenMasks:
         key = tuple(id(r) for r in requests)
         self._pending = (key, self._pool.submit(_fill, rows, len(requests)))
 
-    def apply(self, logits: torch.Tensor,
-              requests: list[Request]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    def apply(self, logits: torch.Tensor, requests: list[Request],
+              plain_greedy: frozenset[int] = frozenset(),
+              ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """logits [N, V] of `requests` → (logits, sparse). Dense rows come back with their
         disallowed tokens at -inf (in place; the caller owns `logits`). A row whose mask
         allows few tokens (a JSON grammar between strings: tens of ids out of 201k) is left
         unmasked and listed in `sparse` as its sorted allowed ids instead: the sampler picks
         among those alone, which is the same distribution as masking the row and sampling
         it, without an O(V) pass per step (the mask, the softmax and the noise all shrink
-        to the allowed set). Rows without a grammar are untouched."""
+        to the allowed set). A dense row in `plain_greedy` (greedy, nothing applied after
+        the mask) whose unmasked argmax is allowed is listed with that one id: the masked
+        argmax is the same token. Rows without a grammar are untouched."""
         pending, self._pending = self._pending, None
         rows = _constrained(requests)
         if not rows:
@@ -88,6 +91,8 @@ class TokenMasks:
                 logger.error("structured output: no allowed token for %s", requests[i].request_id)
             elif words.size <= SPARSE_WORDS and not requests[i].params.logits_processors:
                 sparse[i] = torch.from_numpy(_allowed_ids(bitmask[i], words, vocab))
+            elif i in plain_greedy and _allowed(bitmask[i], best := int(logits[i].argmax())):
+                sparse[i] = torch.tensor([best])
             else:
                 dense.append(i)
         if dense:
@@ -98,6 +103,10 @@ class TokenMasks:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+
+def _allowed(row: np.ndarray, token: int) -> bool:
+    return bool((int(row[token // 32]) >> (token % 32)) & 1)
 
 
 def _allowed_ids(row: np.ndarray, words: np.ndarray, vocab: int) -> np.ndarray:

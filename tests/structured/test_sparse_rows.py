@@ -114,3 +114,28 @@ def test_small_batches_fill_inline_large_ones_in_the_worker(monkeypatch):
         out = sampler(logits[:n].clone(), reqs)
         assert out.token_ids == [int(ALLOWED[logits[i, ALLOWED].argmax()]) for i in range(n)]
         sampler.masks.close()
+
+
+def test_dense_greedy_row_keeps_an_allowed_argmax_without_masking(monkeypatch):
+    """A dense greedy row whose unmasked argmax is allowed skips the O(V) mask; one whose
+    argmax is not allowed is masked (and then gets the masked argmax)."""
+    monkeypatch.setattr(masks, "SPARSE_WORDS", 0)               # every grammar row is dense
+    logits = torch.randn(2, VOCAB)
+    logits[0, 777] = 50.0                                        # allowed
+    logits[1, 10] = 50.0                                         # not allowed
+    masked_rows: list[list[int]] = []
+    real = masks._mask_rows
+
+    def spy(lg, bm, idx, n):
+        masked_rows.append(list(idx))
+        real(lg, bm, idx, n)
+
+    monkeypatch.setattr(masks, "_mask_rows", spy)
+    out = Sampler()(logits.clone(), [_request(SamplingParams(temperature=0.0)) for _ in range(2)])
+    assert out.token_ids == [777, int(ALLOWED[logits[1, ALLOWED].argmax()])]
+    assert masked_rows == [[1]]
+    # with a logit bias the argmax may move after the mask: the row is masked as before
+    masked_rows.clear()
+    biased = SamplingParams(temperature=0.0, logit_bias={3: 100.0})
+    out = Sampler()(logits[:1].clone(), [_request(biased)])
+    assert out.token_ids == [3] and masked_rows == [[0]]
