@@ -261,36 +261,13 @@ class PeerServer(_Server):
             env["PYTHONPATH"] = str(a.baseline)
         if peer.startswith("kvrelay-"):
             env |= a.variants.get(peer.removeprefix("kvrelay-"), {})
+        # the same serve flags for kvrelay and vLLM (same names, same meaning)
+        serve = [str(ckpt), *host, "--served-model-name", "bench", "--dtype", "bfloat16",
+                 "--max-num-seqs", "64", *SERVER_LEN]
         if peer.startswith("kvrelay"):
-            cmd = [
-                sys.executable,
-                "-m",
-                "kvrelay.cli",
-                "serve",
-                str(ckpt),
-                *host,
-                "--served-model-name",
-                "bench",
-                "--dtype",
-                "bfloat16",
-                "--max-num-seqs",
-                "64",
-                *SERVER_LEN,
-            ]
+            cmd = [sys.executable, "-m", "kvrelay.cli", "serve", *serve]
         elif peer == "vllm":
-            cmd = [
-                str(vllm_dest / "bin" / "vllm"),
-                "serve",
-                str(ckpt),
-                *host,
-                "--served-model-name",
-                "bench",
-                "--dtype",
-                "bfloat16",
-                "--max-num-seqs",
-                "64",
-                *SERVER_LEN,
-            ]
+            cmd = [str(vllm_dest / "bin" / "vllm"), "serve", *serve]
             env |= {
                 "HF_HUB_OFFLINE": "1",
                 "TRANSFORMERS_OFFLINE": "1",
