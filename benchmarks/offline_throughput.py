@@ -145,17 +145,36 @@ class KvrelayEngine(_Engine):
 
 
 class TransformersEngine(_Engine):
+    """transformers' eager `generate` in static batches: the workload in request order,
+    cut into consecutive batches of `batch` prompts, each left-padded and run to its own
+    longest output. `best_generate` tries every batch size and experts implementation
+    asked for (`--hf-batches`, `--hf-experts`) and keeps the fastest."""
     name = "transformers"
 
     def __init__(self, spec: dict[str, Any]) -> None:
         import torch
         torch.set_num_threads(spec["threads"])
-        from transformers import GptOssForCausalLM
-        self.torch, self.temperature = torch, spec["temperature"]
-        self.model = GptOssForCausalLM.from_pretrained(spec["path"], dtype=torch.bfloat16).eval()
+        self.torch, self.temperature, self.spec = torch, spec["temperature"], spec
+        self.batches: list[int] = spec.get("hf_batches") or [len(spec["workload"]["prompts"])]
+        self.experts: list[str] = spec.get("hf_experts") or ["eager"]
+        self.models: dict[str, Any] = {}
+        self.model = self._load(self.experts[0])
+        self.batch = self.batches[0]
         self.pad = 0
         self.steps: list[tuple[float, int, bool, float]] = []
         self.record = False
+        self.sweep: list[dict[str, Any]] = []
+
+    def _load(self, experts: str):
+        if experts in self.models:
+            return self.models[experts]
+        torch = self.torch
+        from transformers import GptOssForCausalLM
+        kw: dict[str, Any] = {"dtype": torch.bfloat16, "experts_implementation": experts}
+        if self.spec.get("mxfp4"):
+            from transformers import Mxfp4Config
+            kw["quantization_config"] = Mxfp4Config(dequantize=True)  # experts in bf16
+        model = GptOssForCausalLM.from_pretrained(self.spec["path"], **kw).eval()
         t0 = [0.0]
 
         def pre(module, args, kwargs):
@@ -169,28 +188,55 @@ class TransformersEngine(_Engine):
                 self.steps.append((time.perf_counter() - t0[0], int(ids.shape[0]),
                                    ids.shape[1] == 1, ctx))
 
-        self.model.register_forward_pre_hook(pre, with_kwargs=True)
-        self.model.register_forward_hook(post, with_kwargs=True)
+        model.register_forward_pre_hook(pre, with_kwargs=True)
+        model.register_forward_hook(post, with_kwargs=True)
+        self.models[experts] = model
+        return model
+
+    def best_generate(self, prompts, outs) -> None:
+        """Times the workload with every (experts, batch) pair; the fastest is kept for
+        the timed runs."""
+        best = None
+        for experts in self.experts:
+            self.model = self._load(experts)
+            for batch in self.batches:
+                self.batch = batch
+                t = time.perf_counter()
+                n = self.generate(prompts, outs)
+                dt = time.perf_counter() - t
+                self.sweep.append({"experts": experts, "batch": batch, "seconds": dt,
+                                   "output_tok_s": n / dt})
+                log(f"transformers: experts {experts}, static batch {batch}: "
+                    f"{n / dt:.1f} output tok/s")
+                if best is None or dt < best[0]:
+                    best = (dt, experts, batch)
+        assert best is not None
+        self.model, self.batch = self.models[best[1]], best[2]
 
     def generate(self, prompts, outs):
         torch = self.torch
-        width = max(len(p) for p in prompts)
-        ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in prompts])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-        new = max(outs)
         kw: dict[str, Any] = {"do_sample": False} if self.temperature == 0 else \
             {"do_sample": True, "temperature": self.temperature, "top_k": 0, "top_p": 1.0}
         torch.manual_seed(0)
-        with torch.inference_mode():
-            out = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
-                                      min_new_tokens=new, pad_token_id=self.pad, **kw)
-        assert out.shape[1] == width + new, out.shape
+        for i in range(0, len(prompts), self.batch):
+            ps, os_ = prompts[i:i + self.batch], outs[i:i + self.batch]
+            width = max(len(p) for p in ps)
+            ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in ps])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ps])
+            new = max(os_)
+            with torch.inference_mode():
+                out = self.model.generate(input_ids=ids, attention_mask=mask,
+                                          max_new_tokens=new, min_new_tokens=new,
+                                          pad_token_id=self.pad, **kw)
+            assert out.shape[1] == width + new, out.shape
         return sum(outs)                     # only the requested tokens count
 
     def info(self):
         return {"attn_implementation": self.model.config._attn_implementation,
-                "batching": "one left-padded static batch of all prompts, "
-                            "run to the longest output"}
+                "experts_implementation": self.model.config._experts_implementation,
+                "static_batch": self.batch, "sweep": self.sweep,
+                "batching": "consecutive static batches of `static_batch` prompts, each "
+                            "left-padded and run to its longest output"}
 
 
 class VllmEngine(_Engine):
@@ -256,6 +302,8 @@ def worker(spec_path: Path, out_path: Path) -> None:
         result["probe"] = {"batch": len(probe["prompts"]), "prompt_len": len(probe["prompts"][0]),
                            "short": probe["short"], "long": probe["long"], "times": p_times,
                            "decode_step_s": (long - short) / (probe["long"] - probe["short"])}
+    if hasattr(eng, "best_generate"):       # transformers: pick its best static batch first
+        eng.best_generate(wl["prompts"], wl["output_lens"])
     # the workload (py-spy attached to this process during the first run, if asked)
     runs, best_steps = [], None
     for i in range(spec["repeats"]):
@@ -480,6 +528,17 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=None)
     ap.add_argument("--input-len", default=None, help="min,max prompt tokens (all configs)")
     ap.add_argument("--output-len", default=None, help="min,max output tokens (all configs)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="override num_hidden_layers of every config")
+    ap.add_argument("--experts", default="bf16",
+                    help="expert formats, comma-separated: bf16 (the checkpoint as built) and/or "
+                         "mxfp4 (the same weights with the experts rewritten in the official "
+                         "MXFP4 layout; transformers dequantises them to bf16 at load); results "
+                         "of the MXFP4 checkpoint are keyed CONFIG-mxfp4")
+    ap.add_argument("--hf-batches", default="64,32,16",
+                    help="static batch sizes transformers tries (its best is reported)")
+    ap.add_argument("--hf-experts", default="eager,grouped_mm",
+                    help="transformers experts implementations tried (its best is reported)")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
@@ -530,19 +589,29 @@ def main() -> None:
     log(f"limits: fp32 {lim['fp32_peak_gflops']:.1f} GFLOP/s, bf16 {lim['bf16_peak_gflops']:.1f} "
         f"GFLOP/s, copy {lim['copy_bandwidth_gbs']:.1f} GB/s")
 
-    for name in [c for c in args.configs.split(",") if c]:
-        cfg = configs[name]
-        w = dict(QUICK_WORKLOAD if args.quick else WORKLOADS[name])
+    runs = [(c, fmt) for c in args.configs.split(",") if c
+            for fmt in args.experts.split(",") if fmt]
+    for base, fmt in runs:
+        if fmt not in ("bf16", "mxfp4"):
+            raise SystemExit(f"--experts: expected bf16 or mxfp4, got {fmt!r}")
+        name = base if fmt == "bf16" else f"{base}-mxfp4"
+        cfg = dict(configs[base])
+        if args.layers:
+            cfg["num_hidden_layers"] = args.layers
+        w = dict(QUICK_WORKLOAD if args.quick else WORKLOADS[base])
         if args.num_requests:
             w["num"] = args.num_requests
         if args.input_len:
             w["input"] = tuple(int(x) for x in args.input_len.split(","))
         if args.output_len:
             w["output"] = tuple(int(x) for x in args.output_len.split(","))
-        path = build_checkpoint(name + ("-quick" if args.quick else ""), cfg)
+        path = build_checkpoint(base + ("-quick" if args.quick else ""), cfg)
+        if fmt == "mxfp4":
+            from moe_kernels import mxfp4_copy
+            path = mxfp4_copy(path)
         wl = make_workload(w["num"], w["input"], w["output"], cfg["vocab_size"], args.seed)
         results["configs"][name] = {
-            "config": cfg, "checkpoint": str(path), "params": param_counts(cfg),
+            "config": cfg, "experts": fmt, "checkpoint": str(path), "params": param_counts(cfg),
             "workload": {k: wl[k] for k in ("seed", "input_range", "output_range")} | {
                 "num_requests": w["num"], "input_tokens": sum(map(len, wl["prompts"])),
                 "output_tokens": sum(wl["output_lens"]), "repeats": w["repeats"],
@@ -564,8 +633,11 @@ def main() -> None:
                     "probe": probe, "threads": THREADS, "temperature": args.temperature,
                     "seed": args.seed, "max_num_seqs": MAX_NUM_SEQS, "max_model_len": MAX_MODEL_LEN,
                     "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
-                    "repeats": 1 if engine == "transformers" else w["repeats"]}
-            if args.profile and engine == "kvrelay" and name == "big":
+                    "repeats": 1 if engine == "transformers" else w["repeats"],
+                    "mxfp4": fmt == "mxfp4",
+                    "hf_batches": [int(b) for b in args.hf_batches.split(",") if b],
+                    "hf_experts": [e for e in args.hf_experts.split(",") if e]}
+            if args.profile and engine == "kvrelay" and base == "big":
                 suffix = "_quick" if args.quick else ""
                 spec["profile_out"] = str(out_dir / f"offline_profile_kvrelay_{name}{suffix}.txt")
             r = run_worker(spec, workdir, timeout_s=args.timeout)
@@ -624,7 +696,7 @@ def add_derived(results: dict[str, Any], name: str) -> None:
             entry["probe_decode_step_s"] = r["probe"]["decode_step_s"]
         roof[e] = entry
     d["roofline"] = roof
-    t = TARGETS.get(name, {})
+    t = TARGETS.get(name.removesuffix("-mxfp4"), {})
     met = {}
     if "kvrelay_vs_vllm" in d and "vs_vllm" in t:
         met["vs_vllm"] = {"target": t["vs_vllm"], "value": d["kvrelay_vs_vllm"],
