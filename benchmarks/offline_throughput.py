@@ -5,6 +5,7 @@ Run by hand (this is not a pytest test), from the kvrelay venv:
 
     python benchmarks/offline_throughput.py [--quick] [--configs tiny,big]
         [--engines kvrelay,transformers,vllm] [--out DIR] [--profile | --no-profile]
+        [--experts bf16,mxfp4] [--layers N] [--hf-batches 64,32,16] [--hf-experts eager,grouped_mm]
 
 What one run does:
 
@@ -21,8 +22,15 @@ What one run does:
        (T(S2) − T(S1)) / (S2 − S1) = one decode step at batch 64 (prefill cancels).
    kvrelay: `LLM(path, dtype="bfloat16", max_num_seqs=64, max_num_batched_tokens=4096,
    enable_prefix_caching=False).generate(token id lists, per-request SamplingParams)`.
-   transformers: one left-padded batch of all N prompts, `generate(max_new_tokens =
-   min_new_tokens = max output length)`; only the requested tokens count as output.
+   transformers: its best static batch: the requests in order, cut into batches of B
+   prompts, each left-padded and run with `generate(max_new_tokens = min_new_tokens =
+   the batch's longest output)`, for every B in --hf-batches and experts implementation
+   in --hf-experts (one timed pass each, ranked by CPU time); the fastest is then timed
+   again and reported. Only the requested tokens count as output, for every engine.
+   --experts mxfp4: the same checkpoint with its experts rewritten in the official MXFP4
+   layout (kvrelay keeps them packed; transformers dequantises them to bf16 at load).
+   Every timed run records wall time and the process's CPU time (`output_tok_per_cpu_s`):
+   with BENCH_THREADS=1 on a shared machine the CPU time is the work itself.
    vLLM: `vllm.LLM(...)` with the same arguments and `{"prompt_token_ids": ...}` prompts.
    Threads: torch.set_num_threads(2) (kvrelay, transformers); vLLM
    VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0.
@@ -331,6 +339,11 @@ def worker(spec_path: Path, out_path: Path) -> None:
     result |= {"output_tok_s": best["output_tok_s"], "seconds": best["seconds"],
                "output_tokens": best["output_tokens"],
                "output_tok_per_cpu_s": max(r["output_tok_per_cpu_s"] for r in runs)}
+    sweep = getattr(eng, "sweep", None)
+    if sweep:       # transformers: its best pass of all, the sweep's included (conservative)
+        result["output_tok_s"] = max(result["output_tok_s"], *(x["output_tok_s"] for x in sweep))
+        result["output_tok_per_cpu_s"] = max(result["output_tok_per_cpu_s"],
+                                             *(x["output_tok_per_cpu_s"] for x in sweep))
     if best_steps:
         eng.record = False
         s = best_steps
