@@ -278,7 +278,7 @@ def test_dense_fp16_experts_keep_the_torch_path_mxfp4_ones_do_not(isas, monkeypa
     assert out.dtype == torch.float16
 
 
-def test_auto_gives_big_dense_batches_to_torch_gemms_but_never_mxfp4(isas, monkeypatch):
+def test_auto_gives_big_batches_to_torch_gemms_mxfp4_ones_only_at_many_rows(isas, monkeypatch):
     monkeypatch.setenv("KVRELAY_MOE_KERNEL", "auto")
     dense = make_experts(256, 128, 4, "bf16", seed=0)
     packed = make_experts(256, 128, 4, "mxfp4", seed=0)
@@ -286,9 +286,26 @@ def test_auto_gives_big_dense_batches_to_torch_gemms_but_never_mxfp4(isas, monke
     per_expert = max(moe_mod.DENSE_TORCH_MIN_ROWS, moe_mod.DENSE_TORCH_MIN_WORK // (256 * 128))
     rows = per_expert * 4                                      # choices over 4 experts
     assert dense.uses_native_kernel(rows - 1) and not dense.uses_native_kernel(rows)
-    assert packed.uses_native_kernel(rows * 100)
+    # MXFP4: the kernel (no per-step dequantisation) up to MXFP4_TORCH_MIN_ROWS per expert
+    fp4_rows = moe_mod.MXFP4_TORCH_MIN_ROWS * 4
+    assert fp4_rows > rows and packed.uses_native_kernel(fp4_rows - 1)
+    assert not packed.uses_native_kernel(fp4_rows)
     monkeypatch.setenv("KVRELAY_MOE_KERNEL", "native")          # forced: always the kernel
-    assert dense.uses_native_kernel(rows * 100)
+    assert dense.uses_native_kernel(rows * 100) and packed.uses_native_kernel(fp4_rows * 100)
+
+
+def test_auto_mxfp4_prefill_batch_matches_the_kernel(isas, monkeypatch):
+    """A batch with MXFP4_TORCH_MIN_ROWS rows per expert takes the dequantise + GEMM path
+    under 'auto' and gives the kernel's result (same values, float summation order)."""
+    monkeypatch.setenv("KVRELAY_MOE_KERNEL", "auto")
+    ex = make_experts(64, 32, 2, "mxfp4", seed=3)
+    T = moe_mod.MXFP4_TORCH_MIN_ROWS * 2                       # top-1 of 2 experts
+    ids = torch.arange(T).remainder(2).view(T, 1)
+    weights = torch.rand(T, 1, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(T, 64, generator=torch.Generator().manual_seed(2))
+    assert not ex.uses_native_kernel(ids.numel())
+    auto = ex(x, weights, ids)
+    assert_close(auto, native(ex, x, weights, ids, isas[0]))
 
 
 def test_auto_keeps_small_dense_experts_on_the_kernel_at_any_batch(isas, monkeypatch):

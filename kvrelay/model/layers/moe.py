@@ -47,10 +47,16 @@ _NATIVE_DENSE_DTYPES = (torch.float32, torch.bfloat16)   # and MXFP4, whatever t
 # one thread, AVX512-BF16, CPU time): the kernel is 3.5-10× faster at hidden =
 # intermediate = 32 for any batch, faster at 128 up to ~100 rows per expert, at 256 up to
 # ~40, at 512 up to ~16; at 1024 oneDNN wins from 4 rows, and on a gpt-oss-20b layer the
-# two are on par at 1-2 rows. MXFP4 experts always take the kernel: the torch path
-# dequantises whole experts every step.
+# two are on par at 1-2 rows.
 DENSE_TORCH_MIN_ROWS = 2
 DENSE_TORCH_MIN_WORK = 1 << 22
+# MXFP4 experts take the kernel (dequantising in registers, ~4× faster at decode sizes)
+# until an expert averages MXFP4_TORCH_MIN_ROWS rows: the kernel decodes every weight
+# group again for each block of 8 rows, while the torch path dequantises each active
+# expert once per call and runs torch's GEMMs (prefill of long prompts). Measured
+# (`benchmarks/moe_kernels.py --tokens`, one thread, AVX512-BF16, CPU time): hidden 128,
+# 8 experts top-2, 4096 tokens (1024 rows per expert): kernel 22.8 ms, torch 15 ms.
+MXFP4_TORCH_MIN_ROWS = 256
 
 
 @compile_hints.constant_result      # a constant to torch.compile's tracing
@@ -192,6 +198,8 @@ class Experts(nn.Module):
                 return False
             if mode == "auto" and self.dense_prefers_torch(choices):
                 return False
+        elif mode == "auto" and self.mxfp4_prefers_torch(choices):
+            return False
         available = kernels.kernels_available()
         if not available and mode == "native":
             raise RuntimeError(f"{envs.MOE_KERNEL.shown}=native but the native kernels could "
@@ -204,6 +212,14 @@ class Experts(nn.Module):
         rows_per_expert = choices / (self.num_local * self.ctx.ep_size)
         return (rows_per_expert >= DENSE_TORCH_MIN_ROWS
                 and rows_per_expert * self.hidden * self.i_local >= DENSE_TORCH_MIN_WORK)
+
+    def mxfp4_prefers_torch(self, choices: int) -> bool:
+        """Whether `choices` (token, expert) pairs are enough rows per expert for the
+        dequantise-then-GEMM path to beat the kernel on MXFP4 experts (never while
+        torch.compile traces: the torch path's per-expert loop breaks the graph)."""
+        if torch.compiler.is_compiling():
+            return False
+        return choices / (self.num_local * self.ctx.ep_size) >= MXFP4_TORCH_MIN_ROWS
 
     def forward_native(self, x: torch.Tensor, weights: torch.Tensor,
                        expert_ids: torch.Tensor) -> torch.Tensor:
