@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import secrets
 import signal
 import socket
@@ -60,6 +59,7 @@ from kvrelay.plan.check import (  # noqa: E402
     Targets,
     choose_targets,
     neighbour_topologies,
+    parse_recommendation,
     run_from_result,
     table,
     verdict,
@@ -349,13 +349,23 @@ def run_plan(work: Path, m: Measured, handoff: float, t: Targets) -> tuple[str, 
     return res.stdout, cmd
 
 
-def parse_plan(text: str) -> tuple[int, int, int, int]:
-    """(x, y, prefill --max-num-seqs, decode --max-num-seqs) from `kvrelay plan`'s output."""
-    rec = re.search(r"recommendation: (\d+)P(\d+)D", text)
-    seqs = re.search(r"decode b_max = (\d+).*?prefill .*?= (\d+)", text)
-    if not rec or not seqs:
-        raise RuntimeError(f"cannot read kvrelay plan's output:\n{text}")
-    return int(rec[1]), int(rec[2]), int(seqs[2]), int(seqs[1])
+def run_topology(procs: Procs, cg: Cgroups, model: Path, work: Path, a: argparse.Namespace,
+                 t: Targets, x: int, y: int, pre_seqs: int, dec_seqs: int, rnd: int,
+                 res: dict[str, Any]) -> Run:
+    """Fresh xPyD servers and proxy, driven at the planned rate, stopped again."""
+    topo = Topology(procs, cg, model, x, y, pre_seqs, dec_seqs, a)
+    key = f"round{rnd + 1}-{topo.tag}"
+    try:
+        d = bench(topo.url(), model, work, f"run-{key}", t.prompt_len, t.output_len,
+                  a.num_prompts, 100 + 10 * rnd + x + 4 * y, ["--request-rate", f"{t.rate:.4f}"],
+                  a.timeout)
+        sides = topo.server_ttft_ms()
+        res.setdefault("server_ttft_ms", {})[key] = sides
+        log(f"{key}: mean TTFT per server {sides}")
+    finally:
+        res.setdefault("cgroup_stats", {})[key] = topo.stop()
+    res.setdefault("uptime_runs", {})[key] = uptime()
+    return run_from_result(x, y, a.num_prompts, d)
 
 
 def main() -> None:
@@ -374,6 +384,8 @@ def main() -> None:
     ap.add_argument("--ttft-factor", type=float, default=2.5)
     ap.add_argument("--itl-factor", type=float, default=1.5)
     ap.add_argument("--num-prompts", type=int, default=None, help="per topology")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="every topology this many times, alternating order (full: 2)")
     ap.add_argument("--cal-prompts", type=int, default=None)
     ap.add_argument("--cal-batch", type=int, default=4)
     ap.add_argument("--cal-output", type=int, default=32)
@@ -381,7 +393,8 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     a = ap.parse_args()
-    a.num_prompts = a.num_prompts or (24 if a.quick else 80)
+    a.num_prompts = a.num_prompts or (24 if a.quick else 120)
+    a.rounds = a.rounds or (1 if a.quick else 2)
     a.cal_prompts = a.cal_prompts or (8 if a.quick else 16)
     if not (CGROUP_ROOT / "cpu.cfs_quota_us").exists() or not os.access(CGROUP_ROOT, os.W_OK):
         sys.exit(f"plan_check: needs a writable cgroup v1 cpu controller at {CGROUP_ROOT}")
@@ -401,28 +414,19 @@ def main() -> None:
         t = choose_targets(m, handoff, a.prompt_len, a.output_len, a.demand, a.ttft_factor,
                            a.itl_factor)
         plan_text, plan_cmd = run_plan(work, m, handoff, t)
-        x, y, pre_seqs, dec_seqs = parse_plan(plan_text)
+        x, y, pre_seqs, dec_seqs = parse_recommendation(plan_text)
         log(f"kvrelay plan: {x}P{y}D\n{plan_text}")
         res |= {"calibration": {"measured": vars(m), "handoff_ms": handoff, **cal},
                 "targets": vars(t), "plan_command": " ".join(plan_cmd), "plan_output": plan_text,
                 "recommended": f"{x}P{y}D", "uptime_after_calibration": uptime()}
-        runs: list[Run] = []
-        for i, (px, py) in enumerate(neighbour_topologies(x, y, a.max_servers)):
-            topo = Topology(procs, cg, model, px, py, pre_seqs, dec_seqs, a)
-            try:
-                d = bench(topo.url(), model, work, f"run-{px}P{py}D", t.prompt_len, t.output_len,
-                          a.num_prompts, 100 + i, ["--request-rate", f"{t.rate:.4f}"],
-                          a.timeout)
-                sides = topo.server_ttft_ms()
-                res.setdefault("server_ttft_ms", {})[topo.tag] = sides
-                log(f"{topo.tag}: mean TTFT per server {sides}")
-            finally:
-                res.setdefault("cgroup_stats", {})[topo.tag] = topo.stop()
-            runs.append(run_from_result(px, py, a.num_prompts, d))
-            res.setdefault("uptime_runs", {})[topo.tag] = uptime()
-        md = table(runs, t, (x, y))
-        res |= {"runs": [vars(r) | {"meets": r.meets(t)} for r in runs], "table": md,
-                "verdict": verdict(runs, t, (x, y))}
+        topos = neighbour_topologies(x, y, a.max_servers)
+        for rnd in range(a.rounds):               # later rounds in the reverse order
+            order = topos if rnd % 2 == 0 else topos[::-1]
+            runs = [run_topology(procs, cg, model, work, a, t, px, py, pre_seqs, dec_seqs,
+                                 rnd, res) for px, py in order]
+            res.setdefault("rounds", []).append({
+                "runs": [vars(r) | {"meets": r.meets(t)} for r in runs],
+                "table": table(runs, t, (x, y)), "verdict": verdict(runs, t, (x, y))})
     finally:
         procs.stop()
         cg.remove()
@@ -447,8 +451,9 @@ def report(res: dict[str, Any]) -> str:
         f"{res['calibration']['handoff_ms']:.0f} ms",
         f"workload: {t['rate']:.3f} req/s Poisson, {t['prompt_len']} + {t['output_len']} tokens; "
         f"targets: mean TTFT <= {t['ttft_ms']:.0f} ms, mean ITL <= {t['itl_ms']:.1f} ms",
-        f"`{res['plan_command']}` -> {res['recommended']}", "", res["table"], "",
-        res["verdict"], ""])
+        f"`{res['plan_command']}` -> {res['recommended']}", "",
+        *(f"round {i + 1}:\n\n{r['table']}\n\n{r['verdict']}\n" for i, r in
+          enumerate(res["rounds"]))])
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ when every request completed.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,3 +119,12 @@ def table(runs: list[Run], targets: Targets, recommended: tuple[int, int]) -> st
             f"{r.p99_itl_ms:.1f} | {r.output_tok_s:.1f} | {r.request_s:.2f} | "
             f"{r.completed}/{r.requests} | {'met' if r.meets(targets) else 'missed'} |")
     return "\n".join(rows)
+
+
+def parse_recommendation(text: str) -> tuple[int, int, int, int]:
+    """(x, y, prefill --max-num-seqs, decode --max-num-seqs) from `kvrelay plan`'s output."""
+    rec = re.search(r"recommendation: (\d+)P(\d+)D", text)
+    seqs = re.search(r"decode b_max = (\d+).*?prefill .*?= (\d+)", text)
+    if not rec or not seqs:
+        raise ValueError(f"not kvrelay plan's output:\n{text}")
+    return int(rec[1]), int(rec[2]), int(seqs[2]), int(seqs[1])
