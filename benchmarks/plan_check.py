@@ -51,8 +51,10 @@ from common import CONFIGS, build_checkpoint, git_sha, log, machine_info  # noqa
 
 from kvrelay.plan.capacity import (  # noqa: E402
     Measured,
+    Workload,
     decode_from_result,
     prefill_from_result,
+    prefill_ttft_ms,
 )
 from kvrelay.plan.check import (  # noqa: E402
     Run,
@@ -294,8 +296,13 @@ def bench(url: str, model: Path, work: Path, name: str, prompt_len: int, output_
            "--save-result", "--no-plot", "--result-dir", str(work),
            "--result-filename", f"{name}.json", *extra]
     with open(work / f"{name}.bench.log", "w") as out:
-        rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, timeout=timeout_s,
-                            check=False).returncode
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            rc = proc.wait(timeout_s)
+        finally:                                        # timeout, Ctrl-C, SIGTERM
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     if rc != 0:
         raise RuntimeError(f"bench {name} failed (rc {rc}): {work / name}.bench.log")
     data: dict[str, Any] = json.loads((work / f"{name}.json").read_text())
@@ -356,9 +363,10 @@ def run_topology(procs: Procs, cg: Cgroups, model: Path, work: Path, a: argparse
     topo = Topology(procs, cg, model, x, y, pre_seqs, dec_seqs, a)
     key = f"round{rnd + 1}-{topo.tag}"
     try:
+        # one seed for every run: the same prompts and arrival times for every topology
+        # (fresh servers each time, so no prefix-cache reuse between runs)
         d = bench(topo.url(), model, work, f"run-{key}", t.prompt_len, t.output_len,
-                  a.num_prompts, 100 + 10 * rnd + x + 4 * y, ["--request-rate", f"{t.rate:.4f}"],
-                  a.timeout)
+                  a.num_prompts, a.seed, ["--request-rate", f"{t.rate:.4f}"], a.timeout)
         sides = topo.server_ttft_ms()
         res.setdefault("server_ttft_ms", {})[key] = sides
         log(f"{key}: mean TTFT per server {sides}")
@@ -384,6 +392,7 @@ def main() -> None:
     ap.add_argument("--ttft-factor", type=float, default=2.5)
     ap.add_argument("--itl-factor", type=float, default=1.5)
     ap.add_argument("--num-prompts", type=int, default=None, help="per topology")
+    ap.add_argument("--seed", type=int, default=100, help="of the measured runs' workload")
     ap.add_argument("--rounds", type=int, default=None,
                     help="every topology this many times, alternating order (full: 2)")
     ap.add_argument("--cal-prompts", type=int, default=None)
@@ -420,13 +429,15 @@ def main() -> None:
                 "targets": vars(t), "plan_command": " ".join(plan_cmd), "plan_output": plan_text,
                 "recommended": f"{x}P{y}D", "uptime_after_calibration": uptime()}
         topos = neighbour_topologies(x, y, a.max_servers)
+        w = Workload(t.rate, t.prompt_len, t.output_len, t.ttft_ms, t.itl_ms, handoff)
+        pred = {(px, py): prefill_ttft_ms(m, w, px)[1] for px, py in topos}
         for rnd in range(a.rounds):               # later rounds in the reverse order
             order = topos if rnd % 2 == 0 else topos[::-1]
             runs = [run_topology(procs, cg, model, work, a, t, px, py, pre_seqs, dec_seqs,
                                  rnd, res) for px, py in order]
             res.setdefault("rounds", []).append({
                 "runs": [vars(r) | {"meets": r.meets(t)} for r in runs],
-                "table": table(runs, t, (x, y)), "verdict": verdict(runs, t, (x, y))})
+                "table": table(runs, t, (x, y), pred), "verdict": verdict(runs, t, (x, y))})
     finally:
         procs.stop()
         cg.remove()

@@ -39,6 +39,7 @@ class Run:
     p99_itl_ms: float
     output_tok_s: float
     request_s: float
+    arrival_s: float = math.nan   # the rate requests were actually sent at (Poisson sample)
 
     @property
     def topology(self) -> str:
@@ -59,10 +60,13 @@ def run_from_result(prefill: int, decode: int, requests: int, d: dict[str, Any])
     def get(key: str) -> float:
         v = d.get(key)
         return float(v) if isinstance(v, int | float) else math.nan
+    starts = [t for t in d.get("start_times") or [] if isinstance(t, int | float)]
+    sent = ((len(starts) - 1) / (max(starts) - min(starts)) if len(starts) > 1
+            and max(starts) > min(starts) else math.nan)
     return Run(prefill, decode, requests, int(d.get("completed") or 0),
                get("mean_ttft_ms"), get("median_ttft_ms"), get("p99_ttft_ms"),
                get("mean_itl_ms"), get("median_itl_ms"), get("p99_itl_ms"),
-               get("output_throughput"), get("request_throughput"))
+               get("output_throughput"), get("request_throughput"), sent)
 
 
 def neighbour_topologies(prefill: int, decode: int, max_servers: int) -> list[tuple[int, int]]:
@@ -106,20 +110,28 @@ def verdict(runs: list[Run], targets: Targets, recommended: tuple[int, int]) -> 
             f"{', '.join(r.topology for r in fewer)} miss them")
 
 
-def table(runs: list[Run], targets: Targets, recommended: tuple[int, int]) -> str:
-    """Markdown: one row per run, the recommendation marked."""
+def table(runs: list[Run], targets: Targets, recommended: tuple[int, int],
+          predicted_ttft_ms: dict[tuple[int, int], float] | None = None) -> str:
+    """Markdown: one row per run, the recommendation marked; with `predicted_ttft_ms`
+    (topology → the planner's mean TTFT), a column comparing it with the measured mean."""
+    pred = predicted_ttft_ms or {}
     head = ("| topology | servers | TTFT mean / p50 / p99 (ms) | ITL mean / p50 / p99 (ms) "
-            "| output tok/s | req/s | completed | targets |")
-    rows = [head, "|" + "---|" * 8]
+            "| output tok/s | req/s served (sent) | completed | targets |")
+    if pred:
+        head += " planned mean TTFT (ms) |"
+    rows = [head, "|" + "---|" * (9 if pred else 8)]
     for r in runs:
         mark = " (recommended)" if (r.prefill, r.decode) == recommended else ""
-        rows.append(
-            f"| {r.topology}{mark} | {r.servers} | {r.mean_ttft_ms:.0f} / {r.p50_ttft_ms:.0f} / "
-            f"{r.p99_ttft_ms:.0f} | {r.mean_itl_ms:.1f} / {r.p50_itl_ms:.1f} / "
-            f"{r.p99_itl_ms:.1f} | {r.output_tok_s:.1f} | {r.request_s:.2f} | "
-            f"{r.completed}/{r.requests} | {'met' if r.meets(targets) else 'missed'} |")
+        row = (f"| {r.topology}{mark} | {r.servers} | {r.mean_ttft_ms:.0f} / "
+               f"{r.p50_ttft_ms:.0f} / {r.p99_ttft_ms:.0f} | {r.mean_itl_ms:.1f} / "
+               f"{r.p50_itl_ms:.1f} / {r.p99_itl_ms:.1f} | {r.output_tok_s:.1f} | "
+               f"{r.request_s:.2f} ({r.arrival_s:.2f}) | {r.completed}/{r.requests} | "
+               f"{'met' if r.meets(targets) else 'missed'} |")
+        if pred:
+            p = pred.get((r.prefill, r.decode), math.nan)
+            row += " unbounded |" if math.isinf(p) else f" {p:.0f} |"
+        rows.append(row)
     return "\n".join(rows)
-
 
 def parse_recommendation(text: str) -> tuple[int, int, int, int]:
     """(x, y, prefill --max-num-seqs, decode --max-num-seqs) from `kvrelay plan`'s output."""

@@ -84,12 +84,14 @@ def test_verdict_recommendation_missing_or_alone():
 def test_run_from_bench_result_and_table():
     d = {"completed": 24, "mean_ttft_ms": 752.4, "median_ttft_ms": 663.2, "p99_ttft_ms": 1330.0,
          "mean_itl_ms": 25.2, "median_itl_ms": 22.5, "p99_itl_ms": 64.7,
-         "output_throughput": 78.4, "request_throughput": 2.45}
+         "output_throughput": 78.4, "request_throughput": 2.45,
+         "start_times": [100.0, 104.5, 103.0, 110.0]}   # 3 gaps in 10 s
     r = run_from_result(2, 1, 24, d)
     assert (r.topology, r.servers, r.completed, r.p99_ttft_ms) == ("2P1D", 3, 24, 1330.0)
+    assert r.arrival_s == pytest.approx(0.3)
     rows = table([r, run_from_result(1, 1, 24, d | {"completed": 21})], T, (2, 1)).splitlines()
     assert rows[2] == ("| 2P1D (recommended) | 3 | 752 / 663 / 1330 | 25.2 / 22.5 / 64.7 | "
-                       "78.4 | 2.45 | 24/24 | met |")
+                       "78.4 | 2.45 (0.30) | 24/24 | met |")
     assert rows[3].startswith("| 1P1D | 2 |") and rows[3].endswith("| 21/24 | missed |")
 
 
@@ -102,3 +104,10 @@ def test_parse_recommendation_from_the_cli(capsys):
     assert parse_recommendation(capsys.readouterr().out) == (2, 1, 16, 4)
     with pytest.raises(ValueError):
         parse_recommendation("kvrelay plan: error: missing --rate")
+
+
+def test_table_with_the_planned_ttft():
+    rows = table([run(2, 1, 900), run(1, 1, 3000)], T, (2, 1),
+                 {(2, 1): 925.4, (1, 1): float("inf")}).splitlines()
+    assert rows[0].endswith("| planned mean TTFT (ms) |") and rows[1] == "|" + "---|" * 9
+    assert rows[2].endswith("| met | 925 |") and rows[3].endswith("| missed | unbounded |")
