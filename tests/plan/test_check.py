@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvrelay.plan.capacity import Measured, Workload, plan
+from kvrelay.plan.capacity import Measured, Workload, plan, queue_wait_s
 from kvrelay.plan.check import (
     Run,
     Targets,
@@ -43,12 +43,14 @@ def test_targets_from_the_measurement():
 
 
 def test_chosen_targets_make_the_plan_2p1d():
-    # demand 1.2: one server has ρ = 1.2, two ρ = 0.6 (W = .6 x .5 / .8 = .375 s,
-    # TTFT = 500 + 375 + 30 + 20 = 925 ms <= 1100 ms)
+    # demand 1.2: one server has ρ = 1.2, two are an M/D/2 at a = 1.2: C = a²/(2+a) = .45,
+    # W = .45 x .5 / (2 x .8) = 140.6 ms; a decode slot is held 32 x 20 ms = .64 s, 1.54 of
+    # 4 slots busy (y = 1); TTFT = 500 + 140.6 + 30 + W_d + 20 <= 1100 ms
     t = choose_targets(M, 30, 500, 32, 1.2, 2.0, 1.5)
     p = plan(M, Workload(t.rate, t.prompt_len, t.output_len, t.ttft_ms, t.itl_ms, 30))
     assert p.topology == "2P1D"
-    assert p.ttft_ms == pytest.approx(925)
+    wd = queue_wait_s(2.4, 0.64, 4) * 1e3
+    assert p.ttft_ms == pytest.approx(500 + 140.625 + 30 + wd + 20)
 
 
 def test_meets_needs_every_request_and_both_means():
