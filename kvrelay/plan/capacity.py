@@ -146,7 +146,8 @@ def plan(m: Measured, w: Workload, max_servers: int = 1024) -> Plan:
                  f"{s * 1e3:.1f} ms per prompt; demand λ·S = {w.rate:g} x {s:.4f} = "
                  f"{w.rate * s:.3f} servers busy")
     # the fewest servers in all: a decode server more can save more than one prefill server
-    # (its shorter wait), so two more counts are tried past the first that works
+    # (its shorter wait), so up to two more counts are tried past the first that works
+    # (k more only help when they can save k + 1 prefill servers)
     found: list[tuple[int, int, int, float]] = []          # (x + y, y, x, W_d)
     last = max_servers
     while y <= last:
@@ -156,7 +157,7 @@ def plan(m: Measured, w: Workload, max_servers: int = 1024) -> Plan:
         x = _prefill_count(m, w, wd, max_servers, lines)
         if x:
             found.append((x + y, y, x, wd))
-            last = min(last, found[0][1] + 2)
+            last = min(last, y + min(2, x - 2))
         y += 1
     if not found:
         raise PlanError(f"more than {max_servers} decode servers needed")
