@@ -276,12 +276,17 @@ def prefill_from_result(path: str) -> float:
 
 
 def decode_from_result(path: str) -> tuple[float, int, float]:
-    """(output tokens/s, batch, median ITL ms) of a run at --max-concurrency B."""
+    """(output tokens/s at batch B, B, mean ITL ms) of a run at --max-concurrency B. The
+    tokens/s is B / the mean ITL when the file has ITLs: the run's output_throughput also
+    counts the time each request waits for its first token — behind a proxy, mostly its
+    prefill — so it under-states what the decode server does at batch B."""
     d = _load(path)
     batch = d.get("max_concurrency") or d.get("max_concurrent_requests")
-    if not batch or not d.get("output_throughput"):
-        raise PlanError(f"{path}: no max_concurrency / output_throughput")
-    return float(d["output_throughput"]), int(batch), float(d.get("median_itl_ms") or 0)
+    itl = d.get("mean_itl_ms") or d.get("median_itl_ms")
+    if not batch or not (itl or d.get("output_throughput")):
+        raise PlanError(f"{path}: no max_concurrency / ITL or output_throughput")
+    tok_s = int(batch) / float(itl) * 1e3 if itl else float(d["output_throughput"])
+    return tok_s, int(batch), float(itl or 0)
 
 
 def workload_from_result(path: str) -> tuple[float, float, float]:

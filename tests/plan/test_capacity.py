@@ -10,6 +10,7 @@ from kvrelay.plan.capacity import (
     Measured,
     PlanError,
     Workload,
+    decode_from_result,
     erlang_c,
     neighbours,
     plan,
@@ -115,3 +116,14 @@ def test_cli_errors_are_one_line(capsys):
                  "--itl-ms", "1"]) == 2
     assert "rate must be positive" in capsys.readouterr().err
     assert not math.isnan(step_ms(Measured(1, 1, 1), 1))
+
+
+def test_decode_rate_is_batch_over_itl(tmp_path):
+    # behind a proxy each request waits ~its prefill for its first token, so output_throughput
+    # (100) under-states the decode server; at batch 4 with a 25 ms ITL it makes 160 tok/s
+    f = tmp_path / "decode.json"
+    f.write_text(json.dumps({"completed": 12, "max_concurrency": 4, "output_throughput": 100.0,
+                             "mean_itl_ms": 25.0, "median_itl_ms": 24.0}))
+    assert decode_from_result(str(f)) == pytest.approx((160.0, 4, 25.0))
+    f.write_text(json.dumps({"completed": 12, "max_concurrency": 4, "output_throughput": 100.0}))
+    assert decode_from_result(str(f)) == pytest.approx((100.0, 4, 0.0))
