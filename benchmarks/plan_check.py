@@ -1,9 +1,10 @@
 """`kvrelay plan`, checked by experiment: deploy its recommendation and the neighbouring
 topologies, each server held to a fixed CPU capacity, and see which meet the targets.
 
-    sudo-less root only (cgroup v1 cpu controller at /sys/fs/cgroup/cpu):
-    python benchmarks/plan_check.py            # full: ~10-15 min
-    python benchmarks/plan_check.py --quick    # smoke run: fewer prompts, ~5 min
+    python benchmarks/plan_check.py            # full: 2 rounds, ~13 min
+    python benchmarks/plan_check.py --quick    # 1 round, 24 requests per run, ~4 min
+
+Needs root and a writable cgroup v1 cpu controller at /sys/fs/cgroup/cpu (docs/deploy.md).
 
 Every server runs with one torch thread (OMP_NUM_THREADS=1) and, once it is ready, is
 moved with its whole process tree (API server + engine core) into a cgroup of its own with
@@ -13,9 +14,9 @@ the machine, as long as the quotas sum to well under the cores that are free. Th
 second server adds a second server's worth of capacity, which is what a plan assumes.
 
 1. Calibrate on a fresh 1P1D (`kvrelay bench serve`, result files `kvrelay plan` reads):
-   the prefill server alone at concurrency 1 (prefill tokens/s), the decode server alone
-   at concurrency 1 and B (ITL at batch 1; output tokens/s at batch B), and the 1P1D through
-   the proxy at concurrency 1 (the hand-off: its TTFT minus the prefill's and one step).
+   the prefill server alone at concurrency 1 (prefill tokens/s), then through the proxy
+   at concurrency 1 (ITL at batch 1; the hand-off: its TTFT minus the prefill's and one
+   step) and B (B / mean ITL: decode tokens/s at batch B, KV intake included).
 2. Choose a workload (kvrelay.plan.check.choose_targets: an arrival rate that keeps
    --demand prefill servers busy, TTFT/ITL targets a few times a lone request's) and run
    `kvrelay plan` on the calibration files.
@@ -317,7 +318,11 @@ def bench(url: str, model: Path, work: Path, name: str, prompt_len: int, output_
 
 def calibrate(procs: Procs, cg: Cgroups, model: Path, work: Path,
               a: argparse.Namespace) -> tuple[Measured, float, dict[str, Any]]:
-    topo = Topology(procs, cg, model, 1, 1, a.cal_batch, a.cal_batch, a)
+    # the prefill server's KV cache (sized by --max-num-seqs) must hold the KV of the
+    # requests waiting for the decode server: with 4 seqs of 1024 tokens it held two 512-token
+    # prompts and refused the rest (HTTP 503 "KV hold refused"); the plan's own value
+    prefill_seqs = max(a.cal_batch, 8192 // a.prompt_len)
+    topo = Topology(procs, cg, model, 1, 1, prefill_seqs, a.cal_batch, a)
     try:
         pre = topo.servers[1]
         for url in (topo.url(pre), topo.url()):               # first requests are slower
@@ -334,6 +339,11 @@ def calibrate(procs: Procs, cg: Cgroups, model: Path, work: Path,
               3 * a.cal_batch, 3, ["--max-concurrency", str(a.cal_batch)], a.timeout)
     finally:
         stats = topo.stop()
+    for name in ("cal-prefill", "cal-decode-1", "cal-decode-b"):
+        failed = json.loads((work / f"{name}.json").read_text()).get("failed")
+        if failed:                                     # a measurement of part of the load
+            raise RuntimeError(f"calibration {name}: {failed} request(s) failed; see "
+                               f"{work / name}.bench.log and the server logs in {work}")
     p_tok_s = prefill_from_result(str(work / "cal-prefill.json"))
     d_tok_s, batch, _ = decode_from_result(str(work / "cal-decode-b.json"))
     itl1 = float(d1["mean_itl_ms"])
