@@ -55,7 +55,6 @@ from kvrelay.plan.capacity import (  # noqa: E402
     Workload,
     decode_from_result,
     prefill_from_result,
-    prefill_ttft_ms,
 )
 from kvrelay.plan.check import (  # noqa: E402
     Run,
@@ -63,6 +62,7 @@ from kvrelay.plan.check import (  # noqa: E402
     choose_targets,
     neighbour_topologies,
     parse_recommendation,
+    planned_ttft_ms,
     run_from_result,
     table,
     verdict,
@@ -441,7 +441,7 @@ def main() -> None:
                 "recommended": f"{x}P{y}D", "uptime_after_calibration": uptime()}
         topos = neighbour_topologies(x, y, a.max_servers)
         w = Workload(t.rate, t.prompt_len, t.output_len, t.ttft_ms, t.itl_ms, handoff)
-        pred = {(px, py): prefill_ttft_ms(m, w, px)[1] for px, py in topos}
+        pred = {(px, py): planned_ttft_ms(m, w, px, py, dec_seqs) for px, py in topos}
         for rnd in range(a.rounds):               # later rounds in the reverse order
             order = topos if rnd % 2 == 0 else topos[::-1]
             runs = [run_topology(procs, cg, model, work, a, t, px, py, pre_seqs, dec_seqs,

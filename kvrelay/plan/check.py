@@ -13,7 +13,14 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from kvrelay.plan.capacity import Measured, step_ms
+from kvrelay.plan.capacity import (
+    Measured,
+    Workload,
+    decode_slot_s,
+    prefill_ttft_ms,
+    queue_wait_s,
+    step_ms,
+)
 
 
 @dataclass(frozen=True)
@@ -87,6 +94,13 @@ def choose_targets(m: Measured, handoff_ms: float, prompt_len: int, output_len: 
     lone = s_ms + handoff_ms + step_ms(m, 1)
     return Targets(demand * m.prefill_tok_s / prompt_len, prompt_len, output_len,
                    ttft_factor * lone, itl_factor * step_ms(m, 1))
+
+
+def planned_ttft_ms(m: Measured, w: Workload, x: int, y: int, b_max: int) -> float:
+    """The planner's mean TTFT for xPyD with b_max slots per decode server (its decode
+    wait included)."""
+    wd = queue_wait_s(w.rate, decode_slot_s(m, w, b_max), y * b_max) * 1e3
+    return prefill_ttft_ms(m, w, x, wd)[1]
 
 
 def verdict(runs: list[Run], targets: Targets, recommended: tuple[int, int]) -> str:

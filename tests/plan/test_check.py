@@ -11,6 +11,7 @@ from kvrelay.plan.check import (
     choose_targets,
     neighbour_topologies,
     parse_recommendation,
+    planned_ttft_ms,
     run_from_result,
     table,
     verdict,
@@ -113,3 +114,13 @@ def test_table_with_the_planned_ttft():
                  {(2, 1): 925.4, (1, 1): float("inf")}).splitlines()
     assert rows[0].endswith("| planned mean TTFT (ms) |") and rows[1] == "|" + "---|" * 9
     assert rows[2].endswith("| met | 925 |") and rows[3].endswith("| missed | unbounded |")
+
+
+def test_planned_ttft_includes_the_decode_wait():
+    # 2P1D as in test_chosen_targets_make_the_plan_2p1d; with 2 decode servers (8 slots, 1.54
+    # busy) the decode wait all but vanishes
+    w = Workload(2.4, 500, 32, 1100, 30, 30)
+    wd = queue_wait_s(2.4, 0.64, 4) * 1e3
+    assert planned_ttft_ms(M, w, 2, 1, 4) == pytest.approx(500 + 140.625 + 30 + wd + 20)
+    assert planned_ttft_ms(M, w, 2, 2, 4) == pytest.approx(500 + 140.625 + 30 + 20, abs=0.1)
+    assert planned_ttft_ms(M, w, 1, 1, 4) == float("inf")
