@@ -1,8 +1,8 @@
 """`kvrelay plan`, checked by experiment: deploy its recommendation and the neighbouring
 topologies, each server held to a fixed CPU capacity, and see which meet the targets.
 
-    python benchmarks/plan_check.py            # full: 2 rounds, ~13 min
-    python benchmarks/plan_check.py --quick    # 1 round, 24 requests per run, ~4 min
+    python benchmarks/plan_check.py            # full: 2 rounds, ~10 min
+    python benchmarks/plan_check.py --quick    # 1 round, 24 requests per run, ~3 min
 
 Needs root and a writable cgroup v1 cpu controller at /sys/fs/cgroup/cpu (docs/deploy.md).
 

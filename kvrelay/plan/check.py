@@ -121,7 +121,8 @@ def verdict(runs: list[Run], targets: Targets, recommended: tuple[int, int]) -> 
         return (f"{rec.topology} (recommended) meets the targets; no smaller topology "
                 f"was run")
     return (f"{rec.topology} (recommended) meets the targets with the fewest servers: "
-            f"{', '.join(r.topology for r in fewer)} miss them")
+            f"{', '.join(r.topology for r in fewer)} {'misses' if len(fewer) == 1 else 'miss'}"
+            f" them")
 
 
 def table(runs: list[Run], targets: Targets, recommended: tuple[int, int],

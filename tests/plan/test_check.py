@@ -64,7 +64,10 @@ def test_meets_needs_every_request_and_both_means():
 def test_verdict_the_smallest_meeting():
     runs = [run(2, 1, 900), run(1, 1, 3000), run(3, 1, 700), run(2, 2, 850)]
     assert verdict(runs, T, (2, 1)) == ("2P1D (recommended) meets the targets with the fewest "
-                                        "servers: 1P1D miss them")
+                                        "servers: 1P1D misses them")
+    runs = [run(2, 2, 900), run(1, 2, 3000), run(2, 1, 1500)]
+    assert verdict(runs, T, (2, 2)) == ("2P2D (recommended) meets the targets with the fewest "
+                                        "servers: 1P2D, 2P1D miss them")
 
 
 def test_verdict_recommendation_misses():
