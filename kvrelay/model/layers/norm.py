@@ -50,7 +50,8 @@ class RMSNorm(nn.Module):
         ops = self._ops(x)
         return self.reference(x) if ops is None else ops[0](x, self.weight, self.eps)
 
-    def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_forward(self, x: torch.Tensor,
+                    delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + delta, norm(x + delta)): a residual add and the norm that follows it,
         in one pass where the native kernel runs."""
         ops = self._ops(x)
