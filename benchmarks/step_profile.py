@@ -85,6 +85,11 @@ LAYER_PARTS = {
     ("mlp.router", "forward"): "fwd.router",
     ("mlp.experts", "forward"): "fwd.experts",
 }
+# wrapped only where the tree has them: the norms' fused residual add
+OPTIONAL_PARTS = {
+    ("input_layernorm", "add_forward"): "fwd.norms",
+    ("post_attention_layernorm", "add_forward"): "fwd.norms",
+}
 
 
 def instrument_parts(model: Any) -> None:
@@ -95,11 +100,16 @@ def instrument_parts(model: Any) -> None:
 
     wrap(model.embed_tokens, "fwd.embedding")
     wrap(model.norm, "fwd.norms")
+    if hasattr(model.norm, "add_forward"):
+        wrap(model.norm, "fwd.norms", "add_forward")
     wrap(model.lm_head, "logits.lm_head")
     wrap(model.rotary, "fwd.rotary", "rotate")
     for layer in model.layers:
         for (path, method), name in LAYER_PARTS.items():
             wrap(layer.get_submodule(path), name, method)
+        for (path, method), name in OPTIONAL_PARTS.items():
+            if hasattr(layer.get_submodule(path), method):
+                wrap(layer.get_submodule(path), name, method)
 
 
 def engine_profile(

@@ -95,6 +95,11 @@ ATTENTION_KERNEL = EnvVar("KVRELAY_ATTENTION_KERNEL", None, "auto",
                           "decode attention on CPU: 'auto' (the C++ paged kernel, built on first "
                           "use; the PyTorch reference path if it cannot be built) or 'reference'")
 
+DENSE_KERNEL = EnvVar("KVRELAY_DENSE_KERNEL", None, "auto",
+                      "decode-sized matmuls and RMSNorms on CPU: 'auto' (the C++ kernels, built "
+                      "on first use, for the row counts where they beat torch on this CPU's "
+                      "ISA; PyTorch otherwise) or 'torch' (always the PyTorch reference)")
+
 COMPILE_DECODE = EnvVar(
     "KVRELAY_COMPILE_DECODE", None, None,
     "CPU, one rank: padded batch sizes (e.g. '1,2,4,8') whose decode-only steps run the forward "

@@ -13,14 +13,17 @@ from kvrelay.model.layers import linear, moe, paged_decode
 
 
 def native_paths() -> dict[str, Any]:
-    """{"kernels": {"moe": "avx512" | None, "paged_decode": ...}, "half_matmul": "native"|"fp32"}
+    """{"kernels": {"moe": "avx512" | None, "paged_decode": ..., "dense": "avx512_bf16" | ...},
+    "half_matmul": "native"|"fp32"}
 
     A kernel is None where its PyTorch reference path serves it: the build failed (the
     one warning `kernels.status()` logs says why) or KVRELAY_MOE_KERNEL=torch /
-    KVRELAY_ATTENTION_KERNEL=reference turned it off (then nothing is built for it)."""
+    KVRELAY_ATTENTION_KERNEL=reference / KVRELAY_DENSE_KERNEL=torch turned it off (then
+    nothing is built for it). "dense" is the decode-sized matmuls' and norms' kernel."""
     moe_on = moe.moe_kernel_mode() != "torch" and kernels.status().available
     return {
         "kernels": {"moe": kernels.status().isa if moe_on else None,
-                    "paged_decode": kernels.status().isa if paged_decode.enabled() else None},
+                    "paged_decode": kernels.status().isa if paged_decode.enabled() else None,
+                    "dense": linear.dense_kernel_isa() if kernels.status().available else None},
         "half_matmul": "native" if linear.half_matmul_choice().native else "fp32",
     }

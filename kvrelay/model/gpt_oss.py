@@ -5,6 +5,10 @@
                        h += moe(norm(h))                          top-k router, grouped experts
     norm ─ lm_head ─▶ logits [T', V]                              only rows the caller asks for
 
+Each residual add is done by the norm that reads its result (`RMSNorm.add_forward`: one
+native pass for decode-sized steps), so a layer returns its MoE output and the residual
+stream separately and the next layer (or the final norm) adds them.
+
 Everything per step arrives in `AttentionMetadata` (query/context lengths, block
 tables and slot mappings per KV-cache group). Each layer owns a KV cache tensor
 `[2, num_blocks, kv_heads_local, block_size, head_dim]`, allocated by the caller.
@@ -79,10 +83,18 @@ class DecoderLayer(nn.Module):
         self.self_attn.load(src, f"{prefix}.self_attn")
         self.mlp.load(src, f"{prefix}.mlp")
 
-    def forward(self, h: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), positions, kv_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mlp output, residual stream before it): the residual add of each block is done
+        by the norm that follows it (one fused pass), the last one by the model's norm."""
+        if residual is None:
+            residual, x = h, self.input_layernorm(h)
+        else:
+            residual, x = self.input_layernorm.add_forward(residual, h)
+        residual, x = self.post_attention_layernorm.add_forward(
+            residual, self.self_attn(x, positions, kv_cache, meta))
+        return self.mlp(x), residual
 
 
 class GptOssModel(nn.Module):
@@ -120,9 +132,12 @@ class GptOssModel(nn.Module):
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions [T] → final hidden states [T, H] (normed)."""
         h = self.embed_tokens(input_ids)                       # [T, H]
+        residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            h = layer(h, positions, kv_cache, meta)
-        return self.norm(h)
+            h, residual = layer(h, residual, positions, kv_cache, meta)
+        if residual is None:
+            return self.norm(h)
+        return self.norm.add_forward(residual, h)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[T', H] → float32 logits [T', V]."""

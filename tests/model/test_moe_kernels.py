@@ -225,7 +225,8 @@ def test_build_failure_falls_back_with_one_warning(broken_build, monkeypatch, ca
     warnings = [r for r in caplog.records if "native CPU kernels unavailable" in r.message]
     assert len(warnings) == 1 and "no compiler" in warnings[0].getMessage()
     assert not kernels.kernels_available() and "no compiler" in kernels.status().reason
-    assert fast_paths.native_paths()["kernels"] == {"moe": None, "paged_decode": None}
+    assert fast_paths.native_paths()["kernels"] == {"moe": None, "paged_decode": None,
+                                                     "dense": None}
     assert torch.equal(outs[0], fp32_reference(ex).forward_torch(x, weights, ids)) or \
         (outs[0] - fp32_reference(ex).forward_torch(x, weights, ids)).abs().max() < 1e-5
     monkeypatch.setenv("KVRELAY_MOE_KERNEL", "native")

@@ -2,7 +2,9 @@
 
 The extension (`csrc/`) holds the grouped MoE expert computation
 (`kvrelay_kernels::moe_experts`) and paged decode attention over the KV blocks in place
-(`kvrelay_kernels::paged_decode`, `write_kv`; wrapped by `layers/paged_decode.py`). It is
+(`kvrelay_kernels::paged_decode`, `write_kv`; wrapped by `layers/paged_decode.py`), and
+the decode-sized dense layers (`dense_linear`, `rms_norm`, `add_rms_norm`; used by
+`layers/linear.py` and `layers/norm.py`, with their own ISA list: `dense_isa`). It is
 compiled once per source/torch version into
 `$KVRELAY_KERNELS_DIR/<name>-<hash>/` (default `~/.cache/kvrelay/kernels`, not under
 KVRELAY_CACHE_DIR: one build serves every embedded-model cache) under a file lock, so
@@ -44,7 +46,8 @@ logger = logging.getLogger(__name__)
 NAME = "kvrelay_kernels"
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("moe_op.cpp", "paged_decode_op.cpp", "moe_generic.cpp", "moe_avx2.cpp",
-           "moe_avx512.cpp")
+           "moe_avx512.cpp", "dense_op.cpp", "dense_generic.cpp", "dense_avx2.cpp",
+           "dense_avx512.cpp", "dense_avx512_bf16.cpp")
 
 
 def _thread_flags() -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -76,6 +79,7 @@ class KernelStatus:
     isas: tuple[str, ...]
     reason: str              # "" when available, otherwise why the build or load failed
     library: str | None = None
+    dense_isa: str | None = None   # the dense ops' variant (they also know "avx512_bf16")
 
 
 def kernels_root() -> Path:
@@ -166,6 +170,18 @@ def _register_fake() -> None:
     def _(kv_cache, k, v, slots):
         return None
 
+    @torch.library.register_fake("kvrelay_kernels::dense_linear")
+    def _(x, weight, bias, isa=""):
+        return x.new_empty((x.shape[0], weight.shape[0]))
+
+    @torch.library.register_fake("kvrelay_kernels::rms_norm")
+    def _(x, weight, eps):
+        return torch.empty_like(x)
+
+    @torch.library.register_fake("kvrelay_kernels::add_rms_norm")
+    def _(x, delta, weight, eps):
+        return torch.empty_like(x), torch.empty_like(x)
+
 
 @functools.cache
 def status() -> KernelStatus:
@@ -175,14 +191,16 @@ def status() -> KernelStatus:
         if not hasattr(torch.ops.kvrelay_kernels, "moe_experts"):
             torch.ops.load_library(str(library))
         isas = tuple(torch.ops.kvrelay_kernels.isas())
+        dense_isa = str(torch.ops.kvrelay_kernels.dense_isas()[0])
         _register_fake()
     except Exception as exc:  # noqa: BLE001 - any build failure means "use the torch path"
         reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc) else ''}"
         logger.warning("native CPU kernels unavailable, using the PyTorch reference paths "
                        "(slower MoE/MXFP4 and decode attention): %s", reason)
         return KernelStatus(False, None, (), reason)
-    logger.info("native CPU kernels loaded: %s (ISA %s of %s)", library, isas[0], ", ".join(isas))
-    return KernelStatus(True, isas[0], isas, "", str(library))
+    logger.info("native CPU kernels loaded: %s (ISA %s of %s; dense %s)", library, isas[0],
+                ", ".join(isas), dense_isa)
+    return KernelStatus(True, isas[0], isas, "", str(library), dense_isa)
 
 
 @compile_hints.constant_result      # a constant to torch.compile's tracing

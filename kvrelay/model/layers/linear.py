@@ -14,6 +14,13 @@ half in memory, results are rounded back to the activation dtype, and matmuls of
 than UPCAST_MIN_ROWS rows keep the half kernel. The choice is made once per process
 from the *running* CPU (never from the build machine), logged, and readable with
 `half_matmul_choice()`; `KVRELAY_CPU_HALF_MATMUL=native|fp32|auto` overrides it.
+
+Decode-sized matmuls (a few rows: one per sequence) go to the native skinny-matmul kernel
+(`kvrelay_kernels::dense_linear`, AVX512-BF16 / AVX-512 / AVX2 chosen at run time) where
+it beats torch on this CPU's ISA for that many rows (`DENSE_MAX_ROWS`): torch's bf16 matmul
+of one row pays a fixed ~40-60 µs in oneDNN, several times the time to stream the weights
+of a 576-wide layer. `KVRELAY_DENSE_KERNEL=torch` keeps every matmul on torch (the
+reference the kernel is tested against); traced code (torch.compile) always uses F.linear.
 """
 from __future__ import annotations
 
@@ -26,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvrelay import envs
-from kvrelay.model import compile_hints
+from kvrelay.model import compile_hints, kernels
 from kvrelay.model.parallel import ParallelContext, divide
 from kvrelay.model.weights import WeightSource
 
@@ -102,9 +109,60 @@ def _in_fp32_constant() -> bool:
 UPCAST_MIN_ROWS = 4
 
 
+# Most rows (per weight dtype) for which the native dense kernel takes a matmul, per dense
+# ISA variant: where it was faster than F.linear on every layer shape of the embedded
+# model (576-wide: qkv, o_proj, router, expert shapes; docs/benchmarks.md "Native skinny
+# matmuls"), one thread, on an AVX-512 Zen 4 against oneDNN's native bf16 GEMM. The AVX2
+# bf16 limit is the row count where `linear` starts upcasting (UPCAST_MIN_ROWS): on
+# CPUs without native bf16 torch's half kernel is emulated, so the kernel is compared
+# with a faster torch here than it meets there. The generic (scalar) build is never
+# faster than torch: it stays a tested fallback, not a dispatch target.
+DENSE_MAX_ROWS: dict[str, dict[torch.dtype, int]] = {
+    "avx512_bf16": {torch.bfloat16: 16, torch.float32: 16},
+    "avx512": {torch.bfloat16: 4, torch.float32: 16},
+    "avx2": {torch.bfloat16: 4, torch.float32: 8},
+}
+
+
+@functools.cache
+def dense_kernel_isa() -> str | None:
+    """The native dense kernels' ISA variant that decode-sized matmuls and norms use, or
+    None: KVRELAY_DENSE_KERNEL=torch, or the extension did not build (its one warning says
+    why), or only its generic build runs here. Decided once per process."""
+    mode = envs.DENSE_KERNEL.raw()
+    if mode not in ("auto", "torch"):
+        raise ValueError(f"{envs.DENSE_KERNEL.shown}: expected auto or torch, got {mode!r}")
+    if mode == "torch":
+        return None
+    status = kernels.status()
+    return status.dense_isa if status.available and status.dense_isa in DENSE_MAX_ROWS else None
+
+
+@functools.cache
+def _dense_rows() -> dict[torch.dtype, int]:
+    isa = dense_kernel_isa()
+    return DENSE_MAX_ROWS[isa] if isa else {}
+
+
+@functools.cache
+def _dense_op() -> torch._ops.OpOverload:
+    """The op overload itself: the packet's overload resolution costs a few µs a call."""
+    return torch.ops.kvrelay_kernels.dense_linear.default
+
+
+def _dense(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear(x, weight)` runs on the native dense kernel."""
+    return (not torch.compiler.is_compiling() and x.dim() == 2
+            and 0 < x.shape[0] <= _dense_rows().get(weight.dtype, 0)
+            and x.dtype == weight.dtype and x.device.type == "cpu")
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear`, in fp32 for half-precision weights where the CPU lacks a fast half GEMM
-    (and the batch is large enough for that to pay, see UPCAST_MIN_ROWS)."""
+    """`F.linear`: on the native dense kernel for decode-sized inputs (see DENSE_MAX_ROWS);
+    in fp32 for half-precision weights where the CPU lacks a fast half GEMM (and the batch
+    is large enough for that to pay, see UPCAST_MIN_ROWS)."""
+    if _dense(x, weight):
+        return _dense_op()(x, weight, bias, "")
     if not upcasts(weight) or x.numel() < UPCAST_MIN_ROWS * x.shape[-1]:
         return F.linear(x, weight, bias)
     out = F.linear(x.float(), weight.float(), None if bias is None else bias.float())

@@ -1,8 +1,29 @@
-"""RMSNorm computed in float32, as gpt-oss was trained."""
+"""RMSNorm computed in float32, as gpt-oss was trained.
+
+Decode-sized inputs (up to NATIVE_MAX_ROWS rows) take the native kernel
+(`kvrelay_kernels::rms_norm`, or `add_rms_norm` with the residual add folded in) where
+`linear.dense_kernel_isa()` says the dense kernels run: one call instead of ~8 small ATen
+ops. It computes what `reference` does, up to fp32 summation order.
+"""
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
+
+from kvrelay.model.layers.linear import dense_kernel_isa
+
+# The native norm runs on one thread; from about this many rows torch's parallel ops win.
+NATIVE_MAX_ROWS = 64
+
+
+@functools.cache
+def _native_ops() -> tuple[torch._ops.OpOverload, torch._ops.OpOverload] | None:
+    if dense_kernel_isa() is None:
+        return None
+    ops = torch.ops.kvrelay_kernels
+    return ops.rms_norm.default, ops.add_rms_norm.default
 
 
 class RMSNorm(nn.Module):
@@ -13,7 +34,28 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=torch.float32),
                                    requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()                                                  # [tokens, hidden]
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return (self.weight * h).to(x.dtype)
+
+    def _ops(self, x: torch.Tensor) -> tuple[torch._ops.OpOverload, ...] | None:
+        if (torch.compiler.is_compiling() or x.dim() != 2 or x.shape[0] > NATIVE_MAX_ROWS
+                or x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu"
+                or not x.is_contiguous()):
+            return None
+        return _native_ops()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = self._ops(x)
+        return self.reference(x) if ops is None else ops[0](x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor,
+                    delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, norm(x + delta)): a residual add and the norm that follows it,
+        in one pass where the native kernel runs."""
+        ops = self._ops(x)
+        if ops is None or delta.dtype != x.dtype:
+            h = x + delta
+            return h, self.reference(h)
+        return ops[1](x, delta, self.weight, self.eps)

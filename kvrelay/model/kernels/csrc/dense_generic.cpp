@@ -1,0 +1,28 @@
+// Portable build of the dense decode kernel (any CPU; the compiler's baseline vectorisation).
+#include "dense.h"
+
+namespace {
+
+struct V {
+  static constexpr int W = 1, MR = 4;
+  using T = float;
+  static T zero() { return 0.0f; }
+  static T load(const float* p) { return *p; }
+  static T load_bf16(const uint16_t* p) {
+    const uint32_t u = uint32_t(*p) << 16;
+    float f;
+    __builtin_memcpy(&f, &u, 4);
+    return f;
+  }
+  static T fma(T a, T b, T c) { return a * b + c; }
+  static float hsum(T a) { return a; }
+};
+
+#include "dense_impl.h"
+
+}  // namespace
+
+bool kvrelay::dense_generic(DenseKernels* out) {
+  *out = DenseKernels{"generic", &dense_fma, nullptr};
+  return true;
+}

@@ -1,0 +1,137 @@
+"""The native decode-sized dense kernels (`dense_linear`, `rms_norm`, `add_rms_norm`) against
+the PyTorch reference paths, for every ISA build this CPU runs, and their dispatch."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvrelay.model import kernels
+from kvrelay.model.layers import linear as L
+from kvrelay.model.layers import norm as N
+
+pytestmark = pytest.mark.skipif(not kernels.status().available,
+                                reason="the native kernels cannot be built here")
+
+ISAS = tuple(torch.ops.kvrelay_kernels.dense_isas()) if kernels.status().available else ()
+# K and N off every vector width (16 fp32 / 32 bf16 lanes, the 8-column work items)
+SHAPES = [(37, 45), (130, 67), (9, 100), (96, 576)]
+
+
+@pytest.fixture
+def dense_mode(monkeypatch):
+    def set_mode(value: str) -> None:
+        monkeypatch.setenv("KVRELAY_DENSE_KERNEL", value)
+        for fn in (L.dense_kernel_isa, L._dense_rows, N._native_ops):
+            fn.cache_clear()
+    yield set_mode
+    monkeypatch.delenv("KVRELAY_DENSE_KERNEL", raising=False)
+    for fn in (L.dense_kernel_isa, L._dense_rows, N._native_ops):
+        fn.cache_clear()
+
+
+def _operands(m: int, n: int, k: int, dtype: torch.dtype, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype)
+    return x, w, b
+
+
+def _exact(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """x·Wᵀ + b of the (already rounded) operands in float64."""
+    return F.linear(x.double(), w.double(), None if b is None else b.double())
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m", [1, 3, 8, 16])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_dense_linear_matches_torch(isa, dtype, m, with_bias):
+    for seed, (n, k) in enumerate(SHAPES):
+        x, w, b = _operands(m, n, k, dtype, seed)
+        bias = b if with_bias else None
+        out = torch.ops.kvrelay_kernels.dense_linear(x, w, bias, isa)
+        assert out.dtype == dtype and out.shape == (m, n)
+        exact = _exact(x, w, bias)
+        # fp32 accumulation (order aside) rounded once to the output dtype: within one
+        # rounding of the exact result, like torch's own F.linear
+        if dtype == torch.float32:
+            torch.testing.assert_close(out.double(), exact, rtol=1e-5, atol=1e-5 * k ** 0.5)
+            torch.testing.assert_close(out, F.linear(x, w, bias), rtol=1e-5, atol=1e-4)
+        else:
+            torch.testing.assert_close(out.double(), exact, rtol=2 ** -8, atol=1e-4 * k ** 0.5)
+            ref = F.linear(x, w, bias)
+            torch.testing.assert_close(out.float(), ref.float(), rtol=2 ** -7, atol=1e-3)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_dense_linear_takes_strided_rows_and_fp32_bias(isa):
+    x, w, b = _operands(4, 37, 45, torch.bfloat16, seed=7)
+    wide = torch.zeros(4, 64, dtype=torch.bfloat16)
+    wide[:, :45] = x
+    out = torch.ops.kvrelay_kernels.dense_linear(wide[:, :45], w, b.float(), isa)
+    torch.testing.assert_close(out.double(), _exact(x, w, b.float()), rtol=2 ** -8, atol=1e-3)
+
+
+def test_dense_linear_rejects_mismatched_shapes():
+    x, w, _ = _operands(2, 8, 16, torch.float32, seed=0)
+    with pytest.raises(RuntimeError, match="dense_linear"):
+        torch.ops.kvrelay_kernels.dense_linear(x, w[:, :15].contiguous(), None, "")
+    with pytest.raises(RuntimeError, match="bias must be"):
+        torch.ops.kvrelay_kernels.dense_linear(x, w, torch.zeros(7), "")
+
+
+def test_linear_dispatches_decode_rows_to_the_kernel(dense_mode):
+    dense_mode("auto")
+    isa = L.dense_kernel_isa()
+    if isa is None:
+        pytest.skip("only the generic dense build runs on this CPU")
+    x, w, b = _operands(40, 96, 64, torch.bfloat16, seed=3)
+    limit = L.DENSE_MAX_ROWS[isa][torch.bfloat16]
+    assert L._dense(x[:1], w) and L._dense(x[:limit], w)
+    assert not L._dense(x[:limit + 1], w)
+    # the kernel's result (not torch's) comes back for decode rows
+    kernel = torch.ops.kvrelay_kernels.dense_linear(x[:1], w, b, "")
+    assert torch.equal(L.linear(x[:1], w, b), kernel)
+    dense_mode("torch")
+    assert L.dense_kernel_isa() is None and not L._dense(x[:1], w)
+    assert torch.equal(L.linear(x[:1], w, b), F.linear(x[:1], w, b))
+
+
+def test_bad_dense_mode_names_the_variable(dense_mode):
+    dense_mode("fast")
+    with pytest.raises(ValueError, match=r"KVRELAY_DENSE_KERNEL.*auto or torch"):
+        L.dense_kernel_isa()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m", [1, 3, 64])
+@pytest.mark.parametrize("hidden", [45, 576])
+def test_native_norms_match_the_reference(dense_mode, dtype, m, hidden):
+    dense_mode("auto")
+    if N._native_ops() is None:
+        pytest.skip("the native norm is off on this CPU")
+    g = torch.Generator().manual_seed(m * hidden)
+    norm = N.RMSNorm(hidden, eps=1e-5)
+    norm.weight.copy_(torch.rand(hidden, generator=g) + 0.5)
+    x = (torch.randn(m, hidden, generator=g) * 3).to(dtype)
+    delta = torch.randn(m, hidden, generator=g).to(dtype)
+    tol = dict(rtol=2 ** -7, atol=1e-5) if dtype == torch.bfloat16 else dict(rtol=1e-5,
+                                                                             atol=1e-6)
+    out = norm(x)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, norm.reference(x), **tol)
+    h, normed = norm.add_forward(x, delta)
+    assert torch.equal(h, x + delta)          # the residual rounds exactly as torch's add
+    torch.testing.assert_close(normed, norm.reference(x + delta), **tol)
+    dense_mode("torch")                       # the reference path computes the same pair
+    h_ref, normed_ref = norm.add_forward(x, delta)
+    assert torch.equal(h_ref, h) and torch.equal(normed_ref, norm.reference(x + delta))
+
+
+def test_norms_of_many_rows_keep_torch(dense_mode):
+    dense_mode("auto")
+    norm = N.RMSNorm(16)
+    x = torch.randn(N.NATIVE_MAX_ROWS + 1, 16)
+    assert norm._ops(x) is None and norm._ops(x[:1]) is N._native_ops()
