@@ -1,16 +1,29 @@
 """Prefill chunks without a cached prefix attended over their own k/v (the fresh path of
-`PagedAttention`) against the reference path (gather from the paged cache, masked SDPA)."""
+`PagedAttention`: the native kernel `prefill_attention`, or SDPA in query pieces where the
+kernels are not built) against the reference path (gather from the paged cache, masked SDPA)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from kvrelay.model import kernels
+from kvrelay.model.layers import attention, paged_decode
 from kvrelay.model.layers.attention import QUERY_PIECE, AttentionMetadata, PagedAttention
 from kvrelay.model.parallel import ParallelContext
 from tests.model.test_paged_decode import _step
 
 B, NB = 8, 128
+
+
+@pytest.fixture(params=["native", "pieces"], autouse=True)
+def fresh_path(request, monkeypatch):
+    """Every test runs on both fresh paths: the C++ kernel and SDPA in query pieces."""
+    if request.param == "native" and not paged_decode.enabled():
+        pytest.skip("the native kernels cannot be built here")
+    if request.param == "pieces":
+        monkeypatch.setattr(attention.kernel, "available", lambda device: False)
+    return request.param
 
 
 def _compare(heads: int, kv_heads: int, head_dim: int, window: int | None, q_lens: list[int],
@@ -71,3 +84,29 @@ def test_a_continued_chunk_keeps_the_reference_path():
     and the output is the reference's."""
     meta = _compare(4, 2, 16, 5, [20, 12], seq_lens=[20, 30])
     assert meta.fresh_plan() is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_isa_build_matches_reference(fresh_path, dtype):
+    """Each prefill ISA build this CPU can run against the reference path: GQA 3, head dim
+    20 (not a multiple of the 16-float vectors), a window inside the tiles, block edges."""
+    if fresh_path != "native":
+        pytest.skip("the ISA builds are the native path's")
+    torch.manual_seed(7)
+    h, kvh, hd, window = 6, 2, 20, 37
+    lens = [B - 1, B + 1, 2 * B, 70]
+    meta = _step(lens, lens, B, NB, seed=7)
+    layer = PagedAttention(h, kvh, hd, window, 0, ParallelContext())
+    layer.sinks.normal_(0, 1)
+    T = sum(lens)
+    q = torch.randn(T, h, hd).to(dtype)
+    k, v = (torch.randn(T, kvh, hd).to(dtype) for _ in range(2))
+    layer.use_kernel = False
+    ref = layer(q, k, v, torch.zeros(2, NB, kvh, B, hd, dtype=dtype), meta).float()
+    cu = torch.tensor([0, *lens]).cumsum(0)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for isa in kernels.status().isas:
+        got = torch.ops.kvrelay_kernels.prefill_attention(q, k, v, cu, layer.sinks, layer.scale,
+                                                          window, isa)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.float(), ref, rtol=tol, atol=tol, msg=isa)

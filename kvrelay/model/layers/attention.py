@@ -32,7 +32,9 @@ Any other prefill step takes the gather path, the reference both are tested agai
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -101,6 +103,7 @@ class _FreshPlan:
     padded: bool
     token_seq: torch.Tensor | None      # padded batch of unequal lengths: row of each token
     token_off: torch.Tensor | None      # … and its column
+    cu_seqlens: torch.Tensor            # [s + 1] token offsets of the chunks (from 0)
     _pieces: dict[tuple[int, int, torch.dtype], list[tuple[int, int, int, torch.Tensor | None]]] \
         = field(default_factory=dict)
 
@@ -157,7 +160,15 @@ def _build_fresh_plan(meta: AttentionMetadata) -> _FreshPlan | None:
         token_seq = torch.repeat_interleave(torch.arange(s, device=dev), lens_t)
         starts = torch.tensor([qsl[i] - qsl[nd] for i in range(nd, meta.num_seqs)], device=dev)
         token_off = torch.arange(qsl[-1] - qsl[nd], device=dev) - starts[token_seq]
-    return _FreshPlan(slice(qsl[nd], qsl[-1]), lens, L, padded, token_seq, token_off)
+    cu = meta.query_start_loc[nd:] - qsl[nd]
+    return _FreshPlan(slice(qsl[nd], qsl[-1]), lens, L, padded, token_seq, token_off, cu)
+
+
+@functools.cache
+def _prefill_op() -> Any:
+    """`kvrelay_kernels::prefill_attention`, its overload resolved once (needs the native
+    kernels: `paged_decode.available`)."""
+    return torch.ops.kvrelay_kernels.prefill_attention.default
 
 
 def fresh_prefill_enabled() -> bool:
@@ -300,7 +311,12 @@ class PagedAttention(nn.Module):
 
     def _attend_fresh(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       plan: _FreshPlan) -> torch.Tensor:
-        """Prefill chunks from position 0 over their own k/v: [t, h, hd] → [t, h, hd]."""
+        """Prefill chunks from position 0 over their own k/v: [t, h, hd] → [t, h, hd].
+        The native kernel where it is built (csrc/prefill*: tiles of query rows against
+        blocks of keys, only the visible ones); otherwise SDPA in query pieces."""
+        if kernel.available(q.device):
+            return _prefill_op()(q, k, v, plan.cu_seqlens, self.sinks, self.scale,
+                                 self.window or 0).to(q.dtype)
         if not plan.padded:
             outs, i = [], 0
             for n in plan.lens:
@@ -329,13 +345,13 @@ class PagedAttention(nn.Module):
                     for x in (k, v))
         qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))                 # [s, h, L, hd]
         sinks = self.sinks.view(1, h, 1)
-        outs = []
+        out = q.new_empty(s, L, h, hd)        # each piece's rows written once, sinks applied
         for a, b, k0, mask in plan.pieces(L, self.window, q.dtype, q.device):
-            out, lse = _attend_causal(qt[:, :, a:b], kt[:, :, k0:b], vt[:, :, k0:b], mask,
-                                      self.scale)
-            outs.append(out * torch.sigmoid(lse - sinks).unsqueeze(-1).to(out.dtype))
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-        return out.transpose(1, 2)                                          # [s, L, h, hd]
+            part, lse = _attend_causal(qt[:, :, a:b], kt[:, :, k0:b], vt[:, :, k0:b], mask,
+                                       self.scale)
+            weight = torch.sigmoid(lse - sinks).unsqueeze(-1).to(part.dtype)
+            torch.mul(part, weight, out=out[:, a:b].transpose(1, 2))
+        return out
 
     def _attend_part(self, q: torch.Tensor, kv_cache: torch.Tensor,
                      plan: _GatherPlan) -> torch.Tensor:
