@@ -86,10 +86,11 @@ def test_a_continued_chunk_keeps_the_reference_path():
     assert meta.fresh_plan() is None
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_every_isa_build_matches_reference(fresh_path, dtype):
     """Each prefill ISA build this CPU can run against the reference path: GQA 3, head dim
-    20 (not a multiple of the 16-float vectors), a window inside the tiles, block edges."""
+    20 (not a multiple of the 16-float vectors), a window inside the tiles, block edges,
+    q and k strided views of one fused tensor (as the model's qkv split gives them)."""
     if fresh_path != "native":
         pytest.skip("the ISA builds are the native path's")
     torch.manual_seed(7)
@@ -99,8 +100,8 @@ def test_every_isa_build_matches_reference(fresh_path, dtype):
     layer = PagedAttention(h, kvh, hd, window, 0, ParallelContext())
     layer.sinks.normal_(0, 1)
     T = sum(lens)
-    q = torch.randn(T, h, hd).to(dtype)
-    k, v = (torch.randn(T, kvh, hd).to(dtype) for _ in range(2))
+    q, k = torch.randn(T, h + kvh, hd).to(dtype).split([h, kvh], dim=1)
+    v = torch.randn(T, kvh, hd).to(dtype)
     layer.use_kernel = False
     ref = layer(q, k, v, torch.zeros(2, NB, kvh, B, hd, dtype=dtype), meta).float()
     cu = torch.tensor([0, *lens]).cumsum(0)

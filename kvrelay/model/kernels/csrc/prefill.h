@@ -9,22 +9,27 @@ namespace kvrelay {
 // Causal attention of prompts from position 0 over their own keys and values (no cached
 // prefix, so nothing is read from the paged cache):
 //
-//   q [T, H, D] f32, k/v [T, KVH, D] f32, cu [S + 1] token offsets of the S prompts,
-//   sinks [H] f32 → out [T, H, D] f32
+//   q [T, H, D], k/v [T, KVH, D] (f32, bf16 or f16, all one `format`; a token's heads
+//   contiguous, tokens `*_stride` elements apart), cu [S + 1] token offsets of the S prompts,
+//   sinks [H] f32 → out [T, H, D] contiguous, in `format` (computed in f32)
 //
 // Query at position p of a prompt sees keys (p - window, p] (window 0: [0, p]); the learned
 // sink joins each row's softmax denominator. Work item = (prompt, KV head, tile of
 // kPrefillTile query positions), listed in `items` as prompt · 2^32 + kv_head · 2^16 + tile.
 constexpr int64_t kPrefillTile = 32;
 
+enum PrefillFormat : int32_t { kPrefillF32 = 0, kPrefillBF16 = 1, kPrefillF16 = 2 };
+
 struct PrefillProblem {
-  const float* q;
-  const float* k;
-  const float* v;
+  int32_t format;
+  const void* q;
+  const void* k;
+  const void* v;
+  int64_t q_stride, k_stride, v_stride;
   const int64_t* cu;
   const int64_t* items;
   const float* sinks;
-  float* out;
+  void* out;
   int64_t H, KVH, D;
   int64_t window;
   float scale;

@@ -37,6 +37,48 @@ inline float prefill_exp(float x) {
 
 constexpr int64_t KB = kvrelay::kPrefillKeys;
 
+// n elements at element offset `at` of `src` (in the problem's format) as f32, times `mul`
+inline void row_to_f32(int32_t format, const void* src, int64_t at, int64_t n, float mul,
+                       float* dst) {
+  if (format == kvrelay::kPrefillF32) {
+    const float* s = static_cast<const float*>(src) + at;
+    for (int64_t i = 0; i < n; ++i) dst[i] = s[i] * mul;
+  } else if (format == kvrelay::kPrefillBF16) {
+    const uint16_t* s = static_cast<const uint16_t*>(src) + at;
+    for (int64_t i = 0; i < n; ++i) {
+      const uint32_t u = uint32_t(s[i]) << 16;
+      float f;
+      __builtin_memcpy(&f, &u, 4);
+      dst[i] = f * mul;
+    }
+  } else {
+    const _Float16* s = static_cast<const _Float16*>(src) + at;
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(s[i]) * mul;
+  }
+}
+
+// n floats `src · mul` into `dst` at element offset `at`, rounded to the format (bf16:
+// to nearest even, as torch rounds)
+inline void row_from_f32(int32_t format, const float* src, float mul, int64_t n, void* dst,
+                         int64_t at) {
+  if (format == kvrelay::kPrefillF32) {
+    float* d = static_cast<float*>(dst) + at;
+    for (int64_t i = 0; i < n; ++i) d[i] = src[i] * mul;
+  } else if (format == kvrelay::kPrefillBF16) {
+    uint16_t* d = static_cast<uint16_t*>(dst) + at;
+    for (int64_t i = 0; i < n; ++i) {
+      const float f = src[i] * mul;
+      uint32_t u;
+      __builtin_memcpy(&u, &f, 4);
+      d[i] = __builtin_isnan(f) ? uint16_t(0x7FC0)
+                                : uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    }
+  } else {
+    _Float16* d = static_cast<_Float16*>(dst) + at;
+    for (int64_t i = 0; i < n; ++i) d[i] = static_cast<_Float16>(src[i] * mul);
+  }
+}
+
 // s[4][KB] = the 4 query rows q (stride Dp) · the block's keys kt [D][KB]
 inline void scores4(const float* q, int64_t Dp, int64_t D, const float* kt, float* s) {
   vf16 a[4][4] = {};
@@ -99,9 +141,10 @@ inline void load_block(const kvrelay::PrefillProblem& p, int64_t first_token, in
       for (int64_t d = 0; d < Dp; ++d) vr[d] = 0.f;
       continue;
     }
-    const int64_t at = ((first_token + j) * p.KVH + kh) * D;
-    for (int64_t d = 0; d < D; ++d) kt[d * KB + j] = p.k[at + d];
-    for (int64_t d = 0; d < D; ++d) vr[d] = p.v[at + d];
+    float krow[1024];
+    row_to_f32(p.format, p.k, (first_token + j) * p.k_stride + kh * D, D, 1.f, krow);
+    for (int64_t d = 0; d < D; ++d) kt[d * KB + j] = krow[d];
+    row_to_f32(p.format, p.v, (first_token + j) * p.v_stride + kh * D, D, 1.f, vr);
     for (int64_t d = D; d < Dp; ++d) vr[d] = 0.f;
   }
 }
@@ -157,10 +200,9 @@ void prefill_tasks(const kvrelay::PrefillProblem& p, int64_t begin, int64_t end,
     for (int64_t r = 0; r < rows4; ++r) {
       float* qr = qf + r * Dp;
       const int64_t g = r / nq, i = r % nq;
-      if (r < rows) {
-        const float* src = p.q + ((base + q0 + i) * p.H + kh * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) qr[d] = src[d] * p.scale;
-      }
+      if (r < rows)
+        row_to_f32(p.format, p.q, (base + q0 + i) * p.q_stride + (kh * G + g) * D, D, p.scale,
+                   qr);
       for (int64_t d = r < rows ? D : 0; d < Dp; ++d) qr[d] = 0.f;
       for (int64_t d = 0; d < Dp; ++d) acc[r * Dp + d] = 0.f;
       m[r] = -__builtin_inff();
@@ -187,8 +229,7 @@ void prefill_tasks(const kvrelay::PrefillProblem& p, int64_t begin, int64_t end,
       const float mx = m[r] > sink ? m[r] : sink;
       const float c = prefill_exp(m[r] - mx);
       const float f = c / (l[r] * c + prefill_exp(sink - mx));
-      float* dst = p.out + ((base + q0 + i) * p.H + kh * G + g) * D;
-      for (int64_t d = 0; d < D; ++d) dst[d] = acc[r * Dp + d] * f;
+      row_from_f32(p.format, acc + r * Dp, f, D, p.out, ((base + q0 + i) * p.H + kh * G + g) * D);
     }
   }
 }

@@ -41,21 +41,33 @@ PrefillIsa pick(const std::string& name) {
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              const at::Tensor& cu_seqlens, const at::Tensor& sinks,
                              double scale, int64_t window, const std::string& isa) {
+  PrefillProblem p{};
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(),
               "prefill_attention: q [T,h,hd], k/v [T,kvh,hd]");
   TORCH_CHECK(q.size(0) == k.size(0) && q.size(2) == k.size(2) && q.size(1) % k.size(1) == 0,
               "prefill_attention: q and k/v shapes do not match");
   TORCH_CHECK(q.size(1) / k.size(1) * kPrefillTile < (int64_t(1) << 16) && k.size(1) < (1 << 16),
               "prefill_attention: too many heads");
-  const at::Tensor qf = q.to(at::kFloat).contiguous(), kf = k.to(at::kFloat).contiguous();
-  const at::Tensor vf = v.to(at::kFloat).contiguous();
+  const at::ScalarType dtype = q.scalar_type();
+  TORCH_CHECK(k.scalar_type() == dtype && v.scalar_type() == dtype,
+              "prefill_attention: q, k and v dtypes differ");
+  TORCH_CHECK(q.size(2) <= 1024, "prefill_attention: head dim over 1024");
+  p.format = dtype == at::kFloat ? kPrefillF32
+             : dtype == at::kBFloat16 ? kPrefillBF16
+             : dtype == at::kHalf ? kPrefillF16
+             : -1;
+  TORCH_CHECK(p.format >= 0, "prefill_attention: q/k/v must be float32, bfloat16 or float16");
+  // a token's heads contiguous; tokens may be strided (k is a slice of the fused qk)
+  const auto rows = [](const at::Tensor& x) {
+    return x.stride(2) == 1 && x.stride(1) == x.size(2) ? x : x.contiguous();
+  };
+  const at::Tensor qf = rows(q), kf = rows(k), vf = rows(v);
   const at::Tensor cu = cu_seqlens.to(at::kLong).contiguous();
   const at::Tensor sk = sinks.to(at::kFloat).contiguous();
   const int64_t S = cu.numel() - 1;
   TORCH_CHECK(S >= 0 && sk.numel() == q.size(1), "prefill_attention: cu_seqlens [S+1], sinks [h]");
   const int64_t* c = cu.data_ptr<int64_t>();
   TORCH_CHECK(S == 0 || (c[0] == 0 && c[S] == q.size(0)), "cu_seqlens must span [0, T]");
-  PrefillProblem p{};
   p.H = q.size(1), p.KVH = k.size(1), p.D = q.size(2);
   p.window = window;
   p.scale = static_cast<float>(scale);
@@ -78,14 +90,15 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
                    [](const auto& a, const auto& b) { return a.first > b.first; });
   items.reserve(order.size());
   for (const auto& o : order) items.push_back(o.second);
-  at::Tensor out = at::empty(q.sizes(), qf.options());
-  p.q = qf.data_ptr<float>();
-  p.k = kf.data_ptr<float>();
-  p.v = vf.data_ptr<float>();
+  at::Tensor out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
+  p.q = qf.data_ptr();
+  p.k = kf.data_ptr();
+  p.v = vf.data_ptr();
+  p.q_stride = qf.stride(0), p.k_stride = kf.stride(0), p.v_stride = vf.stride(0);
   p.cu = c;
   p.items = items.data();
   p.sinks = sk.data_ptr<float>();
-  p.out = out.data_ptr<float>();
+  p.out = out.data_ptr();
   const PrefillFn fn = pick(isa).fn;
   const int64_t n = static_cast<int64_t>(items.size());
   const int64_t threads = threads_for(macs, n);
@@ -93,7 +106,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
     std::vector<float> scratch(prefill_scratch_floats(p));
     fn(p, begin, end, scratch.data());
   });
-  return q.scalar_type() == at::kFloat ? out : out.to(q.scalar_type());
+  return out;
 }
 
 }  // namespace
