@@ -93,7 +93,8 @@ KERNELS_DIR = EnvVar("KVRELAY_KERNELS_DIR", None, None,
                      "every KVRELAY_CACHE_DIR, one build per kvrelay/torch version)")
 ATTENTION_KERNEL = EnvVar("KVRELAY_ATTENTION_KERNEL", None, "auto",
                           "decode attention on CPU: 'auto' (the C++ paged kernel, built on first "
-                          "use; the PyTorch reference path if it cannot be built) or 'reference'")
+                          "use; the PyTorch reference path if it cannot be built) or 'reference' "
+                          "(also keeps fresh prompts' prefill on the gather path)")
 
 DENSE_KERNEL = EnvVar("KVRELAY_DENSE_KERNEL", None, "auto",
                       "decode-sized matmuls and RMSNorms on CPU: 'auto' (the C++ kernels, built "

@@ -17,6 +17,7 @@ step loop never waits on HTTP.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
@@ -115,6 +116,7 @@ def run_engine_core(args: EngineArgs, conn: Connection, log_level: int = logging
         from kvrelay.engine.core import LLMEngine
         from kvrelay.model.fast_paths import native_paths
         engine = LLMEngine(args)
+        keep_freed_memory()
         info = EngineInfo(max_model_len=engine.max_model_len, model_dir=str(engine.model_dir),
                           pid=os.getpid(), vocab_size=engine.model_config.vocab_size,
                           kv_cache_spec=dict(engine.kv_cache_spec().__dict__),
@@ -131,6 +133,28 @@ def run_engine_core(args: EngineArgs, conn: Connection, log_level: int = logging
             _loop(engine, conn)
     finally:
         engine.shutdown()
+
+
+def keep_freed_memory() -> None:
+    """From here on, glibc serves every allocation from its heap and keeps freed memory for
+    reuse, instead of mapping fresh pages for each large block and unmapping them on free.
+
+    A step allocates and frees the same large tensors every time (a decode step of 64
+    sequences over a 201k vocabulary makes 51 MB of float32 logits): above glibc's mmap
+    threshold (at most 32 MB) each one is a fresh mapping whose pages fault in, zeroed, on
+    first touch — measured 47 instead of 25 ms of CPU per such step, depending on whether
+    huge pages happened to back it. Called after loading and warm-up, so the loader's
+    transient buffers still go back to the system; the heap then stays at the steady
+    state's peak. A no-op where the C library is not glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        ok = libc.mallopt(_M_MMAP_MAX, 0) and libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)
+    except (OSError, AttributeError):
+        ok = 0
+    logger.debug("engine core: freed memory kept for reuse: %s", bool(ok))
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4          # glibc's mallopt parameters (malloc.h)
 
 
 def _loop(engine: CoreEngine, conn: Connection) -> None:

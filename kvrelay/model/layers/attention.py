@@ -21,14 +21,25 @@ sliding-window layer starts at the block holding position `first_query_pos - W +
 Sinks: softmax over [scores, sink] then dropping the sink column equals ordinary
 softmax attention scaled per row by `sigmoid(lse - sink)`, where lse is the row's
 log-sum-exp — so any kernel that returns the lse does attention with sinks.
+
+Fresh prompts: when every prefill chunk of a step starts at position 0 (no cached
+prefix), its keys are exactly the chunk's own new k/v, so the prefill part attends over
+them directly (`_attend_fresh`): no gather from the cache, no per-sequence [L, K] mask,
+and the queries in pieces of `QUERY_PIECE` rows, each attending only the keys it can see
+(causal, window) under a small mask shared by the batch — the CPU flash kernel's
+`is_causal` alone still computes the whole [L, L] at prompt lengths of a few hundred.
+Any other prefill step takes the gather path, the reference both are tested against.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
+from kvrelay import envs
 from kvrelay.model.layers import paged_decode as kernel
 from kvrelay.model.parallel import ParallelContext
 
@@ -47,12 +58,20 @@ class AttentionMetadata:
     slot_mappings: tuple[torch.Tensor, ...]  # per group: [T] int64
     block_size: int
     num_decodes: int = 0
-    _plans: dict[tuple[int, int | None, str], _GatherPlan | None] = field(default_factory=dict,
-                                                                          repr=False)
+    _plans: dict[tuple[int, int | None, str], _GatherPlan | _FreshPlan | None] = field(
+        default_factory=dict, repr=False)
 
     @property
     def num_seqs(self) -> int:
         return self.seq_lens.shape[0]
+
+    def fresh_plan(self) -> _FreshPlan | None:
+        """The prefill part's layout when every prefill chunk starts at 0 (None otherwise);
+        built once per step, shared by every layer."""
+        key = (-1, None, "fresh")
+        if key not in self._plans:
+            self._plans[key] = _build_fresh_plan(self)
+        return self._plans[key]  # type: ignore[return-value]
 
     def plan(self, group: int, window: int | None, part: str) -> _GatherPlan | None:
         """The gather indices and mask for (group, window, part); built once per step
@@ -60,7 +79,7 @@ class AttentionMetadata:
         key = (group, window, part)
         if key not in self._plans:
             self._plans[key] = _build_plan(self, group, window, part)
-        return self._plans[key]
+        return self._plans[key]  # type: ignore[return-value]
 
 
 @dataclass
@@ -72,6 +91,89 @@ class _GatherPlan:
     token_seq: torch.Tensor    # [t] row of each token in the padded query batch
     token_off: torch.Tensor    # [t] column of each token in the padded query batch
     max_q: int
+
+
+@dataclass
+class _FreshPlan:
+    """Prefill chunks that each hold a whole prompt prefix from position 0, as one padded
+    batch [s, L] (`padded`) or, when padding would waste most of the work, one by one."""
+    tokens: slice              # the prefill chunks' flattened tokens
+    lens: list[int]            # tokens per chunk (= its context length)
+    max_q: int
+    padded: bool
+    token_seq: torch.Tensor | None      # padded batch of unequal lengths: row of each token
+    token_off: torch.Tensor | None      # … and its column
+    cu_seqlens: torch.Tensor            # [s + 1] token offsets of the chunks (from 0)
+    _pieces: dict[tuple[int, int, torch.dtype], list[tuple[int, int, int, torch.Tensor | None]]] \
+        = field(default_factory=dict)
+
+    def pieces(self, L: int, window: int | None, dtype: torch.dtype,
+               device: torch.device) -> list[tuple[int, int, int, torch.Tensor | None]]:
+        """Query rows [a, b) attend keys [k0, b) under `mask` ([1, 1, b - a, b - k0],
+        causal and window; None: the kernel's own `is_causal` suffices): pieces of
+        `QUERY_PIECE` rows, so no piece computes the scores above the diagonal or before
+        the window that a single [L, L] call would (the CPU flash kernel's `is_causal`
+        does not skip them at these lengths). Built once per (L, window, dtype) per step."""
+        key = (L, window or 0, dtype)
+        if key not in self._pieces:
+            self._pieces[key] = _pieces(L, window or 0, dtype, device)
+        return self._pieces[key]
+
+
+QUERY_PIECE = 64      # query rows per fresh-prefill attention call (measured: 48-64 best)
+
+
+def _pieces(L: int, window: int, dtype: torch.dtype,
+            device: torch.device) -> list[tuple[int, int, int, torch.Tensor | None]]:
+    out: list[tuple[int, int, int, torch.Tensor | None]] = []
+    for a in range(0, L, QUERY_PIECE):
+        b = min(a + QUERY_PIECE, L)
+        k0 = max(0, a - window + 1) if window else 0
+        if a == 0 and (not window or b <= window):
+            out.append((a, b, k0, None))
+            continue
+        qpos = torch.arange(a, b, device=device)[:, None]
+        kpos = torch.arange(k0, b, device=device)[None, :]
+        hidden = kpos > qpos
+        if window:
+            hidden |= kpos <= qpos - window
+        mask = torch.zeros(b - a, b - k0, dtype=dtype, device=device)
+        out.append((a, b, k0, mask.masked_fill_(hidden, float("-inf"))[None, None]))
+    return out
+
+
+def _build_fresh_plan(meta: AttentionMetadata) -> _FreshPlan | None:
+    nd = meta.num_decodes
+    if nd >= meta.num_seqs:
+        return None
+    qsl = meta.query_start_loc.tolist()
+    lens = [qsl[i + 1] - qsl[i] for i in range(nd, meta.num_seqs)]
+    if meta.seq_lens[nd:].tolist() != lens:            # some chunk continues a cached prefix
+        return None
+    L, s = max(lens), len(lens)
+    # one padded batch costs s·L² (causal halves both sides alike); alone, Σ len²
+    padded = 2 * sum(n * n for n in lens) >= s * L * L
+    token_seq = token_off = None
+    if padded and min(lens) != L:
+        dev = meta.query_start_loc.device
+        lens_t = torch.tensor(lens, device=dev)
+        token_seq = torch.repeat_interleave(torch.arange(s, device=dev), lens_t)
+        starts = torch.tensor([qsl[i] - qsl[nd] for i in range(nd, meta.num_seqs)], device=dev)
+        token_off = torch.arange(qsl[-1] - qsl[nd], device=dev) - starts[token_seq]
+    cu = meta.query_start_loc[nd:] - qsl[nd]
+    return _FreshPlan(slice(qsl[nd], qsl[-1]), lens, L, padded, token_seq, token_off, cu)
+
+
+@functools.cache
+def _prefill_op() -> Any:
+    """`kvrelay_kernels::prefill_attention`, its overload resolved once (needs the native
+    kernels: `paged_decode.available`)."""
+    return torch.ops.kvrelay_kernels.prefill_attention.default
+
+
+def fresh_prefill_enabled() -> bool:
+    """`KVRELAY_ATTENTION_KERNEL=reference` keeps every prefill on the gather path."""
+    return envs.ATTENTION_KERNEL.raw() != "reference"
 
 
 def _build_plan(meta: AttentionMetadata, group: int, window: int | None,
@@ -137,12 +239,29 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     return out, lse
 
 
+def _attend_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_attend` of query rows that end where the keys end (mask None: the rows are the
+    keys' own positions, top-left causal)."""
+    if mask is None:
+        if q.device.type == "cpu":
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q, k, v, is_causal=True, scale=scale)
+            return out, lse.float()
+        L = q.shape[-2]
+        above = torch.ones(L, L, dtype=torch.bool, device=q.device).triu_(1)
+        mask = torch.zeros(L, L, dtype=q.dtype, device=q.device).masked_fill_(above, float("-inf"))
+    return _attend(q, k, v, mask, scale)
+
+
 class PagedAttention(nn.Module):
     """Attention of one layer over its paged KV cache, with learned sinks per head.
 
     Decodes go through the in-place C++ kernel (`layers/paged_decode.py`) where it is
-    available; prefill chunks, and decodes without the kernel, through the reference path
-    (gather the visible blocks, SDPA with lse). `use_kernel = False` forces the reference."""
+    available; a step whose prefill chunks all start at 0 attends them over their own k/v
+    (`_attend_fresh`); other prefill chunks, and decodes without the kernel, take the
+    reference path (gather the visible blocks, SDPA with lse). `use_kernel = False`
+    forces the reference for both."""
 
     use_kernel = True
 
@@ -169,7 +288,14 @@ class PagedAttention(nn.Module):
         out = torch.empty_like(q)
         if in_place:
             out[:nd] = self._decode_in_place(q[:nd], kv_cache, meta)
-        for part in ("prefill",) if in_place else ("decode", "prefill"):
+        fresh = meta.fresh_plan() if self.use_kernel and fresh_prefill_enabled() else None
+        if fresh is not None:
+            dt = kv_cache.dtype      # the keys the gather path would read: rounded like the cache
+            k, v = ((k, v) if k.dtype == dt else (k.to(dt).to(q.dtype), v.to(dt).to(q.dtype)))
+            t = fresh.tokens
+            out[t] = self._attend_fresh(q[t], k[t], v[t], fresh)
+        parts = ("prefill",) if in_place else ("decode", "prefill")
+        for part in parts[:-1] if fresh is not None else parts:
             plan = meta.plan(self.group, self.window, part)
             if plan is not None:
                 out[plan.tokens] = self._attend_part(q[plan.tokens], kv_cache, plan)
@@ -182,6 +308,50 @@ class PagedAttention(nn.Module):
         table = meta.block_tables[self.group][:nd]
         return kernel.decode(q.to(kv_cache.dtype), kv_cache, table, meta.seq_lens[:nd],
                              self.sinks, self.scale, self.window or 0).to(q.dtype)
+
+    def _attend_fresh(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      plan: _FreshPlan) -> torch.Tensor:
+        """Prefill chunks from position 0 over their own k/v: [t, h, hd] → [t, h, hd].
+        The native kernel where it is built (csrc/prefill*: tiles of query rows against
+        blocks of keys, only the visible ones); otherwise SDPA in query pieces."""
+        if kernel.available(q.device):
+            return _prefill_op()(q, k, v, plan.cu_seqlens, self.sinks, self.scale,
+                                 self.window or 0).to(q.dtype)
+        if not plan.padded:
+            outs, i = [], 0
+            for n in plan.lens:
+                outs.append(self._attend_batch(q[None, i:i + n], k[None, i:i + n],
+                                               v[None, i:i + n], plan)[0])
+                i += n
+            return torch.cat(outs)
+        s, L = len(plan.lens), plan.max_q
+        if plan.token_seq is None:                       # equal lengths: views, no copy
+            return self._attend_batch(q.view(s, L, *q.shape[1:]), k.view(s, L, *k.shape[1:]),
+                                      v.view(s, L, *v.shape[1:]), plan).reshape(q.shape)
+        # right padding: a real query never sees a padded key (they sit after it)
+        rows, cols = plan.token_seq, plan.token_off
+        pq, pk, pv = (x.new_zeros(s, L, *x.shape[1:]) for x in (q, k, v))
+        pq[rows, cols], pk[rows, cols], pv[rows, cols] = q, k, v
+        return self._attend_batch(pq, pk, pv, plan)[rows, cols]
+
+    def _attend_batch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      plan: _FreshPlan) -> torch.Tensor:
+        """Causal attention of s sequences from position 0: q [s, L, h, hd], k/v
+        [s, L, kvh, hd] → [s, L, h, hd], sinks and this layer's window applied."""
+        s, L, h, hd = q.shape
+        g = h // self.num_kv_heads
+        if g > 1:                # each KV head serves its g query heads (GQA)
+            k, v = (x.unsqueeze(3).expand(s, L, self.num_kv_heads, g, hd).reshape(s, L, h, hd)
+                    for x in (k, v))
+        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))                 # [s, h, L, hd]
+        sinks = self.sinks.view(1, h, 1)
+        out = q.new_empty(s, L, h, hd)        # each piece's rows written once, sinks applied
+        for a, b, k0, mask in plan.pieces(L, self.window, q.dtype, q.device):
+            part, lse = _attend_causal(qt[:, :, a:b], kt[:, :, k0:b], vt[:, :, k0:b], mask,
+                                       self.scale)
+            weight = torch.sigmoid(lse - sinks).unsqueeze(-1).to(part.dtype)
+            torch.mul(part, weight, out=out[:, a:b].transpose(1, 2))
+        return out
 
     def _attend_part(self, q: torch.Tensor, kv_cache: torch.Tensor,
                      plan: _GatherPlan) -> torch.Tensor:

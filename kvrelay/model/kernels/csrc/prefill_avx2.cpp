@@ -1,0 +1,18 @@
+// AVX2 + FMA build of the prefill attention kernel; chosen at run time (prefill_op.cpp).
+#include "prefill.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#pragma GCC target("avx2,fma,f16c")
+
+namespace {
+#include "prefill_impl.h"
+}  // namespace
+
+bool kvrelay::prefill_avx2(PrefillFn* out) {
+  *out = &prefill_tasks;
+  return true;
+}
+
+#else
+bool kvrelay::prefill_avx2(PrefillFn*) { return false; }
+#endif

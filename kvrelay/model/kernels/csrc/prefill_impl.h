@@ -1,0 +1,235 @@
+// The prefill attention kernel (contract: prefill.h), written once and compiled once per
+// ISA: included inside an anonymous namespace by each `#pragma GCC target` file. Vectors are
+// GCC vector extensions of 16 floats, which each build lowers to its own registers (one
+// zmm, two ymm, four xmm).
+//
+// A work item is one tile of kPrefillTile query positions of one prompt for one KV head: its
+// R = G · tile rows (the G query heads of the KV head at each position) walk the visible keys
+// in blocks of kPrefillKeys with an online softmax (running max m, sum l, rescaled
+// accumulator, all f32), as paged_decode_impl.h does for one row. Scores and the
+// probability-weighted values are computed four rows at a time against a block of keys
+// transposed once, so each key load feeds four rows. The sink joins the denominator last.
+#pragma once
+
+typedef float vf16 __attribute__((vector_size(64)));
+typedef float vf16u __attribute__((vector_size(64), aligned(4)));
+
+inline vf16 ld16(const float* p) { return *reinterpret_cast<const vf16u*>(p); }
+inline void st16(float* p, vf16 x) { *reinterpret_cast<vf16u*>(p) = x; }
+
+// exp(x) for x <= 0 (paged_decode_impl.h): a polynomial that vectorises
+inline float prefill_exp(float x) {
+  x = x < -87.f ? -87.f : x;
+  const float n = __builtin_nearbyintf(x * 1.44269504088896341f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  __builtin_memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+constexpr int64_t KB = kvrelay::kPrefillKeys;
+
+// n elements at element offset `at` of `src` (in the problem's format) as f32, times `mul`
+inline void row_to_f32(int32_t format, const void* src, int64_t at, int64_t n, float mul,
+                       float* dst) {
+  if (format == kvrelay::kPrefillF32) {
+    const float* s = static_cast<const float*>(src) + at;
+    for (int64_t i = 0; i < n; ++i) dst[i] = s[i] * mul;
+  } else if (format == kvrelay::kPrefillBF16) {
+    const uint16_t* s = static_cast<const uint16_t*>(src) + at;
+    for (int64_t i = 0; i < n; ++i) {
+      const uint32_t u = uint32_t(s[i]) << 16;
+      float f;
+      __builtin_memcpy(&f, &u, 4);
+      dst[i] = f * mul;
+    }
+  } else {
+    const _Float16* s = static_cast<const _Float16*>(src) + at;
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(s[i]) * mul;
+  }
+}
+
+// n floats `src · mul` into `dst` at element offset `at`, rounded to the format (bf16:
+// to nearest even, as torch rounds)
+inline void row_from_f32(int32_t format, const float* src, float mul, int64_t n, void* dst,
+                         int64_t at) {
+  if (format == kvrelay::kPrefillF32) {
+    float* d = static_cast<float*>(dst) + at;
+    for (int64_t i = 0; i < n; ++i) d[i] = src[i] * mul;
+  } else if (format == kvrelay::kPrefillBF16) {
+    uint16_t* d = static_cast<uint16_t*>(dst) + at;
+    for (int64_t i = 0; i < n; ++i) {
+      const float f = src[i] * mul;
+      uint32_t u;
+      __builtin_memcpy(&u, &f, 4);
+      d[i] = __builtin_isnan(f) ? uint16_t(0x7FC0)
+                                : uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    }
+  } else {
+    _Float16* d = static_cast<_Float16*>(dst) + at;
+    for (int64_t i = 0; i < n; ++i) d[i] = static_cast<_Float16>(src[i] * mul);
+  }
+}
+
+// s[4][KB] = the 4 query rows q (stride Dp) · the block's keys kt [D][KB]
+inline void scores4(const float* q, int64_t Dp, int64_t D, const float* kt, float* s) {
+  vf16 a[4][4] = {};
+  for (int64_t d = 0; d < D; ++d) {
+    const float* k = kt + d * KB;
+    const vf16 k0 = ld16(k), k1 = ld16(k + 16), k2 = ld16(k + 32), k3 = ld16(k + 48);
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; ++r) {
+      const float x = q[r * Dp + d];
+      a[r][0] += k0 * x;
+      a[r][1] += k1 * x;
+      a[r][2] += k2 * x;
+      a[r][3] += k3 * x;
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < 4; ++r)
+    for (int c = 0; c < 4; ++c) st16(s + r * KB + c * 16, a[r][c]);
+}
+
+// acc[4][NV·16] += p[4][n] · v[n][NV·16] (v rows of stride Dp, acc rows of stride Dp)
+template <int NV>
+inline void values4(const float* p, const float* v, int64_t n, int64_t Dp, float* acc) {
+  vf16 a[4][NV];
+#pragma GCC unroll 4
+  for (int r = 0; r < 4; ++r)
+    for (int c = 0; c < NV; ++c) a[r][c] = ld16(acc + r * Dp + c * 16);
+  for (int64_t j = 0; j < n; ++j) {
+    vf16 x[NV];
+    for (int c = 0; c < NV; ++c) x[c] = ld16(v + j * Dp + c * 16);
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; ++r) {
+      const float w = p[r * KB + j];
+      for (int c = 0; c < NV; ++c) a[r][c] += x[c] * w;
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < 4; ++r)
+    for (int c = 0; c < NV; ++c) st16(acc + r * Dp + c * 16, a[r][c]);
+}
+
+inline void values4_all(const float* p, const float* v, int64_t n, int64_t Dp, float* acc) {
+  for (int64_t c0 = 0; c0 < Dp; c0 += 64) {
+    const int64_t left = (Dp - c0) / 16;
+    if (left >= 4) values4<4>(p, v + c0, n, Dp, acc + c0);
+    else if (left == 3) values4<3>(p, v + c0, n, Dp, acc + c0);
+    else if (left == 2) values4<2>(p, v + c0, n, Dp, acc + c0);
+    else values4<1>(p, v + c0, n, Dp, acc + c0);
+  }
+}
+
+// The block's keys transposed ([D][KB]) and values ([KB][Dp]), zero past n keys / D dims.
+inline void load_block(const kvrelay::PrefillProblem& p, int64_t first_token, int64_t kh,
+                       int64_t n, int64_t Dp, float* kt, float* vb) {
+  const int64_t D = p.D;
+  for (int64_t j = 0; j < KB; ++j) {
+    float* vr = vb + j * Dp;
+    if (j >= n) {
+      for (int64_t d = 0; d < D; ++d) kt[d * KB + j] = 0.f;
+      for (int64_t d = 0; d < Dp; ++d) vr[d] = 0.f;
+      continue;
+    }
+    float krow[1024];
+    row_to_f32(p.format, p.k, (first_token + j) * p.k_stride + kh * D, D, 1.f, krow);
+    for (int64_t d = 0; d < D; ++d) kt[d * KB + j] = krow[d];
+    row_to_f32(p.format, p.v, (first_token + j) * p.v_stride + kh * D, D, 1.f, vr);
+    for (int64_t d = D; d < Dp; ++d) vr[d] = 0.f;
+  }
+}
+
+// Row r's scores in block [kb0, kb0 + n) → probabilities (0 where the key is not visible
+// from `pos`); updates m, l and rescales the row's accumulator. False: nothing visible.
+inline bool softmax_row(float* s, int64_t kb0, int64_t n, int64_t pos, int64_t window,
+                        float* m, float* l, float* acc, int64_t Dp) {
+  const int64_t lo = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+  const int64_t j_lo = lo - kb0 > 0 ? lo - kb0 : 0;
+  const int64_t j_hi = pos - kb0 + 1 < n ? pos - kb0 + 1 : n;
+  if (j_lo >= j_hi) {
+    for (int64_t j = 0; j < KB; ++j) s[j] = 0.f;
+    return false;
+  }
+  float mx = *m;
+  for (int64_t j = j_lo; j < j_hi; ++j) mx = s[j] > mx ? s[j] : mx;
+  const float c = __builtin_isinf(*m) ? 0.f : prefill_exp(*m - mx);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < KB; ++j) {
+    const float e = prefill_exp(s[j] - mx);
+    const float w = (j >= j_lo && j < j_hi) ? e : 0.f;
+    s[j] = w;
+    sum += w;
+  }
+  *l = *l * c + sum;
+  *m = mx;
+#pragma omp simd
+  for (int64_t d = 0; d < Dp; ++d) acc[d] *= c;
+  return true;
+}
+
+void prefill_tasks(const kvrelay::PrefillProblem& p, int64_t begin, int64_t end,
+                   float* scratch) {
+  const int64_t G = p.H / p.KVH, D = p.D, Dp = (D + 15) / 16 * 16;
+  const int64_t R = G * kvrelay::kPrefillTile;
+  float* qf = scratch;              // [R][Dp]
+  float* acc = qf + R * Dp;         // [R][Dp]
+  float* m = acc + R * Dp;          // [R]
+  float* l = m + R;                 // [R]
+  float* s = l + R;                 // [R][KB]
+  float* kt = s + R * KB;           // [D][KB]
+  float* vb = kt + D * KB;          // [KB][Dp]
+  for (int64_t it = begin; it < end; ++it) {
+    const int64_t code = p.items[it];
+    const int64_t seq = code >> 32, kh = (code >> 16) & 0xFFFF, tile = code & 0xFFFF;
+    const int64_t base = p.cu[seq], len = p.cu[seq + 1] - base;
+    const int64_t q0 = tile * kvrelay::kPrefillTile;
+    const int64_t nq = len - q0 < kvrelay::kPrefillTile ? len - q0 : kvrelay::kPrefillTile;
+    const int64_t rows = G * nq, rows4 = (rows + 3) / 4 * 4;
+    // row r = g · nq + i: query head kh · G + g at position q0 + i
+    for (int64_t r = 0; r < rows4; ++r) {
+      float* qr = qf + r * Dp;
+      const int64_t g = r / nq, i = r % nq;
+      if (r < rows)
+        row_to_f32(p.format, p.q, (base + q0 + i) * p.q_stride + (kh * G + g) * D, D, p.scale,
+                   qr);
+      for (int64_t d = r < rows ? D : 0; d < Dp; ++d) qr[d] = 0.f;
+      for (int64_t d = 0; d < Dp; ++d) acc[r * Dp + d] = 0.f;
+      m[r] = -__builtin_inff();
+      l[r] = 0.f;
+    }
+    const int64_t k_hi = q0 + nq;
+    const int64_t k_lo = p.window > 0 && q0 - p.window + 1 > 0 ? q0 - p.window + 1 : 0;
+    for (int64_t kb0 = k_lo; kb0 < k_hi; kb0 += KB) {
+      const int64_t n = k_hi - kb0 < KB ? k_hi - kb0 : KB;
+      load_block(p, base + kb0, kh, n, Dp, kt, vb);
+      for (int64_t r0 = 0; r0 < rows4; r0 += 4) scores4(qf + r0 * Dp, Dp, D, kt, s + r0 * KB);
+      for (int64_t r = 0; r < rows4; ++r) {
+        if (r >= rows) {                                  // padding rows: no weight
+          for (int64_t j = 0; j < KB; ++j) s[r * KB + j] = 0.f;
+          continue;
+        }
+        softmax_row(s + r * KB, kb0, n, q0 + r % nq, p.window, m + r, l + r, acc + r * Dp, Dp);
+      }
+      for (int64_t r0 = 0; r0 < rows4; r0 += 4) values4_all(s + r0 * KB, vb, n, Dp, acc + r0 * Dp);
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t g = r / nq, i = r % nq;
+      const float sink = p.sinks[kh * G + g];
+      const float mx = m[r] > sink ? m[r] : sink;
+      const float c = prefill_exp(m[r] - mx);
+      const float f = c / (l[r] * c + prefill_exp(sink - mx));
+      row_from_f32(p.format, acc + r * Dp, f, D, p.out, ((base + q0 + i) * p.H + kh * G + g) * D);
+    }
+  }
+}

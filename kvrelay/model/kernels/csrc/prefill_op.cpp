@@ -1,0 +1,122 @@
+// torch op `kvrelay_kernels::prefill_attention`: causal attention of prompts from position 0
+// over their own keys and values, sinks and sliding windows included (prefill.h), run in
+// the best ISA build this CPU supports over (prompt, KV head, query tile) work items.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "parallel.h"
+#include "prefill.h"
+
+namespace kvrelay {
+namespace {
+
+struct PrefillIsa {
+  std::string name;
+  PrefillFn fn;
+};
+
+PrefillIsa pick(const std::string& name) {
+  PrefillFn fn = nullptr;
+#if defined(__x86_64__) || defined(__i386__)
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+  const bool avx512 = false, avx2 = false;
+#endif
+  if ((name.empty() || name == "avx512") && avx512 && prefill_avx512(&fn)) return {"avx512", fn};
+  if ((name.empty() || name == "avx2") && avx2 && prefill_avx2(&fn)) return {"avx2", fn};
+  TORCH_CHECK(name.empty() || name == "generic", "prefill_attention: ISA ", name,
+              " is not available on this CPU");
+  prefill_generic(&fn);
+  return {"generic", fn};
+}
+
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             const at::Tensor& cu_seqlens, const at::Tensor& sinks,
+                             double scale, int64_t window, const std::string& isa) {
+  PrefillProblem p{};
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(),
+              "prefill_attention: q [T,h,hd], k/v [T,kvh,hd]");
+  TORCH_CHECK(q.size(0) == k.size(0) && q.size(2) == k.size(2) && q.size(1) % k.size(1) == 0,
+              "prefill_attention: q and k/v shapes do not match");
+  TORCH_CHECK(q.size(1) / k.size(1) * kPrefillTile < (int64_t(1) << 16) && k.size(1) < (1 << 16),
+              "prefill_attention: too many heads");
+  const at::ScalarType dtype = q.scalar_type();
+  TORCH_CHECK(k.scalar_type() == dtype && v.scalar_type() == dtype,
+              "prefill_attention: q, k and v dtypes differ");
+  TORCH_CHECK(q.size(2) <= 1024, "prefill_attention: head dim over 1024");
+  p.format = dtype == at::kFloat ? kPrefillF32
+             : dtype == at::kBFloat16 ? kPrefillBF16
+             : dtype == at::kHalf ? kPrefillF16
+             : -1;
+  TORCH_CHECK(p.format >= 0, "prefill_attention: q/k/v must be float32, bfloat16 or float16");
+  // a token's heads contiguous; tokens may be strided (k is a slice of the fused qk)
+  const auto rows = [](const at::Tensor& x) {
+    return x.stride(2) == 1 && x.stride(1) == x.size(2) ? x : x.contiguous();
+  };
+  const at::Tensor qf = rows(q), kf = rows(k), vf = rows(v);
+  const at::Tensor cu = cu_seqlens.to(at::kLong).contiguous();
+  const at::Tensor sk = sinks.to(at::kFloat).contiguous();
+  const int64_t S = cu.numel() - 1;
+  TORCH_CHECK(S >= 0 && sk.numel() == q.size(1), "prefill_attention: cu_seqlens [S+1], sinks [h]");
+  const int64_t* c = cu.data_ptr<int64_t>();
+  TORCH_CHECK(S == 0 || (c[0] == 0 && c[S] == q.size(0)), "cu_seqlens must span [0, T]");
+  p.H = q.size(1), p.KVH = k.size(1), p.D = q.size(2);
+  p.window = window;
+  p.scale = static_cast<float>(scale);
+  // items, longest tiles (the last of each prompt: the most keys) first
+  std::vector<int64_t> items;
+  std::vector<std::pair<int64_t, int64_t>> order;      // (keys, item)
+  int64_t macs = 0;
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t len = c[s + 1] - c[s];
+    TORCH_CHECK(len >= 0, "cu_seqlens must not decrease");
+    for (int64_t t = 0; t * kPrefillTile < len; ++t) {
+      const int64_t hi = std::min(len, (t + 1) * kPrefillTile);
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, t * kPrefillTile - window + 1) : 0;
+      macs += (hi - lo) * (hi - t * kPrefillTile) * 2 * p.D * p.H;
+      for (int64_t h = 0; h < p.KVH; ++h)
+        order.emplace_back(hi - lo, (s << 32) | (h << 16) | t);
+    }
+  }
+  std::stable_sort(order.begin(), order.end(),
+                   [](const auto& a, const auto& b) { return a.first > b.first; });
+  items.reserve(order.size());
+  for (const auto& o : order) items.push_back(o.second);
+  at::Tensor out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
+  p.q = qf.data_ptr();
+  p.k = kf.data_ptr();
+  p.v = vf.data_ptr();
+  p.q_stride = qf.stride(0), p.k_stride = kf.stride(0), p.v_stride = vf.stride(0);
+  p.cu = c;
+  p.items = items.data();
+  p.sinks = sk.data_ptr<float>();
+  p.out = out.data_ptr();
+  const PrefillFn fn = pick(isa).fn;
+  const int64_t n = static_cast<int64_t>(items.size());
+  const int64_t threads = threads_for(macs, n);
+  parallel_items(n, threads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(prefill_scratch_floats(p));
+    fn(p, begin, end, scratch.data());
+  });
+  return out;
+}
+
+}  // namespace
+}  // namespace kvrelay
+
+TORCH_LIBRARY_FRAGMENT(kvrelay_kernels, m) {
+  m.def("prefill_attention(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, Tensor sinks, "
+        "float scale, int window, str isa=\"\") -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvrelay_kernels, CPU, m) {
+  m.impl("prefill_attention", &kvrelay::prefill_attention);
+}
