@@ -27,34 +27,39 @@ inline float exp_neg1(float x) {   // e^x, x <= 0, one float (the vector code's 
   return out[0];
 }
 
-// rows [0, n) of the cache at element offset `at` (row stride D) → dst (row stride Dp)
+// rows [0, n) of `src` (row stride D) → dst (row stride Dp, zeros after D); `load(ptr,
+// k)` reads k <= W elements as f32
+template <class E, class Load>
+inline void rows_to_f32(const E* src, int64_t n, int64_t D, int64_t Dp, float* dst,
+                        const Load& load) {
+  const int64_t full = D / P::W * P::W;
+  for (int64_t r = 0; r < n; ++r) {
+    const E* in = src + r * D;
+    float* out = dst + r * Dp;
+    for (int64_t d = 0; d < full; d += P::W) P::store(out + d, load(in + d, P::W));
+    if (full < D) P::store(out + full, load(in + full, int(D - full)));
+    for (int64_t d = (D + P::W - 1) / P::W * P::W; d < Dp; d += P::W) P::store(out + d, P::zero());
+  }
+}
+
 inline void rows_to_f32(const kvrelay::DecodeProblem& p, int64_t at, int64_t n, int64_t Dp,
                         float* dst) {
-  const int64_t D = p.D;
-  for (int64_t r = 0; r < n; ++r) {
-    float* out = dst + r * Dp;
-    for (int64_t d = 0; d < Dp; d += P::W) {
-      const int64_t k = D - d < P::W ? D - d : P::W;      // <= 0 in the padding
-      const int64_t i = at + r * D + d;
-      P::T x;
-      if (k <= 0) {
-        x = P::zero();
-      } else if (p.format == kvrelay::kKvBF16) {
-        x = P::load_bf16(static_cast<const uint16_t*>(p.kv) + i, int(k));
-      } else if (p.format == kvrelay::kKvF16) {
-        x = P::load_f16(static_cast<const uint16_t*>(p.kv) + i, int(k));
-      } else {
-        x = P::load_f32(static_cast<const float*>(p.kv) + i, int(k));
-      }
-      P::store(out + d, x);
-    }
+  if (p.format == kvrelay::kKvBF16) {
+    rows_to_f32(static_cast<const uint16_t*>(p.kv) + at, n, p.D, Dp, dst,
+                [](const uint16_t* x, int k) { return P::load_bf16(x, k); });
+  } else if (p.format == kvrelay::kKvF16) {
+    rows_to_f32(static_cast<const uint16_t*>(p.kv) + at, n, p.D, Dp, dst,
+                [](const uint16_t* x, int k) { return P::load_f16(x, k); });
+  } else {
+    rows_to_f32(static_cast<const float*>(p.kv) + at, n, p.D, Dp, dst,
+                [](const float* x, int k) { return P::load_f32(x, k); });
   }
 }
 
 // Scores of one head for positions [j0, j0 + nj) (nj <= W) of the block in scratch:
 // lanes >= nj are -inf. DC: vectors per head dim (0: `dc` at run time).
 template <int DC>
-inline typename P::T head_scores(const float* q, const float* kf, int64_t Dp, int64_t nj,
+__attribute__((always_inline)) inline typename P::T head_scores(const float* q, const float* kf, int64_t Dp, int64_t nj,
                                  int dc) {
   const int n_c = DC > 0 ? DC : dc;
   typename P::T a[P::W];
@@ -62,6 +67,15 @@ inline typename P::T head_scores(const float* q, const float* kf, int64_t Dp, in
   if (DC > 0) {
     typename P::T qv[DC > 0 ? DC : 1];
     for (int c = 0; c < DC; ++c) qv[c] = P::load(q + c * P::W);
+    if (nj == P::W) {   // a whole group: fixed trip counts, a[] stays in registers
+      for (int j = 0; j < P::W; ++j) {
+        const float* k = kf + j * Dp;
+        typename P::T s = P::mul(qv[0], P::load(k));
+        for (int c = 1; c < DC; ++c) s = P::fma(qv[c], P::load(k + c * P::W), s);
+        a[j] = s;
+      }
+      return P::transpose_sum(a);
+    }
     for (int64_t j = 0; j < nj; ++j) {
       const float* k = kf + j * Dp;
       typename P::T s = P::mul(qv[0], P::load(k));
@@ -108,6 +122,31 @@ inline void values_dispatch(const float* vf, const float* prob, const float* cs,
   weighted_values<NG>(vf, prob, cs, acc, g0, n, Dp, Bp);
 }
 
+// Asks for the K and V rows of positions [p0, min(p0 + B - p0 % B, len)) of work item
+// `task` (its next block): the blocks of a sequence lie anywhere in the cache, so the
+// hardware prefetcher cannot guess them, and without this the kernel waits on memory.
+inline void prefetch_block(const kvrelay::DecodeProblem& p, int64_t task, int64_t p0) {
+  const int64_t seq = task / p.KVH, kh = task % p.KVH, B = p.B;
+  const int64_t len = p.lens[seq];
+  if (p0 >= len) return;
+  const int64_t n = B - p0 % B < len - p0 ? B - p0 % B : len - p0;
+  const int64_t blk = p.table[seq * p.maxb + p0 / B];
+  const int64_t esize = p.format == kvrelay::kKvF32 ? 4 : 2;
+  const char* k = static_cast<const char*>(p.kv) +
+                  ((blk * p.KVH + kh) * B + p0 % B) * p.D * esize;
+  const char* v = k + p.NB * p.KVH * B * p.D * esize;
+  for (int64_t off = 0; off < n * p.D * esize; off += 64) {
+    __builtin_prefetch(k + off);
+    __builtin_prefetch(v + off);
+  }
+}
+
+// the first visible position of work item `task`
+inline int64_t first_position(const kvrelay::DecodeProblem& p, int64_t task) {
+  const int64_t len = p.lens[task / p.KVH];
+  return p.window > 0 && len > p.window ? len - p.window : 0;
+}
+
 template <int DC>
 void simd_decode_tasks(const kvrelay::DecodeProblem& p, int64_t begin, int64_t end,
                        float* scratch) {
@@ -127,7 +166,9 @@ void simd_decode_tasks(const kvrelay::DecodeProblem& p, int64_t begin, int64_t e
   for (int64_t task = begin; task < end; ++task) {
     const int64_t seq = task / p.KVH, kh = task % p.KVH;
     const int64_t len = p.lens[seq];
-    const int64_t first = p.window > 0 && len > p.window ? len - p.window : 0;
+    const int64_t first = first_position(p, task);
+    if (task == begin) prefetch_block(p, task, first);
+    if (task + 1 < end) prefetch_block(p, task + 1, first_position(p, task + 1));
     const float* qs = p.q + (seq * p.H + kh * G) * D;
     for (int64_t g = 0; g < G; ++g) {
       for (int64_t d = 0; d < Dp; ++d) {
@@ -142,6 +183,7 @@ void simd_decode_tasks(const kvrelay::DecodeProblem& p, int64_t begin, int64_t e
       const int64_t off0 = p0 % B;
       const int64_t n = B - off0 < len - p0 ? B - off0 : len - p0;   // positions in the block
       const int64_t k_at = ((blk * p.KVH + kh) * B + off0) * D;
+      prefetch_block(p, task, p0 + n);
       rows_to_f32(p, k_at, n, Dp, kf);
       rows_to_f32(p, k_at + v_off, n, Dp, vf);
       for (int64_t g = 0; g < G; ++g) {
