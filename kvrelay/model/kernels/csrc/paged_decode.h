@@ -35,10 +35,11 @@ constexpr int64_t kDecodePad = 16;
 inline int64_t decode_padded(int64_t n) { return (n + kDecodePad - 1) / kDecodePad * kDecodePad; }
 
 // Floats of scratch one thread needs for `DecodeFn` (q, accumulators, running max/sum and
-// rescale per head, scores, one block of K and V in f32), enough for every build.
+// rescale per head, the running sum by lane, scores, one block of K and V in f32), enough
+// for every build.
 inline int64_t decode_scratch_floats(const DecodeProblem& p) {
   const int64_t G = p.H / p.KVH, Dp = decode_padded(p.D), Bp = decode_padded(p.B);
-  return 2 * G * Dp + 3 * G + G * Bp + 2 * Bp * Dp;
+  return 2 * G * Dp + 3 * G + G * kDecodePad + G * Bp + 2 * Bp * Dp;
 }
 
 // Runs work items [begin, end) with `scratch` (decode_scratch_floats of them).

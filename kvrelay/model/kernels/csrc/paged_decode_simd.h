@@ -8,14 +8,15 @@
 //
 // Per work item (sequence, KV head), block by block over the visible positions
 // [max(0, len - window), len) through the block table:
-//  1. the block's K and V rows are converted to f32 in scratch (rows padded to whole
-//     vectors with zeros), once for the G query heads of the KV head;
+//  1. the block's K rows are converted to f32 in scratch (rows padded to whole vectors
+//     with zeros), once for the G query heads of the KV head;
 //  2. scores: for each head, W positions at a time, one vector of partial products per
 //     position (q in registers, each K row read from L1), then a transposing reduction
 //     puts the W dot products in one vector;
 //  3. online softmax per head on whole vectors: block max, vector exp, running sum;
 //  4. P·V: per vector of the head dim, the accumulators of up to kHeadTile heads stay in
-//     registers while each V row is loaded once and meets every head's probability.
+//     registers while each V row is loaded from the cache, converted in registers, once
+//     and meets every head's probability.
 // The learned sink joins the denominator at the end (as in paged_decode_generic.cpp).
 #pragma once
 
@@ -32,6 +33,10 @@ inline float exp_neg1(float x) {   // e^x, x <= 0, one float (the vector code's 
 template <class E, class Load>
 inline void rows_to_f32(const E* src, int64_t n, int64_t D, int64_t Dp, float* dst,
                         const Load& load) {
+  if (D == Dp) {   // whole vectors per row: the block's rows are one contiguous run
+    for (int64_t i = 0; i < n * D; i += P::W) P::store(dst + i, load(src + i, P::W));
+    return;
+  }
   const int64_t full = D / P::W * P::W;
   for (int64_t r = 0; r < n; ++r) {
     const E* in = src + r * D;
@@ -93,33 +98,69 @@ __attribute__((always_inline)) inline typename P::T head_scores(const float* q, 
   return P::first(P::transpose_sum(a), int(nj), -__builtin_inff());
 }
 
-// acc[g] = acc[g] · cs[g] + Σ_j prob[g][j] · V[j] for NG heads from g0, each V row loaded
-// once per vector of the head dim.
-template <int NG>
-inline void weighted_values(const float* vf, const float* prob, const float* cs, float* acc,
-                            int64_t g0, int64_t n, int64_t Dp, int64_t Bp) {
-  for (int64_t d = 0; d < Dp; d += P::W) {
+// acc[g] = acc[g] · cs[g] + Σ_j prob[g][j] · V[j] for NG heads from g0: V rows [0, n)
+// read from the cache (row stride D) and converted in registers, each vector of a row
+// once for the NG heads.
+template <int NG, class E, class Load>
+inline void weighted_values(const E* v, const Load& load, int64_t D, const float* prob,
+                            const float* cs, float* acc, int64_t g0, int64_t n, int64_t Dp,
+                            int64_t Bp) {
+  for (int64_t d = 0; d < D; d += P::W) {
+    const int k = D - d < P::W ? int(D - d) : P::W;
     typename P::T a[NG];
     for (int i = 0; i < NG; ++i)
       a[i] = P::mul(P::load(acc + (g0 + i) * Dp + d), P::set1(cs[g0 + i]));
-    for (int64_t j = 0; j < n; ++j) {
-      const typename P::T v = P::load(vf + j * Dp + d);
-      for (int i = 0; i < NG; ++i) a[i] = P::fma(P::set1(prob[(g0 + i) * Bp + j]), v, a[i]);
+    if (k == P::W) {
+      for (int64_t j = 0; j < n; ++j) {
+        const typename P::T x = load(v + j * D + d, P::W);
+        for (int i = 0; i < NG; ++i) a[i] = P::fma(P::set1(prob[(g0 + i) * Bp + j]), x, a[i]);
+      }
+    } else {
+      for (int64_t j = 0; j < n; ++j) {
+        const typename P::T x = load(v + j * D + d, k);
+        for (int i = 0; i < NG; ++i) a[i] = P::fma(P::set1(prob[(g0 + i) * Bp + j]), x, a[i]);
+      }
     }
     for (int i = 0; i < NG; ++i) P::store(acc + (g0 + i) * Dp + d, a[i]);
   }
 }
 
-template <int NG>
-inline void values_dispatch(const float* vf, const float* prob, const float* cs, float* acc,
-                            int64_t g0, int64_t ng, int64_t n, int64_t Dp, int64_t Bp) {
+// P·V for heads [g0, g0 + ng), ng <= NG, with the accumulators of NG heads in registers
+template <int NG, class E, class Load>
+inline void tile_values(const E* v, const Load& load, int64_t D, const float* prob,
+                        const float* cs, float* acc, int64_t g0, int64_t ng, int64_t n,
+                        int64_t Dp, int64_t Bp) {
   if constexpr (NG > 1) {
-    if (ng < NG) {
-      values_dispatch<NG - 1>(vf, prob, cs, acc, g0, ng, n, Dp, Bp);
-      return;
-    }
+    if (ng < NG) return tile_values<NG - 1>(v, load, D, prob, cs, acc, g0, ng, n, Dp, Bp);
   }
-  weighted_values<NG>(vf, prob, cs, acc, g0, n, Dp, Bp);
+  weighted_values<NG>(v, load, D, prob, cs, acc, g0, n, Dp, Bp);
+}
+
+// P·V for every head of the work item, kHeadTile heads at a time
+template <class E, class Load>
+inline void all_values(const E* v, const Load& load, int64_t D, const float* prob,
+                       const float* cs, float* acc, int64_t G, int64_t n, int64_t Dp,
+                       int64_t Bp) {
+  for (int64_t g0 = 0; g0 < G; g0 += kHeadTile)
+    tile_values<kHeadTile>(v, load, D, prob, cs, acc, g0, G - g0, n, Dp, Bp);
+}
+
+inline void all_values(const kvrelay::DecodeProblem& p, int64_t at, const float* prob,
+                       const float* cs, float* acc, int64_t G, int64_t n, int64_t Dp,
+                       int64_t Bp) {
+  if (p.format == kvrelay::kKvBF16) {
+    all_values(static_cast<const uint16_t*>(p.kv) + at,
+               [](const uint16_t* x, int k) { return P::load_bf16(x, k); }, p.D, prob, cs, acc,
+               G, n, Dp, Bp);
+  } else if (p.format == kvrelay::kKvF16) {
+    all_values(static_cast<const uint16_t*>(p.kv) + at,
+               [](const uint16_t* x, int k) { return P::load_f16(x, k); }, p.D, prob, cs, acc,
+               G, n, Dp, Bp);
+  } else {
+    all_values(static_cast<const float*>(p.kv) + at,
+               [](const float* x, int k) { return P::load_f32(x, k); }, p.D, prob, cs, acc,
+               G, n, Dp, Bp);
+  }
 }
 
 // Asks for the K and V rows of positions [p0, min(p0 + B - p0 % B, len)) of work item
@@ -160,9 +201,9 @@ void simd_decode_tasks(const kvrelay::DecodeProblem& p, int64_t begin, int64_t e
   float* m = acc + G * Dp;                             // [G] running max
   float* l = m + G;                                    // [G] running sum
   float* cs = l + G;                                   // [G] this block's rescale
-  float* sc = cs + G;                                  // [G, Bp] scores, then probabilities
-  float* kf = sc + G * Bp;                             // [Bp, Dp]
-  float* vf = kf + Bp * Dp;                            // [Bp, Dp]
+  float* lv = cs + G;                                  // [G, kDecodePad] sums by lane
+  float* sc = lv + G * kvrelay::kDecodePad;            // [G, Bp] scores, then probabilities
+  float* kf = sc + G * Bp;                             // [Bp, Dp] the block's keys
   for (int64_t task = begin; task < end; ++task) {
     const int64_t seq = task / p.KVH, kh = task % p.KVH;
     const int64_t len = p.lens[seq];
@@ -176,7 +217,7 @@ void simd_decode_tasks(const kvrelay::DecodeProblem& p, int64_t begin, int64_t e
         acc[g * Dp + d] = 0.f;
       }
       m[g] = -__builtin_inff();
-      l[g] = 0.f;
+      P::store(lv + g * kvrelay::kDecodePad, P::zero());
     }
     for (int64_t p0 = first; p0 < len;) {
       const int64_t blk = p.table[seq * p.maxb + p0 / B];
@@ -185,7 +226,6 @@ void simd_decode_tasks(const kvrelay::DecodeProblem& p, int64_t begin, int64_t e
       const int64_t k_at = ((blk * p.KVH + kh) * B + off0) * D;
       prefetch_block(p, task, p0 + n);
       rows_to_f32(p, k_at, n, Dp, kf);
-      rows_to_f32(p, k_at + v_off, n, Dp, vf);
       for (int64_t g = 0; g < G; ++g) {
         float* sg = sc + g * Bp;
         T mx = P::set1(-__builtin_inff());
@@ -199,21 +239,22 @@ void simd_decode_tasks(const kvrelay::DecodeProblem& p, int64_t begin, int64_t e
         const float mnew = m[g] > bm ? m[g] : bm;
         const float c = __builtin_isinf(m[g]) ? 0.f : exp_neg1(m[g] - mnew);  // first: 0
         const T mv = P::set1(mnew);
-        T sum = P::zero();
+        // the running sum stays a vector (one horizontal sum per work item, at the end)
+        T sum = P::mul(P::load(lv + g * kvrelay::kDecodePad), P::set1(c));
         for (int64_t j0 = 0; j0 < n; j0 += P::W) {
           const T e = P::first(P::exp_neg(P::sub(P::load(sg + j0), mv)), int(n - j0), 0.f);
           P::store(sg + j0, e);
           sum = P::add(sum, e);
         }
-        l[g] = l[g] * c + P::hsum(sum);
+        P::store(lv + g * kvrelay::kDecodePad, sum);
         cs[g] = c;
         m[g] = mnew;
       }
-      for (int64_t g0 = 0; g0 < G; g0 += kHeadTile)
-        values_dispatch<kHeadTile>(vf, sc, cs, acc, g0, G - g0, n, Dp, Bp);
+      all_values(p, k_at + v_off, sc, cs, acc, G, n, Dp, Bp);
       p0 += n;
     }
     float* os = p.out + (seq * p.H + kh * G) * D;
+    for (int64_t g = 0; g < G; ++g) l[g] = P::hsum(P::load(lv + g * kvrelay::kDecodePad));
     for (int64_t g = 0; g < G; ++g) {
       const float sink = p.sinks[kh * G + g];
       const float mx = m[g] > sink ? m[g] : sink;
