@@ -64,8 +64,9 @@ inline void rows_to_f32(const kvrelay::DecodeProblem& p, int64_t at, int64_t n, 
 // Scores of one head for positions [j0, j0 + nj) (nj <= W) of the block in scratch:
 // lanes >= nj are -inf. DC: vectors per head dim (0: `dc` at run time).
 template <int DC>
-__attribute__((always_inline)) inline typename P::T head_scores(const float* q, const float* kf, int64_t Dp, int64_t nj,
-                                 int dc) {
+__attribute__((always_inline)) inline typename P::T head_scores(const float* q,
+                                                                const float* kf, int64_t Dp,
+                                                                int64_t nj, int dc) {
   const int n_c = DC > 0 ? DC : dc;
   typename P::T a[P::W];
   for (int j = 0; j < P::W; ++j) a[j] = P::zero();
