@@ -174,3 +174,38 @@ def test_two_threads_give_the_single_thread_result_bit_for_bit(window):
     finally:
         torch.set_num_threads(before)
     assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads,kv_heads", [(3, 3), (4, 2), (16, 2)])
+@pytest.mark.parametrize("head_dim", [32, 64, 72])
+def test_every_isa_on_the_shapes_the_simd_builds_specialise(dtype, heads, kv_heads, head_dim):
+    """The SIMD builds fix the head dim's vector count at compile time (32 and 64: the
+    tiny and real models), take 72 at run time with a partial last vector, score 16 or 8
+    positions at a time and tile the query heads of a KV head (GQA 1 with an odd head
+    count, 2 and 8): blocks of 16 with lengths around the block and vector edges, with and
+    without a window that starts inside a block, for every ISA this CPU runs."""
+    from kvrelay.model import kernels
+    from kvrelay.model.layers.attention import write_kv
+
+    torch.manual_seed(7)
+    B, NB = 16, 96
+    seq_lens = [1, 7, 15, 16, 17, 33, 200]
+    meta = _step(seq_lens, [1] * len(seq_lens), B, NB, seed=heads * head_dim)
+    T = len(seq_lens)
+    q = torch.randn(T, heads, head_dim).to(dtype)
+    k, v = (torch.randn(T, kv_heads, head_dim).to(dtype) for _ in range(2))
+    cache = torch.randn(2, NB, kv_heads, B, head_dim).to(dtype)
+    written = cache.clone()
+    write_kv(written, k, v, meta.slot_mappings[0], B)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for window in (None, 17):
+        layer = PagedAttention(heads, kv_heads, head_dim, window, 0, ParallelContext())
+        layer.sinks.normal_(0, 1)
+        ref = _run(layer, False, q, k, v, cache, meta).float()
+        for isa in kernels.status().isas:
+            got = torch.ops.kvrelay_kernels.paged_decode(
+                q, written, meta.block_tables[0], meta.seq_lens, layer.sinks, layer.scale,
+                window or 0, isa)
+            torch.testing.assert_close(got.float(), ref, rtol=tol, atol=tol,
+                                       msg=f"{isa} window={window}")

@@ -46,8 +46,9 @@ logger = logging.getLogger(__name__)
 NAME = "kvrelay_kernels"
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("moe_op.cpp", "paged_decode_op.cpp", "moe_generic.cpp", "moe_avx2.cpp",
-           "moe_avx512.cpp", "dense_op.cpp", "dense_generic.cpp", "dense_avx2.cpp",
-           "dense_avx512.cpp", "dense_avx512_bf16.cpp", "prefill_op.cpp",
+           "moe_avx512.cpp", "paged_decode_generic.cpp", "paged_decode_avx2.cpp",
+           "paged_decode_avx512.cpp", "dense_op.cpp", "dense_generic.cpp",
+           "dense_avx2.cpp", "dense_avx512.cpp", "dense_avx512_bf16.cpp", "prefill_op.cpp",
            "prefill_generic.cpp", "prefill_avx2.cpp", "prefill_avx512.cpp")
 
 

@@ -1,6 +1,7 @@
 // Plain-C++ contract between the torch-facing paged decode op (paged_decode_op.cpp) and
-// its per-ISA builds (paged_decode_impl.h, compiled inside moe_generic.cpp, moe_avx2.cpp,
-// moe_avx512.cpp). No torch or STL here, for the reason moe.h gives.
+// its per-ISA builds (paged_decode_generic.cpp, paged_decode_avx2.cpp,
+// paged_decode_avx512.cpp; reached through moe.h's IsaKernels::decode, see
+// paged_decode_impl.h). No torch or STL here, for the reason moe.h gives.
 #pragma once
 #include <stdint.h>
 
@@ -28,14 +29,25 @@ struct DecodeProblem {
   float scale;
 };
 
-// Floats of scratch one thread needs for `DecodeFn` (q, accumulators, scores, one block
-// of K and V in f32).
+// Head dims and block rows as the SIMD builds lay them out in scratch: rounded up to
+// whole vectors of the widest ISA (16 floats), so their inner loops need no tails.
+constexpr int64_t kDecodePad = 16;
+inline int64_t decode_padded(int64_t n) { return (n + kDecodePad - 1) / kDecodePad * kDecodePad; }
+
+// Floats of scratch one thread needs for `DecodeFn` (q, accumulators, running max/sum and
+// rescale per head, the running sum by lane, scores, one block of K and V in f32), enough
+// for every build.
 inline int64_t decode_scratch_floats(const DecodeProblem& p) {
-  const int64_t G = p.H / p.KVH;
-  return 2 * G * p.D + 2 * G + G * p.B + 2 * p.B * p.D;
+  const int64_t G = p.H / p.KVH, Dp = decode_padded(p.D), Bp = decode_padded(p.B);
+  return 2 * G * Dp + 3 * G + G * kDecodePad + G * Bp + 2 * Bp * Dp;
 }
 
 // Runs work items [begin, end) with `scratch` (decode_scratch_floats of them).
 using DecodeFn = void (*)(const DecodeProblem&, int64_t begin, int64_t end, float* scratch);
+
+// The per-ISA builds; the avx2/avx512 ones exist on x86 only.
+void decode_tasks_generic(const DecodeProblem& p, int64_t begin, int64_t end, float* scratch);
+void decode_tasks_avx2(const DecodeProblem& p, int64_t begin, int64_t end, float* scratch);
+void decode_tasks_avx512(const DecodeProblem& p, int64_t begin, int64_t end, float* scratch);
 
 }  // namespace kvrelay

@@ -1,0 +1,116 @@
+#!/usr/bin/env python
+"""The native paged decode attention op alone, in CPU time (one thread).
+
+    python benchmarks/paged_decode_kernel.py [--batches 1,8,64] [--isa ""] [--repeats 200]
+    python benchmarks/paged_decode_kernel.py --generate [--layers 5]
+
+Shapes: the tiny model's attention (4 heads over 2 KV heads, head_dim 32) and the big
+one's (16 over 2, head_dim 64), bf16 KV cache in blocks of 16, contexts drawn from
+[200, 400], blocks scattered over the cache, full attention and a 128-token window.
+Prints one JSON line per case: µs per call (median of `--repeats` calls, thread CPU time)
+and G multiply-adds/s (2·D per visible position per query head).
+
+--generate: offline `LLM.generate` on the tiny checkpoint with --layers layers (64
+requests, prompts of 32-256 and outputs of 16-128 tokens, seeded, greedy, ignore_eos),
+one thread: the thread CPU time of the whole call and of the paged decode op's calls.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def case(batch: int, heads: int, kv_heads: int, head_dim: int, window: int, isa: str,
+         repeats: int) -> dict[str, float | int | str]:
+    g = torch.Generator().manual_seed(batch * 31 + heads)
+    B = 16
+    lens = torch.randint(200, 401, (batch,), generator=g)
+    width = int((lens.max() + B - 1) // B)
+    NB = batch * width + 1
+    table = (torch.randperm(NB - 1, generator=g)[: batch * width] + 1).view(batch, width)
+    cache = torch.randn(2, NB, kv_heads, B, head_dim, generator=g).to(torch.bfloat16)
+    q = torch.randn(batch, heads, head_dim, generator=g).to(torch.bfloat16)
+    sinks = torch.randn(heads, generator=g)
+    op = torch.ops.kvrelay_kernels.paged_decode.default
+    for _ in range(5):
+        op(q, cache, table, lens, sinks, head_dim ** -0.5, window, isa)
+    times = []
+    for _ in range(repeats):
+        t0 = time.thread_time_ns()
+        op(q, cache, table, lens, sinks, head_dim ** -0.5, window, isa)
+        times.append(time.thread_time_ns() - t0)
+    us = statistics.median(times) / 1e3
+    visible = lens.clamp(max=window) if window else lens
+    macs = int(visible.sum()) * heads * 2 * head_dim
+    return dict(batch=batch, heads=heads, kv_heads=kv_heads, head_dim=head_dim, window=window,
+                isa=isa or "best", us=round(us, 1), gmacs=round(macs / us / 1e3, 2))
+
+
+def generate(layers: int) -> dict[str, float]:
+    from common import CONFIGS, build_checkpoint
+
+    from kvrelay import LLM, SamplingParams
+    from kvrelay.model.layers import paged_decode
+    path = build_checkpoint("tiny", CONFIGS["tiny"] | dict(num_hidden_layers=layers))
+    llm = LLM(str(path), dtype="bfloat16", max_num_seqs=64, max_model_len=512,
+              max_num_batched_tokens=4096, enable_prefix_caching=False, seed=0)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(10, 2000, (int(n),), generator=g).tolist()
+               for n in torch.randint(32, 257, (64,), generator=g)]
+    params = [SamplingParams(temperature=0.0, max_tokens=int(n), ignore_eos=True)
+              for n in torch.randint(16, 129, (64,), generator=g)]
+    spent = {"ns": 0, "calls": 0}
+    inner = paged_decode.decode
+
+    def timed(*args, **kwargs):
+        t0 = time.thread_time_ns()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            spent["ns"] += time.thread_time_ns() - t0
+            spent["calls"] += 1
+
+    llm.generate(prompts[:8], params[:8])       # warm-up
+    paged_decode.decode = timed
+    t0 = time.thread_time_ns()
+    llm.generate(prompts, params)
+    total = time.thread_time_ns() - t0
+    paged_decode.decode = inner
+    return dict(layers=layers, generate_cpu_s=round(total / 1e9, 3),
+                paged_decode_cpu_s=round(spent["ns"] / 1e9, 3), calls=spent["calls"],
+                share=round(spent["ns"] / total, 3))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--isa", default="")
+    ap.add_argument("--repeats", type=int, default=200)
+    ap.add_argument("--generate", action="store_true", help="offline LLM.generate instead")
+    ap.add_argument("--layers", type=int, default=5)
+    args = ap.parse_args()
+    from kvrelay.model import kernels
+    status = kernels.status()
+    if not status.available:
+        raise SystemExit(f"native kernels unavailable: {status.reason}")
+    torch.set_num_threads(1)
+    if args.generate:
+        print(json.dumps(generate(args.layers)), flush=True)
+        return
+    for batch in (int(b) for b in args.batches.split(",")):
+        for heads, kv_heads, head_dim in ((4, 2, 32), (16, 2, 64)):
+            for window in (0, 128):
+                print(json.dumps(case(batch, heads, kv_heads, head_dim, window, args.isa,
+                                      args.repeats)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

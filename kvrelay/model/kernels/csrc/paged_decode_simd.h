@@ -1,0 +1,279 @@
+// The paged decode attention kernel with explicit SIMD (contract: paged_decode.h), written
+// once over a vector type P and included inside an anonymous namespace by each x86 ISA
+// file (paged_decode_avx2.cpp: P::W = 8 floats, paged_decode_avx512.cpp: 16), after its
+// `#pragma GCC target` and its P. P provides: T, W, zero, load, store, set1, add, sub,
+// mul, fma, max, hsum, hmax, exp_neg (e^x for x <= 0), first(x, n, fill) (lanes >= n set
+// to fill), transpose_sum(a) (lane j = the sum of a[j]'s lanes) and load_{f32,bf16,f16}
+// (p, n) (n <= W elements, zeros beyond).
+//
+// Per work item (sequence, KV head), block by block over the visible positions
+// [max(0, len - window), len) through the block table:
+//  1. the block's K rows are converted to f32 in scratch (rows padded to whole vectors
+//     with zeros), once for the G query heads of the KV head;
+//  2. scores: for each head, W positions at a time, one vector of partial products per
+//     position (q in registers, each K row read from L1), then a transposing reduction
+//     puts the W dot products in one vector;
+//  3. online softmax per head on whole vectors: block max, vector exp, running sum;
+//  4. P·V: per vector of the head dim, the accumulators of up to kHeadTile heads stay in
+//     registers while each V row is loaded from the cache, converted in registers, once
+//     and meets every head's probability.
+// The learned sink joins the denominator at the end (as in paged_decode_generic.cpp).
+#pragma once
+
+constexpr int kHeadTile = P::W == 16 ? 8 : 4;   // accumulators in registers in P·V
+
+inline float exp_neg1(float x) {   // e^x, x <= 0, one float (the vector code's lane 0)
+  float out[P::W];
+  P::store(out, P::exp_neg(P::set1(x)));
+  return out[0];
+}
+
+// rows [0, n) of `src` (row stride D) → dst (row stride Dp, zeros after D); `load(ptr,
+// k)` reads k <= W elements as f32
+template <class E, class Load>
+inline void rows_to_f32(const E* src, int64_t n, int64_t D, int64_t Dp, float* dst,
+                        const Load& load) {
+  if (D == Dp) {   // whole vectors per row: the block's rows are one contiguous run
+    for (int64_t i = 0; i < n * D; i += P::W) P::store(dst + i, load(src + i, P::W));
+    return;
+  }
+  const int64_t full = D / P::W * P::W;
+  for (int64_t r = 0; r < n; ++r) {
+    const E* in = src + r * D;
+    float* out = dst + r * Dp;
+    for (int64_t d = 0; d < full; d += P::W) P::store(out + d, load(in + d, P::W));
+    if (full < D) P::store(out + full, load(in + full, int(D - full)));
+    for (int64_t d = (D + P::W - 1) / P::W * P::W; d < Dp; d += P::W) P::store(out + d, P::zero());
+  }
+}
+
+inline void rows_to_f32(const kvrelay::DecodeProblem& p, int64_t at, int64_t n, int64_t Dp,
+                        float* dst) {
+  if (p.format == kvrelay::kKvBF16) {
+    rows_to_f32(static_cast<const uint16_t*>(p.kv) + at, n, p.D, Dp, dst,
+                [](const uint16_t* x, int k) { return P::load_bf16(x, k); });
+  } else if (p.format == kvrelay::kKvF16) {
+    rows_to_f32(static_cast<const uint16_t*>(p.kv) + at, n, p.D, Dp, dst,
+                [](const uint16_t* x, int k) { return P::load_f16(x, k); });
+  } else {
+    rows_to_f32(static_cast<const float*>(p.kv) + at, n, p.D, Dp, dst,
+                [](const float* x, int k) { return P::load_f32(x, k); });
+  }
+}
+
+// Scores of one head for positions [j0, j0 + nj) (nj <= W) of the block in scratch:
+// lanes >= nj are -inf. DC: vectors per head dim (0: `dc` at run time).
+template <int DC>
+__attribute__((always_inline)) inline typename P::T head_scores(const float* q,
+                                                                const float* kf, int64_t Dp,
+                                                                int64_t nj, int dc) {
+  const int n_c = DC > 0 ? DC : dc;
+  typename P::T a[P::W];
+  for (int j = 0; j < P::W; ++j) a[j] = P::zero();
+  if (DC > 0) {
+    typename P::T qv[DC > 0 ? DC : 1];
+    for (int c = 0; c < DC; ++c) qv[c] = P::load(q + c * P::W);
+    if (nj == P::W) {   // a whole group: fixed trip counts, a[] stays in registers
+      for (int j = 0; j < P::W; ++j) {
+        const float* k = kf + j * Dp;
+        typename P::T s = P::mul(qv[0], P::load(k));
+        for (int c = 1; c < DC; ++c) s = P::fma(qv[c], P::load(k + c * P::W), s);
+        a[j] = s;
+      }
+      return P::transpose_sum(a);
+    }
+    for (int64_t j = 0; j < nj; ++j) {
+      const float* k = kf + j * Dp;
+      typename P::T s = P::mul(qv[0], P::load(k));
+      for (int c = 1; c < DC; ++c) s = P::fma(qv[c], P::load(k + c * P::W), s);
+      a[j] = s;
+    }
+  } else {
+    for (int64_t j = 0; j < nj; ++j) {
+      const float* k = kf + j * Dp;
+      typename P::T s = P::mul(P::load(q), P::load(k));
+      for (int c = 1; c < n_c; ++c) s = P::fma(P::load(q + c * P::W), P::load(k + c * P::W), s);
+      a[j] = s;
+    }
+  }
+  return P::first(P::transpose_sum(a), int(nj), -__builtin_inff());
+}
+
+// acc[g] = acc[g] · cs[g] + Σ_j prob[g][j] · V[j] for NG heads from g0: V rows [0, n)
+// read from the cache (row stride D) and converted in registers, each vector of a row
+// once for the NG heads.
+template <int NG, class E, class Load>
+inline void weighted_values(const E* v, const Load& load, int64_t D, const float* prob,
+                            const float* cs, float* acc, int64_t g0, int64_t n, int64_t Dp,
+                            int64_t Bp) {
+  for (int64_t d = 0; d < D; d += P::W) {
+    const int k = D - d < P::W ? int(D - d) : P::W;
+    typename P::T a[NG];
+    for (int i = 0; i < NG; ++i)
+      a[i] = P::mul(P::load(acc + (g0 + i) * Dp + d), P::set1(cs[g0 + i]));
+    if (k == P::W) {
+      for (int64_t j = 0; j < n; ++j) {
+        const typename P::T x = load(v + j * D + d, P::W);
+        for (int i = 0; i < NG; ++i) a[i] = P::fma(P::set1(prob[(g0 + i) * Bp + j]), x, a[i]);
+      }
+    } else {
+      for (int64_t j = 0; j < n; ++j) {
+        const typename P::T x = load(v + j * D + d, k);
+        for (int i = 0; i < NG; ++i) a[i] = P::fma(P::set1(prob[(g0 + i) * Bp + j]), x, a[i]);
+      }
+    }
+    for (int i = 0; i < NG; ++i) P::store(acc + (g0 + i) * Dp + d, a[i]);
+  }
+}
+
+// P·V for heads [g0, g0 + ng), ng <= NG, with the accumulators of NG heads in registers
+template <int NG, class E, class Load>
+inline void tile_values(const E* v, const Load& load, int64_t D, const float* prob,
+                        const float* cs, float* acc, int64_t g0, int64_t ng, int64_t n,
+                        int64_t Dp, int64_t Bp) {
+  if constexpr (NG > 1) {
+    if (ng < NG) return tile_values<NG - 1>(v, load, D, prob, cs, acc, g0, ng, n, Dp, Bp);
+  }
+  weighted_values<NG>(v, load, D, prob, cs, acc, g0, n, Dp, Bp);
+}
+
+// P·V for every head of the work item, kHeadTile heads at a time
+template <class E, class Load>
+inline void all_values(const E* v, const Load& load, int64_t D, const float* prob,
+                       const float* cs, float* acc, int64_t G, int64_t n, int64_t Dp,
+                       int64_t Bp) {
+  for (int64_t g0 = 0; g0 < G; g0 += kHeadTile)
+    tile_values<kHeadTile>(v, load, D, prob, cs, acc, g0, G - g0, n, Dp, Bp);
+}
+
+inline void all_values(const kvrelay::DecodeProblem& p, int64_t at, const float* prob,
+                       const float* cs, float* acc, int64_t G, int64_t n, int64_t Dp,
+                       int64_t Bp) {
+  if (p.format == kvrelay::kKvBF16) {
+    all_values(static_cast<const uint16_t*>(p.kv) + at,
+               [](const uint16_t* x, int k) { return P::load_bf16(x, k); }, p.D, prob, cs, acc,
+               G, n, Dp, Bp);
+  } else if (p.format == kvrelay::kKvF16) {
+    all_values(static_cast<const uint16_t*>(p.kv) + at,
+               [](const uint16_t* x, int k) { return P::load_f16(x, k); }, p.D, prob, cs, acc,
+               G, n, Dp, Bp);
+  } else {
+    all_values(static_cast<const float*>(p.kv) + at,
+               [](const float* x, int k) { return P::load_f32(x, k); }, p.D, prob, cs, acc,
+               G, n, Dp, Bp);
+  }
+}
+
+// Asks for the K and V rows of positions [p0, min(p0 + B - p0 % B, len)) of work item
+// `task` (its next block): the blocks of a sequence lie anywhere in the cache, so the
+// hardware prefetcher cannot guess them, and without this the kernel waits on memory.
+inline void prefetch_block(const kvrelay::DecodeProblem& p, int64_t task, int64_t p0) {
+  const int64_t seq = task / p.KVH, kh = task % p.KVH, B = p.B;
+  const int64_t len = p.lens[seq];
+  if (p0 >= len) return;
+  const int64_t n = B - p0 % B < len - p0 ? B - p0 % B : len - p0;
+  const int64_t blk = p.table[seq * p.maxb + p0 / B];
+  const int64_t esize = p.format == kvrelay::kKvF32 ? 4 : 2;
+  const char* k = static_cast<const char*>(p.kv) +
+                  ((blk * p.KVH + kh) * B + p0 % B) * p.D * esize;
+  const char* v = k + p.NB * p.KVH * B * p.D * esize;
+  for (int64_t off = 0; off < n * p.D * esize; off += 64) {
+    __builtin_prefetch(k + off);
+    __builtin_prefetch(v + off);
+  }
+}
+
+// the first visible position of work item `task`
+inline int64_t first_position(const kvrelay::DecodeProblem& p, int64_t task) {
+  const int64_t len = p.lens[task / p.KVH];
+  return p.window > 0 && len > p.window ? len - p.window : 0;
+}
+
+template <int DC>
+void simd_decode_tasks(const kvrelay::DecodeProblem& p, int64_t begin, int64_t end,
+                       float* scratch) {
+  using T = typename P::T;
+  const int64_t G = p.H / p.KVH, D = p.D, B = p.B;
+  const int64_t Dp = kvrelay::decode_padded(D), Bp = kvrelay::decode_padded(B);
+  const int dc = int(Dp / P::W);
+  const int64_t v_off = p.NB * p.KVH * B * D;          // K plane, then V plane
+  float* qf = scratch;                                 // [G, Dp] scaled, zero-padded
+  float* acc = qf + G * Dp;                            // [G, Dp]
+  float* m = acc + G * Dp;                             // [G] running max
+  float* l = m + G;                                    // [G] running sum
+  float* cs = l + G;                                   // [G] this block's rescale
+  float* lv = cs + G;                                  // [G, kDecodePad] sums by lane
+  float* sc = lv + G * kvrelay::kDecodePad;            // [G, Bp] scores, then probabilities
+  float* kf = sc + G * Bp;                             // [Bp, Dp] the block's keys
+  for (int64_t task = begin; task < end; ++task) {
+    const int64_t seq = task / p.KVH, kh = task % p.KVH;
+    const int64_t len = p.lens[seq];
+    const int64_t first = first_position(p, task);
+    if (task == begin) prefetch_block(p, task, first);
+    if (task + 1 < end) prefetch_block(p, task + 1, first_position(p, task + 1));
+    const float* qs = p.q + (seq * p.H + kh * G) * D;
+    for (int64_t g = 0; g < G; ++g) {
+      for (int64_t d = 0; d < Dp; ++d) {
+        qf[g * Dp + d] = d < D ? qs[g * D + d] * p.scale : 0.f;
+        acc[g * Dp + d] = 0.f;
+      }
+      m[g] = -__builtin_inff();
+      P::store(lv + g * kvrelay::kDecodePad, P::zero());
+    }
+    for (int64_t p0 = first; p0 < len;) {
+      const int64_t blk = p.table[seq * p.maxb + p0 / B];
+      const int64_t off0 = p0 % B;
+      const int64_t n = B - off0 < len - p0 ? B - off0 : len - p0;   // positions in the block
+      const int64_t k_at = ((blk * p.KVH + kh) * B + off0) * D;
+      prefetch_block(p, task, p0 + n);
+      rows_to_f32(p, k_at, n, Dp, kf);
+      for (int64_t g = 0; g < G; ++g) {
+        float* sg = sc + g * Bp;
+        T mx = P::set1(-__builtin_inff());
+        for (int64_t j0 = 0; j0 < n; j0 += P::W) {
+          const int64_t nj = n - j0 < P::W ? n - j0 : P::W;
+          const T s = head_scores<DC>(qf + g * Dp, kf + j0 * Dp, Dp, nj, dc);
+          P::store(sg + j0, s);
+          mx = P::max(mx, s);
+        }
+        const float bm = P::hmax(mx);
+        const float mnew = m[g] > bm ? m[g] : bm;
+        const float c = __builtin_isinf(m[g]) ? 0.f : exp_neg1(m[g] - mnew);  // first: 0
+        const T mv = P::set1(mnew);
+        // the running sum stays a vector (one horizontal sum per work item, at the end)
+        T sum = P::mul(P::load(lv + g * kvrelay::kDecodePad), P::set1(c));
+        for (int64_t j0 = 0; j0 < n; j0 += P::W) {
+          const T e = P::first(P::exp_neg(P::sub(P::load(sg + j0), mv)), int(n - j0), 0.f);
+          P::store(sg + j0, e);
+          sum = P::add(sum, e);
+        }
+        P::store(lv + g * kvrelay::kDecodePad, sum);
+        cs[g] = c;
+        m[g] = mnew;
+      }
+      all_values(p, k_at + v_off, sc, cs, acc, G, n, Dp, Bp);
+      p0 += n;
+    }
+    float* os = p.out + (seq * p.H + kh * G) * D;
+    for (int64_t g = 0; g < G; ++g) l[g] = P::hsum(P::load(lv + g * kvrelay::kDecodePad));
+    for (int64_t g = 0; g < G; ++g) {
+      const float sink = p.sinks[kh * G + g];
+      const float mx = m[g] > sink ? m[g] : sink;
+      const float c = exp_neg1(m[g] - mx);
+      const float f = c / (l[g] * c + exp_neg1(sink - mx));
+      for (int64_t d = 0; d < D; ++d) os[g * D + d] = acc[g * Dp + d] * f;
+    }
+  }
+}
+
+// The build for this problem: head dims of up to kMaxDC vectors with their count fixed at
+// compile time (q in registers), longer ones with a run-time count.
+template <int DC, int kMaxDC>
+kvrelay::DecodeFn pick_decode(int64_t dc) {
+  if constexpr (DC <= kMaxDC) {
+    if (dc == DC) return &simd_decode_tasks<DC>;
+    return pick_decode<DC + 1, kMaxDC>(dc);
+  } else {
+    return &simd_decode_tasks<0>;
+  }
+}
