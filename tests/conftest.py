@@ -60,6 +60,7 @@ E2E_PATHS = (
     "tests/deploy/test_deploy_e2e.py",
     "tests/deploy/test_launch.py",
     "tests/disagg/test_transport.py::test_read_from_a_crashed_producer_fails_cleanly",
+    "tests/disagg/test_nixl_progress.py::test_ucx_tcp_reads_complete_without_progress_thread",
     "tests/distributed/test_data_parallel.py",
     "tests/distributed/test_expert_parallel_dp.py",
     "tests/distributed/test_multinode_dp.py",
@@ -97,6 +98,7 @@ SLOW_PATHS = (
     "tests/agent/test_responses_proxy.py::test_key_body_keys_the_prompt",
     "tests/disagg/test_kv_auth.py::test_tcp_transport_allocates_as_bytes_arrive_and_caps_threads",
     "tests/disagg/test_kv_auth.py::test_side_channel_frames_announcing_megabytes_cost_nothing",
+    "tests/disagg/test_nixl_progress.py::test_idle_nixl_transport_costs_no_cpu",
 )
 
 SLOW_FIXTURES = {

@@ -254,11 +254,15 @@ class KVConnector:
             self.grants[request_id] = grant
             self.held_blocks.update(blocks)
         # every rank's TCP transport checks reads against the grant: rank 0 now, the others
-        # at once (a KV-only broadcast) so the grant is there before a decode can read
+        # at once (a KV-only broadcast) so the grant is there before a decode can read.
+        # NIXL ranks only need to know that reads are expected (to drive their transport's
+        # progress): the grant rides with the next step.
         work = KVWork(grants=[ReadGrant(request_id, grant.capability, frozenset(blocks))])
         self.local.apply(work)
         if self.link is not None and self.transport.name == "tcp":
             self.link.send_kv(work)
+        elif self.link is not None:
+            self.outbox.grants.extend(work.grants)
         self.leases[request_id] = time.monotonic() + self.config.lease_s
         host, port = self.advertised or ("127.0.0.1", 0)
         return {"remote_engine_id": self.engine_id, "remote_host": host, "remote_port": port,
@@ -282,7 +286,7 @@ class KVConnector:
                 self.held_blocks += collections.Counter()        # drop zero counts
         if grant is not None:
             self.local.apply(KVWork(revokes=[request_id]))
-            if self.link is not None and self.transport.name == "tcp":
+            if self.link is not None:
                 self.outbox.revokes.append(request_id)          # with the next step
 
     def read_done(self) -> list[str]:

@@ -123,6 +123,11 @@ class KVTransport(ABC, Generic[H]):
     def take_notifications(self) -> list[bytes]:
         """Producer side: notify messages of reads that peers completed since last call."""
 
+    def expect_reads(self, active: bool) -> None:
+        """Producer: whether peers may read now (blocks are held for them). A transport
+        whose serving side needs driving (NIXL without its own progress thread) keeps it
+        going meanwhile; the others ignore this."""
+
     @abstractmethod
     def close(self) -> None: ...
 

@@ -177,6 +177,8 @@ class KVWorker:
                 for request_id in work.revokes:
                     self.grants.pop(request_id, None)
                 self._grants_changed.notify_all()
+                expecting = bool(self.grants)
+            self.transport.expect_reads(expecting)
         for peer in work.peers:
             self._add_peer(peer)
         for request_id in work.cancels:

@@ -16,6 +16,9 @@ client ──POST /v1/completions──▶ proxy        X-Request-Id: the client
                                    │        remote_port, remote_request_id, tp_size}}
                                    │    4xx/5xx → returned to the client as is (no decode, and
                                    │    never re-sent elsewhere: the request reached a server)
+                                   │    except 503 + Retry-After (busy: "KV hold refused", it
+                                   │    kept nothing) → the next server, then rounds with backoff
+                                   │    for at most --prefill-busy-retry seconds
                                    │    every server failing before answering → 503
    2. decode (--routing, by load and KV usage; failing before answering → the next one)
                                    ├──▶ decode   the ORIGINAL body + the prefill's
@@ -97,6 +100,9 @@ HEALTH_TIMEOUT_S = 2.0
 SLOW_PROBES_TO_FAIL = 2          # timed-out probes in a row before a backend counts as down
 _TIMED_OUT = f"no answer within {HEALTH_TIMEOUT_S:g}s"
 FREE_TIMEOUT_S = 5.0
+PREFILL_BUSY_RETRY_S = 10.0      # how long one request may wait for a busy prefill (the flag's)
+BUSY_BACKOFF_S = 0.1             # first wait when every prefill server is busy; doubles
+MAX_BUSY_ROUNDS = 12             # rounds over the prefill servers, whatever the time left
 MAX_CONNECTIONS = 1024           # per backend
 MAX_KEEPALIVE = 256
 HEALTH_INTERVAL_S = 2.0          # background /health probe of every backend
@@ -133,6 +139,10 @@ class ProxyMetrics:
         self.failures = Counter("kvrelay_proxy:backend_failures",
                                 "Backend attempts that failed, by reason.",
                                 ["role", "backend", "reason"], registry=r)
+        self.busy_retries = Counter("kvrelay_proxy:prefill_busy_retries",
+                                    "Prefill answers 503 with Retry-After (busy: KV hold "
+                                    "refused) that the proxy retried, per prefill server.",
+                                    ["backend"], registry=r)
         self.healthy = Gauge("kvrelay_proxy:backend_healthy",
                              "1 when the backend's last background /health probe answered 200.",
                              ["role", "backend"], registry=r)
@@ -159,6 +169,8 @@ class ProxyMetrics:
             self.in_flight.labels(b.role, b.name).set(0)
             self.healthy.labels(b.role, b.name).set(1)
             (self.prefill_latency if b.role == "prefill" else self.decode_latency).labels(b.name)
+            if b.role == "prefill":
+                self.busy_retries.labels(b.name)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -199,6 +211,7 @@ class ProxyState:
     auth: ProxyAuth = field(default_factory=ProxyAuth)
     routing: RoutingSettings = field(default_factory=RoutingSettings)
     health_interval_s: float = HEALTH_INTERVAL_S
+    busy_retry_s: float = PREFILL_BUSY_RETRY_S
     health_client: httpx.AsyncClient | None = None
     prober: asyncio.Task | None = None
     slow_probes: dict[str, int] = field(default_factory=dict)  # backend → probes timed out in a row
@@ -210,13 +223,15 @@ class ProxyState:
     @classmethod
     def create(cls, prefill: list[tuple[str, int]], decode: list[tuple[str, int]],
                auth: ProxyAuth | None = None, health_interval_s: float = HEALTH_INTERVAL_S,
-               routing: RoutingSettings | None = None) -> ProxyState:
+               routing: RoutingSettings | None = None,
+               busy_retry_s: float = PREFILL_BUSY_RETRY_S) -> ProxyState:
         routing = routing or RoutingSettings()
         p = [Backend("prefill", h, port) for h, port in prefill]
         d = [Backend("decode", h, port) for h, port in decode]
         return cls(p, d, ProxyMetrics(p + d), routing.router(p, "prefill"),
                    routing.router(d, "decode"),
-                   auth or ProxyAuth(), routing, health_interval_s, hasher=routing.hasher())
+                   auth or ProxyAuth(), routing, health_interval_s, busy_retry_s,
+                   hasher=routing.hasher())
 
     def router(self, b: Backend) -> Router:
         return self.prefill_router if b.role == "prefill" else self.decode_router
@@ -469,34 +484,76 @@ async def _prefill(state: ProxyState, path: str, body: dict[str, Any], headers: 
     failed before sending any response (refused or reset the connection, or a pooled
     keep-alive connection to it had died) is replaced by the next one: a server that
     answered, whatever the status, may have acted on the request, and a request that makes
-    servers fail must not go round all of them."""
+    servers fail must not go round all of them. One exception: a busy answer (`_busy`: it
+    kept nothing, and nothing of it reaches the client) goes to the next server, and when
+    every server is busy the proxy waits (backoff) and goes round again, for at most
+    `state.busy_retry_s` seconds and MAX_BUSY_ROUNDS rounds; then the client gets the
+    last busy answer as is."""
     payload = responses.prefill_body(body) if path == responses.PATH else prefill_body(body)
     failures: list[str] = []
-    for backend in order:
-        try:
-            resp = await _post_prefill(state, backend, path, payload, headers)
-        except httpx.TransportError as e:
-            state.failed(backend, "connect" if _is_connect_error(e) else "transport")
-            logger.warning("request %s: prefill server %s failed before answering: %s", request_id,
-                           backend.name, _describe(e))
-            failures.append(f"{backend.name} ({_describe(e)})")
-            continue
-        except AnswerBroken as e:
-            state.failed(backend, "transport")
-            logger.warning("request %s: prefill server %s broke off its answer: %s", request_id,
-                           backend.name, _describe(e.error))
-            return _error(502, f"prefill server {backend.name} broke off its answer: "
-                          f"{_describe(e.error)}", "BadGatewayError", request_id)
-        if resp.status_code >= 500:
-            reason = f"http_{resp.status_code}"
-            state.metrics.failures.labels(backend.role, backend.name, reason).inc()
-            logger.warning("request %s: prefill server %s answered %d (returned as is, not "
-                           "retried)", request_id, backend.name, resp.status_code)
-        else:
-            backend.mark_ok()
-        return _prefill_result(backend, resp, request_id, resp.elapsed.total_seconds())
+    deadline = time.monotonic() + state.busy_retry_s
+    order = list(order)
+    for rounds in range(1, MAX_BUSY_ROUNDS + 1):
+        busy: tuple[Backend, httpx.Response] | None = None
+        for backend in list(order):
+            try:
+                resp = await _post_prefill(state, backend, path, payload, headers)
+            except httpx.TransportError as e:
+                state.failed(backend, "connect" if _is_connect_error(e) else "transport")
+                logger.warning("request %s: prefill server %s failed before answering: %s",
+                               request_id, backend.name, _describe(e))
+                failures.append(f"{backend.name} ({_describe(e)})")
+                order.remove(backend)                 # not tried again in a later round
+                continue
+            except AnswerBroken as e:
+                state.failed(backend, "transport")
+                logger.warning("request %s: prefill server %s broke off its answer: %s",
+                               request_id, backend.name, _describe(e.error))
+                return _error(502, f"prefill server {backend.name} broke off its answer: "
+                              f"{_describe(e.error)}", "BadGatewayError", request_id)
+            if _busy(resp) and time.monotonic() < deadline and rounds < MAX_BUSY_ROUNDS:
+                state.metrics.busy_retries.labels(backend.name).inc()
+                logger.info("request %s: prefill server %s is busy (%d, Retry-After %s): "
+                            "trying again elsewhere or later", request_id, backend.name,
+                            resp.status_code, resp.headers.get("retry-after"))
+                busy = (backend, resp)
+                continue
+            return _prefill_answer(state, backend, resp, request_id)
+        if busy is None:
+            break
+        wait = min(BUSY_BACKOFF_S * 2 ** (rounds - 1), _retry_after(busy[1]),
+                   deadline - time.monotonic())
+        if wait <= 0:
+            return _prefill_answer(state, *busy, request_id)
+        await asyncio.sleep(wait)
     return _error(503, "no prefill server could take the request: " + "; ".join(failures),
                   "ServiceUnavailableError", request_id)
+
+
+def _busy(resp: httpx.Response) -> bool:
+    """A prefill that is busy, not broken: 503 with Retry-After (a kvrelay prefill whose KV
+    hold for the decode was refused; it freed the blocks and holds nothing)."""
+    return resp.status_code == 503 and "retry-after" in resp.headers
+
+
+def _retry_after(resp: httpx.Response) -> float:
+    try:
+        return max(float(resp.headers.get("retry-after", "1")), 0.0)
+    except ValueError:                   # an HTTP date: wait the longest backoff step
+        return 1.0
+
+
+def _prefill_answer(state: ProxyState, backend: Backend, resp: httpx.Response,
+                    request_id: str) -> Prefilled | Response:
+    """The prefill's answer taken as final: count a 5xx, then the result for the client."""
+    if resp.status_code >= 500:
+        reason = f"http_{resp.status_code}"
+        state.metrics.failures.labels(backend.role, backend.name, reason).inc()
+        logger.warning("request %s: prefill server %s answered %d (returned as is, not "
+                       "retried)", request_id, backend.name, resp.status_code)
+    else:
+        backend.mark_ok()
+    return _prefill_result(backend, resp, request_id, resp.elapsed.total_seconds())
 
 
 async def _post_prefill(state: ProxyState, backend: Backend, path: str, payload: dict[str, Any],
@@ -949,9 +1006,10 @@ def _install_error_handlers(app: FastAPI) -> None:
 def build_app(prefill: list[tuple[str, int]], decode: list[tuple[str, int]],
               auth: ProxyAuth | None = None,
               health_interval_s: float = HEALTH_INTERVAL_S,
-              routing: RoutingSettings | None = None) -> FastAPI:
+              routing: RoutingSettings | None = None,
+              busy_retry_s: float = PREFILL_BUSY_RETRY_S) -> FastAPI:
     """The proxy app for these (host, port) prefill and decode servers."""
-    state = ProxyState.create(prefill, decode, auth, health_interval_s, routing)
+    state = ProxyState.create(prefill, decode, auth, health_interval_s, routing, busy_retry_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:

@@ -42,6 +42,7 @@ class ProxySettings:
     log_level: str = "info"
     api_key: str | None = None
     health_interval_s: float = 2.0
+    busy_retry_s: float = 10.0
     routing: RoutingSettings = field(default_factory=RoutingSettings)
 
 
@@ -74,6 +75,10 @@ def add_proxy_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--health-interval", type=float, default=2.0, metavar="S",
                    help="seconds between /health probes of every backend (0: no background probe); "
                         "servers that fail them are tried last")
+    p.add_argument("--prefill-busy-retry", type=float, default=10.0, metavar="S",
+                   help="a prefill server that answers 503 with Retry-After (busy: its KV hold "
+                        "for the decode was refused) is retried on the next server, then in "
+                        "rounds with backoff, for at most S seconds per request (0: not retried)")
     r = p.add_argument_group("routing (docs/proxy.md#choosing-servers)")
     r.add_argument("--routing", choices=policy.ROUTING_POLICIES, default="cache_aware",
                    help="cache_aware: the server holding the longest prefix of the prompt, unless "
@@ -116,13 +121,17 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         raise EndpointError(f"--port: {args.port} is not a TCP port")
     if args.health_interval < 0:
         raise EndpointError(f"--health-interval: {args.health_interval:g} is negative")
+    if not 0 <= args.prefill_busy_retry < float("inf"):
+        raise EndpointError(f"--prefill-busy-retry: {args.prefill_busy_retry:g} is not a "
+                            f"number of seconds >= 0")
     routing = _routing_settings(args)
     return ProxySettings(host=args.host, port=args.port, routing=routing,
                          prefill=expand_endpoints(args.prefiller_host, args.prefiller_port,
                                                   "prefiller"),
                          decode=expand_endpoints(args.decoder_host, args.decoder_port, "decoder"),
                          log_level=args.log_level, api_key=args.api_key or envs.PROXY_API_KEY.raw(),
-                         health_interval_s=args.health_interval)
+                         health_interval_s=args.health_interval,
+                         busy_retry_s=args.prefill_busy_retry)
 
 
 def _routing_settings(args: argparse.Namespace) -> RoutingSettings:
@@ -187,7 +196,7 @@ def serve(settings: ProxySettings) -> int:
     from kvrelay.proxy.app import ProxyAuth, build_app
     auth = ProxyAuth(api_key=settings.api_key, backend_key=envs.OPENAI_API_KEY.raw())
     app = build_app(settings.prefill, settings.decode, auth, settings.health_interval_s,
-                    settings.routing)
+                    settings.routing, settings.busy_retry_s)
     config = uvicorn.Config(app, host=settings.host, port=settings.port,
                             log_level=settings.log_level,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, lifespan="on")

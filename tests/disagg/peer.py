@@ -44,6 +44,7 @@ def producer_main(kind: str, shape, dtypes, options, ready, stop) -> None:
         transport = make(kind, f"producer-{os.getpid()}", options)
         tensors = source_tensors(shape, dtypes)
         transport.register(tensors)
+        transport.expect_reads(True)        # serve reads (NIXL: progress its UCX worker)
 
         def handler(msg: dict) -> dict:
             op = msg.get("op")

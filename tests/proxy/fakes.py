@@ -42,6 +42,8 @@ class Script:
     chunk_delay_s: float = 0.08          # decode streams: pause between SSE events
     extra_kv: dict[str, Any] = field(default_factory=dict)   # prefill: more kv_transfer_params keys
     metrics: str | None = None           # GET /metrics: this Prometheus text (None: 404)
+    # prefill: answer this many completions busy first (503 "KV hold refused", Retry-After)
+    busy_answers: int = 0
 
 
 @dataclass
@@ -140,6 +142,13 @@ def build_fake_app(fake: FakeBackend) -> FastAPI:
 
     async def completion(request: Request, chat: bool) -> Response:
         body = await record(request)
+        if fake.script.busy_answers > 0:
+            fake.script.busy_answers -= 1
+            return JSONResponse({"error": {"message": "KV hold refused: scripted busy prefill; "
+                                                      "retry later",
+                                           "type": "ServiceUnavailableError", "param": None,
+                                           "code": 503}},
+                                status_code=503, headers={"Retry-After": "1"})
         if fake.script.status != 200:
             return JSONResponse({"error": {"message": f"scripted {fake.script.status} from "
                                                       f"{fake.role}",
