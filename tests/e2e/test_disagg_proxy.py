@@ -33,11 +33,28 @@ def deployment(tiny, tmp_path_factory):
         for s in prefills + [decode]:
             s.wait_ready()
         proxy.wait_for_line("Application startup complete")
-        yield f"http://127.0.0.1:{port}", prefills, decode
+        url = f"http://127.0.0.1:{port}"
+        _wait_all_healthy(url, len(prefills) + 1)
+        yield url, prefills, decode
     finally:
         proxy.stop()
         for s in prefills + [decode]:
             s.stop()
+
+
+def _wait_all_healthy(url: str, backends: int, timeout_s: float = 60.0) -> None:
+    """Until the proxy's own background probes have seen every backend answer: it starts
+    probing while the servers still load, and a backend marked down before it was ready
+    only gets traffic again after its next probe round (every 2 s)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        lines = [ln for ln in httpx.get(f"{url}/metrics").text.splitlines()
+                 if ln.startswith("kvrelay_proxy:backend_healthy{")]
+        if len(lines) == backends and all(ln.endswith(" 1.0") for ln in lines):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"backends not all healthy after {timeout_s} s: {lines}")
+        time.sleep(0.2)
 
 
 def test_tutorial_validation_through_the_proxy(deployment):
