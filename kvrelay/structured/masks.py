@@ -49,6 +49,7 @@ class TokenMasks:
         self.min_rows = min_rows         # ... when the step has at least this many grammar rows
         self._pool: ThreadPoolExecutor | None = None
         self._pending: tuple[tuple[int, ...], Future[np.ndarray]] | None = None
+        self.native: bool | None = None  # the native row kernel: None = where available
 
     def start(self, requests: list[Request]) -> None:
         """Before the forward: begin filling the masks of `requests` (the step's sampling
@@ -64,45 +65,108 @@ class TokenMasks:
 
     def apply(self, logits: torch.Tensor, requests: list[Request],
               plain_greedy: frozenset[int] = frozenset(),
-              ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """logits [N, V] of `requests` → (logits, sparse). Dense rows come back with their
-        disallowed tokens at -inf (in place; the caller owns `logits`). A row whose mask
+              ) -> tuple[torch.Tensor, dict[int, torch.Tensor], dict[int, int]]:
+        """logits [N, V] of `requests` → (logits, sparse, chosen). Dense rows come back with
+        their disallowed tokens at -inf (in place; the caller owns `logits`). A row whose mask
         allows few tokens (a JSON grammar between strings: tens of ids out of 201k) is left
         unmasked and listed in `sparse` as its sorted allowed ids instead: the sampler picks
         among those alone, which is the same distribution as masking the row and sampling
         it, without an O(V) pass per step (the mask, the softmax and the noise all shrink
-        to the allowed set). A dense row in `plain_greedy` (greedy, nothing applied after
-        the mask) whose unmasked argmax is allowed is listed with that one id: the masked
-        argmax is the same token. Rows without a grammar are untouched."""
+        to the allowed set). A row in `plain_greedy` (greedy, nothing applied after the mask)
+        gets its token here, in `chosen`: the argmax over its allowed tokens (the first one
+        on ties, as torch.argmax of the masked row). Rows without a grammar are untouched.
+
+        The native kernel (`kvrelay_kernels::grammar_rows`) does all of it in one pass over
+        the bitmask words; `_torch_rows` is the reference it is tested against and the path
+        where the extension is unavailable."""
         pending, self._pending = self._pending, None
         rows = _constrained(requests)
         if not rows:
-            return logits, {}
+            return logits, {}, {}
         if pending is not None and pending[0] == tuple(id(r) for r in requests):
             bitmask = pending[1].result()
         else:
             bitmask = _fill(rows, len(requests))
-        vocab = logits.shape[-1]
-        sparse: dict[int, torch.Tensor] = {}
-        dense: list[int] = []
-        for i, _ in rows:
-            words = np.flatnonzero(bitmask[i])
-            if words.size == 0:       # a matcher with no way forward: leave the row free
-                logger.error("structured output: no allowed token for %s", requests[i].request_id)
-            elif words.size <= SPARSE_WORDS and not requests[i].params.logits_processors:
-                sparse[i] = torch.from_numpy(_allowed_ids(bitmask[i], words, vocab))
-            elif i in plain_greedy and _allowed(bitmask[i], best := int(logits[i].argmax())):
-                sparse[i] = torch.tensor([best])
-            else:
-                dense.append(i)
-        if dense:
-            _mask_rows(logits, bitmask, dense, len(requests))
-        return logits, sparse
+        modes = [_mode(i, requests[i], plain_greedy) for i, _ in rows]
+        index = [i for i, _ in rows]
+        if self._use_native(logits):
+            sparse, chosen, empty = _native_rows(logits, bitmask, index, modes)
+        else:
+            sparse, chosen, empty = _torch_rows(logits, bitmask, index, modes)
+        for i in empty:       # a matcher with no way forward: the row is left free
+            logger.error("structured output: no allowed token for %s", requests[i].request_id)
+        return logits, sparse, chosen
+
+    def _use_native(self, logits: torch.Tensor) -> bool:
+        if self.native is False or logits.dtype != torch.float32 or not logits.is_contiguous():
+            return False
+        from kvrelay.model import kernels     # builds/loads once; warns once when unavailable
+        return kernels.kernels_available()
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+
+# What a grammar row needs (see TokenMasks.apply and the native op's modes)
+SAMPLED, PLAIN_GREEDY, MASK_ONLY = 0, 1, 2
+
+
+def _mode(i: int, request: Request, plain_greedy: frozenset[int]) -> int:
+    if i in plain_greedy:
+        return PLAIN_GREEDY
+    return MASK_ONLY if request.params.logits_processors else SAMPLED
+
+
+def _native_rows(logits: torch.Tensor, bitmask: np.ndarray, index: list[int], modes: list[int],
+                 ) -> tuple[dict[int, torch.Tensor], dict[int, int], list[int]]:
+    """(sparse, chosen, empty rows) from one call of the native kernel; dense rows masked."""
+    tokens, offsets, ids = torch.ops.kvrelay_kernels.grammar_rows(
+        logits, torch.from_numpy(bitmask), torch.tensor(index), torch.tensor(modes),
+        SPARSE_WORDS, "")
+    sparse: dict[int, torch.Tensor] = {}
+    chosen: dict[int, int] = {}
+    empty: list[int] = []
+    off = offsets.tolist()
+    for j, (i, t) in enumerate(zip(index, tokens.tolist())):
+        if t >= 0:
+            chosen[i] = t
+        elif t == -1:
+            sparse[i] = ids[off[j]:off[j + 1]]
+        elif t == -3:
+            empty.append(i)
+    return sparse, chosen, empty
+
+
+def _torch_rows(logits: torch.Tensor, bitmask: np.ndarray, index: list[int], modes: list[int],
+                ) -> tuple[dict[int, torch.Tensor], dict[int, int], list[int]]:
+    """The reference of `_native_rows` (numpy and PyTorch): the same results."""
+    vocab = logits.shape[-1]
+    sparse: dict[int, torch.Tensor] = {}
+    chosen: dict[int, int] = {}
+    empty: list[int] = []
+    dense: list[int] = []
+    for i, mode in zip(index, modes):
+        words = np.flatnonzero(bitmask[i])
+        if words.size == 0:
+            empty.append(i)
+        elif mode != MASK_ONLY and words.size <= SPARSE_WORDS:
+            ids = torch.from_numpy(_allowed_ids(bitmask[i], words, vocab))
+            if mode == PLAIN_GREEDY:
+                chosen[i] = int(ids[logits[i, ids].argmax()])
+            else:
+                sparse[i] = ids
+        elif mode == PLAIN_GREEDY and _allowed(bitmask[i], best := int(logits[i].argmax())):
+            chosen[i] = best            # the unmasked argmax is allowed: the masked one too
+        else:
+            dense.append(i)
+    if dense:
+        _mask_rows(logits, bitmask, dense, len(bitmask))
+        greedy = [i for i in dense if modes[index.index(i)] == PLAIN_GREEDY]
+        if greedy:
+            chosen.update(zip(greedy, logits[greedy].argmax(dim=-1).tolist()))
+    return sparse, chosen, empty
 
 
 def _allowed(row: np.ndarray, token: int) -> bool:

@@ -38,10 +38,11 @@ def _request(params: SamplingParams, seed: int | None = None):
 
 
 def _draws(monkeypatch, sparse_words: int, params: SamplingParams, logits: torch.Tensor,
-           n: int) -> list[int]:
+           n: int, seeded: bool = True) -> list[int]:
+    """n rows' draws; seeded rows are sampled one by one, unseeded sparse rows in one batch."""
     monkeypatch.setattr(masks, "SPARSE_WORDS", sparse_words)
     sampler = Sampler()
-    reqs = [_request(params, seed=s) for s in range(n)]
+    reqs = [_request(params, seed=s if seeded else None) for s in range(n)]
     out = sampler(logits.expand(n, -1).clone(), reqs)
     return out.token_ids
 
@@ -49,13 +50,14 @@ def _draws(monkeypatch, sparse_words: int, params: SamplingParams, logits: torch
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0),
                                     SamplingParams(temperature=0.7, top_p=0.8),
                                     SamplingParams(temperature=1.3, top_k=3, min_p=0.05)])
-def test_sparse_rows_draw_the_masked_distribution(monkeypatch, params):
+@pytest.mark.parametrize("seeded", [True, False])
+def test_sparse_rows_draw_the_masked_distribution(monkeypatch, params, seeded):
     torch.manual_seed(0)
     logits = torch.randn(1, VOCAB) * 2
     logits[0, ALLOWED] = torch.tensor([0.5, 1.5, -0.5, 1.0, 0.0, 2.0])
     n = 2000
-    dense = _draws(monkeypatch, 0, params, logits, n)         # 0 words: every row dense
-    sparse = _draws(monkeypatch, 256, params, logits, n)
+    dense = _draws(monkeypatch, 0, params, logits, n, seeded)   # 0 words: every row dense
+    sparse = _draws(monkeypatch, 256, params, logits, n, seeded)
     assert set(dense) <= set(ALLOWED.tolist()) and set(sparse) <= set(ALLOWED.tolist())
     probs = _exact_probs(logits, params)        # both paths against the masked row's law
     for draws in (dense, sparse):
@@ -120,6 +122,7 @@ def test_dense_greedy_row_keeps_an_allowed_argmax_without_masking(monkeypatch):
     """A dense greedy row whose unmasked argmax is allowed skips the O(V) mask; one whose
     argmax is not allowed is masked (and then gets the masked argmax)."""
     monkeypatch.setattr(masks, "SPARSE_WORDS", 0)               # every grammar row is dense
+    monkeypatch.setattr(masks.TokenMasks, "_use_native", lambda self, logits: False)
     logits = torch.randn(2, VOCAB)
     logits[0, 777] = 50.0                                        # allowed
     logits[1, 10] = 50.0                                         # not allowed

@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 NAME = "kvrelay_kernels"
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("moe_op.cpp", "paged_decode_op.cpp", "moe_generic.cpp", "moe_avx2.cpp",
-           "moe_avx512.cpp")
+           "moe_avx512.cpp", "bitmask_op.cpp")
 
 
 def _thread_flags() -> tuple[tuple[str, ...], tuple[str, ...]]:
