@@ -100,7 +100,9 @@ class TokenMasks:
     def _use_native(self, logits: torch.Tensor) -> bool:
         if self.native is False or logits.dtype != torch.float32 or not logits.is_contiguous():
             return False
-        from kvrelay.model import kernels     # builds/loads once; warns once when unavailable
+        # builds/loads once; warns once when unavailable
+        from kvrelay.model import kernels
+
         return kernels.kernels_available()
 
     def close(self) -> None:

@@ -3,44 +3,53 @@
 // A row's bitmask is llguidance's layout: word j of `bits` allows tokens 32 j .. 32 j + 31
 // (bit i: token 32 j + i); words past the logits' width and bits past V allow nothing.
 
-// The largest allowed logit of a row (-inf when every allowed one is -inf or none is allowed).
-inline float masked_max(const float* x, const uint32_t* bits, int64_t words, int64_t V) {
-  float m = -__builtin_inff();
-  for (int64_t j = 0; j < words; ++j) {
-    const uint32_t b = bits[j];
-    if (b == 0) continue;
-    const float* xs = x + 32 * j;
-    const int64_t n = V - 32 * j < 32 ? V - 32 * j : 32;
-    if (b == 0xffffffffu && n == 32) {
-#pragma omp simd reduction(max : m)
-      for (int i = 0; i < 32; ++i) m = xs[i] > m ? xs[i] : m;
-    } else {
-#pragma omp simd reduction(max : m)
-      for (int i = 0; i < n; ++i) {
-        const float v = ((b >> i) & 1u) ? xs[i] : -__builtin_inff();
-        m = v > m ? v : m;
-      }
-    }
-  }
-  return m;
-}
-
 // The first allowed token whose logit is the allowed maximum (torch.argmax's tie rule on the
 // masked row); the first allowed token when all are -inf; -1 when none is allowed.
+// One pass: 32 lanes, lane i keeping the best logit of tokens 32 j + i and the first word j
+// where it was seen (a strict > keeps the first); all-zero words are skipped unread.
 inline int64_t masked_argmax(const float* x, const uint32_t* bits, int64_t words, int64_t V) {
-  const float m = masked_max(x, bits, words, V);
-  int64_t first = -1;
-  for (int64_t j = 0; j < words; ++j) {
-    uint32_t b = bits[j];
-    while (b != 0) {
-      const int64_t t = 32 * j + __builtin_ctz(b);
-      b &= b - 1;
-      if (t >= V) break;
-      if (first < 0) first = t;
-      if (x[t] == m) return t;
+  float best[32];
+  int32_t at[32];
+  for (int i = 0; i < 32; ++i) best[i] = -__builtin_inff(), at[i] = -1;
+  const int64_t full = V / 32 < words ? V / 32 : words;     // words with 32 live tokens
+  int64_t first_word = -1;
+  for (int64_t j = 0; j < full; ++j) {
+    const uint32_t b = bits[j];
+    if (b == 0) continue;
+    if (first_word < 0) first_word = j;
+    const float* xs = x + 32 * j;
+    const int32_t jj = static_cast<int32_t>(j);
+#pragma omp simd
+    for (int i = 0; i < 32; ++i) {
+      const float v = ((b >> i) & 1u) ? xs[i] : -__builtin_inff();
+      const bool better = v > best[i];
+      best[i] = better ? v : best[i];
+      at[i] = better ? jj : at[i];
     }
   }
-  return first;
+  if (full < words && V > 32 * full) {                      // the partial last word
+    const uint32_t b = bits[full];
+    const int64_t n = V - 32 * full;
+    for (int i = 0; i < n; ++i) {
+      if (!((b >> i) & 1u)) continue;
+      if (first_word < 0) first_word = full;
+      if (x[32 * full + i] > best[i]) best[i] = x[32 * full + i], at[i] = int32_t(full);
+    }
+  }
+  int64_t token = -1;
+  float m = -__builtin_inff();
+  for (int i = 0; i < 32; ++i) {
+    if (at[i] < 0) continue;
+    const int64_t t = 32 * int64_t(at[i]) + i;
+    if (best[i] > m || (best[i] == m && t < token)) m = best[i], token = t;
+  }
+  if (token >= 0 || first_word < 0) return token;
+  // every allowed logit is -inf: the first allowed token
+  for (int64_t j = first_word; j < words; ++j) {
+    const uint32_t live = 32 * j + 32 <= V ? bits[j] : (bits[j] & ((1u << (V - 32 * j)) - 1u));
+    if (live != 0) return 32 * j + __builtin_ctz(live);
+  }
+  return -1;
 }
 
 // Disallowed logits of a row to -inf, in place.
