@@ -61,7 +61,7 @@ class TokenMasks:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
         key = tuple(id(r) for r in requests)
-        self._pending = (key, self._pool.submit(_fill, rows, len(requests)))
+        self._pending = (key, self._pool.submit(_fill, rows, len(requests), True))
 
     def apply(self, logits: torch.Tensor, requests: list[Request],
               plain_greedy: frozenset[int] = frozenset(),
@@ -86,7 +86,7 @@ class TokenMasks:
         if pending is not None and pending[0] == tuple(id(r) for r in requests):
             bitmask = pending[1].result()
         else:
-            bitmask = _fill(rows, len(requests))
+            bitmask = _fill(rows, len(requests), len(rows) >= self.min_rows)
         modes = [_mode(i, requests[i], plain_greedy) for i, _ in rows]
         index = [i for i, _ in rows]
         if self._use_native(logits):
@@ -197,10 +197,11 @@ def _mask_rows(logits: torch.Tensor, bitmask: np.ndarray, idx: list[int], batch:
     logits.index_copy_(0, rows_t, torch.where(keep, logits.index_select(0, rows_t), neg_inf))
 
 
-def _fill(rows: list[tuple[int, GrammarMatcher]], batch: int) -> np.ndarray:
-    """int32 [batch, words]; only the rows of `rows` are written (the rest stay zero)."""
+def _fill(rows: list[tuple[int, GrammarMatcher]], batch: int, parallel: bool) -> np.ndarray:
+    """int32 [batch, words]; only the rows of `rows` are written (the rest stay zero);
+    `parallel`: over llguidance's executor threads, else on this thread."""
     backend = rows[0][1].backend
     words = (backend.vocab_size + 31) // 32
     bitmask = np.zeros((batch, words), dtype=np.int32)
-    backend.fill([(m, i) for i, m in rows], bitmask.ctypes.data, batch)
+    backend.fill([(m, i) for i, m in rows], bitmask.ctypes.data, batch, parallel)
     return bitmask

@@ -116,7 +116,7 @@ VOCAB = 5003
 class FakeBackend:
     vocab_size = VOCAB
 
-    def fill(self, rows, ptr, batch):
+    def fill(self, rows, ptr, batch, parallel=True):
         words = (VOCAB + 31) // 32
         view = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_int32 * (batch * words))
                                      .from_address(ptr)).reshape(batch, words)
@@ -186,3 +186,28 @@ def test_batched_sparse_rows_of_different_widths_keep_their_own_law():
     freq = np.array([(narrow == t).mean() for t in ALLOWED])
     assert freq.sum() == 1.0
     assert np.all(np.abs(freq - expect) <= 5 * np.sqrt(expect * (1 - expect) / len(narrow)))
+
+
+def test_inline_fill_equals_the_executor_fill():
+    """A few rows are filled on the calling thread, many through llguidance's executor:
+    the same bitmasks, at several positions of a JSON output."""
+    from kvrelay.model.embedded import embedded_model_dir
+    from kvrelay.structured.backend import GrammarBackend
+    from kvrelay.structured.params import StructuredOutputsParams
+    tokenizer_json = (embedded_model_dir() / "tokenizer.json").read_text()
+    backend = GrammarBackend(tokenizer_json, 49152, (2,))
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    text = backend.tokenizer.tokenize_str('{"name":"Ada Lovelace"}')
+    matchers = [backend.matcher(StructuredOutputsParams(json=schema), 0) for _ in range(3)]
+    for m, n in zip(matchers, (0, 3, len(text) - 1)):   # start, inside the string, before }
+        for t in text[:n]:
+            m.accept(t)
+    words = (49152 + 31) // 32
+    out = {}
+    for parallel in (True, False):
+        bitmask = np.zeros((4, words), dtype=np.int32)
+        backend.fill([(m, i + 1) for i, m in enumerate(matchers)], bitmask.ctypes.data, 4,
+                     parallel)
+        out[parallel] = bitmask
+    assert np.array_equal(out[True], out[False]) and not out[True][0].any()
+    assert all(out[True][i].any() for i in (1, 2, 3))

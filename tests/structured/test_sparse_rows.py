@@ -20,7 +20,7 @@ class FakeBackend:
     """Fills every row's bitmask with ALLOWED (llguidance's layout)."""
     vocab_size = VOCAB
 
-    def fill(self, rows, ptr, batch):
+    def fill(self, rows, ptr, batch, parallel=True):
         words = (VOCAB + 31) // 32
         row_type = np.ctypeslib.ctypes.c_int32 * (batch * words)
         view = np.ctypeslib.as_array(row_type.from_address(ptr))
