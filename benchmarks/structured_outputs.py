@@ -14,8 +14,10 @@ ratio are reported:
     json-sync  json with the masks filled after the forward instead of during it
     json-thread  json with the masks always filled in the worker thread (json itself fills
                inline below OVERLAP_MIN_ROWS grammar rows, in the thread from there on)
-    json-torch json with the grammar rows on the PyTorch reference path instead of the
-               native kernel (kvrelay_kernels::grammar_rows): the kernel's gain, same run
+    json-torch json as it was before the native row kernel: the grammar rows on the
+               PyTorch reference path, and no speculative argmax check for greedy rows
+    json-nospec json without the speculative check (every greedy grammar row gets its
+               mask; the native kernel takes the masked argmax)
 
 Models: `embedded` (the SmolLM2-as-gpt-oss checkpoint, 49k vocabulary) and `o200k-tiny`
 (a 2-layer random gpt-oss with gpt-oss's 201k vocabulary: the forward is tiny, so the
@@ -47,7 +49,7 @@ ITEM = {"type": "object", "additionalProperties": False, "required": ["name", "a
                        "ok": {"type": "boolean"}}}
 SCHEMA = {"type": "array", "minItems": 100, "items": ITEM}
 TEMPERATURE = 1.0
-VARIANTS = ["none", "json", "json-sync", "json-thread", "json-torch"]
+VARIANTS = ["none", "json", "json-sync", "json-thread", "json-torch", "json-nospec"]
 PROMPT = "Return a JSON list of people with name, age and ok fields:"
 
 
@@ -75,6 +77,7 @@ def run_once(llm, variant: str, concurrency: int, max_tokens: int) -> tuple[floa
     engine.sampler.masks.overlap = variant != "json-sync"
     engine.sampler.masks.min_rows = 1 if variant == "json-thread" else OVERLAP_MIN_ROWS
     engine.sampler.masks.native = False if variant == "json-torch" else None
+    engine.sampler.masks.speculate = variant not in ("json-torch", "json-nospec")
     constraint = None if variant == "none" else StructuredOutputsParams(json=SCHEMA)
     params = SamplingParams(temperature=TEMPERATURE, max_tokens=max_tokens, ignore_eos=True,
                             structured_outputs=constraint)

@@ -46,7 +46,7 @@ class Sampler:
     def prepare(self, requests: list[Request]) -> None:
         """Before the forward: start the grammar masks of the step's sampling requests
         (in the order `__call__` will get them), so they fill while the model runs."""
-        self.masks.start(requests)
+        self.masks.start(requests, self._grammar_plain(requests))
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         if all(self._plain_greedy(r) for r in requests):
@@ -133,6 +133,13 @@ class Sampler:
                 and req.grammar is None and not p.logit_bias
                 and (p.min_tokens <= len(req.output_token_ids) or not _banned_ids(req)))
 
+    def _grammar_plain(self, requests: list[Request]) -> frozenset[int]:
+        """Rows whose token is the argmax of the masked logits (greedy, no bias or
+        processors after the mask): TokenMasks picks their token itself."""
+        return frozenset(i for i, r in enumerate(requests)
+                         if r.grammar is not None and (self.all_greedy or r.params.greedy)
+                         and not r.params.logit_bias and not r.params.logits_processors)
+
     def _process(self, logits: torch.Tensor, requests: list[Request],
                  ) -> tuple[torch.Tensor, dict[int, torch.Tensor], dict[int, int]]:
         """(logits with the masks, bans, biases and processors applied, {row: allowed ids}
@@ -143,11 +150,8 @@ class Sampler:
         if any(r.grammar is not None for r in requests):
             # the rows are the sampler's own copy; keep the raw ones only for logprobs
             wants_raw = any(r.params.logprobs is not None for r in requests)
-            plain = frozenset(i for i, r in enumerate(requests)
-                              if (self.all_greedy or r.params.greedy) and not r.params.logit_bias
-                              and not r.params.logits_processors)
             logits, allowed, chosen = self.masks.apply(
-                logits.clone() if wants_raw else logits, requests, plain)
+                logits.clone() if wants_raw else logits, requests, self._grammar_plain(requests))
         changed = False
         for i, req in enumerate(requests):
             banned = _banned_ids(req)

@@ -43,6 +43,11 @@ class GrammarMatcher:
             self.failed = self.matcher.get_error() or f"token {token_id} is not allowed here"
             logger.error("structured output: %s", self.failed)
 
+    def allows(self, token_id: int) -> bool:
+        """Whether `token_id` is allowed next (its bit in the next mask), without the mask:
+        a lexer step over the token's bytes."""
+        return self.failed is None and self.matcher.validate_tokens([token_id]) == 1
+
     @property
     def terminated(self) -> bool:
         """The grammar is complete and allows nothing more (the request stops)."""

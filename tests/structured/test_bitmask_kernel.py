@@ -122,12 +122,17 @@ class FakeBackend:
                                      .from_address(ptr)).reshape(batch, words)
         for _, i in rows:
             bits = np.zeros(words * 32, dtype=bool)
-            bits[ALLOWED if i % 2 else np.arange(0, VOCAB, 3)] = True   # odd rows sparse
+            bits[_allowed_at(i)] = True                             # odd rows sparse
             view[i] = np.packbits(bits, bitorder="little").view(np.int32)
 
 
-def _request(params: SamplingParams):
-    grammar = SimpleNamespace(failed=None, backend=FakeBackend(), matcher=None)
+def _allowed_at(row: int) -> np.ndarray:
+    return ALLOWED if row % 2 else np.arange(0, VOCAB, 3)
+
+
+def _request(params: SamplingParams, row: int = 0):
+    grammar = SimpleNamespace(failed=None, backend=FakeBackend(), matcher=None,
+                              allows=lambda t: t in _allowed_at(row))
     return SimpleNamespace(params=params, grammar=grammar, generator=None, output_token_ids=[],
                            eos_token_ids=(0,), request_id="r")
 
@@ -137,7 +142,7 @@ def test_sampler_greedy_tokens_equal_with_and_without_the_kernel(isas, monkeypat
     logits[:, 10] = 50.0                                       # never allowed
     greedy = SamplingParams(temperature=0.0)
     biased = SamplingParams(temperature=0.0, logit_bias={4999: 1.0})
-    reqs = [_request(greedy if i < 6 else biased) for i in range(8)]
+    reqs = [_request(greedy if i < 6 else biased, i) for i in range(8)]
     native = Sampler()(logits.clone(), reqs).token_ids
     reference = Sampler()
     reference.masks.native = False
@@ -161,7 +166,8 @@ def test_without_the_extension_the_reference_path_runs(monkeypatch, caplog):
     monkeypatch.setattr(masks, "_torch_rows", lambda *a: calls.append(1) or real(*a))
     try:
         logits = torch.randn(4, VOCAB)
-        reqs = [_request(SamplingParams(temperature=0.0)) for _ in range(4)]
+        logits[:, 10] = 50.0                  # never allowed: every row needs its mask
+        reqs = [_request(SamplingParams(temperature=0.0), i) for i in range(4)]
         with caplog.at_level(logging.WARNING, logger="kvrelay.model.kernels"):
             out = [Sampler()(logits.clone(), reqs).token_ids for _ in range(2)]
     finally:
@@ -178,13 +184,13 @@ def test_batched_sparse_rows_of_different_widths_keep_their_own_law():
     logits = torch.zeros(1, VOCAB)
     logits[0, ALLOWED] = torch.tensor([0.5, 1.5, -0.5, 1.0, 0.0, 2.0])
     n = 2000
-    reqs = [_request(SamplingParams(temperature=1.0)) for _ in range(n)]
+    reqs = [_request(SamplingParams(temperature=1.0), i) for i in range(n)]
     tokens = np.array(Sampler()(logits.expand(n, -1).clone(), reqs).token_ids)
     narrow, wide = tokens[1::2], tokens[0::2]
     assert set(wide.tolist()) <= set(range(0, VOCAB, 3)) and len(set(wide.tolist())) > 500
     expect = torch.softmax(logits[0, ALLOWED].double(), 0).numpy()
     freq = np.array([(narrow == t).mean() for t in ALLOWED])
-    assert freq.sum() == 1.0
+    assert np.isin(narrow, ALLOWED).all()
     assert np.all(np.abs(freq - expect) <= 5 * np.sqrt(expect * (1 - expect) / len(narrow)))
 
 
@@ -211,3 +217,30 @@ def test_inline_fill_equals_the_executor_fill():
         out[parallel] = bitmask
     assert np.array_equal(out[True], out[False]) and not out[True][0].any()
     assert all(out[True][i].any() for i in (1, 2, 3))
+    # `allows` (the speculative check of greedy rows) agrees with the mask bit
+    bits = np.unpackbits(out[True].view(np.uint8), axis=1, bitorder="little")
+    rng = np.random.default_rng(0)
+    for r, m in enumerate(matchers, start=1):
+        probe = np.concatenate([rng.integers(0, 49152, 300), np.flatnonzero(bits[r])[:300], [2]])
+        assert [m.allows(int(t)) for t in probe] == [bool(bits[r, t]) for t in probe]
+
+
+def test_greedy_rows_whose_argmax_is_allowed_need_no_mask(monkeypatch):
+    """Plain greedy rows ask the matcher about their unmasked argmax first: an allowed one
+    is the token (no mask filled); the others are filled and take the masked argmax."""
+    filled: list[list[int]] = []
+    real = masks._fill
+    monkeypatch.setattr(masks, "_fill", lambda rows, *a: filled.append([i for i, _ in rows])
+                        or real(rows, *a))
+    logits = torch.randn(4, VOCAB)
+    logits[:, 10] = 50.0                                        # never allowed
+    logits[0, 777] = logits[1, 4999] = logits[2, 9] = 60.0      # allowed at rows 0, 1, 2
+    reqs = [_request(SamplingParams(temperature=0.0), i) for i in range(4)]
+    sampler = Sampler()
+    sampler.prepare(reqs)
+    out = sampler(logits.clone(), reqs).token_ids
+    assert out[:3] == [777, 4999, 9] and filled == [[3]]
+    assert out[3] == int(ALLOWED[logits[3, ALLOWED].argmax()])
+    sampler.masks.speculate = False
+    filled.clear()
+    assert sampler(logits.clone(), reqs).token_ids == out and filled == [[0, 1, 2, 3]]

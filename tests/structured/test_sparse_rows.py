@@ -31,7 +31,8 @@ class FakeBackend:
 
 
 def _request(params: SamplingParams, seed: int | None = None):
-    grammar = SimpleNamespace(failed=None, backend=FakeBackend(), matcher=None)
+    grammar = SimpleNamespace(failed=None, backend=FakeBackend(), matcher=None,
+                              allows=lambda t: t in ALLOWED)
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
     return SimpleNamespace(params=params, grammar=grammar, generator=gen, output_token_ids=[],
                            eos_token_ids=(0,), request_id="r")
@@ -106,14 +107,20 @@ def test_mixed_batch_keeps_free_rows_free(monkeypatch):
 
 def test_small_batches_fill_inline_large_ones_in_the_worker(monkeypatch):
     """Below OVERLAP_MIN_ROWS grammar rows the mask is filled in `apply` (no thread hop);
-    from there on it is filled in the worker during the forward. Both give the same rows."""
+    from there on it is filled in the worker during the forward. Both give the same rows.
+    Plain greedy rows are never filled ahead: most need no mask (their argmax is allowed)."""
     logits = torch.randn(masks.OVERLAP_MIN_ROWS, VOCAB)
     for n, threaded in [(masks.OVERLAP_MIN_ROWS - 1, False), (masks.OVERLAP_MIN_ROWS, True)]:
         sampler = Sampler()
-        reqs = [_request(SamplingParams(temperature=0.0)) for _ in range(n)]
+        reqs = [_request(SamplingParams(temperature=1.0), seed=i) for i in range(n)]
         sampler.prepare(reqs)
         assert (sampler.masks._pending is not None) is threaded
         out = sampler(logits[:n].clone(), reqs)
+        assert set(out.token_ids) <= set(ALLOWED.tolist())
+        greedy = [_request(SamplingParams(temperature=0.0)) for _ in range(n)]
+        sampler.prepare(greedy)
+        assert sampler.masks._pending is None
+        out = sampler(logits[:n].clone(), greedy)
         assert out.token_ids == [int(ALLOWED[logits[i, ALLOWED].argmax()]) for i in range(n)]
         sampler.masks.close()
 
