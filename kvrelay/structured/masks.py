@@ -92,7 +92,8 @@ class TokenMasks:
         rows = _constrained(requests)
         if not rows:
             return logits, {}, {}
-        picked = self._speculate(logits, rows, plain_greedy) if self.speculate else {}
+        native = self._use_native(logits)
+        picked = self._speculate(logits, rows, plain_greedy, native) if self.speculate else {}
         rows = [(i, m) for i, m in rows if i not in picked]
         if not rows:
             return logits, {}, picked
@@ -106,7 +107,7 @@ class TokenMasks:
         assert bitmask is not None
         modes = [_mode(i, requests[i], plain_greedy) for i, _ in rows]
         index = [i for i, _ in rows]
-        if self._use_native(logits):
+        if native:
             sparse, chosen, empty = _native_rows(logits, bitmask, index, modes)
         else:
             sparse, chosen, empty = _torch_rows(logits, bitmask, index, modes)
@@ -117,14 +118,18 @@ class TokenMasks:
 
     @staticmethod
     def _speculate(logits: torch.Tensor, rows: list[tuple[int, GrammarMatcher]],
-                   plain_greedy: frozenset[int]) -> dict[int, int]:
+                   plain_greedy: frozenset[int], native: bool) -> dict[int, int]:
         """{row: its unmasked argmax} for the plain greedy rows whose grammar allows it."""
         greedy = [(i, m) for i, m in rows if i in plain_greedy]
         if not greedy:
             return {}
         index = [i for i, _ in greedy]
-        best = (logits.argmax(dim=-1) if len(index) == logits.shape[0]
-                else logits[index].argmax(dim=-1)).tolist()
+        if native:
+            best = torch.ops.kvrelay_kernels.argmax_rows(logits, torch.tensor(index), "").tolist()
+        elif len(index) == logits.shape[0]:
+            best = logits.argmax(dim=-1).tolist()
+        else:
+            best = logits[index].argmax(dim=-1).tolist()
         return {i: t for (i, m), t in zip(greedy, best) if m.allows(t)}
 
     def _use_native(self, logits: torch.Tensor) -> bool:

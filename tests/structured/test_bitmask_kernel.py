@@ -244,3 +244,13 @@ def test_greedy_rows_whose_argmax_is_allowed_need_no_mask(monkeypatch):
     sampler.masks.speculate = False
     filled.clear()
     assert sampler(logits.clone(), reqs).token_ids == out and filled == [[0, 1, 2, 3]]
+
+
+@pytest.mark.parametrize("vocab", [1, 31, 33, 4099])
+def test_native_argmax_rows_equal_torch_argmax(isas, vocab):
+    logits = torch.randint(0, 4, (6, vocab)).float()            # ties: the first maximum wins
+    logits[5] = float("-inf")
+    rows = torch.tensor([5, 0, 3, 1])
+    for isa in isas:
+        got = torch.ops.kvrelay_kernels.argmax_rows(logits, rows, isa)
+        assert torch.equal(got, logits[rows].argmax(dim=-1))

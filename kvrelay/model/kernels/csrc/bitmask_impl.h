@@ -52,6 +52,34 @@ inline int64_t masked_argmax(const float* x, const uint32_t* bits, int64_t words
   return -1;
 }
 
+// torch.argmax of a row (the first maximum), in the same 32-lane pass without a mask.
+inline int64_t row_argmax(const float* x, int64_t V) {
+  float best[32];
+  int32_t at[32];
+  for (int i = 0; i < 32; ++i) best[i] = -__builtin_inff(), at[i] = -1;
+  const int64_t full = V / 32;
+  for (int64_t j = 0; j < full; ++j) {
+    const float* xs = x + 32 * j;
+    const int32_t jj = static_cast<int32_t>(j);
+#pragma omp simd
+    for (int i = 0; i < 32; ++i) {
+      const bool better = xs[i] > best[i];
+      best[i] = better ? xs[i] : best[i];
+      at[i] = better ? jj : at[i];
+    }
+  }
+  for (int i = 0; i < V - 32 * full; ++i)
+    if (x[32 * full + i] > best[i]) best[i] = x[32 * full + i], at[i] = int32_t(full);
+  int64_t token = -1;
+  float m = -__builtin_inff();
+  for (int i = 0; i < 32; ++i) {
+    if (at[i] < 0) continue;
+    const int64_t t = 32 * int64_t(at[i]) + i;
+    if (best[i] > m || (best[i] == m && t < token)) m = best[i], token = t;
+  }
+  return token < 0 ? 0 : token;      // every logit -inf: torch.argmax gives 0 too
+}
+
 // Disallowed logits of a row to -inf, in place.
 inline void mask_row(float* x, const uint32_t* bits, int64_t words, int64_t V) {
   const int64_t covered = 32 * words < V ? 32 * words : V;
