@@ -225,32 +225,44 @@ def test_inline_fill_equals_the_executor_fill():
         assert [m.allows(int(t)) for t in probe] == [bool(bits[r, t]) for t in probe]
 
 
-def test_greedy_rows_whose_argmax_is_allowed_need_no_mask(monkeypatch):
-    """Plain greedy rows ask the matcher about their unmasked argmax first: an allowed one
-    is the token (no mask filled); the others are filled and take the masked argmax."""
+def test_greedy_rows_whose_best_allowed_token_is_near_the_top_need_no_mask(isas, monkeypatch):
+    """Plain greedy rows walk their best tokens against the grammar first: the first allowed
+    one is the token (no mask filled); the others are filled and take the masked argmax."""
     filled: list[list[int]] = []
     real = masks._fill
     monkeypatch.setattr(masks, "_fill", lambda rows, *a: filled.append([i for i, _ in rows])
                         or real(rows, *a))
-    logits = torch.randn(4, VOCAB)
+    logits = torch.randn(5, VOCAB)
     logits[:, 10] = 50.0                                        # never allowed
-    logits[0, 777] = logits[1, 4999] = logits[2, 9] = 60.0      # allowed at rows 0, 1, 2
-    reqs = [_request(SamplingParams(temperature=0.0), i) for i in range(4)]
+    logits[0, 777] = logits[1, 4999] = logits[2, 9] = 60.0      # allowed top-1 at rows 0-2
+    logits[4, 11] = 55.0                                        # row 4: 11 is not allowed,
+    logits[4, 12] = 54.0                                        # 12 is (3rd best)
+    reqs = [_request(SamplingParams(temperature=0.0), i) for i in range(5)]
     sampler = Sampler()
     sampler.prepare(reqs)
     out = sampler(logits.clone(), reqs).token_ids
-    assert out[:3] == [777, 4999, 9] and filled == [[3]]
+    assert out[:3] == [777, 4999, 9] and out[4] == 12 and filled == [[3]]
     assert out[3] == int(ALLOWED[logits[3, ALLOWED].argmax()])
     sampler.masks.speculate = False
     filled.clear()
-    assert sampler(logits.clone(), reqs).token_ids == out and filled == [[0, 1, 2, 3]]
+    assert sampler(logits.clone(), reqs).token_ids == out and filled == [[0, 1, 2, 3, 4]]
+    sampler.masks.speculate, sampler.masks.native = True, False   # reference: the argmax only
+    filled.clear()
+    assert sampler(logits.clone(), reqs).token_ids == out and filled == [[3, 4]]
 
 
-@pytest.mark.parametrize("vocab", [1, 31, 33, 4099])
-def test_native_argmax_rows_equal_torch_argmax(isas, vocab):
-    logits = torch.randint(0, 4, (6, vocab)).float()            # ties: the first maximum wins
-    logits[5] = float("-inf")
-    rows = torch.tensor([5, 0, 3, 1])
+@pytest.mark.parametrize("vocab", [1, 8, 33, 4099])
+def test_native_topk_rows_best_first_ties_by_lower_id(isas, vocab):
+    logits = torch.randint(0, 5, (5, vocab)).float()
+    logits[4] = torch.randn(vocab)
+    logits[3, vocab // 2] = float("nan")                       # NaN is never a candidate
+    k = min(8, vocab)
+    rows = torch.tensor([4, 0, 3])
     for isa in isas:
-        got = torch.ops.kvrelay_kernels.argmax_rows(logits, rows, isa)
-        assert torch.equal(got, logits[rows].argmax(dim=-1))
+        values, ids = torch.ops.kvrelay_kernels.topk_rows(logits, rows, k, isa)
+        for j, r in enumerate(rows.tolist()):
+            row = logits[r]
+            order = sorted((t for t in range(vocab) if not row[t].isnan()),
+                           key=lambda t: (-float(row[t]), t))[:k]
+            assert ids[j].tolist()[:len(order)] == order
+            assert torch.equal(values[j][:len(order)], row[order])

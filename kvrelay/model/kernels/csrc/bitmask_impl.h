@@ -52,32 +52,29 @@ inline int64_t masked_argmax(const float* x, const uint32_t* bits, int64_t words
   return -1;
 }
 
-// torch.argmax of a row (the first maximum), in the same 32-lane pass without a mask.
-inline int64_t row_argmax(const float* x, int64_t V) {
-  float best[32];
-  int32_t at[32];
-  for (int i = 0; i < 32; ++i) best[i] = -__builtin_inff(), at[i] = -1;
+// The k largest logits of a row, best first, ties by lower token id (torch.argmax's order):
+// vals[0..k), ids[0..k); k <= V. A 32-token block is read element by element only when its
+// maximum beats the current k-th value, which after the first blocks is rare.
+inline void row_topk(const float* x, int64_t V, int64_t k, float* vals, int64_t* ids) {
+  int64_t cnt = 0;
+  auto push = [&](float v, int64_t t) {
+    if (v != v || (cnt == k && !(v > vals[k - 1]))) return;   // NaN, or not above the k-th
+    int64_t p = cnt < k ? cnt++ : k - 1;
+    while (p > 0 && vals[p - 1] < v) vals[p] = vals[p - 1], ids[p] = ids[p - 1], --p;
+    vals[p] = v, ids[p] = t;
+  };
   const int64_t full = V / 32;
   for (int64_t j = 0; j < full; ++j) {
     const float* xs = x + 32 * j;
-    const int32_t jj = static_cast<int32_t>(j);
-#pragma omp simd
-    for (int i = 0; i < 32; ++i) {
-      const bool better = xs[i] > best[i];
-      best[i] = better ? xs[i] : best[i];
-      at[i] = better ? jj : at[i];
+    if (cnt == k) {
+      float m = -__builtin_inff();
+#pragma omp simd reduction(max : m)
+      for (int i = 0; i < 32; ++i) m = xs[i] > m ? xs[i] : m;
+      if (!(m > vals[k - 1])) continue;
     }
+    for (int i = 0; i < 32; ++i) push(xs[i], 32 * j + i);
   }
-  for (int i = 0; i < V - 32 * full; ++i)
-    if (x[32 * full + i] > best[i]) best[i] = x[32 * full + i], at[i] = int32_t(full);
-  int64_t token = -1;
-  float m = -__builtin_inff();
-  for (int i = 0; i < 32; ++i) {
-    if (at[i] < 0) continue;
-    const int64_t t = 32 * int64_t(at[i]) + i;
-    if (best[i] > m || (best[i] == m && t < token)) m = best[i], token = t;
-  }
-  return token < 0 ? 0 : token;      // every logit -inf: torch.argmax gives 0 too
+  for (int64_t t = 32 * full; t < V; ++t) push(x[t], t);
 }
 
 // Disallowed logits of a row to -inf, in place.

@@ -44,13 +44,13 @@ namespace {
 
 using ArgmaxFn = int64_t (*)(const float*, const uint32_t*, int64_t, int64_t);
 using MaskFn = void (*)(float*, const uint32_t*, int64_t, int64_t);
-using RowArgmaxFn = int64_t (*)(const float*, int64_t);
+using RowTopkFn = void (*)(const float*, int64_t, int64_t, float*, int64_t*);
 
 struct BitmaskKernels {
   const char* name;
   ArgmaxFn argmax;
   MaskFn mask;
-  RowArgmaxFn row_argmax;
+  RowTopkFn row_topk;
 };
 
 const BitmaskKernels& pick(const std::string& isa) {
@@ -61,13 +61,13 @@ const BitmaskKernels& pick(const std::string& isa) {
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl"))
       k.push_back({"avx512", bitmask_avx512::masked_argmax, bitmask_avx512::mask_row,
-                   bitmask_avx512::row_argmax});
+                   bitmask_avx512::row_topk});
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
       k.push_back({"avx2", bitmask_avx2::masked_argmax, bitmask_avx2::mask_row,
-                   bitmask_avx2::row_argmax});
+                   bitmask_avx2::row_topk});
 #endif
     k.push_back({"generic", bitmask_generic::masked_argmax, bitmask_generic::mask_row,
-                   bitmask_generic::row_argmax});
+                   bitmask_generic::row_topk});
     return k;
   }();
   if (isa.empty()) return all.front();
@@ -156,25 +156,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> grammar_rows(
   return {tokens, offsets, ids};
 }
 
-// torch.argmax(logits[rows], -1) in one 32-lane pass per row (torch's own reduction ran
-// ~5x slower on [64, 201k] here); NaN is not treated as a maximum.
-at::Tensor argmax_rows(const at::Tensor& logits, const at::Tensor& rows, const std::string& isa) {
+// The k best logits of rows `rows`, best first, ties by lower id: (values [n, k] float32,
+// ids [n, k] int64). For the speculative check of greedy grammar rows (structured/masks.py).
+std::tuple<at::Tensor, at::Tensor> topk_rows(const at::Tensor& logits, const at::Tensor& rows,
+                                             int64_t k, const std::string& isa) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous(),
-              "argmax_rows: logits must be contiguous float32 [N, V]");
-  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1, "argmax_rows: rows int64 [k]");
+              "topk_rows: logits must be contiguous float32 [N, V]");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1, "topk_rows: rows int64 [n]");
+  TORCH_CHECK(k >= 1 && k <= logits.size(1), "topk_rows: need 1 <= k <= V");
   const BitmaskKernels& fn = pick(isa);
   const at::Tensor r = rows.contiguous();
-  const int64_t k = r.numel(), V = logits.size(1);
+  const int64_t n = r.numel(), V = logits.size(1);
   const int64_t* row = r.data_ptr<int64_t>();
-  for (int64_t j = 0; j < k; ++j)
-    TORCH_CHECK(row[j] >= 0 && row[j] < logits.size(0), "argmax_rows: row out of range");
+  for (int64_t j = 0; j < n; ++j)
+    TORCH_CHECK(row[j] >= 0 && row[j] < logits.size(0), "topk_rows: row out of range");
   const float* x = logits.data_ptr<float>();
-  at::Tensor out = at::empty({k}, r.options());
-  int64_t* o = out.data_ptr<int64_t>();
-  parallel_items(k, threads_for(k * V, k), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t j = begin; j < end; ++j) o[j] = fn.row_argmax(x + row[j] * V, V);
+  at::Tensor values = at::empty({n, k}, logits.options());
+  at::Tensor ids = at::empty({n, k}, r.options());
+  float* v = values.data_ptr<float>();
+  int64_t* t = ids.data_ptr<int64_t>();
+  parallel_items(n, threads_for(n * V, n), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) fn.row_topk(x + row[j] * V, V, k, v + j * k, t + j * k);
   });
-  return out;
+  return {values, ids};
 }
 
 std::vector<std::string> grammar_isas() {
@@ -195,11 +199,11 @@ std::vector<std::string> grammar_isas() {
 TORCH_LIBRARY_FRAGMENT(kvrelay_kernels, m) {
   m.def("grammar_rows(Tensor(a!) logits, Tensor bitmask, Tensor rows, Tensor modes, "
         "int sparse_words, str isa=\"\") -> (Tensor, Tensor, Tensor)");
-  m.def("argmax_rows(Tensor logits, Tensor rows, str isa=\"\") -> Tensor");
+  m.def("topk_rows(Tensor logits, Tensor rows, int k, str isa=\"\") -> (Tensor, Tensor)");
   m.def("grammar_isas() -> str[]", &kvrelay::grammar_isas);
 }
 
 TORCH_LIBRARY_IMPL(kvrelay_kernels, CPU, m) {
   m.impl("grammar_rows", &kvrelay::grammar_rows);
-  m.impl("argmax_rows", &kvrelay::argmax_rows);
+  m.impl("topk_rows", &kvrelay::topk_rows);
 }
