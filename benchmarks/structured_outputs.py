@@ -14,6 +14,10 @@ ratio are reported:
     json-sync  json with the masks filled after the forward instead of during it
     json-thread  json with the masks always filled in the worker thread (json itself fills
                inline below OVERLAP_MIN_ROWS grammar rows, in the thread from there on)
+    json-torch json as it was before the native row kernel: the grammar rows on the
+               PyTorch reference path, and no speculative argmax check for greedy rows
+    json-nospec json without the speculative check (every greedy grammar row gets its
+               mask; the native kernel takes the masked argmax)
 
 Models: `embedded` (the SmolLM2-as-gpt-oss checkpoint, 49k vocabulary) and `o200k-tiny`
 (a 2-layer random gpt-oss with gpt-oss's 201k vocabulary: the forward is tiny, so the
@@ -21,6 +25,7 @@ grammar's share is the worst case). Usage:
 
     PYTHONPATH=. python benchmarks/structured_outputs.py [--model embedded|o200k-tiny]
         [--concurrency 8 64] [--max-tokens 32] [--reps 3] [--temperature 1.0] [--json out.json]
+        [--variants none json json-torch]
 
 Variants run in a rotated order each rep (none json sync, json sync none, ...).
 """
@@ -44,6 +49,7 @@ ITEM = {"type": "object", "additionalProperties": False, "required": ["name", "a
                        "ok": {"type": "boolean"}}}
 SCHEMA = {"type": "array", "minItems": 100, "items": ITEM}
 TEMPERATURE = 1.0
+VARIANTS = ["none", "json", "json-sync", "json-thread", "json-torch", "json-nospec"]
 PROMPT = "Return a JSON list of people with name, age and ok fields:"
 
 
@@ -70,6 +76,8 @@ def run_once(llm, variant: str, concurrency: int, max_tokens: int) -> tuple[floa
     engine = llm.engine
     engine.sampler.masks.overlap = variant != "json-sync"
     engine.sampler.masks.min_rows = 1 if variant == "json-thread" else OVERLAP_MIN_ROWS
+    engine.sampler.masks.native = False if variant == "json-torch" else None
+    engine.sampler.masks.speculate = variant not in ("json-torch", "json-nospec")
     constraint = None if variant == "none" else StructuredOutputsParams(json=SCHEMA)
     params = SamplingParams(temperature=TEMPERATURE, max_tokens=max_tokens, ignore_eos=True,
                             structured_outputs=constraint)
@@ -98,6 +106,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS,
+                    help="none and json always run")
     args = ap.parse_args()
     global TEMPERATURE
     TEMPERATURE = args.temperature
@@ -108,33 +118,35 @@ def main() -> None:
     model = None if args.model == "embedded" else str(o200k_tiny())
     llm = LLM(model, max_model_len=512, max_num_seqs=max(args.concurrency),
               dtype="float32" if model else "auto")
-    variants = ["none", "json", "json-sync", "json-thread"]
+    variants = ["none", "json"] + [v for v in args.variants if v not in ("none", "json")]
     run_once(llm, "json", 2, 4)                       # compile the grammar, warm the paths
     results = {}
     for c in args.concurrency:
         runs: dict[str, list[tuple[float, float]]] = {v: [] for v in variants}
         for rep in range(args.reps):
-            for v in variants[rep % 4:] + variants[:rep % 4]:      # rotate: no order effect
+            shift = rep % len(variants)
+            for v in variants[shift:] + variants[:shift]:      # rotate: no order effect
                 runs[v].append(run_once(llm, v, c, args.max_tokens))
                 log(f"c={c} rep {rep} {v}: {runs[v][-1][0]:.1f} tok/s wall, "
                     f"{runs[v][-1][1]:.1f} tok/cpu-s (load {loadavg():.1f})")
         wall = {v: statistics.median(x[0] for x in r) for v, r in runs.items()}
         cpu = {v: statistics.median(x[1] for x in r) for v, r in runs.items()}
         results[c] = {"median_tok_s": wall, "median_tok_per_cpu_s": cpu, "runs": runs,
-                      "json_cost_pct": 100 * (1 - cpu["json"] / cpu["none"]),
-                      "sync_cost_pct": 100 * (1 - cpu["json-sync"] / cpu["none"]),
-                      "thread_cost_pct": 100 * (1 - cpu["json-thread"] / cpu["none"])}
+                      "cost_pct_cpu": {v: 100 * (1 - cpu[v] / cpu["none"]) for v in variants},
+                      "cost_pct_wall": {v: 100 * (1 - wall[v] / wall["none"]) for v in variants}}
     info = {"model": args.model, "temperature": args.temperature, "max_tokens": args.max_tokens,
             "reps": args.reps, "threads": THREADS, "machine": machine_info(), "results": results}
-    print(f"model {args.model}, decode tokens per wall s | per CPU s (medians of {args.reps}), "
-          f"max_tokens {args.max_tokens}; cost = CPU-time throughput lost vs none")
-    print(f"{'conc':>5} {'none':>15} {'json':>15} {'json-sync':>15} {'json-thread':>15} "
-          f"{'json cost':>10} {'sync cost':>10} {'thread cost':>11}")
+    print(f"model {args.model}, temperature {args.temperature}, decode tokens per wall s | per "
+          f"CPU s (medians of {args.reps}), max_tokens {args.max_tokens}; cost = throughput lost "
+          "vs none (wall | CPU)")
+    print(f"{'conc':>5} " + " ".join(f"{v:>15}" for v in variants) + " "
+          + " ".join(f"{v + ' cost':>17}" for v in variants[1:]))
     for c, r in results.items():
         w, u = r["median_tok_s"], r["median_tok_per_cpu_s"]
         cells = " ".join(f"{w[v]:>6.1f} | {u[v]:>6.1f}" for v in variants)
-        print(f"{c:>5} {cells} {r['json_cost_pct']:>9.1f}% {r['sync_cost_pct']:>9.1f}% "
-              f"{r['thread_cost_pct']:>10.1f}%")
+        costs = " ".join(f"{r['cost_pct_wall'][v]:>6.1f}% | {r['cost_pct_cpu'][v]:>6.1f}%"
+                         for v in variants[1:])
+        print(f"{c:>5} {cells} {costs}")
     if args.json:
         Path(args.json).write_text(json.dumps(info, indent=2))
 

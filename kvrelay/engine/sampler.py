@@ -46,17 +46,19 @@ class Sampler:
     def prepare(self, requests: list[Request]) -> None:
         """Before the forward: start the grammar masks of the step's sampling requests
         (in the order `__call__` will get them), so they fill while the model runs."""
-        self.masks.start(requests)
+        self.masks.start(requests, self._grammar_plain(requests))
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         if all(self._plain_greedy(r) for r in requests):
             # the common serving case: one argmax for the batch, no copies, no masks
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(requests))
         raw = logits
-        logits, allowed = self._process(logits, requests)
+        logits, allowed, chosen = self._process(logits, requests)
         greedy = [self.all_greedy or r.params.greedy for r in requests]
         tokens = [0] * len(requests)
-        full = [i for i in range(len(requests)) if i not in allowed]
+        for i, t in chosen.items():                 # grammar rows picked by the masks
+            tokens[i] = t
+        full = [i for i in range(len(requests)) if i not in allowed and i not in chosen]
         picks = [i for i in full if greedy[i]]
         if picks:
             ids = logits[picks].argmax(dim=-1).tolist() if len(picks) < len(requests) \
@@ -68,10 +70,7 @@ class Sampler:
             ids = self._sample(logits[draws], [requests[i] for i in draws]).tolist()
             for i, t in zip(draws, ids):
                 tokens[i] = t
-        for i, candidates in allowed.items():       # sampled among their allowed ids only
-            row = logits[i, candidates]
-            j = int(row.argmax()) if greedy[i] else int(self._sample(row[None], [requests[i]])[0])
-            tokens[i] = int(candidates[j])
+        self._sample_allowed(logits, allowed, requests, greedy, tokens)
         return SamplerOutput(tokens, self._logprobs(raw, tokens, requests))
 
     def isolated(self, logits: torch.Tensor,
@@ -105,6 +104,28 @@ class Sampler:
             logprobs.append(one.logprobs[0])
         return SamplerOutput(tokens, logprobs), errors
 
+    def _sample_allowed(self, logits: torch.Tensor, allowed: dict[int, torch.Tensor],
+                        requests: list[Request], greedy: list[bool], tokens: list[int]) -> None:
+        """Rows sampled among their allowed ids only. The unseeded sampled ones go in one
+        batch, their candidate rows padded with -inf (a padded slot has probability 0, so
+        each row's law is its own); a seeded row alone, so its noise (one draw per
+        candidate) does not depend on the batch."""
+        batch = [i for i in allowed if not greedy[i] and requests[i].generator is None]
+        if len(batch) > 1:
+            ids = torch.nn.utils.rnn.pad_sequence([allowed[i] for i in batch], batch_first=True,
+                                                  padding_value=-1)               # [b, width]
+            rows = logits[torch.tensor(batch)[:, None], ids.clamp(min=0)]
+            rows.masked_fill_(ids < 0, float("-inf"))
+            picked = self._sample(rows, [requests[i] for i in batch])
+            for i, t in zip(batch, ids.gather(1, picked[:, None])[:, 0].tolist()):
+                tokens[i] = t
+        for i, candidates in allowed.items():
+            if len(batch) > 1 and i in batch:
+                continue
+            row = logits[i, candidates]
+            j = int(row.argmax()) if greedy[i] else int(self._sample(row[None], [requests[i]])[0])
+            tokens[i] = int(candidates[j])
+
     def _plain_greedy(self, req: Request) -> bool:
         """Greedy with nothing to apply first: no processors, bans or logprobs."""
         p = req.params
@@ -112,19 +133,25 @@ class Sampler:
                 and req.grammar is None and not p.logit_bias
                 and (p.min_tokens <= len(req.output_token_ids) or not _banned_ids(req)))
 
-    def _process(self, logits: torch.Tensor,
-                 requests: list[Request]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    def _grammar_plain(self, requests: list[Request]) -> frozenset[int]:
+        """Rows whose token is the argmax of the masked logits (greedy, no bias or
+        processors after the mask): TokenMasks picks their token itself."""
+        return frozenset(i for i, r in enumerate(requests)
+                         if r.grammar is not None and (self.all_greedy or r.params.greedy)
+                         and not r.params.logit_bias and not r.params.logits_processors)
+
+    def _process(self, logits: torch.Tensor, requests: list[Request],
+                 ) -> tuple[torch.Tensor, dict[int, torch.Tensor], dict[int, int]]:
         """(logits with the masks, bans, biases and processors applied, {row: allowed ids}
-        for the grammar rows to be sampled among their allowed ids; see TokenMasks.apply)."""
+        for the grammar rows to be sampled among their allowed ids, {row: token} for the
+        plain greedy grammar rows already picked; see TokenMasks.apply)."""
         allowed: dict[int, torch.Tensor] = {}
+        chosen: dict[int, int] = {}
         if any(r.grammar is not None for r in requests):
             # the rows are the sampler's own copy; keep the raw ones only for logprobs
             wants_raw = any(r.params.logprobs is not None for r in requests)
-            plain = frozenset(i for i, r in enumerate(requests)
-                              if (self.all_greedy or r.params.greedy) and not r.params.logit_bias
-                              and not r.params.logits_processors)
-            logits, allowed = self.masks.apply(logits.clone() if wants_raw else logits, requests,
-                                               plain)
+            logits, allowed, chosen = self.masks.apply(
+                logits.clone() if wants_raw else logits, requests, self._grammar_plain(requests))
         changed = False
         for i, req in enumerate(requests):
             banned = _banned_ids(req)
@@ -139,7 +166,7 @@ class Sampler:
                 logits[i, list(bias)] += torch.tensor(list(bias.values()), dtype=logits.dtype)
             if banned:
                 logits[i, banned] = float("-inf")
-        return logits, allowed
+        return logits, allowed, chosen
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """logits [n, V] of non-greedy rows → sampled ids [n]."""

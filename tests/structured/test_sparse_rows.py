@@ -20,7 +20,7 @@ class FakeBackend:
     """Fills every row's bitmask with ALLOWED (llguidance's layout)."""
     vocab_size = VOCAB
 
-    def fill(self, rows, ptr, batch):
+    def fill(self, rows, ptr, batch, parallel=True):
         words = (VOCAB + 31) // 32
         row_type = np.ctypeslib.ctypes.c_int32 * (batch * words)
         view = np.ctypeslib.as_array(row_type.from_address(ptr))
@@ -31,17 +31,19 @@ class FakeBackend:
 
 
 def _request(params: SamplingParams, seed: int | None = None):
-    grammar = SimpleNamespace(failed=None, backend=FakeBackend(), matcher=None)
+    grammar = SimpleNamespace(failed=None, backend=FakeBackend(), matcher=None,
+                              allows=lambda t: t in ALLOWED)
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
     return SimpleNamespace(params=params, grammar=grammar, generator=gen, output_token_ids=[],
                            eos_token_ids=(0,), request_id="r")
 
 
 def _draws(monkeypatch, sparse_words: int, params: SamplingParams, logits: torch.Tensor,
-           n: int) -> list[int]:
+           n: int, seeded: bool = True) -> list[int]:
+    """n rows' draws; seeded rows are sampled one by one, unseeded sparse rows in one batch."""
     monkeypatch.setattr(masks, "SPARSE_WORDS", sparse_words)
     sampler = Sampler()
-    reqs = [_request(params, seed=s) for s in range(n)]
+    reqs = [_request(params, seed=s if seeded else None) for s in range(n)]
     out = sampler(logits.expand(n, -1).clone(), reqs)
     return out.token_ids
 
@@ -49,13 +51,14 @@ def _draws(monkeypatch, sparse_words: int, params: SamplingParams, logits: torch
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0),
                                     SamplingParams(temperature=0.7, top_p=0.8),
                                     SamplingParams(temperature=1.3, top_k=3, min_p=0.05)])
-def test_sparse_rows_draw_the_masked_distribution(monkeypatch, params):
+@pytest.mark.parametrize("seeded", [True, False])
+def test_sparse_rows_draw_the_masked_distribution(monkeypatch, params, seeded):
     torch.manual_seed(0)
     logits = torch.randn(1, VOCAB) * 2
     logits[0, ALLOWED] = torch.tensor([0.5, 1.5, -0.5, 1.0, 0.0, 2.0])
     n = 2000
-    dense = _draws(monkeypatch, 0, params, logits, n)         # 0 words: every row dense
-    sparse = _draws(monkeypatch, 256, params, logits, n)
+    dense = _draws(monkeypatch, 0, params, logits, n, seeded)   # 0 words: every row dense
+    sparse = _draws(monkeypatch, 256, params, logits, n, seeded)
     assert set(dense) <= set(ALLOWED.tolist()) and set(sparse) <= set(ALLOWED.tolist())
     probs = _exact_probs(logits, params)        # both paths against the masked row's law
     for draws in (dense, sparse):
@@ -104,14 +107,20 @@ def test_mixed_batch_keeps_free_rows_free(monkeypatch):
 
 def test_small_batches_fill_inline_large_ones_in_the_worker(monkeypatch):
     """Below OVERLAP_MIN_ROWS grammar rows the mask is filled in `apply` (no thread hop);
-    from there on it is filled in the worker during the forward. Both give the same rows."""
+    from there on it is filled in the worker during the forward. Both give the same rows.
+    Plain greedy rows are never filled ahead: most need no mask (their argmax is allowed)."""
     logits = torch.randn(masks.OVERLAP_MIN_ROWS, VOCAB)
     for n, threaded in [(masks.OVERLAP_MIN_ROWS - 1, False), (masks.OVERLAP_MIN_ROWS, True)]:
         sampler = Sampler()
-        reqs = [_request(SamplingParams(temperature=0.0)) for _ in range(n)]
+        reqs = [_request(SamplingParams(temperature=1.0), seed=i) for i in range(n)]
         sampler.prepare(reqs)
         assert (sampler.masks._pending is not None) is threaded
         out = sampler(logits[:n].clone(), reqs)
+        assert set(out.token_ids) <= set(ALLOWED.tolist())
+        greedy = [_request(SamplingParams(temperature=0.0)) for _ in range(n)]
+        sampler.prepare(greedy)
+        assert sampler.masks._pending is None
+        out = sampler(logits[:n].clone(), greedy)
         assert out.token_ids == [int(ALLOWED[logits[i, ALLOWED].argmax()]) for i in range(n)]
         sampler.masks.close()
 
@@ -120,6 +129,7 @@ def test_dense_greedy_row_keeps_an_allowed_argmax_without_masking(monkeypatch):
     """A dense greedy row whose unmasked argmax is allowed skips the O(V) mask; one whose
     argmax is not allowed is masked (and then gets the masked argmax)."""
     monkeypatch.setattr(masks, "SPARSE_WORDS", 0)               # every grammar row is dense
+    monkeypatch.setattr(masks.TokenMasks, "_use_native", lambda self, logits: False)
     logits = torch.randn(2, VOCAB)
     logits[0, 777] = 50.0                                        # allowed
     logits[1, 10] = 50.0                                         # not allowed
