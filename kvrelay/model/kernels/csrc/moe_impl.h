@@ -129,8 +129,12 @@ inline void row_dots(const kvrelay::Projection& w, const float* table, int64_t e
 }
 
 // Columns per pass: NB token rows × kChunk floats stay in L1 while a tile's weight rows
-// stream past them (a multiple of 32 and of every W).
+// stream past them (a multiple of 32 and of every W). Where the block's token rows fit in
+// kL1Bytes whole (decode: 1-2 rows of a 20b layer) each weight row is read in one pass
+// instead: a single sequential stream for the prefetcher, and one reduction per row.
+// Measured on a gpt-oss-20b layer at one token: 2.5 ms instead of 7.5 ms (CPU time).
 constexpr int64_t kChunk = 512;
+constexpr int64_t kL1Bytes = 24 * 1024;
 
 using TileOut = float[V::NB][kvrelay::kMaxTileRows];
 
@@ -144,8 +148,9 @@ inline void project(const kvrelay::Projection& w, const float* table, const kvre
     const int64_t nt = n - t0 < V::NB ? n - t0 : V::NB;
     const float* xb = x + t0 * w.cols;
     float o[kvrelay::kMaxTileRows][V::NB] = {};
-    for (int64_t k0 = 0; k0 < w.cols; k0 += kChunk) {
-      const int64_t k1 = w.cols - k0 < kChunk ? w.cols : k0 + kChunk;
+    const int64_t chunk = nt * w.cols * 4 <= kL1Bytes ? w.cols : kChunk;
+    for (int64_t k0 = 0; k0 < w.cols; k0 += chunk) {
+      const int64_t k1 = w.cols - k0 < chunk ? w.cols : k0 + chunk;
       for (int32_t r = tile.row0; r < tile.row1; ++r) {
         float* out = o[r - tile.row0];
         if (nt == 1) row_dots<1>(w, table, tile.expert, r, k0, k1, xb, out);
