@@ -134,7 +134,7 @@ def shared_expert_routing(rows_per_expert: tuple[int, ...], seed: int):
 # with a 32-column tail
 @pytest.mark.parametrize("H, I", [(96, 160), (3104, 64)])
 @pytest.mark.parametrize("storage", ["mxfp4", "bf16", "fp32"])
-def test_tokens_sharing_an_expert_match_the_reference(H, I, storage, isas):  # noqa: E741 -- I: shapes
+def test_tokens_sharing_an_expert_match_the_reference(H, I, storage, isas):  # noqa: E741
     """Tokens routed to the same expert share each decoded weight group (row blocks of
     1-8 token rows against 2 weight rows at a time): every block size and the rows left
     over after whole blocks give the reference result."""
