@@ -10,8 +10,8 @@
 //                                                 low nibbles first (moe.h: column order)
 // hence the group scale 2^(s - 128) (MoeProblem::half_scales, a table: one load a group).
 //   fp4x2_scaled(codes16, scale, out)            the same times scale (exact: a power of 2)
-//   kScaledDecode   one token row also takes fp4x2_scaled (one multiply a group on AVX-512,
-//                   where the 16-entry table is scaled before the lookups)
+//   kScaledDecode   one token row also takes Fp4Rows and fp4x2_scaled (one multiply a group
+//                   on AVX-512, where the 16-entry table is scaled before the lookups)
 //   kRowBlock       MXFP4 weight rows that share each x load when several token rows are
 //                   routed to one expert (Fp4Rows: R·NT·A accumulators must fit the registers)
 //
@@ -91,21 +91,13 @@ struct Dots {
     finish(acc, out);
   }
 
-  // One group against NT token rows. One row: the doubled e2m1 values are dotted with x
-  // and the sum scaled (three vector ops a group on AVX-512). Several rows: the decoded
-  // weights are scaled once (V::fp4x2_scaled, exact: a power of two) and shared by every
-  // row, two multiply-adds per row instead of three.
+  // One group against NT token rows (one row on ISAs without kScaledDecode; the others
+  // take Fp4Rows): the doubled e2m1 values are dotted with x and the sum scaled.
   static inline void group(const uint8_t* codes, float half_scale, int64_t g, const float* x,
                            int64_t ldx, VT* acc) {
     constexpr int C = 32 / V::W;
     VT w[C];
     const float* xg = x + g * 32;
-    if (NT >= 2 || V::kScaledDecode) {
-      V::fp4x2_scaled(codes + g * 16, half_scale, w);
-      for (int t = 0; t < NT; ++t)
-        for (int c = 0; c < C; ++c) acc[t] = V::fma(w[c], V::load(xg + t * ldx + c * V::W), acc[t]);
-      return;
-    }
     V::fp4x2(codes + g * 16, w);
     const VT scale = V::set1(half_scale);
     for (int t = 0; t < NT; ++t) {
@@ -125,15 +117,45 @@ struct Dots {
   }
 };
 
-// MXFP4 rows [r, r + R) of one expert against NT ≥ 2 token rows: each group of each row is
+// MXFP4 rows [r, r + R) of one expert against NT token rows: each group of each row is
 // decoded and scaled once (V::fp4x2_scaled) for all NT tokens, and each x vector is loaded
 // once for all R rows (row blocking: R·NT·A accumulators in registers). A row's sums do not
-// depend on R (A partial sums per (row, token), parts c of a group go to c % A), so rows
+// depend on R (A partial sums per (row, token): part c of group g0 + kS + s goes to sum
+// (s·C + c) % A, S groups a step), so rows
 // give the same bits whichever block they fall in.
+// Fp4Rows reads kRowBlock weight rows side by side: the hardware prefetcher follows one
+// sequential stream well, several poorly (20b layer, 1 token, 2 rows: 6.3 ms without this
+// prefetch, 2.5 with it at 8 KiB ahead; 1 KiB: 4.9, 4 KiB: 3.0).
+constexpr int64_t kPrefetchBytes = 8192;
+
 template <int NT>
 struct Fp4Rows {
-  static constexpr int A = NT >= 4 ? 1 : 2;
   static constexpr int C = 32 / V::W;
+  static constexpr int A = NT >= 4 ? 1 : NT == 2 ? 2 : 4;  // multiply-add chains in flight
+  static constexpr int S = A > C ? A / C : 1;              // groups per step: S·C ≥ A parts
+
+  template <int R, int Steps>
+  static inline void step(const uint8_t* codes, const uint8_t* scales, int64_t groups,
+                          const float* table, int64_t g, const float* x, int64_t ldx,
+                          VT (&acc)[R][A][NT]) {
+    for (int s = 0; s < Steps; ++s) {
+      VT w[R][C];
+      for (int i = 0; i < R; ++i) {
+        const uint8_t* row = codes + (i * groups + g + s) * 16;
+        if (R > 1) __builtin_prefetch(row + kPrefetchBytes);
+        V::fp4x2_scaled(row, table[scales[i * groups + g + s]], w[i]);
+      }
+      const float* xg = x + (g + s) * 32;
+      for (int t = 0; t < NT; ++t)
+        for (int c = 0; c < C; ++c) {
+          const VT xv = V::load(xg + t * ldx + c * V::W);
+          for (int i = 0; i < R; ++i) {
+            VT& a = acc[i][(s * C + c) % A][t];
+            a = V::fma(w[i][c], xv, a);
+          }
+        }
+    }
+  }
 
   template <int R>
   static inline void dots(const uint8_t* codes, const uint8_t* scales, int64_t groups,
@@ -143,17 +165,9 @@ struct Fp4Rows {
     for (int i = 0; i < R; ++i)
       for (int a = 0; a < A; ++a)
         for (int t = 0; t < NT; ++t) acc[i][a][t] = V::zero();
-    for (int64_t g = g0; g < g1; ++g) {
-      VT w[R][C];
-      for (int i = 0; i < R; ++i)
-        V::fp4x2_scaled(codes + (i * groups + g) * 16, table[scales[i * groups + g]], w[i]);
-      const float* xg = x + g * 32;
-      for (int t = 0; t < NT; ++t)
-        for (int c = 0; c < C; ++c) {
-          const VT xv = V::load(xg + t * ldx + c * V::W);
-          for (int i = 0; i < R; ++i) acc[i][c % A][t] = V::fma(w[i][c], xv, acc[i][c % A][t]);
-        }
-    }
+    int64_t g = g0;
+    for (; g + S <= g1; g += S) step<R, S>(codes, scales, groups, table, g, x, ldx, acc);
+    for (; g < g1; ++g) step<R, 1>(codes, scales, groups, table, g, x, ldx, acc);
     for (int i = 0; i < R; ++i)
       for (int t = 0; t < NT; ++t) {
         VT sum = acc[i][0][t];
@@ -163,7 +177,7 @@ struct Fp4Rows {
   }
 };
 
-// Columns [k0, k1) of MXFP4 rows [r0, r1) of expert e against NT ≥ 2 token rows, V::kRowBlock
+// Columns [k0, k1) of MXFP4 rows [r0, r1) of expert e against NT token rows, V::kRowBlock
 // rows at a time; row r adds into out[(r - r0) · ldo : + NT].
 template <int NT>
 inline void fp4_rows(const kvrelay::Projection& w, const float* table, int64_t e, int64_t r0,
@@ -226,10 +240,11 @@ inline void project(const kvrelay::Projection& w, const float* table, const kvre
     const int64_t chunk = nt * w.cols * 4 <= kRowPassBytes ? w.cols : kChunk;
     for (int64_t k0 = 0; k0 < w.cols; k0 += chunk) {
       const int64_t k1 = w.cols - k0 < chunk ? w.cols : k0 + chunk;
-      if (w.format == kvrelay::kMXFP4 && nt >= 2) {
+      if (w.format == kvrelay::kMXFP4 && (nt >= 2 || V::kScaledDecode)) {
         float* out = o[0];
         const int64_t e = tile.expert;
-        if (nt == 2) fp4_rows<2>(w, table, e, tile.row0, tile.row1, k0, k1, xb, out, V::NB);
+        if (nt == 1) fp4_rows<1>(w, table, e, tile.row0, tile.row1, k0, k1, xb, out, V::NB);
+        else if (nt == 2) fp4_rows<2>(w, table, e, tile.row0, tile.row1, k0, k1, xb, out, V::NB);
         else if (nt <= 4 || V::NB == 4)
           fp4_rows<4>(w, table, e, tile.row0, tile.row1, k0, k1, xb, out, V::NB);
         else fp4_rows<V::NB>(w, table, e, tile.row0, tile.row1, k0, k1, xb, out, V::NB);
