@@ -120,9 +120,8 @@ struct Dots {
 // MXFP4 rows [r, r + R) of one expert against NT token rows: each group of each row is
 // decoded and scaled once (V::fp4x2_scaled) for all NT tokens, and each x vector is loaded
 // once for all R rows (row blocking: R·NT·A accumulators in registers). A row's sums do not
-// depend on R (A partial sums per (row, token): part c of group g0 + kS + s goes to sum
-// (s·C + c) % A, S groups a step), so rows
-// give the same bits whichever block they fall in.
+// depend on R (A partial sums per (row, token); part c of a step's s-th group goes to sum
+// (s·C + c) % A), so rows give the same bits whichever block they fall in.
 // Fp4Rows reads kRowBlock weight rows side by side: the hardware prefetcher follows one
 // sequential stream well, several poorly (20b layer, 1 token, 2 rows: 6.3 ms without this
 // prefetch, 2.5 with it at 8 KiB ahead; 1 KiB: 4.9, 4 KiB: 3.0).
