@@ -117,6 +117,35 @@ def test_native_matches_reference_in_fp32(case, isas):
         assert_close(out, expected)
 
 
+# Token rows per expert: one row, a pair, odd blocks, one full block of 8 and one more.
+SHARED_EXPERT_ROWS = (1, 2, 3, 5, 9, 0)
+
+
+def shared_expert_routing(rows_per_expert: tuple[int, ...], seed: int):
+    """Top-1 choices giving expert e exactly rows_per_expert[e] tokens, tokens shuffled."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.tensor([e for e, n in enumerate(rows_per_expert) for _ in range(n)])
+    ids = ids[torch.randperm(len(ids), generator=g)].unsqueeze(1)                 # [T, 1]
+    return torch.ones(len(ids), 1), ids
+
+
+# hidden 96: 3 groups, one pass per weight row; hidden 3104: 8 token rows exceed the
+# kernels' one-pass budget (csrc/moe_impl.h kRowPassBytes), so columns go in chunks of 1024
+# with a 32-column tail
+@pytest.mark.parametrize("H, I", [(96, 160), (3104, 64)])
+@pytest.mark.parametrize("storage", ["mxfp4", "bf16", "fp32"])
+def test_tokens_sharing_an_expert_match_the_reference(H, I, storage, isas):  # noqa: E741
+    """Tokens routed to the same expert share each decoded weight group (row blocks of
+    1-8 token rows against 2 weight rows at a time): every block size and the rows left
+    over after whole blocks give the reference result."""
+    ex = make_experts(H, I, len(SHARED_EXPERT_ROWS), storage, seed=H + I)
+    weights, ids = shared_expert_routing(SHARED_EXPERT_ROWS, seed=1)
+    x = torch.randn(len(ids), H, generator=torch.Generator().manual_seed(4))
+    expected = fp32_reference(ex).forward_torch(x, weights, ids)
+    for isa in isas:
+        assert_close(native(ex, x, weights, ids, isa), expected)
+
+
 @pytest.mark.parametrize("storage", ["bf16", "mxfp4", "fp32"])
 def test_module_forward_uses_the_kernel_and_keeps_the_dtype(storage, isas, monkeypatch):
     monkeypatch.setenv("KVRELAY_MOE_KERNEL", "native")

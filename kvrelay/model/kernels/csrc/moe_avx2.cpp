@@ -10,6 +10,8 @@ namespace {
 
 struct V {
   static constexpr int W = 8, NB = 4, kChains = 8, kChainsFp4 = 4;
+  static constexpr int kRowBlock = 1;   // MXFP4 weight rows per x load (moe_impl.h)
+  static constexpr bool kScaledDecode = false;
   using T = __m256;
   static T zero() { return _mm256_setzero_ps(); }
   static T load(const float* p) { return _mm256_loadu_ps(p); }
@@ -38,6 +40,11 @@ struct V {
     out[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
     out[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));   // odd columns
     out[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+  }
+  static void fp4x2_scaled(const uint8_t* codes, float scale, T* out) {
+    fp4x2(codes, out);
+    const T s = set1(scale);
+    for (int c = 0; c < 4; ++c) out[c] = mul(out[c], s);
   }
 };
 

@@ -17,6 +17,8 @@ namespace {
 
 struct V {
   static constexpr int W = 16, NB = 8, kChains = 8, kChainsFp4 = 8;
+  static constexpr int kRowBlock = 2;   // MXFP4 weight rows per x load (moe_impl.h)
+  static constexpr bool kScaledDecode = true;
   using T = __m512;
   static T zero() { return _mm512_setzero_ps(); }
   static T load(const float* p) { return _mm512_loadu_ps(p); }
@@ -38,6 +40,16 @@ struct V {
     const __m512i bytes = _mm512_cvtepu8_epi32(packed);
     out[0] = _mm512_permutexvar_ps(bytes, lut);                          // even columns
     out[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), lut);    // odd columns
+  }
+  // The same with the table scaled first: one multiply for the whole group.
+  static void fp4x2_scaled(const uint8_t* codes, float scale, T* out) {
+    const __m512 lut = _mm512_mul_ps(
+        _mm512_setr_ps(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12),
+        _mm512_set1_ps(scale));
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
+    const __m512i bytes = _mm512_cvtepu8_epi32(packed);
+    out[0] = _mm512_permutexvar_ps(bytes, lut);
+    out[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), lut);
   }
 };
 

@@ -6,6 +6,8 @@ namespace {
 
 struct V {
   static constexpr int W = 1, NB = 4, kChains = 4, kChainsFp4 = 4;
+  static constexpr int kRowBlock = 1;   // MXFP4 weight rows per x load (moe_impl.h)
+  static constexpr bool kScaledDecode = false;
   using T = float;
   static T zero() { return 0.0f; }
   static T load(const float* p) { return *p; }
@@ -26,6 +28,10 @@ struct V {
       out[i] = kDoubled[codes[i] & 0x0F];
       out[16 + i] = kDoubled[codes[i] >> 4];
     }
+  }
+  static void fp4x2_scaled(const uint8_t* codes, float scale, T* out) {
+    fp4x2(codes, out);
+    for (int c = 0; c < 32; ++c) out[c] *= scale;
   }
 };
 
