@@ -61,6 +61,12 @@ def _await_proxy_sees_healthy(c: httpx.Client, role: str, deadline: float) -> No
         time.sleep(0.2)
 
 
+def _served_prompt_tokens(metrics_url: str) -> float:
+    text = httpx.get(metrics_url).text
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("vllm:prompt_tokens_total"))
+
+
 def _kvrelay(*args: str, timeout: float) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "kvrelay.cli", *args], capture_output=True,
                           text=True, check=False, timeout=timeout)
@@ -187,11 +193,17 @@ def test_a_killed_server_is_restarted_while_the_proxy_routes_around_it(deploymen
         sibling = _started_pids(text)["prefill-1"]
         assert _environ(new)["KVRELAY_KV_SECRET"] == _environ(sibling)["KVRELAY_KV_SECRET"]
         _await_proxy_sees_healthy(c, "prefill", deadline)
-        for _ in range(6):                          # the restarted server takes its turns again
+        # the restarted server takes its turns again (within a few requests: the proxy's
+        # view of load and health refreshes every 2 s, so allow several rounds)
+        restarted = f"http://127.0.0.1:{deployment['base'] + 100}/metrics"
+        for _ in range(20):
             assert c.post("/v1/completions", json=body).status_code == 200
-        served = httpx.get(f"http://127.0.0.1:{deployment['base'] + 100}/metrics").text
-    assert any(line.startswith("vllm:prompt_tokens_total") and float(line.split()[-1]) > 0
-               for line in served.splitlines())
+            if _served_prompt_tokens(restarted) > 0:
+                break
+            time.sleep(0.3)
+        routing = [line for line in c.get("/metrics").text.splitlines()
+                   if line.startswith(("kvrelay_proxy:backend", "kvrelay_proxy:routing"))]
+        assert _served_prompt_tokens(restarted) > 0, "\n".join(routing)
 
 
 def test_sigint_stops_everything(deployment):

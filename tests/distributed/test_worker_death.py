@@ -11,9 +11,19 @@ import httpx
 from tests.processes import Server, alive, descendants
 
 
+def _await_running(url: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for line in httpx.get(f"{url}/metrics").text.splitlines():
+            if line.startswith("vllm:num_requests_running") and float(line.split()[-1]) >= 1:
+                return
+        time.sleep(0.02)
+    raise AssertionError("the request never started running")
+
+
 def test_killed_worker_fails_requests_and_stops_the_server(tiny, tmp_path):
     s = Server(str(tiny[0]),
-               ["--dtype", "float32", "--max-model-len", "96", "--block-size", "4", "-tp", "2"],
+               ["--dtype", "float32", "--max-model-len", "4096", "--block-size", "4", "-tp", "2"],
                tmp_path / "serve.log")
     try:
         s.wait_ready()
@@ -23,11 +33,11 @@ def test_killed_worker_fails_requests_and_stops_the_server(tiny, tmp_path):
 
         def long_request():
             result["r"] = httpx.post(f"{s.url}/v1/completions", timeout=60, json={
-                "prompt": [1, 2, 3], "max_tokens": 80, "ignore_eos": True})
+                "prompt": [1, 2, 3], "max_tokens": 4000, "ignore_eos": True})
 
         t = threading.Thread(target=long_request)
         t.start()
-        time.sleep(1.0)
+        _await_running(s.url)   # kill mid-generation (a short request can finish in < 1 s)
         worker = family[-1]                              # the newest: a TP rank
         os.kill(worker, signal.SIGKILL)
         t.join(60)
