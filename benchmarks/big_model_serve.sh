@@ -2,7 +2,8 @@
 # Served decode on a big checkpoint: llama.cpp (its MXFP4-expert GGUF of the same weights)
 # then kvrelay, one after the other (both do not fit in memory at once), each driven by
 # `kvrelay bench serve` at concurrency N with N requests (N = 1, 4): 8-token random prompts,
-# 32 output tokens, greedy, ignore_eos. Records `uptime` around every measurement.
+# 32 output tokens, greedy, ignore_eos, after one unmeasured warm-up pass at concurrency 4
+# (a fresh server first faults its weights in). Records `uptime` around every measurement.
 #
 #   benchmarks/big_model_serve.sh CKPT GGUF OUT_DIR [LLAMA_SERVER]
 set -euo pipefail
@@ -48,7 +49,7 @@ if [ -x "$LLAMA" ] && [ -f "$GGUF" ]; then
     --no-webui -a gpt-oss-20b-shaped > "$OUT/llama-server.log" 2>&1 &
   PID=$!
   wait_up && echo "llama.cpp up in $(( $(date +%s) - T0 )) s" | tee -a "$OUT/uptime.txt"
-  bench llamacpp 1; bench llamacpp 4
+  bench llamacpp-warmup 4; bench llamacpp 1; bench llamacpp 4
   peak_rss llamacpp; stop
 fi
 
@@ -58,5 +59,5 @@ kvrelay serve "$CKPT" --host 127.0.0.1 --port "$PORT" --max-model-len 256 \
   > "$OUT/kvrelay-serve.log" 2>&1 &
 PID=$!
 wait_up && echo "kvrelay up in $(( $(date +%s) - T0 )) s" | tee -a "$OUT/uptime.txt"
-bench kvrelay 1; bench kvrelay 4
+bench kvrelay-warmup 4; bench kvrelay 1; bench kvrelay 4
 peak_rss kvrelay; stop
