@@ -109,6 +109,12 @@ COMPILE_DECODE = EnvVar(
     "a decode-only step pads to the smallest size that fits, other steps run eagerly; "
     "unset: always eager")
 
+ENGINE_KEEP_FREED_MEMORY = EnvVar(
+    "KVRELAY_ENGINE_KEEP_FREED_MEMORY", None, "1",
+    "after loading, the engine core keeps freed memory for reuse (glibc: no fresh mapping per "
+    "large block, no trimming) so per-step tensors do not fault in fresh pages: '1' (default) "
+    "or '0' (freed memory goes back to the system)")
+
 SINGLE_THREAD_STEP_MACS = EnvVar(
     "KVRELAY_SINGLE_THREAD_STEP_MACS", None, "16e6",
     "CPU: a step under this many multiply-adds runs on one thread (intra-op parallelism of "

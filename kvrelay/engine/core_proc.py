@@ -25,6 +25,7 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
+from kvrelay import envs
 from kvrelay.config import EngineArgs
 from kvrelay.engine.lockstep import run_lockstep
 from kvrelay.engine.messages import (
@@ -135,7 +136,7 @@ def run_engine_core(args: EngineArgs, conn: Connection, log_level: int = logging
         engine.shutdown()
 
 
-def keep_freed_memory() -> None:
+def keep_freed_memory() -> bool:
     """From here on, glibc serves every allocation from its heap and keeps freed memory for
     reuse, instead of mapping fresh pages for each large block and unmapping them on free.
 
@@ -145,13 +146,21 @@ def keep_freed_memory() -> None:
     first touch — measured 47 instead of 25 ms of CPU per such step, depending on whether
     huge pages happened to back it. Called after loading and warm-up, so the loader's
     transient buffers still go back to the system; the heap then stays at the steady
-    state's peak. A no-op where the C library is not glibc."""
+    state's peak. A no-op where the C library is not glibc, or with
+    KVRELAY_ENGINE_KEEP_FREED_MEMORY=0. Returns whether it took effect."""
+    setting = envs.ENGINE_KEEP_FREED_MEMORY.raw()
+    if setting not in ("0", "1"):
+        raise ValueError(f"{envs.ENGINE_KEEP_FREED_MEMORY.shown}: expected 0 or 1, "
+                         f"got {setting!r}")
+    if setting == "0":
+        return False
     try:
         libc = ctypes.CDLL("libc.so.6")
         ok = libc.mallopt(_M_MMAP_MAX, 0) and libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)
     except (OSError, AttributeError):
         ok = 0
     logger.debug("engine core: freed memory kept for reuse: %s", bool(ok))
+    return bool(ok)
 
 
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4          # glibc's mallopt parameters (malloc.h)
