@@ -100,6 +100,14 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--logits-processors", nargs="+", default=[], metavar="MODULE:ATTR",
                    help="factories f(params, prompt_ids) -> logits processor, "
                         "applied to every request")
+    # the HTTP side's bounds and trust (kvrelay/server/admission.py, docs/serving.md)
+    p.add_argument("--max-queued-requests", type=int, default=1024, metavar="N",
+                   help="sequences that may wait beyond --max-num-seqs; past it 503 + Retry-After")
+    p.add_argument("--max-seqs-per-request", type=int, default=256, metavar="N",
+                   help="prompts x n of one request; past it 400")
+    p.add_argument("--forwarded-allow-ips", default=None, metavar="IPS",
+                   help="comma-separated proxy addresses (or '*') whose X-Forwarded-For/-Proto "
+                        "are trusted (default: none)")
 
 
 SERVE_ENGINE_FLAGS = (
@@ -205,12 +213,22 @@ def _serve(args: argparse.Namespace) -> int:
     from kvrelay.server.launch import serve
     engine_args = EngineArgs(**{name: getattr(args, name) for name in SERVE_ENGINE_FLAGS})
     agent = agent_options(args)                                           # flag errors first
+    http = http_options(args)
     # every engine value checked before a process starts
     config = EngineConfig.from_args(engine_args)
     if engine_args.headless:
         from kvrelay.engine.dp_remote import run_headless
         return run_headless(config.args)
-    return serve(config, args.host, args.port, args.api_key, agent)
+    return serve(config, args.host, args.port, args.api_key, agent, http)
+
+
+def http_options(args: argparse.Namespace):
+    """The HTTP side's flags (ValueError names the flag)."""
+    from kvrelay.server.admission import AdmissionLimits
+    from kvrelay.server.launch import HTTPOptions
+    AdmissionLimits(1, args.max_queued_requests, args.max_seqs_per_request)     # checks them
+    return HTTPOptions(args.max_queued_requests, args.max_seqs_per_request,
+                       args.forwarded_allow_ips)
 
 
 def agent_options(args: argparse.Namespace):

@@ -44,6 +44,7 @@ class ProxySettings:
     health_interval_s: float = 2.0
     busy_retry_s: float = 10.0
     routing: RoutingSettings = field(default_factory=RoutingSettings)
+    forwarded_allow_ips: str | None = None      # None: X-Forwarded-For / -Proto not trusted
 
 
 class _Parser(argparse.ArgumentParser):
@@ -79,6 +80,9 @@ def add_proxy_flags(p: argparse.ArgumentParser) -> None:
                    help="a prefill server that answers 503 with Retry-After (busy: its KV hold "
                         "for the decode was refused) is retried on the next server, then in "
                         "rounds with backoff, for at most S seconds per request (0: not retried)")
+    p.add_argument("--forwarded-allow-ips", default=None, metavar="IPS",
+                   help="comma-separated addresses (or '*') of proxies in front whose "
+                        "X-Forwarded-For/-Proto are trusted (default: none, not even 127.0.0.1)")
     r = p.add_argument_group("routing (docs/proxy.md#choosing-servers)")
     r.add_argument("--routing", choices=policy.ROUTING_POLICIES, default="cache_aware",
                    help="cache_aware: the server holding the longest prefix of the prompt, unless "
@@ -131,7 +135,8 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
                          decode=expand_endpoints(args.decoder_host, args.decoder_port, "decoder"),
                          log_level=args.log_level, api_key=args.api_key or envs.PROXY_API_KEY.raw(),
                          health_interval_s=args.health_interval,
-                         busy_retry_s=args.prefill_busy_retry)
+                         busy_retry_s=args.prefill_busy_retry,
+                         forwarded_allow_ips=args.forwarded_allow_ips or None)
 
 
 def _routing_settings(args: argparse.Namespace) -> RoutingSettings:
@@ -199,7 +204,10 @@ def serve(settings: ProxySettings) -> int:
                     settings.routing, settings.busy_retry_s)
     config = uvicorn.Config(app, host=settings.host, port=settings.port,
                             log_level=settings.log_level,
-                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, lifespan="on")
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, lifespan="on",
+                            # uvicorn would trust X-Forwarded-For from 127.0.0.1: only on opt-in
+                            proxy_headers=settings.forwarded_allow_ips is not None,
+                            forwarded_allow_ips=settings.forwarded_allow_ips)
     server = _ProxyServer(config)
     try:
         server.run(sockets=[sock])

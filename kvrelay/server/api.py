@@ -19,6 +19,7 @@ a request reaches the engine.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -42,6 +43,7 @@ from kvrelay.engine.client import (
 )
 from kvrelay.engine.outputs import RequestOutput
 from kvrelay.server import structured_hooks
+from kvrelay.server.admission import AdmittedEngine
 from kvrelay.server.chat import finish_reason
 from kvrelay.server.protocol import (
     ChatCompletionRequest,
@@ -240,6 +242,14 @@ def _stream_error(e: Exception) -> dict[str, Any]:
     return {"error": {"message": str(e), "type": kind, "param": None, "code": code}}
 
 
+def _admitted_batch(state: ServerState, prompts: int, n: int) -> contextlib.AbstractContextManager:
+    """A completion's prompts × n admitted whole (server/admission.py); an engine without
+    admission (tests' fakes) takes anything."""
+    if isinstance(state.engine, AdmittedEngine):
+        return state.engine.batch(prompts, n)
+    return contextlib.nullcontext()
+
+
 # -- the app --------------------------------------------------------------------------------
 def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="kvrelay", docs_url=None, redoc_url=None)
@@ -310,8 +320,9 @@ def build_app(state: ServerState) -> FastAPI:
         created = int(time.time())
         if body.kv_transfer_params and len(prompts) > 1:
             raise OpenAIError("kv_transfer_params needs a single prompt", param="prompt")
-        gens = [state.engine.generate(f"{base_id}-{i}", ids, p, body.kv_transfer_params)
-                for i, ((_, ids), p) in enumerate(zip(prompts, params))]
+        with _admitted_batch(state, len(prompts), body.n):     # 400 / 503 before any stream
+            gens = [state.engine.generate(f"{base_id}-{i}", ids, p, body.kv_transfer_params)
+                    for i, ((_, ids), p) in enumerate(zip(prompts, params))]
         if body.stream:
             return StreamingResponse(_stream_completions(state, body, model, base_id, created,
                                                          prompts, gens),

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,13 @@ from kvrelay.config import EngineConfig
 from kvrelay.engine.async_client import AsyncEngine
 from kvrelay.engine.client import EngineClient
 from kvrelay.model.tokenizer import load_tokenizer
+from kvrelay.server.admission import (
+    DEFAULT_MAX_QUEUED_REQUESTS,
+    DEFAULT_MAX_SEQS_PER_REQUEST,
+    Admission,
+    AdmissionLimits,
+    AdmittedEngine,
+)
 from kvrelay.server.api import ServerState, build_app
 from kvrelay.server.chat import make_chat_renderer
 from kvrelay.server.hold_limit import HoldRateLimiter
@@ -73,17 +81,38 @@ def hold_limiter(config: EngineConfig) -> HoldRateLimiter | None:
     return HoldRateLimiter(kv.hold_rate, kv.hold_burst)
 
 
+@dataclass(frozen=True)
+class HTTPOptions:
+    """The serve flags of the HTTP side (not the engine's)."""
+    max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
+    max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST
+    forwarded_allow_ips: str | None = None     # None: X-Forwarded-For / -Proto not trusted
+
+
+def uvicorn_proxy_options(forwarded_allow_ips: str | None) -> dict[str, Any]:
+    """uvicorn trusts X-Forwarded-For/-Proto from 127.0.0.1 unless told otherwise, so any
+    local process could choose the client address we log and rate-bound by. Trusted only
+    from the addresses the operator names (`--forwarded-allow-ips`, uvicorn's name)."""
+    if not forwarded_allow_ips:
+        return {"proxy_headers": False}
+    return {"proxy_headers": True, "forwarded_allow_ips": forwarded_allow_ips}
+
+
 def serve(config: EngineConfig, host: str, port: int, api_key: str | None,
-          agent: AgentOptions | None = None) -> int:
+          agent: AgentOptions | None = None, http_options: HTTPOptions | None = None) -> int:
     model_dir, names, args = config.model_dir, list(config.served_names), config.args
+    opts = http_options or HTTPOptions()
+    limits = AdmissionLimits(args.max_num_seqs * args.data_parallel_size,
+                             opts.max_queued_requests, opts.max_seqs_per_request)
     tokenizer = load_tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
     timeout = envs.EXECUTE_MODEL_TIMEOUT_S.as_float()
-    engine: EngineClient
+    core: EngineClient
     if args.data_parallel_size > 1:
         from kvrelay.engine.data_parallel import DataParallelEngine
-        engine = DataParallelEngine(args, step_timeout_s=timeout)
+        core = DataParallelEngine(args, step_timeout_s=timeout)
     else:
-        engine = AsyncEngine(args, step_timeout_s=timeout)
+        core = AsyncEngine(args, step_timeout_s=timeout)
+    engine = AdmittedEngine(core, Admission(limits))
     state = ServerState(engine=engine, tokenizer=tokenizer, served_names=names, max_model_len=0,
                        max_logprobs=args.max_logprobs, api_key=api_key,
                        defaults=sampling_defaults(model_dir),
@@ -108,7 +137,8 @@ def serve(config: EngineConfig, host: str, port: int, api_key: str | None,
 
     app.router.lifespan_context = lifespan
     http = uvicorn.Config(app, host=host, port=port, log_level="info",
-                          timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+                          timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+                          **uvicorn_proxy_options(opts.forwarded_allow_ips))
     server = _DrainingServer(http)
     logging.getLogger("uvicorn.error").addFilter(_HideEarlyReadyLine())
     logger.info("serving %s as %s on http://%s:%d", model_dir, ", ".join(names), host, port)

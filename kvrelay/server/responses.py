@@ -557,8 +557,8 @@ def _event(seq: int, payload: dict[str, Any]) -> str:
     return f"event: {payload['type']}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-async def _stream(state: serving.ServerState, store: ResponseStore,
-                  p: _Prepared) -> AsyncIterator[str]:
+async def _stream(state: serving.ServerState, store: ResponseStore, p: _Prepared,
+                  gen: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
     seq = 0
     decoder = _Decoder(isinstance(state.chat, HarmonyChat), _OutputBuilder(p.tools))
     start = _response(p, "in_progress", [], None, bool(p.body.store) and store.enabled)
@@ -566,8 +566,6 @@ async def _stream(state: serving.ServerState, store: ResponseStore,
         yield _event(seq, {"type": kind, "response": start})
         seq += 1
     timing = serving._Timing(state.metrics)
-    gen = state.engine.generate(p.response_id, p.rendered.prompt_ids, p.params,
-                                p.body.kv_transfer_params)
     final = None
     try:
         async for _, out in serving._merge([gen]):
@@ -606,7 +604,11 @@ def add_responses_routes(app: FastAPI, state: serving.ServerState) -> ResponseSt
         serving._check_hold_rate(state, request, body.kv_transfer_params)
         p = _prepare(state, store, body)
         if body.stream:
-            return StreamingResponse(_stream(state, store, p), media_type="text/event-stream")
+            # made before the response starts, so a full queue is a 503, not a broken stream
+            gen = state.engine.generate(p.response_id, p.rendered.prompt_ids, p.params,
+                                        p.body.kv_transfer_params)
+            return StreamingResponse(_stream(state, store, p, gen),
+                                     media_type="text/event-stream")
         return await _create(state, store, p, request)
 
     @app.get("/v1/responses/{response_id}")
