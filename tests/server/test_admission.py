@@ -218,3 +218,27 @@ def test_a_full_queue_is_503_with_retry_after_for_every_endpoint():
     engine.admission.in_flight = 0
     r = client.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 1})
     assert r.status_code == 200 and engine.admission.in_flight == 0
+
+
+# -- the flags ------------------------------------------------------------------------------
+
+def test_serve_flags_defaults_and_one_line_errors():
+    from kvrelay.cli import build_parser, http_options
+    from kvrelay.server.admission import DEFAULT_MAX_QUEUED_REQUESTS, DEFAULT_MAX_SEQS_PER_REQUEST
+    from kvrelay.server.launch import uvicorn_proxy_options
+    opts = http_options(build_parser().parse_args(["serve"]))
+    assert (opts.max_queued_requests, opts.max_seqs_per_request, opts.forwarded_allow_ips) == (
+        DEFAULT_MAX_QUEUED_REQUESTS, DEFAULT_MAX_SEQS_PER_REQUEST, None)
+    assert uvicorn_proxy_options(None) == {"proxy_headers": False}     # uvicorn's default: True
+    assert uvicorn_proxy_options("10.0.0.1,10.0.0.2") == {
+        "proxy_headers": True, "forwarded_allow_ips": "10.0.0.1,10.0.0.2"}
+    for flag in ("--max-queued-requests", "--max-seqs-per-request"):
+        with pytest.raises(ValueError, match=flag):
+            http_options(build_parser().parse_args(["serve", flag, "-1"]))
+
+
+def test_proxy_trusts_no_forwarded_headers_unless_told():
+    from kvrelay.proxy.main import build_parser, settings_from_args
+    assert settings_from_args(build_parser().parse_args([])).forwarded_allow_ips is None
+    args = build_parser().parse_args(["--forwarded-allow-ips", "10.1.2.3"])
+    assert settings_from_args(args).forwarded_allow_ips == "10.1.2.3"
