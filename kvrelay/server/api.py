@@ -12,7 +12,8 @@ pydantic can take — `kvrelay/http_body.py`), pydantic validation, FastAPI's 40
 engine (400 naming the field, 500 for a request that failed inside the engine while
 the others went on, 502 a failed KV transfer, 503 a dead engine or a prefill whose
 `hold_share` is full, with Retry-After), a client over its `hold_rate` of
-`do_remote_decode` holds (429, Retry-After) and anything unexpected (500). Sampling
+`do_remote_decode` holds (429, Retry-After), a request of too many sequences (400) or a
+full queue (503, Retry-After: `server/admission.py`) and anything unexpected (500). Sampling
 parameters and token ids are validated against the model (`validate_for_model`) before
 a request reaches the engine.
 """
