@@ -243,6 +243,15 @@ def _stream_error(e: Exception) -> dict[str, Any]:
     return {"error": {"message": str(e), "type": kind, "param": None, "code": code}}
 
 
+def _check_batch_size(state: ServerState, body: CompletionRequest) -> None:
+    """400 for prompts × n over --max-seqs-per-request, from the body's shape alone."""
+    if not isinstance(state.engine, AdmittedEngine):
+        return
+    prompt = body.prompt
+    batch = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
+    state.engine.admission.check_size(len(prompt) if batch else 1, body.n)
+
+
 def _admitted_batch(state: ServerState, prompts: int, n: int) -> contextlib.AbstractContextManager:
     """A completion's prompts × n admitted whole (server/admission.py); an engine without
     admission (tests' fakes) takes anything."""
@@ -308,6 +317,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request):
         model = _check_model(state, body.model)
         _check_hold_rate(state, request, body.kv_transfer_params)
+        _check_batch_size(state, body)                       # before tokenising 100k prompts
         prompts = _prompts(state, body.prompt)
         if body.suffix:
             raise OpenAIError("suffix is not supported", param="suffix")

@@ -199,6 +199,9 @@ def test_too_many_sequences_in_one_request_is_400_naming_the_field():
     assert _openai_error(r, 400)["param"] == "n"
     r = client.post("/v1/completions", json={"prompt": [5, 6], "n": 200, "max_tokens": 1})
     assert _openai_error(r, 400)["param"] == "n"             # OpenAI's own cap (128)
+    r = client.post("/v1/completions", json={"prompt": ["w5 w6"] * 100_000, "max_tokens": 1})
+    error = _openai_error(r, 400)                            # before tokenising (the fake
+    assert error["param"] == "prompt" and "100000 prompts" in error["message"]   # has none)
     assert core.sent == [] and engine.admission.in_flight == 0
     r = client.post("/v1/completions", json={"prompt": [[5, 6]] * 2, "n": 2, "max_tokens": 1})
     assert r.status_code == 200 and len(r.json()["choices"]) == 4
