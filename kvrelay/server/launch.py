@@ -112,12 +112,14 @@ def serve(config: EngineConfig, host: str, port: int, api_key: str | None,
         core = DataParallelEngine(args, step_timeout_s=timeout)
     else:
         core = AsyncEngine(args, step_timeout_s=timeout)
-    engine = AdmittedEngine(core, Admission(limits))
+    admission = Admission(limits)
+    engine = AdmittedEngine(core, admission)
     state = ServerState(engine=engine, tokenizer=tokenizer, served_names=names, max_model_len=0,
                        max_logprobs=args.max_logprobs, api_key=api_key,
                        defaults=sampling_defaults(model_dir),
                        chat=make_chat_renderer(tokenizer), agent=agent or AgentOptions())
-    state.metrics = ServerMetrics(lambda: engine.stats, names[0], lambda: engine.info)
+    state.metrics = ServerMetrics(lambda: engine.stats, names[0], lambda: engine.info,
+                                  admission)
     state.hold_limiter = hold_limiter(config)
     app = build_app(state)
     outcome = {"rc": 0}

@@ -113,13 +113,36 @@ class _EngineCollector(Collector):
                           s["kv_read_done_notices"])
 
 
+class _AdmissionCollector(Collector):
+    """The API process's admission count (server/admission.py), read at scrape time."""
+
+    def __init__(self, admission: Any, model_name: str) -> None:
+        self.admission, self.model_name = admission, model_name
+
+    def collect(self) -> Iterator:
+        queued = GaugeMetricFamily(
+            "kvrelay:admission_queued_sequences", "Sequences admitted beyond those the engine "
+            "runs at once (bounded by --max-queued-requests).", labels=["model_name"])
+        queued.add_metric([self.model_name], self.admission.queued)
+        yield queued
+        refused = CounterMetricFamily(
+            "kvrelay:requests_refused_queue_full", "Requests answered 503 because the queue "
+            "was full.", labels=["model_name"])
+        refused.add_metric([self.model_name], self.admission.refused)
+        yield refused
+
+
 class ServerMetrics:
     def __init__(self, stats: Callable[[], Mapping[str, Any]], model_name: str,
-                 info: Callable[[], Mapping[str, Any] | None] | None = None) -> None:
-        """`stats`: the engine's latest per-step snapshot; `info`: its start-up "ready" info."""
+                 info: Callable[[], Mapping[str, Any] | None] | None = None,
+                 admission: Any = None) -> None:
+        """`stats`: the engine's latest per-step snapshot; `info`: its start-up "ready" info;
+        `admission`: the API process's `Admission` (its queue count and refusals)."""
         self.registry = CollectorRegistry()
         self.model_name = model_name
         self.registry.register(_EngineCollector(stats, model_name, info))
+        if admission is not None:
+            self.registry.register(_AdmissionCollector(admission, model_name))
         labels = ["model_name"]
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", labels,
                               buckets=LATENCY_BUCKETS, registry=self.registry).labels(model_name)

@@ -134,6 +134,9 @@ def test_a_full_queue_is_503_and_the_admitted_requests_finish(bounded, proxies):
             assert error["type"] == "ServiceUnavailableError"
             assert "--max-queued-requests 1" in error["message"]
             assert refused.headers["Retry-After"] == "1"
+            busy = bounded.metrics()
+            assert busy["kvrelay:admission_queued_sequences"] == 1
+            assert busy["kvrelay:requests_refused_queue_full_total"] == 1
             streamed = _short(bounded.url, stream=True)
             assert _error(streamed, 503)["type"] == "ServiceUnavailableError"
             # a decode server's 503 reaches the proxy's client as it is
