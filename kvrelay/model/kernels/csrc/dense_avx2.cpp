@@ -24,6 +24,12 @@ struct V {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
   }
+  // hadd pairs lanes within each 128-bit half: after two rounds the low half holds the
+  // four low-half sums and the high half the four high-half sums, added last
+  static void sum4(T a, T b, T c, T d, float* out) {
+    const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1)));
+  }
 };
 
 #include "dense_impl.h"
