@@ -13,11 +13,12 @@ real step (the other layers' weights pass through the caches between two calls o
 one): every call therefore takes the next of enough copies to fill `--pool-mb` (256 MB),
 so the weights come from DRAM as they do in a step.
 
-Reported per cell: GB/s of weights from the median call (wall), and from CPU time
-(`time.process_time` of all threads over all calls: bytes × threads ÷ CPU seconds, i.e. the
-rate if every thread had a core to itself — robust to a loaded machine, but it counts a
-spinning OpenMP thread as busy). Compare ratios within one run; the header prints the CPU
-flags, torch's version and the load average.
+Reported per cell: GB/s of weights from the median call (wall), and GB of weights per CPU
+second (`time.process_time`, all threads, over all calls): for one thread the rate it
+streams at while it runs, robust to a loaded machine where wall time measures the queue;
+for two, the rate per thread (it counts a spinning OpenMP thread as busy, and a second
+thread the kernel leaves idle on a small matrix not at all). Compare ratios within one run;
+the header prints the CPU flags, torch's version and the load average.
 
 Shapes (synthetic weights, never a checkpoint): gpt-oss-20b LM head 201088x2880 (1.16 GB),
 qkv 5120x2880, o_proj 2880x4096; the embedded model (SmolLM2-135M as gpt-oss) qkv 960x576,
@@ -112,7 +113,7 @@ def run_cell(shape: str, pool: list[torch.Tensor], rows: int, threads: int,
         cells.append({"shape": shape, "rows": rows, "threads": threads, "variant": name,
                       "median_ms": wall * 1e3, "cpu_ms": per_call * 1e3,
                       "gbps_wall": gb / wall,
-                      "gbps_cpu": gb * threads / per_call if per_call > 0 else float("nan")})
+                      "gb_per_cpu_s": gb / per_call if per_call > 0 else float("nan")})
     return cells
 
 
@@ -147,7 +148,7 @@ def main() -> None:
     fns = variants(isas)
     cells: list[dict] = []
     print(f"{'shape':12} {'MB':>7} {'rows':>4} {'thr':>3} {'variant':>20} {'p50 ms':>8} "
-          f"{'GB/s wall':>9} {'GB/s cpu':>8} {'x torch':>7}")
+          f"{'GB/s wall':>9} {'GB/cpu-s':>8} {'x torch':>7}")
     for shape in shapes:
         n, k = SHAPES[shape]
         pool = weight_pool(n, k, a.pool_mb << 20)
@@ -158,7 +159,7 @@ def main() -> None:
                 for c in cell:
                     print(f"{shape:12} {n * k * 2 / 1e6:7.1f} {rows:4} {threads:3} "
                           f"{c['variant']:>20} {c['median_ms']:8.3f} {c['gbps_wall']:9.1f} "
-                          f"{c['gbps_cpu']:8.1f} {torch_ms / c['median_ms']:7.2f}", flush=True)
+                          f"{c['gb_per_cpu_s']:8.1f} {torch_ms / c['median_ms']:7.2f}", flush=True)
                 cells.extend(cell)
         del pool
     header["load_after"] = os.getloadavg()
