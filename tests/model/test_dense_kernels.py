@@ -159,6 +159,20 @@ def test_linear_dispatches_decode_rows_to_the_kernel(dense_mode):
     assert torch.equal(L.linear(x[:1], w, b), F.linear(x[:1], w, b))
 
 
+def test_wide_matmuls_keep_the_kernel_for_fewer_rows(dense_mode):
+    dense_mode("auto")
+    isa = L.dense_kernel_isa()
+    if isa is None:
+        pytest.skip("only the generic dense build runs on this CPU")
+    limit = L.DENSE_MAX_ROWS[isa][torch.bfloat16]
+    wide = min(limit, L.WIDE_MAX_ROWS)
+    w = torch.zeros(8, L.WIDE_K, dtype=torch.bfloat16)
+    x = torch.zeros(limit + 1, L.WIDE_K, dtype=torch.bfloat16)
+    assert L._dense(x[:wide], w) and not L._dense(x[:wide + 1], w)
+    narrow = torch.zeros(limit, L.WIDE_K - 1, dtype=torch.bfloat16)
+    assert L._dense(narrow, w[:, :-1])       # below WIDE_K the ISA's own limit holds
+
+
 def test_bad_dense_mode_names_the_variable(dense_mode):
     dense_mode("fast")
     with pytest.raises(ValueError, match=r"KVRELAY_DENSE_KERNEL.*auto or torch"):
