@@ -125,7 +125,7 @@ DENSE_MAX_ROWS: dict[str, dict[torch.dtype, int]] = {
 # From this many input features on, at most WIDE_MAX_ROWS rows take the kernel: past ~8
 # rows of 2,048+ features the inputs of one pass no longer sit in L1 beside the weights it
 # reuses, and oneDNN's blocked GEMM is as fast or faster (gpt-oss-20b's qkv and o_proj,
-# K = 2,880 / 4,096, AVX512-BF16, per CPU second: 1.0x torch at 8 rows, 0.8-0.9x at 12-16;
+# K = 2,880 / 4,096, AVX512-BF16, per CPU second: 0.97-1.05x torch at 8 rows, 0.76-0.94x at 12-16;
 # benchmarks/dense_kernels.py, docs/benchmarks.md "Dense kernels at weight bandwidth").
 WIDE_K = 2048
 WIDE_MAX_ROWS = 8
