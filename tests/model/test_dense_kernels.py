@@ -65,6 +65,66 @@ def test_dense_linear_matches_torch(isa, dtype, m, with_bias):
             torch.testing.assert_close(out.float(), ref.float(), rtol=2 ** -7, atol=1e-3)
 
 
+# (N, K) for every row count 1..16: N tails of the 8-row stream blocks and 4-row tiles, K
+# tails of every vector width (8/16 fp32 lanes, 32 bf16 pairs) and of the 4-vector stream
+# step (K = 130: 4 x 32 + 2), one K below a single vector
+ODD_SHAPES = [(7, 130), (13, 97), (21, 33), (5, 20), (3, 161)]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_dense_linear_every_row_count_on_odd_shapes(isa, dtype):
+    tol = dict(rtol=2 ** -8, atol=1e-3) if dtype == torch.bfloat16 else dict(rtol=1e-5,
+                                                                             atol=1e-4)
+    for m in range(1, 17):
+        for seed, (n, k) in enumerate(ODD_SHAPES):
+            x, w, b = _operands(m, n, k, dtype, seed=100 * m + seed)
+            bias = b if (m + seed) % 2 else None
+            out = torch.ops.kvrelay_kernels.dense_linear(x, w, bias, isa)
+            assert out.shape == (m, n) and out.dtype == dtype
+            torch.testing.assert_close(out.double(), _exact(x, w, bias), **tol)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_dense_linear_same_bits_on_one_and_two_threads(isa, m):
+    """Large enough for the op to split the rows over threads (and for the stream and tile
+    paths to stop prefetching at a thread's range end): the split never changes a result."""
+    x, w, b = _operands(m, 2053, 1100, torch.bfloat16, seed=m)   # 4.5 MB of weights
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = torch.ops.kvrelay_kernels.dense_linear(x, w, b, isa)
+        torch.set_num_threads(2)
+        two = torch.ops.kvrelay_kernels.dense_linear(x, w, b, isa)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    torch.testing.assert_close(one.double(), _exact(x, w, b), rtol=2 ** -8, atol=1e-2)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("m", [1, 6])
+def test_dense_linear_rounds_and_propagates_like_torch(isa, m):
+    """bf16 outputs are the fp32 sums rounded to nearest even (the vector stores of 4
+    outputs included), inf and NaN kept: a weight row of inf gives inf, one with a NaN
+    gives NaN, and a sum halfway between two bf16 values rounds to the even one."""
+    k, n = 64, 12
+    x = torch.ones(m, k, dtype=torch.bfloat16)
+    w = torch.zeros(n, k, dtype=torch.bfloat16)
+    w[0, 0] = float("inf")
+    w[1, 5] = float("nan")
+    w[2, 0], w[2, 1] = 1.0, 2.0 ** -8      # 1 + 2^-8: halfway, rounds down to 1 (even)
+    w[3, 0], w[3, 1] = 1.0 + 2.0 ** -7, 2.0 ** -8   # halfway, rounds up to 1 + 2^-6
+    w[4, 0] = -3.0
+    out = torch.ops.kvrelay_kernels.dense_linear(x, w, None, isa)
+    assert torch.isinf(out[:, 0]).all() and (out[:, 0] > 0).all()
+    assert torch.isnan(out[:, 1]).all()
+    assert (out[:, 2] == 1.0).all()
+    assert (out[:, 3] == 1.0 + 2.0 ** -6).all()
+    assert (out[:, 4] == -3.0).all() and (out[:, 5:] == 0).all()
+
+
 @pytest.mark.parametrize("isa", ISAS)
 def test_dense_linear_takes_strided_rows_and_fp32_bias(isa):
     x, w, b = _operands(4, 37, 45, torch.bfloat16, seed=7)
@@ -97,6 +157,20 @@ def test_linear_dispatches_decode_rows_to_the_kernel(dense_mode):
     dense_mode("torch")
     assert L.dense_kernel_isa() is None and not L._dense(x[:1], w)
     assert torch.equal(L.linear(x[:1], w, b), F.linear(x[:1], w, b))
+
+
+def test_wide_matmuls_keep_the_kernel_for_fewer_rows(dense_mode):
+    dense_mode("auto")
+    isa = L.dense_kernel_isa()
+    if isa is None:
+        pytest.skip("only the generic dense build runs on this CPU")
+    limit = L.DENSE_MAX_ROWS[isa][torch.bfloat16]
+    wide = min(limit, L.WIDE_MAX_ROWS)
+    w = torch.zeros(8, L.WIDE_K, dtype=torch.bfloat16)
+    x = torch.zeros(limit + 1, L.WIDE_K, dtype=torch.bfloat16)
+    assert L._dense(x[:wide], w) and not L._dense(x[:wide + 1], w)
+    narrow = torch.zeros(limit, L.WIDE_K - 1, dtype=torch.bfloat16)
+    assert L._dense(narrow, w[:, :-1])       # below WIDE_K the ISA's own limit holds
 
 
 def test_bad_dense_mode_names_the_variable(dense_mode):

@@ -122,6 +122,13 @@ DENSE_MAX_ROWS: dict[str, dict[torch.dtype, int]] = {
     "avx512": {torch.bfloat16: 4, torch.float32: 16},
     "avx2": {torch.bfloat16: 4, torch.float32: 8},
 }
+# From this many input features on, at most WIDE_MAX_ROWS rows take the kernel: past ~8
+# rows of 2,048+ features the inputs of one pass no longer sit in L1 beside the weights it
+# reuses, and oneDNN's blocked GEMM is as fast or faster (gpt-oss-20b's qkv and o_proj,
+# K = 2,880 / 4,096, AVX512-BF16, per CPU second: 0.97-1.05x torch at 8 rows, 0.76-0.94x at 12-16;
+# benchmarks/dense_kernels.py, docs/benchmarks.md "Dense kernels at weight bandwidth").
+WIDE_K = 2048
+WIDE_MAX_ROWS = 8
 
 
 @functools.cache
@@ -152,9 +159,12 @@ def _dense_op() -> torch._ops.OpOverload:
 
 def _dense(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `linear(x, weight)` runs on the native dense kernel."""
-    return (not torch.compiler.is_compiling() and x.dim() == 2
-            and 0 < x.shape[0] <= _dense_rows().get(weight.dtype, 0)
-            and x.dtype == weight.dtype and x.device.type == "cpu")
+    if torch.compiler.is_compiling() or x.dim() != 2:     # traced code keeps F.linear
+        return False
+    limit = _dense_rows().get(weight.dtype, 0)
+    if x.shape[1] >= WIDE_K:
+        limit = min(limit, WIDE_MAX_ROWS)
+    return 0 < x.shape[0] <= limit and x.dtype == weight.dtype and x.device.type == "cpu"
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -18,11 +18,18 @@ struct V {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bf16), 16));
   }
   static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
+  static T add(T a, T b) { return _mm256_add_ps(a, b); }
   static float hsum(T a) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
+  }
+  // hadd pairs lanes within each 128-bit half: after two rounds the low half holds the
+  // four low-half sums and the high half the four high-half sums, added last
+  static void sum4(T a, T b, T c, T d, float* out) {
+    const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1)));
   }
 };
 

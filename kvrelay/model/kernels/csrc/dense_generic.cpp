@@ -15,7 +15,11 @@ struct V {
     return f;
   }
   static T fma(T a, T b, T c) { return a * b + c; }
+  static T add(T a, T b) { return a + b; }
   static float hsum(T a) { return a; }
+  static void sum4(T a, T b, T c, T d, float* out) {
+    out[0] = a, out[1] = b, out[2] = c, out[3] = d;
+  }
 };
 
 #include "dense_impl.h"

@@ -3,11 +3,12 @@
 //
 //   V::W  float lanes     V::MR  x rows per pass (accumulators: NR·MR ≤ what the ISA holds)
 //   zero() load(const float*) load_bf16(const uint16_t*) fma(a, b, c) = a·b + c
-//   hsum(a) = Σ lanes
+//   add(a, b)   hsum(a) = Σ lanes   sum4(a, b, c, d, out): out[0..3] = Σa, Σb, Σc, Σd
+//   (one reduction tree for all four: a third of the instructions of four hsums)
 //
-// A pass keeps NR weight rows × MR x rows of accumulators in registers: each weight vector
-// loaded is used MR times, each x vector NR times, and with one x row (decode at
-// concurrency 1) eight weight rows give eight independent FMA chains.
+// One x row (decode at concurrency 1) streams the weights row by row (dense_stream). More
+// rows take passes that keep NR weight rows × MR x rows of accumulators in registers: each
+// weight vector loaded is used MR times, each x vector NR times.
 #pragma once
 
 using VT = V::T;
@@ -73,8 +74,17 @@ inline void dense_tile(const kvrelay::DenseProblem& p, int64_t n, int64_t m0, bo
     }
   }
   float out[NR][MR];
-  for (int r = 0; r < NR; ++r)
-    for (int m = 0; m < MR; ++m) out[r][m] = V::hsum(acc[r][m]);
+  if constexpr (NR % 4 == 0) {
+    for (int m = 0; m < MR; ++m)
+      for (int r = 0; r < NR; r += 4) {
+        float sums[4];
+        V::sum4(acc[r][m], acc[r + 1][m], acc[r + 2][m], acc[r + 3][m], sums);
+        for (int j = 0; j < 4; ++j) out[r + j][m] = sums[j];
+      }
+  } else {
+    for (int r = 0; r < NR; ++r)
+      for (int m = 0; m < MR; ++m) out[r][m] = V::hsum(acc[r][m]);
+  }
   for (; k < K; ++k)  // tail when K is not a multiple of W
     for (int r = 0; r < NR; ++r) {
       const float w = WL::scalar(p.w, (n + r) * K + k);
@@ -95,11 +105,40 @@ inline void dense_rows(const kvrelay::DenseProblem& p, int64_t n, int64_t n1) {
   if (m0 < p.M) dense_tile<NR, 1, WL>(p, n, m0, prefetch && !m0);
 }
 
+// One input row (memory-bound): one weight row after the other, a single sequential
+// stream (see dense_avx512_bf16.cpp: 1.2-1.4x eight rows side by side), four independent
+// accumulators along k, prefetches kDenseStreamAhead bytes ahead inside [n0, n1).
+constexpr int64_t kDenseStreamAhead = 4096;
+
+template <class WL>
+inline void dense_stream(const kvrelay::DenseProblem& p, int64_t n0, int64_t n1) {
+  constexpr int64_t U = 4, step = U * V::W;
+  const int64_t K = p.K, wsize = p.w_format == kvrelay::kDenseF32 ? 4 : 2;
+  const char* w_end = static_cast<const char*>(p.w) + n1 * K * wsize;
+  for (int64_t n = n0; n < n1; ++n) {
+    const int64_t row = n * K;
+    VT acc[U];
+    for (int64_t u = 0; u < U; ++u) acc[u] = V::zero();
+    int64_t k = 0;
+    for (; k + step <= K; k += step) {
+      const char* ahead = static_cast<const char*>(p.w) + (row + k) * wsize + kDenseStreamAhead;
+      if ((k * wsize) % 64 < step * wsize && ahead + step * wsize <= w_end)
+        for (int64_t b = 0; b < step * wsize; b += 64) __builtin_prefetch(ahead + b);
+      for (int64_t u = 0; u < U; ++u)
+        acc[u] = V::fma(WL::load(p.w, row + k + u * V::W), V::load(p.x + k + u * V::W), acc[u]);
+    }
+    for (; k + V::W <= K; k += V::W)
+      acc[0] = V::fma(WL::load(p.w, row + k), V::load(p.x + k), acc[0]);
+    float out = V::hsum(V::add(V::add(acc[0], acc[1]), V::add(acc[2], acc[3])));
+    for (; k < K; ++k) out += WL::scalar(p.w, row + k) * p.x[k];
+    dense_store(p, 0, n, out);
+  }
+}
+
 template <class WL>
 inline void dense_range(const kvrelay::DenseProblem& p, int64_t n0, int64_t n1) {
   int64_t n = n0;
-  if (p.M == 1)
-    for (; n + 8 <= n1; n += 8) dense_rows<8, WL>(p, n, n1);
+  if (p.M == 1) return dense_stream<WL>(p, n0, n1);
   for (; n + 4 <= n1; n += 4) dense_rows<4, WL>(p, n, n1);
   for (; n < n1; ++n) dense_rows<1, WL>(p, n, n1);
 }
