@@ -60,6 +60,9 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         qk, v = self.qkv.qk_v(x)                               # [T, h + kvh, hd], [T, kvh, hd]
+        if self.attn.fuses_decode(qk, kv_cache, meta):        # one native call for the step
+            return self.o_proj(self.attn.rotary_decode(qk, v, positions, self.rotary.cos,
+                                                       self.rotary.sin, kv_cache, meta))
         q, k = self.rotary.rotate(positions, qk).split(       # one rotary call for q and k
             [self.qkv.num_heads, self.qkv.num_kv_heads], dim=1)
         out = self.attn(q, k, v, kv_cache, meta)               # [T, h, hd]

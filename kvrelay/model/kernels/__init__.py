@@ -50,7 +50,7 @@ SOURCES = ("moe_op.cpp", "paged_decode_op.cpp", "moe_generic.cpp", "moe_avx2.cpp
            "paged_decode_avx512.cpp", "dense_op.cpp", "dense_generic.cpp",
            "dense_avx2.cpp", "dense_avx512.cpp", "dense_avx512_bf16.cpp", "prefill_op.cpp",
            "prefill_generic.cpp", "prefill_avx2.cpp", "prefill_avx512.cpp",
-           "bitmask_op.cpp")
+           "bitmask_op.cpp", "fused_decode_op.cpp")
 
 
 def _thread_flags() -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -172,6 +172,11 @@ def _register_fake() -> None:
     @torch.library.register_fake("kvrelay_kernels::write_kv")
     def _(kv_cache, k, v, slots):
         return None
+
+    @torch.library.register_fake("kvrelay_kernels::rotary_decode_attention")
+    def _(qk, v, positions, cos, sin, kv_cache, slots, block_table, seq_lens, sinks, scale,
+          window, isa=""):
+        return qk.new_empty((qk.shape[0], (qk.shape[1] - kv_cache.shape[2]) * qk.shape[2]))
 
     @torch.library.register_fake("kvrelay_kernels::dense_linear")
     def _(x, weight, bias, isa=""):
