@@ -173,11 +173,6 @@ def _register_fake() -> None:
     def _(kv_cache, k, v, slots):
         return None
 
-    @torch.library.register_fake("kvrelay_kernels::rotary_decode_attention")
-    def _(qk, v, positions, cos, sin, kv_cache, slots, block_table, seq_lens, sinks, scale,
-          window, isa=""):
-        return qk.new_empty((qk.shape[0], (qk.shape[1] - kv_cache.shape[2]) * qk.shape[2]))
-
     @torch.library.register_fake("kvrelay_kernels::dense_linear")
     def _(x, weight, bias, isa=""):
         return x.new_empty((x.shape[0], weight.shape[0]))

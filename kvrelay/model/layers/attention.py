@@ -302,13 +302,13 @@ class PagedAttention(nn.Module):
                 out[plan.tokens] = self._attend_part(q[plan.tokens], kv_cache, plan)
         return out
 
-    def fuses_decode(self, qk: torch.Tensor, kv_cache: torch.Tensor,
+    def fuses_decode(self, x: torch.Tensor, kv_cache: torch.Tensor,
                      meta: AttentionMetadata) -> bool:
-        """Whether `rotary_decode` serves this step: every token a decode, the native
-        kernels built, the cache contiguous in the activations' dtype, eager (a compiled
-        graph keeps the separate ops, which it fuses itself)."""
-        return (meta.num_decodes == qk.shape[0] and self.fuse_decode and self.use_kernel
-                and kernel.available(qk.device) and kv_cache.dtype == qk.dtype
+        """Whether `rotary_decode` serves this step of activations x ([T, ...]): every
+        token a decode, the native kernels built, the cache contiguous in the activations'
+        dtype, eager (a compiled graph keeps the separate ops, which it fuses itself)."""
+        return (meta.num_decodes == x.shape[0] and self.fuse_decode and self.use_kernel
+                and kernel.available(x.device) and kv_cache.dtype == x.dtype
                 and kv_cache.is_contiguous() and not torch.compiler.is_compiling())
 
     def rotary_decode(self, qk: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,

@@ -13,8 +13,16 @@
 // the activation dtype rounds cos/sin and each product, difference and sum to it (torch's
 // reduced-precision elementwise ops compute each op in f32 and round), the decode kernel
 // reads the rounded q in f32, and the f32 result is rounded to the dtype once.
+//
+// `kvrelay_kernels::route_topk(logits [T, E], k)` -> (weights [T, k] f32, ids [T, k] int64):
+// the router's top-k and the softmax over the chosen logits in one call (`logits.topk(k)`
+// then `softmax` in the logits' dtype, widened to f32 as the MoE kernel reads it). Ties go
+// to the lower expert id (torch.topk leaves their order unspecified); the softmax is
+// torch's own kernel (k = 1: exactly 1), so the weights are the eager router's bit for bit.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/ones.h>
+#include <ATen/ops/softmax.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
@@ -22,6 +30,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <tuple>
 #include <string>
 #include <vector>
 
@@ -179,6 +188,56 @@ at::Tensor rotary_decode_attention(const at::Tensor& qk, const at::Tensor& v,
   return dt == at::kFloat ? out : out.to(dt);
 }
 
+// the k largest logits of each row, largest first (ties: the lower expert id first)
+template <class X>
+void route_rows(const X* logits, int64_t T, int64_t E, int64_t k, X* top_out, int64_t* ids) {
+  std::vector<float> top(k);
+  for (int64_t t = 0; t < T; ++t) {
+    const X* row = logits + t * E;
+    int64_t* id = ids + t * k;
+    int64_t n = 0;   // insertion into the sorted top k: larger first, equal keeps order
+    for (int64_t e = 0; e < E; ++e) {
+      const float x = static_cast<float>(row[e]);
+      if (n == k && !(x > top[k - 1])) continue;
+      int64_t i = n < k ? n++ : k - 1;
+      for (; i > 0 && x > top[i - 1]; --i) {
+        top[i] = top[i - 1];
+        id[i] = id[i - 1];
+      }
+      top[i] = x;
+      id[i] = e;
+    }
+    for (int64_t i = 0; i < k; ++i) top_out[t * k + i] = X(top[i]);
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> route_topk(const at::Tensor& logits_in, int64_t k) {
+  TORCH_CHECK(logits_in.dim() == 2 && k >= 1 && k <= logits_in.size(1),
+              "route_topk: logits [T, E] and 1 <= k <= E");
+  const at::Tensor logits = logits_in.contiguous();
+  const int64_t T = logits.size(0), E = logits.size(1);
+  at::Tensor top = at::empty({T, k}, logits.options());
+  at::Tensor ids = at::empty({T, k}, logits.options().dtype(at::kLong));
+  int64_t* ip = ids.data_ptr<int64_t>();
+  switch (logits.scalar_type()) {
+    case at::kBFloat16:
+      route_rows(logits.data_ptr<c10::BFloat16>(), T, E, k, top.data_ptr<c10::BFloat16>(), ip);
+      break;
+    case at::kHalf:
+      route_rows(logits.data_ptr<c10::Half>(), T, E, k, top.data_ptr<c10::Half>(), ip);
+      break;
+    case at::kFloat:
+      route_rows(logits.data_ptr<float>(), T, E, k, top.data_ptr<float>(), ip);
+      break;
+    default:
+      TORCH_CHECK(false, "route_topk: float32, bfloat16 or float16 logits");
+  }
+  // one choice: softmax is exactly 1; more: torch's own softmax kernel, so the weights are
+  // bitwise the eager router's
+  if (k == 1) return {at::ones({T, 1}, logits.options().dtype(at::kFloat)), ids};
+  return {at::softmax(top, -1).to(at::kFloat), ids};
+}
+
 }  // namespace
 }  // namespace kvrelay
 
@@ -186,8 +245,10 @@ TORCH_LIBRARY_FRAGMENT(kvrelay_kernels, m) {
   m.def("rotary_decode_attention(Tensor qk, Tensor v, Tensor positions, Tensor cos, "
         "Tensor sin, Tensor(a!) kv_cache, Tensor slots, Tensor block_table, Tensor seq_lens, "
         "Tensor sinks, float scale, int window, str isa=\"\") -> Tensor");
+  m.def("route_topk(Tensor logits, int k) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(kvrelay_kernels, CPU, m) {
   m.impl("rotary_decode_attention", &kvrelay::rotary_decode_attention);
+  m.impl("route_topk", &kvrelay::route_topk);
 }
