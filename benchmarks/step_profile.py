@@ -96,6 +96,7 @@ OPTIONAL_PARTS = {
     ("input_layernorm", "add_forward"): "fwd.norms",
     ("post_attention_layernorm", "add_forward"): "fwd.norms",
     ("self_attn.attn", "rotary_decode"): "fwd.rotary+attention (fused, decode-only steps)",
+    ("", "route"): "fwd.router",  # the fused decode path's router (linear + native top-k)
 }
 
 

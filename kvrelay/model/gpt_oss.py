@@ -122,22 +122,38 @@ class DecoderLayer(nn.Module):
         """`forward` for a decode-only step (`GptOssModel.fused_step` said yes): the same
         ops, RoPE + KV write + attention as one native call, the router's top-k + softmax
         as another, modules called without their wrappers."""
+        ln1, qkv, attn, o_proj, ln2, experts, ctx, router = self._decode_modules
         if residual is None:
-            residual, x = h, self.input_layernorm.forward(h)
+            residual, x = h, ln1.forward(h)
         else:
-            residual, x = self.input_layernorm.add_forward(residual, h)
-        attn = self.self_attn
-        qk, v = attn.qkv.qk_v(x)                               # [T, h + kvh, hd], [T, kvh, hd]
-        out = attn.attn.rotary_decode(qk, v, positions, cos, sin, kv_cache, meta)  # [T, h·hd]
-        residual, x = self.post_attention_layernorm.add_forward(residual, attn.o_proj.forward(out))
-        mlp = self.mlp
-        weights, expert_ids = self.route(x)
-        return mlp.ctx.comm.all_reduce(mlp.experts.forward(x, weights, expert_ids)), residual
+            residual, x = ln1.add_forward(residual, h)
+        qk, v = qkv.qk_v(x)                                    # [T, h + kvh, hd], [T, kvh, hd]
+        out = attn.rotary_decode(qk, v, positions, cos, sin, kv_cache, meta)     # [T, h·hd]
+        residual, x = ln2.add_forward(residual, o_proj.forward(out))
+        weights, expert_ids = self.route(x, router)
+        return ctx.comm.all_reduce(experts.forward(x, weights, expert_ids)), residual
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`Router.forward` with the top-k and softmax in one native call: (weights [T, k]
-        f32, expert ids [T, k] int64), the values the experts read from the eager router."""
-        router = self.mlp.router
+    @property
+    def _decode_modules(self) -> tuple[Any, ...]:
+        """The modules `decode` calls, looked up once (an nn.Module attribute lookup costs
+        ~0.5 µs; a layer step makes a dozen). Setting any attribute of the layer drops
+        them (`__setattr__`); replace deeper submodules through the layer, not in place."""
+        mods = self.__dict__.get("_decode_mods")
+        if mods is None:
+            attn, mlp = self.self_attn, self.mlp
+            mods = (self.input_layernorm, attn.qkv, attn.attn, attn.o_proj,
+                    self.post_attention_layernorm, mlp.experts, mlp.ctx, mlp.router)
+            self.__dict__["_decode_mods"] = mods
+        return mods
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        self.__dict__.pop("_decode_mods", None)
+        super().__setattr__(name, value)
+
+    def route(self, x: torch.Tensor, router: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """`router.forward` (moe.Router) with the top-k and softmax in one native call:
+        (weights [T, k] f32, expert ids [T, k] int64), the values the experts read from the
+        eager router."""
         return _route_op()(linear(x, router.weight, router.bias), router.top_k)
 
 

@@ -95,6 +95,11 @@ void rotate_and_write(const at::Tensor& qk, const at::Tensor& v, const int64_t* 
   }
 }
 
+template <class X>
+void to_dtype(const float* src, int64_t n, X* dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = X(src[i]);
+}
+
 const at::Tensor& long_contiguous(const at::Tensor& t, at::Tensor& holder) {
   if (t.scalar_type() == at::kLong && t.is_contiguous()) return t;
   holder = t.to(at::kLong).contiguous();
@@ -136,12 +141,14 @@ at::Tensor rotary_decode_attention(const at::Tensor& qk, const at::Tensor& v,
               "rotary_decode_attention: positions/slots [T], block_table [S>=T, max_blocks], "
               "seq_lens [S>=T], sinks [h]");
 
-  at::Tensor qf = at::empty({T, H, D}, qk.options().dtype(at::kFloat));
+  // f32 scratch for the rotated q and the attention output, kept per thread across calls
+  thread_local std::vector<float> buf;
+  buf.resize(size_t(2 * T * H * D));
   const int64_t* pp = pos.data_ptr<int64_t>();
   const int64_t* sp = sl.data_ptr<int64_t>();
   const float* cp = cos.data_ptr<float>();
   const float* snp = sin.data_ptr<float>();
-  float* qp = qf.data_ptr<float>();
+  float* qp = buf.data();
   DecodeProblem p{};
   switch (dt) {
     case at::kBFloat16:
@@ -163,14 +170,14 @@ at::Tensor rotary_decode_attention(const at::Tensor& qk, const at::Tensor& v,
       TORCH_CHECK(false, "rotary_decode_attention: float32, bfloat16 or float16 only");
   }
 
-  at::Tensor out = at::empty({T, H * D}, qk.options().dtype(at::kFloat));
+  at::Tensor out = at::empty({T, H * D}, qk.options());
   p.S = T, p.H = H, p.D = D, p.NB = NB, p.KVH = KVH, p.B = B;
   p.q = qp;
   p.kv = kv_cache.data_ptr();
   p.table = table.data_ptr<int64_t>();
   p.lens = lens.data_ptr<int64_t>();
   p.sinks = sk.data_ptr<float>();
-  p.out = out.data_ptr<float>();
+  p.out = buf.data() + T * H * D;
   p.maxb = table.size(1);
   p.window = window;
   p.scale = static_cast<float>(scale);
@@ -185,7 +192,17 @@ at::Tensor rotary_decode_attention(const at::Tensor& qk, const at::Tensor& v,
     std::vector<float> scratch(decode_scratch_floats(p));
     fn(p, begin, end, scratch.data());
   });
-  return dt == at::kFloat ? out : out.to(dt);
+  switch (dt) {   // rounded to the dtype once, as `.to(dtype)` of the f32 result does
+    case at::kBFloat16:
+      to_dtype(p.out, T * H * D, static_cast<c10::BFloat16*>(out.data_ptr()));
+      break;
+    case at::kHalf:
+      to_dtype(p.out, T * H * D, static_cast<c10::Half*>(out.data_ptr()));
+      break;
+    default:
+      to_dtype(p.out, T * H * D, out.data_ptr<float>());
+  }
+  return out;
 }
 
 // the k largest logits of each row, largest first (ties: the lower expert id first)
