@@ -30,9 +30,9 @@ import torch
 from torch import nn
 
 from kvrelay.model.config import FULL, GptOssConfig
+from kvrelay.model.layers import paged_decode
 from kvrelay.model.layers.attention import AttentionMetadata, PagedAttention
 from kvrelay.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from kvrelay.model.layers import paged_decode
 from kvrelay.model.layers.linear import QKVParallelLinear, RowParallelLinear, linear
 from kvrelay.model.layers.moe import MoE
 from kvrelay.model.layers.norm import RMSNorm
@@ -196,6 +196,7 @@ class GptOssModel(nn.Module):
         if self.fused_step(h, kv_caches, meta):
             cos, sin = self.rotary.tables()
             for layer, kv_cache in zip(self.layers, kv_caches):
+                assert isinstance(layer, DecoderLayer)
                 h, residual = layer.decode(h, residual, positions, kv_cache, meta, cos, sin)
         else:
             for layer, kv_cache in zip(self.layers, kv_caches):

@@ -286,7 +286,7 @@ def test_fused_rotary_decode_matches_the_reference_path(num_seqs):
 
 
 def test_fused_rotary_decode_is_not_taken_for_mixed_steps_or_other_cache_dtypes():
-    meta, qk, v, rotary, positions, cache = _rotary_case(4, 2, 16, [5, 9], torch.bfloat16)
+    meta, qk, _, _, _, cache = _rotary_case(4, 2, 16, [5, 9], torch.bfloat16)
     layer = PagedAttention(4, 2, 16, None, 0, ParallelContext())
     assert layer.fuses_decode(qk, cache, meta)
     assert not layer.fuses_decode(qk, cache.float(), meta)           # cache dtype differs
