@@ -217,6 +217,8 @@ class GptOssModel(nn.Module):
             return False
         first = self.layers[0]
         assert isinstance(first, DecoderLayer)
+        if self.rotary.tables()[0].dtype != torch.float32:   # e.g. after a model.bfloat16()
+            return False
         return first.self_attn.attn.fuses_decode(h, kv_caches[0], meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
