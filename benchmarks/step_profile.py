@@ -2,18 +2,24 @@
 """Where one concurrency-1 token goes: engine spans in-process, plus the served ITL.
 
     python benchmarks/step_profile.py [--model tiny|PATH] [--prompt-len 200] [--tokens 64]
-        [--serve] [--parts] [--cpu-time] [--out FILE.json]
+        [--concurrency 1] [--serve] [--parts] [--cpu-time] [--forward-ab] [--out FILE.json]
 
 Engine part: `LLMEngine` in this process runs one greedy request; every stage of its
 `step()` is timed with `time.perf_counter_ns` spans (scheduler, step input, runner input
 preparation, forward, logits, sampler, scheduler update, detokenizer/outputs, and the
 engine→API message: `as_delta` + pickling). Medians over the decode steps, and the
 prefill step (the whole prompt in one chunk) of the second, warm request.
+`--concurrency N` runs N requests side by side instead (distinct prompts of the same
+length): the decode medians are then those of N-sequence steps.
 `--parts` also times the forward's modules, summed over the layers (embedding, the two
 norms, qkv, rotary, attention, o_proj, router, experts, final norm, LM head); each span
 adds ~0.3 µs of its own. With `KVRELAY_COMPILE_DECODE` set (compiled decode steps) the
 model's own spans are left out (wrapping a module fails the compiled graph's guards):
 `runner.execute` is input preparation + forward + LM head either way.
+
+`--forward-ab` also replays one captured decode step's `model.forward` (the same inputs,
+no spans) with the model's fused decode path (`DecoderLayer.fused_decode`, see gpt_oss.py)
+on and off in alternation: the same-run, same-load before/after of that path.
 
 Served part (--serve): `kvrelay serve` on the same checkpoint, `kvrelay bench serve` at
 concurrency 1 with the same lengths; median ITL − the engine's step = the API process,
@@ -89,6 +95,8 @@ LAYER_PARTS = {
 OPTIONAL_PARTS = {
     ("input_layernorm", "add_forward"): "fwd.norms",
     ("post_attention_layernorm", "add_forward"): "fwd.norms",
+    ("self_attn.attn", "rotary_decode"): "fwd.rotary+attention (fused, decode-only steps)",
+    ("", "route"): "fwd.router",  # the fused decode path's router (linear + native top-k)
 }
 
 
@@ -113,7 +121,13 @@ def instrument_parts(model: Any) -> None:
 
 
 def engine_profile(
-    model: str, prompt_len: int, tokens: int, engine_args: dict[str, Any], parts: bool = False
+    model: str,
+    prompt_len: int,
+    tokens: int,
+    engine_args: dict[str, Any],
+    parts: bool = False,
+    concurrency: int = 1,
+    ab: bool = False,
 ) -> dict[str, Any]:
     import torch
 
@@ -126,6 +140,7 @@ def engine_profile(
     start = time.perf_counter()
     engine = LLMEngine(EngineArgs(model=model, **engine_args))
     start = time.perf_counter() - start
+    ab_result = forward_ab(engine, concurrency) if ab else None
     instrument(engine)
     if parts and not getattr(engine.runner, "decode_buckets", ()):
         instrument_parts(engine.runner.model)
@@ -133,7 +148,9 @@ def engine_profile(
     steps: list[dict[str, int]] = []
     for rep in range(2):  # the first request warms caches up
         steps.clear()
-        engine.add_request(f"r{rep}", list(range(1, prompt_len + 1)), params)
+        for i in range(concurrency):
+            prompt = list(range(1 + i, prompt_len + 1 + i))
+            engine.add_request(f"r{rep}-{i}", prompt, params)
         while engine.has_unfinished_requests():
             SPANS.clear()
             outputs = engine.step()
@@ -147,18 +164,67 @@ def engine_profile(
     def scaled(name: str, value: float) -> float:
         return round(value if "bytes" in name else value / 1e6, 4)
 
-    decode = steps[1:]  # the first step is the prompt's prefill
+    # the first step is the prompts' prefill (at high concurrency it may take a few: the
+    # medians over the ~`tokens` decode steps are not moved by them)
+    decode = steps[1:]
     return {
         "decode": {
             name: scaled(name, statistics.median(s.get(name, 0) for s in decode))
-            for name in steps[0]
+            for name in dict.fromkeys(n for s in steps for n in s)  # every span, in order
         },
         "prefill": {name: scaled(name, v) for name, v in steps[0].items()},
         "prompt_tokens": prompt_len,
+        "concurrency": concurrency,
         "engine_start_s": round(start, 1),
         "compiled_decode_buckets": list(getattr(engine.runner, "decode_buckets", ())),
         "steps": len(steps),
-    }
+    } | ({"forward_ab_ms": ab_result} if ab_result else {})
+
+
+def forward_ab(engine: Any, concurrency: int, rounds: int = 15, calls: int = 20
+               ) -> dict[str, Any]:
+    """Median time of `model.forward` on one captured decode step, the fused decode path
+    on vs off in alternating rounds (CLOCK: wall, or thread CPU time with --cpu-time)."""
+    import torch
+
+    from kvrelay.model import gpt_oss
+
+    captured: list[tuple[Any, ...]] = []
+    model = engine.runner.model
+    forward = model.forward
+
+    def capture(*args: Any) -> Any:
+        captured.append(args)
+        return forward(*args)
+
+    model.forward = capture
+    params = engine_sampling(4)
+    for i in range(concurrency):
+        engine.add_request(f"ab-{i}", list(range(1 + i, 201 + i)), params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    model.forward = forward
+    args = captured[-1]  # a decode step (every sequence one token)
+    times: dict[bool, list[float]] = {True: [], False: []}
+    with torch.inference_mode():
+        for _ in range(rounds):
+            for on in (True, False):
+                gpt_oss.DecoderLayer.fused_decode = on
+                forward(*args)
+                t0 = CLOCK()
+                for _ in range(calls):
+                    forward(*args)
+                times[on].append((CLOCK() - t0) / calls / 1e6)
+    gpt_oss.DecoderLayer.fused_decode = True
+    on, off = statistics.median(times[True]), statistics.median(times[False])
+    return {"sequences": int(args[0].shape[0]), "fused_ms": round(on, 4),
+            "separate_ms": round(off, 4), "saved_ms": round(off - on, 4)}
+
+
+def engine_sampling(tokens: int) -> Any:
+    from kvrelay.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
 
 
 def served_itl(model: str, prompt_len: int, tokens: int, serve_args: list[str]) -> dict[str, Any]:
@@ -258,6 +324,9 @@ def main() -> None:
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--prompt-len", type=int, default=200)
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=1, help="requests side by side")
+    ap.add_argument("--forward-ab", action="store_true",
+                    help="replay one decode step's forward, fused decode path on vs off")
     ap.add_argument("--serve", action="store_true")
     ap.add_argument("--parts", action="store_true", help="also time the forward's modules")
     ap.add_argument("--eager", action="store_true", help="--enforce-eager for both parts")
@@ -284,7 +353,9 @@ def main() -> None:
         "load": os.getloadavg(),
         "eager": a.eager,
         "clock": "thread CPU time" if a.cpu_time else "wall",
-        "engine_ms": engine_profile(model, a.prompt_len, a.tokens, engine_args, a.parts),
+        "engine_ms": engine_profile(
+            model, a.prompt_len, a.tokens, engine_args, a.parts, a.concurrency, a.forward_ab
+        ),
     }
     if a.serve:
         result["served"] = served_itl(model, a.prompt_len, a.tokens, serve_args)

@@ -9,19 +9,31 @@ Each residual add is done by the norm that reads its result (`RMSNorm.add_forwar
 native pass for decode-sized steps), so a layer returns its MoE output and the residual
 stream separately and the next layer (or the final norm) adds them.
 
+Decode-only steps (every token a decode, native kernels built) take `DecoderLayer.decode`
+when `DecoderLayer.fused_decode` is on: the same computation with fewer calls per layer —
+RoPE, the KV write and the paged attention in one native call
+(`PagedAttention.rotary_decode`), the router's top-k and softmax in another
+(`route_topk`), and no module-call or dispatch wrappers between them. Its results are
+bitwise those of the separate ops (tests/model/test_paged_decode.py,
+tests/model/test_fused_decode_layer.py); the model decides once per step.
+
 Everything per step arrives in `AttentionMetadata` (query/context lengths, block
 tables and slot mappings per KV-cache group). Each layer owns a KV cache tensor
 `[2, num_blocks, kv_heads_local, block_size, head_dim]`, allocated by the caller.
 """
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 import torch
 from torch import nn
 
 from kvrelay.model.config import FULL, GptOssConfig
+from kvrelay.model.layers import paged_decode
 from kvrelay.model.layers.attention import AttentionMetadata, PagedAttention
 from kvrelay.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from kvrelay.model.layers.linear import QKVParallelLinear, RowParallelLinear
+from kvrelay.model.layers.linear import QKVParallelLinear, RowParallelLinear, linear
 from kvrelay.model.layers.moe import MoE
 from kvrelay.model.layers.norm import RMSNorm
 from kvrelay.model.layers.rotary import RotaryEmbedding
@@ -66,7 +78,15 @@ class Attention(nn.Module):
         return self.o_proj(out.flatten(1))                     # [T, H]
 
 
+@functools.cache
+def _route_op() -> Any:
+    """`kvrelay_kernels::route_topk` (csrc/fused_decode_op.cpp), resolved once."""
+    return torch.ops.kvrelay_kernels.route_topk.default
+
+
 class DecoderLayer(nn.Module):
+    fused_decode = True     # decode-only steps through `decode` (see the module docstring)
+
     def __init__(self, config: GptOssConfig, layer: int, group: int, ctx: ParallelContext,
                  dtype: torch.dtype, rotary: RotaryEmbedding, mxfp4: bool) -> None:
         super().__init__()
@@ -95,6 +115,46 @@ class DecoderLayer(nn.Module):
         residual, x = self.post_attention_layernorm.add_forward(
             residual, self.self_attn(x, positions, kv_cache, meta))
         return self.mlp(x), residual
+
+    def decode(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+               kv_cache: torch.Tensor, meta: AttentionMetadata, cos: torch.Tensor,
+               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` for a decode-only step (`GptOssModel.fused_step` said yes): the same
+        ops, RoPE + KV write + attention as one native call, the router's top-k + softmax
+        as another, modules called without their wrappers."""
+        ln1, qkv, attn, o_proj, ln2, experts, ctx, router = self._decode_modules
+        if residual is None:
+            residual, x = h, ln1.forward(h)
+        else:
+            residual, x = ln1.add_forward(residual, h)
+        qk, v = qkv.qk_v(x)                                    # [T, h + kvh, hd], [T, kvh, hd]
+        out = attn.rotary_decode(qk, v, positions, cos, sin, kv_cache, meta)     # [T, h·hd]
+        residual, x = ln2.add_forward(residual, o_proj.forward(out))
+        weights, expert_ids = self.route(x, router)
+        return ctx.comm.all_reduce(experts.forward(x, weights, expert_ids)), residual
+
+    @property
+    def _decode_modules(self) -> tuple[Any, ...]:
+        """The modules `decode` calls, looked up once (an nn.Module attribute lookup costs
+        ~0.5 µs; a layer step makes a dozen). Setting any attribute of the layer drops
+        them (`__setattr__`); replace deeper submodules through the layer, not in place."""
+        mods = self.__dict__.get("_decode_mods")
+        if mods is None:
+            attn, mlp = self.self_attn, self.mlp
+            mods = (self.input_layernorm, attn.qkv, attn.attn, attn.o_proj,
+                    self.post_attention_layernorm, mlp.experts, mlp.ctx, mlp.router)
+            self.__dict__["_decode_mods"] = mods
+        return mods
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        self.__dict__.pop("_decode_mods", None)
+        super().__setattr__(name, value)
+
+    def route(self, x: torch.Tensor, router: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """`router.forward` (moe.Router) with the top-k and softmax in one native call:
+        (weights [T, k] f32, expert ids [T, k] int64), the values the experts read from the
+        eager router."""
+        return _route_op()(linear(x, router.weight, router.bias), router.top_k)
 
 
 class GptOssModel(nn.Module):
@@ -133,11 +193,33 @@ class GptOssModel(nn.Module):
         """input_ids, positions [T] → final hidden states [T, H] (normed)."""
         h = self.embed_tokens(input_ids)                       # [T, H]
         residual: torch.Tensor | None = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            h, residual = layer(h, residual, positions, kv_cache, meta)
+        if self.fused_step(h, kv_caches, meta):
+            cos, sin = self.rotary.tables()
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                assert isinstance(layer, DecoderLayer)
+                h, residual = layer.decode(h, residual, positions, kv_cache, meta, cos, sin)
+        else:
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                h, residual = layer(h, residual, positions, kv_cache, meta)
         if residual is None:
             return self.norm(h)
         return self.norm.add_forward(residual, h)[1]
+
+    def fused_step(self, h: torch.Tensor, kv_caches: list[torch.Tensor],
+                   meta: AttentionMetadata) -> bool:
+        """Whether this step's layers take `DecoderLayer.decode`: a
+        decode-only step, eager, on the native kernels, one rank (no expert parallelism
+        across replicas), every layer's cache contiguous in the activations' dtype (the
+        caches are allocated alike: the first layer's decides)."""
+        if (not DecoderLayer.fused_decode or meta.num_decodes != h.shape[0]
+                or self.ctx.expert_group is not None or not self.layers
+                or torch.compiler.is_compiling() or not paged_decode.available(h.device)):
+            return False
+        first = self.layers[0]
+        assert isinstance(first, DecoderLayer)
+        if self.rotary.tables()[0].dtype != torch.float32:   # e.g. after a model.bfloat16()
+            return False
+        return first.self_attn.attn.fuses_decode(h, kv_caches[0], meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[T', H] → float32 logits [T', V]."""

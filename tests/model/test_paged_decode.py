@@ -209,3 +209,87 @@ def test_every_isa_on_the_shapes_the_simd_builds_specialise(dtype, heads, kv_hea
                 window or 0, isa)
             torch.testing.assert_close(got.float(), ref, rtol=tol, atol=tol,
                                        msg=f"{isa} window={window}")
+
+
+def _rotary_case(heads, kv_heads, head_dim, seq_lens, dtype, B=8, NB=64, seed=0):
+    """A decode-only step: qk/v as views of one qkv row (as QKVParallelLinear gives them),
+    a YaRN rotary table, a cache with scattered blocks and one padding slot (-1)."""
+    from kvrelay.model.config import RopeConfig
+    from kvrelay.model.layers.rotary import RotaryEmbedding
+
+    torch.manual_seed(seed)
+    T = len(seq_lens)
+    meta = _step(seq_lens, [1] * T, B, NB, seed=seed)
+    if T > 2:
+        meta.slot_mappings[0][1] = -1   # a padded row: its K/V must not be written
+    qkv = torch.randn(T, (heads + 2 * kv_heads) * head_dim).to(dtype)
+    qk = qkv[:, : (heads + kv_heads) * head_dim].view(T, heads + kv_heads, head_dim)
+    v = qkv[:, (heads + kv_heads) * head_dim:].view(T, kv_heads, head_dim)
+    rope = RopeConfig(rope_type="yarn", theta=150000.0, factor=32.0, beta_fast=32.0,
+                      beta_slow=1.0, original_max_position_embeddings=4096, truncate=False)
+    rotary = RotaryEmbedding(rope, head_dim, max(seq_lens) + 4)
+    positions = torch.tensor(seq_lens) - 1
+    cache = torch.randn(2, NB, kv_heads, B, head_dim).to(dtype)
+    return meta, qk, v, rotary, positions, cache
+
+
+def _separate_ops(layer, rotary, qk, v, positions, cache, meta):
+    """The eager path of gpt_oss.Attention: one rotary call, then the layer's forward."""
+    meta._plans.clear()
+    q, k = rotary.rotate(positions, qk).split([layer.num_heads, layer.num_kv_heads], dim=1)
+    return layer(q, k, v, cache, meta).flatten(1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 16), (6, 3, 12), (16, 2, 20), (8, 1, 64)]
+)
+@pytest.mark.parametrize("window", [0, 5, 40])
+def test_fused_rotary_decode_is_bitwise_the_separate_ops(dtype, heads, kv_heads, head_dim,
+                                                         window):
+    """RoPE + KV write + paged decode in one call: the output and every cache byte equal
+    the eager path's (native write_kv + decode) exactly, on block-edge lengths."""
+    B = 8
+    seq_lens = [1, B - 1, B, B + 1, 2 * B, 37, 70]
+    meta, qk, v, rotary, positions, cache = _rotary_case(heads, kv_heads, head_dim, seq_lens,
+                                                         dtype, B=B, seed=heads + window)
+    layer = PagedAttention(heads, kv_heads, head_dim, window or None, 0, ParallelContext())
+    layer.sinks.normal_(0, 1)
+    ref_cache, got_cache = cache.clone(), cache.clone()
+    ref = _separate_ops(layer, rotary, qk, v, positions, ref_cache, meta)
+    assert layer.fuses_decode(qk, got_cache, meta)
+    got = layer.rotary_decode(qk, v, positions, rotary.cos, rotary.sin, got_cache, meta)
+    assert got.dtype == dtype and got.shape == (len(seq_lens), heads * head_dim)
+    assert torch.equal(got, ref)
+    assert torch.equal(got_cache, ref_cache)
+
+
+@pytest.mark.parametrize("num_seqs", [1, 16, 40])
+def test_fused_rotary_decode_matches_the_reference_path(num_seqs):
+    """Against the pure-PyTorch reference (torch rotary, index-put KV write, gather + SDPA),
+    bf16, one and many sequences, GQA 3:1 and a sliding window."""
+    g = torch.Generator().manual_seed(num_seqs)
+    seq_lens = [int(x) for x in torch.randint(1, 200, (num_seqs,), generator=g)]
+    for window in (0, 64):
+        meta, qk, v, rotary, positions, cache = _rotary_case(
+            9, 3, 64, seq_lens, torch.bfloat16, B=16, NB=16 * num_seqs + 1, seed=num_seqs)
+        layer = PagedAttention(9, 3, 64, window or None, 0, ParallelContext())
+        layer.sinks.normal_(0, 1)
+        ref_cache, got_cache = cache.clone(), cache.clone()
+        layer.use_kernel = False
+        ref = _separate_ops(layer, rotary, qk, v, positions, ref_cache, meta)
+        assert not layer.fuses_decode(qk, ref_cache, meta)
+        layer.use_kernel = True
+        got = layer.rotary_decode(qk, v, positions, rotary.cos, rotary.sin, got_cache, meta)
+        torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)
+        assert torch.equal(got_cache, ref_cache)
+
+
+def test_fused_rotary_decode_is_not_taken_for_mixed_steps_or_other_cache_dtypes():
+    meta, qk, _, _, _, cache = _rotary_case(4, 2, 16, [5, 9], torch.bfloat16)
+    layer = PagedAttention(4, 2, 16, None, 0, ParallelContext())
+    assert layer.fuses_decode(qk, cache, meta)
+    assert not layer.fuses_decode(qk, cache.float(), meta)           # cache dtype differs
+    assert not layer.fuses_decode(qk[:1], cache, meta)               # not every token a decode
+    layer.fuse_decode = False
+    assert not layer.fuses_decode(qk, cache, meta)

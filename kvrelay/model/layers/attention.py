@@ -264,6 +264,7 @@ class PagedAttention(nn.Module):
     forces the reference for both."""
 
     use_kernel = True
+    fuse_decode = True      # decode-only steps: RoPE + KV write + attend in one native call
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
                  window: int | None, group: int, ctx: ParallelContext) -> None:
@@ -300,6 +301,25 @@ class PagedAttention(nn.Module):
             if plan is not None:
                 out[plan.tokens] = self._attend_part(q[plan.tokens], kv_cache, plan)
         return out
+
+    def fuses_decode(self, x: torch.Tensor, kv_cache: torch.Tensor,
+                     meta: AttentionMetadata) -> bool:
+        """Whether `rotary_decode` serves this step of activations x ([T, ...]): every
+        token a decode, the native kernels built, the cache contiguous in the activations'
+        dtype, eager (a compiled graph keeps the separate ops, which it fuses itself)."""
+        return (meta.num_decodes == x.shape[0] and self.fuse_decode and self.use_kernel
+                and kernel.available(x.device) and kv_cache.dtype == x.dtype
+                and kv_cache.is_contiguous() and not torch.compiler.is_compiling())
+
+    def rotary_decode(self, qk: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                      cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+                      meta: AttentionMetadata) -> torch.Tensor:
+        """A decode-only step (`fuses_decode`) in one native call: RoPE of the q and k heads
+        (qk [T, h + kvh, hd]), the K/V write and the in-place decode → [T, h·hd], bitwise
+        what rotate + `forward` give."""
+        return kernel.rotary_decode(qk, v, positions, cos, sin, kv_cache,
+                                    meta.slot_mappings[self.group], meta.block_tables[self.group],
+                                    meta.seq_lens, self.sinks, self.scale, self.window or 0)
 
     def _decode_in_place(self, q: torch.Tensor, kv_cache: torch.Tensor,
                          meta: AttentionMetadata) -> torch.Tensor:

@@ -73,6 +73,18 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: to
     _ops().write_kv(kv_cache, k, v, slots)
 
 
+def rotary_decode(qk: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
+                  block_table: torch.Tensor, seq_lens: torch.Tensor, sinks: torch.Tensor,
+                  scale: float, window: int) -> torch.Tensor:
+    """`kvrelay_kernels::rotary_decode_attention` (csrc/fused_decode_op.cpp): a decode-only
+    step's RoPE of the q and k heads (qk [T, h + kvh, hd], cos/sin [max_pos, hd/2] f32), the
+    K/V write into `slots` and the paged decode above, in one call → [T, h·hd] in qk's dtype,
+    bitwise what `RotaryEmbedding.rotate` + `write_kv` + `decode` give."""
+    return _ops().rotary_decode(qk, v, positions, cos, sin, kv_cache, slots, block_table,
+                                seq_lens, sinks, scale, window)
+
+
 class _Ops:
     """The resolved overloads, looked up once."""
 
@@ -80,6 +92,7 @@ class _Ops:
         ns = torch.ops.kvrelay_kernels
         self.paged_decode = ns.paged_decode.default
         self.write_kv = ns.write_kv.default
+        self.rotary_decode = ns.rotary_decode_attention.default
 
 
 @functools.cache

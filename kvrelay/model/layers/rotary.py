@@ -65,6 +65,13 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self.cos_sin(positions, x.dtype)
         return _rotate(x, cos, sin)
 
+    def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [max_positions, hd/2] float32, scaled: the native fused decode
+        (`PagedAttention.rotary_decode`) gathers and rounds the rows itself."""
+        cos, sin = self.cos, self.sin
+        assert isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)     # buffers
+        return cos, sin
+
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [tokens, 1, hd/2] of `positions` in `dtype` (cast after the gather, as

@@ -22,11 +22,7 @@
 
 constexpr int kHeadTile = P::W == 16 ? 8 : 4;   // accumulators in registers in P·V
 
-inline float exp_neg1(float x) {   // e^x, x <= 0, one float (the vector code's lane 0)
-  float out[P::W];
-  P::store(out, P::exp_neg(P::set1(x)));
-  return out[0];
-}
+#include "paged_decode_exp.h"   // exp_neg: the scalar e^x (rescales, the sink)
 
 // rows [0, n) of `src` (row stride D) → dst (row stride Dp, zeros after D); `load(ptr,
 // k)` reads k <= W elements as f32
@@ -238,7 +234,7 @@ void simd_decode_tasks(const kvrelay::DecodeProblem& p, int64_t begin, int64_t e
         }
         const float bm = P::hmax(mx);
         const float mnew = m[g] > bm ? m[g] : bm;
-        const float c = __builtin_isinf(m[g]) ? 0.f : exp_neg1(m[g] - mnew);  // first: 0
+        const float c = __builtin_isinf(m[g]) ? 0.f : exp_neg(m[g] - mnew);  // first: 0
         const T mv = P::set1(mnew);
         // the running sum stays a vector (one horizontal sum per work item, at the end)
         T sum = P::mul(P::load(lv + g * kvrelay::kDecodePad), P::set1(c));
@@ -259,8 +255,8 @@ void simd_decode_tasks(const kvrelay::DecodeProblem& p, int64_t begin, int64_t e
     for (int64_t g = 0; g < G; ++g) {
       const float sink = p.sinks[kh * G + g];
       const float mx = m[g] > sink ? m[g] : sink;
-      const float c = exp_neg1(m[g] - mx);
-      const float f = c / (l[g] * c + exp_neg1(sink - mx));
+      const float c = exp_neg(m[g] - mx);
+      const float f = c / (l[g] * c + exp_neg(sink - mx));
       for (int64_t d = 0; d < D; ++d) os[g * D + d] = acc[g * Dp + d] * f;
     }
   }

@@ -17,23 +17,7 @@ typedef float vf16u __attribute__((vector_size(64), aligned(4)));
 inline vf16 ld16(const float* p) { return *reinterpret_cast<const vf16u*>(p); }
 inline void st16(float* p, vf16 x) { *reinterpret_cast<vf16u*>(p) = x; }
 
-// exp(x) for x <= 0 (paged_decode_impl.h): a polynomial that vectorises
-inline float prefill_exp(float x) {
-  x = x < -87.f ? -87.f : x;
-  const float n = __builtin_nearbyintf(x * 1.44269504088896341f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  __builtin_memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
+#include "paged_decode_exp.h"   // exp_neg
 
 constexpr int64_t KB = kvrelay::kPrefillKeys;
 
@@ -162,11 +146,11 @@ inline bool softmax_row(float* s, int64_t kb0, int64_t n, int64_t pos, int64_t w
   }
   float mx = *m;
   for (int64_t j = j_lo; j < j_hi; ++j) mx = s[j] > mx ? s[j] : mx;
-  const float c = __builtin_isinf(*m) ? 0.f : prefill_exp(*m - mx);
+  const float c = __builtin_isinf(*m) ? 0.f : exp_neg(*m - mx);
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t j = 0; j < KB; ++j) {
-    const float e = prefill_exp(s[j] - mx);
+    const float e = exp_neg(s[j] - mx);
     const float w = (j >= j_lo && j < j_hi) ? e : 0.f;
     s[j] = w;
     sum += w;
@@ -227,8 +211,8 @@ void prefill_tasks(const kvrelay::PrefillProblem& p, int64_t begin, int64_t end,
       const int64_t g = r / nq, i = r % nq;
       const float sink = p.sinks[kh * G + g];
       const float mx = m[r] > sink ? m[r] : sink;
-      const float c = prefill_exp(m[r] - mx);
-      const float f = c / (l[r] * c + prefill_exp(sink - mx));
+      const float c = exp_neg(m[r] - mx);
+      const float f = c / (l[r] * c + exp_neg(sink - mx));
       row_from_f32(p.format, acc + r * Dp, f, D, p.out, ((base + q0 + i) * p.H + kh * G + g) * D);
     }
   }

@@ -1,0 +1,124 @@
+"""The fused decode layer path (`DecoderLayer.decode`: one native call for RoPE + KV write +
+paged attention, one for the router's top-k + softmax) against the separate ops."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvrelay.model import gpt_oss
+from kvrelay.model.generate import PagedGreedyLoop, _Seq
+from kvrelay.model.layers import paged_decode
+from kvrelay.model.loader import load_model
+from tests.factories import make_hf_model, save_checkpoint
+
+pytestmark = pytest.mark.skipif(
+    not paged_decode.enabled(), reason="the native kernels cannot be built here"
+)
+
+
+def _reference_route(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What `Router.forward` gives after the linear, as the experts read it."""
+    top, ids = logits.topk(k, dim=-1)
+    return torch.softmax(top, dim=-1).float(), ids
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("experts,k", [(2, 1), (2, 2), (5, 3), (32, 4), (32, 1)])
+@pytest.mark.parametrize("tokens", [1, 16, 33])
+def test_route_topk_matches_topk_then_softmax(dtype, experts, k, tokens):
+    g = torch.Generator().manual_seed(experts * 100 + k * 10 + tokens)
+    # distinct logits in every dtype (ties are the next test's): a permutation, 0.37 apart
+    perm = torch.stack([torch.randperm(experts, generator=g) for _ in range(tokens)])
+    logits = ((perm - experts / 2) * 0.37).to(dtype)
+    weights, ids = gpt_oss._route_op()(logits, k)
+    ref_w, ref_ids = _reference_route(logits, k)
+    assert ids.dtype == torch.int64 and weights.dtype == torch.float32
+    assert torch.equal(ids, ref_ids)
+    assert torch.equal(weights, ref_w)
+
+
+def test_route_topk_ties_go_to_the_lower_expert_and_k_equals_e():
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.5, 3.0], [0.0, 0.0, 0.0, 0.0, 0.0]])
+    weights, ids = gpt_oss._route_op()(logits, 2)
+    assert ids.tolist() == [[1, 2], [0, 1]]
+    assert weights.tolist() == [[0.5, 0.5], [0.5, 0.5]]
+    weights, ids = gpt_oss._route_op()(logits, 5)
+    assert ids[0].tolist() == [1, 2, 4, 0, 3]
+    torch.testing.assert_close(weights.sum(-1), torch.ones(2))
+    with pytest.raises(RuntimeError, match="1 <= k <= E"):
+        gpt_oss._route_op()(logits, 6)
+
+
+CONFIGS = {
+    # sliding + full layers (two KV-cache groups), GQA 2, top-2 of 4 experts
+    "window-gqa2-top2": dict(num_key_value_heads=2, sliding_window=6, num_experts_per_tok=2),
+    # MQA, top-1, YaRN
+    "mqa-top1": dict(num_key_value_heads=1, num_experts_per_tok=1, num_hidden_layers=3),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def checkpoint(request, tmp_path_factory):
+    hf = make_hf_model(seed=7, **CONFIGS[request.param])
+    return save_checkpoint(hf, tmp_path_factory.mktemp(request.param))
+
+
+def _decode(model, fused: bool, prompts: list[list[int]], steps: int):
+    """Prefill the prompts, then `steps` decode steps of every sequence (its own greedy
+    token each time); returns every decode step's logits and the KV caches."""
+    gpt_oss.DecoderLayer.fused_decode = fused
+    try:
+        loop = PagedGreedyLoop(model, 64, 4, shuffle_blocks=True, seed=5)
+        seqs = [_Seq(list(p)) for p in prompts]      # _Seq appends to its list
+        logits = loop.step(seqs, [len(p) for p in prompts])
+        last = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1
+        out = []
+        for _ in range(steps):
+            for s, row in zip(seqs, logits[last]):
+                s.tokens.append(int(row.argmax()))
+            logits = loop.step(seqs, [1] * len(seqs))
+            last = torch.arange(len(seqs))
+            out.append(logits)
+        return torch.stack(out), loop.kv_caches
+    finally:
+        gpt_oss.DecoderLayer.fused_decode = True
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_seqs", [1, 5])
+def test_fused_decode_steps_are_bitwise_the_separate_ops(checkpoint, dtype, num_seqs):
+    """Whole decode steps (block-edge lengths with block size 4, past the window): the
+    logits and every KV cache equal the separate-op path's exactly."""
+    model = load_model(checkpoint, dtype=dtype, progress=False).model
+    g = torch.Generator().manual_seed(num_seqs)
+    prompts = [torch.randint(0, 100, (n,), generator=g).tolist()
+               for n in (7, 8, 3, 12, 9)[:num_seqs]]
+    ref, ref_caches = _decode(model, False, prompts, 6)
+    got, got_caches = _decode(model, True, prompts, 6)
+    assert torch.equal(got, ref)
+    for a, b in zip(got_caches, ref_caches):
+        assert torch.equal(a, b)
+
+
+def test_the_fused_path_is_taken_only_for_decode_only_steps(checkpoint, monkeypatch):
+    model = load_model(checkpoint, dtype=torch.float32, progress=False).model
+    calls: list[int] = []
+    decode = gpt_oss.DecoderLayer.decode
+
+    def counted(self, h, *args):
+        calls.append(h.shape[0])
+        return decode(self, h, *args)
+
+    monkeypatch.setattr(gpt_oss.DecoderLayer, "decode", counted)
+    loop = PagedGreedyLoop(model, 64, 4)
+    seqs = [_Seq([1, 2, 3, 4, 5]), _Seq([6, 7, 8])]
+    loop.step(seqs, [5, 3])                              # prefill: separate ops
+    assert calls == []
+    seqs[0].tokens.append(9)
+    seqs[1].tokens += [10, 11]
+    loop.step(seqs, [1, 2])                              # a decode + a chunk: separate ops
+    assert calls == []
+    seqs[0].tokens.append(12)
+    seqs[1].tokens.append(13)
+    loop.step(seqs, [1, 1])                              # decode-only: every layer fused
+    assert calls == [2] * len(model.layers)
