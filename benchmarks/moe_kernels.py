@@ -205,6 +205,8 @@ def run_kernel(name: str, tokens: list[int], rounds: int, threads: list[int],
         local = torch.searchsorted(used, ids)               # dense local ids [0, len(used))
         weights = torch.softmax(torch.randn(T, k, generator=g), dim=-1)
         x = torch.randn(T, H, generator=g)
+        if storage == "bf16":        # a bf16 model's hidden states: exactly bf16 values
+            x = x.bfloat16().float()
         one = kernel_weights(shape, storage, len(used), g)
         copies = max(1, -(-(192 << 20) // one["bytes"]))
         layers = [one] + [kernel_weights(shape, storage, len(used), g) for _ in range(copies - 1)]
