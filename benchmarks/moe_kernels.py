@@ -353,7 +353,9 @@ def main() -> None:
         for name in args.configs.split(","):
             rows += run_kernel(name, tokens, args.rounds, threads, isas)
         info["loadavg_after"] = os.getloadavg()
-        out = Path(args.out).with_name("moe_kernels_stream.json")
+        out = Path(args.out)
+        if args.out == ap.get_default("out"):
+            out = out.with_name("moe_kernels_stream.json")
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"machine": info, "rows": rows}, indent=1))
         return
