@@ -3,6 +3,8 @@
     python benchmarks/moe_kernels.py [--configs tiny,20b] [--tokens 1,8,64] [--rounds 5]
         [--threads 1,2] [--variants "mxfp4 native,bf16 native,bf16 torch"]
     python benchmarks/moe_kernels.py --decode [--rounds 3]
+    python benchmarks/moe_kernels.py --kernel [--configs embedded,20b] [--tokens 1,4,16]
+        [--threads 1,2] [--isas avx512,avx2] [--rounds 20]
 
 For each layer shape and token count, times `MoE.forward` (router + experts) with the
 expert weights in MXFP4 / bf16 / fp32 and `KVRELAY_MOE_KERNEL` native vs torch. Variants
@@ -25,6 +27,16 @@ fp32 variants hold exactly the dequantised values.
 tiny checkpoint in bf16 and the same weights with MXFP4 experts, at concurrency 1 and 16
 (64-token prompts, 128 new tokens each), KVRELAY_MOE_KERNEL=torch vs auto alternating
 in one process (the mode is read per forward); output tokens per second, median of rounds.
+
+--kernel: the expert computation alone (`kernels.moe_experts`, no router, no Python layer)
+as a weight stream: GB/s of the expert bytes one call reads (each distinct routed expert's
+gate_up and down once). Token t is routed to experts t·k .. t·k + k - 1 (modulo the layer's
+experts), so T tokens use min(T·k, E) distinct experts with ~T·k/E tokens each (embedded,
+16 tokens: 8 tokens on each of the 2 experts; 20b, 4 tokens: 16 experts, one token each).
+Each call reads a different copy of the weights (enough copies to stream ≥ 192 MB per
+pass, so nothing is served from the 32 MB L3). Reports the best (min) wall time per call
+over rounds, and the best main-thread CPU time (`time.thread_time`, the work of one thread
+without the queue for a core on a loaded machine) for each ISA build and thread count.
 """
 from __future__ import annotations
 
@@ -55,7 +67,12 @@ SHAPES = {
     "peers": {"hidden": 32, "intermediate": 32, "experts": 8, "top_k": 2},
     "big": {"hidden": 1024, "intermediate": 1024, "experts": 32, "top_k": 4},
     "20b": {"hidden": 2880, "intermediate": 2880, "experts": 32, "top_k": 4},
+    # the embedded model (SmolLM2-135M as gpt-oss); --kernel and MoE.forward, bf16
+    "embedded": {"hidden": 576, "intermediate": 1536, "experts": 2, "top_k": 1},
 }
+# --kernel: expert storage per shape (the embedded model's experts are bf16)
+KERNEL_STORAGE = {"tiny": "mxfp4", "peers": "mxfp4", "big": "mxfp4", "20b": "mxfp4",
+                  "embedded": "bf16"}
 # (label, expert storage, model dtype, KVRELAY_MOE_KERNEL)
 VARIANTS = [
     ("mxfp4 native", "mxfp4", torch.bfloat16, "native"),
@@ -157,6 +174,72 @@ def run_shape(name: str, tokens: list[int], rounds: int, variants: list[str],
     return rows
 
 
+def kernel_weights(shape: dict, storage: str, experts: int, g: torch.Generator) -> dict:
+    """One layer's weights for `experts` experts (only the routed ones are allocated)."""
+    H, I = shape["hidden"], shape["intermediate"]  # noqa: E741 -- I as in the shape notation
+    if storage == "mxfp4":
+        gu, dn = random_packed(experts, 2 * I, H, g), random_packed(experts, H, I, g)
+        gate_up, down = (gu.blocks, gu.scales), (dn.blocks, dn.scales)
+        nbytes = gu.nbytes() + dn.nbytes()
+    else:
+        dtype = torch.bfloat16 if storage == "bf16" else torch.float32
+        gate_up = ((torch.randn(experts, 2 * I, H, generator=g) * 0.05).to(dtype), None)
+        down = ((torch.randn(experts, H, I, generator=g) * 0.05).to(dtype), None)
+        nbytes = (gate_up[0].numel() + down[0].numel()) * gate_up[0].element_size()
+    return {"gate_up": gate_up, "down": down, "bytes": nbytes,
+            "gate_up_bias": torch.randn(experts, 2 * I, generator=g) * 0.1,
+            "down_bias": torch.randn(experts, H, generator=g) * 0.1}
+
+
+def run_kernel(name: str, tokens: list[int], rounds: int, threads: list[int],
+               isas: list[str]) -> list[dict]:
+    """GB/s of expert weights streamed by one `kernels.moe_experts` call (see --kernel)."""
+    shape = SHAPES[name]
+    storage = KERNEL_STORAGE[name]
+    H, E, k = shape["hidden"], shape["experts"], shape["top_k"]
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for T in tokens:
+        ids = (torch.arange(T)[:, None] * k + torch.arange(k)[None, :]) % E       # [T, k]
+        used = ids.unique()
+        local = torch.searchsorted(used, ids)               # dense local ids [0, len(used))
+        weights = torch.softmax(torch.randn(T, k, generator=g), dim=-1)
+        x = torch.randn(T, H, generator=g)
+        if storage == "bf16":        # a bf16 model's hidden states: exactly bf16 values
+            x = x.bfloat16().float()
+        one = kernel_weights(shape, storage, len(used), g)
+        copies = max(1, -(-(192 << 20) // one["bytes"]))
+        layers = [one] + [kernel_weights(shape, storage, len(used), g) for _ in range(copies - 1)]
+        keys = [(isa, t) for isa in isas for t in threads]
+        best = {key: float("inf") for key in keys}
+        best_cpu = {key: float("inf") for key in keys}
+        for r in range(rounds + 1):                         # round 0 warms up
+            for isa, t in keys:
+                torch.set_num_threads(t)
+                for layer in layers:
+                    start, start_cpu = time.perf_counter(), time.thread_time()
+                    kernels.moe_experts(x, weights, local, 0, layer["gate_up"],
+                                        layer["gate_up_bias"], layer["down"],
+                                        layer["down_bias"], 1.702, 7.0, isa)
+                    wall, cpu = time.perf_counter() - start, time.thread_time() - start_cpu
+                    if r:
+                        best[(isa, t)] = min(best[(isa, t)], wall)
+                        best_cpu[(isa, t)] = min(best_cpu[(isa, t)], cpu)
+        for isa, t in keys:
+            wall, cpu = best[(isa, t)], best_cpu[(isa, t)]
+            row = {"shape": name, "storage": storage, "tokens": T, "experts": len(used),
+                   "isa": isa, "threads": t, "expert_bytes": one["bytes"],
+                   "best_ms": round(wall * 1e3, 4), "gb_s": round(one["bytes"] / wall / 1e9, 2),
+                   "best_thread_cpu_ms": round(cpu * 1e3, 4),
+                   "gb_per_cpu_s": round(one["bytes"] / cpu / 1e9, 2)}
+            rows.append(row)
+            print(f"{name:8} {storage:5} T={T:3} experts={len(used):2} {isa:7} t={t} "
+                  f"{one['bytes'] / 1e6:7.2f} MB  best {wall * 1e3:8.3f} ms "
+                  f"{row['gb_s']:6.1f} GB/s  thread cpu {cpu * 1e3:8.3f} ms "
+                  f"{row['gb_per_cpu_s']:6.1f} GB/cpu-s", flush=True)
+    return rows
+
+
 def mxfp4_copy(path: Path) -> Path:
     """The checkpoint at `path` with its experts rewritten in the official MXFP4 layout."""
     from safetensors.torch import load_file, save_file
@@ -245,6 +328,11 @@ def main() -> None:
                     help="a variant whose warm-up call takes longer (s) is timed once")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "moe_kernels.json"))
     ap.add_argument("--decode", action="store_true", help="end-to-end LLM.generate instead")
+    ap.add_argument("--kernel", action="store_true",
+                    help="the expert kernel alone: GB/s of expert weights per call")
+    ap.add_argument("--isas", default="",
+                    help="--kernel: ISA builds to time (default: every one this CPU runs "
+                         "but generic)")
     args = ap.parse_args()
     threads = [int(t) for t in args.threads.split(",")]
     torch.set_num_threads(threads[0])
@@ -258,6 +346,19 @@ def main() -> None:
         out.write_text(json.dumps({"machine": info, "rows": rows}, indent=1))
         return
     tokens = [int(t) for t in args.tokens.split(",")]
+    if args.kernel:
+        isas = args.isas.split(",") if args.isas else \
+            [i for i in kernels.status().isas if i != "generic"] or ["generic"]
+        rows = []
+        for name in args.configs.split(","):
+            rows += run_kernel(name, tokens, args.rounds, threads, isas)
+        info["loadavg_after"] = os.getloadavg()
+        out = Path(args.out)
+        if args.out == ap.get_default("out"):
+            out = out.with_name("moe_kernels_stream.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"machine": info, "rows": rows}, indent=1))
+        return
     variants = args.variants.split(",")
     rows = []
     for name in args.configs.split(","):

@@ -366,8 +366,12 @@ def threads():
 
 
 # (hidden, intermediate, experts, top_k, tokens, storage, experts that get tokens): every
-# case has ≥ 2^21 multiply-adds per sweep, so two threads split it (csrc/parallel.h)
+# case has ≥ 2^21 multiply-adds per sweep, or ≥ 512 KiB of weights to stream, so two
+# threads split it (csrc/parallel.h, csrc/moe_op.cpp)
 THREADED_CASES = {
+    # decode of one token: few multiply-adds, but 1 MiB (gate_up) and 512 KiB (down) of
+    # bf16 weights, split by bytes; hidden 272: a 16-column tail on every row
+    "bf16-1-token-split-by-bytes": (272, 1024, 2, 1, 1, "bf16", None),
     # 37 tokens: not a multiple of the thread count nor of the token blocks (8)
     "mxfp4-37-tokens-top2": (256, 224, 6, 2, 37, "mxfp4", None),
     # one token: the work is cut along the weight rows of its 4 experts only

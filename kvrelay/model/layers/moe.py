@@ -47,7 +47,12 @@ _NATIVE_DENSE_DTYPES = (torch.float32, torch.bfloat16)   # and MXFP4, whatever t
 # one thread, AVX512-BF16, CPU time): the kernel is 3.5-10× faster at hidden =
 # intermediate = 32 for any batch, faster at 128 up to ~100 rows per expert, at 256 up to
 # ~40, at 512 up to ~16; at 1024 oneDNN wins from 4 rows, and on a gpt-oss-20b layer the
-# two are on par at 1-2 rows.
+# two are on par at 1-2 rows. Re-measured after the bf16 kernel got faster (session 6, Zen 4,
+# one thread, CPU ms kernel / torch): "big" (1024/1024, 32 experts top-4) 2 / 4 / 8 rows per
+# expert 7.8/17.0, 21.5/21.2, 38.2/23.0 (parity at 4 rows = 4.2M of work: the threshold);
+# the embedded model (576/1536, 2 experts top-1) 1 / 2 / 4 / 6 / 8 / 12 / 16 rows 0.64/1.46,
+# 0.73/1.73, 1.20/1.83, 1.35/1.54, 1.42/1.48, 1.84/1.79, 2.93/2.55 (parity at 8-12 rows; the
+# threshold switches at 8, within 4 %). The constants stand.
 DENSE_TORCH_MIN_ROWS = 2
 DENSE_TORCH_MIN_WORK = 1 << 22
 # MXFP4 experts take the kernel (dequantising in registers, ~4× faster at decode sizes)

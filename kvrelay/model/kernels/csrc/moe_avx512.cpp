@@ -17,7 +17,11 @@ namespace {
 
 struct V {
   static constexpr int W = 16, NB = 8, kChains = 8, kChainsFp4 = 8;
-  static constexpr int kRowBlock = 2;   // MXFP4 weight rows per x load (moe_impl.h)
+  // MXFP4 weight rows per x load (moe_impl.h; 2 at 8 token rows, for the registers).
+  // 4 rows against 2: 4 x 4 independent accumulator chains and one x load per 4 rows at one
+  // token row. Measured (one thread, CPU ms): L3-resident 4 experts of hidden 1024, 1 token
+  // 0.313 -> 0.27, 4 tokens on 4 experts 0.75 -> 0.66; DRAM-streamed 20b layers +20-25 %.
+  static constexpr int kRowBlock = 4;
   static constexpr bool kScaledDecode = true;
   using T = __m512;
   static T zero() { return _mm512_setzero_ps(); }

@@ -176,19 +176,29 @@ struct Fp4Rows {
   }
 };
 
-// Columns [k0, k1) of MXFP4 rows [r0, r1) of expert e against NT token rows, V::kRowBlock
+// Weight rows per block for NT token rows: V::kRowBlock while the R·A·NT accumulators and
+// R·C decoded vectors fit the registers (AVX-512, 8 token rows: 4 rows would need 40 of 32).
+template <int NT>
+constexpr int fp4_row_block() {
+  constexpr int C = 32 / V::W, A = Fp4Rows<NT>::A;
+  return V::kRowBlock > 1 && V::kRowBlock * (A * NT + C) > 28 ? V::kRowBlock / 2
+                                                              : V::kRowBlock;
+}
+
+// Columns [k0, k1) of MXFP4 rows [r0, r1) of expert e against NT token rows, fp4_row_block
 // rows at a time; row r adds into out[(r - r0) · ldo : + NT].
 template <int NT>
 inline void fp4_rows(const kvrelay::Projection& w, const float* table, int64_t e, int64_t r0,
                      int64_t r1, int64_t k0, int64_t k1, const float* x, float* out, int64_t ldo) {
+  constexpr int R = fp4_row_block<NT>();
   const int64_t groups = w.cols / 32;
   const uint8_t* codes = static_cast<const uint8_t*>(w.data);
   int64_t r = r0;
-  for (; r + V::kRowBlock <= r1; r += V::kRowBlock) {
+  for (; r + R <= r1; r += R) {
     const int64_t index = e * w.rows + r;
-    Fp4Rows<NT>::template dots<V::kRowBlock>(codes + index * groups * 16, w.scales + index * groups,
-                                             groups, table, k0 / 32, k1 / 32, x, w.cols,
-                                             out + (r - r0) * ldo, ldo);
+    Fp4Rows<NT>::template dots<R>(codes + index * groups * 16, w.scales + index * groups,
+                                  groups, table, k0 / 32, k1 / 32, x, w.cols,
+                                  out + (r - r0) * ldo, ldo);
   }
   for (; r < r1; ++r) {
     const int64_t index = e * w.rows + r;

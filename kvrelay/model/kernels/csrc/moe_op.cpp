@@ -138,11 +138,29 @@ std::vector<Tile> tiles(const std::vector<int64_t>& offsets, int64_t rows, int64
   return out;
 }
 
+// Decode streams each active expert's weights once: a second thread pays for itself (one
+// fork/join, a few us) from this many weight bytes, whatever the multiply-adds. Measured
+// (benchmarks/moe_kernels.py --kernel, embedded model's experts, bf16, 1 token: gate_up
+// 3.5 MB, down 1.8 MB): by multiply-adds alone both sweeps ran on one thread, ~26 GB/s.
+constexpr int64_t kMinWeightBytesPerThread = int64_t(256) << 10;
+
+// Bytes of one expert's `rows` x `cols` weights in format `p`.
+int64_t expert_bytes(const Projection& p) {
+  if (p.format == kMXFP4) return p.rows * (p.cols / 2 + p.cols / 32);
+  return p.rows * p.cols * (p.format == kF32 ? 4 : 2);
+}
+
 // One sweep (gate_up or down) over every active expert: `rows` x `cols` weights per
 // expert, n token rows in all.
-void run(TileFn fn, const MoeProblem& problem, const std::vector<int64_t>& offsets,
-         int64_t rows, int64_t cols) {
-  const int64_t threads = threads_for(offsets.back() * rows * cols, rows * offsets.back());
+void run(TileFn fn, const MoeProblem& problem, const Projection& w,
+         const std::vector<int64_t>& offsets) {
+  const int64_t rows = w.rows, cols = w.cols, n = offsets.back();
+  int64_t active = 0;
+  for (size_t e = 0; e + 1 < offsets.size(); ++e) active += offsets[e + 1] > offsets[e];
+  const int64_t by_bytes = std::min<int64_t>(
+      {int64_t(at::get_num_threads()), rows * n,
+       active * expert_bytes(w) / kMinWeightBytesPerThread});
+  const int64_t threads = std::max(threads_for(n * rows * cols, rows * n), by_bytes);
   const std::vector<Tile> work = tiles(offsets, rows, threads);
   parallel_items(int64_t(work.size()), threads, 1, [&](int64_t begin, int64_t end) {
     fn(problem, work.data() + begin, end - begin);
@@ -227,8 +245,8 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& route_weights,
   p.alpha = float(alpha);
   p.limit = float(limit);
 
-  run(kernels.gate_up, p, offsets, 2 * I, H);
-  run(kernels.down, p, offsets, H, I);
+  run(kernels.gate_up, p, p.gate_up, offsets);
+  run(kernels.down, p, p.down, offsets);
 
   // each token: the sum of its local choices, in choice order
   float* o = out.data_ptr<float>();
