@@ -4,8 +4,9 @@
 asyncio queue per in-flight request, the deltas accumulated into outputs, the answers
 to explicit frees, the core's latest stats. `generate` yields accumulated
 `RequestOutput`s as deltas arrive. `AsyncEngine` adds the engine-core process on this
-machine and the pipe to it (a reader thread hands the core's messages to the event
-loop); `dp_remote.RemoteReplica` adds a core on a headless node, reached over TCP.
+machine and the pipe to it (the event loop reads the pipe itself: `add_reader`, one
+wake-up per engine step); `dp_remote.RemoteReplica` adds a core on a headless node,
+reached over TCP.
 
 Request ids: the engine's id of a request is the caller's id plus a random suffix,
 so requests that arrive with the same client id (a gateway retrying with one
@@ -282,7 +283,8 @@ class AsyncEngine(CoreClient):
     def start(self) -> None:
         super().start()
         self.process.start()
-        threading.Thread(target=self._reader, name="kvrelay-engine-reader", daemon=True).start()
+        assert self._loop is not None, "CoreClient.start set the running loop"
+        self._loop.add_reader(self._conn.fileno(), self._readable)
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         self._stopping = True
@@ -302,14 +304,23 @@ class AsyncEngine(CoreClient):
         with self._send_lock:
             self._conn.send(message)
 
-    def _reader(self) -> None:
-        while True:
-            try:
-                message: FromEngine = self._conn.recv()
-            except (EOFError, OSError):
-                message = Fatal("the engine process exited")
-            if not self.receive(message) or isinstance(message, Fatal):
-                return
+    def _readable(self) -> None:
+        """The pipe has data: handle the next message here, in the event loop.
+
+        A reader thread would cost each step a thread wake-up, a GIL hand-over and a wake of
+        the loop through its self-pipe: at one stream that was a third of the API process's
+        CPU per token, and on shared cores CPU taken from the engine's compute threads. The
+        core writes each message whole, so `recv` here waits at most for the rest of one
+        that is being written. One message per call: the loop polls level-triggered, so
+        another message already waiting brings the next call at once."""
+        assert self._loop is not None
+        try:
+            message: FromEngine = self._conn.recv()
+        except (EOFError, OSError):
+            message = Fatal("the engine process exited")
+        if isinstance(message, Fatal):
+            self._loop.remove_reader(self._conn.fileno())
+        self._dispatch(message)
 
     def _exit_was_asked(self) -> bool:
         return self._stopping or self._terminated()

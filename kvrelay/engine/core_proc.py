@@ -21,9 +21,11 @@ import ctypes
 import logging
 import os
 import signal
+import time
 import traceback
+from contextlib import nullcontext
 from multiprocessing.connection import Connection
-from typing import Any, Protocol
+from typing import IO, Any, Protocol
 
 from kvrelay import envs
 from kvrelay.config import EngineArgs
@@ -166,7 +168,19 @@ def keep_freed_memory() -> bool:
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4          # glibc's mallopt parameters (malloc.h)
 
 
+def _step_trace() -> IO[str] | nullcontext[None]:
+    """KVRELAY_STEP_TRACE: the file each step's timing line goes to (line-buffered: a server
+    stopped by a signal still leaves every finished step's line)."""
+    path = envs.STEP_TRACE.raw()
+    return open(path, "a", buffering=1) if path else nullcontext()
+
+
 def _loop(engine: CoreEngine, conn: Connection) -> None:
+    with _step_trace() as trace:
+        _run(engine, conn, trace)
+
+
+def _run(engine: CoreEngine, conn: Connection, trace: IO[str] | None) -> None:
     last_stats: EngineStats | None = None
     announced: set[str] = set()          # requests whose first message (with the prompt) went out
     while True:
@@ -190,16 +204,21 @@ def _loop(engine: CoreEngine, conn: Connection) -> None:
             if isinstance(message, AbortRequests):
                 announced.difference_update(message.request_ids)
         if engine.has_unfinished_requests() or engine.transfer_busy:
+            started = time.monotonic()
             try:
                 outputs = engine.step()
             except BaseException as e:
                 conn.send(Fatal(f"engine step failed: {type(e).__name__}: {e}"))
                 logger.error(traceback.format_exc())
                 return
+            stepped = time.monotonic()
             stats = engine_stats(engine)
             if outputs or stats != last_stats:               # one message per step
                 conn.send(StepOutputs(_deltas(outputs, announced), stats))
                 last_stats = stats
+            if trace is not None:
+                trace.write(f"{started:.6f} {stepped:.6f} {time.monotonic():.6f} "
+                            f"{len(outputs)}\n")
 
 
 def _deltas(outputs: list[RequestOutput], announced: set[str]) -> list[RequestOutput]:
