@@ -49,13 +49,18 @@ from kvrelay.bench.client import RequestOptions
 from kvrelay.bench.datasets import random_dataset
 from kvrelay.bench.metrics import compute_metrics
 from kvrelay.bench.runner import RunConfig, run
+try:                                  # the tree's own client loop (older trees: asyncio's)
+    from kvrelay.bench.runner import run_blocking
+except ImportError:
+    def run_blocking(cfg, convs):
+        return asyncio.run(run(cfg, convs))
 from kvrelay.bench.tokens import make_counter
 url, tokenizer, n, prompt_len, tokens, c = sys.argv[1:7]
 convs = random_dataset(make_counter(tokenizer), int(n), int(prompt_len), int(tokens))
 cfg = RunConfig(url, RequestOptions("/v1/completions", "bench", True, 0.0),
                 max_concurrency=int(c), disable_tqdm=True)
 cpu0 = time.process_time()
-outcome = asyncio.run(run(cfg, convs))
+outcome = run_blocking(cfg, convs)
 cpu = time.process_time() - cpu0
 m = compute_metrics(outcome.results, outcome.duration, [50])
 print(json.dumps({"completed": m.completed, "failed": m.failed, "tokens": m.total_output,

@@ -23,7 +23,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Protocol
 
 from kvrelay.config import EngineArgs
@@ -50,7 +50,7 @@ from kvrelay.engine.messages import (
     StepOutputs,
     ToEngine,
 )
-from kvrelay.engine.outputs import RequestOutput
+from kvrelay.engine.outputs import CompletionOutput, RequestOutput
 from kvrelay.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -75,8 +75,15 @@ class _Stream:
 
 def _snapshot(out: RequestOutput) -> RequestOutput:
     """Own copies of the per-step fields (deltas, finish reasons); the cumulative token
-    and logprob lists are shared and only final outputs should read them."""
-    return replace(out, outputs=[replace(o) for o in out.outputs])
+    and logprob lists are shared and only final outputs should read them. Built directly
+    (once per token and stream: `dataclasses.replace` costs ~4x as much)."""
+    return RequestOutput(
+        out.request_id, out.prompt, out.prompt_token_ids,
+        [CompletionOutput(o.index, o.text, o.token_ids, o.finish_reason, o.stop_reason,
+                          o.logprobs, o.delta_text, o.delta_token_ids, o.delta_logprobs)
+         for o in out.outputs],
+        out.prompt_logprobs, out.num_cached_tokens, out.finished, out.kv_transfer_params,
+        out.error, out.error_status)
 
 
 class CoreClient:
