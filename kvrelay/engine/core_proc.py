@@ -20,6 +20,8 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import pickle
+import select
 import signal
 import time
 import traceback
@@ -183,11 +185,14 @@ def _loop(engine: CoreEngine, conn: Connection) -> None:
 def _run(engine: CoreEngine, conn: Connection, trace: IO[str] | None) -> None:
     last_stats: EngineStats | None = None
     announced: set[str] = set()          # requests whose first message (with the prompt) went out
+    # between steps, one poll(2) call: Connection.poll(0) builds a selector each time
+    waiting = select.poll()
+    waiting.register(conn.fileno(), select.POLLIN)
     while True:
         if not engine.has_unfinished_requests():
             # idle: sleep until a message (or poll transfers/leases every 10 ms)
             conn.poll(0.01 if engine.transfer_busy else None)
-        while conn.poll(0):
+        while waiting.poll(0):
             try:
                 message = conn.recv()
             except EOFError:
@@ -214,7 +219,10 @@ def _run(engine: CoreEngine, conn: Connection, trace: IO[str] | None) -> None:
             stepped = time.monotonic()
             stats = engine_stats(engine)
             if outputs or stats != last_stats:               # one message per step
-                conn.send(StepOutputs(_deltas(outputs, announced), stats))
+                # plain pickle (Connection.send's ForkingPickler copies the copyreg dispatch
+                # table per message); the API's Connection.recv unpickles it the same
+                conn.send_bytes(pickle.dumps(StepOutputs(_deltas(outputs, announced), stats),
+                                             pickle.HIGHEST_PROTOCOL))
                 last_stats = stats
             if trace is not None:
                 trace.write(f"{started:.6f} {stepped:.6f} {time.monotonic():.6f} "
