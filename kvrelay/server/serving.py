@@ -336,10 +336,13 @@ class CompletionChunks:
 
     def chunk(self, index: int, text: str, logprobs: dict[str, Any] | None,
               finish_reason: str | None, stop_reason: int | str | None) -> str:
-        lp = "null" if logprobs is None else _to_json(logprobs)
-        return (f"{self._head}{index}, \"text\": {_json_str(text)}, \"logprobs\": {lp}, "
-                f"\"finish_reason\": {_to_json(finish_reason)}, "
-                f"\"stop_reason\": {_to_json(stop_reason)}}}]}}\n\n")
+        return (f"{self._head}{index}, \"text\": {_json_str(text)}, \"logprobs\": "
+                f"{_json_or_null(logprobs)}, \"finish_reason\": {_json_or_null(finish_reason)}, "
+                f"\"stop_reason\": {_json_or_null(stop_reason)}}}]}}\n\n")
+
+
+def _json_or_null(value: Any) -> str:
+    return "null" if value is None else _to_json(value)        # None: every token but the last
 
 
 _json_str = json.encoder.encode_basestring          # a str as JSON, non-ASCII kept (as _to_json)
