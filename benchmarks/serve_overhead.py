@@ -77,15 +77,15 @@ def free_port() -> int:
 
 
 def thread_cpu(pid: int) -> dict[int, float]:
-    """CPU seconds (user + system) of each thread of `pid`."""
-    tick = os.sysconf("SC_CLK_TCK")
+    """CPU seconds of each thread of `pid`, from the scheduler's exact run time
+    (/proc/.../schedstat): utime/stime are sampled at clock ticks, which misses most of
+    the short bursts a thread woken once per token runs."""
     out = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
-            f = (task / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
+            out[int(task.name)] = int((task / "schedstat").read_text().split()[0]) / 1e9
+        except (OSError, ValueError, IndexError):
             continue
-        out[int(task.name)] = (int(f[11]) + int(f[12])) / tick
     return out
 
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from functools import cache
 from operator import attrgetter
 from typing import Any
 
@@ -20,11 +19,16 @@ class PicklesAsTuple:
         return type(self), _values(type(self))(self)
 
 
-@cache
+_GETTERS: dict[type, attrgetter] = {}
+
+
 def _values(cls: type) -> attrgetter:
     """The getter of a dataclass's field values (a tuple: every user has several fields),
     in the order its __init__ takes them."""
-    return attrgetter(*(f.name for f in fields(cls)))
+    getter = _GETTERS.get(cls)
+    if getter is None:
+        getter = _GETTERS[cls] = attrgetter(*(f.name for f in fields(cls)))
+    return getter
 
 
 @dataclass
