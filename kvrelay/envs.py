@@ -115,6 +115,11 @@ ENGINE_KEEP_FREED_MEMORY = EnvVar(
     "large block, no trimming) so per-step tensors do not fault in fresh pages: '1' (default) "
     "or '0' (freed memory goes back to the system)")
 
+STEP_TRACE = EnvVar(
+    "KVRELAY_STEP_TRACE", None, None,
+    "a file the engine core appends one line per step to (monotonic seconds: step start, step "
+    "end, outputs sent; outputs in the step), for benchmarks/serve_overhead.py; unset: none")
+
 SINGLE_THREAD_STEP_MACS = EnvVar(
     "KVRELAY_SINGLE_THREAD_STEP_MACS", None, "16e6",
     "CPU: a step under this many multiply-adds runs on one thread (intra-op parallelism of "

@@ -17,7 +17,7 @@ from typing import Any
 from kvrelay.bench import datasets, plot, report
 from kvrelay.bench.client import ENDPOINTS, RequestOptions, first_model
 from kvrelay.bench.metrics import METRIC_NAMES, compute_metrics, output_timeline, parse_goodput
-from kvrelay.bench.runner import RunConfig, run
+from kvrelay.bench.runner import RunConfig, run_blocking
 from kvrelay.bench.tokens import HFTokenCounter, make_counter
 
 logger = logging.getLogger("kvrelay.bench")
@@ -175,7 +175,7 @@ def serve(args: argparse.Namespace) -> int:
                     args.request_rate, args.burstiness, args.max_concurrency, args.seed,
                     args.disable_tqdm)
     count = counter.count if isinstance(counter, HFTokenCounter) else None
-    outcome = asyncio.run(run(cfg, convs, count))
+    outcome = run_blocking(cfg, convs, count)
     metrics = compute_metrics(outcome.results, outcome.duration, out_cfg.percentiles, out_cfg.slos)
     info: dict[str, Any] = {
         "date": time.strftime("%Y%m%d-%H%M%S"), "backend": "kvrelay-bench",

@@ -20,10 +20,14 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import pickle
+import select
 import signal
+import time
 import traceback
+from contextlib import nullcontext
 from multiprocessing.connection import Connection
-from typing import Any, Protocol
+from typing import IO, Any, Protocol
 
 from kvrelay import envs
 from kvrelay.config import EngineArgs
@@ -166,14 +170,29 @@ def keep_freed_memory() -> bool:
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4          # glibc's mallopt parameters (malloc.h)
 
 
+def _step_trace() -> IO[str] | nullcontext[None]:
+    """KVRELAY_STEP_TRACE: the file each step's timing line goes to (line-buffered: a server
+    stopped by a signal still leaves every finished step's line)."""
+    path = envs.STEP_TRACE.raw()
+    return open(path, "a", buffering=1) if path else nullcontext()
+
+
 def _loop(engine: CoreEngine, conn: Connection) -> None:
+    with _step_trace() as trace:
+        _run(engine, conn, trace)
+
+
+def _run(engine: CoreEngine, conn: Connection, trace: IO[str] | None) -> None:
     last_stats: EngineStats | None = None
     announced: set[str] = set()          # requests whose first message (with the prompt) went out
+    # between steps, one poll(2) call: Connection.poll(0) builds a selector each time
+    waiting = select.poll()
+    waiting.register(conn.fileno(), select.POLLIN)
     while True:
         if not engine.has_unfinished_requests():
             # idle: sleep until a message (or poll transfers/leases every 10 ms)
             conn.poll(0.01 if engine.transfer_busy else None)
-        while conn.poll(0):
+        while waiting.poll(0):
             try:
                 message = conn.recv()
             except EOFError:
@@ -190,16 +209,24 @@ def _loop(engine: CoreEngine, conn: Connection) -> None:
             if isinstance(message, AbortRequests):
                 announced.difference_update(message.request_ids)
         if engine.has_unfinished_requests() or engine.transfer_busy:
+            started = time.monotonic()
             try:
                 outputs = engine.step()
             except BaseException as e:
                 conn.send(Fatal(f"engine step failed: {type(e).__name__}: {e}"))
                 logger.error(traceback.format_exc())
                 return
+            stepped = time.monotonic()
             stats = engine_stats(engine)
             if outputs or stats != last_stats:               # one message per step
-                conn.send(StepOutputs(_deltas(outputs, announced), stats))
+                # plain pickle (Connection.send's ForkingPickler copies the copyreg dispatch
+                # table per message); the API's Connection.recv unpickles it the same
+                conn.send_bytes(pickle.dumps(StepOutputs(_deltas(outputs, announced), stats),
+                                             pickle.HIGHEST_PROTOCOL))
                 last_stats = stats
+            if trace is not None:
+                trace.write(f"{started:.6f} {stepped:.6f} {time.monotonic():.6f} "
+                            f"{len(outputs)}\n")
 
 
 def _deltas(outputs: list[RequestOutput], announced: set[str]) -> list[RequestOutput]:

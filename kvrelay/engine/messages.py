@@ -22,7 +22,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, ClassVar
 
-from kvrelay.engine.outputs import CompletionOutput, RequestOutput
+from kvrelay.engine.outputs import CompletionOutput, PicklesAsTuple, RequestOutput
 from kvrelay.engine.request import Logprob
 from kvrelay.sampling_params import SamplingParams
 
@@ -47,7 +47,7 @@ class _Record(Mapping[str, Any]):
 
 # -- what an engine core reports ------------------------------------------------------------
 @dataclass(frozen=True, eq=True)
-class EngineStats(_Record):
+class EngineStats(PicklesAsTuple, _Record):
     """The engine core's counters after a step. The `kv_*` fields are None without a KV
     connector (no disaggregation), so they are not exported then."""
 
@@ -236,10 +236,13 @@ def as_delta(out: RequestOutput, first: bool = True) -> RequestOutput:
     client accumulates the deltas). After a request's first message the prompt (text and
     ids) is left out too: the client keeps the first message's, and a long prompt
     re-pickled every step costs O(prompt) per token."""
-    outputs = [replace(o, text="", token_ids=[], logprobs=None) for o in out.outputs]
-    if first:
-        return replace(out, outputs=outputs)
-    return replace(out, outputs=outputs, prompt=None, prompt_token_ids=[])
+    outputs = [CompletionOutput(o.index, "", [], o.finish_reason, o.stop_reason, None,
+                                o.delta_text, o.delta_token_ids, o.delta_logprobs)
+               for o in out.outputs]      # built directly: `replace` costs ~4x as much
+    return RequestOutput(out.request_id, out.prompt if first else None,
+                         out.prompt_token_ids if first else [], outputs, out.prompt_logprobs,
+                         out.num_cached_tokens, out.finished, out.kv_transfer_params, out.error,
+                         out.error_status)
 
 
 class CodecError(ValueError):

@@ -55,6 +55,7 @@ from kvrelay.server.protocol import (
 from kvrelay.server.responses import add_responses_routes
 from kvrelay.server.serving import (
     HOLD_RETRY_AFTER_S,
+    CompletionChunks,
     ServerState,
     _Busy,
     _chat_logprobs,
@@ -423,6 +424,7 @@ async def _stream_completions(state: ServerState, body: CompletionRequest, model
                               created: int, prompts: list[tuple[str | None, list[int]]],
                               gens: Sequence[AsyncIterator[RequestOutput]]) -> AsyncIterator[str]:
     timings = [_Timing(state.metrics) for _ in gens]
+    chunks = CompletionChunks(base_id, created, model)
     completion_tokens = 0
     echoed: set[tuple[int, int]] = set()
     offsets: dict[tuple[int, int], int] = {}
@@ -443,11 +445,8 @@ async def _stream_completions(state: ServerState, body: CompletionRequest, model
                 lp = _completion_logprobs(state, o.delta_token_ids, o.delta_logprobs,
                                           offsets.get(key, 0))
                 offsets[key] = offsets.get(key, 0) + len(text)
-                yield _sse({"id": base_id, "object": "text_completion", "created": created,
-                            "model": model,
-                            "choices": [{"index": i * body.n + o.index, "text": text,
-                                         "logprobs": lp, "finish_reason": o.finish_reason,
-                                         "stop_reason": o.stop_reason}]})
+                yield chunks.chunk(i * body.n + o.index, text, lp, o.finish_reason,
+                                   o.stop_reason)
             if out.finished:
                 timings[i].finished(len(prompts[i][1]), [o.finish_reason for o in out.outputs])
     except (EngineError, EngineDeadError, KVTransferFailed, RequestFailed) as e:

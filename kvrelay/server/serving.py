@@ -317,8 +317,35 @@ class _Timing:
             self.metrics.request_success.labels(self.metrics.model_name, reason or "abort").inc()
 
 
+_to_json = json.JSONEncoder(ensure_ascii=False).encode   # json.dumps builds one per call
+
+
 def _sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    return f"data: {_to_json(payload)}\n\n"
+
+
+class CompletionChunks:
+    """The SSE events of one streamed /v1/completions response, the part every event shares
+    serialised once: per token only the choice's values are encoded. Byte for byte what
+    `_sse` makes of the same dict (tests/server/test_sse_chunks.py)."""
+
+    def __init__(self, base_id: str, created: int, model: str) -> None:
+        head = _to_json({"id": base_id, "object": "text_completion", "created": created,
+                         "model": model, "choices": []})
+        self._head = f"data: {head[:-2]}{{\"index\": "       # up to the choice's index
+
+    def chunk(self, index: int, text: str, logprobs: dict[str, Any] | None,
+              finish_reason: str | None, stop_reason: int | str | None) -> str:
+        return (f"{self._head}{index}, \"text\": {_json_str(text)}, \"logprobs\": "
+                f"{_json_or_null(logprobs)}, \"finish_reason\": {_json_or_null(finish_reason)}, "
+                f"\"stop_reason\": {_json_or_null(stop_reason)}}}]}}\n\n")
+
+
+def _json_or_null(value: Any) -> str:
+    return "null" if value is None else _to_json(value)        # None: every token but the last
+
+
+_json_str = json.encoder.encode_basestring          # a str as JSON, non-ASCII kept (as _to_json)
 
 
 async def _until_disconnect(request: Request, work: asyncio.Future) -> Any:

@@ -1,0 +1,177 @@
+"""The engine core ⇄ API process hop: one message per step for the whole batch, read by
+the API's event loop itself (no reader thread)."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import pickle
+import signal
+import threading
+from dataclasses import fields, replace
+from types import SimpleNamespace
+from typing import Any
+
+from kvrelay import SamplingParams
+from kvrelay.config import EngineArgs
+from kvrelay.engine import core_proc
+from kvrelay.engine.async_client import AsyncEngine
+from kvrelay.engine.messages import (
+    EngineInfo,
+    EngineStats,
+    Ready,
+    Shutdown,
+    StepOutputs,
+    as_delta,
+)
+from kvrelay.engine.outputs import CompletionOutput, RequestOutput
+from kvrelay.engine.request import Logprob
+
+
+class _BatchEngine:
+    """What the core loop needs of an engine: `n` requests decoding `steps` tokens each."""
+
+    connector = None
+    expert_world = None
+    transfer_busy = False
+
+    def __init__(self, n: int, steps: int) -> None:
+        self.tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(n)}
+        self.steps, self.num_steps, self.num_dummy_steps = steps, 0, 0
+        pool = SimpleNamespace(usage=0.0, num_free=10, num_used=0, num_blocks=11)
+        self.kv = SimpleNamespace(pool=pool, stats=SimpleNamespace(queries=0, hits=0))
+        self.scheduler = SimpleNamespace(running=[], waiting=[], num_preemptions=0)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.num_steps < self.steps
+
+    def step(self) -> list[RequestOutput]:
+        self.num_steps += 1
+        done = self.num_steps == self.steps
+        outs = []
+        for i, (rid, ids) in enumerate(self.tokens.items()):
+            ids.append(100 + i)
+            c = CompletionOutput(0, "x" * len(ids), list(ids), "length" if done else None,
+                                 delta_text="x", delta_token_ids=[100 + i])
+            outs.append(RequestOutput(rid, "p", [1, 2, 3], [c], finished=done))
+        return outs
+
+
+def test_core_sends_one_message_per_step_with_the_whole_batch(tmp_path, monkeypatch):
+    trace = tmp_path / "steps.txt"
+    monkeypatch.setenv("KVRELAY_STEP_TRACE", str(trace))
+    api, core = mp.Pipe()
+    engine = _BatchEngine(n=5, steps=4)
+    loop = threading.Thread(target=core_proc._loop, args=(engine, core))
+    loop.start()
+    try:
+        messages = [api.recv() for _ in range(4)]
+        api.send(Shutdown())
+        loop.join(10)
+        assert not loop.is_alive()
+        assert not api.poll(0.2)                           # nothing beyond one per step
+    finally:
+        api.close()
+        core.close()
+    assert all(isinstance(m, StepOutputs) for m in messages)
+    assert [len(m.outputs) for m in messages] == [5] * 4   # every request's delta, together
+    assert [m.stats.num_steps for m in messages] == [1, 2, 3, 4]
+    for m in messages:
+        assert [o.outputs[0].delta_token_ids for o in m.outputs] == [[100 + i] for i in range(5)]
+        assert all(o.outputs[0].token_ids == [] for o in m.outputs)   # deltas only
+    assert messages[-1].outputs[0].finished
+    lines = [line.split() for line in trace.read_text().splitlines()]
+    assert [int(x[3]) for x in lines] == [5] * 4           # KVRELAY_STEP_TRACE: a line a step
+    assert all(float(a) <= float(b) <= float(c) for a, b, c, _ in lines)
+
+
+class _NoProcess:
+    """Stands in for the engine-core process (the test plays the core on the pipe)."""
+
+    exitcode = -signal.SIGTERM
+
+    def start(self) -> None:
+        pass
+
+    def is_alive(self) -> bool:
+        return False
+
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
+
+def _stats(steps: int) -> EngineStats:
+    return EngineStats(num_steps=steps)
+
+
+def test_api_reads_the_core_pipe_in_its_event_loop():
+    async def scenario() -> tuple[list[Any], int, str | None]:
+        engine = AsyncEngine(EngineArgs())
+        core = engine.process._args[1]                     # the core's end of the pipe
+        engine.process = _NoProcess()                      # type: ignore[assignment]
+        threads = threading.active_count()
+        engine.start()
+        started = threading.active_count() - threads       # no reader thread
+        core.send(Ready(EngineInfo(64, "m", 0, 200), _stats(0)))
+        await engine.wait_ready(5)
+        gen = engine.generate("a", [1, 2], SamplingParams(max_tokens=2))
+        first = asyncio.ensure_future(gen.__anext__())
+        await asyncio.sleep(0.05)
+        add = core.recv()
+        rid = add.request_id
+        outs = []
+        for step, done in ((1, False), (2, True)):
+            c = CompletionOutput(0, "", [], "length" if done else None, delta_text="t",
+                                 delta_token_ids=[7 + step])
+            core.send(StepOutputs([RequestOutput(rid, None, [1, 2], [c], finished=done)],
+                                  _stats(step)))
+            outs.append(await (first if step == 1 else gen.__anext__()))
+        core.close()                                       # the core exits
+        for _ in range(100):
+            if engine.dead:
+                break
+            await asyncio.sleep(0.01)
+        return outs, started, engine.dead
+
+    outs, started, dead = asyncio.run(scenario())
+    assert started == 0
+    assert [o.outputs[0].delta_token_ids for o in outs] == [[8], [9]]
+    assert outs[-1].outputs[0].token_ids == [8, 9] and outs[-1].finished
+    assert dead == "the engine process exited"
+
+
+def _full_output() -> RequestOutput:
+    """Every field set to something other than its default."""
+    lp = {5: Logprob(5, -0.5, 1)}
+    c = CompletionOutput(1, "abc", [4, 5], "stop", "</s>", [lp, lp], "c", [5], [lp])
+    return RequestOutput("r", "prompt", [1, 2], [c], [None, lp], 3, True, {"k": 1}, "boom", 500)
+
+
+def test_delta_drops_only_the_cumulative_fields():
+    out = _full_output()
+    c = out.outputs[0]
+    first, later = as_delta(out), as_delta(out, first=False)
+    expected = replace(out, outputs=[replace(c, text="", token_ids=[], logprobs=None)])
+    assert first == expected
+    assert later == replace(expected, prompt=None, prompt_token_ids=[])
+    # every field of both classes is carried or dropped on purpose (a new one must be too)
+    assert {f.name for f in fields(RequestOutput)} == {
+        "request_id", "prompt", "prompt_token_ids", "outputs", "prompt_logprobs",
+        "num_cached_tokens", "finished", "kv_transfer_params", "error", "error_status"}
+    assert {f.name for f in fields(CompletionOutput)} == {
+        "index", "text", "token_ids", "finish_reason", "stop_reason", "logprobs", "delta_text",
+        "delta_token_ids", "delta_logprobs"}
+
+
+def test_step_message_pickles_as_field_tuples():
+    stats = EngineStats(num_requests_running=2, kv_cache_usage_perc=0.25, num_steps=9,
+                        kv_transfers=4, kv_transfer_seconds=0.5)
+    message = StepOutputs([as_delta(_full_output()), as_delta(_full_output(), first=False)],
+                          stats)
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    assert pickle.loads(data) == message
+    assert b"num_requests_running" not in data and b"delta_token_ids" not in data
+    one_token = StepOutputs([as_delta(RequestOutput("cmpl-0123456789abcdef-0", None, [], [
+        CompletionOutput(0, "", [], delta_text=" the", delta_token_ids=[1996])]), False)],
+        EngineStats(num_requests_running=1, num_steps=100))
+    assert len(pickle.dumps(one_token, protocol=pickle.HIGHEST_PROTOCOL)) < 400  # was ~1,050
