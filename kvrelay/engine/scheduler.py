@@ -59,6 +59,11 @@ class ScheduledChunk:
         return self.start + self.num_tokens == self.request.num_tokens
 
 
+def _chunk_order(chunk: ScheduledChunk) -> int:
+    """Decodes 0, chunks continuing a prefix 1, prompt chunks from position 0 2."""
+    return 0 if chunk.num_tokens == 1 else 1 if chunk.start else 2
+
+
 @dataclass
 class KVLoad:
     """Decode side: pull the prompt's KV for tokens [hit_tokens, prompt_len - 1)."""
@@ -134,8 +139,10 @@ class Scheduler:
                 i += 1
         if not out.preempted:
             budget = self._admit_waiting(out, budget)
-        # decodes (one new token) first: the runner attends them as one batch
-        out.chunks.sort(key=lambda c: c.num_tokens != 1)
+        # decodes (one new token) first: the runner attends them as one batch; then the
+        # chunks that continue a prefix, then those from position 0, which attention
+        # computes over their own keys when they close the step (layers/attention.py)
+        out.chunks.sort(key=_chunk_order)
         return out
 
     def _allocate_or_preempt(self, req: Request, n: int, out: SchedulerOutput) -> bool:

@@ -79,6 +79,31 @@ def test_a_long_prompt_is_computed_in_budget_sized_chunks():
     s.kv.assert_no_leaks()
 
 
+def test_chunks_that_continue_a_prefix_go_before_prompts_from_zero():
+    # attention computes the fresh chunks that close a step over their own keys
+    s = make_scheduler(32, budget=8)
+    fwd = FakeForward(s)
+    a, b, c = _add(s, request("A", [1, 2], max_tokens=3), request("B", A_PROMPT, max_tokens=2),
+                   request("C", [40, 41, 42], max_tokens=2))
+    assert chunks_of(step(s, fwd)[0]) == [("A", 0, 2), ("B", 0, 6)]
+    assert chunks_of(step(s, fwd)[0]) == [("A", 2, 1), ("B", 6, 4), ("C", 0, 3)]
+    run_to_completion(s, fwd)
+    _assert_reference(a, b, c)
+    s.kv.assert_no_leaks()
+
+
+def test_a_prefix_hit_orders_as_a_continued_chunk():
+    s = make_scheduler(32, budget=64)
+    fwd = FakeForward(s)
+    (first,) = _add(s, request("A", A_PROMPT, max_tokens=1))
+    run_to_completion(s, fwd)
+    d, e = _add(s, request("D", [70, 71, 72], max_tokens=1),
+                request("E", A_PROMPT + [5], max_tokens=1))
+    assert chunks_of(step(s, fwd)[0]) == [("E", 8, 3), ("D", 0, 3)]   # E from A's two blocks
+    _assert_reference(first, d, e)
+    s.kv.assert_no_leaks()
+
+
 # -- without chunked prefill (the offline LLM's default) ------------------------------------
 
 def test_without_chunked_prefill_a_prompt_that_does_not_fit_waits_for_the_next_step():
