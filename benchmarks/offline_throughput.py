@@ -21,7 +21,8 @@ What one run does:
      - a decode probe: 64 requests of 32-token prompts generated to S1 and S2 tokens;
        (T(S2) − T(S1)) / (S2 − S1) = one decode step at batch 64 (prefill cancels).
    kvrelay: `LLM(path, dtype="bfloat16", max_num_seqs=64, max_num_batched_tokens=4096,
-   enable_prefix_caching=False).generate(token id lists, per-request SamplingParams)`.
+   enable_prefix_caching=False).generate(token id lists, per-request SamplingParams)`
+   (no chunked prefill, LLM's default: a prompt starts whole in the next step instead).
    transformers: its best static batch: the requests in order, cut into batches of B
    prompts, each left-padded and run with `generate(max_new_tokens = min_new_tokens =
    the batch's longest output)`, for every B in --hf-batches and experts implementation

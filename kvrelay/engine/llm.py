@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from tqdm import tqdm
@@ -16,9 +17,18 @@ Prompt = str | list[int] | dict[str, Any]
 
 
 class LLM:
-    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+    """`enable_chunked_prefill` (default False here, unlike the server): whether a prompt
+    that does not fit in what is left of a step's token budget starts with a partial
+    chunk. Offline, nobody waits for a first token, and whole prompts from position 0
+    take the fresh-prefill attention kernel: a continued chunk sends its whole step's
+    prefill through the slower gather path (`layers/attention.py`)."""
+
+    def __init__(self, model: str | None = None, enable_chunked_prefill: bool = False,
+                 **engine_args: Any) -> None:
         config = EngineConfig.from_args(EngineArgs.from_kwargs(model=model, **engine_args))
         self.engine = LLMEngine(config)
+        scheduler = self.engine.scheduler
+        scheduler.config = replace(scheduler.config, chunked_prefill=enable_chunked_prefill)
         self._ids = itertools.count()
 
     def shutdown(self) -> None:

@@ -27,6 +27,7 @@ memory per block is (layers in the largest group) × 2 × kv_heads × B × head_
 """
 from __future__ import annotations
 
+import array
 import logging
 import time
 from collections.abc import Callable
@@ -111,8 +112,8 @@ class ModelRunner:
         if step.num_decodes == len(step.query_lens):
             return self._prepare_decodes(step)
         dev = self.device
-        q_lens = torch.tensor(step.query_lens, dtype=torch.int64)
-        starts = torch.tensor(step.starts, dtype=torch.int64)
+        q_lens = _ints(step.query_lens, None)
+        starts = _ints(step.starts, None)
         cu_q = torch.zeros(len(q_lens) + 1, dtype=torch.int64)
         torch.cumsum(q_lens, 0, out=cu_q[1:])
         seq_of = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens)   # [T]
@@ -125,8 +126,7 @@ class ModelRunner:
             slots.append((blocks * self.block_size + positions % self.block_size).to(dev))
         meta = AttentionMetadata(cu_q.to(dev), (starts + q_lens).to(dev), tuple(tables),
                                  tuple(slots), self.block_size, step.num_decodes)
-        ids = torch.tensor(step.token_ids, dtype=torch.int64, device=dev)
-        return ids, positions.to(dev), meta
+        return _ints(step.token_ids, dev), positions.to(dev), meta
 
     def _prepare_decodes(self, step: StepInput, rows: int | None = None,
                          width: int | None = None
@@ -144,23 +144,21 @@ class ModelRunner:
         tables, slots = [], []
         for g in range(self.num_groups):
             blocks = step.block_tables[g]
-            slots.append(torch.tensor([t[p // B] * B + p % B for t, p in zip(blocks, starts)]
-                                      + [-1] * pad, dtype=torch.int64, device=dev))
-            w = max(max(len(t) for t in blocks), 1)
-            padded = [t + [0] * (w - len(t)) for t in blocks] + [[0] * w] * pad
-            table = torch.tensor(padded, dtype=torch.int64, device=dev).view(n, w)
+            slots.append(_ints([t[p // B] * B + p % B for t, p in zip(blocks, starts)]
+                               + [-1] * pad, dev))
+            table = _table(blocks, n)
             if width is not None:
                 wide = self._wide_tables.get((g, n))
                 if wide is None:
                     wide = self._wide_tables[(g, n)] = torch.zeros(
                         n, width, dtype=torch.int64, device=dev)
-                wide[:, :w] = table
+                wide[:, :table.shape[1]] = table
                 table = wide
-            tables.append(table)
-        seq_lens = torch.tensor([p + 1 for p in starts] + [1] * pad, dtype=torch.int64, device=dev)
+            tables.append(table.to(dev))
+        seq_lens = _ints([p + 1 for p in starts] + [1] * pad, dev)
         meta = AttentionMetadata(self._arange(n + 1), seq_lens, tuple(tables), tuple(slots), B, n)
-        ids = torch.tensor(step.token_ids + [0] * pad, dtype=torch.int64, device=dev)
-        positions = torch.tensor(starts + [0] * pad, dtype=torch.int64, device=dev)
+        ids = _ints(step.token_ids + [0] * pad, dev)
+        positions = _ints(starts + [0] * pad, dev)
         return ids, positions, meta
 
     def _arange(self, n: int) -> torch.Tensor:
@@ -182,8 +180,9 @@ class ModelRunner:
             assert group is not None          # set whenever dp_token_counts is
             group.begin_step(step.dp_token_counts)
         hidden = self.model(ids, positions, self.kv_caches, meta)             # [T, H]
-        rows = torch.tensor(step.logits_rows, dtype=torch.int64, device=self.device)
-        return self.model.compute_logits(hidden[rows]).cpu()
+        if step.logits_rows == list(range(hidden.shape[0])):   # every row, in order (decodes)
+            return self.model.compute_logits(hidden).cpu()
+        return self.model.compute_logits(hidden[_ints(step.logits_rows, self.device)]).cpu()
 
 
     # -- compiled decode steps ------------------------------------------------------------------
@@ -309,6 +308,22 @@ def _first_line(e: BaseException) -> str:
 def _pad_table(rows: list[list[int]]) -> torch.Tensor:
     """Block ids per sequence, zero-padded to the widest: one tensor built in one call
     (a `torch.tensor` per row costs microseconds each, per group, per step)."""
+    return _table(rows, len(rows))
+
+
+def _table(rows: list[list[int]], n: int) -> torch.Tensor:
+    """[n, widest] int64: the rows zero-padded, then all-zero rows up to n."""
     width = max((len(r) for r in rows), default=0) or 1
-    padded = [r + [0] * (width - len(r)) for r in rows]
-    return torch.tensor(padded, dtype=torch.int64).view(-1, width)
+    flat: list[int] = []
+    for r in rows:
+        flat += r
+        flat += [0] * (width - len(r))
+    return _ints(flat + [0] * (width * (n - len(rows))), None).view(n, width)
+
+
+def _ints(values: list[int], device: torch.device | None) -> torch.Tensor:
+    """int64 tensor of Python ints: through an `array` buffer, ~2x faster than
+    `torch.tensor(list)` (which converts element by element)."""
+    t = torch.frombuffer(array.array("q", values), dtype=torch.int64) if values \
+        else torch.empty(0, dtype=torch.int64)
+    return t if device is None or device.type == "cpu" else t.to(device)

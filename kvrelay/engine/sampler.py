@@ -4,7 +4,7 @@
       ├─ logits processors (per request, optional), logit_bias, min_tokens bans EOS/stop ids
       ├─ grammar masks (structured outputs: kvrelay/structured/masks.py); a row whose
       │  grammar allows few ids continues on those ids alone (same distribution, O(k))
-      ├─ greedy rows: argmax
+      ├─ greedy rows: argmax (`greedy_tokens`: the native row kernel where it is built)
       └─ random rows: /temperature → top-k → top-p → min-p → softmax → sample
     logprobs (optional): log_softmax of the raw logits; sampled token + top-N
 
@@ -14,12 +14,14 @@ generator and produces the same tokens whatever else is in the batch.
 """
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
 import torch
 
 from kvrelay.engine.request import Logprob, Request
+from kvrelay.model import kernels
 from kvrelay.structured.masks import TokenMasks
 
 logger = logging.getLogger(__name__)
@@ -29,6 +31,28 @@ logger = logging.getLogger(__name__)
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[dict[int, Logprob] | None]
+
+
+@functools.cache
+def _argmax_op():
+    """`kvrelay_kernels::argmax_rows`, resolved once; None without the native kernels."""
+    return torch.ops.kvrelay_kernels.argmax_rows.default if kernels.kernels_available() else None
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """`x.argmax(dim=-1)` of float32 [N, V] (first maximal index, a row's first NaN, 0 for
+    a row of -inf), from one native pass per row where the kernels are built: torch.argmax
+    reads a 201k vocabulary at ~5 GB/s on one thread (9 ms for 64 rows; native 1.8 ms)."""
+    op = _argmax_op()
+    if (op is None or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2
+            or x.shape[1] == 0 or x.stride(1) != 1):
+        return x.argmax(dim=-1)
+    return op(x, "")
+
+
+def greedy_tokens(logits: torch.Tensor) -> list[int]:
+    """The greedy token of every row of logits [N, V]."""
+    return argmax_rows(logits).tolist()
 
 
 def _banned_ids(req: Request) -> list[int]:
@@ -51,7 +75,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         if all(self._plain_greedy(r) for r in requests):
             # the common serving case: one argmax for the batch, no copies, no masks
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(requests))
+            return SamplerOutput(greedy_tokens(logits), [None] * len(requests))
         raw = logits
         logits, allowed, chosen = self._process(logits, requests)
         greedy = [self.all_greedy or r.params.greedy for r in requests]
@@ -61,8 +85,7 @@ class Sampler:
         full = [i for i in range(len(requests)) if i not in allowed and i not in chosen]
         picks = [i for i in full if greedy[i]]
         if picks:
-            ids = logits[picks].argmax(dim=-1).tolist() if len(picks) < len(requests) \
-                else logits.argmax(dim=-1).tolist()
+            ids = greedy_tokens(logits[picks] if len(picks) < len(requests) else logits)
             for i, t in zip(picks, ids):
                 tokens[i] = t
         draws = [i for i in full if not greedy[i]]
@@ -195,7 +218,7 @@ class Sampler:
         for i, r in enumerate(requests):
             if r.generator is not None:
                 noise[i] = torch.empty(probs.shape[-1]).exponential_(generator=r.generator)
-        return (probs / noise).argmax(dim=-1)
+        return argmax_rows(probs / noise)
 
     def _logprobs(self, raw: torch.Tensor, tokens: list[int],
                   requests: list[Request]) -> list[dict[int, Logprob] | None]:

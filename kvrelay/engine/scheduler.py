@@ -12,6 +12,11 @@ One step (`schedule`), vLLM v1's unified rule — every request simply has
      to the front of the waiting queue, recomputed later) until it fits.
   2. If nothing was preempted, waiting requests are admitted in order while the
      token budget and `max_num_seqs` allow; each starts from its prefix-cache hit.
+     With `chunked_prefill` off (the offline `LLM`'s default) a prompt that does not
+     fit in what is left of the budget waits for the next step instead of starting
+     with a partial chunk, unless it could not fit whole in any step: every prompt
+     chunk then starts at position 0, which attention computes over the chunk's own
+     keys (the fresh-prefill kernel) instead of gathering a cached prefix.
 
 `update` then advances the computed counts, registers full blocks in the prefix
 cache, appends sampled tokens, checks stop conditions and frees finished requests.
@@ -33,6 +38,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
     max_model_len: int = 8192
+    # False: a waiting prompt is split only when it could not fit whole in a step
+    chunked_prefill: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
@@ -50,6 +57,11 @@ class ScheduledChunk:
     def completes(self) -> bool:
         """Whether this chunk reaches the last known token (so a token is sampled)."""
         return self.start + self.num_tokens == self.request.num_tokens
+
+
+def _chunk_order(chunk: ScheduledChunk) -> int:
+    """Decodes 0, chunks continuing a prefix 1, prompt chunks from position 0 2."""
+    return 0 if chunk.num_tokens == 1 else 1 if chunk.start else 2
 
 
 @dataclass
@@ -127,8 +139,10 @@ class Scheduler:
                 i += 1
         if not out.preempted:
             budget = self._admit_waiting(out, budget)
-        # decodes (one new token) first: the runner attends them as one batch
-        out.chunks.sort(key=lambda c: c.num_tokens != 1)
+        # decodes (one new token) first: the runner attends them as one batch; then the
+        # chunks that continue a prefix, then those from position 0, which attention
+        # computes over their own keys when they close the step (layers/attention.py)
+        out.chunks.sort(key=_chunk_order)
         return out
 
     def _allocate_or_preempt(self, req: Request, n: int, out: SchedulerOutput) -> bool:
@@ -156,6 +170,8 @@ class Scheduler:
             if req.params.prompt_logprobs is None:  # prompt logprobs need every position computed
                 hit = self.kv.find_prefix_hit(req.request_id, tokens)
             start = hit.num_tokens if hit else 0
+            if req.num_tokens - start > budget and self._waits_for_whole_step(req, start):
+                break
             n = min(req.num_tokens - start, budget)
             if not self.kv.allocate(req.request_id, start, start + n, hit):
                 break
@@ -168,6 +184,15 @@ class Scheduler:
             out.chunks.append(ScheduledChunk(req, start, n))
             budget -= n
         return budget
+
+    def _waits_for_whole_step(self, req: Request, start: int) -> bool:
+        """Without chunked prefill: whether `req` (not fitting in this step's budget)
+        waits for a later step that can take its prompt whole. The running requests take
+        at least one token each of that step first; a prompt longer than what remains is
+        chunked anyway (it would never fit)."""
+        if self.config.chunked_prefill:
+            return False
+        return req.num_tokens - start <= self.config.max_num_batched_tokens - len(self.running)
 
     @property
     def _num_active(self) -> int:

@@ -30,10 +30,11 @@ def reference(prompt: list[int], max_tokens: int) -> list[int]:
 
 
 def make_scheduler(num_blocks: int, *, budget: int = 64, max_num_seqs: int = 16,
-                   max_model_len: int = 128, prefix_caching: bool = True) -> Scheduler:
+                   max_model_len: int = 128, prefix_caching: bool = True,
+                   chunked_prefill: bool = True) -> Scheduler:
     kv = KVCacheManager(num_blocks, BLOCK, [KVCacheGroup(window=None, num_layers=1)],
                         enable_prefix_caching=prefix_caching)
-    return Scheduler(SchedulerConfig(budget, max_num_seqs, max_model_len), kv)
+    return Scheduler(SchedulerConfig(budget, max_num_seqs, max_model_len, chunked_prefill), kv)
 
 
 def request(request_id: str, prompt: list[int], max_tokens: int = 4, **kwargs) -> Request:

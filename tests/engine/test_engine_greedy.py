@@ -44,10 +44,31 @@ def test_mixed_batch_matches_transformers(tiny, make_llm, prefix_caching, hybrid
     assert [o.num_cached_tokens for o in again] == expected
 
 
-def test_chunked_prefill(tiny, make_llm):
-    llm = make_llm(max_num_batched_tokens=7)
+@pytest.mark.parametrize("chunked", [True, False])
+def test_chunked_prefill(tiny, make_llm, chunked):
+    llm = make_llm(max_num_batched_tokens=7, enable_chunked_prefill=chunked)
     prompts = _prompts()
     check_against_reference(tiny[1], prompts, llm.generate(prompts, GREEDY))
+
+
+def test_offline_prompts_start_whole_when_they_fit(tiny, make_llm):
+    """The LLM's default (no chunked prefill): every prompt that fits a step is computed
+    in one chunk from position 0, with the same tokens as the reference."""
+    llm = make_llm(max_num_batched_tokens=40, enable_prefix_caching=False)
+    assert llm.engine.scheduler.config.chunked_prefill is False
+    chunks = []
+    schedule = llm.engine.scheduler.schedule
+
+    def recording():
+        out = schedule()
+        chunks.extend((c.start, c.num_tokens) for c in out.chunks if c.num_tokens > 1)
+        return out
+
+    llm.engine.scheduler.schedule = recording
+    prompts = _prompts()
+    check_against_reference(tiny[1], prompts, llm.generate(prompts, GREEDY))
+    assert sorted(n for _, n in chunks) == sorted(len(p) for p in prompts)
+    assert all(start == 0 for start, _ in chunks)
 
 
 def test_preemption_under_a_small_kv_pool(tiny, make_llm):

@@ -151,3 +151,23 @@ def test_any_step_matches_the_per_token_arithmetic(case):
     block_size, step = case
     runner = RUNNERS.get(block_size) or RUNNERS.setdefault(block_size, _runner(block_size))
     check(runner, step)
+
+
+def test_decode_step_padded_to_a_compiled_batch(runner):
+    """`_prepare_decodes(rows, width)` (compiled decode buckets): the real rows as in the
+    eager step, padding rows reading the null block with no KV slot, tables as wide as
+    asked in a buffer reused by later steps (a narrower later step leaves stale columns
+    past its blocks, which no query reads)."""
+    tables = [[4], [5, 6, 3]]
+    step = _step([(0, 1), (9, 1)], [tables, tables], num_decodes=2)
+    ids, positions, meta = runner._prepare_decodes(step, rows=4, width=6)
+    assert ids.tolist() == step.token_ids + [0, 0]
+    assert positions.tolist() == [0, 9, 0, 0]
+    assert meta.slot_mappings[0].tolist() == [16, 3 * 4 + 1, -1, -1]
+    assert meta.seq_lens.tolist() == [1, 10, 1, 1]
+    assert meta.block_tables[0].tolist() == [[4, 0, 0, 0, 0, 0], [5, 6, 3, 0, 0, 0],
+                                             [0] * 6, [0] * 6]
+    narrower = _step([(2, 1)], [[[8]], [[8]]], num_decodes=1)
+    _, _, meta = runner._prepare_decodes(narrower, rows=4, width=6)
+    assert meta.block_tables[0][0, 0].item() == 8 and meta.block_tables[0].shape == (4, 6)
+    assert meta.slot_mappings[1].tolist() == [34, -1, -1, -1]

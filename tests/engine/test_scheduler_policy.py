@@ -79,6 +79,74 @@ def test_a_long_prompt_is_computed_in_budget_sized_chunks():
     s.kv.assert_no_leaks()
 
 
+def test_chunks_that_continue_a_prefix_go_before_prompts_from_zero():
+    # attention computes the fresh chunks that close a step over their own keys
+    s = make_scheduler(32, budget=8)
+    fwd = FakeForward(s)
+    a, b, c = _add(s, request("A", [1, 2], max_tokens=3), request("B", A_PROMPT, max_tokens=2),
+                   request("C", [40, 41, 42], max_tokens=2))
+    assert chunks_of(step(s, fwd)[0]) == [("A", 0, 2), ("B", 0, 6)]
+    assert chunks_of(step(s, fwd)[0]) == [("A", 2, 1), ("B", 6, 4), ("C", 0, 3)]
+    run_to_completion(s, fwd)
+    _assert_reference(a, b, c)
+    s.kv.assert_no_leaks()
+
+
+def test_a_prefix_hit_orders_as_a_continued_chunk():
+    s = make_scheduler(32, budget=64)
+    fwd = FakeForward(s)
+    (first,) = _add(s, request("A", A_PROMPT, max_tokens=1))
+    run_to_completion(s, fwd)
+    d, e = _add(s, request("D", [70, 71, 72], max_tokens=1),
+                request("E", A_PROMPT + [5], max_tokens=1))
+    assert chunks_of(step(s, fwd)[0]) == [("E", 8, 3), ("D", 0, 3)]   # E from A's two blocks
+    _assert_reference(first, d, e)
+    s.kv.assert_no_leaks()
+
+
+# -- without chunked prefill (the offline LLM's default) ------------------------------------
+
+def test_without_chunked_prefill_a_prompt_that_does_not_fit_waits_for_the_next_step():
+    s = make_scheduler(32, budget=16, chunked_prefill=False)
+    fwd = FakeForward(s)
+    a, b, c = _add(s, request("A", A_PROMPT, max_tokens=2), request("B", B_PROMPT, max_tokens=2),
+                   request("C", [60, 61, 62], max_tokens=2))
+    outs = run_to_completion(s, fwd)
+    assert [chunks_of(o) for o in outs] == [
+        [("A", 0, 10)],                     # B (10) does not fit in the 6 left: it and C wait
+        [("A", 10, 1), ("B", 0, 10), ("C", 0, 3)],   # whole prompts, from position 0
+        [("B", 10, 1), ("C", 3, 1)],
+    ]
+    _assert_reference(a, b, c)
+    s.kv.assert_no_leaks()
+
+
+def test_without_chunked_prefill_a_prompt_longer_than_any_step_is_still_chunked():
+    s = make_scheduler(32, budget=8, chunked_prefill=False)
+    fwd = FakeForward(s)
+    a, b = _add(s, request("A", [70, 71], max_tokens=4), request("B", A_PROMPT, max_tokens=2))
+    outs = run_to_completion(s, fwd)
+    # B (10 tokens) can never fit whole in 8: it starts in the budget A leaves
+    assert [chunks_of(o) for o in outs][:3] == [[("A", 0, 2), ("B", 0, 6)],
+                                                [("A", 2, 1), ("B", 6, 4)],
+                                                [("A", 3, 1), ("B", 10, 1)]]
+    _assert_reference(a, b)
+    s.kv.assert_no_leaks()
+
+
+def test_without_chunked_prefill_the_running_requests_budget_counts():
+    # 7 tokens would fit an empty step of 8, not one where A and B decode: chunked
+    s = make_scheduler(32, budget=8, chunked_prefill=False)
+    fwd = FakeForward(s)
+    a, b, c = _add(s, request("A", [1, 2], max_tokens=5), request("B", [3, 4], max_tokens=5),
+                   request("C", list(range(30, 37)), max_tokens=2))
+    first, _ = step(s, fwd)
+    assert chunks_of(first) == [("A", 0, 2), ("B", 0, 2), ("C", 0, 4)]
+    run_to_completion(s, fwd)
+    _assert_reference(a, b, c)
+    s.kv.assert_no_leaks()
+
+
 # -- max_num_seqs ----------------------------------------------------------------------
 
 def test_max_num_seqs_bounds_the_running_set():

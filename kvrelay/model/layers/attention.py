@@ -22,13 +22,14 @@ Sinks: softmax over [scores, sink] then dropping the sink column equals ordinary
 softmax attention scaled per row by `sigmoid(lse - sink)`, where lse is the row's
 log-sum-exp — so any kernel that returns the lse does attention with sinks.
 
-Fresh prompts: when every prefill chunk of a step starts at position 0 (no cached
-prefix), its keys are exactly the chunk's own new k/v, so the prefill part attends over
+Fresh prompts: a prefill chunk from position 0 (no cached prefix) has exactly its own
+new k/v as keys, so the fresh chunks that close a step attend over
 them directly (`_attend_fresh`): no gather from the cache, no per-sequence [L, K] mask,
 and the queries in pieces of `QUERY_PIECE` rows, each attending only the keys it can see
 (causal, window) under a small mask shared by the batch — the CPU flash kernel's
 `is_causal` alone still computes the whole [L, L] at prompt lengths of a few hundred.
-Any other prefill step takes the gather path, the reference both are tested against.
+Chunks that continue a prefix (the scheduler puts them before the fresh ones) take the
+gather path, the reference both are tested against.
 """
 from __future__ import annotations
 
@@ -148,8 +149,12 @@ def _build_fresh_plan(meta: AttentionMetadata) -> _FreshPlan | None:
         return None
     qsl = meta.query_start_loc.tolist()
     lens = [qsl[i + 1] - qsl[i] for i in range(nd, meta.num_seqs)]
-    if meta.seq_lens[nd:].tolist() != lens:            # some chunk continues a cached prefix
+    ctx, cont = meta.seq_lens[nd:].tolist(), len(lens)
+    while cont and ctx[cont - 1] == lens[cont - 1]:   # the fresh chunks that close the step
+        cont -= 1                 # (the scheduler puts chunks that continue a prefix first)
+    if cont == len(lens):
         return None
+    nd, lens = nd + cont, lens[cont:]         # the continued ones: `_build_plan`, gathered
     L, s = max(lens), len(lens)
     # one padded batch costs s·L² (causal halves both sides alike); alone, Σ len²
     padded = 2 * sum(n * n for n in lens) >= s * L * L
@@ -182,8 +187,10 @@ def _build_plan(meta: AttentionMetadata, group: int, window: int | None,
     qsl = meta.query_start_loc
     if part == "decode":
         seqs, tokens = slice(0, nd), slice(0, nd)
-    else:
-        seqs, tokens = slice(nd, meta.num_seqs), slice(int(qsl[nd]), int(qsl[-1]))
+    else:       # "continued": the prefill chunks before the fresh plan's
+        fresh = meta.fresh_plan() if part == "continued" else None
+        end = meta.num_seqs - (len(fresh.lens) if fresh is not None else 0)
+        seqs, tokens = slice(nd, end), slice(int(qsl[nd]), int(qsl[end]))
     if seqs.stop <= seqs.start:
         return None
     B = meta.block_size
@@ -296,7 +303,7 @@ class PagedAttention(nn.Module):
             t = fresh.tokens
             out[t] = self._attend_fresh(q[t], k[t], v[t], fresh)
         parts = ("prefill",) if in_place else ("decode", "prefill")
-        for part in parts[:-1] if fresh is not None else parts:
+        for part in parts[:-1] + ("continued",) if fresh is not None else parts:
             plan = meta.plan(self.group, self.window, part)
             if plan is not None:
                 out[plan.tokens] = self._attend_part(q[plan.tokens], kv_cache, plan)
