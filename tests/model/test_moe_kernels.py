@@ -485,3 +485,15 @@ def test_decode_follows_the_torch_choice(monkeypatch):
     monkeypatch.setenv("KVRELAY_MOE_KERNEL", "torch")
     ex, x, weights, ids = decode_experts("fp32-16tokens-top2")
     assert torch.equal(ex.decode(x, weights, ids), ex.forward_torch(x, weights, ids))
+
+
+def test_working_memory_reuse_keeps_results(isas):
+    """Decode-sized calls reuse one working buffer per thread, large ones allocate their
+    own (csrc/moe_op.cpp `scratch`): small, large (over the 1 MB kept), small again all
+    match the reference."""
+    ex = make_experts(96, 64, 4, "bf16", seed=5)
+    ref = fp32_reference(ex)
+    for T in (3, 1500, 2):                       # 1500 tokens top-2: 3000 rows × 96 floats
+        weights, ids = routing(T, 4, 2, seed=T)
+        x = torch.randn(T, 96, generator=torch.Generator().manual_seed(T))
+        assert_close(native(ex, x, weights, ids, isas[0]), ref.forward_torch(x, weights, ids))

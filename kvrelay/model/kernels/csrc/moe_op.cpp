@@ -170,6 +170,22 @@ void run(TileFn fn, const MoeProblem& problem, const Projection& w,
   });
 }
 
+int64_t aligned16(int64_t floats) { return (floats + 15) / 16 * 16; }
+
+// Float32 working memory for one call (the caller holds the tensor while it runs).
+// Decode-sized calls reuse the calling thread's buffer (allocations are ~1 us of a call
+// whose kernel time can be a few us); larger ones allocate, so a prefill's working set is
+// not kept.
+constexpr int64_t kScratchKeepFloats = int64_t(1) << 18;   // 1 MB
+
+at::Tensor scratch(int64_t floats, const at::TensorOptions& like) {
+  const auto f32 = like.dtype(at::kFloat);
+  if (floats > kScratchKeepFloats) return at::empty({floats}, f32);
+  thread_local at::Tensor kept;
+  if (!kept.defined()) kept = at::empty({kScratchKeepFloats}, f32);
+  return kept;
+}
+
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& route_weights,
                        const at::Tensor& expert_ids, int64_t first_expert,
                        const at::Tensor& gate_up, const c10::optional<at::Tensor>& gate_up_scales,
@@ -218,17 +234,18 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& route_weights,
   }
   if (n == 0) return at::zeros({T, H}, x.options());
 
-  const auto f32 = x.options().dtype(at::kFloat);
-  at::Tensor xs = at::empty({n + kPadRows, H}, f32);
-  at::Tensor act = at::empty({n + kPadRows, I}, f32);
-  at::Tensor ys = at::empty({n, H}, f32);
+  // gathered rows, activations and expert outputs, 64-byte aligned, in one buffer
+  const int64_t xs_size = aligned16((n + kPadRows) * H), act_size = aligned16((n + kPadRows) * I);
+  const at::Tensor work = scratch(xs_size + act_size + aligned16(n * H), x.options());
+  float* const xsp = work.data_ptr<float>();
+  float* const actp = xsp + xs_size;
+  float* const ysp = actp + act_size;
   std::vector<float> weight(n);
   const float* xp = bf16_x ? nullptr : x.data_ptr<float>();
   const c10::BFloat16* xb = bf16_x ? x.data_ptr<c10::BFloat16>() : nullptr;
   const float* rw = route_weights.data_ptr<float>();
-  float* xsp = xs.data_ptr<float>();
   std::memset(xsp + n * H, 0, sizeof(float) * kPadRows * H);
-  std::memset(act.data_ptr<float>() + n * I, 0, sizeof(float) * kPadRows * I);
+  std::memset(actp + n * I, 0, sizeof(float) * kPadRows * I);
   const bool fp4_order = p.gate_up.format == kMXFP4;   // see moe.h
   for (int64_t r = 0; r < n; ++r) {
     float* dst = xsp + r * H;
@@ -251,8 +268,8 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& route_weights,
   }
   p.offsets = offsets.data();
   p.x = xsp;
-  p.act = act.data_ptr<float>();
-  p.y = ys.data_ptr<float>();
+  p.act = actp;
+  p.y = ysp;
   p.route_weight = weight.data();
   p.half_scales = half_scales();
   p.alpha = float(alpha);
@@ -266,7 +283,7 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& route_weights,
   at::Tensor out = at::empty({T, H}, x.options());
   float* of = bf16_x ? nullptr : out.data_ptr<float>();
   c10::BFloat16* ob = bf16_x ? out.data_ptr<c10::BFloat16>() : nullptr;
-  const float* y = ys.data_ptr<float>();
+  const float* y = ysp;
   const int64_t sum_threads = threads_for(T * k * H, T);
   parallel_items(T, sum_threads, (T + 4 * sum_threads - 1) / (4 * sum_threads),
                  [&](int64_t begin, int64_t end) {
