@@ -26,6 +26,8 @@ already `[E, out, in/32, 16]` and stay packed (`MXFP4Tensor`).
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -183,7 +185,7 @@ class Experts(nn.Module):
     def _weight(self, w: torch.Tensor | MXFP4Tensor, e: int, dtype: torch.dtype) -> torch.Tensor:
         return w.expert(e, dtype) if isinstance(w, MXFP4Tensor) else w[e].to(dtype)
 
-    def __setattr__(self, name: str, value: object) -> None:
+    def __setattr__(self, name: str, value: Any) -> None:
         self.__dict__.pop("_decode_plan", None)     # new weights or settings: plan again
         super().__setattr__(name, value)
 
