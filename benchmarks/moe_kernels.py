@@ -5,6 +5,7 @@
     python benchmarks/moe_kernels.py --decode [--rounds 3]
     python benchmarks/moe_kernels.py --kernel [--configs embedded,20b] [--tokens 1,4,16]
         [--threads 1,2] [--isas avx512,avx2] [--rounds 20]
+    python benchmarks/moe_kernels.py --overhead [--configs peers] [--tokens 1,16]
 
 For each layer shape and token count, times `MoE.forward` (router + experts) with the
 expert weights in MXFP4 / bf16 / fp32 and `KVRELAY_MOE_KERNEL` native vs torch. Variants
@@ -37,6 +38,13 @@ Each call reads a different copy of the weights (enough copies to stream ≥ 192
 pass, so nothing is served from the 32 MB L3). Reports the best (min) wall time per call
 over rounds, and the best main-thread CPU time (`time.thread_time`, the work of one thread
 without the queue for a core on a loaded machine) for each ISA build and thread count.
+
+--overhead: the per-call cost of one decode step's experts call outside the kernel, on a
+shape whose kernel time is ~0 ("peers": hidden 32), one thread: the eager decode path's
+call before session 6's experts2 (`Experts.forward` + the MoE all-reduce, activations
+cast to fp32 and back) against `Experts.decode` (arguments worked out once, bf16 given to
+the kernel as it is), and the bare op with the same arguments. Best main-thread CPU µs
+per call over rounds of 2,000 calls, alternating.
 """
 from __future__ import annotations
 
@@ -299,6 +307,51 @@ def run_decode(rounds: int) -> list[dict]:
     return rows
 
 
+def _forward_all_reduce(ex, x: torch.Tensor, weights: torch.Tensor,
+                        ids: torch.Tensor) -> torch.Tensor:
+    return ex.ctx.comm.all_reduce(ex.forward(x, weights, ids))
+
+
+def run_overhead(name: str, tokens: list[int], rounds: int) -> list[dict]:
+    shape = SHAPES[name]
+    H, E, k = shape["hidden"], shape["experts"], shape["top_k"]
+    g = torch.Generator().manual_seed(0)
+    packed = (random_packed(E, 2 * shape["intermediate"], H, g),
+              random_packed(E, H, shape["intermediate"], g))
+    os.environ["KVRELAY_MOE_KERNEL"] = "auto"
+    torch.set_num_threads(1)
+    rows = []
+    for storage in ("mxfp4", "dense"):
+        ex = make_layer(shape, storage, torch.bfloat16, packed, seed=1).experts
+        for T in tokens:
+            x = torch.randn(T, H, generator=g).bfloat16()
+            weights, ids = torch.softmax(torch.randn(T, k, generator=g), -1), \
+                torch.randint(0, E, (T, k), generator=g)
+            gu, dn = ex._kernel_weight(ex.gate_up), ex._kernel_weight(ex.down)
+            args = (ex.first_expert, gu[0], gu[1], ex._f32("gate_up_bias"), dn[0], dn[1],
+                    ex._f32("down_bias"), ex.alpha, ex.limit, "")
+            op = torch.ops.kvrelay_kernels.moe_experts.default
+            calls = {
+                "forward + all_reduce": (_forward_all_reduce, (ex, x, weights, ids)),
+                "decode": (ex.decode, (x, weights, ids)),
+                "bare op": (op, (x, weights, ids, *args)),
+            }
+            best = {label: float("inf") for label in calls}
+            for _ in range(rounds):
+                for label, (call, call_args) in calls.items():
+                    for _ in range(100):
+                        call(*call_args)
+                    start = time.thread_time()
+                    for _ in range(2000):
+                        call(*call_args)
+                    best[label] = min(best[label], (time.thread_time() - start) / 2000 * 1e6)
+            row = {"shape": name, "experts": "bf16" if storage == "dense" else storage,
+                   "tokens": T, "us_per_call": {lb: round(v, 2) for lb, v in best.items()}}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    return rows
+
+
 def machine() -> dict:
     flags = ""
     try:
@@ -330,6 +383,8 @@ def main() -> None:
     ap.add_argument("--decode", action="store_true", help="end-to-end LLM.generate instead")
     ap.add_argument("--kernel", action="store_true",
                     help="the expert kernel alone: GB/s of expert weights per call")
+    ap.add_argument("--overhead", action="store_true",
+                    help="per-call cost of the decode experts call outside the kernel")
     ap.add_argument("--isas", default="",
                     help="--kernel: ISA builds to time (default: every one this CPU runs "
                          "but generic)")
@@ -346,6 +401,16 @@ def main() -> None:
         out.write_text(json.dumps({"machine": info, "rows": rows}, indent=1))
         return
     tokens = [int(t) for t in args.tokens.split(",")]
+    if args.overhead:
+        configs = "peers" if args.configs == ap.get_default("configs") else args.configs
+        rows = [r for name in configs.split(",") for r in run_overhead(name, tokens, args.rounds)]
+        info["loadavg_after"] = os.getloadavg()
+        out = Path(args.out)
+        if args.out == ap.get_default("out"):
+            out = out.with_name("moe_kernels_overhead.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"machine": info, "rows": rows}, indent=1))
+        return
     if args.kernel:
         isas = args.isas.split(",") if args.isas else \
             [i for i in kernels.status().isas if i != "generic"] or ["generic"]

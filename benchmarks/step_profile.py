@@ -97,6 +97,7 @@ OPTIONAL_PARTS = {
     ("post_attention_layernorm", "add_forward"): "fwd.norms",
     ("self_attn.attn", "rotary_decode"): "fwd.rotary+attention (fused, decode-only steps)",
     ("", "route"): "fwd.router",  # the fused decode path's router (linear + native top-k)
+    ("mlp.experts", "decode"): "fwd.experts",  # the fused decode path's experts + all-reduce
 }
 
 

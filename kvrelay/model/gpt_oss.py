@@ -122,7 +122,7 @@ class DecoderLayer(nn.Module):
         """`forward` for a decode-only step (`GptOssModel.fused_step` said yes): the same
         ops, RoPE + KV write + attention as one native call, the router's top-k + softmax
         as another, modules called without their wrappers."""
-        ln1, qkv, attn, o_proj, ln2, experts, ctx, router = self._decode_modules
+        ln1, qkv, attn, o_proj, ln2, experts, _ctx, router = self._decode_modules
         if residual is None:
             residual, x = h, ln1.forward(h)
         else:
@@ -131,7 +131,7 @@ class DecoderLayer(nn.Module):
         out = attn.rotary_decode(qk, v, positions, cos, sin, kv_cache, meta)     # [T, h·hd]
         residual, x = ln2.add_forward(residual, o_proj.forward(out))
         weights, expert_ids = self.route(x, router)
-        return ctx.comm.all_reduce(experts.forward(x, weights, expert_ids)), residual
+        return experts.decode(x, weights, expert_ids), residual    # all-reduced
 
     @property
     def _decode_modules(self) -> tuple[Any, ...]:

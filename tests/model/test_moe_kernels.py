@@ -398,3 +398,102 @@ def test_two_threads_give_the_single_thread_result_bit_for_bit(case, isas, threa
         two = native(ex, x, weights, ids, isa)
         assert torch.equal(one, two), isa
         assert_close(two, expected)
+
+
+# -- decode: the per-call work done once ---------------------------------------------------
+# (hidden, intermediate, experts, top_k, tokens, storage): one and many tokens, top-1/top-4
+DECODE_CASES = {
+    "bf16-1token-top1": (576, 96, 2, 1, 1, "bf16"),
+    "bf16-many-tokens-top4": (80, 136, 6, 4, 37, "bf16"),
+    "mxfp4-bf16-model-1token-top4": (96, 64, 4, 4, 1, "mxfp4"),
+    "mxfp4-fp32-model-many-tokens-top1": (160, 96, 6, 1, 45, "mxfp4-fp32"),
+    "fp32-16tokens-top2": (40, 56, 5, 2, 16, "fp32"),
+}
+
+
+def decode_experts(case: str) -> tuple[Experts, torch.Tensor, torch.Tensor, torch.Tensor]:
+    H, I, E, k, T, storage = DECODE_CASES[case]  # noqa: E741 -- I as in the shape notation
+    ex = make_experts(H, I, E, storage.split("-")[0], seed=len(case))
+    if storage == "mxfp4":                       # packed experts in a bf16 model
+        ex.dtype = torch.bfloat16
+    weights, ids = routing(T, E, k, seed=T)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(3)).to(ex.dtype)
+    return ex, x, weights, ids
+
+
+@pytest.mark.parametrize("case", list(DECODE_CASES))
+def test_decode_is_the_kernel_path_bit_for_bit(case, isas, monkeypatch):
+    """`Experts.decode` (plan made once, activations passed to the kernel in their dtype)
+    gives exactly what `forward` gave before: the kernel on x.float(), rounded to x's
+    dtype; and what `forward` gives now."""
+    monkeypatch.setenv("KVRELAY_MOE_KERNEL", "native")
+    ex, x, weights, ids = decode_experts(case)
+    before = native(ex, x, weights, ids, "").to(x.dtype)
+    for _ in range(2):                           # the second call runs on the cached plan
+        out = ex.decode(x, weights, ids)
+        assert out.dtype == x.dtype and torch.equal(out, before)
+    assert torch.equal(ex(x, weights, ids), before)
+
+
+def test_bf16_activations_round_like_a_cast_after_the_fp32_kernel(isas):
+    """The kernel widens bf16 x itself and rounds its fp32 result once (nearest even):
+    the same bits as x.float() in, .bfloat16() out, in every ISA build."""
+    ex = make_experts(96, 64, 4, "mxfp4", seed=9)
+    weights, ids = routing(11, 4, 2, seed=1)
+    x = (torch.randn(11, 96, generator=torch.Generator().manual_seed(1)) * 8).bfloat16()
+    for isa in isas:
+        out = kernels.moe_experts(x, weights, ids, 0, ex._kernel_weight(ex.gate_up),
+                                  ex._f32("gate_up_bias"), ex._kernel_weight(ex.down),
+                                  ex._f32("down_bias"), ALPHA, LIMIT, isa)
+        assert out.dtype == torch.bfloat16
+        assert torch.equal(out, native(ex, x, weights, ids, isa).bfloat16())
+
+
+def test_decode_plan_follows_reloaded_weights(isas, monkeypatch):
+    """Biases copied in place (a reload) and weights replaced (MXFP4 load) both reach the
+    kernel: the plan is made again, never stale."""
+    monkeypatch.setenv("KVRELAY_MOE_KERNEL", "native")
+    ex, x, weights, ids = decode_experts("bf16-1token-top1")
+    ex.decode(x, weights, ids)
+    ex.down_bias.add_(1.0)
+    assert torch.equal(ex.decode(x, weights, ids), native(ex, x, weights, ids, "").bfloat16())
+    packed = make_experts(96, 64, 4, "mxfp4", seed=2)
+    weights, ids = routing(3, 4, 2, seed=2)
+    x = torch.randn(3, 96)
+    packed.decode(x, weights, ids)
+    packed.gate_up = random_mxfp4(4, 128, 96, torch.Generator().manual_seed(7))
+    assert torch.equal(packed.decode(x, weights, ids), native(packed, x, weights, ids, ""))
+
+
+def test_decode_all_reduces_only_across_ranks(isas, monkeypatch):
+    """One rank: the all-reduce (an identity) is skipped; a real group gets the partial."""
+    from kvrelay.model.parallel import Collectives
+
+    class Doubling(Collectives):
+        def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+            return x * 2
+
+    monkeypatch.setenv("KVRELAY_MOE_KERNEL", "native")
+    ex, x, weights, ids = decode_experts("fp32-16tokens-top2")
+    alone = ex.decode(x, weights, ids)
+    ex.ctx = ParallelContext(comm=Doubling())
+    assert torch.equal(ex.decode(x, weights, ids), alone * 2)
+
+
+def test_decode_follows_the_torch_choice(monkeypatch):
+    """KVRELAY_MOE_KERNEL=torch: decode runs the reference path, never the kernel."""
+    monkeypatch.setenv("KVRELAY_MOE_KERNEL", "torch")
+    ex, x, weights, ids = decode_experts("fp32-16tokens-top2")
+    assert torch.equal(ex.decode(x, weights, ids), ex.forward_torch(x, weights, ids))
+
+
+def test_working_memory_reuse_keeps_results(isas):
+    """Decode-sized calls reuse one working buffer per thread, large ones allocate their
+    own (csrc/moe_op.cpp `scratch`): small, large (over the 1 MB kept), small again all
+    match the reference."""
+    ex = make_experts(96, 64, 4, "bf16", seed=5)
+    ref = fp32_reference(ex)
+    for T in (3, 1500, 2):                       # 1500 tokens top-2: 3000 rows × 96 floats
+        weights, ids = routing(T, 4, 2, seed=T)
+        x = torch.randn(T, 96, generator=torch.Generator().manual_seed(T))
+        assert_close(native(ex, x, weights, ids, isas[0]), ref.forward_torch(x, weights, ids))

@@ -218,11 +218,12 @@ def moe_experts(x: torch.Tensor, route_weights: torch.Tensor, expert_ids: torch.
                 isa: str = "") -> torch.Tensor:
     """The MoE expert computation of this rank's experts, in fp32 (see `layers.moe`).
 
-    x [T, H] f32; route_weights [T, k] f32; expert_ids [T, k] int64 (global ids; choices
-    outside [first_expert, first_expert + E) are skipped). `gate_up`/`down` are
+    x [T, H] f32 or bf16 (computed in fp32 all the same; the result's dtype); route_weights
+    [T, k] f32; expert_ids [T, k] int64 (global ids; choices outside [first_expert,
+    first_expert + E) are skipped). `gate_up`/`down` are
     (weights, MXFP4 scales or None): f32/bf16 [E, out, in], or MXFP4 codes
     [E, out, in/32, 16] with scales [E, out, in/32]. Biases f32 [E, out]. Returns [T, H]
-    f32: Σ over a token's local choices of weight · down(swiglu(gate_up(x))).
+    in x's dtype: Σ over a token's local choices of weight · down(swiglu(gate_up(x))).
     """
     return torch.ops.kvrelay_kernels.moe_experts(
         x, route_weights, expert_ids, first_expert, gate_up[0], gate_up[1], gate_up_bias,

@@ -26,6 +26,8 @@ already `[E, out, in/32, 16]` and stay packed (`MXFP4Tensor`).
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -35,11 +37,12 @@ from kvrelay.model import compile_hints, kernels
 from kvrelay.model.layers.ep_dispatch import moe_across_replicas
 from kvrelay.model.layers.linear import UPCAST_MIN_ROWS, linear, upcasts
 from kvrelay.model.mxfp4 import BLOCK, MXFP4Tensor
-from kvrelay.model.parallel import ParallelContext, divide, shard_range
+from kvrelay.model.parallel import Collectives, ParallelContext, divide, shard_range
 from kvrelay.model.weights import WeightSource, padded_slice
 
 MOE_KERNEL_MODES = ("auto", "native", "torch")
 _NATIVE_DENSE_DTYPES = (torch.float32, torch.bfloat16)   # and MXFP4, whatever the model dtype
+_KERNEL_X_DTYPES = (torch.float32, torch.bfloat16)       # activations the kernel reads as given
 # Dense experts run as torch GEMMs (MKL fp32 / oneDNN bf16) once each expert's matmuls
 # have rows to reuse every weight for *and* enough work to pay for the Python loop over
 # experts: rows per expert ≥ DENSE_TORCH_MIN_ROWS and rows per expert × hidden ×
@@ -168,6 +171,7 @@ class Experts(nn.Module):
 
     def _apply(self, fn, recurse=True):  # keep packed MXFP4 tensors on the module's device
         super()._apply(fn, recurse)
+        self.__dict__.pop("_decode_plan", None)
         if self.mxfp4 and isinstance(self.gate_up, MXFP4Tensor):
             device = self.gate_up_bias.device
             self.gate_up, self.down = self.gate_up.to(device), self.down.to(device)
@@ -181,7 +185,33 @@ class Experts(nn.Module):
     def _weight(self, w: torch.Tensor | MXFP4Tensor, e: int, dtype: torch.dtype) -> torch.Tensor:
         return w.expert(e, dtype) if isinstance(w, MXFP4Tensor) else w[e].to(dtype)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        self.__dict__.pop("_decode_plan", None)     # new weights or settings: plan again
+        super().__setattr__(name, value)
+
     # -- compute --------------------------------------------------------------------------
+    def decode(self, x: torch.Tensor, weights: torch.Tensor,
+               expert_ids: torch.Tensor) -> torch.Tensor:
+        """`forward` followed by the MoE all-reduce, for eager decode steps
+        (`DecoderLayer.decode`): the same results, with what `forward` works out per call
+        (kernel choice, weight views, fp32 biases) worked out once (`_DecodePlan`) and the
+        all-reduce skipped where it is the identity (one rank). `weights`/`expert_ids` are
+        the router's float32/int64 [T, k] (the kernel checks)."""
+        plan = self.__dict__.get("_decode_plan")
+        if plan is None or not plan.current():
+            plan = self.__dict__["_decode_plan"] = _DecodePlan(self)
+        choices = expert_ids.numel()
+        native = plan.native.get(choices)
+        if native is None:
+            native = plan.native[choices] = self.uses_native_kernel(choices)
+        if native:
+            y = plan.op(x if plan.x_native else x.float(), weights, expert_ids, *plan.args)
+            if not plan.x_native:
+                y = y.to(x.dtype)
+        else:
+            y = self.forward_torch(x, weights, expert_ids)
+        return y if plan.reduce is None else plan.reduce(y)
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor,
                 expert_ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], weights/expert_ids [T, k] → this rank's partial output [T, H]."""
@@ -228,13 +258,15 @@ class Experts(nn.Module):
 
     def forward_native(self, x: torch.Tensor, weights: torch.Tensor,
                        expert_ids: torch.Tensor) -> torch.Tensor:
-        """The whole expert computation as one kernel call, in fp32 whatever the dtype."""
+        """The whole expert computation as one kernel call, in fp32 whatever the dtype
+        (the kernel widens fp32/bf16 activations itself and rounds its result to theirs)."""
+        xk = x.contiguous() if x.dtype in _KERNEL_X_DTYPES else x.float().contiguous()
         y = kernels.moe_experts(
-            x.float().contiguous(), weights.float().contiguous(), expert_ids.long().contiguous(),
+            xk, weights.float().contiguous(), expert_ids.long().contiguous(),
             self.first_expert, self._kernel_weight(self.gate_up), self._f32("gate_up_bias"),
             self._kernel_weight(self.down),
             self._f32("down_bias") if self.add_down_bias else None,
-            self.alpha, self.limit)                                             # [T, H] f32
+            self.alpha, self.limit)                                           # [T, H]
         return y.to(x.dtype)
 
     @staticmethod
@@ -304,6 +336,35 @@ class Experts(nn.Module):
         act = (up + 1) * gate * torch.sigmoid(gate * self.alpha)
         bias = self.down_bias[e].to(dt) if self.add_down_bias else None
         return F.linear(act, self._weight(self.down, e, dt), bias)          # [n, H]
+
+
+class _DecodePlan:
+    """What `Experts.decode` passes the kernel besides the activations, worked out once:
+    the op, the weight views and fp32 biases in the op's argument order, the all-reduce
+    (None when it is the identity), and the kernel choice per choice count. A reload
+    replaces the weights through `Experts.__setattr__` (which drops the plan) or copies
+    into them in place: `current` compares the biases' versions, which the fp32 copies
+    were made from."""
+
+    def __init__(self, ex: Experts) -> None:
+        self.native: dict[int, bool] = {}
+        self.x_native = ex.dtype in _KERNEL_X_DTYPES     # activations in the model dtype
+        self.sources = (ex.gate_up_bias.detach(), ex.down_bias.detach())   # share versions
+        self.versions = tuple(b._version for b in self.sources)
+        comm = ex.ctx.comm
+        trivial = type(comm).all_reduce is Collectives.all_reduce
+        self.reduce = None if trivial else comm.all_reduce
+        self.op = torch.ops.kvrelay_kernels.moe_experts.default
+        self.args: tuple = ()
+        if kernels.kernels_available():
+            gate_up, down = ex._kernel_weight(ex.gate_up), ex._kernel_weight(ex.down)
+            self.args = (ex.first_expert, gate_up[0], gate_up[1], ex._f32("gate_up_bias"),
+                         down[0], down[1], ex._f32("down_bias") if ex.add_down_bias else None,
+                         ex.alpha, ex.limit, "")
+
+    def current(self) -> bool:
+        a, b = self.sources
+        return (a._version, b._version) == self.versions
 
 
 class MoE(nn.Module):

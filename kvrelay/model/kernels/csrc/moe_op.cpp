@@ -2,11 +2,14 @@
 // one call. Routing choices are counting-sorted by expert here; the expert matmuls run
 // as two parallel sweeps over (expert, row tile, token chunk) work items — gate_up +
 // swiglu, then down × routing weight — in the best ISA build this CPU supports; the k
-// weighted rows of each token are summed last.
+// weighted rows of each token are summed last. x may be float32 or bfloat16 (widened as it
+// is gathered, rounded once at the end: what x.float() before and .to(bf16) after give,
+// without the two extra ops and tensors per call); the computation is float32 throughout.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
+#include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
@@ -167,6 +170,22 @@ void run(TileFn fn, const MoeProblem& problem, const Projection& w,
   });
 }
 
+int64_t aligned16(int64_t floats) { return (floats + 15) / 16 * 16; }
+
+// Float32 working memory for one call (the caller holds the tensor while it runs).
+// Decode-sized calls reuse the calling thread's buffer (allocations are ~1 us of a call
+// whose kernel time can be a few us); larger ones allocate, so a prefill's working set is
+// not kept.
+constexpr int64_t kScratchKeepFloats = int64_t(1) << 18;   // 1 MB
+
+at::Tensor scratch(int64_t floats, const at::TensorOptions& like) {
+  const auto f32 = like.dtype(at::kFloat);
+  if (floats > kScratchKeepFloats) return at::empty({floats}, f32);
+  thread_local at::Tensor kept;
+  if (!kept.defined()) kept = at::empty({kScratchKeepFloats}, f32);
+  return kept;
+}
+
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& route_weights,
                        const at::Tensor& expert_ids, int64_t first_expert,
                        const at::Tensor& gate_up, const c10::optional<at::Tensor>& gate_up_scales,
@@ -175,8 +194,9 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& route_weights,
                        const c10::optional<at::Tensor>& down_bias, double alpha, double limit,
                        const std::string& isa) {
   const IsaKernels& kernels = pick(isa);
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
-              "moe_experts: x must be contiguous float32 [T, H]");
+  const bool bf16_x = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK((x.scalar_type() == at::kFloat || bf16_x) && x.dim() == 2 && x.is_contiguous(),
+              "moe_experts: x must be contiguous float32 or bfloat16 [T, H]");
   const int64_t T = x.size(0), H = x.size(1);
   TORCH_CHECK(expert_ids.scalar_type() == at::kLong && expert_ids.dim() == 2 &&
                   expert_ids.size(0) == T && expert_ids.is_contiguous(),
@@ -212,34 +232,44 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& route_weights,
       choice[position[c]] = c;
     }
   }
-  at::Tensor out = at::zeros({T, H}, x.options());
-  if (n == 0) return out;
+  if (n == 0) return at::zeros({T, H}, x.options());
 
-  const auto f32 = x.options();
-  at::Tensor xs = at::empty({n + kPadRows, H}, f32);
-  at::Tensor act = at::empty({n + kPadRows, I}, f32);
-  at::Tensor ys = at::empty({n, H}, f32);
+  // gathered rows, activations and expert outputs, 64-byte aligned, in one buffer
+  const int64_t xs_size = aligned16((n + kPadRows) * H), act_size = aligned16((n + kPadRows) * I);
+  const at::Tensor work = scratch(xs_size + act_size + aligned16(n * H), x.options());
+  float* const xsp = work.data_ptr<float>();
+  float* const actp = xsp + xs_size;
+  float* const ysp = actp + act_size;
   std::vector<float> weight(n);
-  const float* xp = x.data_ptr<float>();
+  const float* xp = bf16_x ? nullptr : x.data_ptr<float>();
+  const c10::BFloat16* xb = bf16_x ? x.data_ptr<c10::BFloat16>() : nullptr;
   const float* rw = route_weights.data_ptr<float>();
-  float* xsp = xs.data_ptr<float>();
   std::memset(xsp + n * H, 0, sizeof(float) * kPadRows * H);
-  std::memset(act.data_ptr<float>() + n * I, 0, sizeof(float) * kPadRows * I);
+  std::memset(actp + n * I, 0, sizeof(float) * kPadRows * I);
   const bool fp4_order = p.gate_up.format == kMXFP4;   // see moe.h
   for (int64_t r = 0; r < n; ++r) {
-    const float* src = xp + (choice[r] / k) * H;
     float* dst = xsp + r * H;
-    if (fp4_order) {
-      for (int64_t j = 0; j < H; ++j) dst[fp4_column(j)] = src[j];
+    if (bf16_x) {
+      const c10::BFloat16* src = xb + (choice[r] / k) * H;
+      if (fp4_order) {
+        for (int64_t j = 0; j < H; ++j) dst[fp4_column(j)] = float(src[j]);
+      } else {
+        for (int64_t j = 0; j < H; ++j) dst[j] = float(src[j]);
+      }
     } else {
-      std::memcpy(dst, src, sizeof(float) * H);
+      const float* src = xp + (choice[r] / k) * H;
+      if (fp4_order) {
+        for (int64_t j = 0; j < H; ++j) dst[fp4_column(j)] = src[j];
+      } else {
+        std::memcpy(dst, src, sizeof(float) * H);
+      }
     }
     weight[r] = rw[choice[r]];
   }
   p.offsets = offsets.data();
   p.x = xsp;
-  p.act = act.data_ptr<float>();
-  p.y = ys.data_ptr<float>();
+  p.act = actp;
+  p.y = ysp;
   p.route_weight = weight.data();
   p.half_scales = half_scales();
   p.alpha = float(alpha);
@@ -248,18 +278,27 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& route_weights,
   run(kernels.gate_up, p, p.gate_up, offsets);
   run(kernels.down, p, p.down, offsets);
 
-  // each token: the sum of its local choices, in choice order
-  float* o = out.data_ptr<float>();
-  const float* y = ys.data_ptr<float>();
+  // each token: the sum of its local choices, in choice order, from 0 in float32, then
+  // rounded to x's dtype (c10::BFloat16 rounds to nearest even, as Tensor.to does)
+  at::Tensor out = at::empty({T, H}, x.options());
+  float* of = bf16_x ? nullptr : out.data_ptr<float>();
+  c10::BFloat16* ob = bf16_x ? out.data_ptr<c10::BFloat16>() : nullptr;
+  const float* y = ysp;
   const int64_t sum_threads = threads_for(T * k * H, T);
   parallel_items(T, sum_threads, (T + 4 * sum_threads - 1) / (4 * sum_threads),
                  [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t)
+    std::vector<float> row(bf16_x ? H : 0);
+    for (int64_t t = begin; t < end; ++t) {
+      float* o = bf16_x ? row.data() : of + t * H;
+      std::fill(o, o + H, 0.0f);
       for (int64_t j = 0; j < k; ++j) {
         const int64_t r = position[t * k + j];
         if (r < 0) continue;
-        for (int64_t h = 0; h < H; ++h) o[t * H + h] += y[r * H + h];
+        for (int64_t h = 0; h < H; ++h) o[h] += y[r * H + h];
       }
+      if (bf16_x)
+        for (int64_t h = 0; h < H; ++h) ob[t * H + h] = c10::BFloat16(o[h]);
+    }
   });
   return out;
 }
