@@ -23,9 +23,6 @@ inline uint16_t to_bf16(float f) {  // round to nearest even, NaN kept quiet
 // the rate of eight rows read side by side with a prefetch per row (eight streams, eight
 // pages touched per step); 4 and 16 KiB ahead measured alike.
 constexpr int64_t kStreamAhead = 4096;
-// 3-4 input rows read two weight rows side by side (`stream_pairs`), one prefetch stream over
-// the pair's contiguous bytes running kPairAhead ahead (4 KiB: no gain; 8-16 KiB alike).
-constexpr int64_t kPairAhead = 8192;
 // Many input rows: each block of weight rows is read from DRAM once and then used from L1
 // for several passes of compute, so the prefetches run further ahead: past the next block
 // by kTileAhead bytes (the next block itself: 1.4x no prefetch at 16 rows; 8-32 KiB past
@@ -121,55 +118,6 @@ void stream_rows(const kvrelay::DenseProblem& p, int64_t n0, int64_t n1) {
   }
 }
 
-// 3-4 input rows: the input vectors, not the weights, bound the one-row stream (measured,
-// Zen 5, 20b qkv at 4 inputs: 15 GB per CPU second; 28 with the input loads taken out of
-// the loop): 4 loads of x per weight vector. Two adjacent weight rows at once load each
-// input vector for both (0.75 loads per vdpbf16ps instead of 1.25); the pair's 2K elements
-// are contiguous, so one prefetch stream covers both, at twice the loads' pace. 1.3-1.5x
-// the one-row stream on the 20b shapes at 3-4 inputs; 2 inputs gain nothing.
-template <int MR>
-void stream_pairs(const kvrelay::DenseProblem& p, int64_t n0, int64_t n1) {
-  const int64_t K = p.K;
-  const uint16_t* x = p.x_bf16;
-  const uint16_t* w_all = static_cast<const uint16_t*>(p.w);
-  const char* w_end = reinterpret_cast<const char*>(w_all + n1 * K);
-  int64_t n = n0;
-  for (; n + 2 <= n1; n += 2) {
-    const uint16_t* w0 = w_all + n * K;
-    const uint16_t* w1 = w0 + K;
-    __m512 acc0[MR], acc1[MR];
-    for (int m = 0; m < MR; ++m) acc0[m] = acc1[m] = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k + 32 <= K; k += 32) {
-      const char* ahead = reinterpret_cast<const char*>(w0 + 2 * k) + kPairAhead;
-      if (ahead + 128 <= w_end) {
-        _mm_prefetch(ahead, _MM_HINT_T0);
-        _mm_prefetch(ahead + 64, _MM_HINT_T0);
-      }
-      const __m512bh wv0 = load_pairs(w0 + k), wv1 = load_pairs(w1 + k);
-      for (int m = 0; m < MR; ++m) {
-        const __m512bh xv = load_pairs(x + m * K + k);
-        acc0[m] = _mm512_dpbf16_ps(acc0[m], wv0, xv);
-        acc1[m] = _mm512_dpbf16_ps(acc1[m], wv1, xv);
-      }
-    }
-    if (k < K) {  // the masked tail
-      const __mmask32 mask = tail_mask(K - k);
-      const __m512bh wv0 = load_pairs(w0 + k, mask), wv1 = load_pairs(w1 + k, mask);
-      for (int m = 0; m < MR; ++m) {
-        const __m512bh xv = load_pairs(x + m * K + k, mask);
-        acc0[m] = _mm512_dpbf16_ps(acc0[m], wv0, xv);
-        acc1[m] = _mm512_dpbf16_ps(acc1[m], wv1, xv);
-      }
-    }
-    for (int m = 0; m < MR; ++m) {
-      store(p, m, n, _mm512_reduce_add_ps(acc0[m]));
-      store(p, m, n + 1, _mm512_reduce_add_ps(acc1[m]));
-    }
-  }
-  if (n < n1) stream_rows<MR, 1>(p, n, n1);  // an odd last row: the same single-chain sum
-}
-
 // Many input rows (compute-bound: vdpbf16ps throughput): y[m0 : m0 + MR, n : n + NR], the
 // NR weight rows kept in L1 across the passes over the inputs. Every pass prefetches its
 // share of the next block of rows (`ahead`, `lines` cache lines a step), so the block's
@@ -236,14 +184,14 @@ inline void tile_rows(const kvrelay::DenseProblem& p, int64_t n, int64_t n1) {
   }
 }
 
-// Up to 4 input rows stream the weights (memory-bound): 1-2 row by row, 3-4 in pairs of
-// rows; more take 4x4 tiles (compute-bound).
+// Up to 4 input rows stream the weights row by row (memory-bound); more take 4x4 tiles
+// (compute-bound).
 void bf16_dot(const kvrelay::DenseProblem& p, int64_t n0, int64_t n1) {
   switch (p.M) {
     case 1: return stream_rows<1, 4>(p, n0, n1);
     case 2: return stream_rows<2, 2>(p, n0, n1);
-    case 3: return stream_pairs<3>(p, n0, n1);
-    case 4: return stream_pairs<4>(p, n0, n1);
+    case 3: return stream_rows<3, 2>(p, n0, n1);
+    case 4: return stream_rows<4, 2>(p, n0, n1);
     default: break;
   }
   int64_t n = n0;
