@@ -86,7 +86,7 @@ def test_dense_linear_every_row_count_on_odd_shapes(isa, dtype):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("m", [1, 4, 16])
+@pytest.mark.parametrize("m", [1, 3, 4, 16])
 def test_dense_linear_same_bits_on_one_and_two_threads(isa, m):
     """Large enough for the op to split the rows over threads (and for the stream and tile
     paths to stop prefetching at a thread's range end): the split never changes a result."""
@@ -101,6 +101,20 @@ def test_dense_linear_same_bits_on_one_and_two_threads(isa, m):
         torch.set_num_threads(threads)
     assert torch.equal(one, two)
     torch.testing.assert_close(one.double(), _exact(x, w, b), rtol=2 ** -8, atol=1e-2)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+def test_dense_linear_row_result_does_not_depend_on_its_neighbours(isa, m):
+    """3-4 input rows read weight rows in pairs (an odd last row alone): dropping the first
+    weight row re-pairs every other row, and no result may change by a bit (the decode
+    result of a weight row must not depend on the matrix around it or on the split)."""
+    x, w, _ = _operands(m, 41, 1000, torch.bfloat16, seed=7 + m)    # K tail of 8 lanes
+    full = torch.ops.kvrelay_kernels.dense_linear(x, w, None, isa)
+    shifted = torch.ops.kvrelay_kernels.dense_linear(x, w[1:].contiguous(), None, isa)
+    alone = torch.ops.kvrelay_kernels.dense_linear(x, w[-1:].contiguous(), None, isa)
+    assert torch.equal(full[:, 1:], shifted)
+    assert torch.equal(full[:, -1:], alone)
 
 
 @pytest.mark.parametrize("isa", ISAS)
