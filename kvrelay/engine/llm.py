@@ -60,10 +60,16 @@ class LLM:
             self.engine.add_request(request_id, prompt, p)
             order.append(request_id)
         done: dict[str, RequestOutput] = {}
-        with tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm) as bar:
-            while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    if out.finished:
-                        done[out.request_id] = out
-                        bar.update()
+        # only finished outputs are kept here: none is built for a running request (the
+        # engine's own step() callers, e.g. tests and benchmarks, still get every step's)
+        self.engine.output.final_only = True
+        try:
+            with tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm) as bar:
+                while self.engine.has_unfinished_requests():
+                    for out in self.engine.step():
+                        if out.finished:
+                            done[out.request_id] = out
+                            bar.update()
+        finally:
+            self.engine.output.final_only = False
         return [done[r] for r in order]

@@ -54,9 +54,15 @@ def fan_out(request_id: str, ids: list[int], params: SamplingParams, eos: tuple[
 
 
 class OutputProcessor:
+    """`final_only` (offline `LLM.generate`, like vLLM's FINAL_ONLY): a request's output
+    is built once, when it finishes, instead of at every step it is touched (a server
+    streams every step's delta; offline the per-step outputs were thrown away). Its
+    deltas then hold everything, like the cumulative fields."""
+
     def __init__(self, tokenizer: CheckpointTokenizer | None, scheduler: Scheduler,
-                 fail: FailFn, hold: HoldFn) -> None:
+                 fail: FailFn, hold: HoldFn, final_only: bool = False) -> None:
         self.tokenizer, self.scheduler, self.fail, self.hold = tokenizer, scheduler, fail, hold
+        self.final_only = final_only
         self.parents: dict[str, ParentRequest] = {}
         self.child_parent: dict[str, ParentRequest] = {}
 
@@ -101,14 +107,17 @@ class OutputProcessor:
                     self.fail(chunk.request, e, "detokenizing")
                     continue
                 touched[parent.request_id] = parent
-        for request_id in out.preempted:
-            parent = self.child_parent.get(request_id)
-            if parent is not None:
-                touched.setdefault(parent.request_id, parent)
+        if not self.final_only:          # a preempted request's output stays put
+            for request_id in out.preempted:
+                parent = self.child_parent.get(request_id)
+                if parent is not None:
+                    touched.setdefault(parent.request_id, parent)
         results = []
         for parent in touched.values():
             if self.parents.get(parent.request_id) is not parent:
                 continue                                 # failed after it was touched
+            if self.final_only and not all(c.status.finished for c in parent.children):
+                continue
             try:
                 result = self.request_output(parent)
             except Exception as e:  # noqa: BLE001 -- this request's failure only

@@ -21,6 +21,7 @@ compute and logits to sample from):
 """
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import cast
@@ -46,6 +47,12 @@ class _RequestState:
     tables: list[list[KVBlock]]
     num_cached: list[int]
     hashes: list[BlockHash] = field(default_factory=list)
+    # `allocate` is a no-op while num_tokens <= fits_tokens and num_computed <=
+    # fits_computed: the tables already cover those tokens and no sliding-window block
+    # leaves the window (set after each full allocation; a decode crosses a block
+    # boundary once in block_size steps)
+    fits_tokens: int = 0
+    fits_computed: int = -1
 
 
 @dataclass
@@ -138,7 +145,12 @@ class KVCacheManager:
         """Make room for tokens [num_computed, num_tokens). With a prefix `hit` (first
         allocation only) the hit's blocks are referenced. All or nothing: returns
         False, changing nothing, when the pool cannot supply enough blocks."""
-        state = self.requests.setdefault(req_id, self._new_state())
+        state = self.requests.get(req_id)
+        if state is None:
+            state = self.requests[req_id] = self._new_state()
+        elif (num_tokens <= state.fits_tokens and num_computed <= state.fits_computed
+              and (hit is None or not hit.num_tokens)):
+            return True
         if hit is not None and hit.num_tokens:
             if any(state.tables):
                 raise AssertionError(f"request {req_id}: prefix hit on a non-empty table")
@@ -166,7 +178,23 @@ class KVCacheManager:
             missing = -(-num_tokens // self.block_size) - len(table)
             if missing > 0:
                 table.extend(self.pool.allocate(missing))
+        self._set_fits(state, num_computed)
         return True
+
+    def _set_fits(self, state: _RequestState, num_computed: int) -> None:
+        """How far `allocate` may skip its work for this request: up to the tables'
+        capacity, and while every window group's first needed block stays where it is
+        now (`_first_needed_block` only grows with num_computed; smaller ones need
+        nothing either: their out-of-window blocks are already released)."""
+        B = self.block_size
+        state.fits_tokens = min(len(t) for t in state.tables) * B if state.tables else 0
+        fits = sys.maxsize
+        for group in self.groups:
+            if group.window is not None:
+                first = self._first_needed_block(group.window, num_computed)
+                # the smallest num_computed whose first needed block is first + 1, less one
+                fits = min(fits, (first + 1) * B + group.window - 2)
+        state.fits_computed = fits
 
     def _skip_out_of_window(self, state: _RequestState, num_computed: int) -> None:
         """Release sliding-window blocks no future query can see."""
