@@ -300,7 +300,9 @@ class PeerServer(_Server):
             stdout=self.log_file,
             stderr=subprocess.STDOUT,
             env=env,
-            cwd=str(ROOT),
+            # `python -m` puts the working directory first on sys.path, ahead of PYTHONPATH:
+            # the baseline must run from its own tree or it imports this one
+            cwd=str(a.baseline if peer == "kvrelay-base" else ROOT),
             start_new_session=True,
         )
         self.pid = self.proc.pid

@@ -18,6 +18,7 @@ import asyncio
 import itertools
 import logging
 import multiprocessing as mp
+import os
 import signal
 import threading
 import time
@@ -346,6 +347,11 @@ class AsyncEngine(CoreClient):
         that is being written. One message per call: the loop polls level-triggered, so
         another message already waiting brings the next call at once."""
         assert self._loop is not None
+        fd = self._conn.fileno()
+        if not os.get_blocking(fd):
+            # an event loop may make the descriptors it watches non-blocking (libuv does);
+            # `recv` must wait for the rest of a message larger than the socket's buffer
+            os.set_blocking(fd, True)
         try:
             message: FromEngine = self._conn.recv()
         except (EOFError, OSError):

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
+import os
 import pickle
 import signal
+import struct
 import threading
+import time
 from dataclasses import fields, replace
 from types import SimpleNamespace
 from typing import Any
@@ -175,3 +178,44 @@ def test_step_message_pickles_as_field_tuples():
         CompletionOutput(0, "", [], delta_text=" the", delta_token_ids=[1996])]), False)],
         EngineStats(num_requests_running=1, num_steps=100))
     assert len(pickle.dumps(one_token, protocol=pickle.HIGHEST_PROTOCOL)) < 400  # was ~1,050
+
+
+def test_a_step_message_larger_than_the_socket_buffer_arrives_whole():
+    """An event loop may make the pipe it watches non-blocking (libuv does): a message
+    bigger than the socket's buffer then arrives in pieces, and reading it must wait for the
+    rest instead of failing the engine (a 64-stream step once did: "engine process exited")."""
+    async def scenario() -> tuple[int, str | None]:
+        engine = AsyncEngine(EngineArgs())
+        core = engine.process._args[1]
+        engine.process = _NoProcess()                      # type: ignore[assignment]
+        engine.start()
+        os.set_blocking(engine._conn.fileno(), False)
+        core.send(Ready(EngineInfo(64, "m", 0, 200), _stats(0)))
+        await engine.wait_ready(5)
+        gen = engine.generate("a", [1, 2], SamplingParams(max_tokens=2))
+        first = asyncio.ensure_future(gen.__anext__())
+        await asyncio.sleep(0.05)
+        rid = core.recv().request_id
+        big = list(range(400_000))                         # ~2 MB pickled, > the buffer
+        c = CompletionOutput(0, "", [], "length", delta_text="t", delta_token_ids=big)
+        payload = pickle.dumps(StepOutputs([RequestOutput(rid, None, [1, 2], [c],
+                                                          finished=True)], _stats(1)))
+        wire = struct.pack("!i", len(payload)) + payload   # multiprocessing's framing
+
+        def send_in_two_parts() -> None:                   # the core writing a big message
+            head, tail = wire[:1000], memoryview(wire)[1000:]
+            os.write(core.fileno(), head)
+            time.sleep(0.3)                                # the reader finds the pipe empty
+            while tail:
+                tail = tail[os.write(core.fileno(), tail):]
+
+        sender = threading.Thread(target=send_in_two_parts)
+        sender.start()
+        out = await asyncio.wait_for(first, 10)
+        sender.join(10)
+        core.close()
+        return len(out.outputs[0].token_ids), engine.dead
+
+    n, dead = asyncio.run(scenario())
+    assert n == 400_000
+    assert dead is None
