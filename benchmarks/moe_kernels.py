@@ -368,6 +368,16 @@ def machine() -> dict:
                 "kernels": kernels.status().isa, "kernels_reason": kernels.status().reason}
 
 
+
+def _save(out_arg: str, default_out: str, default_name: str, info: dict, rows: list) -> None:
+    """Rows + machine info as JSON; the default --out is renamed for this mode."""
+    info["loadavg_after"] = os.getloadavg()
+    out = Path(out_arg)
+    if out_arg == default_out:
+        out = out.with_name(default_name)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"machine": info, "rows": rows}, indent=1))
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default="tiny,20b")
@@ -404,12 +414,7 @@ def main() -> None:
     if args.overhead:
         configs = "peers" if args.configs == ap.get_default("configs") else args.configs
         rows = [r for name in configs.split(",") for r in run_overhead(name, tokens, args.rounds)]
-        info["loadavg_after"] = os.getloadavg()
-        out = Path(args.out)
-        if args.out == ap.get_default("out"):
-            out = out.with_name("moe_kernels_overhead.json")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"machine": info, "rows": rows}, indent=1))
+        _save(args.out, ap.get_default("out"), "moe_kernels_overhead.json", info, rows)
         return
     if args.kernel:
         isas = args.isas.split(",") if args.isas else \
@@ -417,12 +422,7 @@ def main() -> None:
         rows = []
         for name in args.configs.split(","):
             rows += run_kernel(name, tokens, args.rounds, threads, isas)
-        info["loadavg_after"] = os.getloadavg()
-        out = Path(args.out)
-        if args.out == ap.get_default("out"):
-            out = out.with_name("moe_kernels_stream.json")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"machine": info, "rows": rows}, indent=1))
+        _save(args.out, ap.get_default("out"), "moe_kernels_stream.json", info, rows)
         return
     variants = args.variants.split(",")
     rows = []

@@ -7,17 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvrelay.model.layers import attention, paged_decode
-from tests.model.test_fresh_prefill import B, _compare
-
-
-@pytest.fixture(params=["native", "pieces"], autouse=True)
-def fresh_path(request, monkeypatch):
-    if request.param == "native" and not paged_decode.enabled():
-        pytest.skip("the native kernels cannot be built here")
-    if request.param == "pieces":
-        monkeypatch.setattr(attention.kernel, "available", lambda device: False)
-    return request.param
+# fresh_path: the autouse fixture running every test on both fresh paths (kernel, SDPA pieces)
+from tests.model.test_fresh_prefill import B, _compare, fresh_path  # noqa: F401
 
 
 @pytest.mark.parametrize("window", [None, 5, 40])
