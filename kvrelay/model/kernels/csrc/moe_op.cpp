@@ -120,13 +120,38 @@ Projection projection(const at::Tensor& w, const c10::optional<at::Tensor>& scal
 // shrink until every thread has several items to take when few experts are active
 // (decode); an expert's tokens are cut into kTokenChunk-row chunks so that one busy
 // expert (prefill) still spreads over the threads.
-std::vector<Tile> tiles(const std::vector<int64_t>& offsets, int64_t rows, int64_t threads) {
-  int64_t chunks = 0;
-  for (size_t e = 0; e + 1 < offsets.size(); ++e)
-    chunks += (offsets[e + 1] - offsets[e] + kTokenChunk - 1) / kTokenChunk;
+//
+// Dense (f32/bf16) weights at decode sizes (at most kStreamMaxTokens tokens per expert: each
+// weight row read once, memory-bound) are cut into kStreamItemsPerThread items per thread
+// instead, shared out over the active experts by rows: each item is one sequential stream
+// of weight rows that its row passes prefetch ahead to the item's end (moe_impl.h
+// Prefetch). Measured (benchmarks/moe_kernels.py --kernel, embedded experts, bf16, Zen 5,
+// best of 20-30 under load): 32-row tiles restart the stream every 36 KB and stayed at 29-33
+// GB/s on one or two threads; streams reach 44-47 GB/s on two at 1 token (1 / 2 / 4 / 8
+// items per thread: 45 / 44 / 44 / 42) and 46-55 at 4 tokens (26 before).
+constexpr int64_t kStreamItemsPerThread = 2;
+constexpr int64_t kStreamMaxTokens = 4;
+
+std::vector<Tile> tiles(const std::vector<int64_t>& offsets, const Projection& w,
+                        int64_t threads) {
+  const int64_t rows = w.rows;
+  int64_t chunks = 0, active = 0, most = 0;
+  for (size_t e = 0; e + 1 < offsets.size(); ++e) {
+    const int64_t n = offsets[e + 1] - offsets[e];
+    chunks += (n + kTokenChunk - 1) / kTokenChunk;
+    active += n > 0;
+    most = std::max(most, n);
+  }
   const int64_t want = 4 * threads;
   int64_t size = kMaxTileRows / 2;
-  while (threads > 1 && size > 2 && chunks * ((rows + size - 1) / size) < want) size /= 2;
+  if (w.format != kMXFP4 && most <= kStreamMaxTokens) {
+    const int64_t items = kStreamItemsPerThread * threads;
+    const int64_t per_expert = std::max<int64_t>(1, (items + active - 1) / active);
+    size = ((rows + per_expert - 1) / per_expert + 1) / 2 * 2;   // even: gate/up pairs
+  }
+  while (threads > 1 && size > 2 && size <= kMaxTileRows / 2 &&
+         chunks * ((rows + size - 1) / size) < want)
+    size /= 2;
   std::vector<Tile> out;
   for (size_t e = 0; e + 1 < offsets.size(); ++e) {
     const int64_t n = offsets[e + 1] - offsets[e];
@@ -164,7 +189,7 @@ void run(TileFn fn, const MoeProblem& problem, const Projection& w,
       {int64_t(at::get_num_threads()), rows * n,
        active * expert_bytes(w) / kMinWeightBytesPerThread});
   const int64_t threads = std::max(threads_for(n * rows * cols, rows * n), by_bytes);
-  const std::vector<Tile> work = tiles(offsets, rows, threads);
+  const std::vector<Tile> work = tiles(offsets, w, threads);
   parallel_items(int64_t(work.size()), threads, 1, [&](int64_t begin, int64_t end) {
     fn(problem, work.data() + begin, end - begin);
   });
