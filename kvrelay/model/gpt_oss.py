@@ -12,9 +12,9 @@ stream separately and the next layer (or the final norm) adds them.
 Decode-only steps (every token a decode, native kernels built) take `DecoderLayer.decode`
 when `DecoderLayer.fused_decode` is on: the same computation with fewer calls per layer —
 RoPE, the KV write and the paged attention in one native call
-(`PagedAttention.rotary_decode`), the router's top-k and softmax in another
-(`route_topk`), and no module-call or dispatch wrappers between them. Its results are
-bitwise those of the separate ops (tests/model/test_paged_decode.py,
+(`PagedAttention.rotary_decode`), the router (linear, `route_topk`) and the experts in
+another (`Experts.route_decode`), and no module-call or dispatch wrappers between them.
+Its results are bitwise those of the separate ops (tests/model/test_paged_decode.py,
 tests/model/test_fused_decode_layer.py); the model decides once per step.
 
 Everything per step arrives in `AttentionMetadata` (query/context lengths, block
@@ -120,8 +120,9 @@ class DecoderLayer(nn.Module):
                kv_cache: torch.Tensor, meta: AttentionMetadata, cos: torch.Tensor,
                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward` for a decode-only step (`GptOssModel.fused_step` said yes): the same
-        ops, RoPE + KV write + attention as one native call, the router's top-k + softmax
-        as another, modules called without their wrappers."""
+        ops, RoPE + KV write + attention as one native call, the router (linear, top-k,
+        softmax) and the experts as another (`Experts.route_decode`), modules called
+        without their wrappers."""
         ln1, qkv, attn, o_proj, ln2, experts, _ctx, router = self._decode_modules
         if residual is None:
             residual, x = h, ln1.forward(h)
@@ -130,8 +131,7 @@ class DecoderLayer(nn.Module):
         qk, v = qkv.qk_v(x)                                    # [T, h + kvh, hd], [T, kvh, hd]
         out = attn.rotary_decode(qk, v, positions, cos, sin, kv_cache, meta)     # [T, h·hd]
         residual, x = ln2.add_forward(residual, o_proj.forward(out))
-        weights, expert_ids = self.route(x, router)
-        return experts.decode(x, weights, expert_ids), residual    # all-reduced
+        return experts.route_decode(x, router, self.route), residual    # all-reduced
 
     @property
     def _decode_modules(self) -> tuple[Any, ...]:

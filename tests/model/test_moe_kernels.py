@@ -522,3 +522,46 @@ def test_decode_streams_are_exact_on_any_thread_count(storage, tokens, top_k, is
         two = native(ex, x, weights, ids, isa)
         assert torch.equal(one, two), isa
         assert_close(two, expected)
+
+
+def _route(x: torch.Tensor, router: moe_mod.Router) -> tuple[torch.Tensor, torch.Tensor]:
+    """DecoderLayer.route: the router's linear, then the native top-k + softmax."""
+    from kvrelay.model.layers.linear import linear
+    return torch.ops.kvrelay_kernels.route_topk(linear(x, router.weight, router.bias),
+                                                router.top_k)
+
+
+@pytest.mark.parametrize("storage", ["bf16", "fp32", "mxfp4"])
+@pytest.mark.parametrize("tokens, top_k", [(1, 1), (3, 2), (4, 4)])
+def test_route_decode_is_the_router_then_the_experts_bit_for_bit(storage, tokens, top_k, isas,
+                                                                 monkeypatch):
+    """`Experts.route_decode` (router linear + top-k + experts in one native call) gives
+    exactly the separate router and `decode`, takes the one call, and reads the router's
+    weights as they are now (no stale copy)."""
+    monkeypatch.setenv("KVRELAY_MOE_KERNEL", "native")
+    ex = make_experts(224, 160, 6, storage, seed=tokens)
+    dtype = torch.float32 if storage == "fp32" else torch.bfloat16
+    ex.dtype = dtype
+    g = torch.Generator().manual_seed(top_k)
+    router = moe_mod.Router(224, 6, top_k, dtype)
+    router.weight.copy_(torch.randn(6, 224, generator=g))
+    router.bias.copy_(torch.randn(6, generator=g))
+    x = torch.randn(tokens, 224, generator=g).to(dtype)
+    for _ in range(2):
+        expected = ex.decode(x, *_route(x, router))
+        assert torch.equal(ex.route_decode(x, router, _route), expected)
+        assert ex._plan().fused[tokens]
+        router.weight.mul_(-1.0)                 # other choices; the fused call follows
+
+
+def test_route_decode_falls_back_to_the_separate_calls(monkeypatch):
+    """Where the experts take the torch path the router runs as before, then `decode`."""
+    monkeypatch.setenv("KVRELAY_MOE_KERNEL", "torch")
+    ex = make_experts(40, 56, 5, "fp32", seed=1)
+    router = moe_mod.Router(40, 5, 2, torch.float32)
+    router.weight.copy_(torch.randn(5, 40, generator=torch.Generator().manual_seed(0)))
+    x = torch.randn(3, 40, generator=torch.Generator().manual_seed(1))
+    calls = []
+    route = lambda x, r: calls.append(1) or r(x)         # noqa: E731 -- a counting router
+    assert torch.equal(ex.route_decode(x, router, route), ex.forward_torch(x, *router(x)))
+    assert calls and not ex._plan().fused[3]

@@ -26,6 +26,7 @@ already `[E, out, in/32, 16]` and stay packed (`MXFP4Tensor`).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -36,6 +37,7 @@ from kvrelay import envs
 from kvrelay.model import compile_hints, kernels
 from kvrelay.model.layers.ep_dispatch import moe_across_replicas
 from kvrelay.model.layers.linear import UPCAST_MIN_ROWS, linear, upcasts
+from kvrelay.model.layers.linear import _dense as runs_on_dense_kernel
 from kvrelay.model.mxfp4 import BLOCK, MXFP4Tensor
 from kvrelay.model.parallel import Collectives, ParallelContext, divide, shard_range
 from kvrelay.model.weights import WeightSource, padded_slice
@@ -197,9 +199,7 @@ class Experts(nn.Module):
         (kernel choice, weight views, fp32 biases) worked out once (`_DecodePlan`) and the
         all-reduce skipped where it is the identity (one rank). `weights`/`expert_ids` are
         the router's float32/int64 [T, k] (the kernel checks)."""
-        plan = self.__dict__.get("_decode_plan")
-        if plan is None or not plan.current():
-            plan = self.__dict__["_decode_plan"] = _DecodePlan(self)
+        plan = self._plan()
         choices = expert_ids.numel()
         native = plan.native.get(choices)
         if native is None:
@@ -211,6 +211,38 @@ class Experts(nn.Module):
         else:
             y = self.forward_torch(x, weights, expert_ids)
         return y if plan.reduce is None else plan.reduce(y)
+
+    def route_decode(self, x: torch.Tensor, router: Router,
+                     route: Callable[[torch.Tensor, Router], tuple[torch.Tensor, torch.Tensor]]
+                     ) -> torch.Tensor:
+        """`decode` of the choices `route(x, router)` makes (`DecoderLayer.route`: the
+        router's linear on the dense kernel, then `route_topk`): where both run natively,
+        the router and the experts are one native call (`moe_route_experts`, which calls the
+        same two ops from C++: bitwise the same result, two Python op dispatches fewer a
+        layer); otherwise `route` and `decode`."""
+        plan = self._plan()
+        fused = plan.fused.get(x.shape[0])
+        if fused is None:
+            fused = plan.fused[x.shape[0]] = self._fuses_router(x, router)
+        if not fused:
+            return self.decode(x, *route(x, router))
+        y = plan.route_op(x, router.weight, router.bias, router.top_k, *plan.args)
+        return y if plan.reduce is None else plan.reduce(y)
+
+    def _fuses_router(self, x: torch.Tensor, router: Router) -> bool:
+        """Whether `route_decode` of x's batch size takes the one native call: the kernel
+        reads x as it is and is chosen for its choices, and the router's linear is the
+        dense kernel's (what `linear` picks)."""
+        plan = self._plan()
+        return (bool(plan.args) and plan.x_native and router.bias.dtype == x.dtype
+                and self.uses_native_kernel(x.shape[0] * router.top_k)
+                and runs_on_dense_kernel(x, router.weight))
+
+    def _plan(self) -> _DecodePlan:
+        plan = self.__dict__.get("_decode_plan")
+        if plan is None or not plan.current():
+            plan = self.__dict__["_decode_plan"] = _DecodePlan(self)
+        return plan
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor,
                 expert_ids: torch.Tensor) -> torch.Tensor:
@@ -348,15 +380,19 @@ class _DecodePlan:
 
     def __init__(self, ex: Experts) -> None:
         self.native: dict[int, bool] = {}
+        self.fused: dict[int, bool] = {}       # route_decode's choice per batch size
         self.x_native = ex.dtype in _KERNEL_X_DTYPES     # activations in the model dtype
         self.sources = (ex.gate_up_bias.detach(), ex.down_bias.detach())   # share versions
         self.versions = tuple(b._version for b in self.sources)
         comm = ex.ctx.comm
         trivial = type(comm).all_reduce is Collectives.all_reduce
         self.reduce = None if trivial else comm.all_reduce
-        self.op = torch.ops.kvrelay_kernels.moe_experts.default
+        self.op: Any = None                    # the ops, where the kernels are built
+        self.route_op: Any = None
         self.args: tuple = ()
         if kernels.kernels_available():
+            self.op = torch.ops.kvrelay_kernels.moe_experts.default
+            self.route_op = torch.ops.kvrelay_kernels.moe_route_experts.default
             gate_up, down = ex._kernel_weight(ex.gate_up), ex._kernel_weight(ex.down)
             self.args = (ex.first_expert, gate_up[0], gate_up[1], ex._f32("gate_up_bias"),
                          down[0], down[1], ex._f32("down_bias") if ex.add_down_bias else None,

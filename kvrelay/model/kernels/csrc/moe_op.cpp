@@ -7,6 +7,7 @@
 // without the two extra ops and tensors per call); the computation is float32 throughout.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
@@ -18,6 +19,7 @@
 #include <cmath>
 #include <cstring>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "moe.h"
@@ -328,6 +330,35 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& route_weights,
   return out;
 }
 
+// The router and the experts of a decode step in one call (DecoderLayer.decode): logits =
+// dense_linear(x, router_weight, router_bias), (weights, ids) = route_topk(logits, k), then
+// moe_experts. The two are called through the dispatcher, the very ops the separate path
+// calls from Python, so the results are bitwise the same; what goes is two Python-side op
+// dispatches (~2-3 us each) per layer.
+at::Tensor moe_route_experts(const at::Tensor& x, const at::Tensor& router_weight,
+                             const c10::optional<at::Tensor>& router_bias, int64_t top_k,
+                             int64_t first_expert, const at::Tensor& gate_up,
+                             const c10::optional<at::Tensor>& gate_up_scales,
+                             const c10::optional<at::Tensor>& gate_up_bias,
+                             const at::Tensor& down, const c10::optional<at::Tensor>& down_scales,
+                             const c10::optional<at::Tensor>& down_bias, double alpha,
+                             double limit, const std::string& isa) {
+  static const auto linear =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("kvrelay_kernels::dense_linear", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&,
+                            const c10::optional<at::Tensor>&, const std::string&)>();
+  static const auto route =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("kvrelay_kernels::route_topk", "")
+          .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, int64_t)>();
+  static const std::string best;   // "": the best dense ISA, as `linear` asks
+  const at::Tensor logits = linear.call(x, router_weight, router_bias, best);
+  const auto [weights, ids] = route.call(logits, top_k);
+  return moe_experts(x, weights, ids, first_expert, gate_up, gate_up_scales, gate_up_bias, down,
+                     down_scales, down_bias, alpha, limit, isa);
+}
+
 }  // namespace
 }  // namespace kvrelay
 
@@ -335,7 +366,14 @@ TORCH_LIBRARY(kvrelay_kernels, m) {
   m.def("moe_experts(Tensor x, Tensor route_weights, Tensor expert_ids, int first_expert, "
         "Tensor gate_up, Tensor? gate_up_scales, Tensor? gate_up_bias, Tensor down, "
         "Tensor? down_scales, Tensor? down_bias, float alpha, float limit, str isa) -> Tensor");
+  m.def("moe_route_experts(Tensor x, Tensor router_weight, Tensor? router_bias, int top_k, "
+        "int first_expert, Tensor gate_up, Tensor? gate_up_scales, Tensor? gate_up_bias, "
+        "Tensor down, Tensor? down_scales, Tensor? down_bias, float alpha, float limit, "
+        "str isa) -> Tensor");
   m.def("isas() -> str[]", &kvrelay::isa_names);
 }
 
-TORCH_LIBRARY_IMPL(kvrelay_kernels, CPU, m) { m.impl("moe_experts", &kvrelay::moe_experts); }
+TORCH_LIBRARY_IMPL(kvrelay_kernels, CPU, m) {
+  m.impl("moe_experts", &kvrelay::moe_experts);
+  m.impl("moe_route_experts", &kvrelay::moe_route_experts);
+}
