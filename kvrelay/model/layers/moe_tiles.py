@@ -28,13 +28,15 @@ from kvrelay.model.mxfp4 import MXFP4Tensor
 if TYPE_CHECKING:
     from kvrelay.model.layers.moe import Experts
 
-# Token rows per expert (choices / local experts) from which the tiles take over: each
-# bf16 weight pair then serves 16 token rows per instruction. Measured (tiny config, 8
-# experts, hidden = intermediate = 128, one thread, CPU time per layer call, bf16):
-# see docs/benchmarks.md, session 7 "offline3".
-TILE_MIN_ROWS = 8
-# MXFP4 rows are decoded to bf16 per call (scalar, ~1 ns a weight): worth it from here.
-TILE_MIN_ROWS_MXFP4 = 16
+# Token rows per expert (choices / local experts) from which the tiles take over. An
+# expert's rows are padded to 16 (one vector of token rows), so below that the tiles cost
+# as much as 16 rows. Measured (one thread, CPU time per layer call, AVX512-BF16 Zen 4 VM;
+# tiles / the path taken before): tiny config (hidden = intermediate = 128, 8 experts,
+# top-2) bf16 at 1 / 2 / 4 / 6 / 8 / 12 rows per expert 42/26, 57/40, 60/59, 60/82,
+# 61/108, 63/155 us, MXFP4 49/23, 65/38, 67/63, 68/89, 69/114, 72/168 us; 1024 rows
+# 974/3313 (bf16, native kernel); the embedded model's shape (576/1536, 2 experts, top-1)
+# at 2 / 4 / 8 / 16 rows 546/273, 571/486, 606/1123, 787/1497 us (torch GEMMs).
+TILE_MIN_ROWS = 6
 
 
 @functools.cache
@@ -53,7 +55,7 @@ def wants(ex: Experts, x: torch.Tensor, choices: int) -> bool:
     if not packed and ex.gate_up.dtype != torch.bfloat16:
         return False
     rows = choices / (ex.num_local * ex.ctx.ep_size)
-    if rows < (TILE_MIN_ROWS_MXFP4 if packed else TILE_MIN_ROWS):
+    if rows < TILE_MIN_ROWS:
         return False
     from kvrelay.model.layers.moe import moe_kernel_mode
     return moe_kernel_mode() == "auto" and ex.hidden % 2 == 0 and ex.i_local % 2 == 0 \
