@@ -88,15 +88,15 @@ def test_mxfp4_tiles_match_reference_on_decoded_weights(T, H, I):  # noqa: E741
     gub, db = torch.randn(E, 2 * I, generator=g) * 0.3, torch.randn(E, H, generator=g) * 0.3
     w, ids = routing(T, E, k, g)
     y = torch.ops.kvrelay_kernels.moe_tiles(x, w, ids, 0, gate_up.blocks, gate_up.scales, gub,
-                                            down.blocks, down.scales, None, ALPHA, LIMIT)
+                                            down.blocks, down.scales, db, ALPHA, LIMIT)
     dense = [torch.stack([t.expert(e, torch.bfloat16) for e in range(E)])
              for t in (gate_up, down)]
-    assert_bf16_close(y, reference(x, w, ids, 0, dense[0], gub, dense[1], None))
+    assert_bf16_close(y, reference(x, w, ids, 0, dense[0], gub, dense[1], db))
 
 
 def test_choices_of_other_ranks_are_skipped_and_unchosen_tokens_are_zero():
     g = torch.Generator().manual_seed(3)
-    T, H, I, E, k, first = 50, 64, 32, 4, 2, 4      # this rank holds experts 4-7 of 12
+    T, H, I, E, k, first = 50, 64, 32, 4, 2, 4  # noqa: E741 -- rank 1: experts 4-7 of 12
     x = torch.randn(T, H, generator=g).bfloat16()
     gate_up = (torch.randn(E, 2 * I, H, generator=g) * 0.2).bfloat16()
     down = (torch.randn(E, H, I, generator=g) * 0.2).bfloat16()
@@ -111,7 +111,7 @@ def test_choices_of_other_ranks_are_skipped_and_unchosen_tokens_are_zero():
 
 def test_results_do_not_depend_on_the_thread_count():
     g = torch.Generator().manual_seed(5)
-    T, H, I, E, k = 700, 96, 160, 8, 2
+    T, H, I, E, k = 700, 96, 160, 8, 2  # noqa: E741 -- I as in the shape notation
     x = torch.randn(T, H, generator=g).bfloat16()
     gate_up = (torch.randn(E, 2 * I, H, generator=g) * 0.2).bfloat16()
     down = (torch.randn(E, H, I, generator=g) * 0.2).bfloat16()

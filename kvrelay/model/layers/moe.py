@@ -34,8 +34,8 @@ from torch import nn
 
 from kvrelay import envs
 from kvrelay.model import compile_hints, kernels
-from kvrelay.model.layers.ep_dispatch import moe_across_replicas
 from kvrelay.model.layers import moe_tiles
+from kvrelay.model.layers.ep_dispatch import moe_across_replicas
 from kvrelay.model.layers.linear import UPCAST_MIN_ROWS, linear, upcasts
 from kvrelay.model.mxfp4 import BLOCK, MXFP4Tensor
 from kvrelay.model.parallel import Collectives, ParallelContext, divide, shard_range
