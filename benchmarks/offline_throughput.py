@@ -293,7 +293,7 @@ def worker(spec_path: Path, out_path: Path) -> None:
     spec = json.loads(spec_path.read_text())
     t0 = time.perf_counter()
     cls = {"kvrelay": KvrelayEngine, "kvrelay-fp32": KvrelayEngine,
-           "kvrelay-compiled": KvrelayEngine,
+           "kvrelay-compiled": KvrelayEngine, "kvrelay-baseline": KvrelayEngine,
            "transformers": TransformersEngine, "vllm": VllmEngine}[spec["engine"]]
     eng = cls(spec)
     result: dict[str, Any] = {"engine": spec["engine"], "startup_s": time.perf_counter() - t0}
@@ -367,6 +367,7 @@ def worker(spec_path: Path, out_path: Path) -> None:
 # orchestrator side
 # =========================================================================================
 MAX_WAIT_S = 600.0      # set from --max-wait
+BASELINE_TREE = ""      # set from --baseline
 
 
 def wait_for_quiet() -> dict[str, float]:
@@ -388,6 +389,8 @@ def run_worker(spec: dict[str, Any], workdir: Path, timeout_s: float = 3600) -> 
                PYTHONPATH=str(ROOT))
     if engine == "vllm":
         env |= vllm_env()
+    if engine == "kvrelay-baseline":            # the same engine from another source tree
+        env["PYTHONPATH"] = BASELINE_TREE
     if engine == "kvrelay-compiled":            # decode-only steps through torch.compile
         env["KVRELAY_COMPILE_DECODE"] = COMPILED_BUCKETS
     cmd = [py, str(Path(__file__).resolve()), "--worker", str(spec_path), str(out_path)]
@@ -553,6 +556,10 @@ def main() -> None:
                          "kvrelay-compiled (KVRELAY_COMPILE_DECODE=" + COMPILED_BUCKETS + ", "
                          "compiled at start-up, not timed) are extra rows; the targets use "
                          "kvrelay (bf16, eager)")
+    ap.add_argument("--baseline", default=None, metavar="TREE",
+                    help="also run engine kvrelay-baseline: kvrelay imported from the source "
+                         "tree TREE (e.g. an export of main), in the same run, for before/after "
+                         "ratios under the same load")
     ap.add_argument("--num-requests", type=int, default=None)
     ap.add_argument("--input-len", default=None, help="min,max prompt tokens (all configs)")
     ap.add_argument("--output-len", default=None, help="min,max output tokens (all configs)")
@@ -585,13 +592,17 @@ def main() -> None:
         worker(Path(args.worker[0]), Path(args.worker[1]))
         return
 
-    global MAX_WAIT_S
+    global MAX_WAIT_S, BASELINE_TREE
     MAX_WAIT_S = args.max_wait if args.max_wait is not None else (0.0 if args.quick else 600.0)
+    if args.baseline:
+        BASELINE_TREE = str(Path(args.baseline).resolve())
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="offline-bench-"))
     configs = QUICK_CONFIGS if args.quick else CONFIGS
     engines = [e for e in args.engines.split(",") if e]
+    if args.baseline and "kvrelay-baseline" not in engines:
+        engines.insert(0, "kvrelay-baseline")
     if "vllm" in engines and not Path(VLLM_PYTHON).exists():
         log(f"vLLM venv python {VLLM_PYTHON} not found: skipping vllm")
         engines.remove("vllm")
@@ -705,13 +716,16 @@ def add_derived(results: dict[str, Any], name: str) -> None:
     cfg = results["configs"][name]["config"]
     ok = {e: r for e, r in res.items() if "error" not in r}
     d: dict[str, Any] = {}
-    if "kvrelay" in ok:
+    for ours in ("kvrelay", "kvrelay-baseline"):
+        if ours not in ok:
+            continue
+        key = ours.replace("-", "_")
         for other in ("vllm", "transformers"):
             if other in ok:
-                d[f"kvrelay_vs_{other}"] = ok["kvrelay"]["output_tok_s"] / ok[other]["output_tok_s"]
-                if "output_tok_per_cpu_s" in ok["kvrelay"] and "output_tok_per_cpu_s" in ok[other]:
-                    d[f"kvrelay_vs_{other}_per_cpu_s"] = (ok["kvrelay"]["output_tok_per_cpu_s"]
-                                                          / ok[other]["output_tok_per_cpu_s"])
+                d[f"{key}_vs_{other}"] = ok[ours]["output_tok_s"] / ok[other]["output_tok_s"]
+                if "output_tok_per_cpu_s" in ok[ours] and "output_tok_per_cpu_s" in ok[other]:
+                    d[f"{key}_vs_{other}_per_cpu_s"] = (ok[ours]["output_tok_per_cpu_s"]
+                                                        / ok[other]["output_tok_per_cpu_s"])
     roof = {}
     for e, r in ok.items():
         entry = decode_step(r)
@@ -773,7 +787,7 @@ def print_report(results: dict[str, Any]) -> None:
                   f"{r.get('others_busy_cores_during', float('nan')):11.2f}")
         d = results.get("derived", {}).get(name, {})
         for k, v in d.items():
-            if k.startswith("kvrelay_vs"):
+            if k.startswith(("kvrelay_vs", "kvrelay_baseline_vs")):
                 print(f"  {k}: {v:.2f}x")
         for k, v in d.get("targets", {}).items():
             print(f"  target {k}: {v['value']:.2f} vs {v['target']} -> "

@@ -57,7 +57,9 @@ class OutputProcessor:
     """`final_only` (offline `LLM.generate`, like vLLM's FINAL_ONLY): a request's output
     is built once, when it finishes, instead of at every step it is touched (a server
     streams every step's delta; offline the per-step outputs were thrown away). Its
-    deltas then hold everything, like the cumulative fields."""
+    deltas then hold everything, like the cumulative fields. A sequence without stop
+    strings is also detokenised only then: `IncrementalDetokenizer.add` goes token by
+    token whatever it is given, so the text is the same, without a call per step."""
 
     def __init__(self, tokenizer: CheckpointTokenizer | None, scheduler: Scheduler,
                  fail: FailFn, hold: HoldFn, final_only: bool = False) -> None:
@@ -99,7 +101,10 @@ class OutputProcessor:
         their output stays put); finished requests are forgotten."""
         touched: dict[str, ParentRequest] = {}
         for chunk in out.chunks:
-            parent = self.child_parent.get(chunk.request.request_id)
+            req = chunk.request
+            if self.final_only and not req.params.stop and not req.status.finished:
+                continue          # detokenised whole when it finishes: the same text
+            parent = self.child_parent.get(req.request_id)
             if parent is not None:
                 try:
                     self._detokenize(parent, chunk.request)

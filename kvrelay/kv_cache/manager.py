@@ -53,6 +53,10 @@ class _RequestState:
     # boundary once in block_size steps)
     fits_tokens: int = 0
     fits_computed: int = -1
+    # `block_ids`' answer, built once per change of the tables (every running request is
+    # asked every step; its tables change once in block_size decode steps). Never mutated:
+    # a change builds new lists, so an earlier answer a caller kept stays as it was.
+    ids: list[list[int]] | None = None
 
 
 @dataclass
@@ -76,7 +80,11 @@ class KVCacheManager:
 
     # -- queries ------------------------------------------------------------------------
     def block_ids(self, req_id: str) -> list[list[int]]:
-        return [[b.block_id for b in table] for table in self.requests[req_id].tables]
+        """The request's block ids per group (shared lists: read them, do not modify)."""
+        state = self.requests[req_id]
+        if state.ids is None:
+            state.ids = [[b.block_id for b in table] for table in state.tables]
+        return state.ids
 
     def num_blocks_held(self, req_id: str) -> int:
         return sum(b.block_id != NULL_BLOCK for t in self.requests[req_id].tables for b in t)
@@ -151,6 +159,7 @@ class KVCacheManager:
         elif (num_tokens <= state.fits_tokens and num_computed <= state.fits_computed
               and (hit is None or not hit.num_tokens)):
             return True
+        state.ids = None                                 # the tables may change below
         if hit is not None and hit.num_tokens:
             if any(state.tables):
                 raise AssertionError(f"request {req_id}: prefix hit on a non-empty table")

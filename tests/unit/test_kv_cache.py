@@ -264,3 +264,27 @@ def test_allocate_fast_path_keeps_block_accounting(window, hybrid, seed):
             m.free(req)
     fast.assert_no_leaks()
     slow.assert_no_leaks()
+
+
+def test_block_ids_follow_every_table_change_and_earlier_answers_stay_put():
+    """`block_ids` is built once per change of a request's tables (allocating past a
+    block, releasing sliding-window blocks, a prefix hit), never modified in place."""
+    m = make_manager(num_blocks=32, block_size=4, window=6, hybrid=True, caching=False)
+    assert m.allocate("a", 0, 6)
+    first = m.block_ids("a")
+    assert m.block_ids("a") is first                     # nothing changed: the same answer
+    snapshot = [list(t) for t in first]
+    assert m.allocate("a", 6, 7) and m.block_ids("a") is first       # still in block 1
+    assert m.allocate("a", 7, 9)                                      # block 2 appended
+    grown = m.block_ids("a")
+    assert first == snapshot and grown is not first
+    assert [len(t) for t in grown] == [3, 3]
+    for n in range(9, 15):                                # the window slides past block 0
+        assert m.allocate("a", n, n + 1)
+    slid = m.block_ids("a")
+    assert slid[1][0] == NULL_BLOCK and slid[0][0] != NULL_BLOCK
+    assert grown[1][0] != NULL_BLOCK                      # the earlier answer kept its ids
+    assert slid == [[b.block_id for b in t] for t in m.requests["a"].tables]
+    m.free("a")
+    assert m.allocate("a", 0, 2)
+    assert m.block_ids("a") == [[t[0].block_id] for t in m.requests["a"].tables]

@@ -35,6 +35,7 @@ from torch import nn
 
 from kvrelay import envs
 from kvrelay.model import compile_hints, kernels
+from kvrelay.model.layers import moe_tiles
 from kvrelay.model.layers.ep_dispatch import moe_across_replicas
 from kvrelay.model.layers.linear import UPCAST_MIN_ROWS, linear, upcasts
 from kvrelay.model.layers.linear import _dense as runs_on_dense_kernel
@@ -201,6 +202,9 @@ class Experts(nn.Module):
         the router's float32/int64 [T, k] (the kernel checks)."""
         plan = self._plan()
         choices = expert_ids.numel()
+        if moe_tiles.wants(self, x, choices):          # many rows per expert (offline3 hook)
+            y = moe_tiles.forward(self, x, weights, expert_ids)
+            return y if plan.reduce is None else plan.reduce(y)
         native = plan.native.get(choices)
         if native is None:
             native = plan.native[choices] = self.uses_native_kernel(choices)
@@ -247,6 +251,8 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor,
                 expert_ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], weights/expert_ids [T, k] → this rank's partial output [T, H]."""
+        if moe_tiles.wants(self, x, expert_ids.numel()):   # offline3 hook (moe_tiles.py)
+            return moe_tiles.forward(self, x, weights, expert_ids)
         if self.uses_native_kernel(expert_ids.numel()):
             return self.forward_native(x, weights, expert_ids)
         return self.forward_torch(x, weights, expert_ids)

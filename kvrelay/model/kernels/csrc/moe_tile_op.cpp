@@ -1,0 +1,249 @@
+// torch op `kvrelay_kernels::moe_tiles`: a bf16 model's MoE experts (bf16 or MXFP4
+// weights) for many token rows per expert — offline decode batches and prefill — through
+// vdpbf16ps tiles (moe_tile.h). The same computation as `moe_experts` with bf16 operands:
+// x and the weights are bf16 already (MXFP4 values are exact in bf16), the swiglu output
+// is rounded to bf16 before the down projection (as the bf16 torch reference path rounds
+// it), every sum is fp32, and each token's k weighted rows are summed in fp32 and rounded
+// once. Only on CPUs with AVX512-BF16 (`moe_tile_isas()` is empty elsewhere).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "moe_tile.h"
+#include "parallel.h"
+
+namespace kvrelay {
+namespace {
+
+const TileKernels* tile_kernels() {
+  static const TileKernels* chosen = [] () -> const TileKernels* {
+    static TileKernels k{};
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+        __builtin_cpu_supports("avx512bf16") && tile_avx512_bf16(&k))
+      return &k;
+#endif
+    return nullptr;
+  }();
+  return chosen;
+}
+
+std::vector<std::string> moe_tile_isas() {
+  const TileKernels* k = tile_kernels();
+  return k ? std::vector<std::string>{k->name} : std::vector<std::string>{};
+}
+
+const float* scale_table() {   // 2^(s - 127) for every E8M0 byte s
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (int s = 0; s < 256; ++s) t[s] = std::ldexp(1.0f, s - 127);
+    return t;
+  }();
+  return table.data();
+}
+
+const float* optional_bias(const c10::optional<at::Tensor>& t, int64_t E, int64_t rows,
+                           const char* what) {
+  if (!t.has_value()) return nullptr;
+  TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 &&
+                  t->size(0) == E && t->size(1) == rows,
+              what, ": expected a contiguous float32 [", E, ", ", rows, "] bias");
+  return t->data_ptr<float>();
+}
+
+// bf16 [E, rows, cols], or MXFP4 codes [E, rows, cols/32, 16] + scales [E, rows, cols/32].
+TileWeights weights(const at::Tensor& w, const c10::optional<at::Tensor>& scales,
+                    const c10::optional<at::Tensor>& bias, const char* what) {
+  TileWeights p{};
+  TORCH_CHECK(w.is_contiguous() && w.device().is_cpu(), what,
+              ": weights must be contiguous CPU tensors");
+  if (w.scalar_type() == at::kByte) {
+    TORCH_CHECK(w.dim() == 4 && w.size(3) == 16 && scales.has_value() &&
+                    scales->scalar_type() == at::kByte && scales->is_contiguous() &&
+                    scales->sizes() == w.sizes().slice(0, 3),
+                what, ": MXFP4 codes must be [E, rows, groups, 16] with uint8 scales");
+    p.codes = w.data_ptr<uint8_t>();
+    p.scales = scales->data_ptr<uint8_t>();
+    p.cols = w.size(2) * 32;
+  } else {
+    TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 3 && !scales.has_value(), what,
+                ": dense weights must be bfloat16 [E, rows, cols]");
+    p.bf16 = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+    p.cols = w.size(2);
+  }
+  p.rows = w.size(1);
+  p.bias = optional_bias(bias, w.size(0), p.rows, what);
+  return p;
+}
+
+constexpr int64_t kTokenChunk = 256;   // token rows per work item (a multiple of 32)
+constexpr int64_t kMaxItemRows = 64;   // weight rows per work item (moe_tile_avx512_bf16.cpp)
+
+// Work items of one sweep: (expert, token chunk, row block), the costliest first; row
+// blocks (multiples of 16) shrink until every thread has several items.
+std::vector<TileItem> items(const std::vector<int64_t>& padded, int64_t rows, int64_t threads) {
+  int64_t chunks = 0;
+  for (size_t e = 0; e + 1 < padded.size(); ++e)
+    chunks += (padded[e + 1] - padded[e] + kTokenChunk - 1) / kTokenChunk;
+  int64_t size = kMaxItemRows;
+  while (size > 16 && chunks * ((rows + size - 1) / size) < 4 * threads) size /= 2;
+  std::vector<TileItem> out;
+  for (size_t e = 0; e + 1 < padded.size(); ++e) {
+    const int64_t n = padded[e + 1] - padded[e];
+    for (int64_t t = 0; t < n; t += kTokenChunk)
+      for (int64_t r = 0; r < rows; r += size)
+        out.push_back(TileItem{int32_t(e), int32_t(r), int32_t(std::min(r + size, rows)),
+                               int32_t(t), int32_t(std::min(t + kTokenChunk, n))});
+  }
+  const auto cost = [](const TileItem& i) { return int64_t(i.row1 - i.row0) * (i.tok1 - i.tok0); };
+  std::stable_sort(out.begin(), out.end(),
+                   [&](const TileItem& a, const TileItem& b) { return cost(a) > cost(b); });
+  return out;
+}
+
+void sweep(TileItemsFn fn, const TileProblem& p, const std::vector<int64_t>& padded,
+           int64_t rows, int64_t cols) {
+  const int64_t macs = padded.back() * rows * cols;
+  const int64_t threads = threads_for(macs, int64_t(1) << 30);
+  const std::vector<TileItem> work = items(padded, rows, threads);
+  parallel_items(int64_t(work.size()), std::min<int64_t>(threads, int64_t(work.size())), 1,
+                 [&](int64_t begin, int64_t end) { fn(p, work.data() + begin, end - begin); });
+}
+
+at::Tensor moe_tiles(const at::Tensor& x, const at::Tensor& route_weights,
+                     const at::Tensor& expert_ids, int64_t first_expert,
+                     const at::Tensor& gate_up, const c10::optional<at::Tensor>& gate_up_scales,
+                     const c10::optional<at::Tensor>& gate_up_bias, const at::Tensor& down,
+                     const c10::optional<at::Tensor>& down_scales,
+                     const c10::optional<at::Tensor>& down_bias, double alpha, double limit) {
+  const TileKernels* kernels = tile_kernels();
+  TORCH_CHECK(kernels != nullptr, "moe_tiles: this CPU has no AVX512-BF16");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(),
+              "moe_tiles: x must be contiguous bfloat16 [T, H]");
+  const int64_t T = x.size(0), H = x.size(1);
+  TORCH_CHECK(expert_ids.scalar_type() == at::kLong && expert_ids.dim() == 2 &&
+                  expert_ids.size(0) == T && expert_ids.is_contiguous(),
+              "moe_tiles: expert_ids must be contiguous int64 [T, k]");
+  TORCH_CHECK(route_weights.scalar_type() == at::kFloat &&
+                  route_weights.sizes() == expert_ids.sizes() && route_weights.is_contiguous(),
+              "moe_tiles: route_weights must be contiguous float32 [T, k]");
+  const int64_t k = expert_ids.size(1);
+  TileProblem p{};
+  p.gate_up = weights(gate_up, gate_up_scales, gate_up_bias, "moe_tiles gate_up");
+  p.down = weights(down, down_scales, down_bias, "moe_tiles down");
+  const int64_t E = gate_up.size(0), I = p.down.cols;
+  TORCH_CHECK(p.gate_up.cols == H && p.gate_up.rows == 2 * I && down.size(0) == E &&
+                  p.down.rows == H,
+              "moe_tiles: gate_up must be [E, 2I, H] and down [E, H, I] for x [T, H]");
+  TORCH_CHECK(H % 2 == 0 && I % 2 == 0, "moe_tiles: H and I must be even");
+
+  // counting sort of the T·k choices by local expert (stable: choice order kept)
+  const int64_t* ids = expert_ids.data_ptr<int64_t>();
+  std::vector<int64_t> offsets(E + 1, 0), padded(E + 1, 0);
+  for (int64_t c = 0; c < T * k; ++c) {
+    const int64_t e = ids[c] - first_expert;
+    if (e >= 0 && e < E) ++offsets[e + 1];
+  }
+  for (int64_t e = 0; e < E; ++e) {
+    padded[e + 1] = padded[e] + (offsets[e + 1] + 15) / 16 * 16;
+    offsets[e + 1] += offsets[e];
+  }
+  const int64_t n = offsets[E];
+  if (n == 0) return at::zeros({T, H}, x.options());
+  std::vector<int64_t> next(offsets.begin(), offsets.end() - 1);
+  std::vector<int64_t> position(T * k, -1);   // choice → sorted row
+  std::vector<int64_t> choice(n);             // sorted row → choice
+  for (int64_t c = 0; c < T * k; ++c) {
+    const int64_t e = ids[c] - first_expert;
+    if (e >= 0 && e < E) {
+      position[c] = next[e]++;
+      choice[position[c]] = c;
+    }
+  }
+
+  // x rows pair-packed per expert (32-bit pairs transposed), pad rows zero
+  const int64_t P = padded[E];
+  at::Tensor xs = at::empty({P * H}, x.options());
+  at::Tensor acts = at::empty({P * I}, x.options());
+  at::Tensor ys = at::empty({n, H}, x.options().dtype(at::kFloat));
+  auto* xp = reinterpret_cast<uint32_t*>(xs.data_ptr<at::BFloat16>());
+  const auto* xsrc = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
+  const float* rw = route_weights.data_ptr<float>();
+  std::vector<float> weight(n);
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t Mp = padded[e + 1] - padded[e], count = offsets[e + 1] - offsets[e];
+    uint32_t* block = xp + padded[e] * H / 2;
+    // 16 rows at a time: each pair column of the block is one 64-byte line written whole
+    const uint32_t* src[16];
+    for (int64_t m0 = 0; m0 < count; m0 += 16) {
+      const int64_t rows = std::min<int64_t>(16, count - m0);
+      for (int64_t m = 0; m < rows; ++m) {
+        const int64_t c = choice[offsets[e] + m0 + m];
+        src[m] = xsrc + (c / k) * H / 2;
+        weight[offsets[e] + m0 + m] = rw[c];
+      }
+      for (int64_t j = 0; j < H / 2; ++j)
+        for (int64_t m = 0; m < rows; ++m) block[j * Mp + m0 + m] = src[m][j];
+    }
+    for (int64_t j = 0; j < H / 2 && count < Mp; ++j)
+      std::memset(block + j * Mp + count, 0, sizeof(uint32_t) * (Mp - count));
+  }
+  p.offsets = offsets.data();
+  p.padded = padded.data();
+  p.x = reinterpret_cast<const uint16_t*>(xp);
+  p.act = reinterpret_cast<uint16_t*>(acts.data_ptr<at::BFloat16>());
+  p.y = ys.data_ptr<float>();
+  p.route_weight = weight.data();
+  p.scale_table = scale_table();
+  p.alpha = float(alpha);
+  p.limit = float(limit);
+
+  sweep(kernels->gate_up, p, padded, 2 * I, H);
+  sweep(kernels->down, p, padded, H, I);
+
+  // each token: the sum of its local choices, in choice order, from 0 in float32, rounded
+  // to bf16 once (c10::BFloat16 rounds to nearest even, as Tensor.to does)
+  at::Tensor out = at::empty({T, H}, x.options());
+  c10::BFloat16* ob = out.data_ptr<c10::BFloat16>();
+  const float* y = p.y;
+  const int64_t sum_threads = threads_for(T * k * H, T);
+  parallel_items(T, sum_threads, (T + 4 * sum_threads - 1) / (4 * sum_threads),
+                 [&](int64_t begin, int64_t end) {
+    std::vector<float> row(H);
+    for (int64_t t = begin; t < end; ++t) {
+      std::fill(row.begin(), row.end(), 0.0f);
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t r = position[t * k + j];
+        if (r < 0) continue;
+        for (int64_t h = 0; h < H; ++h) row[h] += y[r * H + h];
+      }
+      for (int64_t h = 0; h < H; ++h) ob[t * H + h] = c10::BFloat16(row[h]);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+}  // namespace kvrelay
+
+TORCH_LIBRARY_FRAGMENT(kvrelay_kernels, m) {
+  m.def("moe_tiles(Tensor x, Tensor route_weights, Tensor expert_ids, int first_expert, "
+        "Tensor gate_up, Tensor? gate_up_scales, Tensor? gate_up_bias, Tensor down, "
+        "Tensor? down_scales, Tensor? down_bias, float alpha, float limit) -> Tensor");
+  m.def("moe_tile_isas() -> str[]", &kvrelay::moe_tile_isas);
+}
+
+TORCH_LIBRARY_IMPL(kvrelay_kernels, CPU, m) { m.impl("moe_tiles", &kvrelay::moe_tiles); }
