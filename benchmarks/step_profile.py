@@ -7,7 +7,8 @@
 Engine part: `LLMEngine` in this process runs one greedy request; every stage of its
 `step()` is timed with `time.perf_counter_ns` spans (scheduler, step input, runner input
 preparation, forward, logits, sampler, scheduler update, detokenizer/outputs, and the
-engine→API message: `as_delta` + pickling). Medians over the decode steps, and the
+engine→API message: `as_delta` + pickling), and the step's page faults and context
+switches (getrusage counts, all threads). Medians over the decode steps, and the
 prefill step (the whole prompt in one chunk) of the second, warm request.
 `--concurrency N` runs N requests side by side instead (distinct prompts of the same
 length): the decode medians are then those of N-sequence steps.
@@ -43,6 +44,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+# as `kvrelay serve` does (cli.py): OpenMP threads spin briefly at barriers, then sleep
+# (libgomp's default spins ~15x longer, which keeps the second thread hotter than served)
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ.setdefault("GOMP_SPINCOUNT", "20000")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import CONFIGS, ROOT, build_checkpoint, log
@@ -79,6 +84,11 @@ def instrument(engine: Any) -> None:
     forward = model.forward
     model.forward = _timed("model.forward", forward)
     model.compute_logits = _timed("logits", model.compute_logits)
+
+
+# per-step counters of the engine process (all threads), reported as "count <field>": minor
+# and major page faults, voluntary and involuntary context switches
+RUSAGE_COUNTS = ("ru_minflt", "ru_majflt", "ru_nvcsw", "ru_nivcsw")
 
 
 # the forward's modules timed by --parts, by attribute path within a decoder layer
@@ -154,7 +164,11 @@ def engine_profile(
             engine.add_request(f"r{rep}-{i}", prompt, params)
         while engine.has_unfinished_requests():
             SPANS.clear()
+            before = resource.getrusage(resource.RUSAGE_SELF)
             outputs = engine.step()
+            after = resource.getrusage(resource.RUSAGE_SELF)
+            for field in RUSAGE_COUNTS:  # page faults (first touches), context switches
+                SPANS[f"count {field}"] = getattr(after, field) - getattr(before, field)
             t0 = CLOCK()
             stats = engine_stats(engine)
             blob = pickle.dumps(("outputs", [as_delta(o) for o in outputs], stats))
@@ -163,7 +177,7 @@ def engine_profile(
             steps.append(dict(SPANS))
 
     def scaled(name: str, value: float) -> float:
-        return round(value if "bytes" in name else value / 1e6, 4)
+        return round(value if "bytes" in name or "count" in name else value / 1e6, 4)
 
     # the first step is the prompts' prefill (at high concurrency it may take a few: the
     # medians over the ~`tokens` decode steps are not moved by them)

@@ -87,10 +87,13 @@ def test_dense_linear_every_row_count_on_odd_shapes(isa, dtype):
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("m", [1, 3, 4, 16])
-def test_dense_linear_same_bits_on_one_and_two_threads(isa, m):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_dense_linear_same_bits_on_one_and_two_threads(isa, m, dtype):
     """Large enough for the op to split the rows over threads (and for the stream and tile
-    paths to stop prefetching at a thread's range end): the split never changes a result."""
-    x, w, b = _operands(m, 2053, 1100, torch.bfloat16, seed=m)   # 4.5 MB of weights
+    paths to stop prefetching at a thread's range end): the split never changes a result.
+    4.5 / 9 MB of weights: the threads take 1 MiB chunks (59 / 29 work items of 8 rows),
+    the last one partial, so chunks of both threads interleave through the matrix."""
+    x, w, b = _operands(m, 2053, 1100, dtype, seed=m)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
