@@ -70,6 +70,16 @@ void keys_values_f32(const at::Tensor& k, const at::Tensor& v, int64_t ld_kt, in
     std::fill(kt + r * ld_kt + n, kt + (r + 1) * ld_kt, 0.f);
 }
 
+// The caller thread's kept f32 buffer of at least `floats` (up to 8 MB; fresh beyond):
+// a step's keys and values as f32 would otherwise be new pages faulted in at every layer.
+at::Tensor kept_f32(int64_t floats, const at::TensorOptions& like) {
+  const auto f32 = like.dtype(at::kFloat);
+  if (floats > (int64_t(2) << 20)) return at::empty({floats}, f32);
+  thread_local at::Tensor kept;
+  if (!kept.defined() || kept.numel() < floats) kept = at::empty({floats}, f32);
+  return kept;
+}
+
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              const at::Tensor& cu_seqlens, const at::Tensor& sinks,
                              double scale, int64_t window, const std::string& isa) {
@@ -134,8 +144,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   // keys and values in f32 once (the kernel's blocks point into them)
   const int64_t T = q.size(0), Dp = (p.D + 15) / 16 * 16;
   p.ld_kt = T + kPrefillKeys;
-  at::Tensor kv32 = at::empty({p.KVH * p.D * p.ld_kt + T * p.KVH * Dp},
-                              q.options().dtype(at::kFloat));
+  const at::Tensor kv32 = kept_f32(p.KVH * p.D * p.ld_kt + T * p.KVH * Dp, q.options());
   float* const kt = kv32.data_ptr<float>();
   float* const vf32 = kt + p.KVH * p.D * p.ld_kt;
   if (dtype == at::kFloat) keys_values_f32<float>(kf, vf, p.ld_kt, Dp, kt, vf32);
