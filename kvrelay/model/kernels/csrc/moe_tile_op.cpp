@@ -123,6 +123,19 @@ void sweep(TileItemsFn fn, const TileProblem& p, const std::vector<int64_t>& pad
                  [&](int64_t begin, int64_t end) { fn(p, work.data() + begin, end - begin); });
 }
 
+// Working memory of one call: the calling thread's kept buffer up to kKeepFloats (grown
+// as needed: a prefill step's 7 MB were fresh pages, faulted in at every call), a fresh
+// tensor beyond (big models' long prefills, whose compute dwarfs the faults).
+constexpr int64_t kKeepFloats = int64_t(4) << 20;   // 16 MB
+
+at::Tensor scratch(int64_t floats, const at::TensorOptions& like) {
+  const auto f32 = like.dtype(at::kFloat);
+  if (floats > kKeepFloats) return at::empty({floats}, f32);
+  thread_local at::Tensor kept;
+  if (!kept.defined() || kept.numel() < floats) kept = at::empty({floats}, f32);
+  return kept;
+}
+
 at::Tensor moe_tiles(const at::Tensor& x, const at::Tensor& route_weights,
                      const at::Tensor& expert_ids, int64_t first_expert,
                      const at::Tensor& gate_up, const c10::optional<at::Tensor>& gate_up_scales,
@@ -176,10 +189,10 @@ at::Tensor moe_tiles(const at::Tensor& x, const at::Tensor& route_weights,
 
   // x rows pair-packed per expert (32-bit pairs transposed), pad rows zero
   const int64_t P = padded[E];
-  at::Tensor xs = at::empty({P * H}, x.options());
-  at::Tensor acts = at::empty({P * I}, x.options());
-  at::Tensor ys = at::empty({n, H}, x.options().dtype(at::kFloat));
-  auto* xp = reinterpret_cast<uint32_t*>(xs.data_ptr<at::BFloat16>());
+  const int64_t x_floats = (P * H / 2 + 15) / 16 * 16, act_floats = (P * I / 2 + 15) / 16 * 16;
+  const at::Tensor work = scratch(x_floats + act_floats + n * H, x.options());
+  float* const base = work.data_ptr<float>();
+  auto* xp = reinterpret_cast<uint32_t*>(base);
   const auto* xsrc = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
   const float* rw = route_weights.data_ptr<float>();
   std::vector<float> weight(n);
@@ -204,8 +217,8 @@ at::Tensor moe_tiles(const at::Tensor& x, const at::Tensor& route_weights,
   p.offsets = offsets.data();
   p.padded = padded.data();
   p.x = reinterpret_cast<const uint16_t*>(xp);
-  p.act = reinterpret_cast<uint16_t*>(acts.data_ptr<at::BFloat16>());
-  p.y = ys.data_ptr<float>();
+  p.act = reinterpret_cast<uint16_t*>(base + x_floats);
+  p.y = base + x_floats + act_floats;
   p.route_weight = weight.data();
   p.scale_table = scale_table();
   p.alpha = float(alpha);

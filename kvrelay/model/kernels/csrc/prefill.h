@@ -33,16 +33,23 @@ struct PrefillProblem {
   int64_t H, KVH, D;
   int64_t window;
   float scale;
+  // K transposed and V in f32, converted once per call by the op (every query tile of a
+  // prompt reads the same key blocks): kt [KVH][D][ld_kt] with token columns (zero from T
+  // to ld_kt = T + kPrefillKeys), vf [T][KVH][Dp] (head dims zero-padded to Dp, a multiple
+  // of 16)
+  const float* kt;
+  const float* vf;
+  int64_t ld_kt;
 };
 
 // Keys per block of the kernel's loop (four 16-float vectors of scores per query row).
 constexpr int64_t kPrefillKeys = 64;
 
 // Floats of scratch one thread needs for `PrefillFn` (the tile's queries and accumulators
-// with head dims padded to 16, its scores, one block of keys transposed and of values).
+// with head dims padded to 16, its running max and sum, its scores).
 inline int64_t prefill_scratch_floats(const PrefillProblem& p) {
   const int64_t R = p.H / p.KVH * kPrefillTile, Dp = (p.D + 15) / 16 * 16;
-  return 2 * R * Dp + 2 * R + R * kPrefillKeys + p.D * kPrefillKeys + kPrefillKeys * Dp;
+  return 2 * R * Dp + 2 * R + R * kPrefillKeys;
 }
 
 // Runs work items [begin, end) of `p.items` with `scratch`.

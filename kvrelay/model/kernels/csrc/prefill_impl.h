@@ -8,7 +8,8 @@
 // in blocks of kPrefillKeys with an online softmax (running max m, sum l, rescaled
 // accumulator, all f32), as paged_decode_impl.h does for one row. Scores and the
 // probability-weighted values are computed four rows at a time against a block of keys
-// transposed once, so each key load feeds four rows. The sink joins the denominator last.
+// (transposed to f32 once per call by the op: every tile of a prompt reads them), so each
+// key load feeds four rows. The sink joins the denominator last.
 #pragma once
 
 typedef float vf16 __attribute__((vector_size(64)));
@@ -63,11 +64,12 @@ inline void row_from_f32(int32_t format, const float* src, float mul, int64_t n,
   }
 }
 
-// s[4][KB] = the 4 query rows q (stride Dp) · the block's keys kt [D][KB]
-inline void scores4(const float* q, int64_t Dp, int64_t D, const float* kt, float* s) {
+// s[4][KB] = the 4 query rows q (stride Dp) · the block's keys kt [D][ldk] (KB columns)
+inline void scores4(const float* q, int64_t Dp, int64_t D, const float* kt, int64_t ldk,
+                    float* s) {
   vf16 a[4][4] = {};
   for (int64_t d = 0; d < D; ++d) {
-    const float* k = kt + d * KB;
+    const float* k = kt + d * ldk;
     const vf16 k0 = ld16(k), k1 = ld16(k + 16), k2 = ld16(k + 32), k3 = ld16(k + 48);
 #pragma GCC unroll 4
     for (int r = 0; r < 4; ++r) {
@@ -83,16 +85,17 @@ inline void scores4(const float* q, int64_t Dp, int64_t D, const float* kt, floa
     for (int c = 0; c < 4; ++c) st16(s + r * KB + c * 16, a[r][c]);
 }
 
-// acc[4][NV·16] += p[4][n] · v[n][NV·16] (v rows of stride Dp, acc rows of stride Dp)
+// acc[4][NV·16] += p[4][n] · v[n][NV·16] (v rows of stride ldv, acc rows of stride Dp)
 template <int NV>
-inline void values4(const float* p, const float* v, int64_t n, int64_t Dp, float* acc) {
+inline void values4(const float* p, const float* v, int64_t n, int64_t ldv, int64_t Dp,
+                    float* acc) {
   vf16 a[4][NV];
 #pragma GCC unroll 4
   for (int r = 0; r < 4; ++r)
     for (int c = 0; c < NV; ++c) a[r][c] = ld16(acc + r * Dp + c * 16);
   for (int64_t j = 0; j < n; ++j) {
     vf16 x[NV];
-    for (int c = 0; c < NV; ++c) x[c] = ld16(v + j * Dp + c * 16);
+    for (int c = 0; c < NV; ++c) x[c] = ld16(v + j * ldv + c * 16);
 #pragma GCC unroll 4
     for (int r = 0; r < 4; ++r) {
       const float w = p[r * KB + j];
@@ -104,32 +107,14 @@ inline void values4(const float* p, const float* v, int64_t n, int64_t Dp, float
     for (int c = 0; c < NV; ++c) st16(acc + r * Dp + c * 16, a[r][c]);
 }
 
-inline void values4_all(const float* p, const float* v, int64_t n, int64_t Dp, float* acc) {
+inline void values4_all(const float* p, const float* v, int64_t n, int64_t ldv, int64_t Dp,
+                        float* acc) {
   for (int64_t c0 = 0; c0 < Dp; c0 += 64) {
     const int64_t left = (Dp - c0) / 16;
-    if (left >= 4) values4<4>(p, v + c0, n, Dp, acc + c0);
-    else if (left == 3) values4<3>(p, v + c0, n, Dp, acc + c0);
-    else if (left == 2) values4<2>(p, v + c0, n, Dp, acc + c0);
-    else values4<1>(p, v + c0, n, Dp, acc + c0);
-  }
-}
-
-// The block's keys transposed ([D][KB]) and values ([KB][Dp]), zero past n keys / D dims.
-inline void load_block(const kvrelay::PrefillProblem& p, int64_t first_token, int64_t kh,
-                       int64_t n, int64_t Dp, float* kt, float* vb) {
-  const int64_t D = p.D;
-  for (int64_t j = 0; j < KB; ++j) {
-    float* vr = vb + j * Dp;
-    if (j >= n) {
-      for (int64_t d = 0; d < D; ++d) kt[d * KB + j] = 0.f;
-      for (int64_t d = 0; d < Dp; ++d) vr[d] = 0.f;
-      continue;
-    }
-    float krow[1024];
-    row_to_f32(p.format, p.k, (first_token + j) * p.k_stride + kh * D, D, 1.f, krow);
-    for (int64_t d = 0; d < D; ++d) kt[d * KB + j] = krow[d];
-    row_to_f32(p.format, p.v, (first_token + j) * p.v_stride + kh * D, D, 1.f, vr);
-    for (int64_t d = D; d < Dp; ++d) vr[d] = 0.f;
+    if (left >= 4) values4<4>(p, v + c0, n, ldv, Dp, acc + c0);
+    else if (left == 3) values4<3>(p, v + c0, n, ldv, Dp, acc + c0);
+    else if (left == 2) values4<2>(p, v + c0, n, ldv, Dp, acc + c0);
+    else values4<1>(p, v + c0, n, ldv, Dp, acc + c0);
   }
 }
 
@@ -145,7 +130,11 @@ inline bool softmax_row(float* s, int64_t kb0, int64_t n, int64_t pos, int64_t w
     return false;
   }
   float mx = *m;
-  for (int64_t j = j_lo; j < j_hi; ++j) mx = s[j] > mx ? s[j] : mx;
+#pragma omp simd reduction(max : mx)
+  for (int64_t j = 0; j < KB; ++j) {
+    const float x = (j >= j_lo && j < j_hi) ? s[j] : -__builtin_inff();
+    mx = x > mx ? x : mx;
+  }
   const float c = __builtin_isinf(*m) ? 0.f : exp_neg(*m - mx);
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
@@ -171,8 +160,7 @@ void prefill_tasks(const kvrelay::PrefillProblem& p, int64_t begin, int64_t end,
   float* m = acc + R * Dp;          // [R]
   float* l = m + R;                 // [R]
   float* s = l + R;                 // [R][KB]
-  float* kt = s + R * KB;           // [D][KB]
-  float* vb = kt + D * KB;          // [KB][Dp]
+  const int64_t ldv = p.KVH * Dp;   // rows of p.vf
   for (int64_t it = begin; it < end; ++it) {
     const int64_t code = p.items[it];
     const int64_t seq = code >> 32, kh = (code >> 16) & 0xFFFF, tile = code & 0xFFFF;
@@ -196,8 +184,10 @@ void prefill_tasks(const kvrelay::PrefillProblem& p, int64_t begin, int64_t end,
     const int64_t k_lo = p.window > 0 && q0 - p.window + 1 > 0 ? q0 - p.window + 1 : 0;
     for (int64_t kb0 = k_lo; kb0 < k_hi; kb0 += KB) {
       const int64_t n = k_hi - kb0 < KB ? k_hi - kb0 : KB;
-      load_block(p, base + kb0, kh, n, Dp, kt, vb);
-      for (int64_t r0 = 0; r0 < rows4; r0 += 4) scores4(qf + r0 * Dp, Dp, D, kt, s + r0 * KB);
+      const float* kt = p.kt + kh * D * p.ld_kt + base + kb0;  // keys past n: masked below
+      const float* vb = p.vf + ((base + kb0) * p.KVH + kh) * Dp;
+      for (int64_t r0 = 0; r0 < rows4; r0 += 4)
+        scores4(qf + r0 * Dp, Dp, D, kt, p.ld_kt, s + r0 * KB);
       for (int64_t r = 0; r < rows4; ++r) {
         if (r >= rows) {                                  // padding rows: no weight
           for (int64_t j = 0; j < KB; ++j) s[r * KB + j] = 0.f;
@@ -205,7 +195,8 @@ void prefill_tasks(const kvrelay::PrefillProblem& p, int64_t begin, int64_t end,
         }
         softmax_row(s + r * KB, kb0, n, q0 + r % nq, p.window, m + r, l + r, acc + r * Dp, Dp);
       }
-      for (int64_t r0 = 0; r0 < rows4; r0 += 4) values4_all(s + r0 * KB, vb, n, Dp, acc + r0 * Dp);
+      for (int64_t r0 = 0; r0 < rows4; r0 += 4)
+        values4_all(s + r0 * KB, vb, n, ldv, Dp, acc + r0 * Dp);
     }
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t g = r / nq, i = r % nq;

@@ -3,7 +3,9 @@
 // the best ISA build this CPU supports over (prompt, KV head, query tile) work items.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -36,6 +38,46 @@ PrefillIsa pick(const std::string& name) {
               " is not available on this CPU");
   prefill_generic(&fn);
   return {"generic", fn};
+}
+
+template <class T>
+float to_f32(T x) { return static_cast<float>(x); }
+
+// K transposed to [KVH][D][ld_kt] and V to [T][KVH][Dp], in f32 (PrefillProblem::kt, vf),
+// 16 tokens at a time: each (head, dim) row of the block is one contiguous 64-byte store.
+template <class T>
+void keys_values_f32(const at::Tensor& k, const at::Tensor& v, int64_t ld_kt, int64_t Dp,
+                     float* kt, float* vf) {
+  const int64_t n = k.size(0), KVH = k.size(1), D = k.size(2);
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  const int64_t ks = k.stride(0), vs = v.stride(0);
+  for (int64_t t0 = 0; t0 < n; t0 += 16) {
+    const int64_t t1 = std::min(n, t0 + 16);
+    for (int64_t h = 0; h < KVH; ++h)
+      for (int64_t d = 0; d < D; ++d) {
+        float* row = kt + (h * D + d) * ld_kt;
+        for (int64_t t = t0; t < t1; ++t) row[t] = to_f32(kp[t * ks + h * D + d]);
+      }
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t h = 0; h < KVH; ++h) {
+        float* row = vf + (t * KVH + h) * Dp;
+        for (int64_t d = 0; d < D; ++d) row[d] = to_f32(vp[t * vs + h * D + d]);
+        for (int64_t d = D; d < Dp; ++d) row[d] = 0.f;
+      }
+  }
+  for (int64_t r = 0; r < KVH * D; ++r)       // the tail past T: read by a last block, masked
+    std::fill(kt + r * ld_kt + n, kt + (r + 1) * ld_kt, 0.f);
+}
+
+// The caller thread's kept f32 buffer of at least `floats` (up to 8 MB; fresh beyond):
+// a step's keys and values as f32 would otherwise be new pages faulted in at every layer.
+at::Tensor kept_f32(int64_t floats, const at::TensorOptions& like) {
+  const auto f32 = like.dtype(at::kFloat);
+  if (floats > (int64_t(2) << 20)) return at::empty({floats}, f32);
+  thread_local at::Tensor kept;
+  if (!kept.defined() || kept.numel() < floats) kept = at::empty({floats}, f32);
+  return kept;
 }
 
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -99,6 +141,17 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   p.items = items.data();
   p.sinks = sk.data_ptr<float>();
   p.out = out.data_ptr();
+  // keys and values in f32 once (the kernel's blocks point into them)
+  const int64_t T = q.size(0), Dp = (p.D + 15) / 16 * 16;
+  p.ld_kt = T + kPrefillKeys;
+  const at::Tensor kv32 = kept_f32(p.KVH * p.D * p.ld_kt + T * p.KVH * Dp, q.options());
+  float* const kt = kv32.data_ptr<float>();
+  float* const vf32 = kt + p.KVH * p.D * p.ld_kt;
+  if (dtype == at::kFloat) keys_values_f32<float>(kf, vf, p.ld_kt, Dp, kt, vf32);
+  else if (dtype == at::kBFloat16) keys_values_f32<at::BFloat16>(kf, vf, p.ld_kt, Dp, kt, vf32);
+  else keys_values_f32<at::Half>(kf, vf, p.ld_kt, Dp, kt, vf32);
+  p.kt = kt;
+  p.vf = vf32;
   const PrefillFn fn = pick(isa).fn;
   const int64_t n = static_cast<int64_t>(items.size());
   const int64_t threads = threads_for(macs, n);
