@@ -161,7 +161,7 @@ class DecoderLayer(nn.Module):
 # Instance attributes that replace a method `DecoderLayer.decode` calls (a profiler's
 # wrappers, a test's spy): the stack would bypass them, so such layers keep `decode` (as
 # they do when `DecoderLayer.decode` itself is replaced).
-_DECODE_METHODS = ("forward", "add_forward", "qk_v", "rotary_decode", "route_decode")
+_DECODE_METHODS = ("forward", "add_forward", "qk_v", "rotary_decode", "route_decode", "decode")
 _LAYER_DECODE = DecoderLayer.decode
 
 
