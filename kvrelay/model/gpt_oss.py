@@ -34,10 +34,11 @@ from kvrelay.model.layers import paged_decode
 from kvrelay.model.layers.attention import AttentionMetadata, PagedAttention
 from kvrelay.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kvrelay.model.layers.linear import QKVParallelLinear, RowParallelLinear, linear
+from kvrelay.model.layers.linear import _dense as runs_on_dense_kernel
 from kvrelay.model.layers.moe import MoE
 from kvrelay.model.layers.norm import RMSNorm
 from kvrelay.model.layers.rotary import RotaryEmbedding
-from kvrelay.model.parallel import ParallelContext
+from kvrelay.model.parallel import Collectives, ParallelContext
 from kvrelay.model.weights import WeightSource
 
 
@@ -157,6 +158,86 @@ class DecoderLayer(nn.Module):
         return _route_op()(linear(x, router.weight, router.bias), router.top_k)
 
 
+# Instance attributes that replace a method `DecoderLayer.decode` calls (a profiler's
+# wrappers, a test's spy): the stack would bypass them, so such layers keep `decode` (as
+# they do when `DecoderLayer.decode` itself is replaced).
+_DECODE_METHODS = ("forward", "add_forward", "qk_v", "rotary_decode", "route_decode", "decode")
+_LAYER_DECODE = DecoderLayer.decode
+
+
+class DecodeStack:
+    """`DecoderLayer.decode` of every layer as one native call
+    (`kvrelay_kernels.DecodeStack`, csrc/decode_stack_op.cpp: the same ops in the same
+    order, called from C++, so bitwise the same results), the weights registered once.
+    Used for a batch size where every layer's decode would run natively: one rank, the
+    norms, qkv and o_proj on the native kernels, the router and experts in one call
+    (`Experts.route_decode`), and no method replaced on an instance (`_DECODE_METHODS`).
+    Made again when a layer's modules or an experts' decode plan change (`current`)."""
+
+    enabled = True      # off: DecoderLayer.decode layer by layer (comparisons, profiling)
+
+    def __init__(self, model: GptOssModel) -> None:
+        self.model = model
+        layers = [layer for layer in model.layers if isinstance(layer, DecoderLayer)]
+        self.mods = [layer._decode_modules for layer in layers]
+        self.layers = layers
+        self.plans = [mods[5]._plan() for mods in self.mods]
+        self.usable: dict[int, bool] = {}
+        self.native: Any = None
+        if len(layers) == len(model.layers) and self._static_ok():
+            self.native = torch.classes.kvrelay_kernels.DecodeStack()
+            for mods, plan in zip(self.mods, self.plans):
+                self._add(mods, plan)
+
+    def current(self) -> bool:
+        return all(layer.__dict__.get("_decode_mods") is mods and
+                   mods[5].__dict__.get("_decode_plan") is plan and plan.current()
+                   for layer, mods, plan in zip(self.layers, self.mods, self.plans))
+
+    def get(self, h: torch.Tensor) -> Any:
+        if (self.native is None or not DecodeStack.enabled
+                or DecoderLayer.decode is not _LAYER_DECODE):      # replaced: a spy, a profiler
+            return None
+        usable = self.usable.get(h.shape[0])
+        if usable is None:
+            usable = self.usable[h.shape[0]] = self._usable(h)
+        return self.native if usable else None
+
+    def _static_ok(self) -> bool:
+        if not hasattr(torch.classes.kvrelay_kernels, "DecodeStack"):
+            return False
+        for mods, plan in zip(self.mods, self.plans):
+            o_proj, ctx = mods[3], mods[6]
+            if (ctx.tp_size != 1 or plan.reduce is not None or plan.route_op is None
+                    or type(o_proj.ctx.comm).all_reduce is not Collectives.all_reduce):
+                return False
+            if any(name in m.__dict__ for m in mods[:6] for name in _DECODE_METHODS):
+                return False
+        return True
+
+    def _usable(self, h: torch.Tensor) -> bool:
+        """Whether every layer's `decode` of a batch like h takes the native ops only."""
+        for ln1, qkv, _attn, o_proj, ln2, experts, _ctx, router in self.mods:
+            out = h.new_empty(h.shape[0], o_proj.weight.shape[1])
+            if (ln1._ops(h) is None or ln2._ops(h) is None
+                    or not runs_on_dense_kernel(h, qkv.weight)
+                    or not runs_on_dense_kernel(out, o_proj.weight)
+                    or not experts._fuses_router(h, router)):
+                return False
+        return True
+
+    def _add(self, mods: tuple[Any, ...], plan: Any) -> None:
+        ln1, qkv, attn, o_proj, ln2, _experts, _ctx, router = mods
+        first, gate_up, gate_up_scales, gate_up_bias, down, down_scales, down_bias, alpha, \
+            limit, _isa = plan.args
+        self.native.add_layer(
+            ln1.weight, ln1.eps, ln2.weight, ln2.eps, qkv.weight, qkv.bias, qkv.num_heads,
+            qkv.num_kv_heads, qkv.head_dim, attn.group, attn.sinks, attn.scale,
+            attn.window or 0, o_proj.weight, o_proj.bias, router.weight, router.bias,
+            router.top_k, first, gate_up, gate_up_scales, gate_up_bias, down, down_scales,
+            down_bias, alpha, limit)
+
+
 class GptOssModel(nn.Module):
     """The whole network for one rank. `tp_size=1, ep_size=1` is the plain model."""
 
@@ -195,9 +276,14 @@ class GptOssModel(nn.Module):
         residual: torch.Tensor | None = None
         if self.fused_step(h, kv_caches, meta):
             cos, sin = self.rotary.tables()
-            for layer, kv_cache in zip(self.layers, kv_caches):
-                assert isinstance(layer, DecoderLayer)
-                h, residual = layer.decode(h, residual, positions, kv_cache, meta, cos, sin)
+            stack = self._decode_stack(h)
+            if stack is not None:
+                h, residual = stack.run(h, positions, cos, sin, kv_caches, meta.slot_mappings,
+                                        meta.block_tables, meta.seq_lens)
+            else:
+                for layer, kv_cache in zip(self.layers, kv_caches):
+                    assert isinstance(layer, DecoderLayer)
+                    h, residual = layer.decode(h, residual, positions, kv_cache, meta, cos, sin)
         else:
             for layer, kv_cache in zip(self.layers, kv_caches):
                 h, residual = layer(h, residual, positions, kv_cache, meta)
@@ -220,6 +306,14 @@ class GptOssModel(nn.Module):
         if self.rotary.tables()[0].dtype != torch.float32:   # e.g. after a model.bfloat16()
             return False
         return first.self_attn.attn.fuses_decode(h, kv_caches[0], meta)
+
+    def _decode_stack(self, h: torch.Tensor) -> Any:
+        """The layers of this decode-only step as one native call (`DecodeStack`), or None
+        where some layer would not run `DecoderLayer.decode` on native ops alone."""
+        stack = self.__dict__.get("_stack")
+        if stack is None or not stack.current():
+            stack = self.__dict__["_stack"] = DecodeStack(self)
+        return stack.get(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[T', H] → float32 logits [T', V]."""

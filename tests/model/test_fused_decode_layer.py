@@ -122,3 +122,38 @@ def test_the_fused_path_is_taken_only_for_decode_only_steps(checkpoint, monkeypa
     seqs[1].tokens.append(13)
     loop.step(seqs, [1, 1])                              # decode-only: every layer fused
     assert calls == [2] * len(model.layers)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_seqs", [1, 3])
+def test_the_decode_stack_is_bitwise_the_layer_by_layer_decode(checkpoint, dtype, num_seqs,
+                                                               monkeypatch):
+    """Every layer in one native call (`DecodeStack`) gives exactly the logits and KV caches
+    of `DecoderLayer.decode` layer by layer, and is what decode-only steps take."""
+    model = load_model(checkpoint, dtype=dtype, progress=False).model
+    g = torch.Generator().manual_seed(num_seqs)
+    prompts = [torch.randint(0, 100, (n,), generator=g).tolist() for n in (9, 4, 12)[:num_seqs]]
+    monkeypatch.setattr(gpt_oss.DecodeStack, "enabled", False)
+    ref, ref_caches = _decode(model, True, prompts, 5)
+    assert model.__dict__["_stack"].usable == {}            # never asked: stack off
+    monkeypatch.setattr(gpt_oss.DecodeStack, "enabled", True)
+    got, got_caches = _decode(model, True, prompts, 5)
+    assert model.__dict__["_stack"].usable == {num_seqs: True}
+    assert torch.equal(got, ref)
+    for a, b in zip(got_caches, ref_caches):
+        assert torch.equal(a, b)
+
+
+def test_the_decode_stack_follows_reloaded_experts(checkpoint, monkeypatch):
+    """New expert biases (a reload copies in place) make the stack again: a step after the
+    change equals the layer-by-layer decode's."""
+    model = load_model(checkpoint, dtype=torch.float32, progress=False).model
+    _decode(model, True, [[3, 1, 4, 1, 5]], 1)
+    stack = model.__dict__["_stack"]
+    for layer in model.layers:
+        layer.mlp.experts.down_bias.add_(0.25)
+    got, _ = _decode(model, True, [[3, 1, 4, 1, 5]], 2)
+    assert model.__dict__["_stack"] is not stack
+    monkeypatch.setattr(gpt_oss.DecodeStack, "enabled", False)
+    ref, _ = _decode(model, True, [[3, 1, 4, 1, 5]], 2)
+    assert torch.equal(got, ref)

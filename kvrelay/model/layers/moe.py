@@ -236,9 +236,11 @@ class Experts(nn.Module):
     def _fuses_router(self, x: torch.Tensor, router: Router) -> bool:
         """Whether `route_decode` of x's batch size takes the one native call: the kernel
         reads x as it is and is chosen for its choices, and the router's linear is the
-        dense kernel's (what `linear` picks)."""
+        dense kernel's (what `linear` picks); never where `decode` is replaced on the
+        instance (a profiler's span, a spy: the one call would bypass it)."""
         plan = self._plan()
         return (bool(plan.args) and plan.x_native and router.bias.dtype == x.dtype
+                and "decode" not in self.__dict__
                 and self.uses_native_kernel(x.shape[0] * router.top_k)
                 and runs_on_dense_kernel(x, router.weight))
 
