@@ -39,7 +39,7 @@ from kvrelay.engine.client import (
     KVTransferFailed,
     RequestFailed,
 )
-from kvrelay.engine.core_proc import run_engine_core
+from kvrelay.engine.core_proc import freeze_startup_objects, run_engine_core
 from kvrelay.engine.messages import (
     AbortRequests,
     AddRequest,
@@ -149,6 +149,7 @@ class CoreClient:
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        freeze_startup_objects()              # the API process's own start-up objects
 
     async def wait_ready(self, timeout_s: float | None) -> None:
         try:
