@@ -20,6 +20,12 @@ Each tree (a checkout of kvrelay; default: this one) serves the model with
                                run alone, not its start-up): on 2 cores, CPU the API process
                                or client burns can stall one of the engine's compute threads
 
+--env 'LABEL:K=V,K=V' (repeatable) serves every tree once per such variant with those
+environment variables (e.g. `--env spin:GOMP_SPINCOUNT=300000`); `--env base:` is the tree
+as it is. --interleave starts every (tree, variant) server at once and alternates the
+client between them run by run (an idle server sleeps in poll(2)): same-load ratios on a
+machine whose load moves in minutes. --tokens/--requests size each run.
+
 --fake-step-ms MS replaces the engine core by a stand-in that speaks the same protocol
 (one `StepOutputs` per "step" of MS milliseconds of sleep, one token per running request,
 the real engine core's delta shaping): the API process's and the client's CPU per token
@@ -106,9 +112,12 @@ def children(pid: int) -> list[int]:
 
 class Server:
     def __init__(self, tree: Path, model: str, trace: Path, log: Path,
-                 fake_step_ms: float | None = None) -> None:
+                 fake_step_ms: float | None = None, extra_env: dict[str, str] | None = None
+                 ) -> None:
         self.port = free_port()
-        env = {**os.environ, "PYTHONPATH": str(tree), "KVRELAY_STEP_TRACE": str(trace)}
+        self.trace = trace
+        env = {**os.environ, **(extra_env or {}), "PYTHONPATH": str(tree),
+               "KVRELAY_STEP_TRACE": str(trace)}
         self.log = open(log, "w")  # noqa: SIM115 -- closed by stop()
         cli = ["-m", "kvrelay.cli"]
         if fake_step_ms is not None:
@@ -182,79 +191,161 @@ def step_stats(rows: list[tuple[float, float, float, int]], c: int) -> dict[str,
             "steady_steps": len(steady)}
 
 
-def measure(tree: Path, model: str, concs: list[int], prompt_len: int, tokens: int,
-            work: Path, fake_step_ms: float | None = None) -> dict[str, Any]:
-    trace = work / f"trace-{time.monotonic_ns()}.txt"
-    server = Server(tree, model, trace, work / "server.log", fake_step_ms)
-    results: dict[str, Any] = {}
+def measure_run(server: Server, tree: Path, model: str, c: int, prompt_len: int, tokens: int,
+                n: int | None = None) -> dict[str, Any]:
+    """One client run at concurrency `c` against a started server, with the core's step
+    trace and the three processes' CPU over the run."""
+    n = n or max(8, 2 * c)
+    engine = server.engine_pid
+    start = len(trace_lines(server.trace))
+    api0, eng0 = thread_cpu(server.proc.pid), thread_cpu(engine)
+    res = run_client(tree, server.url, model, n, prompt_len, tokens, c)
+    api1, eng1 = thread_cpu(server.proc.pid), thread_cpu(engine)
+    rows = trace_lines(server.trace)[start:]
+    toks = max(1, res["tokens"])
+    main_tid = server.proc.pid
+    api_main = api1.get(main_tid, 0) - api0.get(main_tid, 0)
+    api_all = sum(v - api0.get(t, 0) for t, v in api1.items())
+    eng_all = sum(v - eng0.get(t, 0) for t, v in eng1.items())
+    return res | step_stats(rows, c) | {
+        "api_cpu_ms": 1e3 * api_all / toks,
+        "api_loop_cpu_ms": 1e3 * api_main / toks,
+        "engine_cpu_ms": 1e3 * eng_all / toks,
+        "client_cpu_ms": 1e3 * res["client_cpu_s"] / toks}
+
+
+def start_server(tree: Path, model: str, work: Path, fake_step_ms: float | None,
+                 env: dict[str, str] | None = None, label: str = "") -> Server:
+    stamp = f"{label.replace('/', '-')}-{time.monotonic_ns()}"
+    server = Server(tree, model, work / f"trace-{stamp}.txt", work / f"server-{stamp}.log",
+                    fake_step_ms, env)
     try:
         server.wait_ready()
-        engine = server.engine_pid
-        run_client(tree, server.url, model, 2, prompt_len, 8, 1)            # warm-up
-        for c in concs:
-            n = max(8, 2 * c)
-            start = len(trace_lines(trace))
-            api0, eng0 = thread_cpu(server.proc.pid), thread_cpu(engine)
-            res = run_client(tree, server.url, model, n, prompt_len, tokens, c)
-            api1, eng1 = thread_cpu(server.proc.pid), thread_cpu(engine)
-            rows = trace_lines(trace)[start:]
-            toks = max(1, res["tokens"])
-            main_tid = server.proc.pid
-            api_main = api1.get(main_tid, 0) - api0.get(main_tid, 0)
-            api_all = sum(v - api0.get(t, 0) for t, v in api1.items())
-            eng_all = sum(v - eng0.get(t, 0) for t, v in eng1.items())
-            results[str(c)] = res | step_stats(rows, c) | {
-                "api_cpu_ms": 1e3 * api_all / toks,
-                "api_loop_cpu_ms": 1e3 * api_main / toks,
-                "engine_cpu_ms": 1e3 * eng_all / toks,
-                "client_cpu_ms": 1e3 * res["client_cpu_s"] / toks}
+        run_client(tree, server.url, model, 2, 64, 8, 1)            # warm-up
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def measure(tree: Path, model: str, concs: list[int], prompt_len: int, tokens: int,
+            work: Path, fake_step_ms: float | None = None, env: dict[str, str] | None = None,
+            n: int | None = None) -> dict[str, Any]:
+    server = start_server(tree, model, work, fake_step_ms, env)
+    try:
+        return {str(c): measure_run(server, tree, model, c, prompt_len, tokens, n)
+                for c in concs}
     finally:
         server.stop()
-    return results
+
+
+def parse_env(specs: list[str]) -> list[tuple[str, dict[str, str]]]:
+    """--env 'LABEL:K=V,K=V' entries → (label, variables); none given: one plain variant."""
+    variants = []
+    for spec in specs or ["base:"]:
+        label, _, assigns = spec.partition(":")
+        env = dict(a.split("=", 1) for a in assigns.split(",") if a)
+        variants.append((label or "base", env))
+    return variants
+
+
+def interleaved(configs: list[tuple[str, Path, dict[str, str]]], model: str, concs: list[int],
+                a: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
+    """Every config's server up at once; each round runs every config once per concurrency,
+    in an order that alternates round by round."""
+    servers: list[Server] = []
+    rows: list[dict[str, Any]] = []
+    try:
+        for label, tree, env in configs:
+            servers.append(start_server(tree, model, work, a.fake_step_ms, env, label))
+        order = list(range(len(configs)))
+        for r in range(a.rounds):
+            for c in concs:
+                for i in order if r % 2 == 0 else order[::-1]:
+                    label, tree, _ = configs[i]
+                    load = os.getloadavg()[0]
+                    m = measure_run(servers[i], tree, model, c, a.prompt_len, a.tokens,
+                                    a.requests)
+                    rows.append({"round": r, "tree": str(tree), "variant": label, "c": c,
+                                 "load": load, **m})
+                    print(json.dumps(rows[-1]), flush=True)
+    finally:
+        for s in servers:
+            s.stop()
+    return rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trees", default=str(ROOT), help="comma-separated kvrelay checkouts")
+    ap.add_argument("--env", action="append", default=[],
+                    help="a variant 'LABEL:K=V,K=V' of every tree (repeatable)")
+    ap.add_argument("--interleave", action="store_true",
+                    help="all servers up at once, client runs alternating between them")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--concurrency", default="1,16")
     ap.add_argument("--prompt-len", type=int, default=200)
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--requests", type=int, default=None,
+                    help="requests per run (default: max(8, 2 x concurrency))")
     ap.add_argument("--model", default=None, help="default: the embedded model")
     ap.add_argument("--fake-step-ms", type=float, default=None,
                     help="a stand-in engine core whose steps sleep this long")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     trees = [Path(t).resolve() for t in a.trees.split(",")]
+    configs = [(label if len(trees) == 1 else f"{tree.name}/{label}", tree, env)
+               for tree in trees for label, env in parse_env(a.env)]
     concs = [int(c) for c in a.concurrency.split(",")]
     model = a.model
     if model is None:
         from kvrelay.model.embedded import embedded_model_dir
         model = str(embedded_model_dir())
     work = Path(tempfile.mkdtemp(prefix="serve-overhead-"))
-    rows: list[dict[str, Any]] = []
-    for r in range(a.rounds):
-        for tree in trees if r % 2 == 0 else trees[::-1]:
-            load = os.getloadavg()[0]
-            res = measure(tree, model, concs, a.prompt_len, a.tokens, work, a.fake_step_ms)
-            for c, m in res.items():
-                rows.append({"round": r, "tree": str(tree), "c": int(c), "load": load, **m})
-                print(json.dumps(rows[-1]), flush=True)
+    if a.interleave:
+        rows = interleaved(configs, model, concs, a, work)
+    else:
+        rows = []
+        for r in range(a.rounds):
+            for label, tree, env in configs if r % 2 == 0 else configs[::-1]:
+                load = os.getloadavg()[0]
+                res = measure(tree, model, concs, a.prompt_len, a.tokens, work,
+                              a.fake_step_ms, env, a.requests)
+                for c, m in res.items():
+                    rows.append({"round": r, "tree": str(tree), "variant": label, "c": int(c),
+                                 "load": load, **m})
+                    print(json.dumps(rows[-1]), flush=True)
     print(table(rows))
+    print(summary(rows))
     if a.out:
         a.out.write_text(json.dumps(rows, indent=1))
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = ("| round | tree | c | load | tok/s | ITL ms | step ms | period ms | ITL-step ms | "
-            "API CPU ms/tok (loop) | engine CPU ms/tok | client CPU ms/tok |")
-    lines = [head, "|" + "---|" * 12]
+    head = ("| round | variant | c | load | tok/s | ITL ms | TPOT ms | step ms | period ms | "
+            "ITL-step ms | API CPU ms/tok (loop) | engine CPU ms/tok | client CPU ms/tok |")
+    lines = [head, "|" + "---|" * 13]
     for x in rows:
         lines.append(
-            f"| {x['round']} | {Path(x['tree']).name} | {x['c']} | {x['load']:.1f} | "
-            f"{x['tok_s']:.1f} | {x['itl_ms']:.2f} | {x['step_ms']:.2f} | {x['period_ms']:.2f} | "
-            f"{x['itl_ms'] - x['step_ms']:.2f} | {x['api_cpu_ms']:.3f} ({x['api_loop_cpu_ms']:.3f})"
-            f" | {x['engine_cpu_ms']:.2f} | {x['client_cpu_ms']:.3f} |")
+            f"| {x['round']} | {x.get('variant', Path(x['tree']).name)} | {x['c']} | "
+            f"{x['load']:.1f} | {x['tok_s']:.1f} | {x['itl_ms']:.2f} | {x['tpot_ms']:.2f} | "
+            f"{x['step_ms']:.2f} | {x['period_ms']:.2f} | {x['itl_ms'] - x['step_ms']:.2f} | "
+            f"{x['api_cpu_ms']:.3f} ({x['api_loop_cpu_ms']:.3f}) | {x['engine_cpu_ms']:.2f} | "
+            f"{x['client_cpu_ms']:.3f} |")
+    return "\n".join(lines)
+
+
+def summary(rows: list[dict[str, Any]]) -> str:
+    """Per variant and concurrency: medians over the rounds."""
+    keys = ("tok_s", "itl_ms", "tpot_ms", "step_ms", "period_ms", "api_cpu_ms",
+            "engine_cpu_ms", "client_cpu_ms")
+    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for x in rows:
+        groups.setdefault((x.get("variant", Path(x["tree"]).name), x["c"]), []).append(x)
+    lines = ["| variant | c | runs | " + " | ".join(keys) + " |", "|" + "---|" * (3 + len(keys))]
+    for (label, c), xs in groups.items():
+        vals = [f"{statistics.median(x[k] for x in xs):.3f}" for k in keys]
+        lines.append(f"| {label} | {c} | {len(xs)} | " + " | ".join(vals) + " |")
     return "\n".join(lines)
 
 

@@ -22,6 +22,7 @@ from kvrelay.bench.arrivals import arrival_offsets
 from kvrelay.bench.client import RequestOptions, send
 from kvrelay.bench.datasets import Conversation, SampleRequest
 from kvrelay.bench.metrics import RequestResult
+from kvrelay.bench.transport import StreamingTransport
 
 
 @dataclass(frozen=True)
@@ -54,10 +55,9 @@ def _client(cfg: RunConfig, n_requests: int) -> httpx.AsyncClient:
     headers = {}
     if key := envs.OPENAI_API_KEY.raw():
         headers["Authorization"] = f"Bearer {key}"
+    limits = httpx.Limits(max_connections=conns + 4, max_keepalive_connections=conns + 4)
     return httpx.AsyncClient(timeout=httpx.Timeout(6 * 3600, connect=30), headers=headers,
-                             limits=httpx.Limits(max_connections=conns + 4,
-                                                 max_keepalive_connections=conns + 4),
-                             trust_env=False)
+                             transport=StreamingTransport(limits=limits), trust_env=False)
 
 
 def _progress(total: int, disable: bool) -> tqdm:

@@ -219,3 +219,36 @@ def test_a_step_message_larger_than_the_socket_buffer_arrives_whole():
     n, dead = asyncio.run(scenario())
     assert n == 400_000
     assert dead is None
+
+
+def test_frame_reader_returns_whole_messages_however_the_bytes_arrive():
+    """The API reads the core's pipe with one non-blocking recv per wake-up: several
+    messages in one read, a header or payload split across reads, and end of file."""
+    import socket
+
+    from kvrelay.engine.async_client import FrameReader
+
+    a, b = socket.socketpair()
+    reader = FrameReader(b.fileno())
+    try:
+        payloads = [pickle.dumps(("m", i, "x" * i)) for i in (0, 5, 300, 70_000)]
+        wire = b"".join(struct.pack("!i", len(p)) + p for p in payloads)
+        assert reader.read() == []                                  # nothing there yet
+        got: list[bytes] = []
+        for cut in (2, 3, 40, 1000, 9000):                          # inside a header, a payload
+            a.sendall(wire[:cut])
+            wire = wire[cut:]
+            got += [bytes(p) for p in reader.read() or []]
+        a.sendall(wire)
+        while len(got) < len(payloads):
+            got += [bytes(p) for p in reader.read() or []]
+        assert got == payloads
+        one = pickle.dumps("single")
+        a.sendall(struct.pack("!i", len(one)) + one)                # the common case
+        assert [bytes(p) for p in reader.read() or []] == [one]
+        assert os.get_blocking(b.fileno())                          # the writer's side blocks
+        a.close()
+        assert reader.read() is None                                # end of file
+    finally:
+        reader.close()
+        b.close()
