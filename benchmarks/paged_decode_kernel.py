@@ -9,8 +9,9 @@ Shapes (--shapes): the tiny model's attention (`tiny`: 4 heads over 2 KV heads, 
 32), the big one's (`big`: 16 over 2, head_dim 64) and the embedded model's (`embedded`:
 9 over 3, head_dim 64); bf16 KV cache in blocks of 16, contexts drawn from --lens
 (default [200, 400]), blocks scattered over the cache, full attention and a 128-token
-window. Prints one JSON line per case: µs per call (median of `--repeats` calls, thread
-CPU time) and G multiply-adds/s (2·D per visible position per query head).
+window; `20b`: gpt-oss-20b's 64 heads over 8, head_dim 64. Prints one JSON line per case:
+µs per call (median of `--repeats` calls, thread CPU time) and G multiply-adds/s (2·D per
+visible position per query head).
 
 --cold: what a served model sees, where every layer's KV has left the caches by the next
 step: the cache holds 8192 blocks (hundreds of MB, far beyond L3), the block tables are a
@@ -34,7 +35,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-SHAPES = {"tiny": (4, 2, 32), "big": (16, 2, 64), "embedded": (9, 3, 64)}
+SHAPES = {"tiny": (4, 2, 32), "big": (16, 2, 64), "embedded": (9, 3, 64),
+          "20b": (64, 8, 64)}
 COLD_BLOCKS = 8192
 
 
