@@ -14,6 +14,12 @@
 //                   on AVX-512, where the 16-entry table is scaled before the lookups)
 //   kRowBlock       MXFP4 weight rows that share each x load when several token rows are
 //                   routed to one expert (Fp4Rows: R·NT·A accumulators must fit the registers)
+//   mxfp4_bf16(w, e, r0, r1, x, nt, out, ldo)    MXFP4 rows [r0, r1) of expert e against
+//                   nt ≤ NB token rows of x by another route (bf16 dot products), adding into
+//                   out[(r - r0)·ldo + t] as fp4_rows does; false, having done nothing, where
+//                   the build has none or x does not qualify (then fp4_rows runs)
+//   inputs_changed()  called as each down sweep starts: what mxfp4_bf16 kept of the gate_up
+//                   inputs (packed x) must not be used again
 //
 // MXFP4 is dequantised in registers: per group of 32 weights the doubled e2m1 values
 // are dotted with x and the partial sum is scaled once by 2^(scale-128) (the E8M0
@@ -247,7 +253,9 @@ inline void project(const kvrelay::Projection& w, const float* table, const kvre
     const float* xb = x + t0 * w.cols;
     float o[kvrelay::kMaxTileRows][V::NB] = {};
     const int64_t chunk = nt * w.cols * 4 <= kRowPassBytes ? w.cols : kChunk;
-    for (int64_t k0 = 0; k0 < w.cols; k0 += chunk) {
+    const bool done = w.format == kvrelay::kMXFP4 &&
+                      V::mxfp4_bf16(w, tile.expert, tile.row0, tile.row1, xb, nt, o[0], V::NB);
+    for (int64_t k0 = 0; !done && k0 < w.cols; k0 += chunk) {
       const int64_t k1 = w.cols - k0 < chunk ? w.cols : k0 + chunk;
       if (w.format == kvrelay::kMXFP4 && (nt >= 2 || V::kScaledDecode)) {
         float* out = o[0];
@@ -299,6 +307,7 @@ void gate_up_tiles(const kvrelay::MoeProblem& p, const kvrelay::Tile* tiles, int
 }
 
 void down_tiles(const kvrelay::MoeProblem& p, const kvrelay::Tile* tiles, int64_t count) {
+  V::inputs_changed();
   const int64_t H = p.down.rows, I = p.down.cols;
   for (int64_t i = 0; i < count; ++i) {
     const kvrelay::Tile tile = tiles[i];
