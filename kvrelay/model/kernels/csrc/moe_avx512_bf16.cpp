@@ -123,7 +123,7 @@ inline bool pack_bf16(const float* x, int64_t ldx, int64_t nt, int64_t NT, int64
 
 // One block of 4 groups (`left` < 4: the row's last, partial one; the missing groups
 // decode to 0 · 0) of rows [0, R) against NT packed token rows: per row and token one fp32
-// partial sum per group (a lane of d + e), scaled and added to the accumulator.
+// partial sum per group (a lane of d), scaled and added to the accumulator.
 template <int NT, int R, bool kTail>
 inline void bf16_block(const Fp4Bf16& dec, const uint8_t* codes, const uint8_t* scales,
                        int64_t groups, int64_t b, int64_t left, const uint16_t* xb,
@@ -149,13 +149,12 @@ inline void bf16_block(const Fp4Bf16& dec, const uint8_t* codes, const uint8_t* 
 #pragma GCC unroll 8
     for (int t = 0; t < NT; ++t) {
       const uint16_t* xp = xb + t * ldx + b * kBlockWords;
-      __m512 d = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)w[0],
-                                  (__m512bh)_mm512_loadu_si512(xp));
-      __m512 e = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)w[1],
-                                  (__m512bh)_mm512_loadu_si512(xp + 32));
-      d = _mm512_dpbf16_ps(d, (__m512bh)w[2], (__m512bh)_mm512_loadu_si512(xp + 64));
-      e = _mm512_dpbf16_ps(e, (__m512bh)w[3], (__m512bh)_mm512_loadu_si512(xp + 96));
-      acc[i][t] = _mm512_fmadd_ps(_mm512_add_ps(d, e), scale, acc[i][t]);
+      // one chain: R·NT of them interleave (measured 2-6 % faster than two and an add)
+      __m512 d = _mm512_setzero_ps();
+#pragma GCC unroll 4
+      for (int k = 0; k < 4; ++k)
+        d = _mm512_dpbf16_ps(d, (__m512bh)w[k], (__m512bh)_mm512_loadu_si512(xp + 32 * k));
+      acc[i][t] = _mm512_fmadd_ps(d, scale, acc[i][t]);
     }
   }
 }
