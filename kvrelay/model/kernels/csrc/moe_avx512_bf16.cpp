@@ -233,7 +233,7 @@ bool V::mxfp4_bf16(const kvrelay::Projection& w, int64_t e, int64_t r0, int64_t 
   const int64_t groups = w.cols / 32;
   const int64_t ld = (groups + kBlockGroups - 1) / kBlockGroups * kBlockWords;
   if (ld > kMaxPackedCols) return false;
-  const int64_t NT = nt == 1 ? 1 : nt == 2 ? 2 : nt <= 4 ? 4 : 8;
+  const int64_t NT = nt <= 4 ? nt : 8;
   Packed& key = packed_key;
   const uint64_t epoch = __atomic_load_n(&packed_epoch, __ATOMIC_RELAXED);
   if (key.weights != w.data || key.x != x || key.nt != nt || key.cols != w.cols ||
@@ -245,6 +245,7 @@ bool V::mxfp4_bf16(const kvrelay::Projection& w, int64_t e, int64_t r0, int64_t 
   const uint16_t* xb = packed_x;
   if (NT == 1) bf16_tile<1>(w, e, r0, r1, xb, ld, out, ldo);
   else if (NT == 2) bf16_tile<2>(w, e, r0, r1, xb, ld, out, ldo);
+  else if (NT == 3) bf16_tile<3>(w, e, r0, r1, xb, ld, out, ldo);
   else if (NT == 4) bf16_tile<4>(w, e, r0, r1, xb, ld, out, ldo);
   else bf16_tile<8>(w, e, r0, r1, xb, ld, out, ldo);
   return true;
