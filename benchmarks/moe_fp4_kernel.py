@@ -71,7 +71,7 @@ def run(name: str, tokens: list[int], rounds: int, threads: list[int], isas: lis
                         best_cpu[key] = min(best_cpu[key], cpu)
         for key in keys:
             isa, t, xk = key
-            wall, cpu = best[key], best_cpu[key]
+            wall, cpu = best[key], max(best_cpu[key], 1e-9)   # thread_time ticks: ~1 us
             row = {"shape": name, "tokens": T, "experts": experts, "isa": isa, "threads": t,
                    "x": xk, "expert_bytes": one["bytes"], "best_ms": round(wall * 1e3, 4),
                    "gb_s": round(one["bytes"] / wall / 1e9, 2),
