@@ -159,7 +159,7 @@ inline void bf16_block(const Fp4Bf16& dec, const uint8_t* codes, const uint8_t* 
   }
 }
 
-// Rows [0, R) (codes/scales of the first) against NT packed token rows; adds
+// Rows [0, R) (codes/scales of the first) against NT packed token rows; writes
 // out[i·ldo + t]. A row's operations and their order do not depend on R or on the thread
 // that runs it.
 template <int NT, int R>
@@ -178,7 +178,7 @@ inline void bf16_rows(const Fp4Bf16& dec, const uint8_t* codes, const uint8_t* s
 #pragma GCC unroll 8
   for (int i = 0; i < R; ++i)
 #pragma GCC unroll 8
-    for (int t = 0; t < NT; ++t) out[i * ldo + t] += _mm512_reduce_add_ps(acc[i][t]);
+    for (int t = 0; t < NT; ++t) out[i * ldo + t] = _mm512_reduce_add_ps(acc[i][t]);
 }
 
 template <int NT>
