@@ -1,5 +1,6 @@
 // Plain-C++ contract between the torch-facing ops (moe_op.cpp, paged_decode_op.cpp)
-// and the per-ISA builds (moe_generic.cpp, moe_avx2.cpp, moe_avx512.cpp). No torch or
+// and the per-ISA builds (moe_generic.cpp, moe_avx2.cpp, moe_avx512.cpp,
+// moe_avx512_bf16.cpp). No torch or
 // STL here: the ISA files are compiled with `#pragma GCC target(...)` and must not
 // instantiate inline library code that the linker could hand to generic callers.
 #pragma once
@@ -78,5 +79,6 @@ const IsaKernels& isa_kernels(const char* name);
 bool generic_kernels(IsaKernels* out);
 bool avx2_kernels(IsaKernels* out);    // false where not compiled (non-x86)
 bool avx512_kernels(IsaKernels* out);
+bool avx512_bf16_kernels(IsaKernels* out);   // avx512 + bf16 dot products for MXFP4
 
 }  // namespace kvrelay

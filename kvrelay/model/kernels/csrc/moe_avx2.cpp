@@ -50,6 +50,11 @@ struct V {
     const T s = set1(scale);
     for (int c = 0; c < 4; ++c) out[c] = mul(out[c], s);
   }
+  static bool mxfp4_bf16(const kvrelay::Projection&, int64_t, int64_t, int64_t, const float*,
+                         int64_t, float*, int64_t) {
+    return false;   // no bf16 dot products in this build
+  }
+  static void inputs_changed() {}
 };
 
 #include "moe_impl.h"

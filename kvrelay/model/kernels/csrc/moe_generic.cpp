@@ -33,6 +33,11 @@ struct V {
     fp4x2(codes, out);
     for (int c = 0; c < 32; ++c) out[c] *= scale;
   }
+  static bool mxfp4_bf16(const kvrelay::Projection&, int64_t, int64_t, int64_t, const float*,
+                         int64_t, float*, int64_t) {
+    return false;   // no bf16 dot products in this build
+  }
+  static void inputs_changed() {}
 };
 
 #include "moe_impl.h"

@@ -14,6 +14,12 @@
 //                   on AVX-512, where the 16-entry table is scaled before the lookups)
 //   kRowBlock       MXFP4 weight rows that share each x load when several token rows are
 //                   routed to one expert (Fp4Rows: R·NT·A accumulators must fit the registers)
+//   mxfp4_bf16(w, e, r0, r1, x, nt, out, ldo)    MXFP4 rows [r0, r1) of expert e against
+//                   nt ≤ NB token rows of x by another route (bf16 dot products), writing
+//                   out[(r - r0)·ldo + t]; false, having done nothing, where
+//                   the build has none or x does not qualify (then fp4_rows runs)
+//   inputs_changed()  called as each down sweep starts: what mxfp4_bf16 kept of the gate_up
+//                   inputs (packed x) must not be used again
 //
 // MXFP4 is dequantised in registers: per group of 32 weights the doubled e2m1 values
 // are dotted with x and the partial sum is scaled once by 2^(scale-128) (the E8M0
@@ -281,9 +287,14 @@ inline void project(const kvrelay::Projection& w, const float* table, const kvre
     const int64_t nt = n - t0 < V::NB ? n - t0 : V::NB;
     const float* xb = x + t0 * w.cols;
     float o[kvrelay::kMaxTileRows][V::NB] = {};
+    float bf16_dots[kvrelay::kMaxTileRows][V::NB];   // its own: `o` stays in this function
     const int64_t chunk = nt * w.cols * 4 <= kRowPassBytes ? w.cols : kChunk;
     const Prefetch pf{chunk == w.cols && n <= V::NB ? stream_end : nullptr};
-    for (int64_t k0 = 0; k0 < w.cols; k0 += chunk) {
+    const bool done = w.format == kvrelay::kMXFP4 &&
+                      V::mxfp4_bf16(w, tile.expert, tile.row0, tile.row1, xb, nt,
+                                    bf16_dots[0], V::NB);
+    const float(*sums)[V::NB] = done ? bf16_dots : o;
+    for (int64_t k0 = 0; !done && k0 < w.cols; k0 += chunk) {
       const int64_t k1 = w.cols - k0 < chunk ? w.cols : k0 + chunk;
       if (w.format == kvrelay::kMXFP4 && (nt >= 2 || V::kScaledDecode)) {
         float* out = o[0];
@@ -305,7 +316,7 @@ inline void project(const kvrelay::Projection& w, const float* table, const kvre
       }
     }
     for (int32_t r = tile.row0; r < tile.row1; ++r)
-      for (int64_t t = 0; t < nt; ++t) h[t][r - tile.row0] = o[r - tile.row0][t];
+      for (int64_t t = 0; t < nt; ++t) h[t][r - tile.row0] = sums[r - tile.row0][t];
     epilogue(t0, nt, h);
   }
 }
@@ -373,6 +384,7 @@ void gate_up_tiles(const kvrelay::MoeProblem& p, const kvrelay::Tile* tiles, int
 }
 
 void down_tiles(const kvrelay::MoeProblem& p, const kvrelay::Tile* tiles, int64_t count) {
+  V::inputs_changed();
   for (int64_t i = 0; i < count; ++i) {
     const char* stream_end = dense_end(p.down, tiles[i]);
     for_each_part(tiles[i], [&](const kvrelay::Tile& part) { down_tile(p, part, stream_end); });

@@ -35,6 +35,10 @@ std::vector<IsaKernels> supported_isas() {  // best first
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+      __builtin_cpu_supports("avx512bf16") && avx512_bf16_kernels(&k))
+    isas.push_back(k);
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
       avx512_kernels(&k))
     isas.push_back(k);
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && avx2_kernels(&k))
