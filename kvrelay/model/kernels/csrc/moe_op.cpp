@@ -132,9 +132,10 @@ Projection projection(const at::Tensor& w, const c10::optional<at::Tensor>& scal
 // instead, shared out over the active experts by rows: each item is one sequential stream
 // of weight rows that its row passes prefetch ahead to the item's end (moe_impl.h
 // Prefetch). Measured (benchmarks/moe_kernels.py --kernel, embedded experts, bf16, Zen 5,
-// best of 20-30 under load): 32-row tiles restart the stream every 36 KB and stayed at 29-33
-// GB/s on one or two threads; streams reach 44-47 GB/s on two at 1 token (1 / 2 / 4 / 8
-// items per thread: 45 / 44 / 44 / 42) and 46-55 at 4 tokens (26 before).
+// best of 8-30 rounds under load 4-10): 32-row tiles restart the stream every 36 KB and
+// stayed at 29-34 GB/s on one or two threads; streams reach 44-55 GB/s on two at 1 token
+// (55 where both vCPUs were free; 1 / 2 / 4 / 8 items per thread: 45 / 44 / 44 / 42 at load
+// 10) and 46-55 at 4 tokens (26-28 before), 33-35 on one.
 constexpr int64_t kStreamItemsPerThread = 2;
 constexpr int64_t kStreamMaxTokens = 4;
 
