@@ -52,8 +52,8 @@ def wants(ex: Experts, x: torch.Tensor, choices: int) -> bool:
     """Whether `ex` runs this call of `choices` (token, expert) pairs on the tiles."""
     if x.dtype != torch.bfloat16 or x.device.type != "cpu" or torch.compiler.is_compiling():
         return False
-    packed = isinstance(ex.gate_up, MXFP4Tensor)
-    if not packed and ex.gate_up.dtype != torch.bfloat16:
+    w = ex.gate_up
+    if not isinstance(w, MXFP4Tensor) and w.dtype != torch.bfloat16:
         return False
     rows = choices / (ex.num_local * ex.ctx.ep_size)
     if rows < TILE_MIN_ROWS:
