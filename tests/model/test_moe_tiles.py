@@ -26,8 +26,9 @@ def tiles() -> None:
 
 
 def reference(x, w, ids, first, gate_up, gate_up_bias, down, down_bias):
-    """Float32 sums of the bf16 values; the swiglu output rounded to bf16 (as the kernel
-    and the bf16 torch path round it); the k rows of a token summed in fp32."""
+    """Float32 throughout from the bf16 values (the kernel's products are exact: its
+    swiglu output enters the down projection as three bf16 parts summing to the f32
+    value); the k rows of a token summed in fp32, rounded to bf16 once."""
     T, k = ids.shape
     E = gate_up.shape[0]
     out = torch.zeros(T, x.shape[1])
@@ -38,17 +39,18 @@ def reference(x, w, ids, first, gate_up, gate_up_bias, down, down_bias):
                 continue
             h = gate_up[e].float() @ x[t].float() + gate_up_bias[e]
             gate, up = h[0::2].clamp(max=LIMIT), h[1::2].clamp(-LIMIT, LIMIT)
-            act = ((up + 1) * gate * torch.sigmoid(gate * ALPHA)).bfloat16().float()
+            act = (up + 1) * gate * torch.sigmoid(gate * ALPHA)
             y = down[e].float() @ act
             out[t] += (y + down_bias[e] if down_bias is not None else y) * w[t, j]
     return out
 
 
 def assert_bf16_close(y: torch.Tensor, ref: torch.Tensor) -> None:
-    """Within one bf16 rounding of the output plus the effect of a swiglu value whose
-    bf16 rounding flips (only the fp32 summation order differs)."""
+    """Within the output's one bf16 rounding: only the fp32 summation order (and the
+    last bits of the sigmoid's e^x) differ, so y is ref rounded, or its neighbour where
+    ref sits next to a rounding boundary."""
     assert y.dtype == torch.bfloat16
-    torch.testing.assert_close(y.float(), ref, rtol=1 / 128, atol=2e-3)
+    torch.testing.assert_close(y.float(), ref, rtol=1 / 128, atol=1e-5)
 
 
 def routing(T: int, E: int, k: int, g: torch.Generator, skew: bool = False):

@@ -6,10 +6,11 @@ prefill steps (hundreds of rows per expert) are compute-bound. The generic nativ
 loops over experts in Python and runs a dozen elementwise bf16 ops per expert around its
 GEMMs. `kvrelay_kernels::moe_tiles` (csrc/moe_tile*.cpp) multiplies bf16 pairs with
 `vdpbf16ps` — the products are exact in fp32, only the summation order changes — and
-fuses bias, swiglu, routing weight and the k-way sum. Its one rounding the fp32 kernel
-does not have is the swiglu output's, to bf16 before the down projection, which the bf16
-torch path (the reference) rounds too. MXFP4 weights are decoded to bf16 exactly (e2m1 ×
-2^k is a bf16 value) one block of rows at a time.
+fuses bias, swiglu, routing weight and the k-way sum. The f32 swiglu output enters the
+down projection as three bf16 parts that sum to it exactly (hi, the f32 remainder's
+rounding, the rest), so those products are exact too: the results are the fp32 kernel's
+up to the summation order. MXFP4 weights are decoded to bf16 exactly (e2m1 × 2^k is a
+bf16 value) one block of rows at a time.
 
 `Experts.forward` / `Experts.decode` ask `wants` first (a small dispatch hook in
 `layers/moe.py`); the fp32 model, other CPUs, `KVRELAY_MOE_KERNEL=native|torch` and few
@@ -30,13 +31,13 @@ if TYPE_CHECKING:
 
 # Token rows per expert (choices / local experts) from which the tiles take over. An
 # expert's rows are padded to 16 (one vector of token rows), so below that the tiles cost
-# as much as 16 rows. Measured (one thread, CPU time per layer call, AVX512-BF16 Zen 4 VM;
-# tiles / the path taken before): tiny config (hidden = intermediate = 128, 8 experts,
-# top-2) bf16 at 1 / 2 / 4 / 6 / 8 / 12 rows per expert 42/26, 57/40, 60/59, 60/82,
-# 61/108, 63/155 us, MXFP4 49/23, 65/38, 67/63, 68/89, 69/114, 72/168 us; 1024 rows
-# 974/3313 (bf16, native kernel); the embedded model's shape (576/1536, 2 experts, top-1)
-# at 2 / 4 / 8 / 16 rows 546/273, 571/486, 606/1123, 787/1497 us (torch GEMMs).
-TILE_MIN_ROWS = 6
+# as much as 16 rows. Measured (one thread, CPU time per layer call, AVX512-BF16 Zen 4 VM
+# under load; tiles / the path taken before): tiny config (hidden = intermediate = 128, 8
+# experts, top-2) at 6 / 8 / 10 / 12 / 16 / 256 / 1024 rows per expert, bf16 107/89,
+# 105/112, 117/136, 121/165, 142/272, 1572/3373, 8658/17365 us, MXFP4 114/97, 114/118,
+# 127/150, 137/200, 147/226, 1565/3847, 6867/15359 us; the embedded model's shape
+# (576/1536, 2 experts, top-1) at 4 / 8 / 16 rows 1243/390, 1015/986, 1377/1551 us.
+TILE_MIN_ROWS = 10
 
 
 @functools.cache
@@ -51,8 +52,8 @@ def wants(ex: Experts, x: torch.Tensor, choices: int) -> bool:
     """Whether `ex` runs this call of `choices` (token, expert) pairs on the tiles."""
     if x.dtype != torch.bfloat16 or x.device.type != "cpu" or torch.compiler.is_compiling():
         return False
-    packed = isinstance(ex.gate_up, MXFP4Tensor)
-    if not packed and ex.gate_up.dtype != torch.bfloat16:
+    w = ex.gate_up
+    if not isinstance(w, MXFP4Tensor) and w.dtype != torch.bfloat16:
         return False
     rows = choices / (ex.num_local * ex.ctx.ep_size)
     if rows < TILE_MIN_ROWS:

@@ -1,7 +1,8 @@
 // Plain-C++ contract between the torch op `moe_tiles` (moe_tile_op.cpp) and its
 // AVX512-BF16 build (moe_tile_avx512_bf16.cpp): the MoE experts of a bf16 model at many
 // token rows per expert (offline decode batches, prefill), as bf16 × bf16 products summed
-// in fp32 by vdpbf16ps. No torch or STL here (the ISA file is compiled with its own
+// in fp32 by vdpbf16ps (the f32 swiglu output split into three bf16 parts whose sum is
+// exact, so the down projection's products are exact too). No torch or STL here (the ISA file is compiled with its own
 // `#pragma GCC target`).
 //
 // Layout. The token rows routed to expert e (sorted by expert: rows [offsets[e],
@@ -31,7 +32,9 @@ struct TileProblem {
   const int64_t* offsets;     // [E + 1] sorted token rows per expert
   const int64_t* padded;      // [E + 1] the same, each expert's count rounded up to 16
   const uint16_t* x;          // pair-packed x rows, H columns
-  uint16_t* act;              // pair-packed swiglu output (bf16), I columns
+  uint16_t* act;              // pair-packed swiglu output, I columns, as three bf16 planes
+                              // (hi, mid, lo: hi + mid + lo is the f32 value exactly)
+  int64_t act_plane;          // elements from one plane to the next
   float* y;                   // [n, H] expert outputs × routing weight, sorted rows
   const float* route_weight;  // [n]
   const float* scale_table;   // [256]: 2^(s - 127), the MXFP4 scale of E8M0 byte s

@@ -20,6 +20,13 @@ inline uint16_t to_bf16(float f) {  // round to nearest even, NaN kept quiet
   return uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
+inline float bf16_f32(uint16_t b) {
+  const uint32_t u = uint32_t(b) << 16;
+  float f;
+  __builtin_memcpy(&f, &u, 4);
+  return f;
+}
+
 // The e2m1 values of an MXFP4 code nibble (moe_impl.h's table, undoubled).
 constexpr float kFp4[16] = {0.0f, 0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
                             -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
@@ -53,23 +60,26 @@ void decode_rows(const kvrelay::TileWeights& w, const float* scale_table, int64_
 }
 
 // out[r][t] = Σ_k w[r][k] · x[m0 + t][k] for R weight rows (row stride ldw) and 16·MV
-// token rows of a pair-packed block (Mp rows, K columns).
+// token rows of a pair-packed block (Mp rows, K columns) given as `planes` bf16 parts
+// `plane` elements apart (x = their sum), summed into the same accumulators.
 template <int R, int MV>
-inline void dots(const uint16_t* x, int64_t Mp, int64_t K, int64_t m0, const uint16_t* w,
-                 int64_t ldw, float (*out)[64]) {
+inline void dots(const uint16_t* x, int planes, int64_t plane, int64_t Mp, int64_t K,
+                 int64_t m0, const uint16_t* w, int64_t ldw, float (*out)[64]) {
   __m512 acc[R][MV];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < MV; ++v) acc[r][v] = _mm512_setzero_ps();
-  const uint16_t* xp = x + m0 * 2;
-  for (int64_t j = 0; j < K / 2; ++j) {
-    __m512bh a[MV];
-    for (int v = 0; v < MV; ++v)
-      a[v] = (__m512bh)_mm512_loadu_si512(xp + (j * Mp + 16 * v) * 2);
-    for (int r = 0; r < R; ++r) {
-      int32_t pair;
-      __builtin_memcpy(&pair, w + r * ldw + 2 * j, 4);
-      const __m512bh b = (__m512bh)_mm512_set1_epi32(pair);
-      for (int v = 0; v < MV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], a[v], b);
+  for (int q = 0; q < planes; ++q) {
+    const uint16_t* xp = x + q * plane + m0 * 2;
+    for (int64_t j = 0; j < K / 2; ++j) {
+      __m512bh a[MV];
+      for (int v = 0; v < MV; ++v)
+        a[v] = (__m512bh)_mm512_loadu_si512(xp + (j * Mp + 16 * v) * 2);
+      for (int r = 0; r < R; ++r) {
+        int32_t pair;
+        __builtin_memcpy(&pair, w + r * ldw + 2 * j, 4);
+        const __m512bh b = (__m512bh)_mm512_set1_epi32(pair);
+        for (int v = 0; v < MV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], a[v], b);
+      }
     }
   }
   for (int r = 0; r < R; ++r)
@@ -79,17 +89,18 @@ inline void dots(const uint16_t* x, int64_t Mp, int64_t K, int64_t m0, const uin
 // Rows [0, rows) of `w` against token rows [m0, m0 + 16·MV): R rows at a time, the
 // remainder `step` rows at a time (gate_up keeps (gate, up) pairs together: step 2).
 template <int MV, int R, class Epilogue>
-inline void row_blocks(const uint16_t* x, int64_t Mp, int64_t K, int64_t m0, const uint16_t* w,
-                       int64_t rows, int step, const Epilogue& epilogue) {
+inline void row_blocks(const uint16_t* x, int planes, int64_t plane, int64_t Mp, int64_t K,
+                       int64_t m0, const uint16_t* w, int64_t rows, int step,
+                       const Epilogue& epilogue) {
   alignas(64) float out[16][64];
   int64_t r = 0;
   for (; r + R <= rows; r += R) {
-    dots<R, MV>(x, Mp, K, m0, w + r * K, K, out);
+    dots<R, MV>(x, planes, plane, Mp, K, m0, w + r * K, K, out);
     epilogue(r, R, out);
   }
   for (; r < rows; r += step) {
-    if (step == 2) dots<2, MV>(x, Mp, K, m0, w + r * K, K, out);
-    else dots<1, MV>(x, Mp, K, m0, w + r * K, K, out);
+    if (step == 2) dots<2, MV>(x, planes, plane, Mp, K, m0, w + r * K, K, out);
+    else dots<1, MV>(x, planes, plane, Mp, K, m0, w + r * K, K, out);
     epilogue(r, step, out);
   }
 }
@@ -97,14 +108,15 @@ inline void row_blocks(const uint16_t* x, int64_t Mp, int64_t K, int64_t m0, con
 // Token rows [tok0, tok1) (both multiples of 16) in blocks of 32 (two vectors: 8 weight
 // rows a tile) and a last block of 16 (one vector: 16 weight rows).
 template <class Epilogue>
-inline void tokens(const uint16_t* x, int64_t Mp, int64_t K, int64_t tok0, int64_t tok1,
-                   const uint16_t* w, int64_t rows, int step, const Epilogue& epilogue) {
+inline void tokens(const uint16_t* x, int planes, int64_t plane, int64_t Mp, int64_t K,
+                   int64_t tok0, int64_t tok1, const uint16_t* w, int64_t rows, int step,
+                   const Epilogue& epilogue) {
   int64_t m = tok0;
   for (; m + 32 <= tok1; m += 32)
-    row_blocks<2, 8>(x, Mp, K, m, w, rows, step,
+    row_blocks<2, 8>(x, planes, plane, Mp, K, m, w, rows, step,
                      [&](int64_t r, int n, float (*out)[64]) { epilogue(m, 32, r, n, out); });
   if (m < tok1)
-    row_blocks<1, 16>(x, Mp, K, m, w, rows, step,
+    row_blocks<1, 16>(x, planes, plane, Mp, K, m, w, rows, step,
                       [&](int64_t r, int n, float (*out)[64]) { epilogue(m, 16, r, n, out); });
 }
 
@@ -142,7 +154,8 @@ void gate_up_items(const kvrelay::TileProblem& p, const kvrelay::TileItem* items
     const float* bias = p.gate_up.bias ? p.gate_up.bias + e * p.gate_up.rows : nullptr;
     const uint16_t* w = item_rows(p.gate_up, p.scale_table, it, buf);
     const float limit = p.limit, alpha = p.alpha;
-    tokens(x, Mp, H, it.tok0, it.tok1, w, it.row1 - it.row0, 2,
+    const int64_t plane = p.act_plane;
+    tokens(x, 1, 0, Mp, H, it.tok0, it.tok1, w, it.row1 - it.row0, 2,
            [&](int64_t m0, int nt, int64_t r, int n, float (*out)[64]) {
       for (int q = 0; q < n; q += 2) {
         const int64_t row = it.row0 + r + q;         // even: the gate row, row + 1 its up
@@ -157,7 +170,15 @@ void gate_up_items(const kvrelay::TileProblem& p, const kvrelay::TileItem* items
           const float z = gate * alpha;
           const float ez = exp_neg(z > 0.0f ? -z : z);          // e^-|z|
           const float sig = z > 0.0f ? 1.0f / (1.0f + ez) : ez / (1.0f + ez);
-          dst[t * 2] = to_bf16((up + 1.0f) * gate * sig);
+          // three bf16 parts summing to the f32 value exactly: each remainder is exact
+          // in f32 and has at most 8 significant bits left for the next part
+          const float a = (up + 1.0f) * gate * sig;
+          const uint16_t hi = to_bf16(a);
+          const float r1 = a - bf16_f32(hi);
+          const uint16_t mid = to_bf16(r1);
+          dst[t * 2] = hi;
+          dst[plane + t * 2] = mid;
+          dst[2 * plane + t * 2] = to_bf16(r1 - bf16_f32(mid));
         }
       }
     });
@@ -174,7 +195,7 @@ void down_items(const kvrelay::TileProblem& p, const kvrelay::TileItem* items, i
     const uint16_t* act = p.act + p.padded[e] * I;
     const float* bias = p.down.bias ? p.down.bias + e * H : nullptr;
     const uint16_t* w = item_rows(p.down, p.scale_table, it, buf);
-    tokens(act, Mp, I, it.tok0, it.tok1, w, it.row1 - it.row0, 1,
+    tokens(act, 3, p.act_plane, Mp, I, it.tok0, it.tok1, w, it.row1 - it.row0, 1,
            [&](int64_t m0, int nt, int64_t r, int n, float (*out)[64]) {
       const int64_t tn = rows_e - m0 < nt ? rows_e - m0 : nt;    // real token rows
       for (int64_t t = 0; t < tn; ++t) {

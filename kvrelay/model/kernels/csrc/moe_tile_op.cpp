@@ -1,10 +1,10 @@
 // torch op `kvrelay_kernels::moe_tiles`: a bf16 model's MoE experts (bf16 or MXFP4
 // weights) for many token rows per expert — offline decode batches and prefill — through
 // vdpbf16ps tiles (moe_tile.h). The same computation as `moe_experts` with bf16 operands:
-// x and the weights are bf16 already (MXFP4 values are exact in bf16), the swiglu output
-// is rounded to bf16 before the down projection (as the bf16 torch reference path rounds
-// it), every sum is fp32, and each token's k weighted rows are summed in fp32 and rounded
-// once. Only on CPUs with AVX512-BF16 (`moe_tile_isas()` is empty elsewhere).
+// x and the weights are bf16 already (MXFP4 values are exact in bf16), the f32 swiglu
+// output enters the down projection as three bf16 parts that sum to it exactly, so every
+// product is exact and only the fp32 summation order differs; each token's k weighted
+// rows are summed in fp32 and rounded once. Only on CPUs with AVX512-BF16 (`moe_tile_isas()` is empty elsewhere).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -189,7 +189,7 @@ at::Tensor moe_tiles(const at::Tensor& x, const at::Tensor& route_weights,
 
   // x rows pair-packed per expert (32-bit pairs transposed), pad rows zero
   const int64_t P = padded[E];
-  const int64_t x_floats = (P * H / 2 + 15) / 16 * 16, act_floats = (P * I / 2 + 15) / 16 * 16;
+  const int64_t x_floats = (P * H / 2 + 15) / 16 * 16, act_floats = (3 * P * I / 2 + 15) / 16 * 16;
   const at::Tensor work = scratch(x_floats + act_floats + n * H, x.options());
   float* const base = work.data_ptr<float>();
   auto* xp = reinterpret_cast<uint32_t*>(base);
@@ -218,6 +218,7 @@ at::Tensor moe_tiles(const at::Tensor& x, const at::Tensor& route_weights,
   p.padded = padded.data();
   p.x = reinterpret_cast<const uint16_t*>(xp);
   p.act = reinterpret_cast<uint16_t*>(base + x_floats);
+  p.act_plane = P * I;
   p.y = base + x_floats + act_floats;
   p.route_weight = weight.data();
   p.scale_table = scale_table();
