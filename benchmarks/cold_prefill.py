@@ -1,0 +1,105 @@
+#!/usr/bin/env python
+"""Cold prefill (TTFT without a prefix-cache hit), broken down by module.
+
+    python benchmarks/cold_prefill.py [--model embedded|tiny|PATH] [--prompt-len 200]
+        [--reps 8] [--cpu-time] [--out FILE.json]
+
+`LLMEngine` in this process runs `--reps` one-token greedy requests, each a fresh random
+prompt (no prefix-cache hit, unlike step_profile.py's warm "prefill" figure), and times
+the prefill step's spans with step_profile.py's instrumentation (`--parts`: embedding,
+norms, qkv, rotary, attention, o_proj, router, experts, LM head; runner preparation,
+sampler, outputs). Reported: the very first prefill of the process (what the first served
+request pays: page faults, allocator growth, oneDNN primitive creation) and the median of
+the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ.setdefault("GOMP_SPINCOUNT", "20000")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import step_profile  # noqa: E402
+from common import CONFIGS, ROOT, build_checkpoint, log  # noqa: E402
+
+
+def cold_prefills(model: str, prompt_len: int, reps: int, seed: int = 0) -> dict[str, Any]:
+    import torch
+
+    from kvrelay.config import EngineArgs
+    from kvrelay.engine.core import LLMEngine
+    from kvrelay.sampling_params import SamplingParams
+
+    torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
+    engine = LLMEngine(EngineArgs(model=model, dtype="bfloat16", max_model_len=1024,
+                                  max_num_seqs=8))
+    step_profile.instrument(engine)
+    step_profile.instrument_parts(engine.runner.model)
+    vocab = engine.runner.model.config.vocab_size
+    rng = random.Random(seed)
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    runs: list[dict[str, int]] = []
+    for rep in range(reps):
+        prompt = [rng.randrange(100, vocab) for _ in range(prompt_len)]
+        engine.add_request(f"cold{rep}", prompt, params)
+        step_profile.SPANS.clear()
+        while engine.has_unfinished_requests():
+            engine.step()
+        runs.append(dict(step_profile.SPANS))
+
+    def ms(span: dict[str, int]) -> dict[str, float]:
+        return {k: round(v / 1e6, 3) for k, v in span.items()}
+
+    names = list(dict.fromkeys(n for r in runs for n in r))
+    rest = runs[1:] or runs
+    return {
+        "first": ms(runs[0]),
+        "median": {n: round(statistics.median(r.get(n, 0) for r in rest) / 1e6, 3)
+                   for n in names},
+        "reps": reps,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="embedded")
+    ap.add_argument("--prompt-len", type=int, default=200)
+    ap.add_argument("--reps", type=int, default=8)
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="spans in CPU time of the (single) compute thread")
+    ap.add_argument("--out", type=Path)
+    a = ap.parse_args()
+    if a.cpu_time:
+        step_profile.CLOCK = time.thread_time_ns
+        os.environ["BENCH_THREADS"] = "1"
+    if a.model == "embedded":
+        from kvrelay.model.embedded import embedded_model_dir
+        model = str(embedded_model_dir())
+    elif a.model == "tiny":
+        model = str(build_checkpoint("tiny", CONFIGS["tiny"]))
+    else:
+        model = a.model
+    result = {"model": model, "load": os.getloadavg(),
+              "clock": "thread CPU time" if a.cpu_time else "wall",
+              "prefill_ms": cold_prefills(model, a.prompt_len, a.reps)}
+    result["load_after"] = os.getloadavg()
+    text = json.dumps(result, indent=2)
+    print(text)
+    if a.out:
+        a.out.write_text(text)
+    log("done")
+
+
+if __name__ == "__main__":
+    os.chdir(ROOT)
+    main()
