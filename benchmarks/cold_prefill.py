@@ -2,7 +2,7 @@
 """Cold prefill (TTFT without a prefix-cache hit), broken down by module.
 
     python benchmarks/cold_prefill.py [--model embedded|tiny|PATH] [--prompt-len 200]
-        [--reps 8] [--cpu-time] [--out FILE.json]
+        [--reps 8] [--jitter 0] [--cpu-time] [--out FILE.json]
 
 `LLMEngine` in this process runs `--reps` one-token greedy requests, each a fresh random
 prompt (no prefix-cache hit, unlike step_profile.py's warm "prefill" figure), and times
@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import random
+import resource
 import statistics
 import sys
 import time
@@ -33,7 +34,8 @@ import step_profile  # noqa: E402
 from common import CONFIGS, ROOT, build_checkpoint, log  # noqa: E402
 
 
-def cold_prefills(model: str, prompt_len: int, reps: int, seed: int = 0) -> dict[str, Any]:
+def cold_prefills(model: str, prompt_len: int, reps: int, engine_args: dict[str, Any],
+                  jitter: int = 0, seed: int = 0) -> dict[str, Any]:
     import torch
 
     from kvrelay.config import EngineArgs
@@ -41,8 +43,7 @@ def cold_prefills(model: str, prompt_len: int, reps: int, seed: int = 0) -> dict
     from kvrelay.sampling_params import SamplingParams
 
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
-    engine = LLMEngine(EngineArgs(model=model, dtype="bfloat16", max_model_len=1024,
-                                  max_num_seqs=8))
+    engine = LLMEngine(EngineArgs(model=model, dtype="bfloat16", **engine_args))
     step_profile.instrument(engine)
     step_profile.instrument_parts(engine.runner.model)
     vocab = engine.runner.model.config.vocab_size
@@ -50,11 +51,15 @@ def cold_prefills(model: str, prompt_len: int, reps: int, seed: int = 0) -> dict
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     runs: list[dict[str, int]] = []
     for rep in range(reps):
-        prompt = [rng.randrange(100, vocab) for _ in range(prompt_len)]
+        length = prompt_len + rng.randint(-jitter, jitter)
+        prompt = [rng.randrange(100, vocab) for _ in range(length)]
         engine.add_request(f"cold{rep}", prompt, params)
         step_profile.SPANS.clear()
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         while engine.has_unfinished_requests():
             engine.step()
+        step_profile.SPANS["minor faults (x1e6)"] = (
+            resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
         runs.append(dict(step_profile.SPANS))
 
     def ms(span: dict[str, int]) -> dict[str, float]:
@@ -75,10 +80,15 @@ def main() -> None:
     ap.add_argument("--model", default="embedded")
     ap.add_argument("--prompt-len", type=int, default=200)
     ap.add_argument("--reps", type=int, default=8)
+    ap.add_argument("--jitter", type=int, default=0,
+                    help="prompt lengths drawn from prompt-len +- jitter (a new shape each time)")
     ap.add_argument("--cpu-time", action="store_true",
                     help="spans in CPU time of the (single) compute thread")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--max-model-len", type=int, default=4096, help="as benchmarks/peers.py")
+    ap.add_argument("--max-num-seqs", type=int, default=64)
     a = ap.parse_args()
+    engine_args = {"max_model_len": a.max_model_len, "max_num_seqs": a.max_num_seqs}
     if a.cpu_time:
         step_profile.CLOCK = time.thread_time_ns
         os.environ["BENCH_THREADS"] = "1"
@@ -91,7 +101,8 @@ def main() -> None:
         model = a.model
     result = {"model": model, "load": os.getloadavg(),
               "clock": "thread CPU time" if a.cpu_time else "wall",
-              "prefill_ms": cold_prefills(model, a.prompt_len, a.reps)}
+              "prefill_ms": cold_prefills(
+        model, a.prompt_len, a.reps, engine_args, a.jitter)}
     result["load_after"] = os.getloadavg()
     text = json.dumps(result, indent=2)
     print(text)
