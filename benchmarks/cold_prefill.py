@@ -30,8 +30,8 @@ if "OMP_WAIT_POLICY" not in os.environ:
     os.environ.setdefault("GOMP_SPINCOUNT", "20000")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import step_profile  # noqa: E402
-from common import CONFIGS, ROOT, build_checkpoint, log  # noqa: E402
+import step_profile
+from common import CONFIGS, ROOT, build_checkpoint, log
 
 
 def cold_prefills(model: str, prompt_len: int, reps: int, engine_args: dict[str, Any],
