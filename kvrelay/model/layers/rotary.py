@@ -54,6 +54,8 @@ class RotaryEmbedding(nn.Module):
         # the last step's (positions, its version, dtype, cos, sin): every layer of a step
         # rotates the same positions, so the gather and casts run once per step, not per layer
         self._last: tuple[torch.Tensor, int, torch.dtype, torch.Tensor, torch.Tensor] | None = None
+        # (the cached cos it was built from, [cos, cos], [-sin, sin]) for `rotate`
+        self._wide: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,9 +63,17 @@ class RotaryEmbedding(nn.Module):
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
     def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """x [tokens, heads, hd] rotated: q and k heads side by side take one call."""
+        """x [tokens, heads, hd] rotated: q and k heads side by side take one call.
+        Four elementwise ops on full-width tables instead of `_rotate`'s seven (a prefill
+        of hundreds of rows pays per op, and per OpenMP barrier where cores are shared);
+        the same values bit for bit (see `_rotate_wide`)."""
         cos, sin = self.cos_sin(positions, x.dtype)
-        return _rotate(x, cos, sin)
+        if torch.compiler.is_compiling():
+            return _rotate(x, cos, sin)
+        last = self._wide
+        if last is None or last[0] is not cos:
+            last = self._wide = (cos, torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1))
+        return _rotate_wide(x, last[1], last[2])
 
     def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) [max_positions, hd/2] float32, scaled: the native fused decode
@@ -99,3 +109,11 @@ class RotaryEmbedding(nn.Module):
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     first, second = x.chunk(2, dim=-1)  # [tokens, heads, hd/2]
     return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+
+
+def _rotate_wide(x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor) -> torch.Tensor:
+    """`_rotate(x, cos, sin)` given cos2 = [cos, cos] and sin2 = [-sin, sin]: each output is
+    one product of x and one of the swapped halves, rounded as `_rotate` rounds them, and
+    a - b equals a + (-b) exactly, so the result is the same bit for bit."""
+    first, second = x.chunk(2, dim=-1)
+    return x * cos2 + torch.cat((second, first), dim=-1) * sin2
