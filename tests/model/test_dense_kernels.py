@@ -106,6 +106,33 @@ def test_dense_linear_same_bits_on_one_and_two_threads(isa, m, dtype):
     torch.testing.assert_close(one.double(), _exact(x, w, b), rtol=2 ** -8, atol=1e-2)
 
 
+# Decode-sized matrices between the stream split's 256 KiB and the 4 MiB of one thread's
+# share: two threads, each matrix cut into 4 pieces (items of 8 weight rows, N off them)
+SPLIT_SHAPES = [(299, 577), (961, 576), (203, 700)]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("m", [1, 2, 4, 5])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_dense_linear_stream_split_same_bits_on_one_and_two_threads(isa, m, dtype):
+    """Small decode matrices (the embedded model's qkv / o_proj) are split over two threads
+    in continuous pieces: every output equals the one-thread result bit for bit, and the
+    reference within one rounding (5 rows: the tile path, split by work items the same way)."""
+    threads = torch.get_num_threads()
+    for seed, (n, k) in enumerate(SPLIT_SHAPES):
+        x, w, b = _operands(m, n, k, dtype, seed=31 * m + seed)
+        bias = b if seed % 2 else None
+        try:
+            torch.set_num_threads(1)
+            one = torch.ops.kvrelay_kernels.dense_linear(x, w, bias, isa)
+            torch.set_num_threads(2)
+            two = [torch.ops.kvrelay_kernels.dense_linear(x, w, bias, isa) for _ in range(3)]
+        finally:
+            torch.set_num_threads(threads)
+        assert all(torch.equal(one, t) for t in two)
+        torch.testing.assert_close(one.double(), _exact(x, w, bias), rtol=2 ** -8, atol=1e-2)
+
+
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
 def test_dense_linear_row_result_does_not_depend_on_its_neighbours(isa, m):
