@@ -15,6 +15,9 @@
 //     elements) and a mask (the odd ones), once for up to kTile heads whose accumulators
 //     stay in registers; the accumulators hold even and odd elements apart until the end.
 //
+// No software prefetch: asking for the next one, two or four sequences' blocks into L2
+// changed nothing measurable here, warm or cold (docs/benchmarks.md, "offattn").
+//
 // Exactness: q and K are bf16 values (the ops check q's dtype is the cache's; the fused
 // op rounds q to it), so each product is exact in fp32 and only the fp32 summation order
 // of a score differs from the fp32 build, which also scales q before the dot product
