@@ -3,7 +3,7 @@
 
     python benchmarks/paged_decode_kernel.py [--batches 1,8,64] [--isa ""] [--repeats 200]
         [--shapes tiny,big] [--lens 200,400] [--cold]
-    python benchmarks/paged_decode_kernel.py --generate [--layers 5]
+    python benchmarks/paged_decode_kernel.py --generate [--layers 5] [--isa avx512,] [--rounds 3]
 
 Shapes (--shapes): the tiny model's attention (`tiny`: 4 heads over 2 KV heads, head_dim
 32), the big one's (`big`: 16 over 2, head_dim 64) and the embedded model's (`embedded`:
@@ -19,7 +19,9 @@ random draw from all of them, and a 96 MB buffer is read between timed calls.
 
 --generate: offline `LLM.generate` on the tiny checkpoint with --layers layers (64
 requests, prompts of 32-256 and outputs of 16-128 tokens, seeded, greedy, ignore_eos),
-one thread: the thread CPU time of the whole call and of the paged decode op's calls.
+one thread: the thread CPU time of the whole call and of the decode attention calls (the
+paged decode op and the fused rotary + KV write + decode op of decode-only steps, the
+latter run on each ISA of the comma-separated --isa in turn, "" the best, --rounds times).
 """
 from __future__ import annotations
 
@@ -73,7 +75,7 @@ def case(batch: int, heads: int, kv_heads: int, head_dim: int, window: int, isa:
                 kv_mb=round(int(visible.sum()) * kv_heads * head_dim * 4 / 1e6, 2))
 
 
-def generate(layers: int) -> dict[str, float]:
+def generate(layers: int, isas: list[str], rounds: int) -> list[dict[str, float | str]]:
     from common import CONFIGS, build_checkpoint
 
     from kvrelay import LLM, SamplingParams
@@ -87,7 +89,9 @@ def generate(layers: int) -> dict[str, float]:
     params = [SamplingParams(temperature=0.0, max_tokens=int(n), ignore_eos=True)
               for n in torch.randint(16, 129, (64,), generator=g)]
     spent = {"ns": 0, "calls": 0}
-    inner = paged_decode.decode
+    inner, inner_fused = paged_decode.decode, paged_decode.rotary_decode
+    fused_op = torch.ops.kvrelay_kernels.rotary_decode_attention.default
+    isa = {"name": ""}
 
     def timed(*args, **kwargs):
         t0 = time.thread_time_ns()
@@ -97,15 +101,30 @@ def generate(layers: int) -> dict[str, float]:
             spent["ns"] += time.thread_time_ns() - t0
             spent["calls"] += 1
 
+    def timed_fused(*args):   # the fused op (decode-only steps) on the ISA of this round
+        t0 = time.thread_time_ns()
+        try:
+            return fused_op(*args, isa["name"])
+        finally:
+            spent["ns"] += time.thread_time_ns() - t0
+            spent["calls"] += 1
+
     llm.generate(prompts[:8], params[:8])       # warm-up
-    paged_decode.decode = timed
-    t0 = time.thread_time_ns()
-    llm.generate(prompts, params)
-    total = time.thread_time_ns() - t0
-    paged_decode.decode = inner
-    return dict(layers=layers, generate_cpu_s=round(total / 1e9, 3),
-                paged_decode_cpu_s=round(spent["ns"] / 1e9, 3), calls=spent["calls"],
-                share=round(spent["ns"] / total, 3))
+    paged_decode.decode, paged_decode.rotary_decode = timed, timed_fused
+    rows = []
+    for _ in range(rounds):          # ISAs alternated in one process: ratios, not absolutes
+        for name in isas:
+            isa["name"] = name
+            spent.update(ns=0, calls=0)
+            t0 = time.thread_time_ns()
+            llm.generate(prompts, params)
+            total = time.thread_time_ns() - t0
+            rows.append(dict(layers=layers, isa=name or "best",
+                             generate_cpu_s=round(total / 1e9, 3),
+                             attention_cpu_s=round(spent["ns"] / 1e9, 3),
+                             calls=spent["calls"], share=round(spent["ns"] / total, 3)))
+    paged_decode.decode, paged_decode.rotary_decode = inner, inner_fused
+    return rows
 
 
 def main() -> None:
@@ -118,6 +137,7 @@ def main() -> None:
     ap.add_argument("--cold", action="store_true", help="KV out of the caches (see above)")
     ap.add_argument("--generate", action="store_true", help="offline LLM.generate instead")
     ap.add_argument("--layers", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=1, help="--generate: runs per ISA")
     args = ap.parse_args()
     from kvrelay.model import kernels
     status = kernels.status()
@@ -125,7 +145,8 @@ def main() -> None:
         raise SystemExit(f"native kernels unavailable: {status.reason}")
     torch.set_num_threads(1)
     if args.generate:
-        print(json.dumps(generate(args.layers)), flush=True)
+        for row in generate(args.layers, args.isa.split(","), args.rounds):
+            print(json.dumps(row), flush=True)
         return
     lo, hi = (int(x) for x in args.lens.split(","))
     for batch in (int(b) for b in args.batches.split(",")):

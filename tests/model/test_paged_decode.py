@@ -211,6 +211,42 @@ def test_every_isa_on_the_shapes_the_simd_builds_specialise(dtype, heads, kv_hea
                                        msg=f"{isa} window={window}")
 
 
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,B",
+    [(4, 2, 32, 16), (3, 1, 64, 32), (9, 3, 96, 8), (16, 2, 128, 16), (5, 5, 64, 48)],
+)
+def test_bf16_build_matches_reference_and_the_fp32_build(heads, kv_heads, head_dim, B):
+    """The avx512_bf16 build (bf16 cache, head dims 32-128: vdpbf16ps scores, even/odd V
+    accumulators) on GQA 1, 2, 3 and 8 with head tiles cut short, blocks of 8, 16, 32 and
+    48 (one, two or three 16-row score groups, the last partial), lengths on block and
+    group edges, a window starting inside a block and sinks: equal to the reference and,
+    up to one bf16 rounding of the output, to the fp32 "avx512" build."""
+    from kvrelay.model import kernels
+    from kvrelay.model.layers.attention import write_kv
+
+    if "avx512_bf16" not in kernels.status().isas:
+        pytest.skip("this CPU has no AVX512-BF16")
+    torch.manual_seed(head_dim + B)
+    NB = 160
+    seq_lens = [1, B - 1, B, B + 1, 17, 2 * B + 15, 3 * B + 16, 150]
+    meta = _step(seq_lens, [1] * len(seq_lens), B, NB, seed=heads * B)
+    T = len(seq_lens)
+    q = (3 * torch.randn(T, heads, head_dim)).to(torch.bfloat16)
+    k, v = (torch.randn(T, kv_heads, head_dim).to(torch.bfloat16) for _ in range(2))
+    cache = torch.randn(2, NB, kv_heads, B, head_dim).to(torch.bfloat16)
+    written = cache.clone()
+    write_kv(written, k, v, meta.slot_mappings[0], B)
+    for window in (None, 21):
+        layer = PagedAttention(heads, kv_heads, head_dim, window, 0, ParallelContext())
+        layer.sinks.normal_(0, 2)
+        ref = _run(layer, False, q, k, v, cache, meta).float()
+        got, fp32 = (torch.ops.kvrelay_kernels.paged_decode(
+            q, written, meta.block_tables[0], meta.seq_lens, layer.sinks, layer.scale,
+            window or 0, isa).float() for isa in ("avx512_bf16", "avx512"))
+        torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2, msg=f"window={window}")
+        torch.testing.assert_close(got, fp32, rtol=8e-3, atol=1e-5, msg=f"window={window}")
+
+
 def _rotary_case(heads, kv_heads, head_dim, seq_lens, dtype, B=8, NB=64, seed=0):
     """A decode-only step: qk/v as views of one qkv row (as QKVParallelLinear gives them),
     a YaRN rotary table, a cache with scattered blocks and one padding slot (-1)."""

@@ -51,7 +51,8 @@ SOURCES = ("moe_op.cpp", "paged_decode_op.cpp", "moe_generic.cpp", "moe_avx2.cpp
            "dense_avx2.cpp", "dense_avx512.cpp", "dense_avx512_bf16.cpp", "prefill_op.cpp",
            "prefill_generic.cpp", "prefill_avx2.cpp", "prefill_avx512.cpp",
            "bitmask_op.cpp", "fused_decode_op.cpp", "argmax_op.cpp", "moe_tile_op.cpp",
-           "moe_tile_avx512_bf16.cpp", "decode_stack_op.cpp", "moe_avx512_bf16.cpp")
+           "moe_tile_avx512_bf16.cpp", "decode_stack_op.cpp", "moe_avx512_bf16.cpp",
+           "paged_decode_avx512_bf16.cpp")
 
 
 def _thread_flags() -> tuple[tuple[str, ...], tuple[str, ...]]:

@@ -181,7 +181,8 @@ at::Tensor rotary_decode_attention(const at::Tensor& qk, const at::Tensor& v,
   p.maxb = table.size(1);
   p.window = window;
   p.scale = static_cast<float>(scale);
-  const DecodeFn fn = isa_kernels(isa.c_str()).decode;   // "": the best for this CPU
+  const IsaKernels& kernels = isa_kernels(isa.c_str());   // "": the best for this CPU
+  const DecodeFn fn = decode_fn_for(kernels.name, kernels.decode);
   int64_t positions_seen = 0;   // work: each visible position costs 2·D MACs per query head
   for (int64_t s = 0; s < T; ++s)
     positions_seen += window > 0 ? std::min(p.lens[s], window) : p.lens[s];

@@ -50,4 +50,9 @@ void decode_tasks_generic(const DecodeProblem& p, int64_t begin, int64_t end, fl
 void decode_tasks_avx2(const DecodeProblem& p, int64_t begin, int64_t end, float* scratch);
 void decode_tasks_avx512(const DecodeProblem& p, int64_t begin, int64_t end, float* scratch);
 
+// The decode build the ops run for ISA `isa_name` (an IsaKernels name): its `decode`
+// (`fallback`), except "avx512_bf16", whose bf16-cache build is
+// paged_decode_avx512_bf16.cpp's.
+DecodeFn decode_fn_for(const char* isa_name, DecodeFn fallback);
+
 }  // namespace kvrelay

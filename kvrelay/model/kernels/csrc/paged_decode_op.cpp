@@ -57,7 +57,8 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv_cache,
   p.maxb = table.size(1);
   p.window = window;
   p.scale = static_cast<float>(scale);
-  const DecodeFn fn = isa_kernels(isa.c_str()).decode;   // "": the best for this CPU
+  const IsaKernels& kernels = isa_kernels(isa.c_str());   // "": the best for this CPU
+  const DecodeFn fn = decode_fn_for(kernels.name, kernels.decode);
   // work: every visible position costs 2·D multiply-adds per query head
   int64_t positions = 0;
   for (int64_t s = 0; s < p.S; ++s)

@@ -1,0 +1,215 @@
+// AVX512-BF16 build of the paged decode kernel (contract: paged_decode.h), the decode of
+// the "avx512_bf16" ISA (decode_fn_for). It serves a bf16 KV cache with a head dim of 32,
+// 64, 96 or 128; anything else goes to the "avx512" build (paged_decode_simd.h).
+//
+// Why: at the offline shapes (64 sequences, head dim 32, 2 query heads per KV head) the
+// fp32 build is bound by instructions, not memory: each block's K rows were widened to
+// fp32 in scratch, each score took D/16 FMAs per row, each V row two widening ops per 16
+// values. Here, per work item (sequence, KV head), block by block as there:
+//  1. scores: each K row (32 bf16 per vector, read from the cache in place) meets each
+//     query head's q, packed to bf16 once per work item, in `vdpbf16ps`: 32 products
+//     per instruction, then the transposing reduction of paged_decode_avx512_p.h puts 16
+//     positions' dot products in one vector, times the softmax scale;
+//  2. online softmax per head as in paged_decode_simd.h;
+//  3. P·V: each 32-value vector of a V row is widened to fp32 by a shift (the even
+//     elements) and a mask (the odd ones), once for up to kTile heads whose accumulators
+//     stay in registers; the accumulators hold even and odd elements apart until the end.
+//
+// No software prefetch: asking for the next one, two or four sequences' blocks into L2
+// changed nothing measurable here, warm or cold (docs/benchmarks.md, "offattn").
+//
+// Exactness: q and K are bf16 values (the ops check q's dtype is the cache's; the fused
+// op rounds q to it), so each product is exact in fp32 and only the fp32 summation order
+// of a score differs from the fp32 build, which also scales q before the dot product
+// where this scales the sum (one rounding of the score either way). P·V is the fp32
+// build's arithmetic, element by element in the same order. `vdpbf16ps` treats
+// denormal inputs and results as zero: a product or partial sum below 2^-126 in magnitude
+// (|q·k| < 1.2e-38) counts as 0, a change to a logit far below its fp32 rounding.
+#include "paged_decode.h"
+
+#include <string.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")
+
+namespace {
+
+#include "paged_decode_avx512_p.h"
+#include "paged_decode_exp.h"   // exp_neg: the scalar e^x (rescales, the sink)
+
+using T = __m512;
+
+constexpr int64_t kRows = 16;   // positions scored per transposing reduction
+
+// K row j of a block as DW vectors of 32 bf16 against one head's packed q: the 16 dot
+// products of positions [0, nj) in one vector, times `scale`; lanes >= nj are -inf
+template <int DW>
+__attribute__((always_inline)) inline T head_scores(const uint16_t* q, const uint16_t* k,
+                                                    int64_t nj, float scale) {
+  __m512bh qb[DW];
+  for (int c = 0; c < DW; ++c) qb[c] = (__m512bh)_mm512_loadu_si512(q + 32 * c);
+  T a[kRows];
+  if (nj == kRows) {   // fixed trip counts: a[] stays in registers
+    for (int j = 0; j < kRows; ++j) {
+      const uint16_t* row = k + j * DW * 32;
+      T s = _mm512_dpbf16_ps(P::zero(), (__m512bh)_mm512_loadu_si512(row), qb[0]);
+      for (int c = 1; c < DW; ++c)
+        s = _mm512_dpbf16_ps(s, (__m512bh)_mm512_loadu_si512(row + 32 * c), qb[c]);
+      a[j] = s;
+    }
+    return P::mul(P::transpose_sum(a), P::set1(scale));
+  }
+  for (int j = 0; j < kRows; ++j) a[j] = P::zero();
+  for (int64_t j = 0; j < nj; ++j) {
+    const uint16_t* row = k + j * DW * 32;
+    T s = _mm512_dpbf16_ps(P::zero(), (__m512bh)_mm512_loadu_si512(row), qb[0]);
+    for (int c = 1; c < DW; ++c)
+      s = _mm512_dpbf16_ps(s, (__m512bh)_mm512_loadu_si512(row + 32 * c), qb[c]);
+    a[j] = s;
+  }
+  return P::first(P::mul(P::transpose_sum(a), P::set1(scale)), int(nj), -__builtin_inff());
+}
+
+// acc[g] = acc[g] · cs[g] + Σ_j prob[g][j] · V[j] for heads [g0, g0 + NG): V rows [0, n)
+// read from the cache once for the NG heads. acc row layout per 32 elements: the 16 even
+// ones, then the 16 odd ones (what the shift and the mask give).
+template <int NG, int DW>
+inline void tile_values(const uint16_t* v, int64_t n, const float* prob, int64_t Bp,
+                        const float* cs, float* acc, int64_t g0) {
+  constexpr int D = 32 * DW;
+  T a[NG][DW][2];
+  for (int i = 0; i < NG; ++i)
+    for (int c = 0; c < DW; ++c)
+      for (int h = 0; h < 2; ++h)
+        a[i][c][h] = P::mul(P::load(acc + (g0 + i) * D + 32 * c + 16 * h), P::set1(cs[g0 + i]));
+  const __m512i high = _mm512_set1_epi32(int32_t(0xFFFF0000u));
+  for (int64_t j = 0; j < n; ++j) {
+    for (int c = 0; c < DW; ++c) {
+      const __m512i x = _mm512_loadu_si512(v + j * D + 32 * c);
+      const T even = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+      const T odd = _mm512_castsi512_ps(_mm512_and_si512(x, high));
+      for (int i = 0; i < NG; ++i) {
+        const T pr = P::set1(prob[(g0 + i) * Bp + j]);
+        a[i][c][0] = P::fma(pr, even, a[i][c][0]);
+        a[i][c][1] = P::fma(pr, odd, a[i][c][1]);
+      }
+    }
+  }
+  for (int i = 0; i < NG; ++i)
+    for (int c = 0; c < DW; ++c)
+      for (int h = 0; h < 2; ++h) P::store(acc + (g0 + i) * D + 32 * c + 16 * h, a[i][c][h]);
+}
+
+// P·V for heads [g0, g0 + ng), ng <= NG
+template <int NG, int DW>
+inline void some_values(const uint16_t* v, int64_t n, const float* prob, int64_t Bp,
+                        const float* cs, float* acc, int64_t g0, int64_t ng) {
+  if constexpr (NG > 1) {
+    if (ng < NG) return some_values<NG - 1, DW>(v, n, prob, Bp, cs, acc, g0, ng);
+  }
+  tile_values<NG, DW>(v, n, prob, Bp, cs, acc, g0);
+}
+
+template <int DW>
+void bf16_decode_tasks(const kvrelay::DecodeProblem& p, int64_t begin, int64_t end,
+                       float* scratch) {
+  constexpr int64_t D = 32 * DW;
+  constexpr int kTile = 8 / DW > 1 ? 8 / DW : 1;   // 2·kTile·DW accumulators in registers
+  const int64_t G = p.H / p.KVH, B = p.B, Bp = kvrelay::decode_padded(B);
+  const uint16_t* kv = static_cast<const uint16_t*>(p.kv);
+  const int64_t v_off = p.NB * p.KVH * B * D;          // K plane, then V plane
+  float* acc = scratch;                                // [G, D] even/odd halves
+  float* m = acc + G * D;                              // [G] running max
+  float* cs = m + G;                                   // [G] this block's rescale
+  float* lv = cs + G;                                  // [G, 16] running sums by lane
+  float* sc = lv + G * kvrelay::kDecodePad;            // [G, Bp] scores, then probabilities
+  uint16_t* qb = reinterpret_cast<uint16_t*>(sc + G * Bp);   // [G, D] q in bf16
+  for (int64_t task = begin; task < end; ++task) {
+    const int64_t seq = task / p.KVH, kh = task % p.KVH;
+    const int64_t len = p.lens[seq];
+    const int64_t first = p.window > 0 && len > p.window ? len - p.window : 0;
+    const float* qs = p.q + (seq * p.H + kh * G) * D;
+    for (int64_t g = 0; g < G; ++g) {
+      for (int c = 0; c < DW; ++c)   // exact: q holds bf16 values
+        _mm512_storeu_si512(qb + g * D + 32 * c,
+                            (__m512i)_mm512_cvtne2ps_pbh(P::load(qs + g * D + 32 * c + 16),
+                                                         P::load(qs + g * D + 32 * c)));
+      for (int64_t d = 0; d < D; ++d) acc[g * D + d] = 0.f;
+      m[g] = -__builtin_inff();
+      P::store(lv + g * kvrelay::kDecodePad, P::zero());
+    }
+    for (int64_t p0 = first; p0 < len;) {
+      const int64_t blk = p.table[seq * p.maxb + p0 / B];
+      const int64_t off0 = p0 % B;
+      const int64_t n = B - off0 < len - p0 ? B - off0 : len - p0;   // positions in the block
+      const uint16_t* kb = kv + ((blk * p.KVH + kh) * B + off0) * D;
+      for (int64_t g = 0; g < G; ++g) {
+        float* sg = sc + g * Bp;
+        T mx = P::set1(-__builtin_inff());
+        for (int64_t j0 = 0; j0 < n; j0 += kRows) {
+          const int64_t nj = n - j0 < kRows ? n - j0 : kRows;
+          const T s = head_scores<DW>(qb + g * D, kb + j0 * D, nj, p.scale);
+          P::store(sg + j0, s);
+          mx = P::max(mx, s);
+        }
+        const float bm = P::hmax(mx);
+        const float mnew = m[g] > bm ? m[g] : bm;
+        const float c = __builtin_isinf(m[g]) ? 0.f : exp_neg(m[g] - mnew);  // first: 0
+        const T mv = P::set1(mnew);
+        T sum = P::mul(P::load(lv + g * kvrelay::kDecodePad), P::set1(c));
+        for (int64_t j0 = 0; j0 < n; j0 += kRows) {
+          const T e = P::first(P::exp_neg(P::sub(P::load(sg + j0), mv)), int(n - j0), 0.f);
+          P::store(sg + j0, e);
+          sum = P::add(sum, e);
+        }
+        P::store(lv + g * kvrelay::kDecodePad, sum);
+        cs[g] = c;
+        m[g] = mnew;
+      }
+      for (int64_t g0 = 0; g0 < G; g0 += kTile)
+        some_values<kTile, DW>(kb + v_off, n, sc, Bp, cs, acc, g0,
+                               G - g0 < kTile ? G - g0 : kTile);
+      p0 += n;
+    }
+    float* os = p.out + (seq * p.H + kh * G) * D;
+    for (int64_t g = 0; g < G; ++g) {
+      const float l = P::hsum(P::load(lv + g * kvrelay::kDecodePad));
+      const float sink = p.sinks[kh * G + g];
+      const float mx = m[g] > sink ? m[g] : sink;
+      const float c = exp_neg(m[g] - mx);
+      const float f = c / (l * c + exp_neg(sink - mx));
+      for (int64_t d0 = 0; d0 < D; d0 += 32)
+        for (int64_t i = 0; i < 16; ++i) {
+          os[g * D + d0 + 2 * i] = acc[g * D + d0 + i] * f;
+          os[g * D + d0 + 2 * i + 1] = acc[g * D + d0 + 16 + i] * f;
+        }
+    }
+  }
+}
+
+void decode_tasks_bf16(const kvrelay::DecodeProblem& p, int64_t begin, int64_t end,
+                       float* scratch) {
+  if (p.format == kvrelay::kKvBF16) {
+    switch (p.D) {
+      case 32: return bf16_decode_tasks<1>(p, begin, end, scratch);
+      case 64: return bf16_decode_tasks<2>(p, begin, end, scratch);
+      case 96: return bf16_decode_tasks<3>(p, begin, end, scratch);
+      case 128: return bf16_decode_tasks<4>(p, begin, end, scratch);
+      default: break;
+    }
+  }
+  kvrelay::decode_tasks_avx512(p, begin, end, scratch);
+}
+
+}  // namespace
+
+#endif
+
+kvrelay::DecodeFn kvrelay::decode_fn_for(const char* isa_name, DecodeFn fallback) {
+#if defined(__x86_64__) || defined(__i386__)
+  if (strcmp(isa_name, "avx512_bf16") == 0) return &decode_tasks_bf16;
+#endif
+  (void)isa_name;
+  return fallback;
+}
