@@ -34,16 +34,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvrelay import envs
-from kvrelay.model import compile_hints, kernels
+from kvrelay.model import kernels
 from kvrelay.model.layers import moe_tiles
 from kvrelay.model.layers.ep_dispatch import moe_across_replicas
 from kvrelay.model.layers.linear import UPCAST_MIN_ROWS, linear, upcasts
 from kvrelay.model.layers.linear import _dense as runs_on_dense_kernel
+from kvrelay.model.layers.moe_mode import moe_kernel_mode
 from kvrelay.model.mxfp4 import BLOCK, MXFP4Tensor
 from kvrelay.model.parallel import Collectives, ParallelContext, divide, shard_range
 from kvrelay.model.weights import WeightSource, padded_slice
 
-MOE_KERNEL_MODES = ("auto", "native", "torch")
 _NATIVE_DENSE_DTYPES = (torch.float32, torch.bfloat16)   # and MXFP4, whatever the model dtype
 _KERNEL_X_DTYPES = (torch.float32, torch.bfloat16)       # activations the kernel reads as given
 # Dense experts run as torch GEMMs (MKL fp32 / oneDNN bf16) once each expert's matmuls
@@ -68,14 +68,6 @@ DENSE_TORCH_MIN_WORK = 1 << 22
 # (`benchmarks/moe_kernels.py --tokens`, one thread, AVX512-BF16, CPU time): hidden 128,
 # 8 experts top-2, 4096 tokens (1024 rows per expert): kernel 22.8 ms, torch 15 ms.
 MXFP4_TORCH_MIN_ROWS = 256
-
-
-@compile_hints.constant_result      # a constant to torch.compile's tracing
-def moe_kernel_mode() -> str:
-    mode = envs.MOE_KERNEL.raw() or "auto"
-    if mode not in MOE_KERNEL_MODES:
-        raise ValueError(f"{envs.MOE_KERNEL.shown}: expected auto, native or torch, got {mode!r}")
-    return mode
 
 
 class Router(nn.Module):

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvrelay.model import kernels
+from kvrelay.model.layers.moe_mode import moe_kernel_mode
 from kvrelay.model.mxfp4 import MXFP4Tensor
 
 if TYPE_CHECKING:
@@ -58,7 +59,6 @@ def wants(ex: Experts, x: torch.Tensor, choices: int) -> bool:
     rows = choices / (ex.num_local * ex.ctx.ep_size)
     if rows < TILE_MIN_ROWS:
         return False
-    from kvrelay.model.layers.moe import moe_kernel_mode
     return moe_kernel_mode() == "auto" and ex.hidden % 2 == 0 and ex.i_local % 2 == 0 \
         and available()
 

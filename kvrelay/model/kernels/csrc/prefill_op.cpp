@@ -32,7 +32,10 @@ PrefillIsa pick(const std::string& name) {
 #else
   const bool avx512 = false, avx2 = false;
 #endif
-  if ((name.empty() || name == "avx512") && avx512 && prefill_avx512(&fn)) return {"avx512", fn};
+  // The MoE/decode ISA list (isas()) names "avx512_bf16" builds; prefill has none of its
+  // own, so that name runs the AVX-512 build (the CPU check still applies).
+  const bool avx512_name = name == "avx512" || name == "avx512_bf16";
+  if ((name.empty() || avx512_name) && avx512 && prefill_avx512(&fn)) return {"avx512", fn};
   if ((name.empty() || name == "avx2") && avx2 && prefill_avx2(&fn)) return {"avx2", fn};
   TORCH_CHECK(name.empty() || name == "generic", "prefill_attention: ISA ", name,
               " is not available on this CPU");
