@@ -33,10 +33,16 @@ wait_up() {  # until a 1-token completion succeeds (the API answers 503 while th
   return 1
 }
 
+# Requests per concurrency-1 run, one after another: a single 32-token request gave TPOTs
+# 81-124 ms for the same server across rounds (session 7), too few tokens to compare.
+C1_PROMPTS=${C1_PROMPTS:-4}
+
 bench() {  # NAME CONCURRENCY
+  local prompts=$2
+  [ "$2" = 1 ] && prompts=$C1_PROMPTS
   echo "$1 c=$2 start: $(uptime)" | tee -a "$OUT/uptime.txt"
   kvrelay bench serve --port "$PORT" --tokenizer "$CKPT" --dataset-name random \
-    --random-input-len 8 --random-output-len 32 --num-prompts "$2" \
+    --random-input-len 8 --random-output-len 32 --num-prompts "$prompts" \
     --max-concurrency "$2" --ignore-eos --temperature 0 --disable-tqdm --no-plot \
     --save-result --result-dir "$OUT" --result-filename "$1-c$2.json" > "$OUT/$1-c$2.txt" \
     || echo "$1 c=$2: bench failed" >&2

@@ -144,9 +144,23 @@ class StreamingTransport(httpx.AsyncBaseTransport):
                 self.fallback = httpx.AsyncHTTPTransport(**self.fallback_options)
             return await self.fallback.handle_async_request(request)
         key = (url.host, url.port or 80)
-        conn = await self._connection(key, request)
+        payload = _serialise(request, await request.aread())
+        conn, reused = await self._connection(key, request)
         try:
-            await conn.start(_serialise(request, await request.aread()))
+            await conn.start(payload)
+        except httpx.ReadError:
+            conn.close()
+            if not reused:
+                raise
+            # A kept-alive connection the server closed while it sat idle (llama.cpp closes
+            # them between requests): nothing of the request was answered, so it is sent
+            # again on a fresh connection, as httpx's own pool does.
+            conn, _ = await self._connection(key, request, fresh=True)
+            try:
+                await conn.start(payload)
+            except BaseException:
+                conn.close()
+                raise
         except BaseException:
             conn.close()
             raise
@@ -154,12 +168,14 @@ class StreamingTransport(httpx.AsyncBaseTransport):
                               stream=_Body(self, key, conn),
                               extensions={"http_version": b"HTTP/1.1"})
 
-    async def _connection(self, key: tuple[str, int], request: httpx.Request) -> _Connection:
-        idle = self.idle.get(key)
+    async def _connection(self, key: tuple[str, int], request: httpx.Request,
+                          fresh: bool = False) -> tuple[_Connection, bool]:
+        """An idle connection to `key` (reused: True) or a new one."""
+        idle = None if fresh else self.idle.get(key)
         while idle:
             conn = idle.pop()
             if not conn.closed:
-                return conn
+                return conn, True
         timeout = request.extensions.get("timeout", {}).get("connect")
         loop = asyncio.get_running_loop()
         try:
@@ -169,7 +185,7 @@ class StreamingTransport(httpx.AsyncBaseTransport):
             raise httpx.ConnectTimeout(f"connecting to {key[0]}:{key[1]} timed out") from None
         except OSError as e:
             raise httpx.ConnectError(str(e)) from None
-        return conn
+        return conn, False
 
     def release(self, key: tuple[str, int], conn: _Connection) -> None:
         if conn.reusable:
