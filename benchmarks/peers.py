@@ -87,6 +87,7 @@ METRICS = (
     "median_tpot_ms",
     "median_itl_ms",
     "completed",
+    "failed",
     "total_output_tokens",
     "duration",
 )
@@ -417,7 +418,8 @@ def run_peer(
                 }
             )
             log(
-                f"{tag} c={c}: {metrics['output_throughput']:.1f} out tok/s, "
+                f"{tag} c={c}: {metrics['output_throughput']:.1f} out tok/s"
+                f"{f' ({lost} requests FAILED)' if (lost := metrics['failed']) else ''}, "
                 f"TTFT p50 {metrics['median_ttft_ms']:.0f} ms, CPU ms/token {cpu_ms} "
                 f"({before.split('load')[-1].strip()})"
             )
@@ -477,6 +479,11 @@ def markdown(result: dict[str, Any], summary: dict, peers: list[str]) -> str:
             lines.append(f"- **{p['name']} skipped**: {p['note']}")
         for m, why in p["skip_models"].items():
             lines.append(f"- {p['name']} skipped on {m}: {why}")
+    for r in result["runs"]:        # a run that lost requests measured fewer tokens: say so
+        if r.get("failed"):
+            lines.append(f"- **{r['peer']} {r['model']} c={r['concurrency']} round "
+                         f"{r['round']}: {r['failed']} of {r['failed'] + r['completed']} "
+                         "requests failed** (its tok/s counts the completed ones only)")
     lines.append("")
     for model in result["args"]["models"]:
         lines += [
