@@ -390,14 +390,7 @@ def test_two_threads_give_the_single_thread_result_bit_for_bit(case, isas, threa
     ex = make_experts(H, I, E, storage, seed=len(case))
     weights, ids = routing(T, E, k, seed=T, experts=pool)
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(3))
-    expected = fp32_reference(ex).forward_torch(x, weights, ids)
-    for isa in isas:
-        threads(1)
-        one = native(ex, x, weights, ids, isa)
-        threads(2)
-        two = native(ex, x, weights, ids, isa)
-        assert torch.equal(one, two), isa
-        assert_close(two, expected)
+    _same_bits_on_one_and_two_threads(threads, ex, x, weights, ids, isas)
 
 
 # -- decode: the per-call work done once ---------------------------------------------------
@@ -514,14 +507,7 @@ def test_decode_streams_are_exact_on_any_thread_count(storage, tokens, top_k, is
     x = torch.randn(tokens, 201, generator=torch.Generator().manual_seed(tokens))
     if storage == "bf16":                  # a bf16 model's hidden states: bf16 values
         x = x.bfloat16().float()
-    expected = fp32_reference(ex).forward_torch(x, weights, ids)
-    for isa in isas:
-        threads(1)
-        one = native(ex, x, weights, ids, isa)
-        threads(2)
-        two = native(ex, x, weights, ids, isa)
-        assert torch.equal(one, two), isa
-        assert_close(two, expected)
+    _same_bits_on_one_and_two_threads(threads, ex, x, weights, ids, isas)
 
 
 def _route(x: torch.Tensor, router: moe_mod.Router) -> tuple[torch.Tensor, torch.Tensor]:
@@ -565,3 +551,16 @@ def test_route_decode_falls_back_to_the_separate_calls(monkeypatch):
     route = lambda x, r: calls.append(1) or r(x)         # noqa: E731 -- a counting router
     assert torch.equal(ex.route_decode(x, router, route), ex.forward_torch(x, *router(x)))
     assert calls and not ex._plan().fused[3]
+
+
+def _same_bits_on_one_and_two_threads(threads, ex, x, weights, ids, isas) -> None:
+    """Each ISA build gives the same bits on one and two threads (`threads`: the fixture's
+    setter), close to the fp32 reference."""
+    expected = fp32_reference(ex).forward_torch(x, weights, ids)
+    for isa in isas:
+        threads(1)
+        one = native(ex, x, weights, ids, isa)
+        threads(2)
+        two = native(ex, x, weights, ids, isa)
+        assert torch.equal(one, two), isa
+        assert_close(two, expected)
