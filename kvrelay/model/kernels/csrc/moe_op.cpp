@@ -127,7 +127,7 @@ Projection projection(const at::Tensor& w, const c10::optional<at::Tensor>& scal
 // (decode); an expert's tokens are cut into kTokenChunk-row chunks so that one busy
 // expert (prefill) still spreads over the threads.
 //
-// Dense (f32/bf16) weights at decode sizes (at most kStreamMaxTokens tokens per expert: each
+// Weights at decode sizes (at most kStreamMaxTokens tokens per expert: each
 // weight row read once, memory-bound) are cut into kStreamItemsPerThread items per thread
 // instead, shared out over the active experts by rows: each item is one sequential stream
 // of weight rows that its row passes prefetch ahead to the item's end (moe_impl.h
@@ -135,7 +135,10 @@ Projection projection(const at::Tensor& w, const c10::optional<at::Tensor>& scal
 // best of 8-30 rounds under load 4-10): 32-row tiles restart the stream every 36 KB and
 // stayed at 29-34 GB/s on one or two threads; streams reach 44-55 GB/s on two at 1 token
 // (55 where both vCPUs were free; 1 / 2 / 4 / 8 items per thread: 45 / 44 / 44 / 42 at load
-// 10) and 46-55 at 4 tokens (26-28 before), 33-35 on one.
+// 10) and 46-55 at 4 tokens (26-28 before), 33-35 on one. MXFP4 weights too (their row
+// blocks prefetch ahead on their own): 32-row tiles of a 20b layer restart each thread's
+// stream every 47 KB; streams took 2 threads from 33 to 39-43 GB/s at 1 and 4 tokens
+// (benchmarks/moe_fp4_kernel.py, AVX-512 Zen 4, session 8; one thread unchanged, ~26).
 constexpr int64_t kStreamItemsPerThread = 2;
 constexpr int64_t kStreamMaxTokens = 4;
 
@@ -151,7 +154,7 @@ std::vector<Tile> tiles(const std::vector<int64_t>& offsets, const Projection& w
   }
   const int64_t want = 4 * threads;
   int64_t size = kMaxTileRows / 2;
-  if (w.format != kMXFP4 && most <= kStreamMaxTokens) {
+  if (most <= kStreamMaxTokens) {
     const int64_t items = kStreamItemsPerThread * threads;
     const int64_t per_expert = std::max<int64_t>(1, (items + active - 1) / active);
     size = ((rows + per_expert - 1) / per_expert + 1) / 2 * 2;   // even: gate/up pairs
