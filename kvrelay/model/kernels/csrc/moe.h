@@ -57,6 +57,12 @@ constexpr int64_t kPadRows = 8;
 constexpr int32_t kMaxTileRows = 64;
 constexpr int32_t kTokenChunk = 64;   // a multiple of every V::NB
 
+// MXFP4 decode reads a block of R weight rows side by side, R streams; as the R rows are one
+// contiguous range of codes (and of scales), the kernels prefetch that range once, in
+// order, this far ahead of the block's start, so memory sees one sequential stream
+// (moe_impl.h prefetch_block_step, moe_avx512_bf16.cpp bf16_block).
+constexpr int64_t kFp4SeqAhead = 12288;
+
 // Where column j of an MXFP4 projection's input is stored (see above).
 inline int64_t fp4_column(int64_t j) {
   const int64_t i = j % 32;

@@ -38,8 +38,12 @@ namespace {
 // In the stored column order of moe.h (even columns first) w[k] holds stored positions
 // 8k .. 8k + 7 of each group, in order.
 constexpr int64_t kBlockGroups = 4;
-// Each row of a block of rows is its own stream: prefetched this far ahead, as Fp4Rows does.
-constexpr int64_t kRowAhead = 8192;
+// A block of R rows is one contiguous range of codes (and of scales, 1/16 the bytes), read
+// as R streams side by side; the prefetches walk the range once, in order, kFp4SeqAhead
+// bytes ahead of the block's start (slot b·R + i: 64 bytes each, R·ceil(groups/4) slots
+// cover the R·groups·16 bytes), so memory sees one sequential stream (moe.h). Measured
+// (20b rows, gate_up, one thread, DRAM): each row prefetching 8 KiB past itself 25-28
+// GB/s, this 30-32 (2 threads: 40 -> 56 in a copy of the loop).
 constexpr int64_t kBlockWords = kBlockGroups * 32;
 
 struct Fp4Bf16 {
@@ -129,14 +133,15 @@ inline void bf16_block(const Fp4Bf16& dec, const uint8_t* codes, const uint8_t* 
                        int64_t groups, int64_t b, int64_t left, const uint16_t* xb,
                        int64_t ldx, __m512 (&acc)[R][NT]) {
   const int64_t g = b * kBlockGroups;
+  __builtin_prefetch(scales + kvrelay::kFp4SeqAhead / 16 + b * R * 4);
 #pragma GCC unroll 8
   for (int i = 0; i < R; ++i) {
     const uint8_t* row = codes + (i * groups + g) * 16;
     const uint8_t* s = scales + i * groups + g;
     __m512i packed;
     uint32_t s4 = 0;
+    __builtin_prefetch(codes + kvrelay::kFp4SeqAhead + (b * R + i) * 64);
     if (!kTail) {
-      if (R > 1) __builtin_prefetch(row + kRowAhead);
       packed = _mm512_loadu_si512(row);
       memcpy(&s4, s, 4);
     } else {

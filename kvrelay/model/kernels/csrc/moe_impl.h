@@ -153,9 +153,21 @@ struct Dots {
 // depend on R (A partial sums per (row, token); part c of a step's s-th group goes to sum
 // (s·C + c) % A), so rows give the same bits whichever block they fall in.
 // Fp4Rows reads kRowBlock weight rows side by side: the hardware prefetcher follows one
-// sequential stream well, several poorly (20b layer, 1 token, 2 rows: 6.3 ms without this
-// prefetch, 2.5 with it at 8 KiB ahead; 1 KiB: 4.9, 4 KiB: 3.0).
-constexpr int64_t kPrefetchBytes = 8192;
+// sequential stream well, several poorly (20b layer, 1 token, 2 rows: 6.3 ms without
+// prefetches, 2.5 with each row prefetching 8 KiB past itself; 1 KiB: 4.9, 4 KiB: 3.0).
+// The R rows of a block are one contiguous range of codes (and of scales, 1/16 of the
+// bytes), so the prefetches walk that range once, in order, kFp4SeqAhead bytes ahead of
+// the block's start: step g of the block's pass fetches bytes g·R·16 of it (the R rows'
+// group g), and memory sees one sequential stream.
+
+// Prefetches for step g (a group) of a pass over a block of R rows starting at
+// codes/scales: one line of codes per 64 bytes consumed, one of scales per 64 groups.
+template <int R>
+inline void prefetch_block_step(const uint8_t* codes, const uint8_t* scales, int64_t g) {
+  const int64_t at = g * R * 16;
+  if (R >= 4 || at % 64 == 0) __builtin_prefetch(codes + kvrelay::kFp4SeqAhead + at);
+  if ((g * R) % 64 == 0) __builtin_prefetch(scales + kvrelay::kFp4SeqAhead / 16 + g * R);
+}
 
 template <int NT>
 struct Fp4Rows {
@@ -169,9 +181,9 @@ struct Fp4Rows {
                           VT (&acc)[R][A][NT]) {
     for (int s = 0; s < Steps; ++s) {
       VT w[R][C];
+      prefetch_block_step<R>(codes, scales, g + s);
       for (int i = 0; i < R; ++i) {
         const uint8_t* row = codes + (i * groups + g + s) * 16;
-        if (R > 1) __builtin_prefetch(row + kPrefetchBytes);
         V::fp4x2_scaled(row, table[scales[i * groups + g + s]], w[i]);
       }
       const float* xg = x + (g + s) * 32;
