@@ -19,8 +19,9 @@ model's own spans are left out (wrapping a module fails the compiled graph's gua
 `runner.execute` is input preparation + forward + LM head either way.
 
 `--forward-ab` also replays one captured decode step's `model.forward` (the same inputs,
-no spans) with the model's fused decode path (`DecoderLayer.fused_decode`, see gpt_oss.py)
-on and off in alternation: the same-run, same-load before/after of that path.
+no spans) along three paths in alternation: the whole step in one native call
+(`DecodeStack`), the fused decode path layer by layer (`DecoderLayer.fused_decode`), and
+the separate modules: the same-run, same-load comparison of those paths.
 
 Served part (--serve): `kvrelay serve` on the same checkpoint, `kvrelay bench serve` at
 concurrency 1 with the same lengths; median ITL − the engine's step = the API process,
@@ -198,8 +199,11 @@ def engine_profile(
 
 def forward_ab(engine: Any, concurrency: int, rounds: int = 15, calls: int = 20
                ) -> dict[str, Any]:
-    """Median time of `model.forward` on one captured decode step, the fused decode path
-    on vs off in alternating rounds (CLOCK: wall, or thread CPU time with --cpu-time)."""
+    """Median time of `model.forward` on one captured decode step in alternating rounds
+    (CLOCK: wall, or thread CPU time with --cpu-time) along three paths: the whole step in
+    one native call (`DecodeStack`, the default), the fused decode path layer by layer
+    (`DecodeStack.enabled` off), and the separate modules (`DecoderLayer.fused_decode` off
+    as well)."""
     import torch
 
     from kvrelay.model import gpt_oss
@@ -220,20 +224,26 @@ def forward_ab(engine: Any, concurrency: int, rounds: int = 15, calls: int = 20
         engine.step()
     model.forward = forward
     args = captured[-1]  # a decode step (every sequence one token)
-    times: dict[bool, list[float]] = {True: [], False: []}
-    with torch.inference_mode():
-        for _ in range(rounds):
-            for on in (True, False):
-                gpt_oss.DecoderLayer.fused_decode = on
-                forward(*args)
-                t0 = CLOCK()
-                for _ in range(calls):
+    paths = {"stack": (True, True), "layers": (False, True), "separate": (False, False)}
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    try:
+        with torch.inference_mode():
+            for _ in range(rounds):
+                for name, (stack, fused) in paths.items():
+                    gpt_oss.DecodeStack.enabled = stack
+                    gpt_oss.DecoderLayer.fused_decode = fused
                     forward(*args)
-                times[on].append((CLOCK() - t0) / calls / 1e6)
-    gpt_oss.DecoderLayer.fused_decode = True
-    on, off = statistics.median(times[True]), statistics.median(times[False])
-    return {"sequences": int(args[0].shape[0]), "fused_ms": round(on, 4),
-            "separate_ms": round(off, 4), "saved_ms": round(off - on, 4)}
+                    t0 = CLOCK()
+                    for _ in range(calls):
+                        forward(*args)
+                    times[name].append((CLOCK() - t0) / calls / 1e6)
+    finally:
+        gpt_oss.DecodeStack.enabled = True
+        gpt_oss.DecoderLayer.fused_decode = True
+    med = {name: statistics.median(t) for name, t in times.items()}
+    return {"sequences": int(args[0].shape[0]), "stack_ms": round(med["stack"], 4),
+            "fused_ms": round(med["layers"], 4), "separate_ms": round(med["separate"], 4),
+            "saved_ms": round(med["separate"] - med["stack"], 4)}
 
 
 def engine_sampling(tokens: int) -> Any:
