@@ -5,7 +5,7 @@
 # 32 output tokens, greedy, ignore_eos, after one unmeasured warm-up pass at concurrency 4
 # (a fresh server first faults its weights in). Records `uptime` around every measurement.
 #
-#   benchmarks/big_model_serve.sh CKPT GGUF OUT_DIR [LLAMA_SERVER]
+#   [ORDER=kvrelay-first] benchmarks/big_model_serve.sh CKPT GGUF OUT_DIR [LLAMA_SERVER]
 set -euo pipefail
 CKPT=${1:?CKPT}; GGUF=${2:?GGUF}; OUT=${3:?OUT_DIR}
 LLAMA=${4:-/work/peers/llamacpp/build/bin/llama-server}
@@ -49,7 +49,8 @@ bench() {  # NAME CONCURRENCY
   echo "$1 c=$2 end: $(uptime)" | tee -a "$OUT/uptime.txt"
 }
 
-if [ -x "$LLAMA" ] && [ -f "$GGUF" ]; then
+run_llamacpp() {
+  [ -x "$LLAMA" ] && [ -f "$GGUF" ] || return 0
   T0=$(date +%s)
   "$LLAMA" -m "$GGUF" --host 127.0.0.1 --port "$PORT" -np 4 -c 1024 --kv-unified -t 2 \
     --no-webui -a gpt-oss-20b-shaped > "$OUT/llama-server.log" 2>&1 &
@@ -57,13 +58,20 @@ if [ -x "$LLAMA" ] && [ -f "$GGUF" ]; then
   wait_up && echo "llama.cpp up in $(( $(date +%s) - T0 )) s" | tee -a "$OUT/uptime.txt"
   bench llamacpp-warmup 4; bench llamacpp 1; bench llamacpp 4
   peak_rss llamacpp; stop
-fi
+}
 
-T0=$(date +%s)
-kvrelay serve "$CKPT" --host 127.0.0.1 --port "$PORT" --max-model-len 256 \
-  --kv-cache-memory-bytes $((64 << 20)) --served-model-name gpt-oss-20b-shaped \
-  > "$OUT/kvrelay-serve.log" 2>&1 &
-PID=$!
-wait_up && echo "kvrelay up in $(( $(date +%s) - T0 )) s" | tee -a "$OUT/uptime.txt"
-bench kvrelay-warmup 4; bench kvrelay 1; bench kvrelay 4
-peak_rss kvrelay; stop
+run_kvrelay() {
+  T0=$(date +%s)
+  kvrelay serve "$CKPT" --host 127.0.0.1 --port "$PORT" --max-model-len 256 \
+    --kv-cache-memory-bytes $((64 << 20)) --served-model-name gpt-oss-20b-shaped \
+    > "$OUT/kvrelay-serve.log" 2>&1 &
+  PID=$!
+  wait_up && echo "kvrelay up in $(( $(date +%s) - T0 )) s" | tee -a "$OUT/uptime.txt"
+  bench kvrelay-warmup 4; bench kvrelay 1; bench kvrelay 4
+  peak_rss kvrelay; stop
+}
+
+# ORDER=kvrelay-first runs kvrelay first: rounds can alternate, so neither server always
+# starts right after the other one's exit (page cache and memory reclaim differ).
+if [ "${ORDER:-llamacpp-first}" = kvrelay-first ]; then run_kvrelay; run_llamacpp
+else run_llamacpp; run_kvrelay; fi
