@@ -72,18 +72,22 @@ struct Fp4Bf16 {
   }
 };
 
-// The four groups' scales 2^(s - 127) (E8M0 bytes s0..s3 in `s4`, little-endian), each
-// in its group's 128-bit lane: byte L moved to bits 16-23 of lane L's dwords, shifted to
-// the fp32 exponent; s = 0 (2^-127, a denormal) is 0x00400000, the largest value below
-// every other scale's bits, hence the max.
-inline __m512 group_scales(uint32_t s4) {
-  const __m512i spread = _mm512_set_epi32(
-      0x80038080, 0x80038080, 0x80038080, 0x80038080, 0x80028080, 0x80028080, 0x80028080,
-      0x80028080, 0x80018080, 0x80018080, 0x80018080, 0x80018080, 0x80008080, 0x80008080,
-      0x80008080, 0x80008080);
-  const __m512i bytes = _mm512_shuffle_epi8(_mm512_set1_epi32(int(s4)), spread);
-  return _mm512_castsi512_ps(
-      _mm512_max_epu32(_mm512_slli_epi32(bytes, 7), _mm512_set1_epi32(0x00400000)));
+// The scales of 16 groups (4 blocks; `count` < 16: the row's last ones, the rest read as
+// s = 0) as fp32 2^(s - 127), one group per dword: the E8M0 byte shifted to the exponent
+// field; s = 0 (2^-127, a denormal) is 0x00400000, the largest value below every other
+// scale's bits, hence the max. A block's vector is then one permute (block_scales) instead
+// of a broadcast, a shuffle and two ALU ops per block and row.
+inline __m512 chunk_scales(const uint8_t* s, int64_t count) {
+  const __m128i bytes = count >= 16 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(s))
+                                    : _mm_maskz_loadu_epi8((__mmask16(1) << count) - 1, s);
+  return _mm512_castsi512_ps(_mm512_max_epu32(
+      _mm512_slli_epi32(_mm512_cvtepu8_epi32(bytes), 23), _mm512_set1_epi32(0x00400000)));
+}
+
+// Block j (0-3) of a chunk: group 4j + L's scale in every dword of 128-bit lane L.
+inline __m512 block_scales(__m512 chunk, int64_t j) {
+  const __m512i lanes = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  return _mm512_permutexvar_ps(_mm512_add_epi32(lanes, _mm512_set1_epi32(int(4 * j))), chunk);
 }
 
 // x rows as the kernels read them: per block of 4 groups, w[k]'s order (above), a row
@@ -131,26 +135,22 @@ inline bool pack_bf16(const float* x, int64_t ldx, int64_t nt, int64_t NT, int64
 template <int NT, int R, bool kTail>
 inline void bf16_block(const Fp4Bf16& dec, const uint8_t* codes, const uint8_t* scales,
                        int64_t groups, int64_t b, int64_t left, const uint16_t* xb,
-                       int64_t ldx, __m512 (&acc)[R][NT]) {
+                       int64_t ldx, const __m512 (&chunk)[R], __m512 (&acc)[R][NT]) {
   const int64_t g = b * kBlockGroups;
   __builtin_prefetch(scales + kvrelay::kFp4SeqAhead / 16 + b * R * 4);
 #pragma GCC unroll 8
   for (int i = 0; i < R; ++i) {
     const uint8_t* row = codes + (i * groups + g) * 16;
-    const uint8_t* s = scales + i * groups + g;
     __m512i packed;
-    uint32_t s4 = 0;
     __builtin_prefetch(codes + kvrelay::kFp4SeqAhead + (b * R + i) * 64);
     if (!kTail) {
       packed = _mm512_loadu_si512(row);
-      memcpy(&s4, s, 4);
     } else {
       packed = _mm512_maskz_loadu_epi8((__mmask64(1) << (16 * left)) - 1, row);
-      for (int64_t j = 0; j < left; ++j) s4 |= uint32_t(s[j]) << (8 * j);
     }
     __m512i w[4];
     dec.decode(packed, w);
-    const __m512 scale = group_scales(s4);
+    const __m512 scale = block_scales(chunk[i], b % 4);
 #pragma GCC unroll 8
     for (int t = 0; t < NT; ++t) {
       const uint16_t* xp = xb + t * ldx + b * kBlockWords;
@@ -177,9 +177,20 @@ inline void bf16_rows(const Fp4Bf16& dec, const uint8_t* codes, const uint8_t* s
 #pragma GCC unroll 8
     for (int t = 0; t < NT; ++t) acc[i][t] = _mm512_setzero_ps();
   const int64_t full = groups / kBlockGroups, left = groups % kBlockGroups;
-  for (int64_t b = 0; b < full; ++b)
-    bf16_block<NT, R, false>(dec, codes, scales, groups, b, 0, xb, ldx, acc);
-  if (left) bf16_block<NT, R, true>(dec, codes, scales, groups, full, left, xb, ldx, acc);
+  __m512 chunk[R];   // the scales of the 4 blocks from 4·(b / 4) on, per row
+  for (int64_t b = 0; b < full; ++b) {
+    if (b % 4 == 0)
+#pragma GCC unroll 8
+      for (int i = 0; i < R; ++i)
+        chunk[i] = chunk_scales(scales + i * groups + 4 * b, groups - 4 * b);
+    bf16_block<NT, R, false>(dec, codes, scales, groups, b, 0, xb, ldx, chunk, acc);
+  }
+  if (left) {
+    if (full % 4 == 0)
+#pragma GCC unroll 8
+      for (int i = 0; i < R; ++i) chunk[i] = chunk_scales(scales + i * groups + 4 * full, left);
+    bf16_block<NT, R, true>(dec, codes, scales, groups, full, left, xb, ldx, chunk, acc);
+  }
 #pragma GCC unroll 8
   for (int i = 0; i < R; ++i)
 #pragma GCC unroll 8
