@@ -16,7 +16,6 @@ the others.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import resource
@@ -31,7 +30,7 @@ if "OMP_WAIT_POLICY" not in os.environ:
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import step_profile
-from common import CONFIGS, ROOT, build_checkpoint, log
+from common import CONFIGS, ROOT, build_checkpoint, write_result
 
 
 def cold_prefills(model: str, prompt_len: int, reps: int, engine_args: dict[str, Any],
@@ -103,12 +102,7 @@ def main() -> None:
               "clock": "thread CPU time" if a.cpu_time else "wall",
               "prefill_ms": cold_prefills(
         model, a.prompt_len, a.reps, engine_args, a.jitter)}
-    result["load_after"] = os.getloadavg()
-    text = json.dumps(result, indent=2)
-    print(text)
-    if a.out:
-        a.out.write_text(text)
-    log("done")
+    write_result(result, a.out)
 
 
 if __name__ == "__main__":

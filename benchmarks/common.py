@@ -50,6 +50,17 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+def write_result(result: dict[str, Any], out: Path | None) -> None:
+    """Print a benchmark's JSON result (with the load average after it) and write it to
+    `out` if given."""
+    result["load_after"] = os.getloadavg()
+    text = json.dumps(result, indent=2)
+    print(text)
+    if out:
+        out.write_text(text)
+    log("done")
+
+
 def config_key(cfg: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:12]
 

@@ -51,7 +51,7 @@ if "OMP_WAIT_POLICY" not in os.environ:
     os.environ.setdefault("GOMP_SPINCOUNT", "20000")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import CONFIGS, ROOT, build_checkpoint, log
+from common import CONFIGS, ROOT, build_checkpoint, write_result
 
 SPANS: dict[str, int] = defaultdict(int)      # the current step's spans, summed per name
 CLOCK = time.perf_counter_ns  # --cpu-time: time.thread_time_ns (1 thread; robust to load)
@@ -384,12 +384,7 @@ def main() -> None:
     }
     if a.serve:
         result["served"] = served_itl(model, a.prompt_len, a.tokens, serve_args)
-    result["load_after"] = os.getloadavg()
-    text = json.dumps(result, indent=2)
-    print(text)
-    if a.out:
-        a.out.write_text(text)
-    log("done")
+    write_result(result, a.out)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "moe.h"
+#include "moe_args.h"
 #include "parallel.h"
 
 namespace kvrelay {
@@ -71,55 +72,6 @@ std::vector<std::string> isa_names() {
   std::vector<std::string> names;
   for (const IsaKernels& k : isas()) names.emplace_back(k.name);
   return names;
-}
-
-// 2^(s - 128) for every E8M0 byte s: the MXFP4 group scale, halved because the kernels
-// decode e2m1 values doubled (integers). s = 255 (NaN in E8M0) never occurs in checkpoints.
-const float* half_scales() {
-  static const std::array<float, 256> table = [] {
-    std::array<float, 256> t{};
-    for (int s = 0; s < 256; ++s) t[s] = std::ldexp(1.0f, s - 128);
-    return t;
-  }();
-  return table.data();
-}
-
-const float* optional_f32(const c10::optional<at::Tensor>& t, int64_t E, int64_t rows,
-                          const char* what) {
-  if (!t.has_value()) return nullptr;
-  TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 &&
-                  t->size(0) == E && t->size(1) == rows,
-              what, ": expected a contiguous float32 [", E, ", ", rows, "] tensor");
-  return t->data_ptr<float>();
-}
-
-// Weights [E, rows, cols] in f32/bf16, or MXFP4 codes [E, rows, cols/32, 16] + scales.
-Projection projection(const at::Tensor& w, const c10::optional<at::Tensor>& scales,
-                      const c10::optional<at::Tensor>& bias, const char* what) {
-  Projection p{};
-  TORCH_CHECK(w.is_contiguous() && w.device().is_cpu(), what,
-              ": weights must be contiguous CPU tensors");
-  if (w.scalar_type() == at::kByte) {
-    TORCH_CHECK(w.dim() == 4 && w.size(3) == 16 && scales.has_value(), what,
-                ": MXFP4 codes must be [E, rows, groups, 16] with scales");
-    TORCH_CHECK(scales->scalar_type() == at::kByte && scales->is_contiguous() &&
-                    scales->sizes() == w.sizes().slice(0, 3),
-                what, ": MXFP4 scales must be contiguous uint8 [E, rows, groups]");
-    p.format = kMXFP4;
-    p.scales = scales->data_ptr<uint8_t>();
-    p.cols = w.size(2) * 32;
-  } else {
-    TORCH_CHECK(w.dim() == 3 && !scales.has_value(), what,
-                ": dense weights must be [E, rows, cols]");
-    TORCH_CHECK(w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16, what,
-                ": dense weights must be float32 or bfloat16");
-    p.format = w.scalar_type() == at::kFloat ? kF32 : kBF16;
-    p.cols = w.size(2);
-  }
-  p.data = w.data_ptr();
-  p.rows = w.size(1);
-  p.bias = optional_f32(bias, w.size(0), p.rows, what);
-  return p;
 }
 
 // Work items: (row tile, token chunk) of each active expert, the costliest first. Tiles
@@ -306,7 +258,7 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& route_weights,
   p.act = actp;
   p.y = ysp;
   p.route_weight = weight.data();
-  p.half_scales = half_scales();
+  p.half_scales = e8m0_table<128>();
   p.alpha = float(alpha);
   p.limit = float(limit);
 

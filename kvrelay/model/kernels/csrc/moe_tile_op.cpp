@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "moe_args.h"
 #include "moe_tile.h"
 #include "parallel.h"
 
@@ -46,47 +47,22 @@ std::vector<std::string> moe_tile_isas() {
   return k ? std::vector<std::string>{k->name} : std::vector<std::string>{};
 }
 
-const float* scale_table() {   // 2^(s - 127) for every E8M0 byte s
-  static const std::array<float, 256> table = [] {
-    std::array<float, 256> t{};
-    for (int s = 0; s < 256; ++s) t[s] = std::ldexp(1.0f, s - 127);
-    return t;
-  }();
-  return table.data();
-}
-
-const float* optional_bias(const c10::optional<at::Tensor>& t, int64_t E, int64_t rows,
-                           const char* what) {
-  if (!t.has_value()) return nullptr;
-  TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 &&
-                  t->size(0) == E && t->size(1) == rows,
-              what, ": expected a contiguous float32 [", E, ", ", rows, "] bias");
-  return t->data_ptr<float>();
-}
-
 // bf16 [E, rows, cols], or MXFP4 codes [E, rows, cols/32, 16] + scales [E, rows, cols/32].
 TileWeights weights(const at::Tensor& w, const c10::optional<at::Tensor>& scales,
                     const c10::optional<at::Tensor>& bias, const char* what) {
-  TileWeights p{};
-  TORCH_CHECK(w.is_contiguous() && w.device().is_cpu(), what,
-              ": weights must be contiguous CPU tensors");
-  if (w.scalar_type() == at::kByte) {
-    TORCH_CHECK(w.dim() == 4 && w.size(3) == 16 && scales.has_value() &&
-                    scales->scalar_type() == at::kByte && scales->is_contiguous() &&
-                    scales->sizes() == w.sizes().slice(0, 3),
-                what, ": MXFP4 codes must be [E, rows, groups, 16] with uint8 scales");
-    p.codes = w.data_ptr<uint8_t>();
-    p.scales = scales->data_ptr<uint8_t>();
-    p.cols = w.size(2) * 32;
+  const Projection p = projection(w, scales, bias, what);
+  TORCH_CHECK(p.format != kF32, what, ": dense weights must be bfloat16 [E, rows, cols]");
+  TileWeights t{};
+  if (p.format == kMXFP4) {
+    t.codes = static_cast<const uint8_t*>(p.data);
+    t.scales = p.scales;
   } else {
-    TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 3 && !scales.has_value(), what,
-                ": dense weights must be bfloat16 [E, rows, cols]");
-    p.bf16 = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
-    p.cols = w.size(2);
+    t.bf16 = static_cast<const uint16_t*>(p.data);
   }
-  p.rows = w.size(1);
-  p.bias = optional_bias(bias, w.size(0), p.rows, what);
-  return p;
+  t.bias = p.bias;
+  t.rows = p.rows;
+  t.cols = p.cols;
+  return t;
 }
 
 constexpr int64_t kTokenChunk = 256;   // token rows per work item (a multiple of 32)
@@ -221,7 +197,7 @@ at::Tensor moe_tiles(const at::Tensor& x, const at::Tensor& route_weights,
   p.act_plane = P * I;
   p.y = base + x_floats + act_floats;
   p.route_weight = weight.data();
-  p.scale_table = scale_table();
+  p.scale_table = e8m0_table<127>();
   p.alpha = float(alpha);
   p.limit = float(limit);
 
