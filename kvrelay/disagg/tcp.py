@@ -67,17 +67,7 @@ def _send_views(sock: socket.socket, views: list[memoryview]) -> None:
     """Send every view in order (gathered writes, partial sends handled)."""
     i = 0
     while i < len(views):
-        batch = views[i:i + _IOV_BATCH]
-        sent = sock.sendmsg(batch)
-        # advance over fully sent views; trim a partially sent one
-        while sent > 0 and i < len(views):
-            n = views[i].nbytes
-            if sent >= n:
-                sent -= n
-                i += 1
-            else:
-                views[i] = views[i][sent:]
-                sent = 0
+        i = _advance(views, i, sock.sendmsg(views[i:i + _IOV_BATCH]))
 
 
 def _recv_views(sock: socket.socket, views: list[memoryview]) -> None:
@@ -87,14 +77,21 @@ def _recv_views(sock: socket.socket, views: list[memoryview]) -> None:
         got = sock.recvmsg_into(views[i:i + _IOV_BATCH])[0]
         if got == 0:
             raise ConnectionError("the peer closed the connection in the middle of the data")
-        while got > 0 and i < len(views):
-            n = views[i].nbytes
-            if got >= n:
-                got -= n
-                i += 1
-            else:
-                views[i] = views[i][got:]
-                got = 0
+        i = _advance(views, i, got)
+
+
+def _advance(views: list[memoryview], i: int, done: int) -> int:
+    """After `done` bytes went through views[i:]: the index of the first view not yet
+    complete (a partly done one is trimmed to its rest)."""
+    while done > 0 and i < len(views):
+        n = views[i].nbytes
+        if done >= n:
+            done -= n
+            i += 1
+        else:
+            views[i] = views[i][done:]
+            done = 0
+    return i
 
 
 @dataclass
