@@ -40,6 +40,7 @@ from typing import Any, Protocol
 from kvrelay import envs
 from kvrelay.disagg.auth import load_secret, warn_if_exposed
 from kvrelay.disagg.capability import REFUSED, capability_matches, notify_message, parse_notify
+from kvrelay.disagg.framed_server import warn_limited
 from kvrelay.disagg.layout import tp_mismatch
 from kvrelay.disagg.params import KVTransferConfig
 from kvrelay.disagg.side_channel import (
@@ -47,7 +48,6 @@ from kvrelay.disagg.side_channel import (
     SideChannelServer,
     advertised_host,
     side_channel_call,
-    warn_limited,
 )
 from kvrelay.disagg.worker import (
     GroupPull,

@@ -19,20 +19,17 @@ from __future__ import annotations
 import logging
 import socket
 import struct
-import threading
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from kvrelay import envs
-from kvrelay.disagg.auth import AuthError, client_authenticate, server_authenticate
+from kvrelay.disagg.auth import AuthError, client_authenticate
+from kvrelay.disagg.framed_server import FramedServer
 from kvrelay.framing import (
     MAX_FRAME,
     FrameError,
-    OversizedFrame,
     encode_frame,
     recv_frame,
-    send_frame,
+    send_frame,  # noqa: F401  (re-exported: callers import the framing from here)
 )
 
 logger = logging.getLogger(__name__)
@@ -43,10 +40,6 @@ _ENV_HINT = "VLLM_NIXL_SIDE_CHANNEL_HOST/VLLM_NIXL_SIDE_CHANNEL_PORT"
 
 class SideChannelError(RuntimeError):
     """A side-channel call failed; the message names the address and the reason."""
-
-
-def _family(host: str) -> int:
-    return socket.AF_INET6 if ":" in host else socket.AF_INET
 
 
 # ---------------------------------------------------------------------------------------
@@ -114,79 +107,16 @@ def interface_addresses() -> list[tuple[str, str]]:
 REQUEST_MAX_FRAME = 64 * 1024     # a request to a side channel is < 2 KiB; replies may be larger
 
 
-@dataclass
-class _Conn:
-    thread: threading.Thread
-    opened: float
-    authenticated: bool = False
-    evicted: bool = False
-
-
-def admit_connection(conns: dict[socket.socket, _Conn], limit: int, evict_pending: bool, peer,
-                     what: str) -> bool:
-    """Under the caller's lock: may a new connection be served? At the limit, evict the
-    oldest connection that has not authenticated yet (`evict_pending`: the listener
-    authenticates) — its thread sees EOF and exits — else refuse."""
-    if len(conns) < limit:
-        return True
-    pending = [(c.opened, s) for s, c in conns.items() if not (c.authenticated or c.evicted)]
-    if evict_pending and pending:
-        _, oldest = min(pending, key=lambda x: x[0])
-        try:
-            oldest.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        conns[oldest].evicted = True
-        logger.debug("%s: connection limit %d reached, evicted an unauthenticated one", what, limit)
-        return True
-    warn_limited(f"{what}: refusing %s, %d connections open (the limit)", peer, len(conns))
-    return False
-
-
-def authenticate_connection(conn: socket.socket, secret: bytes,
-                            lock: threading.Lock | threading.RLock,
-                            conns: dict[socket.socket, _Conn], peer, what: str) -> bool:
-    """The server side of the KV secret's challenge–response on `conn` (see auth.py); on
-    success the connection counts as authenticated in `conns` (so it is never evicted as a
-    pending one) unless it was evicted meanwhile."""
-    try:
-        server_authenticate(conn, secret)
-    except AuthError as e:
-        warn_limited(f"{what}: refused %s: %s", peer, e)
-        return False
-    with lock:
-        state = conns.get(conn)
-        if state is None or state.evicted:
-            return False
-        state.authenticated = True
-    return True
-
-
-_last_logged: dict[str, float] = {}
-
-
-def warn_limited(fmt: str, *args) -> None:
-    """A WARNING at most once a minute per message format: a flood of bad peers must not
-    flood the log."""
-    now = time.monotonic()
-    if now - _last_logged.get(fmt, -60.0) < 60.0:
-        return
-    _last_logged[fmt] = now
-    # the caller's format stays lazy: only a constant suffix is added to it
-    logger.warning(fmt + " (repeats of this warning are suppressed for a minute)",  # noqa: G003
-                   *args)
-
-
 class SideChannelServer:
     """Serves `handler(request) -> reply` on host:port, a thread per connection (at most
     `max_connections`), many requests per connection. `port=0` picks a free port (see
     `.address`).
 
-    With a `secret` every connection first runs the mutual challenge–response of
-    `kvrelay.disagg.auth` (small frames, a few seconds); a peer that fails it is told
-    "authentication failed" and disconnected before any request is read. When the
-    connection limit is reached a new connection evicts the oldest one that has not
-    authenticated yet (so a flood of idle connections cannot lock honest peers out);
+    The listener is a `FramedServer`: with a `secret` every connection first runs the
+    mutual challenge–response of `kvrelay.disagg.auth` (small frames, a few seconds); a peer
+    that fails it is told "authentication failed" and disconnected before any request is
+    read. When the connection limit is reached a new connection evicts the oldest one that
+    has not authenticated yet (so a flood of idle connections cannot lock honest peers out);
     without such a connection it is refused. Requests are at most `max_frame` bytes and
     a connection idle for `idle_timeout` seconds is closed."""
 
@@ -194,112 +124,38 @@ class SideChannelServer:
                  max_frame: int = REQUEST_MAX_FRAME, idle_timeout: float = 60.0,
                  max_connections: int = 256, name: str = "kv-side-channel",
                  secret: bytes | None = None) -> None:
-        self.host, self.port = host, int(port)
         self.handler = handler
-        self.max_frame = max_frame
-        self.idle_timeout = idle_timeout
-        self.max_connections = max_connections
-        self.name = name
-        self.secret = secret
-        self._sock: socket.socket | None = None
-        self._stop = threading.Event()
-        self._accept_thread: threading.Thread | None = None
-        self._conns: dict[socket.socket, _Conn] = {}
-        self._lock = threading.Lock()
+        self._listener = FramedServer(host, port, self._serve, label="side channel", name=name,
+                                      secret=secret, max_connections=max_connections,
+                                      idle_timeout=idle_timeout, max_frame=max_frame)
 
     def start(self) -> SideChannelServer:
-        if self._sock is not None:
-            return self
-        sock = socket.socket(_family(self.host), socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            sock.bind((self.host, self.port))
-            sock.listen(128)
+            self._listener.start()
         except OSError as e:
-            sock.close()
-            raise SideChannelError(f"KV side channel cannot listen on {self.host}:{self.port} "
+            where = f"{self._listener.host}:{self._listener.port}"
+            raise SideChannelError(f"KV side channel cannot listen on {where} "
                                    f"({e.strerror or e}); set {_ENV_HINT} to a free address") from e
-        sock.settimeout(0.2)
-        self._sock = sock
-        self.port = sock.getsockname()[1]
-        self._accept_thread = threading.Thread(target=self._accept_loop, name=f"{self.name}-accept",
-                                               daemon=True)
-        self._accept_thread.start()
-        logger.debug("side channel listening on %s:%d", self.host, self.port)
         return self
 
     @property
     def address(self) -> tuple[str, int]:
         """(bind host, bound port)."""
-        return self.host, self.port
+        return self._listener.host, self._listener.port
 
     @property
     def advertised_address(self) -> tuple[str, int]:
         """(host peers should dial, port)."""
-        return advertised_host(self.host), self.port
-
-    def _accept_loop(self) -> None:
-        assert self._sock is not None
-        while not self._stop.is_set():
-            try:
-                conn, peer = self._sock.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                if self._stop.is_set():
-                    return
-                continue
-            with self._lock:
-                admitted = not self._stop.is_set() and admit_connection(
-                    self._conns, self.max_connections, self.secret is not None, peer, self.name)
-                if not admitted:
-                    conn.close()
-                    continue
-                t = threading.Thread(target=self._serve, args=(conn, peer), daemon=True,
-                                     name=f"{self.name}-conn")
-                self._conns[conn] = _Conn(t, time.monotonic())
-            t.start()
+        return advertised_host(self._listener.host), self._listener.port
 
     def _serve(self, conn: socket.socket, peer) -> None:
-        try:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if self.secret is not None and not self._authenticate(conn, peer):
-                return
-            conn.settimeout(self.idle_timeout)
-            while not self._stop.is_set():
-                try:
-                    msg = recv_frame(conn, self.max_frame)
-                except FrameError as e:
-                    warn_limited("side channel: bad frame from %s: %s", peer, e)
-                    try:
-                        send_frame(conn, {"ok": False, "error": str(e)})
-                    except OSError:
-                        return
-                    if isinstance(e, OversizedFrame):
-                        return          # the body was not read: the stream cannot continue
-                    continue
-                if msg is None:
-                    return
-                reply = self._dispatch(msg)
-                try:
-                    frame = encode_frame(reply, MAX_FRAME)
-                except (FrameError, TypeError, ValueError) as e:
-                    frame = encode_frame({"ok": False, "error": f"reply could not be sent: {e}"})
-                conn.sendall(frame)
-        except (OSError, ConnectionError):
-            return
-        finally:
-            with self._lock:
-                self._conns.pop(conn, None)
+        for msg in self._listener.requests(conn, peer):
+            reply = self._dispatch(msg)
             try:
-                conn.close()
-            except OSError:
-                pass
-
-    def _authenticate(self, conn: socket.socket, peer) -> bool:
-        assert self.secret is not None
-        return authenticate_connection(conn, self.secret, self._lock, self._conns, peer,
-                                       f"side channel {self.host}:{self.port}")
+                frame = encode_frame(reply, MAX_FRAME)
+            except (FrameError, TypeError, ValueError) as e:
+                frame = encode_frame({"ok": False, "error": f"reply could not be sent: {e}"})
+            conn.sendall(frame)
 
     def _dispatch(self, msg: dict) -> dict:
         try:
@@ -314,27 +170,7 @@ class SideChannelServer:
         return {"ok": True, "result": result}
 
     def close(self) -> None:
-        self._stop.set()
-        if self._sock is not None:
-            try:
-                self._sock.shutdown(socket.SHUT_RDWR)   # wakes a blocked accept()
-            except OSError:
-                pass
-            try:
-                self._sock.close()
-            except OSError:
-                pass
-        if self._accept_thread is not None:
-            self._accept_thread.join(timeout=5)
-        with self._lock:
-            conns = list(self._conns.items())
-        for conn, _ in conns:
-            try:
-                conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        for _, c in conns:
-            c.thread.join(timeout=5)
+        self._listener.close()
 
     def __enter__(self) -> SideChannelServer:
         return self.start()

@@ -33,13 +33,8 @@ from typing import TypeGuard
 import torch
 
 from kvrelay.disagg.auth import AuthError, client_authenticate
-from kvrelay.disagg.side_channel import (
-    _Conn,
-    admit_connection,
-    advertised_host,
-    authenticate_connection,
-    warn_limited,
-)
+from kvrelay.disagg.framed_server import FramedServer
+from kvrelay.disagg.side_channel import advertised_host
 from kvrelay.disagg.transport import (
     METADATA_VERSION,
     KVTransport,
@@ -52,7 +47,7 @@ from kvrelay.disagg.transport import (
     check_notify,
     tensor_regions,
 )
-from kvrelay.framing import MAX_FRAME, FrameError, OversizedFrame, recv_frame, send_frame
+from kvrelay.framing import MAX_FRAME, FrameError, recv_frame, send_frame
 
 logger = logging.getLogger(__name__)
 
@@ -72,17 +67,7 @@ def _send_views(sock: socket.socket, views: list[memoryview]) -> None:
     """Send every view in order (gathered writes, partial sends handled)."""
     i = 0
     while i < len(views):
-        batch = views[i:i + _IOV_BATCH]
-        sent = sock.sendmsg(batch)
-        # advance over fully sent views; trim a partially sent one
-        while sent > 0 and i < len(views):
-            n = views[i].nbytes
-            if sent >= n:
-                sent -= n
-                i += 1
-            else:
-                views[i] = views[i][sent:]
-                sent = 0
+        i = _advance(views, i, sock.sendmsg(views[i:i + _IOV_BATCH]))
 
 
 def _recv_views(sock: socket.socket, views: list[memoryview]) -> None:
@@ -92,14 +77,21 @@ def _recv_views(sock: socket.socket, views: list[memoryview]) -> None:
         got = sock.recvmsg_into(views[i:i + _IOV_BATCH])[0]
         if got == 0:
             raise ConnectionError("the peer closed the connection in the middle of the data")
-        while got > 0 and i < len(views):
-            n = views[i].nbytes
-            if got >= n:
-                got -= n
-                i += 1
-            else:
-                views[i] = views[i][got:]
-                got = 0
+        i = _advance(views, i, got)
+
+
+def _advance(views: list[memoryview], i: int, done: int) -> int:
+    """After `done` bytes went through views[i:]: the index of the first view not yet
+    complete (a partly done one is trimmed to its rest)."""
+    while done > 0 and i < len(views):
+        n = views[i].nbytes
+        if done >= n:
+            done -= n
+            i += 1
+        else:
+            views[i] = views[i][done:]
+            done = 0
+    return i
 
 
 @dataclass
@@ -128,7 +120,6 @@ class TcpTransport(KVTransport[TcpReadHandle]):
         self.timeout = timeout
         self.secret = secret            # peers authenticate (both directions) before any request
         self.serve_reads = serve        # False on a kv_consumer: its KV is nobody's to read
-        self.max_connections = max_connections
         self.idle_timeout = idle_timeout
         # set by the owner (KVWorker on a prefill): authorize(notify, descs) -> None to serve
         # the read, else the reason to refuse it
@@ -144,24 +135,19 @@ class TcpTransport(KVTransport[TcpReadHandle]):
         self._notifs: list[bytes] = []
         self._inflight: set[TcpReadHandle] = set()
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kv-tcp-read")
-        self._conns: dict[socket.socket, _Conn] = {}
-        self._stop = threading.Event()
-
-        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._server = FramedServer(host, port, self._serve, label="TCP KV transport",
+                                    name="kv-tcp", secret=secret,
+                                    max_connections=max_connections,
+                                    idle_timeout=idle_timeout, max_frame=max_frame)
         try:
-            sock.bind((host, port))
-            sock.listen(64)
+            self._server.start()
         except OSError as e:
-            sock.close()
             self._pool.shutdown(wait=False)
             raise TransferError(f"TCP KV transport cannot listen on {host}:{port}: {e}") from e
-        sock.settimeout(0.2)
-        self._sock = sock
-        self.port = sock.getsockname()[1]
-        self._accept_thread = threading.Thread(target=self._accept_loop, daemon=True,
-                                               name="kv-tcp-accept")
-        self._accept_thread.start()
+
+    @property
+    def port(self) -> int:
+        return self._server.port
 
     @property
     def address(self) -> tuple[str, int]:
@@ -193,67 +179,18 @@ class TcpTransport(KVTransport[TcpReadHandle]):
 
     # -- serving reads (producer side) ------------------------------------------------
 
-    def _accept_loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, peer = self._sock.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                if self._stop.is_set():
-                    return
-                continue
-            t = threading.Thread(target=self._serve, args=(conn, peer), daemon=True,
-                                 name="kv-tcp-serve")
-            with self._lock:
-                if self._stop.is_set():
-                    conn.close()
-                    return
-                if not admit_connection(self._conns, self.max_connections, self.secret is not None,
-                                        peer, f"TCP KV transport {self.host}:{self.port}"):
-                    conn.close()
-                    continue
-                self._conns[conn] = _Conn(t, time.monotonic())
-            t.start()
-
     def _serve(self, conn: socket.socket, peer) -> None:
         try:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if self.secret is not None and not self._authenticate(conn, peer):
-                return
-            conn.settimeout(self.idle_timeout)    # readers pool idle connections for less than this
-            while not self._stop.is_set():
-                try:
-                    msg = recv_frame(conn, self.max_frame)
-                except FrameError as e:
-                    warn_limited("TCP KV transport: bad request from %s: %s", peer, e)
-                    send_frame(conn, {"ok": False, "error": str(e)})
-                    if isinstance(e, OversizedFrame):
-                        return
-                    continue
-                if msg is None:
-                    return
+            for msg in self._server.requests(conn, peer):
                 conn.settimeout(self.timeout)
                 self._handle_request(conn, msg)
-                conn.settimeout(self.idle_timeout)
+                conn.settimeout(self.idle_timeout)  # readers pool idle connections for less
         except (OSError, ConnectionError) as e:
-            if not self._stop.is_set():
+            if not self._server.stopping:
                 logger.debug("TCP KV transport: connection from %s ended: %s", peer, e)
         except Exception as e:      # a malformed ack, or a bug: drop this connection only
             logger.warning("TCP KV transport: closing the connection from %s: %s: %s", peer,
                            type(e).__name__, e)
-        finally:
-            with self._lock:
-                self._conns.pop(conn, None)
-            try:
-                conn.close()
-            except OSError:
-                pass
-
-    def _authenticate(self, conn: socket.socket, peer) -> bool:
-        assert self.secret is not None
-        return authenticate_connection(conn, self.secret, self._lock, self._conns, peer,
-                                       f"TCP KV transport {self.host}:{self.port}")
 
     def _handle_request(self, conn: socket.socket, msg: dict) -> None:
         op = msg.get("op")
@@ -541,30 +478,14 @@ class TcpTransport(KVTransport[TcpReadHandle]):
             if self._closed:
                 return
             self._closed = True
-            self._stop.set()
+            self._server.stop()
             inflight = list(self._inflight)
         for h in inflight:
             self.release(h)
         self._pool.shutdown(wait=True, cancel_futures=True)
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)       # wakes a blocked accept()
-        except OSError:
-            pass
-        try:
-            self._sock.close()
-        except OSError:
-            pass
-        self._accept_thread.join(timeout=5)
         with self._lock:
-            conns = list(self._conns.items())
             for peer in self._peers.values():
                 self._close_idle(peer)
             self._peers.clear()
-        for conn, _ in conns:
-            try:
-                conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        for _, c in conns:
-            c.thread.join(timeout=5)
+        self._server.close()
         self._views, self._flat = [], []
