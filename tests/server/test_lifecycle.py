@@ -62,6 +62,31 @@ def test_step_timeout_fails_the_request_instead_of_hanging(tiny, tmp_path):
         s.stop()
 
 
+def test_client_disconnect_frees_kv_blocks(tiny, tmp_path):
+    # steps of 0.2 s (tests.server.slow:drowsy): the 40-token request is surely running when
+    # the first chunk has arrived, whatever the machine's speed
+    s = Server(str(tiny[0]), TINY_FLAGS + ["--logits-processors", "tests.server.slow:drowsy"],
+               tmp_path / "serve.log")
+    try:
+        s.wait_ready()
+        body = {"prompt": [1, 2, 3], "max_tokens": 40, "stream": True, "ignore_eos": True}
+        with (httpx.Client(timeout=30) as http,
+              http.stream("POST", f"{s.url}/v1/completions", json=body) as r):
+            next(r.iter_lines())
+            assert s.metrics()["kvrelay:kv_blocks_used"] > 0
+        # the connection is closed mid-stream: the engine aborts and frees the blocks
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            m = s.metrics()
+            if m["kvrelay:kv_blocks_used"] == 0 and m["vllm:num_requests_running"] == 0:
+                assert m["vllm:generation_tokens_total"] < 40     # cut short, not finished
+                return
+            time.sleep(0.2)
+        raise AssertionError(f"blocks still held after disconnect: {s.metrics()}")
+    finally:
+        s.stop()
+
+
 def test_api_key(tiny, tmp_path):
     s = Server(str(tiny[0]), TINY_FLAGS + ["--api-key", "sekret"], tmp_path / "serve.log")
     try:
