@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Served decode on a big checkpoint: llama.cpp (its MXFP4-expert GGUF of the same weights)
 # then kvrelay, one after the other (both do not fit in memory at once), each driven by
-# `kvrelay bench serve` at concurrency N with N requests (N = 1, 4): 8-token random prompts,
-# 32 output tokens, greedy, ignore_eos, after one unmeasured warm-up pass at concurrency 4
-# (a fresh server first faults its weights in). Records `uptime` around every measurement.
+# `kvrelay bench serve` at concurrency 4 (4 requests) and 1 (8 requests, one after another):
+# random prompts of INPUT_LEN tokens (8), 32 output tokens, greedy, ignore_eos, after one
+# unmeasured warm-up pass at concurrency 4 (a fresh server first faults its weights in).
+# Records `uptime` around every measurement.
 #
-#   [ORDER=kvrelay-first] benchmarks/big_model_serve.sh CKPT GGUF OUT_DIR [LLAMA_SERVER]
+#   [ORDER=kvrelay-first] [INPUT_LEN=8] [C1_PROMPTS=8] \
+#       benchmarks/big_model_serve.sh CKPT GGUF OUT_DIR [LLAMA_SERVER]
 set -euo pipefail
 CKPT=${1:?CKPT}; GGUF=${2:?GGUF}; OUT=${3:?OUT_DIR}
 LLAMA=${4:-/work/peers/llamacpp/build/bin/llama-server}
@@ -34,15 +36,18 @@ wait_up() {  # until a 1-token completion succeeds (the API answers 503 while th
 }
 
 # Requests per concurrency-1 run, one after another: a single 32-token request gave TPOTs
-# 81-124 ms for the same server across rounds (session 7), too few tokens to compare.
-C1_PROMPTS=${C1_PROMPTS:-4}
+# 81-124 ms for the same server across rounds (session 7), too few tokens to compare; the
+# machine's bandwidth also changes for seconds at a time (session 8), so 8 requests.
+C1_PROMPTS=${C1_PROMPTS:-8}
+# Prompt tokens per request (8: decode-dominated; longer prompts measure TTFT too).
+INPUT_LEN=${INPUT_LEN:-8}
 
 bench() {  # NAME CONCURRENCY
   local prompts=$2
   [ "$2" = 1 ] && prompts=$C1_PROMPTS
   echo "$1 c=$2 start: $(uptime)" | tee -a "$OUT/uptime.txt"
   kvrelay bench serve --port "$PORT" --tokenizer "$CKPT" --dataset-name random \
-    --random-input-len 8 --random-output-len 32 --num-prompts "$prompts" \
+    --random-input-len "$INPUT_LEN" --random-output-len 32 --num-prompts "$prompts" \
     --max-concurrency "$2" --ignore-eos --temperature 0 --disable-tqdm --no-plot \
     --save-result --result-dir "$OUT" --result-filename "$1-c$2.json" > "$OUT/$1-c$2.txt" \
     || echo "$1 c=$2: bench failed" >&2
