@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from moe_kernels import SHAPES, kernel_weights, machine  # noqa: E402 -- after sys.path
+from moe_kernels import SHAPES, kernel_weights, machine, stream_row, stream_text  # noqa: E402 -- after sys.path
 
 from kvrelay.model import kernels  # noqa: E402 -- after the sys.path insert
 
@@ -72,16 +72,11 @@ def run(name: str, tokens: list[int], rounds: int, threads: list[int], isas: lis
         for key in keys:
             isa, t, xk = key
             wall, cpu = best[key], max(best_cpu[key], 1e-9)   # thread_time ticks: ~1 us
-            row = {"shape": name, "tokens": T, "experts": experts, "isa": isa, "threads": t,
-                   "x": xk, "expert_bytes": one["bytes"], "best_ms": round(wall * 1e3, 4),
-                   "gb_s": round(one["bytes"] / wall / 1e9, 2),
-                   "best_thread_cpu_ms": round(cpu * 1e3, 4),
-                   "gb_per_cpu_s": round(one["bytes"] / cpu / 1e9, 2)}
+            row = stream_row({"shape": name, "tokens": T, "experts": experts, "isa": isa,
+                              "threads": t, "x": xk}, one["bytes"], wall, cpu)
             rows.append(row)
             print(f"{name:5} T={T} experts={experts:2} {isa:11} t={t} x={xk:4} "
-                  f"{one['bytes'] / 1e6:7.2f} MB  best {wall * 1e3:8.3f} ms "
-                  f"{row['gb_s']:6.1f} GB/s  thread cpu {cpu * 1e3:8.3f} ms "
-                  f"{row['gb_per_cpu_s']:6.1f} GB/cpu-s", flush=True)
+                  f"{stream_text(row)}", flush=True)
     return rows
 
 

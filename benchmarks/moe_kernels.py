@@ -234,18 +234,28 @@ def run_kernel(name: str, tokens: list[int], rounds: int, threads: list[int],
                         best[(isa, t)] = min(best[(isa, t)], wall)
                         best_cpu[(isa, t)] = min(best_cpu[(isa, t)], cpu)
         for isa, t in keys:
-            wall, cpu = best[(isa, t)], best_cpu[(isa, t)]
-            row = {"shape": name, "storage": storage, "tokens": T, "experts": len(used),
-                   "isa": isa, "threads": t, "expert_bytes": one["bytes"],
-                   "best_ms": round(wall * 1e3, 4), "gb_s": round(one["bytes"] / wall / 1e9, 2),
-                   "best_thread_cpu_ms": round(cpu * 1e3, 4),
-                   "gb_per_cpu_s": round(one["bytes"] / cpu / 1e9, 2)}
+            row = stream_row({"shape": name, "storage": storage, "tokens": T,
+                              "experts": len(used), "isa": isa, "threads": t},
+                             one["bytes"], best[(isa, t)], best_cpu[(isa, t)])
             rows.append(row)
             print(f"{name:8} {storage:5} T={T:3} experts={len(used):2} {isa:7} t={t} "
-                  f"{one['bytes'] / 1e6:7.2f} MB  best {wall * 1e3:8.3f} ms "
-                  f"{row['gb_s']:6.1f} GB/s  thread cpu {cpu * 1e3:8.3f} ms "
-                  f"{row['gb_per_cpu_s']:6.1f} GB/cpu-s", flush=True)
+                  f"{stream_text(row)}", flush=True)
     return rows
+
+
+def stream_row(label: dict, expert_bytes: int, wall: float, cpu: float) -> dict:
+    """A weight-stream result: `label` plus the best wall and thread-CPU time per call (s)
+    and the GB/s of expert bytes each gives."""
+    return label | {"expert_bytes": expert_bytes, "best_ms": round(wall * 1e3, 4),
+                    "gb_s": round(expert_bytes / wall / 1e9, 2),
+                    "best_thread_cpu_ms": round(cpu * 1e3, 4),
+                    "gb_per_cpu_s": round(expert_bytes / cpu / 1e9, 2)}
+
+
+def stream_text(row: dict) -> str:
+    return (f"{row['expert_bytes'] / 1e6:7.2f} MB  best {row['best_ms']:8.3f} ms "
+            f"{row['gb_s']:6.1f} GB/s  thread cpu {row['best_thread_cpu_ms']:8.3f} ms "
+            f"{row['gb_per_cpu_s']:6.1f} GB/cpu-s")
 
 
 def mxfp4_copy(path: Path) -> Path:
