@@ -89,6 +89,8 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     p.add_argument("--num-gpu-blocks-override", type=int, default=None)
     p.add_argument("--quantization", choices=("mxfp4",), default=None)
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="plan the next step while the current one computes")
     # function calling and reasoning, with vLLM's names (kvrelay/server/tools.py)
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="let the model decide to call tools (tool_choice 'auto' on chat)")
@@ -118,7 +120,7 @@ SERVE_ENGINE_FLAGS = (
     "max_num_batched_tokens", "max_num_seqs", "block_size", "dtype", "max_logprobs", "seed",
     "hf_overrides", "additional_config",
     "kv_transfer_config", "optimization_level", "download_dir", "device", "kv_cache_memory_bytes",
-    "num_gpu_blocks_override", "quantization", "logits_processors")
+    "num_gpu_blocks_override", "quantization", "logits_processors", "async_scheduling")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -179,6 +179,8 @@ class EngineArgs:
     # the expert world (experts sharded across replicas) on data_parallel_address
     data_parallel_rank: int = 0
     data_parallel_master_port: int | None = None
+    # vLLM's --async-scheduling: plan step N+1 while step N computes (engine/async_steps.py)
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -196,6 +198,12 @@ class EngineArgs:
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         self._check_data_parallel()
+        if self.async_scheduling and self.kv_transfer_config is not None:
+            raise ValueError("--async-scheduling does not support --kv-transfer-config "
+                             "(disaggregated serving) yet")
+        if self.async_scheduling and self.experts_across_replicas:
+            raise ValueError("--async-scheduling does not support --enable-expert-parallel "
+                             "across data-parallel replicas yet")
 
     def _check_data_parallel(self) -> None:
         dp, local = self.data_parallel_size, self.local_replicas

@@ -69,6 +69,7 @@ E2E_PATHS = (
     "tests/model/test_loader_memory.py",
     "tests/proxy/test_cli.py",
     "tests/server/test_admission_e2e.py",
+    "tests/server/test_async_scheduling_e2e.py",
     "tests/server/test_embedded_server.py",
     "tests/server/test_fuzz.py",
     "tests/server/test_hardening.py",

@@ -15,6 +15,8 @@ own owner, built here from the `EngineConfig`:
         plan_step:    KV polls ─▶ Scheduler.schedule() ─▶ KV loads ─▶ StepInput
         run_planned:  executor.execute() ─▶ logits ─▶ sample ─▶ Scheduler.update()
                       ─▶ OutputProcessor.outputs() ─▶ RequestOutput
+    (with --async-scheduling, async_steps.py runs the same parts pipelined: the next
+    step is planned while this one computes on a forward thread)
     (with experts across data-parallel replicas, engine/lockstep.py calls the two
     halves itself, exchanging token counts in between)
 
@@ -43,6 +45,7 @@ import torch
 
 from kvrelay.config import EngineArgs, EngineConfig
 from kvrelay.engine import step_io
+from kvrelay.engine.async_steps import AsyncSteps
 from kvrelay.engine.executor import (
     dummy_step,
     kv_groups,
@@ -109,6 +112,8 @@ class LLMEngine:
         self.transfer.start(self.kv_cache_spec(), self.runner.kv_tensors,
                             self.args.tensor_parallel_size, self.executor.link,
                             self.args.data_parallel_rank)
+        # --async-scheduling: the next step is planned while this one computes
+        self.pipeline = AsyncSteps(self) if self.args.async_scheduling else None
         self._log_inputs()
         # --seed: unseeded sampling draws from torch's global generator (as vLLM seeds it),
         # so a server started with the same seed answers the same requests alike
@@ -156,6 +161,8 @@ class LLMEngine:
                            hybrid=len(self.kv.groups) > 1, sliding_window=c.sliding_window)
 
     def shutdown(self) -> None:
+        if self.pipeline is not None:
+            self.pipeline.shutdown()
         self.sampler.masks.close()
         self.transfer.close()
         self.executor.shutdown()
@@ -216,7 +223,8 @@ class LLMEngine:
             self.transfer.cancel(child)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished
+        """Requests to run, or (async scheduling) a step whose outputs are still to come."""
+        return self.scheduler.has_unfinished or (self.pipeline is not None and self.pipeline.busy)
 
     @property
     def transfer_busy(self) -> bool:
@@ -225,15 +233,24 @@ class LLMEngine:
 
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.pipeline is not None:
+            return self.pipeline.step()     # outputs of the step that landed (async_steps.py)
         return self.run_planned(self.plan_step())
 
-    def plan_step(self) -> StepPlan:
-        """The first half of a step: KV polls, schedule, KV loads, the model's input."""
+    def plan_step(self, ahead: StepPlan | None = None) -> StepPlan:
+        """The first half of a step: KV polls, schedule, KV loads, the model's input.
+        `ahead`: the step still computing (async scheduling, `Scheduler.schedule`)."""
         failed = self.transfer.poll()
-        out = self.scheduler.schedule()
+        out = self.scheduler.schedule(ahead.out if ahead is not None else None)
         failed += self.transfer.start_loads(out)
         step = None if out.is_empty else step_io.step_input(out, self.kv, self.runner.num_groups)
         return StepPlan(out, step, failed, self.transfer.take_work())
+
+    def prepare_sampling(self, plan: StepPlan) -> None:
+        """Before (or while) a step computes: which requests it samples, and their grammar
+        masks started (they fill during the forward)."""
+        plan.sampling = step_io.sampling_requests(plan.out)
+        self.sampler.prepare(plan.sampling)
 
     def run_planned(self, plan: StepPlan,
                     dp_token_counts: tuple[int, ...] | None = None) -> list[RequestOutput]:
@@ -248,12 +265,23 @@ class LLMEngine:
         step = plan.step or dummy_step(self.runner.num_groups)
         step.dp_token_counts = tuple(dp_token_counts) if dp_token_counts else None
         step.kv_work = plan.kv_work       # ranks ≥ 1 start their KV reads before computing
-        self.sampler.prepare(step_io.sampling_requests(plan.out))  # masks fill during the forward
-        logits = step_io.forward(self.executor, plan.out, step, self.kv, self._fail_request)
+        self.prepare_sampling(plan)
+        logits = self.forward(plan, step)
         if plan.step is None:
             self.num_dummy_steps += 1
             return self.output.failed_outputs(plan.failed)
-        sampled = step_io.sample(plan.out, logits, self.sampler, self._fail_request)
+        return self.finish_step(plan, self.sample(plan, logits))
+
+    def forward(self, plan: StepPlan, step: StepInput) -> torch.Tensor:
+        """The model forward of a step, failures attributed (`step_io.forward`)."""
+        return step_io.forward(self.executor, plan.out, step, self.kv, self._fail_request)
+
+    def sample(self, plan: StepPlan, logits: torch.Tensor) -> dict[str, list[int]]:
+        """The tokens of a computed step, by request id."""
+        return step_io.sample(plan.out, logits, self.sampler, self._fail_request, plan.sampling)
+
+    def finish_step(self, plan: StepPlan, sampled: dict[str, list[int]]) -> list[RequestOutput]:
+        """After sampling: the scheduler advances, and the outputs of the step."""
         self.scheduler.update(plan.out, sampled)
         self.num_steps += 1
         return (self.output.outputs(plan.out) + self.output.failed_outputs(plan.failed)
@@ -295,6 +323,7 @@ class StepPlan:
     step: StepInput | None           # None: nothing to compute here this step
     failed: list[Request]
     kv_work: object = None
+    sampling: list[Request] | None = None  # the requests it samples (`prepare_sampling`)
 
     @property
     def num_tokens(self) -> int:

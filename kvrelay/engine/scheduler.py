@@ -20,6 +20,15 @@ One step (`schedule`), vLLM v1's unified rule — every request simply has
 
 `update` then advances the computed counts, registers full blocks in the prefix
 cache, appends sampled tokens, checks stop conditions and frees finished requests.
+
+Async scheduling (`schedule(ahead=...)`, engine/async_steps.py): step N+1 is planned
+while step N is still computing, so its requests are seen as they will be once N
+lands — computed through N's chunks, with one more (not yet known) token where N
+samples one. Such a `pending` chunk is a decode whose input token the engine fills in
+when N's token is sampled. A request whose N token certainly ends it (max_tokens,
+max_model_len) is left out; one that N may end (EOS, stop ids, stop strings, a
+grammar) is planned anyway and its N+1 token dropped. Nothing in flight is preempted:
+a request without room waits for a plan made after its step has landed.
 """
 from __future__ import annotations
 
@@ -52,11 +61,13 @@ class ScheduledChunk:
     request: Request
     start: int                  # first token position computed this step
     num_tokens: int             # tokens computed this step
+    # async scheduling: a decode of the token the step in flight samples (not known yet)
+    pending: bool = False
 
     @property
     def completes(self) -> bool:
         """Whether this chunk reaches the last known token (so a token is sampled)."""
-        return self.start + self.num_tokens == self.request.num_tokens
+        return self.pending or self.start + self.num_tokens == self.request.num_tokens
 
 
 def _chunk_order(chunk: ScheduledChunk) -> int:
@@ -126,7 +137,11 @@ class Scheduler:
         return bool(self.waiting or self.running or self.loading)
 
     # -- one step -------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, ahead: SchedulerOutput | None = None) -> SchedulerOutput:
+        """The next step; `ahead`: the step still computing (async scheduling), whose
+        chunks count as done (module docstring)."""
+        if ahead is not None:
+            return self._schedule_ahead({c.request.request_id: c for c in ahead.chunks})
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         i = 0
@@ -139,6 +154,43 @@ class Scheduler:
                 i += 1
         if not out.preempted:
             budget = self._admit_waiting(out, budget)
+        return self._ordered(out)
+
+    def _schedule_ahead(self, ahead: dict[str, ScheduledChunk]) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        short = False                                 # a running request found no blocks
+        for req in self.running:
+            if budget <= 0:
+                break
+            prev = ahead.get(req.request_id)
+            computed, tokens, pending = req.num_computed_tokens, req.num_tokens, False
+            if prev is not None:
+                computed = prev.start + prev.num_tokens
+                if prev.completes:
+                    if self._ends_with_next_token(req):
+                        continue                      # its token in flight is its last
+                    tokens, pending = tokens + 1, True
+            n = min(tokens - computed, budget)
+            if n <= 0:
+                continue
+            if not self.kv.allocate(req.request_id, computed, computed + n):
+                short = True                          # no preemption while steps fly
+                continue
+            out.chunks.append(ScheduledChunk(req, computed, n, pending))
+            budget -= n
+        if not short:
+            self._admit_waiting(out, budget)
+        return self._ordered(out)
+
+    def _ends_with_next_token(self, req: Request) -> bool:
+        """Whether the token being sampled for `req` finishes it by length."""
+        p = req.params
+        return ((p.max_tokens is not None and len(req.output_token_ids) + 1 >= p.max_tokens)
+                or req.num_tokens + 1 >= self.config.max_model_len)
+
+    @staticmethod
+    def _ordered(out: SchedulerOutput) -> SchedulerOutput:
         # decodes (one new token) first: the runner attends them as one batch; then the
         # chunks that continue a prefix, then those from position 0, which attention
         # computes over their own keys when they close the step (layers/attention.py)

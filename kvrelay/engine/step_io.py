@@ -37,7 +37,9 @@ def step_input(out: SchedulerOutput, kv: KVCacheManager, num_groups: int) -> Ste
     tables: list[list[list[int]]] = [[] for _ in range(num_groups)]
     for chunk in out.chunks:
         req = chunk.request
-        token_ids.extend(req.all_token_ids[chunk.start:chunk.start + chunk.num_tokens])
+        ids = req.all_token_ids[chunk.start:chunk.start + chunk.num_tokens]
+        # a pending chunk's token is still being sampled: 0 until `fill_pending`
+        token_ids.extend(ids if len(ids) == chunk.num_tokens else [0] * chunk.num_tokens)
         q_lens.append(chunk.num_tokens)
         starts.append(chunk.start)
         for g, ids in enumerate(kv.block_ids(req.request_id)):
@@ -49,6 +51,19 @@ def step_input(out: SchedulerOutput, kv: KVCacheManager, num_groups: int) -> Ste
             rows.append(end - 1)
     num_decodes = sum(1 for c in out.chunks if c.num_tokens == 1)
     return StepInput(token_ids, q_lens, starts, tables, rows, num_decodes)
+
+
+def fill_pending(out: SchedulerOutput, step: StepInput, sampled: dict[str, list[int]]) -> None:
+    """Async scheduling: put the tokens the previous step sampled into this step's
+    pending chunks (a request that got none — failed, aborted — keeps token 0: its
+    row is computed and dropped)."""
+    at = 0
+    for chunk in out.chunks:
+        if chunk.pending:
+            tokens = sampled.get(chunk.request.request_id)
+            if tokens:
+                step.token_ids[at] = tokens[-1]
+        at += chunk.num_tokens
 
 
 def forward(executor: Any, out: SchedulerOutput, step: StepInput, kv: KVCacheManager,
@@ -94,14 +109,18 @@ def forward(executor: Any, out: SchedulerOutput, step: StepInput, kv: KVCacheMan
 
 
 def sampling_requests(out: SchedulerOutput) -> list[Request]:
-    """The requests that sample this step, in `sample`'s row order."""
-    return [c.request for c in out.chunks if c.completes]
+    """The requests that sample this step, in `sample`'s row order: those whose chunk
+    completes, unless they finished since it was planned (async scheduling)."""
+    return [c.request for c in out.chunks if c.completes and not c.request.status.finished]
 
 
-def sample(out: SchedulerOutput, logits: torch.Tensor, sampler: Sampler,
-           fail: FailFn) -> dict[str, list[int]]:
+def sample(out: SchedulerOutput, logits: torch.Tensor, sampler: Sampler, fail: FailFn,
+           requests: list[Request] | None = None) -> dict[str, list[int]]:
     """Tokens for the chunks that complete; a request whose prompt logprobs or
-    sampling fails is failed alone (`Sampler.isolated`) and gets no token."""
+    sampling fails is failed alone (`Sampler.isolated`) and gets no token.
+    `requests`: those the sampler was prepared for (`sampling_requests` at the time);
+    the rows of the others are skipped."""
+    sampling = {id(r) for r in (sampling_requests(out) if requests is None else requests)}
     row, sample_rows, reqs = 0, [], []
     for chunk in out.chunks:
         req = chunk.request
@@ -113,8 +132,9 @@ def sample(out: SchedulerOutput, logits: torch.Tensor, sampler: Sampler,
                 fail(req, e, "computing prompt logprobs")
             row += n
         if chunk.completes:
-            sample_rows.append(row)
-            reqs.append(req)
+            if id(req) in sampling:
+                sample_rows.append(row)
+                reqs.append(req)
             row += 1
     if not reqs:
         return {}

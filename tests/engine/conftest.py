@@ -34,3 +34,4 @@ def make_llm(tiny):
     for llm in made:
         assert not llm.engine.has_unfinished_requests()
         llm.engine.assert_no_leaks()
+        llm.shutdown()                 # its threads (async scheduling's forward thread) end

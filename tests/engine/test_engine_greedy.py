@@ -59,8 +59,8 @@ def test_offline_prompts_start_whole_when_they_fit(tiny, make_llm):
     chunks = []
     schedule = llm.engine.scheduler.schedule
 
-    def recording():
-        out = schedule()
+    def recording(ahead=None):
+        out = schedule(ahead)
         chunks.extend((c.start, c.num_tokens) for c in out.chunks if c.num_tokens > 1)
         return out
 
