@@ -7,8 +7,9 @@
         [--vllm /work/peers/vllm] [--llamacpp /work/peers/llamacpp] [--out benchmarks/results]
         [--baseline SRC_DIR]       # adds peer "kvrelay-base": kvrelay serve from another source
                                    # tree (e.g. `git archive` of main), for before/after in one run
-        [--variant NAME:K=V,K=V]   # adds peer "kvrelay-NAME": this tree's kvrelay serve with
-                                   # extra environment (repeatable), e.g. threads:OMP_NUM_THREADS=1
+        [--variant NAME:K=V,--FLAG]  # adds peer "kvrelay-NAME": this tree's kvrelay serve with
+                                   # extra environment and flags (repeatable), e.g.
+                                   # threads:OMP_NUM_THREADS=1 or async:--async-scheduling
     python benchmarks/peers.py --quick          # smoke run: tiny-bf16, 1 round, c=1,8, 16 prompts
 
 Checkpoints (written once into $KVRELAY_BENCH_CACHE, default /tmp/kvrelay-bench):
@@ -181,7 +182,7 @@ def find_peers(
     vllm_dest: Path,
     llamacpp_dest: Path,
     baseline: Path | None,
-    variants: dict[str, dict[str, str]] | None = None,
+    variants: dict[str, Variant] | None = None,
 ) -> dict[str, Peer]:
     peers: dict[str, Peer] = {}
     amx = any(f.startswith("amx") for f in cpu_flags())
@@ -189,8 +190,7 @@ def find_peers(
         if name == "kvrelay":
             peers[name] = Peer(name, True, git_sha())
         elif name.removeprefix("kvrelay-") in (variants or {}):
-            env = " ".join(f"{k}={v}" for k, v in (variants or {})[name[8:]].items())
-            peers[name] = Peer(name, True, f"{git_sha()} with {env}")
+            peers[name] = Peer(name, True, f"{git_sha()} with {(variants or {})[name[8:]]}")
         elif name == "kvrelay-base":
             peers[name] = Peer(name, True, f"source tree {baseline}")
         elif name == "vllm":
@@ -260,13 +260,13 @@ class PeerServer(_Server):
         env = dict(os.environ, OMP_NUM_THREADS="2", TOKENIZERS_PARALLELISM="false")
         if peer == "kvrelay-base":
             env["PYTHONPATH"] = str(a.baseline)
-        if peer.startswith("kvrelay-"):
-            env |= a.variants.get(peer.removeprefix("kvrelay-"), {})
+        variant = a.variants.get(peer.removeprefix("kvrelay-"), Variant({}, []))
+        env |= variant.env
         # the same serve flags for kvrelay and vLLM (same names, same meaning)
         serve = [str(ckpt), *host, "--served-model-name", "bench", "--dtype", "bfloat16",
                  "--max-num-seqs", "64", *SERVER_LEN]
         if peer.startswith("kvrelay"):
-            cmd = [sys.executable, "-m", "kvrelay.cli", "serve", *serve]
+            cmd = [sys.executable, "-m", "kvrelay.cli", "serve", *serve, *variant.flags]
         elif peer == "vllm":
             cmd = [str(vllm_dest / "bin" / "vllm"), "serve", *serve]
             env |= {
@@ -551,18 +551,30 @@ def plot(summary: dict, models: list[str], conc: list[int], peers: list[str], pa
     fig.savefig(path, dpi=100)
 
 
-def parse_variants(specs: list[str]) -> dict[str, dict[str, str]]:
-    """["threads1:OMP_NUM_THREADS=1,X=2"] → {"threads1": {"OMP_NUM_THREADS": "1", "X": "2"}}"""
-    variants: dict[str, dict[str, str]] = {}
+@dataclass
+class Variant:
+    """Peer kvrelay-NAME: this tree's kvrelay serve with extra environment and flags."""
+    env: dict[str, str]
+    flags: list[str]
+
+    def __str__(self) -> str:
+        return " ".join([f"{k}={v}" for k, v in self.env.items()] + self.flags)
+
+
+def parse_variants(specs: list[str]) -> dict[str, Variant]:
+    """["threads1:OMP_NUM_THREADS=1,X=2"] → {"threads1": Variant({"OMP_NUM_THREADS": "1",
+    "X": "2"}, [])}; an item starting with -- is a serve flag ("async:--async-scheduling")."""
+    variants: dict[str, Variant] = {}
     for spec in specs:
         name, _, assignments = spec.partition(":")
-        # a comma starts a new assignment only before KEY=, so values may hold commas
+        # a comma starts a new item only before KEY= or --, so values may hold commas
         # (KVRELAY_COMPILE_DECODE=1,8,64)
-        pairs = [kv.partition("=") for kv in re.split(r",(?=[A-Za-z_][A-Za-z0-9_]*=)",
-                                                       assignments) if kv]
-        if not name or not pairs or any(not k or not sep for k, sep, _ in pairs):
-            raise SystemExit(f"--variant {spec!r}: expected NAME:KEY=VALUE[,KEY=VALUE...]")
-        variants[name] = {k: v for k, _, v in pairs}
+        items = [x for x in re.split(r",(?=[A-Za-z_][A-Za-z0-9_]*=|--)", assignments) if x]
+        flags = [x for x in items if x.startswith("--")]
+        pairs = [x.partition("=") for x in items if not x.startswith("--")]
+        if not name or not items or any(not k or not sep for k, sep, _ in pairs):
+            raise SystemExit(f"--variant {spec!r}: expected NAME:KEY=VALUE|--FLAG[,...]")
+        variants[name] = Variant({k: v for k, _, v in pairs}, flags)
     return variants
 
 
@@ -585,8 +597,8 @@ def main() -> None:
         "--variant",
         action="append",
         default=[],
-        metavar="NAME:K=V,K=V",
-        help="peer kvrelay-NAME: this tree's kvrelay with extra environment (repeatable)",
+        metavar="NAME:K=V,--FLAG",
+        help="peer kvrelay-NAME: this tree's kvrelay with extra environment/flags (repeatable)",
     )
     ap.add_argument(
         "--quick", action="store_true", help="smoke run: tiny-bf16, 1 round, c=1,8, 16 prompts"

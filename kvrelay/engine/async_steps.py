@@ -1,23 +1,25 @@
 """Async scheduling (`--async-scheduling`): plan step N+1 while step N computes.
 
-Owner of: the one step in flight and the thread its forward runs on. The engine keeps
-every request's state; this only changes *when* each part of a step runs:
+Owner of: the forward thread and the steps handed to it. The engine keeps every
+request's state; this only changes *when* each part of a step runs:
 
-    main thread                                   forward thread
-    ─────────────────────────────────────────     ─────────────────────
-    plan N+1 (schedule ahead of N, step input)    forward N
-    wait for N's logits ◀──────────────────────── (logits N)
-    sample N ─▶ fill N+1's pending tokens ───────▶ forward N+1
-    update N, detokenize, outputs N (returned)
-    prepare N+1's sampling (grammar masks)
-    [the caller sends N's outputs, reads its pipe]
-    plan N+2 ...
+    engine (main) thread                          forward thread
+    ───────────────────────────────────────────   ──────────────────────────────────
+    plan N+1 ahead of N, hand it over             forward N
+    wait for N to land ◀───────────────────────── draw N's tokens (sampler), hand back
+    apply + update N, prepare N+1's sampling ───▶ fill N+1's pending tokens, forward N+1
+      (N+1 may draw from here on)                   ... waits until N+1 may draw
+    detokenize, outputs N (returned and sent)
+    plan N+2 ahead of N+1, hand it over ...
 
-So scheduling, input preparation, the scheduler's update, detokenizing and the
-engine→API message of one step run while the model computes the next; the sampler
-stays on the critical path (the next step's input is its token). Every request's
-state is touched on the main thread only: the forward thread reads a `StepInput` (plain
-lists, filled before it is handed over) and the model's own tensors.
+The forward thread goes from one step's tokens straight into the next step's forward:
+nothing on that path waits for the engine thread to wake up, as long as the engine
+thread has planned the next step (and applied the last one) within a forward's time.
+Scheduling, input preparation, the scheduler's update, detokenizing and the engine→API
+message all run during a forward. Request state is written on the engine thread only:
+the forward thread reads a `StepInput` (plain lists) and, when drawing, the requests a
+step samples — after the engine thread has applied the previous step and prepared this
+one's sampling (`_Step.may_draw`), and before it applies this one.
 
 What it costs: a request that step N ends by EOS, a stop id, a stop string or its
 grammar has already been planned into N+1; that row is computed and dropped (one
@@ -25,11 +27,13 @@ wasted row per finished request; a request ending by length is never planned pas
 last token). A request freed while its row still computes (finished, aborted) had
 blocks that later steps may reuse: those steps' forwards run after this one on the
 same thread, so their writes come after its stray write; the rows it writes are never
-in the prefix cache (only fully computed blocks are).
+in the prefix cache (only fully computed blocks are). A forward that raises is re-run
+on the engine thread, chunk by chunk (`step_io.forward`), before the forward thread
+goes on.
 
-Greedy outputs are the tokens of synchronous scheduling (the same steps in the same
-order per request; tests/engine/test_async_scheduling.py compares them); seeded
-sampling too, since a request's draws come from its own generator.
+Greedy outputs are the tokens of synchronous scheduling (tests/engine/
+test_async_scheduling.py compares every output field); seeded sampling too, since a
+request's draws come from its own generator.
 
 Not combined with disaggregated KV transfer or experts across data-parallel replicas
 (`EngineArgs` refuses those): both coordinate each step with other processes.
@@ -37,8 +41,9 @@ Not combined with disaggregated KV transfer or experts across data-parallel repl
 from __future__ import annotations
 
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+import queue
+import threading
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -52,69 +57,120 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class _Flight:
+@dataclass(eq=False)
+class _Step:
     plan: StepPlan
-    logits: Future[torch.Tensor]
+    may_draw: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class _Landed:
+    step: _Step
+    drawn: step_io.Draw | None = None
+    error: Exception | None = None        # the forward raised (re-run on the engine thread)
+    fatal: BaseException | None = None    # drawing raised outside any one request
 
 
 class AsyncSteps:
-    """`LLMEngine.step` with async scheduling: each call launches the next step's
-    forward and returns the outputs of the step that just landed (none on the call that
-    starts from idle). The engine counts a step in flight as unfinished work."""
+    """`LLMEngine.step` with async scheduling: each call hands the next step to the
+    forward thread and returns the outputs of the step that landed (none on the call
+    that starts from idle). The engine counts a step in flight as unfinished work."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        threads = torch.get_num_threads()
-        # the forward's own OpenMP team: torch's thread count is per calling thread
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvrelay-forward",
-                                          initializer=torch.set_num_threads,
-                                          initargs=(threads,))
-        self._flight: _Flight | None = None
-        self.num_dropped_rows = 0         # rows computed for requests finished meanwhile
+        self._steps: queue.SimpleQueue[_Step | None] = queue.SimpleQueue()
+        self._landed: queue.SimpleQueue[_Landed] = queue.SimpleQueue()
+        self._resume = threading.Event()     # after a failed forward: the next step is filled
+        self._flight: _Step | None = None    # handed over, not landed yet
+        self._stopping = False
+        self.num_dropped_rows = 0            # rows computed for requests finished meanwhile
+        # torch's thread count is per calling thread: the forward thread's OpenMP team
+        # gets the engine's
+        self._thread = threading.Thread(target=self._run, args=(torch.get_num_threads(),),
+                                        name="kvrelay-forward", daemon=True)
+        self._thread.start()
 
     @property
     def busy(self) -> bool:
         """A step is computing: its outputs are still to come."""
         return self._flight is not None
 
+    # -- the engine thread ------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         e, prev = self.engine, self._flight
         plan = e.plan_step(ahead=prev.plan if prev is not None else None)
-        if prev is None:                       # from idle: nothing lands this call
-            if plan.step is None:
-                return e.output.failed_outputs(plan.failed)
-            e.prepare_sampling(plan)
-            self._launch(plan)
-            return []
-        self._flight = None
-        sampled = e.sample(prev.plan, self._logits(prev))
-        if plan.step is not None:
-            step_io.fill_pending(plan.out, plan.step, sampled)
-            self._launch(plan)
-        outputs = e.finish_step(prev.plan, sampled)
-        if plan.step is not None:
-            e.prepare_sampling(plan)           # after N's update: grammars saw N's tokens
+        nxt = _Step(plan) if plan.step is not None else None
+        if nxt is not None:
+            if prev is None:                 # from idle: it may draw once computed
+                e.prepare_sampling(plan)
+                nxt.may_draw.set()
+            self._steps.put(nxt)
+        self._flight = nxt
+        if prev is None:
+            return e.output.failed_outputs(plan.failed)
+        landed = self._landed.get()
+        assert landed.step is prev
+        if landed.fatal is not None:
+            raise landed.fatal
+        if landed.drawn is None:             # the forward raised: attribute it here
+            sampled = self._recover(prev, nxt)
+        else:
+            sampled = step_io.apply(landed.drawn, e._fail_request)
+        e.update_step(prev.plan, sampled)
+        if nxt is not None:
+            e.prepare_sampling(plan)         # after N's update: grammars saw N's tokens
+            nxt.may_draw.set()
             completing = sum(1 for c in plan.out.chunks if c.completes)
             self.num_dropped_rows += completing - len(plan.sampling or ())
-        return outputs + e.output.failed_outputs(plan.failed)
+        return e.step_outputs(prev.plan) + e.output.failed_outputs(plan.failed)
 
-    def _launch(self, plan: StepPlan) -> None:
-        step = plan.step
-        assert step is not None
-        self._flight = _Flight(plan, self._thread.submit(self.engine.executor.execute, step))
-
-    def _logits(self, flight: _Flight) -> torch.Tensor:
-        """The landed step's logits; a forward that raised is re-run here, chunk by chunk
-        where the executor allows, so the failure is attributed (`step_io.forward`)."""
-        try:
-            return flight.logits.result()
-        except Exception as error:  # noqa: BLE001 -- attributed below, or re-raised
-            if not self.engine.executor.can_rerun:
-                raise
-            logger.debug("async forward failed (%s); re-running on the main thread", error)
-            assert flight.plan.step is not None
-            return self.engine.forward(flight.plan, flight.plan.step)
+    def _recover(self, prev: _Step, nxt: _Step | None) -> dict[str, list[int]]:
+        """The forward thread's forward of `prev` raised: re-run it here, chunk by chunk
+        where the executor allows, so the failure is attributed (`step_io.forward`); fill
+        the step handed over after it, and let the forward thread go on."""
+        e = self.engine
+        if not e.executor.can_rerun:
+            raise RuntimeError("the forward failed on the forward thread") from None
+        plan = prev.plan
+        assert plan.step is not None
+        sampled = e.sample(plan, e.forward(plan, plan.step))
+        if nxt is not None:
+            assert nxt.plan.step is not None
+            step_io.fill_pending(nxt.plan.out, nxt.plan.step, sampled)
+        self._resume.set()
+        return sampled
 
     def shutdown(self) -> None:
-        self._thread.shutdown(wait=True)
+        self._stopping = True
+        self._steps.put(None)
+        self._resume.set()
+        self._thread.join(timeout=60)
+
+    # -- the forward thread -----------------------------------------------------------------
+    def _run(self, threads: int) -> None:
+        torch.set_num_threads(threads)
+        e = self.engine
+        last: dict[str, list[int]] = {}      # the previous step's tokens, by request id
+        while (step := self._steps.get()) is not None:
+            plan = step.plan
+            assert plan.step is not None
+            step_io.fill_pending(plan.out, plan.step, last)
+            try:
+                logits = e.executor.execute(plan.step)
+            except Exception as error:  # noqa: BLE001 -- attributed on the engine thread
+                logger.debug("forward failed on the forward thread (%s)", error)
+                self._landed.put(_Landed(step, error=error))
+                self._resume.wait()          # the engine thread re-runs it and fills the next
+                self._resume.clear()
+                if self._stopping:
+                    return
+                last = {}
+                continue
+            step.may_draw.wait()
+            try:
+                drawn = step_io.draw(plan.out, logits, e.sampler, plan.sampling)
+            except BaseException as fatal:  # noqa: BLE001 -- the engine thread raises it
+                self._landed.put(_Landed(step, fatal=fatal))
+                return
+            last = {rid: [token] for rid, token in drawn.tokens.items()}
+            self._landed.put(_Landed(step, drawn))

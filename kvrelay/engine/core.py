@@ -282,8 +282,15 @@ class LLMEngine:
 
     def finish_step(self, plan: StepPlan, sampled: dict[str, list[int]]) -> list[RequestOutput]:
         """After sampling: the scheduler advances, and the outputs of the step."""
+        self.update_step(plan, sampled)
+        return self.step_outputs(plan)
+
+    def update_step(self, plan: StepPlan, sampled: dict[str, list[int]]) -> None:
         self.scheduler.update(plan.out, sampled)
         self.num_steps += 1
+
+    def step_outputs(self, plan: StepPlan) -> list[RequestOutput]:
+        """Detokenizing (stop strings end requests here) and the step's outputs."""
         return (self.output.outputs(plan.out) + self.output.failed_outputs(plan.failed)
                 + self._take_failures())
 

@@ -192,6 +192,9 @@ def _step_trace() -> IO[str] | nullcontext[None]:
     return open(path, "a", buffering=1) if path else nullcontext()
 
 
+STATS_EVERY_S = 0.1        # while steps run without outputs (a long prefill), stats this often
+
+
 def _loop(engine: CoreEngine, conn: Connection) -> None:
     with _step_trace() as trace:
         _run(engine, conn, trace)
@@ -199,6 +202,7 @@ def _loop(engine: CoreEngine, conn: Connection) -> None:
 
 def _run(engine: CoreEngine, conn: Connection, trace: IO[str] | None) -> None:
     last_stats: EngineStats | None = None
+    last_sent = time.monotonic()
     announced: set[str] = set()          # requests whose first message (with the prompt) went out
     # between steps, one poll(2) call: Connection.poll(0) builds a selector each time
     waiting = select.poll()
@@ -233,7 +237,13 @@ def _run(engine: CoreEngine, conn: Connection, trace: IO[str] | None) -> None:
                 return
             stepped = time.monotonic()
             stats = engine_stats(engine)
-            if outputs or stats != last_stats:               # one message per step
+            # one message per step with outputs; changed stats alone go out when the engine
+            # idles, or 0.1 s after the last message (a step about to run sends them with
+            # its outputs: a message wakes the API process, which then competes with that
+            # step for the cores)
+            if outputs or (stats != last_stats and (not engine.has_unfinished_requests()
+                                                    or stepped - last_sent > STATS_EVERY_S)):
+                last_sent = stepped
                 # plain pickle (Connection.send's ForkingPickler copies the copyreg dispatch
                 # table per message); the API's Connection.recv unpickles it the same
                 conn.send_bytes(pickle.dumps(StepOutputs(_deltas(outputs, announced), stats),

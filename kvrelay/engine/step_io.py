@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from kvrelay.engine.request import Request
+from kvrelay.engine.request import Logprob, Request
 from kvrelay.engine.runner import StepInput
 from kvrelay.engine.sampler import Sampler, top_logprobs
 from kvrelay.engine.scheduler import ScheduledChunk, SchedulerOutput
@@ -114,22 +115,35 @@ def sampling_requests(out: SchedulerOutput) -> list[Request]:
     return [c.request for c in out.chunks if c.completes and not c.request.status.finished]
 
 
-def sample(out: SchedulerOutput, logits: torch.Tensor, sampler: Sampler, fail: FailFn,
-           requests: list[Request] | None = None) -> dict[str, list[int]]:
-    """Tokens for the chunks that complete; a request whose prompt logprobs or
-    sampling fails is failed alone (`Sampler.isolated`) and gets no token.
-    `requests`: those the sampler was prepared for (`sampling_requests` at the time);
-    the rows of the others are skipped."""
+@dataclass
+class Draw:
+    """A computed step's tokens, not yet applied to its requests (`apply`): drawing
+    touches no request state but the seeded generators, so it may run on the forward
+    thread (async scheduling) while the engine reads the requests."""
+    tokens: dict[str, int] = field(default_factory=dict)      # request id → its new token
+    logprobs: list[tuple[Request, dict[int, Logprob]]] = field(default_factory=list)
+    prompt: list[tuple[Request, int, list[dict[int, Logprob]]]] = field(default_factory=list)
+    errors: list[tuple[Request, Exception, str]] = field(default_factory=list)
+
+
+def draw(out: SchedulerOutput, logits: torch.Tensor, sampler: Sampler,
+         requests: list[Request] | None = None) -> Draw:
+    """Tokens for the chunks that complete, and the prompt logprobs asked for; a request
+    whose prompt logprobs or sampling fails is listed in `errors` and gets no token
+    (`Sampler.isolated`). `requests`: those the sampler was prepared for
+    (`sampling_requests` at the time); the rows of the others are skipped."""
     sampling = {id(r) for r in (sampling_requests(out) if requests is None else requests)}
+    d = Draw()
     row, sample_rows, reqs = 0, [], []
     for chunk in out.chunks:
         req = chunk.request
         n = prompt_logprob_rows(chunk)
         if n:
             try:
-                prompt_logprobs(req, chunk.start, logits[row:row + n])
+                d.prompt.append((req, chunk.start, prompt_logprobs(req, chunk.start,
+                                                                   logits[row:row + n])))
             except Exception as e:  # noqa: BLE001 -- this request's failure only
-                fail(req, e, "computing prompt logprobs")
+                d.errors.append((req, e, "computing prompt logprobs"))
             row += n
         if chunk.completes:
             if id(req) in sampling:
@@ -137,31 +151,48 @@ def sample(out: SchedulerOutput, logits: torch.Tensor, sampler: Sampler, fail: F
                 reqs.append(req)
             row += 1
     if not reqs:
-        return {}
+        return d
     # a decode-only step samples every row: no copy (64 rows of a 201k vocabulary are 51 MB
     # of fresh memory, page faults included, per step)
     rows = logits if len(sample_rows) == logits.shape[0] else logits[sample_rows]
     with torch.inference_mode():          # the forward's logits are inference tensors
         result, errors = sampler.isolated(rows, reqs)
-    for i, err in errors.items():
-        fail(reqs[i], err, "sampling")
-    sampled = {}
+    d.errors += [(reqs[i], err, "sampling") for i, err in errors.items()]
     for i, (req, token, lp) in enumerate(zip(reqs, result.token_ids, result.logprobs)):
         if i in errors:
             continue
         if lp is not None:
-            req.output_logprobs.append(lp)
-        sampled[req.request_id] = [token]
-    return sampled
+            d.logprobs.append((req, lp))
+        d.tokens[req.request_id] = token
+    return d
 
 
-def prompt_logprobs(req: Request, start: int, logits: torch.Tensor) -> None:
-    if start == 0:
-        req.prompt_logprobs = [None]                 # the first token has no logprob
+def apply(d: Draw, fail: FailFn) -> dict[str, list[int]]:
+    """A drawn step onto its requests: prompt and sampled logprobs recorded, failures
+    failed; returns the sampled tokens by request id (`Scheduler.update` appends them)."""
+    for req, start, entries in d.prompt:
+        if start == 0:
+            req.prompt_logprobs = [None]             # the first token has no logprob
+        req.prompt_logprobs.extend(entries)
+    for req, err, where in d.errors:
+        fail(req, err, where)
+    for req, lp in d.logprobs:
+        req.output_logprobs.append(lp)
+    return {request_id: [token] for request_id, token in d.tokens.items()}
+
+
+def sample(out: SchedulerOutput, logits: torch.Tensor, sampler: Sampler, fail: FailFn,
+           requests: list[Request] | None = None) -> dict[str, list[int]]:
+    """`draw` and `apply` in one: the synchronous step."""
+    return apply(draw(out, logits, sampler, requests), fail)
+
+
+def prompt_logprobs(req: Request, start: int, logits: torch.Tensor) -> list[dict[int, Logprob]]:
+    """The prompt logprobs of positions [start, start + rows): each scores the next prompt
+    token, with the request's top-N."""
     logp = torch.log_softmax(logits, dim=-1)
-    for j in range(logits.shape[0]):
-        nxt = req.prompt_token_ids[start + j + 1]
-        req.prompt_logprobs.append(top_logprobs(logp[j], nxt, req.params.prompt_logprobs or 0))
+    return [top_logprobs(logp[j], req.prompt_token_ids[start + j + 1],
+                         req.params.prompt_logprobs or 0) for j in range(logits.shape[0])]
 
 
 def prompt_logprob_rows(chunk: ScheduledChunk) -> int:

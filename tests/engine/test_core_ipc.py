@@ -88,6 +88,41 @@ def test_core_sends_one_message_per_step_with_the_whole_batch(tmp_path, monkeypa
     assert all(float(a) <= float(b) <= float(c) for a, b, c, _ in lines)
 
 
+class _QuietEngine(_BatchEngine):
+    """Steps without outputs (a long prefill in chunks) whose stats change every step."""
+
+    def step(self) -> list[RequestOutput]:
+        self.num_steps += 1
+        return []
+
+
+def _quiet_messages(steps: int) -> list[StepOutputs]:
+    api, core = mp.Pipe()
+    loop = threading.Thread(target=core_proc._loop, args=(_QuietEngine(1, steps), core))
+    loop.start()
+    try:
+        messages = [api.recv()]
+        while api.poll(0.3):
+            messages.append(api.recv())
+        api.send(Shutdown())
+        loop.join(10)
+        assert not loop.is_alive()
+    finally:
+        api.close()
+        core.close()
+    return messages
+
+
+def test_stats_alone_wait_for_the_engine_to_idle(monkeypatch):
+    """Steps without outputs send no message while more steps follow (a message would wake
+    the API process during the next step) unless STATS_EVERY_S passed since the last;
+    the stats go out when the engine idles."""
+    monkeypatch.setattr(core_proc, "STATS_EVERY_S", 60.0)
+    assert [m.stats.num_steps for m in _quiet_messages(5)] == [5]
+    monkeypatch.setattr(core_proc, "STATS_EVERY_S", 0.0)
+    assert [m.stats.num_steps for m in _quiet_messages(3)] == [1, 2, 3]
+
+
 class _NoProcess:
     """Stands in for the engine-core process (the test plays the core on the pipe)."""
 
