@@ -130,8 +130,8 @@ class KvrelayEngine(_Engine):
         inner_schedule, inner_step = engine.scheduler.schedule, engine.step
         last: dict[str, Any] = {}
 
-        def schedule():
-            out = inner_schedule()
+        def schedule(*args: Any):
+            out = inner_schedule(*args)
             last["out"] = out
             return out
 

@@ -112,9 +112,10 @@ class AsyncSteps:
         assert landed.step is prev
         if landed.fatal is not None:
             raise landed.fatal
-        if landed.drawn is None:             # the forward raised: attribute it here
-            sampled = self._recover(prev, nxt)
+        if landed.error is not None:         # the forward raised: attribute it here
+            sampled = self._recover(prev, nxt, landed.error)
         else:
+            assert landed.drawn is not None
             sampled = step_io.apply(landed.drawn, e._fail_request)
         e.update_step(prev.plan, sampled)
         if nxt is not None:
@@ -124,13 +125,14 @@ class AsyncSteps:
             self.num_dropped_rows += completing - len(plan.sampling or ())
         return e.step_outputs(prev.plan) + e.output.failed_outputs(plan.failed)
 
-    def _recover(self, prev: _Step, nxt: _Step | None) -> dict[str, list[int]]:
+    def _recover(self, prev: _Step, nxt: _Step | None,
+                 error: Exception) -> dict[str, list[int]]:
         """The forward thread's forward of `prev` raised: re-run it here, chunk by chunk
         where the executor allows, so the failure is attributed (`step_io.forward`); fill
         the step handed over after it, and let the forward thread go on."""
         e = self.engine
         if not e.executor.can_rerun:
-            raise RuntimeError("the forward failed on the forward thread") from None
+            raise error                      # TP ranks' collectives cannot be replayed
         plan = prev.plan
         assert plan.step is not None
         sampled = e.sample(plan, e.forward(plan, plan.step))
@@ -141,6 +143,7 @@ class AsyncSteps:
         return sampled
 
     def shutdown(self) -> None:
+        """Stop the forward thread, wherever it waits (a step it computes is dropped)."""
         self._stopping = True
         self._steps.put(None)
         self._resume.set()
@@ -151,7 +154,7 @@ class AsyncSteps:
         torch.set_num_threads(threads)
         e = self.engine
         last: dict[str, list[int]] = {}      # the previous step's tokens, by request id
-        while (step := self._steps.get()) is not None:
+        while (step := self._steps.get()) is not None and not self._stopping:
             plan = step.plan
             assert plan.step is not None
             step_io.fill_pending(plan.out, plan.step, last)
@@ -166,7 +169,9 @@ class AsyncSteps:
                     return
                 last = {}
                 continue
-            step.may_draw.wait()
+            while not step.may_draw.wait(0.05):
+                if self._stopping:           # the engine thread stopped (e.g. it failed)
+                    return
             try:
                 drawn = step_io.draw(plan.out, logits, e.sampler, plan.sampling)
             except BaseException as fatal:  # noqa: BLE001 -- the engine thread raises it

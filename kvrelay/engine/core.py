@@ -145,6 +145,9 @@ class LLMEngine:
 
     def _log_inputs(self) -> None:
         neuron = self.config.neuron
+        if self.pipeline is not None:
+            logger.info("async scheduling: each step is planned while the previous one "
+                        "computes (on a CPU it measured no faster: docs/serving.md)")
         if neuron.num_batched_tokens_buckets or neuron.num_seqs_buckets:
             logger.info("neuron_config buckets validated; not needed on %s (eager, no captured "
                         "graphs): steps are not padded", self.device.type)

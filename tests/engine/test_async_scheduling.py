@@ -239,3 +239,24 @@ def test_a_request_failing_in_sampling_fails_alone(make_llm):
 def test_refused_where_steps_are_coordinated_with_other_processes(extra, words):
     with pytest.raises(ValueError, match=words):
         EngineArgs(async_scheduling=True, **extra)
+
+
+def test_the_forward_thread_stops_when_the_engine_thread_fails(make_llm, monkeypatch):
+    """A failure on the engine thread (here in the scheduler's update) leaves the forward
+    thread holding a step that may never draw: shutting down still ends it at once."""
+    import time
+    engine = make_llm(async_scheduling=True).engine
+    engine.add_request("a", _prompts()[0], GREEDY)
+    engine.step()                                    # step 1 computes
+
+    def broken(plan, sampled):
+        raise RuntimeError("scheduler state is broken")
+    monkeypatch.setattr(engine, "update_step", broken)
+    with pytest.raises(RuntimeError, match="broken"):
+        engine.step()                                # step 2 handed over, never allowed to draw
+    started = time.monotonic()
+    engine.pipeline.shutdown()
+    assert not engine.pipeline._thread.is_alive()
+    assert time.monotonic() - started < 5
+    engine.abort_request("a")                        # the fixture checks for leaked blocks
+    engine.pipeline._flight = None
