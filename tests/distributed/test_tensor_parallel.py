@@ -1,5 +1,6 @@
-"""Multi-process tensor parallelism: TP=2 and TP=4 greedy outputs equal TP=1's, and
-invalid layouts are refused with the numbers named."""
+"""Multi-process tensor parallelism: TP=2 and TP=4 greedy outputs equal TP=1's (TP=2 with
+async scheduling too: the forward thread drives the worker ranks), and invalid layouts are
+refused with the numbers named."""
 from __future__ import annotations
 
 import pytest
@@ -17,7 +18,7 @@ def tp1_outputs(tiny):
 
 
 @pytest.mark.parametrize("tp,extra", [
-    (2, {}), (4, {}), (4, {"enable_expert_parallel": True}),
+    (2, {}), (2, {"async_scheduling": True}), (4, {}), (4, {"enable_expert_parallel": True}),
     (4, {"additional_config": {"neuron_config": {"ep_degree": 2}}})])
 def test_tp_greedy_equals_tp1(tiny, tp1_outputs, tp, extra):
     from tests.factories import greedy_mismatch
