@@ -24,6 +24,7 @@ from tests.engine.sched_driver import (
     request,
 )
 from tests.engine.test_engine_greedy import GREEDY, _prompts, check_against_reference
+from tests.engine.test_isolation import run as finals  # add requests, step to the end
 from tests.faults import SAMPLE_FAULT, InjectedFault
 
 
@@ -124,18 +125,6 @@ def test_chunked_prefill_and_short_blocks_match_transformers(tiny, make_llm):
                    max_model_len=48, num_gpu_blocks_override=20)
     prompts = _prompts()
     check_against_reference(tiny[1], prompts, llm.generate(prompts, GREEDY))
-
-
-def finals(engine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict:
-    for request_id, (prompt, params) in requests.items():
-        engine.add_request(request_id, prompt, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    assert set(done) == set(requests)
-    return done
 
 
 def fields(out) -> list:
