@@ -22,7 +22,9 @@ the header prints the CPU flags, torch's version and the load average.
 
 Shapes (synthetic weights, never a checkpoint): gpt-oss-20b LM head 201088x2880 (1.16 GB),
 qkv 5120x2880, o_proj 2880x4096; the embedded model (SmolLM2-135M as gpt-oss) qkv 960x576,
-o_proj 576x576 and LM head 49152x576.
+o_proj 576x576 and LM head 49152x576; the offline benchmark's tiny model (hidden 128) qkv
+256x128, o_proj 128x128, router 8x128 and LM head 2048x128 (`--shapes tiny --rows
+17,32,64,128`: where F.linear's fixed cost per call decides, linear.py DENSE_SMALL_CALL_MACS).
 """
 from __future__ import annotations
 
@@ -57,9 +59,15 @@ SHAPES: dict[str, tuple[int, int]] = {   # name: (N output features, K input fea
     "emb.qkv": (960, 576),
     "emb.o_proj": (576, 576),
     "emb.lm_head": (49152, 576),
+    "tiny.qkv": (256, 128),
+    "tiny.o_proj": (128, 128),
+    "tiny.router": (8, 128),
+    "tiny.lm_head": (2048, 128),
 }
-GROUPS = {"all": list(SHAPES), "20b": [s for s in SHAPES if s.startswith("20b")],
-          "embedded": [s for s in SHAPES if s.startswith("emb")]}
+GROUPS = {"all": [s for s in SHAPES if not s.startswith("tiny")],
+          "20b": [s for s in SHAPES if s.startswith("20b")],
+          "embedded": [s for s in SHAPES if s.startswith("emb")],
+          "tiny": [s for s in SHAPES if s.startswith("tiny")]}
 
 
 def weight_pool(n: int, k: int, pool_bytes: int) -> list[torch.Tensor]:

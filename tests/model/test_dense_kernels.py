@@ -194,13 +194,36 @@ def test_linear_dispatches_decode_rows_to_the_kernel(dense_mode):
     x, w, b = _operands(40, 96, 64, torch.bfloat16, seed=3)
     limit = L.DENSE_MAX_ROWS[isa][torch.bfloat16]
     assert L._dense(x[:1], w) and L._dense(x[:limit], w)
-    assert not L._dense(x[:limit + 1], w)
+    # past the row limit only a call within the small-call budget keeps the kernel
+    big = torch.zeros(L.DENSE_SMALL_CALL_MACS.get(isa, 0) // limit + 1, 64, dtype=torch.bfloat16)
+    assert L._dense(x[:limit], big) and not L._dense(x[:limit + 1], big)
     # the kernel's result (not torch's) comes back for decode rows
     kernel = torch.ops.kvrelay_kernels.dense_linear(x[:1], w, b, "")
     assert torch.equal(L.linear(x[:1], w, b), kernel)
     dense_mode("torch")
     assert L.dense_kernel_isa() is None and not L._dense(x[:1], w)
     assert torch.equal(L.linear(x[:1], w, b), F.linear(x[:1], w, b))
+
+
+def test_small_calls_take_the_kernel_at_any_row_count(dense_mode):
+    dense_mode("auto")
+    isa = L.dense_kernel_isa()
+    budget = L.DENSE_SMALL_CALL_MACS.get(isa or "", 0)
+    if not budget:
+        pytest.skip("no small-call budget for this CPU's dense variant")
+    limit = L.DENSE_MAX_ROWS[isa][torch.bfloat16]
+    w = torch.zeros(256, 128, dtype=torch.bfloat16)          # the tiny model's qkv
+    rows = budget // w.numel()
+    assert rows > limit
+    x, wide = torch.zeros(rows + 1, 128, dtype=torch.bfloat16), torch.zeros(8, L.WIDE_K)
+    assert L._dense(x[:rows], w) and not L._dense(x, w)
+    assert L._dense(torch.zeros(rows, L.WIDE_K), wide)      # however wide, if it is small
+    assert not L._dense(x[:rows].float(), w)                 # dtypes must still agree
+    # and the kernel's result comes back, equal to torch's to bf16 rounding
+    x, w, b = _operands(rows, 256, 128, torch.bfloat16, seed=5)
+    kernel = torch.ops.kvrelay_kernels.dense_linear(x, w, b, "")
+    assert torch.equal(L.linear(x, w, b), kernel)
+    torch.testing.assert_close(kernel.float(), F.linear(x, w, b).float(), rtol=2e-2, atol=2e-2)
 
 
 def test_wide_matmuls_keep_the_kernel_for_fewer_rows(dense_mode):
@@ -210,7 +233,7 @@ def test_wide_matmuls_keep_the_kernel_for_fewer_rows(dense_mode):
         pytest.skip("only the generic dense build runs on this CPU")
     limit = L.DENSE_MAX_ROWS[isa][torch.bfloat16]
     wide = min(limit, L.WIDE_MAX_ROWS)
-    w = torch.zeros(8, L.WIDE_K, dtype=torch.bfloat16)
+    w = torch.zeros(1024, L.WIDE_K, dtype=torch.bfloat16)    # past the small-call budget
     x = torch.zeros(limit + 1, L.WIDE_K, dtype=torch.bfloat16)
     assert L._dense(x[:wide], w) and not L._dense(x[:wide + 1], w)
     narrow = torch.zeros(limit, L.WIDE_K - 1, dtype=torch.bfloat16)

@@ -63,12 +63,12 @@ def checkpoint(request, tmp_path_factory):
     return save_checkpoint(hf, tmp_path_factory.mktemp(request.param))
 
 
-def _decode(model, fused: bool, prompts: list[list[int]], steps: int):
+def _decode(model, fused: bool, prompts: list[list[int]], steps: int, num_blocks: int = 64):
     """Prefill the prompts, then `steps` decode steps of every sequence (its own greedy
     token each time); returns every decode step's logits and the KV caches."""
     gpt_oss.DecoderLayer.fused_decode = fused
     try:
-        loop = PagedGreedyLoop(model, 64, 4, shuffle_blocks=True, seed=5)
+        loop = PagedGreedyLoop(model, num_blocks, 4, shuffle_blocks=True, seed=5)
         seqs = [_Seq(list(p)) for p in prompts]      # _Seq appends to its list
         logits = loop.step(seqs, [len(p) for p in prompts])
         last = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1
@@ -142,6 +142,34 @@ def test_the_decode_stack_is_bitwise_the_layer_by_layer_decode(checkpoint, dtype
     assert torch.equal(got, ref)
     for a, b in zip(got_caches, ref_caches):
         assert torch.equal(a, b)
+
+
+def test_the_decode_stack_takes_more_than_the_dense_row_limit_on_a_small_model(checkpoint,
+                                                                            monkeypatch):
+    """Past DENSE_MAX_ROWS sequences a small model's decode steps stay one native call where
+    every projection is within the dense kernel's small-call budget (linear.py), bitwise
+    the layer-by-layer decode; where no budget applies they go layer by layer."""
+    from kvrelay.model.layers import linear
+    model = load_model(checkpoint, dtype=torch.bfloat16, progress=False).model
+    isa = linear.dense_kernel_isa()
+    n = linear.DENSE_MAX_ROWS.get(isa or "", {}).get(torch.bfloat16, 16) + 4
+    layer = model.layers[0]
+    _ln1, qkv, _attn, o_proj, _ln2, _experts, _ctx, router = layer._decode_modules
+    weights = (qkv.weight, o_proj.weight, router.weight)
+    fits = all(n * w.numel() <= linear.DENSE_SMALL_CALL_MACS.get(isa or "", 0) for w in weights)
+    g = torch.Generator().manual_seed(n)
+    prompts = [torch.randint(0, 100, (int(k),), generator=g).tolist()
+               for k in torch.randint(2, 7, (n,), generator=g)]
+    monkeypatch.setattr(gpt_oss.DecodeStack, "enabled", False)
+    ref, ref_caches = _decode(model, True, prompts, 3, num_blocks=4 * n)
+    monkeypatch.setattr(gpt_oss.DecodeStack, "enabled", True)
+    got, got_caches = _decode(model, True, prompts, 3, num_blocks=4 * n)
+    assert model.__dict__["_stack"].usable == {n: fits}
+    assert torch.equal(got, ref)
+    for a, b in zip(got_caches, ref_caches):
+        assert torch.equal(a, b)
+    if isa == "avx512_bf16":
+        assert fits                    # the TINY factory model's projections are small
 
 
 def test_the_decode_stack_follows_reloaded_experts(checkpoint, monkeypatch):

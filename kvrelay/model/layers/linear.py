@@ -129,6 +129,14 @@ DENSE_MAX_ROWS: dict[str, dict[torch.dtype, int]] = {
 # benchmarks/dense_kernels.py, docs/benchmarks.md "Dense kernels at weight bandwidth").
 WIDE_K = 2048
 WIDE_MAX_ROWS = 8
+# A call of at most this many multiply-adds (rows x weight elements) takes the kernel at any
+# row count, per dense ISA variant: F.linear pays a fixed ~16 µs a call in oneDNN, more than
+# the kernel needs for the whole of such a call (AVX512-BF16, bf16 and fp32, 1 and 2 threads:
+# 2^21 MACs is where they tie; `benchmarks/dense_kernels.py --shapes tiny --rows 17,32,64,128`,
+# docs/benchmarks.md "Session 10"). What it buys is the step rather than the call: a small
+# model's decode steps of 17-64 sequences then run in one native call (`DecodeStack`)
+# instead of layer by layer from Python. Not measured, so 0, for the other variants.
+DENSE_SMALL_CALL_MACS: dict[str, int] = {"avx512_bf16": 1 << 21}
 
 
 @functools.cache
@@ -151,6 +159,10 @@ def _dense_rows() -> dict[torch.dtype, int]:
     return DENSE_MAX_ROWS[isa] if isa else {}
 
 
+def _small_call_macs() -> int:
+    return DENSE_SMALL_CALL_MACS.get(dense_kernel_isa() or "", 0)
+
+
 @functools.cache
 def _dense_op() -> torch._ops.OpOverload:
     """The op overload itself: the packet's overload resolution costs a few µs a call."""
@@ -162,9 +174,12 @@ def _dense(x: torch.Tensor, weight: torch.Tensor) -> bool:
     if torch.compiler.is_compiling() or x.dim() != 2:     # traced code keeps F.linear
         return False
     limit = _dense_rows().get(weight.dtype, 0)
+    if not limit or x.dtype != weight.dtype or x.device.type != "cpu":
+        return False
+    rows = x.shape[0]
     if x.shape[1] >= WIDE_K:
         limit = min(limit, WIDE_MAX_ROWS)
-    return 0 < x.shape[0] <= limit and x.dtype == weight.dtype and x.device.type == "cpu"
+    return rows > 0 and (rows <= limit or rows * weight.numel() <= _small_call_macs())
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
