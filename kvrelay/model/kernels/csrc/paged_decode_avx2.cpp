@@ -1,6 +1,7 @@
 // AVX2 + FMA + F16C build of the paged decode kernel: 8 floats per vector. See
 // paged_decode_simd.h.
 #include "paged_decode.h"
+#include "paged_decode_prefetch.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>

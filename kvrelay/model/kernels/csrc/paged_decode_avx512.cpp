@@ -1,6 +1,7 @@
 // AVX-512 build of the paged decode kernel (F + BW + VL + DQ, the set moe_op.cpp checks
 // before choosing "avx512"): 16 floats per vector. See paged_decode_simd.h.
 #include "paged_decode.h"
+#include "paged_decode_prefetch.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>

@@ -15,8 +15,10 @@
 //     elements) and a mask (the odd ones), once for up to kTile heads whose accumulators
 //     stay in registers; the accumulators hold even and odd elements apart until the end.
 //
-// No software prefetch: asking for the next one, two or four sequences' blocks into L2
-// changed nothing measurable here, warm or cold (docs/benchmarks.md, "offattn").
+// Software prefetch as in the fp32 build: each work item's next block's K and V rows, and
+// the next item's first block (paged_decode_prefetch.h). Session 7 asked for whole
+// sequences ahead into L2 and saw no change; one block ahead is what pays (offline
+// generate +19-31 %; docs/benchmarks.md "Session 10").
 //
 // Exactness: q and K are bf16 values (the ops check q's dtype is the cache's; the fused
 // op rounds q to it), so each product is exact in fp32 and only the fp32 summation order
@@ -26,6 +28,7 @@
 // denormal inputs and results as zero: a product or partial sum below 2^-126 in magnitude
 // (|q·k| < 1.2e-38) counts as 0, a change to a logit far below its fp32 rounding.
 #include "paged_decode.h"
+#include "paged_decode_prefetch.h"
 
 #include <string.h>
 
@@ -128,7 +131,10 @@ void bf16_decode_tasks(const kvrelay::DecodeProblem& p, int64_t begin, int64_t e
   for (int64_t task = begin; task < end; ++task) {
     const int64_t seq = task / p.KVH, kh = task % p.KVH;
     const int64_t len = p.lens[seq];
-    const int64_t first = p.window > 0 && len > p.window ? len - p.window : 0;
+    const int64_t first = kvrelay::first_position(p, task);
+    if (task == begin) kvrelay::prefetch_block(p, task, first);
+    if (task + 1 < end)
+      kvrelay::prefetch_block(p, task + 1, kvrelay::first_position(p, task + 1));
     const float* qs = p.q + (seq * p.H + kh * G) * D;
     for (int64_t g = 0; g < G; ++g) {
       for (int c = 0; c < DW; ++c)   // exact: q holds bf16 values
@@ -144,6 +150,7 @@ void bf16_decode_tasks(const kvrelay::DecodeProblem& p, int64_t begin, int64_t e
       const int64_t off0 = p0 % B;
       const int64_t n = B - off0 < len - p0 ? B - off0 : len - p0;   // positions in the block
       const uint16_t* kb = kv + ((blk * p.KVH + kh) * B + off0) * D;
+      kvrelay::prefetch_block(p, task, p0 + n);
       for (int64_t g = 0; g < G; ++g) {
         float* sg = sc + g * Bp;
         T mx = P::set1(-__builtin_inff());

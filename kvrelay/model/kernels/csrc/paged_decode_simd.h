@@ -160,31 +160,6 @@ inline void all_values(const kvrelay::DecodeProblem& p, int64_t at, const float*
   }
 }
 
-// Asks for the K and V rows of positions [p0, min(p0 + B - p0 % B, len)) of work item
-// `task` (its next block): the blocks of a sequence lie anywhere in the cache, so the
-// hardware prefetcher cannot guess them, and without this the kernel waits on memory.
-inline void prefetch_block(const kvrelay::DecodeProblem& p, int64_t task, int64_t p0) {
-  const int64_t seq = task / p.KVH, kh = task % p.KVH, B = p.B;
-  const int64_t len = p.lens[seq];
-  if (p0 >= len) return;
-  const int64_t n = B - p0 % B < len - p0 ? B - p0 % B : len - p0;
-  const int64_t blk = p.table[seq * p.maxb + p0 / B];
-  const int64_t esize = p.format == kvrelay::kKvF32 ? 4 : 2;
-  const char* k = static_cast<const char*>(p.kv) +
-                  ((blk * p.KVH + kh) * B + p0 % B) * p.D * esize;
-  const char* v = k + p.NB * p.KVH * B * p.D * esize;
-  for (int64_t off = 0; off < n * p.D * esize; off += 64) {
-    __builtin_prefetch(k + off);
-    __builtin_prefetch(v + off);
-  }
-}
-
-// the first visible position of work item `task`
-inline int64_t first_position(const kvrelay::DecodeProblem& p, int64_t task) {
-  const int64_t len = p.lens[task / p.KVH];
-  return p.window > 0 && len > p.window ? len - p.window : 0;
-}
-
 template <int DC>
 void simd_decode_tasks(const kvrelay::DecodeProblem& p, int64_t begin, int64_t end,
                        float* scratch) {
@@ -204,9 +179,10 @@ void simd_decode_tasks(const kvrelay::DecodeProblem& p, int64_t begin, int64_t e
   for (int64_t task = begin; task < end; ++task) {
     const int64_t seq = task / p.KVH, kh = task % p.KVH;
     const int64_t len = p.lens[seq];
-    const int64_t first = first_position(p, task);
-    if (task == begin) prefetch_block(p, task, first);
-    if (task + 1 < end) prefetch_block(p, task + 1, first_position(p, task + 1));
+    const int64_t first = kvrelay::first_position(p, task);
+    if (task == begin) kvrelay::prefetch_block(p, task, first);
+    if (task + 1 < end)
+      kvrelay::prefetch_block(p, task + 1, kvrelay::first_position(p, task + 1));
     const float* qs = p.q + (seq * p.H + kh * G) * D;
     for (int64_t g = 0; g < G; ++g) {
       for (int64_t d = 0; d < Dp; ++d) {
@@ -221,7 +197,7 @@ void simd_decode_tasks(const kvrelay::DecodeProblem& p, int64_t begin, int64_t e
       const int64_t off0 = p0 % B;
       const int64_t n = B - off0 < len - p0 ? B - off0 : len - p0;   // positions in the block
       const int64_t k_at = ((blk * p.KVH + kh) * B + off0) * D;
-      prefetch_block(p, task, p0 + n);
+      kvrelay::prefetch_block(p, task, p0 + n);
       rows_to_f32(p, k_at, n, Dp, kf);
       for (int64_t g = 0; g < G; ++g) {
         float* sg = sc + g * Bp;
