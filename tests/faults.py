@@ -22,3 +22,14 @@ def inject(params, prompt_ids):
     def processor(output_ids, logits):
         raise InjectedFault("injected fault while sampling")
     return processor
+
+
+def poison_forward(engine, monkeypatch) -> None:
+    """The engine's model forward raises whenever a step holds the SAMPLE_FAULT token."""
+    real = engine.runner.execute
+
+    def execute(step):
+        if SAMPLE_FAULT in step.token_ids:
+            raise InjectedFault("injected fault in the forward")
+        return real(step)
+    monkeypatch.setattr(engine.runner, "execute", execute)

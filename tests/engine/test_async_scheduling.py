@@ -25,7 +25,7 @@ from tests.engine.sched_driver import (
 )
 from tests.engine.test_engine_greedy import GREEDY, _prompts, check_against_reference
 from tests.engine.test_isolation import run as finals  # add requests, step to the end
-from tests.faults import SAMPLE_FAULT, InjectedFault
+from tests.faults import SAMPLE_FAULT, poison_forward
 
 
 # -- the scheduler, planned ahead ----------------------------------------------------------
@@ -198,13 +198,7 @@ def test_a_request_failing_in_the_forward_fails_alone(make_llm, monkeypatch):
     clean = {"g": (_prompts()[0], GREEDY), "s": (_prompts()[1], seeded)}
     want = finals(make_llm().engine, clean)
     engine = make_llm(async_scheduling=True).engine
-    real = engine.runner.execute
-
-    def execute(step):
-        if SAMPLE_FAULT in step.token_ids:
-            raise InjectedFault("injected fault in the forward")
-        return real(step)
-    monkeypatch.setattr(engine.runner, "execute", execute)
+    poison_forward(engine, monkeypatch)
     got = finals(engine, clean | {"bad": ([9, SAMPLE_FAULT, 6], GREEDY)})
     assert got["bad"].error_status == 500 and "the model forward" in got["bad"].error
     assert {k: fields(got[k]) for k in clean} == {k: fields(want[k]) for k in clean}

@@ -7,7 +7,7 @@ import pytest
 
 from kvrelay import SamplingParams
 from kvrelay.sampling_params import SamplingParamsError
-from tests.faults import ADD_FAULT, SAMPLE_FAULT, InjectedFault
+from tests.faults import ADD_FAULT, SAMPLE_FAULT, InjectedFault, poison_forward
 
 PROMPTS = [[5, 17, 29, 40, 41, 42, 77, 90, 91, 12, 13], [100, 101, 7], list(range(20, 50))]
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -59,13 +59,7 @@ def test_a_request_failing_in_the_forward_fails_alone(make_llm, monkeypatch):
     alone, the poisoned one fails, the others keep their logits."""
     want = clean_tokens(make_llm)
     engine = make_llm().engine
-    real = engine.runner.execute
-
-    def execute(step):
-        if SAMPLE_FAULT in step.token_ids:
-            raise InjectedFault("injected fault in the forward")
-        return real(step)
-    monkeypatch.setattr(engine.runner, "execute", execute)
+    poison_forward(engine, monkeypatch)
     finals = run(engine, {"g": (PROMPTS[0], GREEDY), "bad": ([9, SAMPLE_FAULT, 6], GREEDY),
                           "s": (PROMPTS[1], SEEDED)})
     assert finals["bad"].error_status == 500 and "the model forward" in finals["bad"].error
