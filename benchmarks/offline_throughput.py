@@ -6,6 +6,7 @@ Run by hand (this is not a pytest test), from the kvrelay venv:
     python benchmarks/offline_throughput.py [--quick] [--configs tiny,big]
         [--engines kvrelay,transformers,vllm] [--out DIR] [--profile | --no-profile]
         [--experts bf16,mxfp4] [--layers N] [--hf-batches 64,32,16] [--hf-experts eager,grouped_mm]
+        [--paired ROUNDS]
 
 What one run does:
 
@@ -37,6 +38,12 @@ What one run does:
    VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0.
 4. Roofline per decode step (formula in `roofline()`), ratios vs targets, a py-spy
    profile of kvrelay on the big config, JSON + PNG into --out.
+
+--paired ROUNDS: after a config's runs, kvrelay and transformers (its best batch and
+experts from the sweep) are loaded again, each in its own process kept warm, and run one
+timed pass each per round, back to back, the order alternating by round. The vs-transformers
+target is then the median of the rounds' ratios: on a shared machine whose speed drifts 2x
+over minutes, ratios of runs taken minutes apart measure the drift as much as the engines.
 
 Before each timed subprocess the CPU use of other processes is sampled (/proc/stat);
 above ~0.75 busy cores (≈ a 1-min load of 1.5 on 2 cores) the run waits (30 s steps,
@@ -310,6 +317,9 @@ def worker(spec_path: Path, out_path: Path) -> None:
     wl, probe = spec["workload"], spec["probe"]
     # warm-up: a few short requests (first-call kernel setup, allocator)
     timed([p[:16] for p in wl["prompts"][:8]], [4] * 8)
+    if spec.get("paired"):
+        paired_passes(eng, timed, wl)
+        return
     # decode probe (batch = len(probe prompts)); T(S2) - T(S1) over S2 - S1 steps
     if probe:
         p_times = {}
@@ -361,6 +371,21 @@ def worker(spec_path: Path, out_path: Path) -> None:
         }
     result["info"] = eng.info()
     out_path.write_text(json.dumps(result))
+
+
+PASS_MARK = "@@pass "
+
+
+def paired_passes(eng: _Engine, timed: Any, wl: dict[str, Any]) -> None:
+    """--paired: one untimed pass of the workload (transformers: its chosen batch and
+    experts, the only ones in its spec), then a timed pass per "run" line on stdin, each
+    result one marked JSON line on stdout, until "quit"."""
+    eng.generate(wl["prompts"], wl["output_lens"])
+    print(PASS_MARK + json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        if line.strip() != "run":
+            break
+        print(PASS_MARK + json.dumps(timed(wl["prompts"], wl["output_lens"])), flush=True)
 
 
 # =========================================================================================
@@ -418,6 +443,78 @@ def run_worker(spec: dict[str, Any], workdir: Path, timeout_s: float = 3600) -> 
     if rc != 0 or not out_path.is_file():
         return {"engine": engine, "error": f"worker exited {rc}"} | quiet
     return json.loads(out_path.read_text()) | quiet
+
+
+class _PassWorker:
+    """A worker process in paired mode (`paired_passes`): one timed pass per `run()`."""
+
+    def __init__(self, spec: dict[str, Any], workdir: Path) -> None:
+        engine = spec["engine"]
+        spec_path = workdir / f"spec-{spec['config']}-{engine}-paired.json"
+        spec_path.write_text(json.dumps(spec))
+        env = dict(os.environ, OMP_NUM_THREADS=str(THREADS), TOKENIZERS_PARALLELISM="false",
+                   PYTHONPATH=str(ROOT))
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", str(spec_path),
+               str(workdir / "unused.json")]
+        self.engine = engine
+        self.proc = subprocess.Popen(cmd, env=env, cwd=str(workdir), start_new_session=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._read()                                      # ready: loaded, warm
+
+    def _read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(PASS_MARK):
+                return json.loads(line[len(PASS_MARK):])
+        raise RuntimeError(f"{self.engine} paired worker exited {self.proc.wait()}")
+
+    def run(self) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("run\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        try:
+            if self.proc.stdin is not None:
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, 9)
+            self.proc.wait()
+
+
+def run_paired(specs: dict[str, dict[str, Any]], rounds: int, workdir: Path) -> dict[str, Any]:
+    """kvrelay and transformers, both loaded and warm in their own processes, one timed
+    pass each per round, back to back (the order alternating by round): each round's ratio
+    is taken within seconds, under one state of a shared machine whose speed drifts by
+    2x over minutes (docs/benchmarks.md, "Session 10"). Returns every pass and the ratios."""
+    workers: dict[str, _PassWorker] = {}
+    try:
+        for engine, spec in specs.items():
+            workers[engine] = _PassWorker(spec | {"paired": True, "probe": None}, workdir)
+        passes: dict[str, list[dict[str, Any]]] = {e: [] for e in specs}
+        for r in range(rounds):
+            order = list(specs) if r % 2 == 0 else list(specs)[::-1]
+            for engine in order:
+                passes[engine].append(workers[engine].run())
+            log(f"paired round {r}: " + ", ".join(
+                f"{e} {passes[e][-1]['output_tok_s']:.0f}" for e in specs) + " output tok/s")
+    finally:
+        for w in workers.values():
+            w.close()
+    ratios = [k["output_tok_s"] / t["output_tok_s"]
+              for k, t in zip(passes["kvrelay"], passes["transformers"])]
+    return {"rounds": rounds, "passes": passes, "ratios": ratios,
+            "ratio_median": statistics.median(ratios), "ratio_min": min(ratios),
+            "ratio_max": max(ratios),
+            "tok_s_median": {e: statistics.median(x["output_tok_s"] for x in v)
+                             for e, v in passes.items()},
+            "transformers": {"static_batch": specs["transformers"]["hf_batches"][0],
+                             "experts": specs["transformers"]["hf_experts"][0]}}
 
 
 # -- roofline -----------------------------------------------------------------------------
@@ -586,6 +683,10 @@ def main() -> None:
     ap.add_argument("--merge", action="store_true",
                     help="update the existing results JSON in --out with the engines run now "
                          "(e.g. to rerun one engine at a quieter moment); limits are kept")
+    ap.add_argument("--paired", type=int, default=0, metavar="ROUNDS",
+                    help="after each config's runs: ROUNDS rounds of one kvrelay and one "
+                         "transformers pass back to back, both processes loaded and warm; "
+                         "the target ratio is then the median of the rounds' ratios")
     ap.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -658,6 +759,7 @@ def main() -> None:
                 "transformers_requests": w["transformers_requests"],
                 "output_lens": wl["output_lens"], "input_lens": [len(p) for p in wl["prompts"]]}}
         res_c = results["results"].setdefault(name, {})
+        paired_specs: dict[str, dict[str, Any]] = {}
         for engine in engines:
             spec_wl, batch = wl, min(w["num"], MAX_NUM_SEQS)
             if engine == "transformers" and w["transformers_requests"] < w["num"]:
@@ -679,6 +781,7 @@ def main() -> None:
             if args.profile and engine == "kvrelay" and base == "big":
                 suffix = "_quick" if args.quick else ""
                 spec["profile_out"] = str(out_dir / f"offline_profile_kvrelay_{name}{suffix}.txt")
+            paired_specs[engine] = spec
             r = run_worker(spec, workdir, timeout_s=args.timeout)
             r["num_requests"] = len(spec_wl["prompts"])
             res_c[engine] = r
@@ -687,6 +790,13 @@ def main() -> None:
                 results["profile"] = {"config": name, "raw": Path(spec["profile_out"]).name,
                                       "rate_hz": 20} | summarize_profile(Path(spec["profile_out"]))
             results_path.write_text(json.dumps(results, indent=1))
+        hf = res_c.get("transformers", {})
+        if args.paired and "error" not in res_c.get("kvrelay", {"error": 1}) and "info" in hf:
+            specs = {e: paired_specs[e] for e in ("kvrelay", "transformers")}
+            specs["transformers"] |= {"hf_batches": [hf["info"]["static_batch"]],
+                                      "hf_experts": [hf["info"]["experts_implementation"]]}
+            log(f"{name}: {args.paired} paired rounds, kvrelay and transformers back to back")
+            results.setdefault("paired", {})[name] = run_paired(specs, args.paired, workdir)
         add_derived(results, name)
         results_path.write_text(json.dumps(results, indent=1))
 
@@ -746,10 +856,15 @@ def add_derived(results: dict[str, Any], name: str) -> None:
     if "kvrelay_vs_vllm" in d and "vs_vllm" in t:
         met["vs_vllm"] = {"target": t["vs_vllm"], "value": d["kvrelay_vs_vllm"],
                           "met": d["kvrelay_vs_vllm"] >= t["vs_vllm"]}
+    paired = results.get("paired", {}).get(name)
+    if paired:
+        d["kvrelay_vs_transformers_paired"] = paired["ratio_median"]
     if "kvrelay_vs_transformers" in d and "vs_transformers" in t:
-        met["vs_transformers"] = {"target": t["vs_transformers"],
-                                  "value": d["kvrelay_vs_transformers"],
-                                  "met": d["kvrelay_vs_transformers"] >= t["vs_transformers"]}
+        value = paired["ratio_median"] if paired else d["kvrelay_vs_transformers"]
+        met["vs_transformers"] = {"target": t["vs_transformers"], "value": value,
+                                  "met": value >= t["vs_transformers"],
+                                  "from": (f"median of {paired['rounds']} paired rounds"
+                                           if paired else "best runs, measured apart")}
     if "roofline" in t and "kvrelay" in roof:
         frac = roof["kvrelay"]["peak_fp32"]["fraction"]
         met["roofline"] = {"target": t["roofline"], "value": frac, "met": frac >= t["roofline"],
@@ -789,9 +904,17 @@ def print_report(results: dict[str, Any]) -> None:
         for k, v in d.items():
             if k.startswith(("kvrelay_vs", "kvrelay_baseline_vs")):
                 print(f"  {k}: {v:.2f}x")
+        paired = results.get("paired", {}).get(name)
+        if paired:
+            print("  paired rounds (kvrelay / transformers tok/s): " + ", ".join(
+                f"{k['output_tok_s']:.0f}/{h['output_tok_s']:.0f}" for k, h in
+                zip(paired["passes"]["kvrelay"], paired["passes"]["transformers"])))
+            print("  paired ratios: " + " ".join(f"{x:.2f}" for x in paired["ratios"])
+                  + f"; median {paired['ratio_median']:.2f}")
         for k, v in d.get("targets", {}).items():
+            source = f" ({v['from']})" if "from" in v else ""
             print(f"  target {k}: {v['value']:.2f} vs {v['target']} -> "
-                  f"{'MET' if v['met'] else 'not met'}")
+                  f"{'MET' if v['met'] else 'not met'}{source}")
     prof = results.get("profile")
     if prof and "self_top" in prof:
         for key, title in (("python_line_top", "innermost Python line"), ("self_top", "leaf frame"),
