@@ -1,4 +1,5 @@
-"""Item 4 of issue 12: native half precision only where the running CPU has it."""
+"""Item 4 of issue 12: native half precision only where the running CPU has it, and
+where it measures faster there than fp32 compute."""
 from __future__ import annotations
 
 import logging
@@ -11,10 +12,13 @@ from kvrelay.model.layers import linear as L
 
 @pytest.fixture
 def decide(monkeypatch):
-    """Re-decide with a given CPU (features as torch.cpu reports them) and env mode."""
-    def run(avx512_bf16: bool, amx: bool, mode: str | None = None) -> L.HalfMatmulChoice:
+    """Re-decide with a given CPU (features as torch.cpu reports them, and the probe's
+    bf16 / fp32 seconds) and env mode."""
+    def run(avx512_bf16: bool, amx: bool, mode: str | None = None,
+            probe: tuple[float, float] = (1.0, 2.0)) -> L.HalfMatmulChoice:
         monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
         monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+        monkeypatch.setattr(L, "_probe", lambda: probe)
         if mode is None:
             monkeypatch.delenv("KVRELAY_CPU_HALF_MATMUL", raising=False)
         else:
@@ -34,6 +38,22 @@ def test_auto_is_native_with_native_bf16(decide, avx512_bf16, amx, features):
     choice = decide(avx512_bf16, amx)
     assert choice.native and choice.cpu_features == features
     assert not L.upcasts(torch.zeros(2, 2, dtype=torch.bfloat16))
+
+
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+                    reason="this torch/CPU has no oneDNN bf16 path at all")
+def test_auto_computes_in_fp32_where_native_bf16_measures_slower(decide):
+    # an AVX512-BF16 Xeon without AMX: oneDNN's bf16 GEMM ran at 145 GFLOP/s, fp32 at 192
+    choice = decide(True, False, probe=(2.0, 1.5))
+    assert not choice.native and choice.cpu_features == ("avx512_bf16",)
+    assert "bf16 GEMM is the slower" in choice.reason and "GFLOP/s" in choice.reason
+    assert L.upcasts(torch.zeros(2, 2, dtype=torch.bfloat16))
+    assert decide(True, False, "native", probe=(2.0, 1.5)).native      # the env still wins
+
+
+def test_the_probe_times_both_precisions_of_one_product():
+    half, fp32 = L._probe()
+    assert 0 < half < 5 and 0 < fp32 < 5
 
 
 def test_auto_computes_in_fp32_without_native_bf16(decide):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvrelay.model import kernels, mxfp4
-from kvrelay.model.layers import moe_tiles
+from kvrelay.model.layers import linear, moe_tiles
 from kvrelay.model.layers.moe import Experts
 from kvrelay.model.parallel import ParallelContext
 
@@ -163,8 +163,19 @@ def experts(storage: str, H: int = 64, I: int = 96, E: int = 4) -> Experts:  # n
     return ex
 
 
+@pytest.fixture
+def half_matmuls(monkeypatch):
+    """Decide the CPU's half-precision matmuls as `mode` (native | fp32) for one test."""
+    def pin(mode: str) -> None:
+        monkeypatch.setenv("KVRELAY_CPU_HALF_MATMUL", mode)
+        linear.cpu_half_matmul_in_fp32.cache_clear()
+    yield pin
+    linear.cpu_half_matmul_in_fp32.cache_clear()
+
+
 @pytest.mark.parametrize("storage", ["bf16", "mxfp4"])
-def test_experts_take_the_tiles_from_enough_rows_per_expert(storage, monkeypatch):
+def test_experts_take_the_tiles_from_enough_rows_per_expert(storage, monkeypatch, half_matmuls):
+    half_matmuls("native")
     ex = experts(storage)
     g = torch.Generator().manual_seed(2)
     T = 64                                              # 32 rows per expert
@@ -188,3 +199,25 @@ def test_experts_take_the_tiles_from_enough_rows_per_expert(storage, monkeypatch
     assert not moe_tiles.wants(ex, x.float(), ids.numel())    # fp32 activations: not taken
     monkeypatch.setenv("KVRELAY_MOE_KERNEL", "native")
     assert not moe_tiles.wants(ex, x, ids.numel())            # an explicit kernel choice wins
+
+
+@pytest.mark.parametrize("storage", ["bf16", "mxfp4"])
+def test_no_tiles_where_bf16_arithmetic_measured_slower_than_fp32(storage, monkeypatch,
+                                                                  half_matmuls):
+    """The tiles are the CPU's bf16 dot products: where its bf16 GEMM lost to fp32 compute
+    at start-up (`linear.cpu_half_matmul_in_fp32`), the experts keep their other paths."""
+    ex = experts(storage)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(64, ex.hidden, generator=g).bfloat16()
+    w, ids = routing(64, ex.num_local, 2, g)
+    half_matmuls("native")
+    assert moe_tiles.wants(ex, x, ids.numel())
+    half_matmuls("fp32")
+    assert not moe_tiles.wants(ex, x, ids.numel())
+    calls = []
+    real = moe_tiles.forward
+    monkeypatch.setattr(moe_tiles, "forward", lambda *a: calls.append(1) or real(*a))
+    y = ex.forward(x, w, ids)
+    assert not calls
+    ref = ex.forward_torch(x, w, ids).float()
+    assert (y.float() - ref).norm() < 0.01 * ref.norm()

@@ -7,12 +7,14 @@
 
 Every matmul of the model goes through `linear`. Half-precision (bf16/fp16) weights
 are multiplied natively only where the CPU has native bf16 arithmetic (AVX512-BF16 or
-AMX, which oneDNN uses through torch's own bf16 matmul). Elsewhere — AVX2-only x86,
-AVX-512 without BF16 — torch's half kernels are emulated at a fraction of fp32 speed,
-so the weights are upcast per matmul and the product computed in fp32: weights stay
-half in memory, results are rounded back to the activation dtype, and matmuls of fewer
-than UPCAST_MIN_ROWS rows keep the half kernel. The choice is made once per process
-from the *running* CPU (never from the build machine), logged, and readable with
+AMX, which oneDNN uses through torch's own bf16 matmul) *and* that measures faster than
+fp32 compute here. Elsewhere — AVX2-only x86, AVX-512 without BF16, and CPUs whose bf16
+path loses to their fp32 one (an AVX512-BF16 Xeon without AMX: 115-137 GFLOP/s in bf16
+against 205-216 in fp32 on 2 cores) — the weights are upcast per matmul and the product
+computed in fp32: weights stay half in memory, results are rounded back to the activation
+dtype, and matmuls of fewer than UPCAST_MIN_ROWS rows keep the half kernel. The choice is
+made once per process on the *running* CPU (never from the build machine): its features,
+then a probe GEMM in both precisions (`_probe`, ~30 ms); it is logged and readable with
 `half_matmul_choice()`; `KVRELAY_CPU_HALF_MATMUL=native|fp32|auto` overrides it.
 
 Decode-sized matmuls (a few rows: one per sequence) go to the native skinny-matmul kernel
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -69,10 +72,42 @@ def _decide() -> HalfMatmulChoice:
     if mode != "auto":
         return HalfMatmulChoice(mode == "native", features, f"{envs.CPU_HALF_MATMUL.name}={mode}")
     onednn = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    if features and onednn:
-        return HalfMatmulChoice(True, features, f"this CPU has {'+'.join(features)}")
-    missing = "oneDNN without bf16 support" if features else "no AVX512-BF16 or AMX on this CPU"
-    return HalfMatmulChoice(False, features, missing)
+    if not (features and onednn):
+        missing = "oneDNN without bf16 support" if features else "no AVX512-BF16 or AMX on this CPU"
+        return HalfMatmulChoice(False, features, missing)
+    half, fp32 = _probe()
+    flops = 2 * PROBE_ROWS * PROBE_FEATURES * PROBE_FEATURES
+    measured = (f"measured bf16 {flops / half / 1e9:.0f} vs fp32 {flops / fp32 / 1e9:.0f} "
+                f"GFLOP/s on {torch.get_num_threads()} thread(s)")
+    has = f"this CPU has {'+'.join(features)}"
+    if half <= fp32:
+        return HalfMatmulChoice(True, features, f"{has}; {measured}")
+    return HalfMatmulChoice(False, features, f"{has}, but its bf16 GEMM is the slower: {measured}")
+
+
+# The probe: a [PROBE_ROWS, F] x [F, F] product as `linear` would run it, natively in bf16
+# and upcast (the weight's upcast included: `linear` pays it every call), best of
+# PROBE_REPEATS alternated calls each. Prefill-sized, where the choice matters (below
+# UPCAST_MIN_ROWS rows nothing is upcast, and decode rows go to the dense kernel).
+PROBE_ROWS, PROBE_FEATURES, PROBE_REPEATS = 256, 1024, 5
+
+
+def _probe() -> tuple[float, float]:
+    """Seconds of the probe GEMM in bf16 and in fp32 compute (best of PROBE_REPEATS)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(PROBE_ROWS, PROBE_FEATURES, generator=g).bfloat16()
+    w = torch.randn(PROBE_FEATURES, PROBE_FEATURES, generator=g).bfloat16()
+    best = [float("inf"), float("inf")]
+    calls = (lambda: F.linear(x, w), lambda: F.linear(x.float(), w.float()).bfloat16())
+    with torch.inference_mode():
+        for f in calls:                                      # oneDNN primitives, first touch
+            f()
+        for _ in range(PROBE_REPEATS):
+            for i, f in enumerate(calls):
+                t0 = time.perf_counter()
+                f()
+                best[i] = min(best[i], time.perf_counter() - t0)
+    return best[0], best[1]
 
 
 @functools.cache

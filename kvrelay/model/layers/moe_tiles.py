@@ -14,7 +14,11 @@ bf16 value) one block of rows at a time.
 
 `Experts.forward` / `Experts.decode` ask `wants` first (a small dispatch hook in
 `layers/moe.py`); the fp32 model, other CPUs, `KVRELAY_MOE_KERNEL=native|torch` and few
-rows per expert keep their paths.
+rows per expert keep their paths. So do CPUs whose bf16 arithmetic measured slower than
+their fp32 at start-up (`linear.cpu_half_matmul_in_fp32`): the tiles are that bf16
+arithmetic. On such a CPU (an AVX512-BF16 Xeon without AMX) the embedded model's
+200-token prefill spent 455-549 ms in the tiles, 350 in the fp32 streaming kernel and
+238 in torch's fp32 GEMMs on upcast weights, the path the experts then take.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvrelay.model import kernels
+from kvrelay.model.layers.linear import cpu_half_matmul_in_fp32
 from kvrelay.model.layers.moe_mode import moe_kernel_mode
 from kvrelay.model.mxfp4 import MXFP4Tensor
 
@@ -60,7 +65,7 @@ def wants(ex: Experts, x: torch.Tensor, choices: int) -> bool:
     if rows < TILE_MIN_ROWS:
         return False
     return moe_kernel_mode() == "auto" and ex.hidden % 2 == 0 and ex.i_local % 2 == 0 \
-        and available()
+        and available() and not cpu_half_matmul_in_fp32()
 
 
 def forward(ex: Experts, x: torch.Tensor, weights: torch.Tensor,
