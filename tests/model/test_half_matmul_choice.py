@@ -6,6 +6,7 @@ import logging
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kvrelay.model.layers import linear as L
 
@@ -13,9 +14,9 @@ from kvrelay.model.layers import linear as L
 @pytest.fixture
 def decide(monkeypatch):
     """Re-decide with a given CPU (features as torch.cpu reports them, and the probe's
-    bf16 / fp32 seconds) and env mode."""
+    bf16 GEMM / fp32 GEMM / weight upcast seconds) and env mode."""
     def run(avx512_bf16: bool, amx: bool, mode: str | None = None,
-            probe: tuple[float, float] = (1.0, 2.0)) -> L.HalfMatmulChoice:
+            probe: tuple[float, float, float] = (1.0, 2.0, 0.1)) -> L.HalfMatmulChoice:
         monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
         monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
         monkeypatch.setattr(L, "_probe", lambda: probe)
@@ -43,17 +44,34 @@ def test_auto_is_native_with_native_bf16(decide, avx512_bf16, amx, features):
 @pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
                     reason="this torch/CPU has no oneDNN bf16 path at all")
 def test_auto_computes_in_fp32_where_native_bf16_measures_slower(decide):
-    # an AVX512-BF16 Xeon without AMX: oneDNN's bf16 GEMM ran at 145 GFLOP/s, fp32 at 192
-    choice = decide(True, False, probe=(2.0, 1.5))
+    # an AVX512-BF16 Xeon without AMX: oneDNN's bf16 GEMM ran at ~75 GFLOP/s a core, fp32 ~100
+    choice = decide(True, False, probe=(2.0, 1.5, 0.05))
     assert not choice.native and choice.cpu_features == ("avx512_bf16",)
     assert "bf16 GEMM is the slower" in choice.reason and "GFLOP/s" in choice.reason
+    # 0.5 s saved over the probe's 256 rows against 0.05 s of upcast: from 26 rows on
+    assert choice.upcast_min_rows == 26 == L.upcast_min_rows()
     assert L.upcasts(torch.zeros(2, 2, dtype=torch.bfloat16))
-    assert decide(True, False, "native", probe=(2.0, 1.5)).native      # the env still wins
+    assert decide(True, False, "native", probe=(2.0, 1.5, 0.05)).native   # the env still wins
+    assert decide(True, False, probe=(2.0, 1.9, 1.0)).upcast_min_rows == 2560
+    assert decide(True, False, probe=(2.0, 1.0, 0.0)).upcast_min_rows == L.UPCAST_MIN_ROWS
 
 
-def test_the_probe_times_both_precisions_of_one_product():
-    half, fp32 = L._probe()
-    assert 0 < half < 5 and 0 < fp32 < 5
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+                    reason="this torch/CPU has no oneDNN bf16 path at all")
+def test_linear_upcasts_from_the_measured_row_count(decide):
+    decide(True, False, probe=(2.0, 1.5, 0.05))                  # from 26 rows
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(512, 512, generator=g).bfloat16()           # too big for the dense kernel
+    for rows, upcast in ((25, False), (26, True), (200, True)):
+        x = torch.randn(rows, 512, generator=g).bfloat16()
+        want = F.linear(x.float(), w.float()).bfloat16() if upcast else F.linear(x, w)
+        assert torch.equal(L.linear(x, w), want), rows
+
+
+def test_the_probe_times_both_precisions_and_the_upcast():
+    half, fp32, upcast = L._probe()
+    assert 0 < half < 5 and 0 < fp32 < 5 and 0 < upcast < 5
+    assert torch.get_num_threads() >= 1
 
 
 def test_auto_computes_in_fp32_without_native_bf16(decide):

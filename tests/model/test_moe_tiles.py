@@ -204,8 +204,9 @@ def test_experts_take_the_tiles_from_enough_rows_per_expert(storage, monkeypatch
 def test_no_tiles_for_bf16_experts_where_bf16_measured_slower_than_fp32(monkeypatch,
                                                                         half_matmuls):
     """The tiles are the CPU's bf16 dot products: where its bf16 GEMM lost to fp32 compute
-    at start-up (`linear.cpu_half_matmul_in_fp32`), bf16 experts take torch's fp32 GEMMs;
-    MXFP4 experts keep the tiles (their other paths decode the weights first)."""
+    at start-up (`linear.cpu_half_matmul_in_fp32`), bf16 experts take torch's fp32 GEMMs
+    from the rows `linear` upcasts from; MXFP4 experts keep the tiles (their other paths
+    decode the weights first)."""
     g = torch.Generator().manual_seed(2)
     x = torch.randn(64, 64, generator=g).bfloat16()
     w, ids = routing(64, 4, 2, g)
@@ -215,6 +216,11 @@ def test_no_tiles_for_bf16_experts_where_bf16_measured_slower_than_fp32(monkeypa
     half_matmuls("native")
     assert moe_tiles.wants(ex, x, ids.numel())
     half_matmuls("fp32")
+    assert not moe_tiles.wants(ex, x, ids.numel())          # 32 rows an expert, upcast from 4
+    # fewer rows per expert than `linear` upcasts from: torch would run bf16, the tiles stay
+    monkeypatch.setattr(moe_tiles, "upcast_min_rows", lambda: 33)
+    assert moe_tiles.wants(ex, x, ids.numel())
+    monkeypatch.setattr(moe_tiles, "upcast_min_rows", lambda: 32)
     assert not moe_tiles.wants(ex, x, ids.numel())
     calls = []
     real = moe_tiles.forward

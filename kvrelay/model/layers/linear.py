@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -52,6 +53,7 @@ class HalfMatmulChoice:
     native: bool            # torch's half-precision GEMM (oneDNN) rather than fp32 compute
     cpu_features: tuple[str, ...]   # the native-bf16 features the running CPU reports
     reason: str
+    upcast_min_rows: int = 0   # fp32 compute: the fewest rows a matmul is upcast from
 
 
 _choice: HalfMatmulChoice | None = None
@@ -70,44 +72,58 @@ def _decide() -> HalfMatmulChoice:
                          f"{mode!r}")
     features = cpu_bf16_features()
     if mode != "auto":
-        return HalfMatmulChoice(mode == "native", features, f"{envs.CPU_HALF_MATMUL.name}={mode}")
+        return HalfMatmulChoice(mode == "native", features,
+                                f"{envs.CPU_HALF_MATMUL.name}={mode}", UPCAST_MIN_ROWS)
     onednn = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     if not (features and onednn):
         missing = "oneDNN without bf16 support" if features else "no AVX512-BF16 or AMX on this CPU"
-        return HalfMatmulChoice(False, features, missing)
-    half, fp32 = _probe()
+        return HalfMatmulChoice(False, features, missing, UPCAST_MIN_ROWS)
+    half, fp32, upcast = _probe()
     flops = 2 * PROBE_ROWS * PROBE_FEATURES * PROBE_FEATURES
     measured = (f"measured bf16 {flops / half / 1e9:.0f} vs fp32 {flops / fp32 / 1e9:.0f} "
-                f"GFLOP/s on {torch.get_num_threads()} thread(s)")
+                f"GFLOP/s on one thread")
     has = f"this CPU has {'+'.join(features)}"
     if half <= fp32:
         return HalfMatmulChoice(True, features, f"{has}; {measured}")
-    return HalfMatmulChoice(False, features, f"{has}, but its bf16 GEMM is the slower: {measured}")
+    # per row fp32 saves (half - fp32) / rows, and the weight's upcast costs `upcast` a call
+    rows = max(UPCAST_MIN_ROWS, math.ceil(upcast * PROBE_ROWS / (half - fp32)))
+    return HalfMatmulChoice(False, features, f"{has}, but its bf16 GEMM is the slower: "
+                            f"{measured}, so from {rows} rows on", rows)
 
 
-# The probe: a [PROBE_ROWS, F] x [F, F] product as `linear` would run it, natively in bf16
-# and upcast (the weight's upcast included: `linear` pays it every call), best of
-# PROBE_REPEATS alternated calls each. Prefill-sized, where the choice matters (below
-# UPCAST_MIN_ROWS rows nothing is upcast, and decode rows go to the dense kernel).
+# The probe: a [PROBE_ROWS, F] x [F, F] product in bf16 (oneDNN) and in fp32 on weights
+# upcast beforehand, and the upcast of the weight alone (which `linear` pays every call),
+# best of PROBE_REPEATS alternated calls each, on one thread: ~60 ms at start-up. With
+# bf16 the slower, a matmul is upcast from the row count where the fp32 GEMM's saving
+# covers the upcast (an AVX512-BF16 Xeon without AMX: ~75 vs ~100 GFLOP/s a core).
 PROBE_ROWS, PROBE_FEATURES, PROBE_REPEATS = 256, 1024, 5
 
 
-def _probe() -> tuple[float, float]:
-    """Seconds of the probe GEMM in bf16 and in fp32 compute (best of PROBE_REPEATS)."""
+def _probe() -> tuple[float, float, float]:
+    """Seconds of the probe GEMM in bf16, in fp32, and of the weight's upcast."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(PROBE_ROWS, PROBE_FEATURES, generator=g).bfloat16()
     w = torch.randn(PROBE_FEATURES, PROBE_FEATURES, generator=g).bfloat16()
-    best = [float("inf"), float("inf")]
-    calls = (lambda: F.linear(x, w), lambda: F.linear(x.float(), w.float()).bfloat16())
-    with torch.inference_mode():
-        for f in calls:                                      # oneDNN primitives, first touch
-            f()
-        for _ in range(PROBE_REPEATS):
-            for i, f in enumerate(calls):
-                t0 = time.perf_counter()
+    x32, w32 = x.float(), w.float()
+    best = [float("inf")] * 3
+    calls = (lambda: F.linear(x, w), lambda: F.linear(x32, w32).bfloat16(), lambda: w.float())
+    # one thread: the precisions' relative speed is a core's, and a thread team on a busy
+    # machine measures its barriers instead (two threads beside a loaded neighbour timed
+    # bf16 at 67 and fp32 at 27 GFLOP/s; alone, 145 and 192)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.inference_mode():
+            for f in calls:                                  # oneDNN primitives, first touch
                 f()
-                best[i] = min(best[i], time.perf_counter() - t0)
-    return best[0], best[1]
+            for _ in range(PROBE_REPEATS):
+                for i, f in enumerate(calls):
+                    t0 = time.perf_counter()
+                    f()
+                    best[i] = min(best[i], time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    return best[0], best[1], best[2]
 
 
 @functools.cache
@@ -125,6 +141,11 @@ def half_matmul_choice() -> HalfMatmulChoice:
     cpu_half_matmul_in_fp32()
     assert _choice is not None
     return _choice
+
+
+def upcast_min_rows() -> int:
+    """Where half matmuls run in fp32: the fewest rows a matmul is upcast from."""
+    return half_matmul_choice().upcast_min_rows or UPCAST_MIN_ROWS
 
 
 def upcasts(weight: torch.Tensor) -> bool:
@@ -223,7 +244,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     is large enough for that to pay, see UPCAST_MIN_ROWS)."""
     if _dense(x, weight):
         return _dense_op()(x, weight, bias, "")
-    if not upcasts(weight) or x.numel() < UPCAST_MIN_ROWS * x.shape[-1]:
+    if not upcasts(weight) or x.numel() < upcast_min_rows() * x.shape[-1]:
         return F.linear(x, weight, bias)
     out = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
     return out.to(x.dtype)

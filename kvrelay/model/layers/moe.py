@@ -37,8 +37,8 @@ from kvrelay import envs
 from kvrelay.model import kernels
 from kvrelay.model.layers import moe_tiles
 from kvrelay.model.layers.ep_dispatch import moe_across_replicas
-from kvrelay.model.layers.linear import UPCAST_MIN_ROWS, linear, upcasts
 from kvrelay.model.layers.linear import _dense as runs_on_dense_kernel
+from kvrelay.model.layers.linear import linear, upcast_min_rows, upcasts
 from kvrelay.model.layers.moe_mode import moe_kernel_mode
 from kvrelay.model.mxfp4 import BLOCK, MXFP4Tensor
 from kvrelay.model.parallel import Collectives, ParallelContext, divide, shard_range
@@ -349,9 +349,10 @@ class Experts(nn.Module):
         x_sorted = x[chosen // k]                                           # [n, H]
         y_sorted = torch.empty_like(x_sorted)
         offset = 0
+        least = upcast_min_rows() if work_dtype != self.dtype else 0   # fewer rows: half
         for e, n in enumerate(sizes):
             if n:
-                dt = work_dtype if n >= UPCAST_MIN_ROWS else self.dtype    # see layers.linear
+                dt = work_dtype if n >= least else self.dtype             # see layers.linear
                 y_sorted[offset:offset + n] = self._expert(e, x_sorted[offset:offset + n].to(dt))
                 offset += n
         y_sorted *= weights.flatten()[chosen, None].to(y_sorted.dtype)

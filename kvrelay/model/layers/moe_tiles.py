@@ -15,13 +15,14 @@ bf16 value) one block of rows at a time.
 `Experts.forward` / `Experts.decode` ask `wants` first (a small dispatch hook in
 `layers/moe.py`); the fp32 model, other CPUs, `KVRELAY_MOE_KERNEL=native|torch` and few
 rows per expert keep their paths. So do bf16 experts on CPUs whose bf16 arithmetic
-measured slower than their fp32 at start-up (`linear.cpu_half_matmul_in_fp32`): the
-tiles are that bf16 arithmetic. On such a CPU (an AVX512-BF16 Xeon without AMX) the
-embedded model's 200-token prefill spent 455-549 ms in the tiles, 350 in the fp32
-streaming kernel and 238-282 in torch's fp32 GEMMs on upcast weights, the path its
-experts then take. MXFP4 experts keep the tiles there: their other paths decode the
-weights first, and the tiny model's offline generate measured 3.5-4.8k tok/s without
-the tiles against 4.4-5.0k with them.
+measured slower than their fp32 at start-up (`linear.cpu_half_matmul_in_fp32`), from the
+rows per expert at which `linear` upcasts (`linear.upcast_min_rows`): the tiles are that
+bf16 arithmetic, and below those rows torch's GEMMs would run in bf16 too. On such a
+CPU (an AVX512-BF16 Xeon without AMX) the embedded model's 200-token prefill spent
+455-549 ms in the tiles, 350 in the fp32 streaming kernel and 238-282 in torch's fp32
+GEMMs on upcast weights, the path its experts then take. MXFP4 experts keep the tiles
+there: their other paths decode the weights first, and the tiny model's offline generate
+measured 3.5-4.8k tok/s without the tiles against 4.4-5.0k with them.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvrelay.model import kernels
-from kvrelay.model.layers.linear import cpu_half_matmul_in_fp32
+from kvrelay.model.layers.linear import cpu_half_matmul_in_fp32, upcast_min_rows
 from kvrelay.model.layers.moe_mode import moe_kernel_mode
 from kvrelay.model.mxfp4 import MXFP4Tensor
 
@@ -67,8 +68,9 @@ def wants(ex: Experts, x: torch.Tensor, choices: int) -> bool:
     rows = choices / (ex.num_local * ex.ctx.ep_size)
     if rows < TILE_MIN_ROWS:
         return False
-    if not isinstance(w, MXFP4Tensor) and cpu_half_matmul_in_fp32():
-        return False            # bf16 weights: torch's fp32 GEMMs win where bf16 lost
+    if not isinstance(w, MXFP4Tensor) and cpu_half_matmul_in_fp32() \
+            and rows >= upcast_min_rows():
+        return False            # bf16 weights: torch's fp32 GEMMs, from where they pay
     return moe_kernel_mode() == "auto" and ex.hidden % 2 == 0 and ex.i_local % 2 == 0 \
         and available()
 
