@@ -34,10 +34,13 @@ def _free(port: int) -> bool:
 
 
 def _free_bases() -> tuple[int, int]:
-    """--base-port and --side-channel-port whose derived ports are all free (never 8000)."""
+    """--base-port and --side-channel-port whose derived ports are all free (never 8000),
+    below Linux's ephemeral range (32768-60999): a port there can be taken by any outgoing
+    connection between this check and the server's bind (a side channel drawn at 39065
+    once found its port in use)."""
     rng = random.Random(os.getpid())
     for _ in range(200):
-        base, side = rng.randrange(20000, 30000), rng.randrange(30000, 40000)
+        base, side = rng.randrange(20000, 32000), rng.randrange(10000, 19800)
         if all(_free(base + o) for o in OFFSETS) and all(_free(side + o) for o in SIDE_OFFSETS):
             return base, side
     raise RuntimeError("no free port block found")
