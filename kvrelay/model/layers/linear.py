@@ -12,9 +12,10 @@ fp32 compute here. Elsewhere — AVX2-only x86, AVX-512 without BF16, and CPUs w
 path loses to their fp32 one (an AVX512-BF16 Xeon without AMX: 115-137 GFLOP/s in bf16
 against 205-216 in fp32 on 2 cores) — the weights are upcast per matmul and the product
 computed in fp32: weights stay half in memory, results are rounded back to the activation
-dtype, and matmuls of fewer than UPCAST_MIN_ROWS rows keep the half kernel. The choice is
-made once per process on the *running* CPU (never from the build machine): its features,
-then a probe GEMM in both precisions (`_probe`, ~30 ms); it is logged and readable with
+dtype, and matmuls of fewer rows than `upcast_min_rows()` keep the half kernel (UPCAST_MIN_ROWS
+where bf16 is emulated, the probe's break-even where it is native but slower). The choice
+is made once per process on the *running* CPU (never from the build machine): its
+features, then a probe GEMM in both precisions (`_probe`, ~60 ms); it is logged and readable with
 `half_matmul_choice()`; `KVRELAY_CPU_HALF_MATMUL=native|fp32|auto` overrides it.
 
 Decode-sized matmuls (a few rows: one per sequence) go to the native skinny-matmul kernel
@@ -53,7 +54,7 @@ class HalfMatmulChoice:
     native: bool            # torch's half-precision GEMM (oneDNN) rather than fp32 compute
     cpu_features: tuple[str, ...]   # the native-bf16 features the running CPU reports
     reason: str
-    upcast_min_rows: int = 0   # fp32 compute: the fewest rows a matmul is upcast from
+    upcast_min_rows: int       # fp32 compute: the fewest rows a matmul is upcast from
 
 
 _choice: HalfMatmulChoice | None = None
@@ -84,7 +85,7 @@ def _decide() -> HalfMatmulChoice:
                 f"GFLOP/s on one thread")
     has = f"this CPU has {'+'.join(features)}"
     if half <= fp32:
-        return HalfMatmulChoice(True, features, f"{has}; {measured}")
+        return HalfMatmulChoice(True, features, f"{has}; {measured}", UPCAST_MIN_ROWS)
     # per row fp32 saves (half - fp32) / rows, and the weight's upcast costs `upcast` a call
     rows = max(UPCAST_MIN_ROWS, math.ceil(upcast * PROBE_ROWS / (half - fp32)))
     return HalfMatmulChoice(False, features, f"{has}, but its bf16 GEMM is the slower: "
@@ -143,9 +144,11 @@ def half_matmul_choice() -> HalfMatmulChoice:
     return _choice
 
 
+@compile_hints.constant_result
 def upcast_min_rows() -> int:
-    """Where half matmuls run in fp32: the fewest rows a matmul is upcast from."""
-    return half_matmul_choice().upcast_min_rows or UPCAST_MIN_ROWS
+    """Where half matmuls run in fp32: the fewest rows a matmul is upcast from (a constant
+    to torch.compile, as `_in_fp32_constant` is)."""
+    return half_matmul_choice().upcast_min_rows
 
 
 def upcasts(weight: torch.Tensor) -> bool:
