@@ -213,14 +213,17 @@ def test_every_isa_on_the_shapes_the_simd_builds_specialise(dtype, heads, kv_hea
 
 @pytest.mark.parametrize(
     "heads,kv_heads,head_dim,B",
-    [(4, 2, 32, 16), (3, 1, 64, 32), (9, 3, 96, 8), (16, 2, 128, 16), (5, 5, 64, 48)],
+    [(4, 2, 32, 16), (3, 1, 64, 32), (9, 3, 96, 8), (16, 2, 128, 16), (5, 5, 64, 48),
+     (2, 1, 32, 160)],
 )
 def test_bf16_build_matches_reference_and_the_fp32_build(heads, kv_heads, head_dim, B):
     """The avx512_bf16 build (bf16 cache, head dims 32-128: vdpbf16ps scores, even/odd V
-    accumulators) on GQA 1, 2, 3 and 8 with head tiles cut short, blocks of 8, 16, 32 and
-    48 (one, two or three 16-row score groups, the last partial), lengths on block and
-    group edges, a window starting inside a block and sinks: equal to the reference and,
-    up to one bf16 rounding of the output, to the fp32 "avx512" build."""
+    accumulators) on GQA 1, 2, 3 and 8 with head tiles cut short, blocks of 8, 16, 32, 48
+    and 160 (one, two or three 16-row score groups, the last partial; softmax chunks of
+    128 positions or of one block larger than that), lengths on block and group edges and
+    across chunks, windows starting inside a block (one inside the first chunk's block
+    list, one spanning chunks) and sinks: equal to the reference and, up to one bf16
+    rounding of the output, to the fp32 "avx512" build."""
     from kvrelay.model import kernels
     from kvrelay.model.layers.attention import write_kv
 
@@ -228,7 +231,8 @@ def test_bf16_build_matches_reference_and_the_fp32_build(heads, kv_heads, head_d
         pytest.skip("this CPU has no AVX512-BF16")
     torch.manual_seed(head_dim + B)
     NB = 160
-    seq_lens = [1, B - 1, B, B + 1, 17, 2 * B + 15, 3 * B + 16, 150]
+    seq_lens = [1, B - 1, B, B + 1, 17, 2 * B + 15, 3 * B + 16, 150, 261]
+    NB = max(NB, sum(-(-n // B) for n in seq_lens) + 1)
     meta = _step(seq_lens, [1] * len(seq_lens), B, NB, seed=heads * B)
     T = len(seq_lens)
     q = (3 * torch.randn(T, heads, head_dim)).to(torch.bfloat16)
@@ -236,7 +240,7 @@ def test_bf16_build_matches_reference_and_the_fp32_build(heads, kv_heads, head_d
     cache = torch.randn(2, NB, kv_heads, B, head_dim).to(torch.bfloat16)
     written = cache.clone()
     write_kv(written, k, v, meta.slot_mappings[0], B)
-    for window in (None, 21):
+    for window in (None, 21, 150):
         layer = PagedAttention(heads, kv_heads, head_dim, window, 0, ParallelContext())
         layer.sinks.normal_(0, 2)
         ref = _run(layer, False, q, k, v, cache, meta).float()

@@ -34,12 +34,23 @@ struct DecodeProblem {
 constexpr int64_t kDecodePad = 16;
 inline int64_t decode_padded(int64_t n) { return (n + kDecodePad - 1) / kDecodePad * kDecodePad; }
 
+// Positions whose scores a work item keeps at once (the AVX512-BF16 build's softmax chunk:
+// whole blocks, at least one): one max, one rescale and one pass over the V rows per chunk
+// instead of per block, so the serial chain a block used to end in (the scores' maximum, a
+// scalar exp, the accumulators' rescale) is paid once per kDecodeChunk positions.
+constexpr int64_t kDecodeChunk = 128;
+inline int64_t decode_chunk(int64_t B) { return B >= kDecodeChunk ? B : kDecodeChunk / B * B; }
+// a head's score row in scratch: the chunk, padded, and one vector of slack (a block's
+// last 16-position store runs past its positions)
+inline int64_t decode_chunk_stride(int64_t B) { return decode_padded(decode_chunk(B)) + kDecodePad; }
+
 // Floats of scratch one thread needs for `DecodeFn` (q, accumulators, running max/sum and
 // rescale per head, the running sum by lane, scores, one block of K and V in f32), enough
 // for every build.
 inline int64_t decode_scratch_floats(const DecodeProblem& p) {
   const int64_t G = p.H / p.KVH, Dp = decode_padded(p.D), Bp = decode_padded(p.B);
-  return 2 * G * Dp + 3 * G + G * kDecodePad + G * Bp + 2 * Bp * Dp;
+  const int64_t Cs = decode_chunk_stride(p.B) > Bp ? decode_chunk_stride(p.B) : Bp;
+  return 2 * G * Dp + 3 * G + G * kDecodePad + G * Cs + 2 * Bp * Dp;
 }
 
 // Runs work items [begin, end) with `scratch` (decode_scratch_floats of them).

@@ -5,15 +5,23 @@
 // Why: at the offline shapes (64 sequences, head dim 32, 2 query heads per KV head) the
 // fp32 build is bound by instructions, not memory: each block's K rows were widened to
 // fp32 in scratch, each score took D/16 FMAs per row, each V row two widening ops per 16
-// values. Here, per work item (sequence, KV head), block by block as there:
+// values. Here, per work item (sequence, KV head), chunk by chunk (whole blocks, up to
+// kDecodeChunk positions: paged_decode.h):
 //  1. scores: each K row (32 bf16 per vector, read from the cache in place) meets each
 //     query head's q, packed to bf16 once per work item, in `vdpbf16ps`: 32 products
 //     per instruction, then the transposing reduction of paged_decode_avx512_p.h puts 16
-//     positions' dot products in one vector, times the softmax scale;
-//  2. online softmax per head as in paged_decode_simd.h;
+//     positions' dot products in one vector, times the softmax scale; every head's
+//     scores of the chunk's blocks are kept;
+//  2. online softmax per head as in paged_decode_simd.h, once per chunk;
 //  3. P·V: each 32-value vector of a V row is widened to fp32 by a shift (the even
 //     elements) and a mask (the odd ones), once for up to kTile heads whose accumulators
-//     stay in registers; the accumulators hold even and odd elements apart until the end.
+//     stay in registers over the chunk's rows (split into partial sums by row where the
+//     heads alone give too few independent FMA chains); the accumulators hold even and
+//     odd elements apart until the end.
+// A chunk rather than a block per softmax step (session 12): the serial tail each step
+// ends in (the scores' maximum, a scalar exp, the accumulators' rescale and their trip
+// through memory) is paid once per 128 positions instead of once per 16, and the scores
+// of a chunk's blocks are independent work the core overlaps.
 //
 // Software prefetch as in the fp32 build: each work item's next block's K and V rows, and
 // the next item's first block (paged_decode_prefetch.h). Session 7 asked for whole
@@ -24,8 +32,9 @@
 // op rounds q to it), so each product is exact in fp32 and only the fp32 summation order
 // of a score differs from the fp32 build, which also scales q before the dot product
 // where this scales the sum (one rounding of the score either way). P·V is the fp32
-// build's arithmetic, element by element in the same order. `vdpbf16ps` treats
-// denormal inputs and results as zero: a product or partial sum below 2^-126 in magnitude
+// build's arithmetic but for where the running maximum is taken (per chunk, not per
+// block) and, with partial sums, the order of the sum. `vdpbf16ps` treats denormal
+// inputs and results as zero: a product or partial sum below 2^-126 in magnitude
 // (|q·k| < 1.2e-38) counts as 0, a change to a logit far below its fp32 rounding.
 #include "paged_decode.h"
 #include "paged_decode_prefetch.h"
@@ -74,44 +83,65 @@ __attribute__((always_inline)) inline T head_scores(const uint16_t* q, const uin
   return P::first(P::mul(P::transpose_sum(a), P::set1(scale)), int(nj), -__builtin_inff());
 }
 
-// acc[g] = acc[g] · cs[g] + Σ_j prob[g][j] · V[j] for heads [g0, g0 + NG): V rows [0, n)
-// read from the cache once for the NG heads. acc row layout per 32 elements: the 16 even
-// ones, then the 16 odd ones (what the shift and the mask give).
+// acc[g] = acc[g] · cs[g] + Σ_j prob[g][j] · V[j] for heads [g0, g0 + NG), j over the
+// rows of a chunk's blocks (block b: ns[b] rows at vb[b], probabilities from offset
+// Σ ns[<b]): V rows read from the cache once for the NG heads. acc row layout per 32
+// elements: the 16 even ones, then the 16 odd ones (what the shift and the mask give).
+// S partial sums per accumulator (rows j ≡ s mod S) when the heads' accumulators alone
+// are too few independent FMA chains to hide the FMA latency.
 template <int NG, int DW>
-inline void tile_values(const uint16_t* v, int64_t n, const float* prob, int64_t Bp,
-                        const float* cs, float* acc, int64_t g0) {
+inline void tile_values(const uint16_t* const* vb, const int64_t* ns, int64_t nblk,
+                        const float* prob, int64_t Cs, const float* cs, float* acc, int64_t g0) {
   constexpr int D = 32 * DW;
-  T a[NG][DW][2];
+  constexpr int S = 2 * NG * DW >= 8 ? 1 : 2 * NG * DW >= 4 ? 2 : 4;
+  T a[S][NG][DW][2];
   for (int i = 0; i < NG; ++i)
     for (int c = 0; c < DW; ++c)
-      for (int h = 0; h < 2; ++h)
-        a[i][c][h] = P::mul(P::load(acc + (g0 + i) * D + 32 * c + 16 * h), P::set1(cs[g0 + i]));
+      for (int h = 0; h < 2; ++h) {
+        a[0][i][c][h] = P::mul(P::load(acc + (g0 + i) * D + 32 * c + 16 * h), P::set1(cs[g0 + i]));
+        for (int s = 1; s < S; ++s) a[s][i][c][h] = P::zero();
+      }
   const __m512i high = _mm512_set1_epi32(int32_t(0xFFFF0000u));
-  for (int64_t j = 0; j < n; ++j) {
+  auto row = [&](T(&t)[NG][DW][2], const uint16_t* v, const float* pr) __attribute__((always_inline)) {
     for (int c = 0; c < DW; ++c) {
-      const __m512i x = _mm512_loadu_si512(v + j * D + 32 * c);
+      const __m512i x = _mm512_loadu_si512(v + 32 * c);
       const T even = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
       const T odd = _mm512_castsi512_ps(_mm512_and_si512(x, high));
       for (int i = 0; i < NG; ++i) {
-        const T pr = P::set1(prob[(g0 + i) * Bp + j]);
-        a[i][c][0] = P::fma(pr, even, a[i][c][0]);
-        a[i][c][1] = P::fma(pr, odd, a[i][c][1]);
+        const T w = P::set1(pr[(g0 + i) * Cs]);
+        t[i][c][0] = P::fma(w, even, t[i][c][0]);
+        t[i][c][1] = P::fma(w, odd, t[i][c][1]);
       }
     }
+  };
+  const float* pr = prob;
+  for (int64_t b = 0; b < nblk; ++b) {
+    const uint16_t* v = vb[b];
+    const int64_t n = ns[b];
+    int64_t j = 0;
+    for (; j + S <= n; j += S)
+      for (int s = 0; s < S; ++s) row(a[s], v + (j + s) * D, pr + j + s);
+    for (; j < n; ++j) row(a[0], v + j * D, pr + j);
+    pr += n;
   }
+  for (int s = 1; s < S; ++s)
+    for (int i = 0; i < NG; ++i)
+      for (int c = 0; c < DW; ++c)
+        for (int h = 0; h < 2; ++h) a[0][i][c][h] = P::add(a[0][i][c][h], a[s][i][c][h]);
   for (int i = 0; i < NG; ++i)
     for (int c = 0; c < DW; ++c)
-      for (int h = 0; h < 2; ++h) P::store(acc + (g0 + i) * D + 32 * c + 16 * h, a[i][c][h]);
+      for (int h = 0; h < 2; ++h) P::store(acc + (g0 + i) * D + 32 * c + 16 * h, a[0][i][c][h]);
 }
 
 // P·V for heads [g0, g0 + ng), ng <= NG
 template <int NG, int DW>
-inline void some_values(const uint16_t* v, int64_t n, const float* prob, int64_t Bp,
-                        const float* cs, float* acc, int64_t g0, int64_t ng) {
+inline void some_values(const uint16_t* const* vb, const int64_t* ns, int64_t nblk,
+                        const float* prob, int64_t Cs, const float* cs, float* acc, int64_t g0,
+                        int64_t ng) {
   if constexpr (NG > 1) {
-    if (ng < NG) return some_values<NG - 1, DW>(v, n, prob, Bp, cs, acc, g0, ng);
+    if (ng < NG) return some_values<NG - 1, DW>(vb, ns, nblk, prob, Cs, cs, acc, g0, ng);
   }
-  tile_values<NG, DW>(v, n, prob, Bp, cs, acc, g0);
+  tile_values<NG, DW>(vb, ns, nblk, prob, Cs, cs, acc, g0);
 }
 
 template <int DW>
@@ -119,15 +149,18 @@ void bf16_decode_tasks(const kvrelay::DecodeProblem& p, int64_t begin, int64_t e
                        float* scratch) {
   constexpr int64_t D = 32 * DW;
   constexpr int kTile = 8 / DW > 1 ? 8 / DW : 1;   // 2·kTile·DW accumulators in registers
-  const int64_t G = p.H / p.KVH, B = p.B, Bp = kvrelay::decode_padded(B);
+  const int64_t G = p.H / p.KVH, B = p.B;
+  const int64_t C = kvrelay::decode_chunk(B), Cs = kvrelay::decode_chunk_stride(B);
   const uint16_t* kv = static_cast<const uint16_t*>(p.kv);
   const int64_t v_off = p.NB * p.KVH * B * D;          // K plane, then V plane
   float* acc = scratch;                                // [G, D] even/odd halves
   float* m = acc + G * D;                              // [G] running max
-  float* cs = m + G;                                   // [G] this block's rescale
+  float* cs = m + G;                                   // [G] this chunk's rescale
   float* lv = cs + G;                                  // [G, 16] running sums by lane
-  float* sc = lv + G * kvrelay::kDecodePad;            // [G, Bp] scores, then probabilities
-  uint16_t* qb = reinterpret_cast<uint16_t*>(sc + G * Bp);   // [G, D] q in bf16
+  float* sc = lv + G * kvrelay::kDecodePad;            // [G, Cs] scores, then probabilities
+  uint16_t* qb = reinterpret_cast<uint16_t*>(sc + G * Cs);   // [G, D] q in bf16
+  const uint16_t* kbs[kvrelay::kDecodeChunk + 1];      // the chunk's blocks (K rows)
+  int64_t ns[kvrelay::kDecodeChunk + 1];               // and their positions
   for (int64_t task = begin; task < end; ++task) {
     const int64_t seq = task / p.KVH, kh = task % p.KVH;
     const int64_t len = p.lens[seq];
@@ -146,27 +179,38 @@ void bf16_decode_tasks(const kvrelay::DecodeProblem& p, int64_t begin, int64_t e
       P::store(lv + g * kvrelay::kDecodePad, P::zero());
     }
     for (int64_t p0 = first; p0 < len;) {
-      const int64_t blk = p.table[seq * p.maxb + p0 / B];
-      const int64_t off0 = p0 % B;
-      const int64_t n = B - off0 < len - p0 ? B - off0 : len - p0;   // positions in the block
-      const uint16_t* kb = kv + ((blk * p.KVH + kh) * B + off0) * D;
-      kvrelay::prefetch_block(p, task, p0 + n);
+      // 1. the chunk: whole blocks of up to C positions; every head's scores of them
+      int64_t nblk = 0, o = 0;
+      while (p0 < len) {
+        const int64_t off0 = p0 % B;
+        const int64_t n = B - off0 < len - p0 ? B - off0 : len - p0;   // positions in the block
+        if (o > 0 && o + n > C) break;
+        const int64_t blk = p.table[seq * p.maxb + p0 / B];
+        const uint16_t* kb = kv + ((blk * p.KVH + kh) * B + off0) * D;
+        kvrelay::prefetch_block(p, task, p0 + n);
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t j0 = 0; j0 < n; j0 += kRows) {
+            const int64_t nj = n - j0 < kRows ? n - j0 : kRows;
+            P::store(sc + g * Cs + o + j0, head_scores<DW>(qb + g * D, kb + j0 * D, nj, p.scale));
+          }
+        kbs[nblk] = kb;
+        ns[nblk++] = n;
+        o += n;
+        p0 += n;
+      }
+      // 2. online softmax per head over the chunk, as in paged_decode_simd.h
       for (int64_t g = 0; g < G; ++g) {
-        float* sg = sc + g * Bp;
+        float* sg = sc + g * Cs;
         T mx = P::set1(-__builtin_inff());
-        for (int64_t j0 = 0; j0 < n; j0 += kRows) {
-          const int64_t nj = n - j0 < kRows ? n - j0 : kRows;
-          const T s = head_scores<DW>(qb + g * D, kb + j0 * D, nj, p.scale);
-          P::store(sg + j0, s);
-          mx = P::max(mx, s);
-        }
+        for (int64_t j0 = 0; j0 < o; j0 += kRows)
+          mx = P::max(mx, P::first(P::load(sg + j0), int(o - j0), -__builtin_inff()));
         const float bm = P::hmax(mx);
         const float mnew = m[g] > bm ? m[g] : bm;
         const float c = __builtin_isinf(m[g]) ? 0.f : exp_neg(m[g] - mnew);  // first: 0
         const T mv = P::set1(mnew);
         T sum = P::mul(P::load(lv + g * kvrelay::kDecodePad), P::set1(c));
-        for (int64_t j0 = 0; j0 < n; j0 += kRows) {
-          const T e = P::first(P::exp_neg(P::sub(P::load(sg + j0), mv)), int(n - j0), 0.f);
+        for (int64_t j0 = 0; j0 < o; j0 += kRows) {
+          const T e = P::first(P::exp_neg(P::sub(P::load(sg + j0), mv)), int(o - j0), 0.f);
           P::store(sg + j0, e);
           sum = P::add(sum, e);
         }
@@ -174,10 +218,12 @@ void bf16_decode_tasks(const kvrelay::DecodeProblem& p, int64_t begin, int64_t e
         cs[g] = c;
         m[g] = mnew;
       }
+      // 3. P·V over the chunk's V rows
+      const uint16_t* vbs[kvrelay::kDecodeChunk + 1];
+      for (int64_t b = 0; b < nblk; ++b) vbs[b] = kbs[b] + v_off;
       for (int64_t g0 = 0; g0 < G; g0 += kTile)
-        some_values<kTile, DW>(kb + v_off, n, sc, Bp, cs, acc, g0,
+        some_values<kTile, DW>(vbs, ns, nblk, sc, Cs, cs, acc, g0,
                                G - g0 < kTile ? G - g0 : kTile);
-      p0 += n;
     }
     float* os = p.out + (seq * p.H + kh * G) * D;
     for (int64_t g = 0; g < G; ++g) {
