@@ -132,7 +132,7 @@ def test_every_isa_build_matches_reference(dtype):
 
     torch.manual_seed(5)
     B, NB, h, kvh, hd = 8, 64, 6, 2, 20
-    seq_lens = [1, B - 1, B + 1, 2 * B, 45]
+    seq_lens = [1, B - 1, B + 1, 2 * B, 45, 261]   # 261: three softmax chunks
     meta = _step(seq_lens, [1] * len(seq_lens), B, NB, seed=5)
     layer = PagedAttention(h, kvh, hd, 12, 0, ParallelContext())
     layer.sinks.normal_(0, 1)
@@ -184,7 +184,8 @@ def test_every_isa_on_the_shapes_the_simd_builds_specialise(dtype, heads, kv_hea
     tiny and real models), take 72 at run time with a partial last vector, score 16 or 8
     positions at a time and tile the query heads of a KV head (GQA 1 with an odd head
     count, 2 and 8): blocks of 16 with lengths around the block and vector edges, with and
-    without a window that starts inside a block, for every ISA this CPU runs."""
+    without a window that starts inside a block (inside the first softmax chunk, or one
+    that leaves a chunk short of a whole block), for every ISA this CPU runs."""
     from kvrelay.model import kernels
     from kvrelay.model.layers.attention import write_kv
 
@@ -199,7 +200,7 @@ def test_every_isa_on_the_shapes_the_simd_builds_specialise(dtype, heads, kv_hea
     written = cache.clone()
     write_kv(written, k, v, meta.slot_mappings[0], B)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    for window in (None, 17):
+    for window in (None, 17, 150):
         layer = PagedAttention(heads, kv_heads, head_dim, window, 0, ParallelContext())
         layer.sinks.normal_(0, 1)
         ref = _run(layer, False, q, k, v, cache, meta).float()

@@ -6,17 +6,21 @@
 // to fill), transpose_sum(a) (lane j = the sum of a[j]'s lanes) and load_{f32,bf16,f16}
 // (p, n) (n <= W elements, zeros beyond).
 //
-// Per work item (sequence, KV head), block by block over the visible positions
-// [max(0, len - window), len) through the block table:
-//  1. the block's K rows are converted to f32 in scratch (rows padded to whole vectors
+// Per work item (sequence, KV head), chunk by chunk (whole blocks, up to kDecodeChunk
+// positions: paged_decode.h) over the visible positions [max(0, len - window), len)
+// through the block table:
+//  1. each block's K rows are converted to f32 in scratch (rows padded to whole vectors
 //     with zeros), once for the G query heads of the KV head;
 //  2. scores: for each head, W positions at a time, one vector of partial products per
 //     position (q in registers, each K row read from L1), then a transposing reduction
-//     puts the W dot products in one vector;
-//  3. online softmax per head on whole vectors: block max, vector exp, running sum;
+//     puts the W dot products in one vector; every head's scores of the chunk are kept;
+//  3. online softmax per head on whole vectors, once per chunk: chunk max, vector exp,
+//     running sum;
 //  4. P·V: per vector of the head dim, the accumulators of up to kHeadTile heads stay in
-//     registers while each V row is loaded from the cache, converted in registers, once
-//     and meets every head's probability.
+//     registers while each V row of the chunk is loaded from the cache, converted in
+//     registers, once and meets every head's probability.
+// The softmax's serial tail (maximum, scalar exp, the accumulators' rescale) is paid per
+// chunk, not per block (session 12: see paged_decode_avx512_bf16.cpp).
 // The learned sink joins the denominator at the end (as in paged_decode_generic.cpp).
 #pragma once
 
@@ -95,28 +99,45 @@ __attribute__((always_inline)) inline typename P::T head_scores(const float* q,
   return P::first(P::transpose_sum(a), int(nj), -__builtin_inff());
 }
 
-// acc[g] = acc[g] · cs[g] + Σ_j prob[g][j] · V[j] for NG heads from g0: V rows [0, n)
-// read from the cache (row stride D) and converted in registers, each vector of a row
-// once for the NG heads.
+// The V rows of a softmax chunk (whole blocks, paged_decode.h kDecodeChunk): block b has
+// ns[b] rows at element offset at[b] of the cache; its probabilities follow the earlier
+// blocks' in a head's score row (stride Cs).
+struct ChunkRows {
+  const int64_t* at;
+  const int64_t* ns;
+  int64_t nblk, Cs;
+};
+
+// acc[g] = acc[g] · cs[g] + Σ_j prob[g][j] · V[j] for NG heads from g0, j over the chunk's
+// rows: V rows read from the cache (row stride D) and converted in registers, each vector
+// of a row once for the NG heads.
 template <int NG, class E, class Load>
-inline void weighted_values(const E* v, const Load& load, int64_t D, const float* prob,
-                            const float* cs, float* acc, int64_t g0, int64_t n, int64_t Dp,
-                            int64_t Bp) {
+inline void weighted_values(const E* kv, const Load& load, int64_t D, const ChunkRows& rows,
+                            const float* prob, const float* cs, float* acc, int64_t g0,
+                            int64_t Dp) {
   for (int64_t d = 0; d < D; d += P::W) {
     const int k = D - d < P::W ? int(D - d) : P::W;
     typename P::T a[NG];
     for (int i = 0; i < NG; ++i)
       a[i] = P::mul(P::load(acc + (g0 + i) * Dp + d), P::set1(cs[g0 + i]));
-    if (k == P::W) {
-      for (int64_t j = 0; j < n; ++j) {
-        const typename P::T x = load(v + j * D + d, P::W);
-        for (int i = 0; i < NG; ++i) a[i] = P::fma(P::set1(prob[(g0 + i) * Bp + j]), x, a[i]);
+    const float* pr = prob;
+    for (int64_t b = 0; b < rows.nblk; ++b) {
+      const E* v = kv + rows.at[b];
+      const int64_t n = rows.ns[b];
+      if (k == P::W) {
+        for (int64_t j = 0; j < n; ++j) {
+          const typename P::T x = load(v + j * D + d, P::W);
+          for (int i = 0; i < NG; ++i)
+            a[i] = P::fma(P::set1(pr[(g0 + i) * rows.Cs + j]), x, a[i]);
+        }
+      } else {
+        for (int64_t j = 0; j < n; ++j) {
+          const typename P::T x = load(v + j * D + d, k);
+          for (int i = 0; i < NG; ++i)
+            a[i] = P::fma(P::set1(pr[(g0 + i) * rows.Cs + j]), x, a[i]);
+        }
       }
-    } else {
-      for (int64_t j = 0; j < n; ++j) {
-        const typename P::T x = load(v + j * D + d, k);
-        for (int i = 0; i < NG; ++i) a[i] = P::fma(P::set1(prob[(g0 + i) * Bp + j]), x, a[i]);
-      }
+      pr += n;
     }
     for (int i = 0; i < NG; ++i) P::store(acc + (g0 + i) * Dp + d, a[i]);
   }
@@ -124,39 +145,37 @@ inline void weighted_values(const E* v, const Load& load, int64_t D, const float
 
 // P·V for heads [g0, g0 + ng), ng <= NG, with the accumulators of NG heads in registers
 template <int NG, class E, class Load>
-inline void tile_values(const E* v, const Load& load, int64_t D, const float* prob,
-                        const float* cs, float* acc, int64_t g0, int64_t ng, int64_t n,
-                        int64_t Dp, int64_t Bp) {
+inline void tile_values(const E* kv, const Load& load, int64_t D, const ChunkRows& rows,
+                        const float* prob, const float* cs, float* acc, int64_t g0, int64_t ng,
+                        int64_t Dp) {
   if constexpr (NG > 1) {
-    if (ng < NG) return tile_values<NG - 1>(v, load, D, prob, cs, acc, g0, ng, n, Dp, Bp);
+    if (ng < NG) return tile_values<NG - 1>(kv, load, D, rows, prob, cs, acc, g0, ng, Dp);
   }
-  weighted_values<NG>(v, load, D, prob, cs, acc, g0, n, Dp, Bp);
+  weighted_values<NG>(kv, load, D, rows, prob, cs, acc, g0, Dp);
 }
 
 // P·V for every head of the work item, kHeadTile heads at a time
 template <class E, class Load>
-inline void all_values(const E* v, const Load& load, int64_t D, const float* prob,
-                       const float* cs, float* acc, int64_t G, int64_t n, int64_t Dp,
-                       int64_t Bp) {
+inline void all_values(const E* kv, const Load& load, int64_t D, const ChunkRows& rows,
+                       const float* prob, const float* cs, float* acc, int64_t G, int64_t Dp) {
   for (int64_t g0 = 0; g0 < G; g0 += kHeadTile)
-    tile_values<kHeadTile>(v, load, D, prob, cs, acc, g0, G - g0, n, Dp, Bp);
+    tile_values<kHeadTile>(kv, load, D, rows, prob, cs, acc, g0, G - g0, Dp);
 }
 
-inline void all_values(const kvrelay::DecodeProblem& p, int64_t at, const float* prob,
-                       const float* cs, float* acc, int64_t G, int64_t n, int64_t Dp,
-                       int64_t Bp) {
+inline void all_values(const kvrelay::DecodeProblem& p, const ChunkRows& rows,
+                       const float* prob, const float* cs, float* acc, int64_t G, int64_t Dp) {
   if (p.format == kvrelay::kKvBF16) {
-    all_values(static_cast<const uint16_t*>(p.kv) + at,
-               [](const uint16_t* x, int k) { return P::load_bf16(x, k); }, p.D, prob, cs, acc,
-               G, n, Dp, Bp);
+    all_values(static_cast<const uint16_t*>(p.kv),
+               [](const uint16_t* x, int k) { return P::load_bf16(x, k); }, p.D, rows, prob,
+               cs, acc, G, Dp);
   } else if (p.format == kvrelay::kKvF16) {
-    all_values(static_cast<const uint16_t*>(p.kv) + at,
-               [](const uint16_t* x, int k) { return P::load_f16(x, k); }, p.D, prob, cs, acc,
-               G, n, Dp, Bp);
+    all_values(static_cast<const uint16_t*>(p.kv),
+               [](const uint16_t* x, int k) { return P::load_f16(x, k); }, p.D, rows, prob,
+               cs, acc, G, Dp);
   } else {
-    all_values(static_cast<const float*>(p.kv) + at,
-               [](const float* x, int k) { return P::load_f32(x, k); }, p.D, prob, cs, acc,
-               G, n, Dp, Bp);
+    all_values(static_cast<const float*>(p.kv),
+               [](const float* x, int k) { return P::load_f32(x, k); }, p.D, rows, prob, cs,
+               acc, G, Dp);
   }
 }
 
@@ -165,17 +184,19 @@ void simd_decode_tasks(const kvrelay::DecodeProblem& p, int64_t begin, int64_t e
                        float* scratch) {
   using T = typename P::T;
   const int64_t G = p.H / p.KVH, D = p.D, B = p.B;
-  const int64_t Dp = kvrelay::decode_padded(D), Bp = kvrelay::decode_padded(B);
+  const int64_t Dp = kvrelay::decode_padded(D);
+  const int64_t C = kvrelay::decode_chunk(B), Cs = kvrelay::decode_chunk_stride(B);
   const int dc = int(Dp / P::W);
   const int64_t v_off = p.NB * p.KVH * B * D;          // K plane, then V plane
   float* qf = scratch;                                 // [G, Dp] scaled, zero-padded
   float* acc = qf + G * Dp;                            // [G, Dp]
   float* m = acc + G * Dp;                             // [G] running max
   float* l = m + G;                                    // [G] running sum
-  float* cs = l + G;                                   // [G] this block's rescale
+  float* cs = l + G;                                   // [G] this chunk's rescale
   float* lv = cs + G;                                  // [G, kDecodePad] sums by lane
-  float* sc = lv + G * kvrelay::kDecodePad;            // [G, Bp] scores, then probabilities
-  float* kf = sc + G * Bp;                             // [Bp, Dp] the block's keys
+  float* sc = lv + G * kvrelay::kDecodePad;            // [G, Cs] scores, then probabilities
+  float* kf = sc + G * Cs;                             // [Bp, Dp] a block's keys
+  int64_t vat[kvrelay::kDecodeChunk + 1], ns[kvrelay::kDecodeChunk + 1];   // the chunk's blocks
   for (int64_t task = begin; task < end; ++task) {
     const int64_t seq = task / p.KVH, kh = task % p.KVH;
     const int64_t len = p.lens[seq];
@@ -193,29 +214,40 @@ void simd_decode_tasks(const kvrelay::DecodeProblem& p, int64_t begin, int64_t e
       P::store(lv + g * kvrelay::kDecodePad, P::zero());
     }
     for (int64_t p0 = first; p0 < len;) {
-      const int64_t blk = p.table[seq * p.maxb + p0 / B];
-      const int64_t off0 = p0 % B;
-      const int64_t n = B - off0 < len - p0 ? B - off0 : len - p0;   // positions in the block
-      const int64_t k_at = ((blk * p.KVH + kh) * B + off0) * D;
-      kvrelay::prefetch_block(p, task, p0 + n);
-      rows_to_f32(p, k_at, n, Dp, kf);
+      // 1. the chunk: whole blocks of up to C positions; every head's scores of them
+      int64_t nblk = 0, o = 0;
+      while (p0 < len) {
+        const int64_t off0 = p0 % B;
+        const int64_t n = B - off0 < len - p0 ? B - off0 : len - p0;   // positions in the block
+        if (o > 0 && o + n > C) break;
+        const int64_t blk = p.table[seq * p.maxb + p0 / B];
+        const int64_t k_at = ((blk * p.KVH + kh) * B + off0) * D;
+        kvrelay::prefetch_block(p, task, p0 + n);
+        rows_to_f32(p, k_at, n, Dp, kf);
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t j0 = 0; j0 < n; j0 += P::W) {
+            const int64_t nj = n - j0 < P::W ? n - j0 : P::W;
+            P::store(sc + g * Cs + o + j0, head_scores<DC>(qf + g * Dp, kf + j0 * Dp, Dp, nj, dc));
+          }
+        vat[nblk] = k_at + v_off;
+        ns[nblk++] = n;
+        o += n;
+        p0 += n;
+      }
+      // 2. online softmax per head on whole vectors: chunk max, vector exp, running sum
       for (int64_t g = 0; g < G; ++g) {
-        float* sg = sc + g * Bp;
+        float* sg = sc + g * Cs;
         T mx = P::set1(-__builtin_inff());
-        for (int64_t j0 = 0; j0 < n; j0 += P::W) {
-          const int64_t nj = n - j0 < P::W ? n - j0 : P::W;
-          const T s = head_scores<DC>(qf + g * Dp, kf + j0 * Dp, Dp, nj, dc);
-          P::store(sg + j0, s);
-          mx = P::max(mx, s);
-        }
+        for (int64_t j0 = 0; j0 < o; j0 += P::W)
+          mx = P::max(mx, P::first(P::load(sg + j0), int(o - j0), -__builtin_inff()));
         const float bm = P::hmax(mx);
         const float mnew = m[g] > bm ? m[g] : bm;
         const float c = __builtin_isinf(m[g]) ? 0.f : exp_neg(m[g] - mnew);  // first: 0
         const T mv = P::set1(mnew);
         // the running sum stays a vector (one horizontal sum per work item, at the end)
         T sum = P::mul(P::load(lv + g * kvrelay::kDecodePad), P::set1(c));
-        for (int64_t j0 = 0; j0 < n; j0 += P::W) {
-          const T e = P::first(P::exp_neg(P::sub(P::load(sg + j0), mv)), int(n - j0), 0.f);
+        for (int64_t j0 = 0; j0 < o; j0 += P::W) {
+          const T e = P::first(P::exp_neg(P::sub(P::load(sg + j0), mv)), int(o - j0), 0.f);
           P::store(sg + j0, e);
           sum = P::add(sum, e);
         }
@@ -223,8 +255,8 @@ void simd_decode_tasks(const kvrelay::DecodeProblem& p, int64_t begin, int64_t e
         cs[g] = c;
         m[g] = mnew;
       }
-      all_values(p, k_at + v_off, sc, cs, acc, G, n, Dp, Bp);
-      p0 += n;
+      // 3. P·V over the chunk's V rows
+      all_values(p, ChunkRows{vat, ns, nblk, Cs}, sc, cs, acc, G, Dp);
     }
     float* os = p.out + (seq * p.H + kh * G) * D;
     for (int64_t g = 0; g < G; ++g) l[g] = P::hsum(P::load(lv + g * kvrelay::kDecodePad));
