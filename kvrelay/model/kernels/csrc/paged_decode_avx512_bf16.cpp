@@ -182,11 +182,9 @@ void bf16_decode_tasks(const kvrelay::DecodeProblem& p, int64_t begin, int64_t e
       // 1. the chunk: whole blocks of up to C positions; every head's scores of them
       int64_t nblk = 0, o = 0;
       while (p0 < len) {
-        const int64_t off0 = p0 % B;
-        const int64_t n = B - off0 < len - p0 ? B - off0 : len - p0;   // positions in the block
-        if (o > 0 && o + n > C) break;
-        const int64_t blk = p.table[seq * p.maxb + p0 / B];
-        const uint16_t* kb = kv + ((blk * p.KVH + kh) * B + off0) * D;
+        const auto [n, k_at] = kvrelay::chunk_block(p, task, p0, o, C);
+        if (n == 0) break;
+        const uint16_t* kb = kv + k_at;
         kvrelay::prefetch_block(p, task, p0 + n);
         for (int64_t g = 0; g < G; ++g)
           for (int64_t j0 = 0; j0 < n; j0 += kRows) {

@@ -41,6 +41,23 @@ __attribute__((always_inline)) inline void prefetch_block(const DecodeProblem& p
   }
 }
 
+// The block of work item `task` that holds position p0 < len, as far as a softmax chunk
+// (kDecodeChunk) already holding `held` positions of at most `C` can take it: its
+// positions from p0 (n; 0 where the chunk is full) and the element offset of its first
+// K row in the cache.
+struct ChunkBlock {
+  int64_t n, k_at;
+};
+inline ChunkBlock chunk_block(const DecodeProblem& p, int64_t task, int64_t p0, int64_t held,
+                              int64_t C) {
+  const int64_t seq = task / p.KVH, kh = task % p.KVH, B = p.B;
+  const int64_t len = p.lens[seq], off0 = p0 % B;
+  const int64_t n = B - off0 < len - p0 ? B - off0 : len - p0;
+  if (held > 0 && held + n > C) return {0, 0};
+  const int64_t blk = p.table[seq * p.maxb + p0 / B];
+  return {n, ((blk * p.KVH + kh) * B + off0) * p.D};
+}
+
 // the first visible position of work item `task`
 inline int64_t first_position(const DecodeProblem& p, int64_t task) {
   const int64_t len = p.lens[task / p.KVH];
