@@ -27,7 +27,7 @@ measured 3.5-4.8k tok/s without the tiles against 4.4-5.0k with them.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -78,14 +78,9 @@ def wants(ex: Experts, x: torch.Tensor, choices: int) -> bool:
 def forward(ex: Experts, x: torch.Tensor, weights: torch.Tensor,
             expert_ids: torch.Tensor) -> torch.Tensor:
     """x [T, H] bf16, weights/expert_ids [T, k] → this rank's partial output [T, H] bf16."""
-    gate_up, down = _weights(ex.gate_up), _weights(ex.down)
+    gate_up, down = ex._kernel_weight(ex.gate_up), ex._kernel_weight(ex.down)
     return torch.ops.kvrelay_kernels.moe_tiles(
         x.contiguous(), weights.float().contiguous(), expert_ids.long().contiguous(),
         ex.first_expert, gate_up[0], gate_up[1], ex._f32("gate_up_bias"), down[0], down[1],
         ex._f32("down_bias") if ex.add_down_bias else None, ex.alpha, ex.limit)
 
-
-def _weights(w: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-    if isinstance(w, MXFP4Tensor):
-        return w.blocks.contiguous(), w.scales.contiguous()
-    return w.detach().contiguous(), None
