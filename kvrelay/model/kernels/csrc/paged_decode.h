@@ -34,8 +34,8 @@ struct DecodeProblem {
 constexpr int64_t kDecodePad = 16;
 inline int64_t decode_padded(int64_t n) { return (n + kDecodePad - 1) / kDecodePad * kDecodePad; }
 
-// Positions whose scores a work item keeps at once (the AVX512-BF16 build's softmax chunk:
-// whole blocks, at least one): one max, one rescale and one pass over the V rows per chunk
+// Positions whose scores a work item keeps at once (the SIMD builds' softmax chunk: whole
+// blocks, at least one): one max, one rescale and one pass over the V rows per chunk
 // instead of per block, so the serial chain a block used to end in (the scores' maximum, a
 // scalar exp, the accumulators' rescale) is paid once per kDecodeChunk positions.
 constexpr int64_t kDecodeChunk = 128;
@@ -49,8 +49,8 @@ inline int64_t decode_chunk_stride(int64_t B) { return decode_padded(decode_chun
 // for every build.
 inline int64_t decode_scratch_floats(const DecodeProblem& p) {
   const int64_t G = p.H / p.KVH, Dp = decode_padded(p.D), Bp = decode_padded(p.B);
-  const int64_t Cs = decode_chunk_stride(p.B) > Bp ? decode_chunk_stride(p.B) : Bp;
-  return 2 * G * Dp + 3 * G + G * kDecodePad + G * Cs + 2 * Bp * Dp;
+  // a score row per head (decode_chunk_stride >= Bp: the generic build's rows fit too)
+  return 2 * G * Dp + 3 * G + G * kDecodePad + G * decode_chunk_stride(p.B) + 2 * Bp * Dp;
 }
 
 // Runs work items [begin, end) with `scratch` (decode_scratch_floats of them).

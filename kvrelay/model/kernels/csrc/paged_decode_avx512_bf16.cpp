@@ -159,7 +159,7 @@ void bf16_decode_tasks(const kvrelay::DecodeProblem& p, int64_t begin, int64_t e
   float* lv = cs + G;                                  // [G, 16] running sums by lane
   float* sc = lv + G * kvrelay::kDecodePad;            // [G, Cs] scores, then probabilities
   uint16_t* qb = reinterpret_cast<uint16_t*>(sc + G * Cs);   // [G, D] q in bf16
-  const uint16_t* kbs[kvrelay::kDecodeChunk + 1];      // the chunk's blocks (K rows)
+  const uint16_t* vbs[kvrelay::kDecodeChunk + 1];      // the chunk's blocks (V rows)
   int64_t ns[kvrelay::kDecodeChunk + 1];               // and their positions
   for (int64_t task = begin; task < end; ++task) {
     const int64_t seq = task / p.KVH, kh = task % p.KVH;
@@ -191,7 +191,7 @@ void bf16_decode_tasks(const kvrelay::DecodeProblem& p, int64_t begin, int64_t e
             const int64_t nj = n - j0 < kRows ? n - j0 : kRows;
             P::store(sc + g * Cs + o + j0, head_scores<DW>(qb + g * D, kb + j0 * D, nj, p.scale));
           }
-        kbs[nblk] = kb;
+        vbs[nblk] = kb + v_off;
         ns[nblk++] = n;
         o += n;
         p0 += n;
@@ -217,8 +217,6 @@ void bf16_decode_tasks(const kvrelay::DecodeProblem& p, int64_t begin, int64_t e
         m[g] = mnew;
       }
       // 3. P·V over the chunk's V rows
-      const uint16_t* vbs[kvrelay::kDecodeChunk + 1];
-      for (int64_t b = 0; b < nblk; ++b) vbs[b] = kbs[b] + v_off;
       for (int64_t g0 = 0; g0 < G; g0 += kTile)
         some_values<kTile, DW>(vbs, ns, nblk, sc, Cs, cs, acc, g0,
                                G - g0 < kTile ? G - g0 : kTile);
