@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -12,10 +13,38 @@ from pathlib import Path
 import httpx
 
 
+_handed_out: set[int] = set()
+_rng = random.Random()                 # its own: a test that seeds `random` must not repeat ports
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A 127.0.0.1 port nothing listens on, for a server the test starts later.
+
+    Between this call and the server's bind the port is free, so the kernel's own picks must
+    not land on it: it comes from below the ephemeral range (where `bind(0)`, client
+    connections and `refused_port` take theirs), and no port is handed out twice in a run.
+    """
+    low = _ephemeral_low()
+    first = 20000 if low > 21000 else 1025
+    for _ in range(1000):
+        port = _rng.randrange(first, low)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free port in {first}-{low - 1}")
 
 
 class KvrelayProcess:
