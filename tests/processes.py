@@ -12,7 +12,6 @@ from pathlib import Path
 
 import httpx
 
-
 _handed_out: set[int] = set()
 _rng = random.Random()                 # its own: a test that seeds `random` must not repeat ports
 
