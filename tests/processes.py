@@ -33,7 +33,7 @@ def free_port() -> int:
     low = _ephemeral_low()
     first = 20000 if low > 21000 else 1025
     for _ in range(1000):
-        port = _rng.randrange(first, low)
+        port = _rng.randrange(first, low) if low > first else _kernel_pick()
         if port in _handed_out:
             continue
         with socket.socket() as s:
@@ -44,6 +44,13 @@ def free_port() -> int:
         _handed_out.add(port)
         return port
     raise RuntimeError(f"no free port in {first}-{low - 1}")
+
+
+def _kernel_pick() -> int:
+    """Where the ephemeral range leaves no room below it: the kernel's own pick."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class KvrelayProcess:
