@@ -5,8 +5,8 @@ One completion or chat request, vLLM's wire format:
 ```
 client ──POST /v1/completions──▶ proxy        X-Request-Id: the client's, else a new uuid
                                    │
-   1. prefill (--routing: longest cached prefix by default; only a server that fails before
-      answering is skipped; --disagg-policy auto may skip this leg: straight to 2.)
+   1. prefill (--routing: longest cached prefix by default; only a server the proxy cannot
+      connect to is skipped; --disagg-policy auto may skip this leg: straight to 2.)
                                    ├──▶ prefill  body: max_tokens 1, stream false, no
                                    │             stream_options / min_tokens /
                                    │             min_completion_tokens, kv_transfer_params
@@ -19,18 +19,22 @@ client ──POST /v1/completions──▶ proxy        X-Request-Id: the client
                                    │    except 503 + Retry-After (busy: "KV hold refused", it
                                    │    kept nothing) → the next server, then rounds with backoff
                                    │    for at most --prefill-busy-retry seconds
-                                   │    every server failing before answering → 503
-   2. decode (--routing, by load and KV usage; failing before answering → the next one)
+                                   │    took the request, closed without a status line
+                                   │    (crashed?) → 502, never re-sent elsewhere
+                                   │    no server could be connected to → 503
+   2. decode (--routing, by load and KV usage; cannot connect → the next one; took the
+      request and closed without answering → 502 and a free notice, never re-sent)
                                    ├──▶ decode   the ORIGINAL body + the prefill's
                                    │             kv_transfer_params (remote_host 0.0.0.0/empty
                                    │             → the prefill host used)
 client ◀── SSE chunks / JSON ──────┘◀── decode pulls the KV over NIXL, streams; relayed unbuffered
 ```
 
-Failures after a successful prefill (decode unreachable, decode error status, stream cut,
-client gone) send a best-effort `POST /v1/kv_transfer/free {remote_request_id,
-remote_engine_id, remote_capability}` to that prefill server so it frees the blocks it
-holds for decode (a kvrelay prefill frees them only with the capability it issued).
+Failures after a successful prefill (decode unreachable or closing without an answer,
+decode error status, stream cut, client gone) send a best-effort `POST
+/v1/kv_transfer/free {remote_request_id, remote_engine_id, remote_capability}` to that
+prefill server so it frees the blocks it holds for decode (a kvrelay prefill frees them
+only with the capability it issued).
 A client that disconnects cancels the backend request in flight (the backend sees its
 connection close and aborts); it is counted and logged as status 499.
 
@@ -54,7 +58,6 @@ import contextlib
 import json
 import logging
 import math
-import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -79,7 +82,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
-from kvrelay import http_body
+from kvrelay import http_auth, http_body
 from kvrelay.proxy import responses, scrape
 from kvrelay.proxy.policy import Choice, Router, RoutingSettings, hit_correction
 from kvrelay.proxy.prefix import Hasher, PromptKey
@@ -105,6 +108,11 @@ BUSY_BACKOFF_S = 0.1             # first wait when every prefill server is busy;
 MAX_BUSY_ROUNDS = 12             # rounds over the prefill servers, whatever the time left
 MAX_CONNECTIONS = 1024           # per backend
 MAX_KEEPALIVE = 256
+# Idle backend connections are dropped after this long, well before uvicorn (kvrelay serve,
+# vLLM) closes them at 5 s: the proxy never writes a request into a connection the server is
+# closing at that instant (no answer then looks like a crash: 502, not re-sent). One the
+# server closed earlier, httpx finds closed before writing and replaces.
+KEEPALIVE_EXPIRY_S = 2.0
 HEALTH_INTERVAL_S = 2.0          # background /health probe of every backend
 FREE_PATH = "/v1/kv_transfer/free"
 FREE_RESULTS = ("sent", "not_found", "rejected", "error")
@@ -192,8 +200,7 @@ class ProxyAuth:
     def admits(self, authorization: str | None) -> bool:
         if self.api_key is None:
             return True
-        expected = f"Bearer {self.api_key}".encode()
-        return secrets.compare_digest((authorization or "").encode(), expected)
+        return http_auth.bearer_matches(authorization, [self.api_key])
 
     def backend_authorization(self, client_authorization: str | None) -> str | None:
         if self.api_key is not None and self.backend_key:
@@ -364,14 +371,16 @@ def _backend_client(b: Backend) -> httpx.AsyncClient:
         timeout=httpx.Timeout(connect=CONNECT_TIMEOUT_S, read=None, write=WRITE_TIMEOUT_S,
                               pool=None),
         limits=httpx.Limits(max_connections=MAX_CONNECTIONS,
-                            max_keepalive_connections=MAX_KEEPALIVE),
+                            max_keepalive_connections=MAX_KEEPALIVE,
+                            keepalive_expiry=KEEPALIVE_EXPIRY_S),
         headers={"Accept-Encoding": "identity"})
 
 
 # ---------------------------------------------------------------------------- helpers
 
-def _error(status: int, message: str, type_: str, request_id: str | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": type_, "param": None, "code": status}}
+def _error(status: int, message: str, type_: str, request_id: str | None = None,
+           param: str | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": type_, "param": param, "code": status}}
     return JSONResponse(body, status_code=status, headers=_id_header(request_id))
 
 
@@ -397,7 +406,12 @@ def _describe(e: Exception) -> str:
         if isinstance(cause, ConnectionRefusedError):
             return "connection refused"
         return f"cannot connect: {cause.strerror or cause}" if cause else f"cannot connect: {e}"
-    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    if str(e):
+        return f"{type(e).__name__}: {e}"
+    cause = _root_os_error(e)                # e.g. ReadError: connection reset by peer
+    if cause is None:
+        return type(e).__name__
+    return f"{type(e).__name__}: {(cause.strerror or str(cause)).lower()}"
 
 
 def _root_os_error(e: BaseException) -> OSError | None:
@@ -414,7 +428,24 @@ def _root_os_error(e: BaseException) -> OSError | None:
 
 
 def _is_connect_error(e: Exception) -> bool:
+    """No connection was made (refused, timed out, DNS, TLS): the request never left the
+    proxy, so another server may have it. Any other transport error came after the request
+    was written: the server had it."""
     return isinstance(e, httpx.ConnectError | httpx.ConnectTimeout)
+
+
+def _no_answer(state: ProxyState, backend: Backend, e: httpx.TransportError,
+               request_id: str) -> Response:
+    """`backend` took the request, then closed, reset or timed out without a status line.
+    It may have acted on it, or the request may be what broke it (a crash): no other server
+    gets it, so one request cannot take down every server in turn. The client gets 502."""
+    state.failed(backend, "transport")
+    logger.warning("request %s: %s server %s took the request and closed the connection "
+                   "without answering: %s (not sent to another server)", request_id,
+                   backend.role, backend.name, _describe(e))
+    return _error(502, f"{backend.role} server {backend.name} closed the connection without "
+                  f"answering ({_describe(e)}); the request was not sent to another server",
+                  "BadGatewayError", request_id)
 
 
 def _backend_headers(state: ProxyState, request: Request, request_id: str) -> dict[str, str]:
@@ -457,7 +488,7 @@ async def _read_body(request: Request, request_id: str) -> dict[str, Any] | Resp
         return http_body.parse_object(raw)
     except http_body.BodyError as e:
         type_ = "RequestTooLarge" if e.status == 413 else "BadRequestError"
-        return _error(e.status, e.message, type_, request_id)
+        return _error(e.status, e.message, type_, request_id, e.param)
 
 
 # ---------------------------------------------------------------------------- prefill leg
@@ -480,15 +511,15 @@ class AnswerBroken(Exception):
 
 async def _prefill(state: ProxyState, path: str, body: dict[str, Any], headers: dict[str, str],
                    request_id: str, order: list[Backend]) -> Prefilled | Response:
-    """Send the prefill request to the servers of `order`, first one first. Only a server that
-    failed before sending any response (refused or reset the connection, or a pooled
-    keep-alive connection to it had died) is replaced by the next one: a server that
-    answered, whatever the status, may have acted on the request, and a request that makes
-    servers fail must not go round all of them. One exception: a busy answer (`_busy`: it
-    kept nothing, and nothing of it reaches the client) goes to the next server, and when
-    every server is busy the proxy waits (backoff) and goes round again, for at most
-    `state.busy_retry_s` seconds and MAX_BUSY_ROUNDS rounds; then the client gets the
-    last busy answer as is."""
+    """Send the prefill request to the servers of `order`, first one first. Only a server the
+    proxy could not connect to (`_is_connect_error`: the request never left) is replaced by
+    the next one: a server that took the request — answered it with any status, or closed
+    the connection without answering (`_no_answer`: 502) — may have acted on it, and a
+    request that makes servers fail must not go round all of them. One exception: a busy
+    answer (`_busy`: it kept nothing, and nothing of it reaches the client) goes to the
+    next server, and when every server is busy the proxy waits (backoff) and goes round
+    again, for at most `state.busy_retry_s` seconds and MAX_BUSY_ROUNDS rounds; then the
+    client gets the last busy answer as is."""
     payload = responses.prefill_body(body) if path == responses.PATH else prefill_body(body)
     failures: list[str] = []
     deadline = time.monotonic() + state.busy_retry_s
@@ -499,8 +530,10 @@ async def _prefill(state: ProxyState, path: str, body: dict[str, Any], headers: 
             try:
                 resp = await _post_prefill(state, backend, path, payload, headers)
             except httpx.TransportError as e:
-                state.failed(backend, "connect" if _is_connect_error(e) else "transport")
-                logger.warning("request %s: prefill server %s failed before answering: %s",
+                if not _is_connect_error(e):
+                    return _no_answer(state, backend, e, request_id)
+                state.failed(backend, "connect")
+                logger.warning("request %s: prefill server %s could not be reached: %s",
                                request_id, backend.name, _describe(e))
                 failures.append(f"{backend.name} ({_describe(e)})")
                 order.remove(backend)                 # not tried again in a later round
@@ -558,8 +591,8 @@ def _prefill_answer(state: ProxyState, backend: Backend, resp: httpx.Response,
 
 async def _post_prefill(state: ProxyState, backend: Backend, path: str, payload: dict[str, Any],
                         headers: dict[str, str]) -> httpx.Response:
-    """The prefill's whole answer. httpx.TransportError: no response came (safe to send
-    elsewhere); AnswerBroken: the response started, then broke."""
+    """The prefill's whole answer. httpx.TransportError: no response came (sent elsewhere
+    only when `_is_connect_error`); AnswerBroken: the response started, then broke."""
     assert backend.client is not None
     state.acquire(backend)
     t0 = time.monotonic()
@@ -606,8 +639,9 @@ class DecodeLeg:
 async def _open_decode(state: ProxyState, path: str, payload: dict[str, Any],
                        headers: dict[str, str],
                        request_id: str, order: list[Backend]) -> DecodeLeg | Response:
-    """Send the decode request to the servers of `order`, first one first; only a server that
-    failed before any response (as for prefill) is replaced by the next one."""
+    """Send the decode request to the servers of `order`, first one first; as for prefill,
+    only a server the proxy could not connect to is replaced by the next one (one that took
+    the request and closed without answering: 502)."""
     failures: list[str] = []
     for backend in order:
         assert backend.client is not None
@@ -616,10 +650,12 @@ async def _open_decode(state: ProxyState, path: str, payload: dict[str, Any],
         try:
             request = backend.client.build_request("POST", path, json=payload, headers=headers)
             resp = await backend.client.send(request, stream=True)
-        except httpx.TransportError as e:         # no response started: try the next one
+        except httpx.TransportError as e:         # no response started
             state.release(backend)
-            state.failed(backend, "connect" if _is_connect_error(e) else "transport")
-            logger.warning("request %s: decode server %s failed before answering: %s", request_id,
+            if not _is_connect_error(e):              # it had the request: not sent elsewhere
+                return _no_answer(state, backend, e, request_id)
+            state.failed(backend, "connect")
+            logger.warning("request %s: decode server %s could not be reached: %s", request_id,
                            backend.name, _describe(e))
             failures.append(f"{backend.name} ({_describe(e)})")
             continue

@@ -23,6 +23,7 @@ from typing import NoReturn
 import uvicorn
 
 from kvrelay import envs
+from kvrelay.cli_flags import HelpFormatter
 from kvrelay.proxy import policy
 from kvrelay.proxy.policy import DisaggPolicy, RoutingSettings
 from kvrelay.proxy.routing import EndpointError, expand_endpoints
@@ -114,7 +115,8 @@ def add_proxy_flags(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG,
-                     description="Disaggregated prefill/decode proxy (vLLM's wire format).")
+                     description="Disaggregated prefill/decode proxy (vLLM's wire format).",
+                     formatter_class=HelpFormatter)
     add_proxy_flags(parser)
     return parser
 

@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -27,6 +28,9 @@ import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from tests.processes import free_port
+from tests.proxy.crashing_backend import read_request
 
 STREAM_TOKENS = ["Paris", ",", " the", " capital", "."]
 
@@ -51,6 +55,7 @@ class Recorded:
     path: str
     body: dict[str, Any]
     headers: dict[str, str]
+    client_port: int = 0                 # the proxy's end of the connection it came on
 
 
 @dataclass
@@ -59,6 +64,7 @@ class FakeBackend:
     script: Script = field(default_factory=Script)
     requests: list[Recorded] = field(default_factory=list)
     events: list[str] = field(default_factory=list)
+    keep_alive_s: float = 5.0            # uvicorn closes a connection idle this long
 
     def __post_init__(self) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -67,7 +73,8 @@ class FakeBackend:
         self.port: int = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(build_fake_app(self), log_level="warning",
-                                timeout_graceful_shutdown=1, lifespan="off")
+                                timeout_graceful_shutdown=1, lifespan="off",
+                                timeout_keep_alive=self.keep_alive_s)  # type: ignore[arg-type]  # a float works
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        daemon=True)
@@ -117,7 +124,8 @@ def build_fake_app(fake: FakeBackend) -> FastAPI:
     async def record(request: Request) -> dict[str, Any]:
         body = json.loads(await request.body() or b"{}")
         fake.requests.append(Recorded(request.url.path, body,
-                                      {k.lower(): v for k, v in request.headers.items()}))
+                                      {k.lower(): v for k, v in request.headers.items()},
+                                      request.client.port if request.client else 0))
         return body
 
     @app.get("/health")
@@ -234,17 +242,20 @@ async def sse_events(fake: FakeBackend, chat: bool):
         raise
 
 
-class Dropper:
-    """A server that reads each request and closes the connection without answering (what a
-    dead server's stale keep-alive connection, or a crash before the response, looks like)."""
+class NoAnswer:
+    """A server that reads each request whole (head, then its Content-Length body), notes its
+    X-Request-Id, then closes the connection without a status line: what a server that
+    crashed on the request looks like to the proxy. `reset`: close with an RST (SO_LINGER 0)
+    instead of a FIN."""
 
-    def __init__(self) -> None:
+    def __init__(self, reset: bool = False) -> None:
+        self.reset = reset
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(16)
         self.sock.settimeout(0.2)
         self.port: int = self.sock.getsockname()[1]
-        self.dropped = 0
+        self.received: list[str] = []          # X-Request-Id of every whole request read
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
@@ -256,17 +267,52 @@ class Dropper:
             except (TimeoutError, OSError):
                 continue
             with conn:
-                conn.settimeout(2)
+                conn.settimeout(5)
                 try:
-                    conn.recv(65536)
-                except OSError:
-                    pass
-                self.dropped += 1
+                    headers, _ = read_request(conn)
+                except (OSError, ValueError):
+                    continue
+                self.received.append(headers.get("x-request-id", ""))
+                if self.reset:
+                    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
 
     def stop(self) -> None:
         self._stop.set()
         self.thread.join(5)
         self.sock.close()
+
+
+class CrashingBackend:
+    """`tests/proxy/crashing_backend.py` (killed by a request containing `crash-me`) in its
+    own process on a free 127.0.0.1 port; `stop()` ends it by PID if it still runs."""
+
+    def __init__(self, log: Path) -> None:
+        self.port = free_port()
+        self.log_path = log
+        self._log = open(log, "w")  # noqa: SIM115  (closed by stop())
+        script = Path(__file__).with_name("crashing_backend.py")
+        self.proc = subprocess.Popen([sys.executable, str(script), str(self.port)],
+                                     stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def wait_listening(self, timeout: float = 20) -> CrashingBackend:
+        wait_for(lambda: "listening on" in self.log() or self.proc.poll() is not None,
+                 timeout, "the crashing backend to listen")
+        assert self.proc.poll() is None, self.log()
+        return self
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+        self._log.close()
 
 
 def refused_port() -> tuple[socket.socket, int]:
