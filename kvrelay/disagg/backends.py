@@ -31,7 +31,8 @@ def make_transport(backends: Sequence[str] | None = None, *, agent_name: str | N
       it in a metric.
 
     `host`/`port` are where a TcpTransport listens (it serves reads to peers unless
-    `serve` is False; with a `secret` its peers authenticate first). `ucx_host`: the
+    `serve` is False; with a `secret` its peers authenticate first, and it proves itself
+    as `agent_name`). `ucx_host`: the
     address whose interface NIXL's UCX may listen on (`NixlTransport`).
     """
     requested = [str(b).upper() for b in (backends or ["UCX"])]
@@ -39,7 +40,8 @@ def make_transport(backends: Sequence[str] | None = None, *, agent_name: str | N
         requested = ["UCX"]
     asked = ",".join(requested)
     if requested == ["TCP"]:
-        return TcpTransport(host=host, port=port, secret=secret, serve=serve)
+        return TcpTransport(host=host, port=port, secret=secret, serve=serve,
+                            identity=agent_name or "")
     if "TCP" in requested:
         raise ValueError(f"KV transport backends {requested}: TCP cannot be combined with NIXL "
                          f"backends")
@@ -49,7 +51,8 @@ def make_transport(backends: Sequence[str] | None = None, *, agent_name: str | N
         logger.warning("KV transfer: NIXL backend %s requested but NIXL is not installed (%s); "
                        "falling back to kvrelay's TCP transport. Install NIXL with `pip install "
                        "nixl-cu12==1.5.1 && pip install --no-deps nixl==1.5.1`.", asked, missing)
-        tcp = TcpTransport(host=host, port=port, secret=secret, serve=serve)
+        tcp = TcpTransport(host=host, port=port, secret=secret, serve=serve,
+                           identity=agent_name or "")
         tcp.fallback_from = asked
         return tcp
 
@@ -75,6 +78,7 @@ def make_transport(backends: Sequence[str] | None = None, *, agent_name: str | N
             return nixl
     logger.warning("KV transfer: NIXL backend %s is not available here (%s); falling back to "
                    "kvrelay's TCP transport.", asked, reason)
-    tcp = TcpTransport(host=host, port=port, secret=secret, serve=serve)
+    tcp = TcpTransport(host=host, port=port, secret=secret, serve=serve,
+                       identity=agent_name or "")
     tcp.fallback_from = asked
     return tcp

@@ -23,6 +23,14 @@ needs the KV of tokens [0, P-1) (it recomputes token P-1). Of group g it reads t
 logical blocks [max(h/B, first_g), (P-2)//B] where first_g = 0 for full attention and
 (P-1-W+1)//B for a sliding window W; the prefill keeps exactly those (it only
 releases blocks below the window of its own last chunk).
+
+With a KV secret (docs/security.md, "KV plane"): the prefill signs the kv_transfer_params
+it hands out (`remote_mac`, over every field and the prompt) and proves itself on its side
+channel as its engine id at its advertised address; a decode loads only params whose MAC
+it verified (`verify_params`, before anything is dialed), dials exactly the signed
+address, and reads only the blocks the prefill answers its claim with. A claim the
+prefill refuses, or blocks it did not issue, are the client's mistake (`ClaimRefused`:
+HTTP 400); a transfer that breaks is a 502.
 """
 from __future__ import annotations
 
@@ -34,17 +42,25 @@ import logging
 import secrets
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvrelay import envs
-from kvrelay.disagg.auth import load_secret, warn_if_exposed
+from kvrelay.disagg.auth import (
+    endpoint_str,
+    load_secret,
+    params_mac,
+    params_mac_matches,
+    warn_if_exposed,
+)
 from kvrelay.disagg.capability import REFUSED, capability_matches, notify_message, parse_notify
 from kvrelay.disagg.framed_server import warn_limited
 from kvrelay.disagg.layout import tp_mismatch
-from kvrelay.disagg.params import KVTransferConfig
+from kvrelay.disagg.params import KVParamsError, KVTransferConfig
 from kvrelay.disagg.side_channel import (
     SideChannelError,
+    SideChannelRefused,
     SideChannelServer,
     advertised_host,
     side_channel_call,
@@ -64,6 +80,8 @@ from kvrelay.kv_cache.spec import KVCacheSpec
 logger = logging.getLogger(__name__)
 
 HANDSHAKE_VERSION = 2       # 2: every rank's transport metadata, TP sizes, pairing hash
+# addresses a listener may bind but a peer cannot dial (kvrelay proxy substitutes them)
+WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]", "*"})
 
 
 class HandshakeError(RuntimeError):
@@ -73,6 +91,12 @@ class HandshakeError(RuntimeError):
 class HoldRefused(RuntimeError):
     """Holding a finished request's blocks for a decode would exceed the hold share."""
 
+
+class ClaimRefused(HandshakeError):
+    """The prefill refused the decode's claim (unknown request, wrong or used capability,
+    released or expired hold), or issued other blocks than the params name: the
+    kv_transfer_params are not this request's to load. A client's mistake (HTTP 400),
+    unlike a transfer that broke (502)."""
 
 
 
@@ -141,6 +165,11 @@ class KVConnector:
 
     def __post_init__(self) -> None:
         self.secret = load_secret(self.config.extra)
+        # who this engine is in the KV secret's handshake: the server side proves its engine
+        # id (what kv_transfer_params name as remote_engine_id); the client side names its role
+        self.client_identity = f"{self.config.kv_role}:{self.engine_id}"
+        if self.config.is_producer:
+            self._check_advertisable()      # before any transport or listener starts
         setup = KVWorkerSetup(self.config, self.engine_id, self.spec.num_kv_heads, self.tp_size)
         self.local = KVWorker(setup, 0, self.kv_tensors)
         self.transport = self.local.transport
@@ -184,13 +213,26 @@ class KVConnector:
         port = port + self.port_offset if port else 0
         warn_if_exposed(host, self.secret, "side channel")
         self.server = server = SideChannelServer(host, port, self._handle, secret=self.secret,
-                                                 max_connections=self.config.max_connections)
+                                                 max_connections=self.config.max_connections,
+                                                 identity=self.engine_id)
         server.start()
         bound_host, bound_port = server.address
-        self.advertised = (advertised_host(host), bound_port)
+        self.advertised = server.advertised_address
         logger.info("KV side channel listening on %s:%d (advertised %s:%d), transport %s, "
                     "%d rank(s)", bound_host, bound_port, *self.advertised, self.transport.name,
                     self.tp_size)
+
+    def _check_advertisable(self) -> None:
+        """With a KV secret a prefill never advertises a wildcard: its kv_transfer_params
+        are signed, so kvrelay proxy could not substitute the host (and unsigned, the
+        substitute would be the client's pick)."""
+        advertised = advertised_host(envs.SIDE_CHANNEL_HOST.raw() or "127.0.0.1")
+        if self.secret is not None and advertised.strip() in WILDCARD_HOSTS:
+            raise RuntimeError(
+                f"KV side channel: with a KV secret the prefill must advertise an address "
+                f"decode servers can dial, not {advertised!r} (its kv_transfer_params are "
+                f"signed, so kvrelay proxy cannot substitute it): unset or fix "
+                f"{envs.SIDE_CHANNEL_ADVERTISE_HOST.name}")
 
     def _handle(self, message: dict[str, Any]) -> dict[str, Any]:
         kind = message.get("type")
@@ -236,10 +278,13 @@ class KVConnector:
             grant.claimed = grant.claimed or claim
             return grant
 
-    def hold(self, request_id: str, block_ids: list[list[int]]) -> dict[str, Any]:
+    def hold(self, request_id: str, block_ids: list[list[int]],
+             prompt_ids: Sequence[int]) -> dict[str, Any]:
         """Hold a finished prefill's blocks for a decode: its kv_transfer_params (without
-        the block ids) including a fresh capability. HoldRefused when the blocks held for
-        decodes would exceed `hold_share` of the pool (the caller frees them)."""
+        the block ids) including a fresh capability and, with a KV secret, the MAC over
+        them, `block_ids` (exactly as the caller returns them) and the prompt's token ids.
+        HoldRefused when the blocks held for decodes would exceed `hold_share` of the
+        pool (the caller frees them)."""
         blocks = {b for ids in block_ids for b in ids if b}
         with self._grant_lock:
             new = sum(1 for b in blocks if b not in self.held_blocks)
@@ -265,9 +310,14 @@ class KVConnector:
             self.outbox.grants.extend(work.grants)
         self.leases[request_id] = time.monotonic() + self.config.lease_s
         host, port = self.advertised or ("127.0.0.1", 0)
-        return {"remote_engine_id": self.engine_id, "remote_host": host, "remote_port": port,
-                "remote_request_id": request_id, "tp_size": self.tp_size,
-                "remote_capability": grant.capability}
+        where: dict[str, Any] = {
+            "remote_engine_id": self.engine_id, "remote_host": host, "remote_port": port,
+            "remote_request_id": request_id, "tp_size": self.tp_size,
+            "remote_capability": grant.capability}
+        if self.secret is not None:
+            where["remote_mac"] = params_mac(self.secret, remote_block_ids=block_ids,
+                                             prompt_ids=prompt_ids, **where)
+        return where
 
     def holds(self, request_id: str, capability: object) -> bool:
         """Is `request_id` held with this capability (compared in constant time)? The
@@ -323,13 +373,53 @@ class KVConnector:
         return gone
 
     # -- decode side --------------------------------------------------------------------
+    def verify_params(self, params: Any, prompt_ids: Sequence[int]) -> None:
+        """Before anything is dialed or cached (at add_request): may this decode load the
+        KV these do_remote_prefill params name, for this prompt? KVParamsError (the
+        client's mistake, HTTP 400) unless the side channel is in `allowed_prefills` (when
+        configured) and, with a KV secret, `remote_mac` is the MAC a prefill of this
+        topology made over exactly these params and this prompt (compared in constant
+        time). So with a secret a decode never dials an address a client chose, and never
+        loads a prefill's KV for another prompt than the one it was computed for."""
+        host, port = params.remote_host, params.remote_port
+        allowed = self.config.allowed_prefills
+        if allowed is not None and (host, port) not in allowed:
+            raise KVParamsError(
+                f"kv_transfer_params.remote_host/remote_port {endpoint_str((host, port))[:300]} "
+                f"is not a prefill this decode server may load from (kv_connector_extra_config."
+                f"allowed_prefills)")
+        if self.secret is None:
+            return
+        if params.remote_mac is None:
+            raise KVParamsError(
+                "kv_transfer_params.remote_mac is missing: this decode server has a KV secret "
+                "and loads KV only with the kv_transfer_params a prefill server of its "
+                "topology returned, unchanged")
+        expected = params_mac(
+            self.secret, remote_engine_id=params.remote_engine_id, remote_host=host,
+            remote_port=port, remote_request_id=params.remote_request_id,
+            tp_size=params.tp_size, remote_capability=params.remote_capability,
+            remote_block_ids=params.remote_block_ids, prompt_ids=prompt_ids)
+        if not params_mac_matches(params.remote_mac, expected):
+            raise KVParamsError(
+                "kv_transfer_params.remote_mac does not match: the kv_transfer_params were "
+                "changed after the prefill server returned them, belong to another prompt, or "
+                "come from a server without this topology's KV secret")
+        if host.strip() in WILDCARD_HOSTS:    # never signed by a kvrelay prefill with a secret
+            raise KVParamsError(f"kv_transfer_params.remote_host {host!r} cannot be dialed")
+
+    def _call(self, host: str, port: int, message: dict[str, Any], expect_id: str | None,
+              timeout: float = 10.0) -> dict[str, Any]:
+        """One side-channel request to the prefill `expect_id` at exactly (host, port)."""
+        return side_channel_call(host, port, message, timeout=timeout, secret=self.secret,
+                                 identity=self.client_identity, expect_id=expect_id)
+
     def peer(self, engine_id: str, host: str, port: int) -> PeerInfo:
         if engine_id in self.peers:
             return self.peers[engine_id]
-        reply = side_channel_call(host, port, {"type": "handshake", "version": HANDSHAKE_VERSION,
-                                               "engine_id": self.engine_id,
-                                               "spec": self.spec.__dict__,
-                                               "tp_size": self.tp_size}, secret=self.secret)
+        reply = self._call(host, port, {"type": "handshake", "version": HANDSHAKE_VERSION,
+                                        "engine_id": self.engine_id, "spec": self.spec.__dict__,
+                                        "tp_size": self.tp_size}, engine_id)
         self.stats.handshakes += 1
         if not reply.get("ok"):
             self.stats.handshake_errors += 1
@@ -404,17 +494,28 @@ class KVConnector:
     def claim(self, params: Any) -> None:
         """Before any read: present the request's capability to the prefill, which answers
         with the blocks it issued for that request (once). Block ids that a client put in
-        kv_transfer_params are read only if they are exactly those."""
+        kv_transfer_params are read only if they are exactly those. ClaimRefused (the
+        client's mistake) when the prefill refuses the claim or issued other blocks;
+        HandshakeError when the side channel fails."""
         try:
-            reply = side_channel_call(params.remote_host, params.remote_port,
-                                      {"type": "claim", "request_id": params.remote_request_id,
-                                       "capability": params.remote_capability}, secret=self.secret)
+            reply = self._call(params.remote_host, params.remote_port,
+                               {"type": "claim", "request_id": params.remote_request_id,
+                                "capability": params.remote_capability}, params.remote_engine_id)
+        except SideChannelRefused as e:
+            if e.reason != REFUSED:              # e.g. an incompatible peer: not the client's
+                raise HandshakeError(f"the prefill refused to hand over request "
+                                     f"{params.remote_request_id!r}'s KV: {e}") from None
+            raise ClaimRefused(f"KV transfer refused: the prefill refused to hand over the KV "
+                               f"that kv_transfer_params name (request "
+                               f"{params.remote_request_id!r}: released, expired, claimed "
+                               f"already or never issued): {e}") from None
         except SideChannelError as e:
             raise HandshakeError(f"the prefill refused to hand over request "
                                  f"{params.remote_request_id!r}'s KV: {e}") from None
         if reply.get("block_ids") != params.remote_block_ids:
-            raise HandshakeError(f"kv_transfer_params.remote_block_ids are not the blocks the "
-                                 f"prefill issued for request {params.remote_request_id!r}")
+            raise ClaimRefused(f"KV transfer refused: kv_transfer_params.remote_block_ids are "
+                               f"not the blocks the prefill issued for request "
+                               f"{params.remote_request_id!r}")
 
     def take_work(self) -> KVWork | None:
         """KV work for ranks 1..N-1 accumulated since the last call (None when there is none)."""
@@ -430,10 +531,10 @@ class KVConnector:
 
         def send() -> None:
             try:
-                side_channel_call(params.remote_host, params.remote_port,
-                                  {"type": "release", "request_id": params.remote_request_id,
-                                   "capability": params.remote_capability},
-                                  timeout=5, secret=self.secret)
+                self._call(params.remote_host, params.remote_port,
+                           {"type": "release", "request_id": params.remote_request_id,
+                            "capability": params.remote_capability}, params.remote_engine_id,
+                           timeout=5)
             except Exception as e:  # the prefill's lease frees them anyway
                 logger.warning("could not ask %s:%s to free %s: %s", params.remote_host,
                                params.remote_port, params.remote_request_id, e)

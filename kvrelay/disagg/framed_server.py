@@ -26,6 +26,7 @@ class _Conn:
     opened: float
     authenticated: bool = False
     evicted: bool = False
+    peer_id: str = ""               # the identity the peer authenticated as
 
 
 class FramedServer:
@@ -39,12 +40,19 @@ class FramedServer:
     At `max_connections` a new connection evicts the oldest one that has not authenticated
     yet (so a flood of idle connections cannot lock honest peers out); without such a
     connection it is refused. Logs name the server as "<label> host:port"; threads are
-    "<name>-accept" and "<name>-conn", daemons all."""
+    "<name>-accept" and "<name>-conn", daemons all.
+
+    With a secret the server proves itself as `identity` at its advertised endpoint
+    (`advertise_host` or `host`, and the bound port: `endpoint`), and refuses clients
+    that dialed any other endpoint (`kvrelay.disagg.auth`)."""
 
     def __init__(self, host: str, port: int, serve: Callable[[socket.socket, Any], None], *,
                  label: str, name: str, secret: bytes | None, max_connections: int,
-                 idle_timeout: float, max_frame: int) -> None:
+                 idle_timeout: float, max_frame: int, advertise_host: str | None = None,
+                 identity: str = "") -> None:
         self.host, self.port = host, int(port)
+        self.advertise_host = advertise_host or host
+        self.identity = identity
         self.serve = serve
         self.label, self.name = label, name
         self.secret = secret
@@ -60,6 +68,11 @@ class FramedServer:
     @property
     def where(self) -> str:
         return f"{self.label} {self.host}:{self.port}"
+
+    @property
+    def endpoint(self) -> tuple[str, int]:
+        """(host, port) peers dial: the advertised host and the bound port."""
+        return self.advertise_host, self.port
 
     @property
     def stopping(self) -> bool:
@@ -143,7 +156,8 @@ class FramedServer:
         meanwhile."""
         assert self.secret is not None
         try:
-            server_authenticate(conn, self.secret)
+            peer_id = server_authenticate(conn, self.secret, endpoint=self.endpoint,
+                                          identity=self.identity)
         except AuthError as e:
             warn_limited(f"{self.where}: refused %s: %s", peer, e)
             return False
@@ -151,7 +165,8 @@ class FramedServer:
             state = self._conns.get(conn)
             if state is None or state.evicted:
                 return False
-            state.authenticated = True
+            state.authenticated, state.peer_id = True, peer_id
+        logger.debug("%s: %s authenticated as %.100r", self.where, peer, peer_id)
         return True
 
     def requests(self, conn: socket.socket, peer: Any) -> Iterator[dict]:

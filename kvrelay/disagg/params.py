@@ -4,8 +4,15 @@
     prefill → proxy:  {"do_remote_prefill": true, "do_remote_decode": false, "remote_engine_id",
                        "remote_block_ids": [[...full group...], [...sliding group...]],
                        "remote_host", "remote_port", "remote_request_id", "tp_size",
-                       "remote_capability"}   (kvrelay's extra key: see docs/security.md)
+                       "remote_capability",   (kvrelay's extra key: see docs/security.md)
+                       "remote_mac"}          (with a KV secret only: the prefill's MAC over
+                                               the params and the prompt, auth.params_mac)
     proxy → decode:   the prefill's params, unchanged
+
+A decode with a KV secret verifies `remote_mac` before it dials anything
+(`KVConnector.verify_params`), and with `kv_connector_extra_config.allowed_prefills`
+dials only the listed side channels; a refusal is a `KVParamsError` (HTTP 400 naming
+`kv_transfer_params`).
 """
 from __future__ import annotations
 
@@ -14,6 +21,14 @@ from typing import Any
 
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 FAILURE_POLICIES = ("fail", "recompute")
+PARAM = "kv_transfer_params"
+
+
+class KVParamsError(ValueError):
+    """A request's kv_transfer_params are malformed, forged or not this decode's to use:
+    the client's mistake (HTTP 400 with `param` "kv_transfer_params")."""
+
+    param = PARAM
 
 
 @dataclass(frozen=True)
@@ -29,36 +44,53 @@ class KVTransferParams:
     # kvrelay's extra key: the prefill's unguessable per-request capability. Decode must
     # present it to read or release the request's blocks (vLLM's proxy passes it through).
     remote_capability: str | None = None
+    # kvrelay's extra key, with a KV secret: the prefill's MAC over the fields above and
+    # the prompt (auth.params_mac). A decode with the secret loads nothing without it.
+    remote_mac: str | None = None
 
     @classmethod
     def from_dict(cls, raw: Any) -> KVTransferParams | None:
         if raw is None:
             return None
         if not isinstance(raw, dict):
-            raise ValueError("kv_transfer_params must be an object")
+            raise KVParamsError("kv_transfer_params must be an object")
         given: dict[str, Any] = {k: raw[k] for k in cls.__dataclass_fields__ if k in raw}
+        for flag in ("do_remote_decode", "do_remote_prefill"):    # a truthy 1 once held
+            if not isinstance(given.get(flag, False), bool):
+                raise KVParamsError(f"kv_transfer_params.{flag} must be a JSON boolean")
         p = cls(**given)
         if p.do_remote_prefill:
             required = ("remote_engine_id", "remote_block_ids", "remote_host", "remote_port",
                         "remote_request_id", "remote_capability")
             missing = [k for k in required if getattr(p, k) in (None, "")]
             if missing:
-                raise ValueError(f"kv_transfer_params.do_remote_prefill needs {', '.join(missing)}")
+                raise KVParamsError(f"kv_transfer_params.do_remote_prefill needs "
+                                    f"{', '.join(missing)}")
             ids = p.remote_block_ids
             if not isinstance(ids, list) or not all(
                     isinstance(g, list) and all(isinstance(b, int) and b >= 0 for b in g)
                     for g in ids):
-                raise ValueError("kv_transfer_params.remote_block_ids must be a list of block-id "
-                                 "lists (one per KV-cache group)")
+                raise KVParamsError("kv_transfer_params.remote_block_ids must be a list of "
+                                    "block-id lists (one per KV-cache group)")
             if not isinstance(p.remote_port, int) or not 0 < p.remote_port < 65536:
-                raise ValueError("kv_transfer_params.remote_port must be a TCP port")
+                raise KVParamsError("kv_transfer_params.remote_port must be a TCP port")
+            if not isinstance(p.remote_host, str) or len(p.remote_host) > 255:
+                raise KVParamsError("kv_transfer_params.remote_host must be a host name or "
+                                    "address")
             if not isinstance(p.remote_capability, str) or len(p.remote_capability) > 256:
-                raise ValueError("kv_transfer_params.remote_capability must be the string the "
-                                 "prefill issued")
+                raise KVParamsError("kv_transfer_params.remote_capability must be the string "
+                                    "the prefill issued")
+            if p.remote_mac is not None and (not isinstance(p.remote_mac, str)
+                                             or len(p.remote_mac) > 128):
+                raise KVParamsError("kv_transfer_params.remote_mac must be the string the "
+                                    "prefill issued")
         return p
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        if out["remote_mac"] is None:          # without a secret: vLLM's keys as before
+            del out["remote_mac"]
+        return out
 
 
 @dataclass(frozen=True)
@@ -78,6 +110,9 @@ class KVTransferConfig:
     hold_rate: float = 100.0
     hold_burst: float = 200.0
     max_connections: int = 256             # per KV listener (side channel); TCP transport: 64
+    # decode: the only prefill side channels (host, port) it may dial; None: any (with a KV
+    # secret still only those a prefill signed)
+    allowed_prefills: frozenset[tuple[str, int]] | None = None
     engine_id: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -136,6 +171,7 @@ class KVTransferConfig:
         if max_connections < 1 or max_connections != int(max_connections):
             raise ValueError(f"--kv-transfer-config: kv_connector_extra_config.max_connections "
                              f"must be a positive integer, got {max_connections}")
+        allowed = _allowed_prefills(extra.pop("allowed_prefills", None))
         secret_file = extra.get("secret_file")
         if secret_file is not None and (not isinstance(secret_file, str) or not secret_file):
             raise ValueError("--kv-transfer-config: kv_connector_extra_config.secret_file must be "
@@ -146,8 +182,32 @@ class KVTransferConfig:
                    lease_s=float(extra.pop("lease_s", 120.0)),
                    load_timeout_s=float(extra.pop("load_timeout_s", 60.0)),
                    hold_share=hold_share, hold_rate=hold_rate, hold_burst=hold_burst,
-                   max_connections=int(max_connections),
+                   max_connections=int(max_connections), allowed_prefills=allowed,
                    engine_id=raw.get("engine_id"), extra=extra)
+
+
+def parse_endpoint(text: str) -> tuple[str, int]:
+    """"host:port" or "[v6 address]:port" → (host, port); ValueError otherwise."""
+    host, sep, port = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{text!r} is not host:port")
+    return host, int(port)
+
+
+def _allowed_prefills(value: Any) -> frozenset[tuple[str, int]] | None:
+    """kv_connector_extra_config.allowed_prefills: a list of "host:port" (each a prefill's
+    advertised side channel, exactly as it appears in its kv_transfer_params)."""
+    if value is None:
+        return None
+    key = "--kv-transfer-config: kv_connector_extra_config.allowed_prefills"
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"{key} must be a list of \"host:port\" strings")
+    try:
+        return frozenset(parse_endpoint(v.strip()) for v in value)
+    except ValueError as e:
+        raise ValueError(f"{key}: {e}") from None
 
 
 def _number(value: Any, key: str) -> float:

@@ -12,7 +12,7 @@ A request is any JSON object; the server answers `{"ok": true, "result": {...}}`
 what the handler returned, or `{"ok": false, "error": "..."}` when the request was
 malformed or the handler raised (`SideChannelError` messages are passed verbatim, so a
 handler can refuse a peer with a clear reason). `side_channel_call` returns the result
-or raises `SideChannelError`.
+or raises `SideChannelError` (`SideChannelRefused` when the server answered with an error).
 """
 from __future__ import annotations
 
@@ -40,6 +40,15 @@ _ENV_HINT = "VLLM_NIXL_SIDE_CHANNEL_HOST/VLLM_NIXL_SIDE_CHANNEL_PORT"
 
 class SideChannelError(RuntimeError):
     """A side-channel call failed; the message names the address and the reason."""
+
+
+class SideChannelRefused(SideChannelError):
+    """The server answered the request with an error (`{"ok": false, "error": reason}`);
+    `reason` is the server's error string, verbatim."""
+
+    def __init__(self, message: str, reason: object) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 # ---------------------------------------------------------------------------------------
@@ -118,16 +127,19 @@ class SideChannelServer:
     read. When the connection limit is reached a new connection evicts the oldest one that
     has not authenticated yet (so a flood of idle connections cannot lock honest peers out);
     without such a connection it is refused. Requests are at most `max_frame` bytes and
-    a connection idle for `idle_timeout` seconds is closed."""
+    a connection idle for `idle_timeout` seconds is closed. With a secret the server proves
+    itself as `identity` for its advertised address (`advertised_address`, computed once
+    at construction) and refuses peers that dialed another one."""
 
     def __init__(self, host: str, port: int, handler: Callable[[dict], dict], *,
                  max_frame: int = REQUEST_MAX_FRAME, idle_timeout: float = 60.0,
                  max_connections: int = 256, name: str = "kv-side-channel",
-                 secret: bytes | None = None) -> None:
+                 secret: bytes | None = None, identity: str = "") -> None:
         self.handler = handler
         self._listener = FramedServer(host, port, self._serve, label="side channel", name=name,
                                       secret=secret, max_connections=max_connections,
-                                      idle_timeout=idle_timeout, max_frame=max_frame)
+                                      idle_timeout=idle_timeout, max_frame=max_frame,
+                                      advertise_host=advertised_host(host), identity=identity)
 
     def start(self) -> SideChannelServer:
         try:
@@ -145,8 +157,8 @@ class SideChannelServer:
 
     @property
     def advertised_address(self) -> tuple[str, int]:
-        """(host peers should dial, port)."""
-        return advertised_host(self._listener.host), self._listener.port
+        """(host peers should dial, port): the endpoint this server proves itself for."""
+        return self._listener.endpoint
 
     def _serve(self, conn: socket.socket, peer) -> None:
         for msg in self._listener.requests(conn, peer):
@@ -200,10 +212,13 @@ def _connect_error(host: str, port: int, e: BaseException, timeout: float) -> Si
 
 class SideChannelClient:
     """A connection to a side channel, for several calls. With a `secret` the connection
-    authenticates first (SideChannelError "... authentication failed" otherwise)."""
+    authenticates first (SideChannelError "... authentication failed" otherwise): this
+    client as `identity`, the server for exactly (host, port) as dialed here and, when
+    `expect_id` is given, as that identity."""
 
     def __init__(self, host: str, port: int, timeout: float = 10.0,
-                 max_frame: int = MAX_FRAME, secret: bytes | None = None) -> None:
+                 max_frame: int = MAX_FRAME, secret: bytes | None = None,
+                 identity: str = "", expect_id: str | None = None) -> None:
         self.host, self.port, self.timeout, self.max_frame = host, int(port), timeout, max_frame
         try:
             self._sock = socket.create_connection((host, self.port), timeout=timeout)
@@ -212,7 +227,8 @@ class SideChannelClient:
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if secret is not None:
             try:
-                client_authenticate(self._sock, secret)
+                client_authenticate(self._sock, secret, endpoint=(host, self.port),
+                                    identity=identity, expect_id=expect_id)
             except AuthError as e:
                 self.close()
                 raise SideChannelError(f"KV side channel {host}:{self.port}: {e} (is "
@@ -235,7 +251,8 @@ class SideChannelClient:
         if reply.get("ok") is True and isinstance(reply.get("result"), dict):
             return reply["result"]
         if reply.get("ok") is False:
-            raise SideChannelError(f"{where} answered with an error: {reply.get('error')}")
+            raise SideChannelRefused(f"{where} answered with an error: {reply.get('error')}",
+                                     reply.get("error"))
         raise SideChannelError(f"{where}: malformed reply (keys {sorted(reply)[:5]})")
 
     def close(self) -> None:
@@ -252,7 +269,10 @@ class SideChannelClient:
 
 
 def side_channel_call(host: str, port: int, message: dict, timeout: float = 10.0,
-                      secret: bytes | None = None) -> dict:
-    """One request on a fresh connection; the handler's reply, or SideChannelError."""
-    with SideChannelClient(host, port, timeout, secret=secret) as client:
+                      secret: bytes | None = None, identity: str = "",
+                      expect_id: str | None = None) -> dict:
+    """One request on a fresh connection; the handler's reply, or SideChannelError
+    (`SideChannelRefused`: the server refused the request)."""
+    with SideChannelClient(host, port, timeout, secret=secret, identity=identity,
+                           expect_id=expect_id) as client:
         return client.call(message)

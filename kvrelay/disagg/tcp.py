@@ -99,6 +99,7 @@ class _TcpPeer:
     host: str
     port: int
     regions: list[int]
+    identity: str | None = None        # the identity it proves itself as (from its metadata)
     idle: list[tuple[socket.socket, float]] = field(default_factory=list)   # (socket, pooled at)
 
 
@@ -115,8 +116,11 @@ class TcpTransport(KVTransport[TcpReadHandle]):
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, timeout: float = 30.0,
                  max_workers: int = 4, max_frame: int = MAX_FRAME, secret: bytes | None = None,
                  serve: bool = True, max_connections: int = MAX_CONNECTIONS,
-                 idle_timeout: float = IDLE_TIMEOUT_S) -> None:
+                 idle_timeout: float = IDLE_TIMEOUT_S, identity: str = "") -> None:
         self.host = host
+        # who this transport is in the KV secret's handshake (both as server and as reader):
+        # KVWorker passes its NIXL-style agent name "<engine id>-rank<r>"
+        self.identity = identity
         self.timeout = timeout
         self.secret = secret            # peers authenticate (both directions) before any request
         self.serve_reads = serve        # False on a kv_consumer: its KV is nobody's to read
@@ -138,7 +142,8 @@ class TcpTransport(KVTransport[TcpReadHandle]):
         self._server = FramedServer(host, port, self._serve, label="TCP KV transport",
                                     name="kv-tcp", secret=secret,
                                     max_connections=max_connections,
-                                    idle_timeout=idle_timeout, max_frame=max_frame)
+                                    idle_timeout=idle_timeout, max_frame=max_frame,
+                                    advertise_host=advertised_host(host), identity=identity)
         try:
             self._server.start()
         except OSError as e:
@@ -174,8 +179,10 @@ class TcpTransport(KVTransport[TcpReadHandle]):
     def metadata(self) -> dict:
         if not self._regions:
             raise TransferError("TcpTransport.metadata(): register() the KV tensors first")
-        return {"transport": "tcp", "version": METADATA_VERSION, "host": advertised_host(self.host),
-                "port": self.port, "regions": [r.nbytes for r in self._regions]}
+        # host:port are the endpoint the listener proves itself for with a secret
+        host, port = self._server.endpoint
+        return {"transport": "tcp", "version": METADATA_VERSION, "host": host, "port": port,
+                "regions": [r.nbytes for r in self._regions], "identity": self.identity}
 
     # -- serving reads (producer side) ------------------------------------------------
 
@@ -275,6 +282,7 @@ class TcpTransport(KVTransport[TcpReadHandle]):
     def add_peer(self, peer_id: str, metadata: dict) -> None:
         md = check_metadata(metadata, "tcp", peer_id)
         host, port, regions = md.get("host"), md.get("port"), md.get("regions")
+        identity = md.get("identity") if isinstance(md.get("identity"), str) else None
         if not isinstance(host, str) or not host:
             raise TransferError(f"peer {peer_id!r}: TCP metadata lacks a host")
         if not _is_int(port) or not 0 < port < 65536:
@@ -287,10 +295,11 @@ class TcpTransport(KVTransport[TcpReadHandle]):
             self._check_open()
             old = self._peers.get(peer_id)
             if old is not None:
-                if (old.host, old.port, old.regions) == (host, port, regions):
+                if (old.host, old.port, old.regions, old.identity) == (host, port, regions,
+                                                                       identity):
                     return
                 self._close_idle(old)
-            self._peers[peer_id] = _TcpPeer(host, port, list(regions))
+            self._peers[peer_id] = _TcpPeer(host, port, list(regions), identity)
 
     def remove_peer(self, peer_id: str) -> None:
         with self._lock:
@@ -341,7 +350,9 @@ class TcpTransport(KVTransport[TcpReadHandle]):
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self.secret is not None:
             try:
-                client_authenticate(s, self.secret)
+                # the endpoint exactly as dialed: a listener proving for another is refused
+                client_authenticate(s, self.secret, endpoint=(peer.host, peer.port),
+                                    identity=self.identity, expect_id=peer.identity)
             except AuthError as e:
                 self._discard(s)
                 raise TransferError(f"TCP KV transport {peer.host}:{peer.port}: {e} (is "

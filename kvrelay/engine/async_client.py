@@ -36,6 +36,7 @@ from kvrelay.engine.client import (
     EngineDeadError,
     EngineError,
     KVHoldRefused,
+    KVParamsRefused,
     KVTransferFailed,
     RequestFailed,
 )
@@ -62,7 +63,8 @@ logger = logging.getLogger(__name__)
 
 
 # the engine's error_status → what `generate` raises (anything else: a failed transfer)
-_FAILURES: dict[int, type[RuntimeError]] = {500: RequestFailed, 503: KVHoldRefused}
+_FAILURES: dict[int, type[RuntimeError]] = {400: KVParamsRefused, 500: RequestFailed,
+                                             503: KVHoldRefused}
 FREE_TIMEOUT_S = 30.0   # an explicit free waits at most this for the engine's answer
 
 

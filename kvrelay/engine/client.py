@@ -7,6 +7,7 @@ headless nodes). The server never learns which one it has.
 Errors `generate` raises, and the HTTP status each maps to:
 
     EngineError       400  the engine refused the request (`param` names the field)
+    KVParamsRefused   400  its kv_transfer_params name KV it may not load (an EngineError)
     RequestFailed     500  it failed inside the engine, which went on serving the others
     KVTransferFailed  502  its KV transfer failed (policy "fail")
     KVHoldRefused     503  a prefill could not hold its KV for a decode (busy, retry)
@@ -30,6 +31,15 @@ class EngineError(RuntimeError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+class KVParamsRefused(EngineError):
+    """A decode refused to load the KV a request's kv_transfer_params name after admitting
+    it (the prefill refused the claim, or issued other blocks): the client's mistake,
+    HTTP 400 with `param` "kv_transfer_params"."""
+
+    def __init__(self, message: str, param: str | None = "kv_transfer_params") -> None:
+        super().__init__(message, param)
 
 
 class RequestFailed(RuntimeError):

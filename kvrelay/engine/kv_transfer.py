@@ -8,15 +8,23 @@ go, and it tells the connector which blocks to hold, load or release.
     decode  (do_remote_prefill):  check → scheduler admits → start_loads → poll → run
     prefill (do_remote_decode):   runs → finishes → hold (kv_transfer_params out)
                                   → poll: read-done / lease expired / free_remote → release
+
+HTTP statuses of a decode's KV failures (the request's `error_status`): params that are
+malformed, not signed for this prompt (KV secret) or outside `allowed_prefills` are
+refused at `check` (400, before anything is dialed); a claim the prefill refuses or
+block ids it did not issue are 400 too (`ClaimRefused`: nothing was read); a handshake,
+connection or read that fails is 502. Policy "recompute" recomputes the prompt locally
+instead of either of the last two (it reads nothing from the prefill).
 """
 from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
-from kvrelay.disagg.connector import HoldRefused, KVConnector
-from kvrelay.disagg.params import KVTransferConfig, KVTransferParams
+from kvrelay.disagg.connector import ClaimRefused, HoldRefused, KVConnector
+from kvrelay.disagg.params import KVParamsError, KVTransferConfig, KVTransferParams
 from kvrelay.engine.outputs import RequestOutput
 from kvrelay.engine.request import Request
 from kvrelay.engine.scheduler import Scheduler, SchedulerOutput
@@ -53,23 +61,27 @@ class KVTransferGlue:
         """KV loads in flight or blocks held for decode servers (needs periodic polling)."""
         return self.connector is not None and self.connector.busy
 
-    def check(self, raw: dict | None) -> KVTransferParams | None:
-        """A request's kv_transfer_params against this server's role and KV layout."""
+    def check(self, raw: dict | None, prompt_ids: Sequence[int]) -> KVTransferParams | None:
+        """A request's kv_transfer_params against this server's role and KV layout, and
+        (decode) against the prefill's MAC and `allowed_prefills` for this prompt
+        (`KVConnector.verify_params`): KVParamsError (400) before anything is dialed."""
         p = KVTransferParams.from_dict(raw)
         if p is None or not (p.do_remote_decode or p.do_remote_prefill):
             return None
         cfg = self.config
         if p.do_remote_decode and not (cfg and cfg.is_producer):
-            raise ValueError("kv_transfer_params.do_remote_decode needs a server started with "
-                             "--kv-transfer-config kv_role kv_producer or kv_both")
+            raise KVParamsError("kv_transfer_params.do_remote_decode needs a server started "
+                                "with --kv-transfer-config kv_role kv_producer or kv_both")
         if p.do_remote_prefill and not (cfg and cfg.is_consumer):
-            raise ValueError("kv_transfer_params.do_remote_prefill needs a server started with "
-                             "--kv-transfer-config kv_role kv_consumer or kv_both")
+            raise KVParamsError("kv_transfer_params.do_remote_prefill needs a server started "
+                                "with --kv-transfer-config kv_role kv_consumer or kv_both")
         remote = p.remote_block_ids or []
         if p.do_remote_prefill and len(remote) != len(self.kv.groups):
-            raise ValueError(f"kv_transfer_params.remote_block_ids has {len(remote)} lists; "
-                             f"this server has {len(self.kv.groups)} KV-cache groups (hybrid KV "
-                             f"cache manager settings must match)")
+            raise KVParamsError(f"kv_transfer_params.remote_block_ids has {len(remote)} lists; "
+                                f"this server has {len(self.kv.groups)} KV-cache groups (hybrid "
+                                f"KV cache manager settings must match)")
+        if p.do_remote_prefill and self.connector is not None:
+            self.connector.verify_params(p, prompt_ids)
         return p
 
     def poll(self) -> list[Request]:
@@ -101,6 +113,13 @@ class KVTransferGlue:
                 connector.start_load(req.request_id, req.kv_transfer,
                                      self.kv.block_ids(req.request_id), self.kv.groups,
                                      load.hit_tokens, req.num_prompt_tokens, self.block_size)
+            except ClaimRefused as e:     # not this request's KV: the client's mistake, 400
+                logger.warning("KV load for %s refused: %s", req.request_id, e)
+                connector.stats.failed += 1
+                self.scheduler.finish_load(req.request_id, str(e), self.recompute)
+                if req.error:             # policy "fail" (recompute reads nothing remote)
+                    req.error, req.error_status = str(e), 400
+                    failed.append(req)
             except Exception as e:  # noqa: BLE001 -- handshake/transport: this request only
                 logger.error("KV load for %s failed to start: %s", req.request_id, e)
                 connector.stats.failed += 1
@@ -122,7 +141,7 @@ class KVTransferGlue:
         block_ids = self.kv.block_ids(first.request_id)
         assert self.connector is not None       # holds exist only with a producer's connector
         try:
-            where = self.connector.hold(first.request_id, block_ids)
+            where = self.connector.hold(first.request_id, block_ids, first.prompt_token_ids)
         except HoldRefused as e:
             self.scheduler.release_held(first.request_id)
             out.error, out.error_status = str(e), 503

@@ -140,7 +140,7 @@ class OutputProcessor:
             parent = self.child_parent.get(req.request_id)
             if parent is not None:
                 out = self.request_output(parent)
-                out.error = req.error
+                out.error, out.error_status = req.error, req.error_status
                 outputs.append(out)
                 if out.finished:
                     self.forget(parent)

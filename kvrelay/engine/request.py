@@ -53,6 +53,7 @@ class Request:
     fork_of: Request | None = None            # n > 1: waits for this sibling's prompt KV
     kv_transfer: KVTransferParams | None = None   # disaggregated serving (see kvrelay/disagg)
     error: str | None = None  # why an aborted request failed (reported to the client)
+    error_status: int = 502   # its HTTP status: 502 a failed KV transfer, 400 refused KV params
     grammar: GrammarMatcher | None = None     # structured outputs: advanced with every token
 
     def __post_init__(self) -> None:

@@ -66,7 +66,7 @@ def pair(monkeypatch):
 
 
 def params(prefill: KVConnector, rid: str, blocks: list[int]) -> SimpleNamespace:
-    held = prefill.hold(rid, [blocks])
+    held = prefill.hold(rid, [blocks], list(range(10)))
     return SimpleNamespace(remote_block_ids=[blocks], **held)
 
 

@@ -36,6 +36,7 @@ from kvrelay.kv_cache.spec import KVCacheSpec
 SECRET = b"correct horse battery staple"
 SPEC = KVCacheSpec("tiny:abc", "float32", 4, 2, 2, 8, hybrid=False, sliding_window=None)
 NB = 10
+PROMPT = list(range(100, 110))  # what the tests' prefill "computed" (10 tokens: blocks 0-2)
 
 
 def echo(msg: dict) -> dict:
@@ -91,7 +92,7 @@ def test_the_secret_never_crosses_the_wire_and_proofs_do_not_replay(secured):
     s = Tap(socket.AF_INET, socket.SOCK_STREAM)
     s.settimeout(5)
     s.connect(secured.address)
-    client_authenticate(s, SECRET)
+    client_authenticate(s, SECRET, endpoint=secured.address)
     s.close()
     wire = b"".join(sent)
     assert SECRET not in wire and auth._key(SECRET) not in wire
@@ -118,6 +119,8 @@ def test_the_client_authenticates_the_server_too():
                 {
                     "ok": True,
                     "nonce": base64.b64encode(b"n" * 32).decode(),
+                    "endpoint": list(listener.getsockname()),
+                    "id": "",
                     "proof": base64.b64encode(b"p" * 32).decode(),
                 },
             )
@@ -264,7 +267,7 @@ def test_tcp_transport_refuses_readers_without_the_secret():
         # a consumer's listener serves nobody's reads, authenticated or not
         consumer = readers["right"]
         with socket.create_connection(consumer.address, timeout=5) as s:
-            client_authenticate(s, SECRET)
+            client_authenticate(s, SECRET, endpoint=consumer.address)
             send_frame(s, {"op": "read", "descs": [[0, 0, 256]], "notify": "eA=="})
             assert recv_frame(s)["ok"] is False
     finally:
@@ -303,7 +306,7 @@ def pair(monkeypatch):
 
 
 def issued(prefill: KVConnector, rid: str, blocks: list[int]) -> SimpleNamespace:
-    return SimpleNamespace(remote_block_ids=[blocks], **prefill.hold(rid, [blocks]))
+    return SimpleNamespace(remote_block_ids=[blocks], **prefill.hold(rid, [blocks], PROMPT))
 
 
 def call(prefill: KVConnector, msg: dict) -> dict:
@@ -432,7 +435,7 @@ def test_a_failed_authentication_is_a_connection_error(secured):
     # the transports' OSError handling (drop the connection, report it) covers it
     with (socket.create_connection(secured.address, timeout=5) as s,
           pytest.raises(ConnectionError, match=AUTH_FAILED)):
-        client_authenticate(s, b"wrong secret")
+        client_authenticate(s, b"wrong secret", endpoint=secured.address)
 
 
 @pytest.mark.parametrize(
@@ -473,7 +476,7 @@ def test_tcp_reads_are_checked_against_the_issued_blocks(pair, monkeypatch):
     def read(notify: str, block_id: int, v: bool = False) -> dict:
         offset = ((NB if v else 0) + block_id) * block
         with socket.create_connection(prefill.transport.address, timeout=5) as s:
-            client_authenticate(s, SECRET)
+            client_authenticate(s, SECRET, endpoint=prefill.transport.address)
             send_frame(
                 s,
                 {
@@ -499,7 +502,7 @@ def test_tcp_reads_are_checked_against_the_issued_blocks(pair, monkeypatch):
     with socket.create_connection(
         prefill.transport.address, timeout=5
     ) as s:  # straddles blocks 3|4
-        client_authenticate(s, SECRET)
+        client_authenticate(s, SECRET, endpoint=prefill.transport.address)
         send_frame(
             s,
             {

@@ -1,13 +1,15 @@
 """The KV plane under attack, with real processes on 127.0.0.1 (NIXL/UCX and TCP): a 1P1D
 pair sharing KVRELAY_KV_SECRET serves honest requests token-exactly, while strangers on
-its KV ports, forged kv_transfer_params, forged releases, hold floods and connection
-floods get nothing (docs/security.md names each claim's test)."""
+its KV ports, forged or relayed kv_transfer_params, relayed handshakes, cache poisoning,
+forged releases, hold floods and connection floods get nothing (docs/security.md names
+each claim's test)."""
 
 from __future__ import annotations
 
 import socket
 import struct
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -15,7 +17,7 @@ import httpx
 import pytest
 
 from kvrelay import LLM, SamplingParams
-from kvrelay.disagg.auth import AUTH_FAILED, client_authenticate
+from kvrelay.disagg.auth import AUTH_FAILED, AuthError, client_authenticate
 from kvrelay.disagg.side_channel import SideChannelError, recv_frame, send_frame, side_channel_call
 from tests.e2e.disagg import prefill_then_decode, start, wait_metric
 from tests.factories import greedy_mismatch
@@ -177,54 +179,203 @@ def test_strangers_on_the_kv_ports_learn_only_authentication_failed(secured):
             assert reply == {"ok": False, "error": AUTH_FAILED}, (port, reply)
 
 
+def _decode_leg(decode: Server, body: dict, params: dict) -> httpx.Response:
+    return httpx.post(f"{decode.url}/v1/completions", timeout=60,
+                      json=dict(body, kv_transfer_params=params))
+
+
+def _refused_as_params(r: httpx.Response, why: str) -> None:
+    """A 400 OpenAI error naming kv_transfer_params, for the reason `why`."""
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "kv_transfer_params" and why in err["message"], err
+
+
+def _loads_started(decode: Server) -> tuple[float, ...]:
+    """The decode's handshakes, finished and failed loads: all unchanged means that no
+    load started (every started load ends as one of the two)."""
+    m = decode.metrics()
+    return tuple(m[f"kvrelay:kv_{k}_total"] for k in ("handshakes", "transfers",
+                                                      "transfer_failures"))
+
+
+def _free(prefill: Server, params: dict) -> None:
+    httpx.post(f"{prefill.url}/v1/kv_transfer/free", timeout=30, json={
+        "remote_request_id": params["remote_request_id"],
+        "remote_capability": params["remote_capability"]})
+
+
 def test_forged_kv_transfer_params_read_nothing(tiny, secured):
-    """A client sends a decode server params naming the prefill: without the capability
-    (400), with a guessed one (502), or with its own capability but another request's
-    block ids (502). The victim's request still completes exactly afterwards. (Prompts the
-    decode has not seen: a prefix-cache hit there would need no KV from the prefill.)"""
+    """A client sends a decode server params naming the prefill: without the capability,
+    with a guessed one, with another request's block ids, mixed from two signed params, or
+    another prompt's: each is a 400 naming kv_transfer_params (the MAC, before anything is
+    dialed). The victim's request still completes exactly afterwards. (Prompts the decode
+    has not seen: a prefix-cache hit there would need no KV from the prefill.)"""
     _, prefill, decode, _ = secured
     victim_body = _body(13, seed=5)
     victim = _prefill_leg(prefill, victim_body).json()["kv_transfer_params"]
     mine = _prefill_leg(prefill, _body(9, seed=6)).json()["kv_transfer_params"]
+    assert isinstance(victim["remote_mac"], str)
+    started = _loads_started(decode)
     no_cap = {k: v for k, v in victim.items() if k != "remote_capability"}
-    r = httpx.post(
-        f"{decode.url}/v1/completions",
-        timeout=60,
-        json=dict(victim_body, kv_transfer_params=no_cap),
-    )
-    assert r.status_code == 400 and "remote_capability" in r.json()["error"]["message"]
+    _refused_as_params(_decode_leg(decode, victim_body, no_cap), "remote_capability")
     for forged in (
         dict(victim, remote_capability="A" * 43),
-        dict(mine, remote_block_ids=victim["remote_block_ids"]),
+        dict(mine, remote_block_ids=victim["remote_block_ids"]),      # another's block ids
+        dict(victim, remote_capability=mine["remote_capability"]),    # a mix of two
+        dict(victim, remote_request_id=mine["remote_request_id"]),
+        {k: v for k, v in victim.items() if k != "remote_mac"},
     ):
-        r = httpx.post(
-            f"{decode.url}/v1/completions",
-            timeout=60,
-            json=dict(victim_body, kv_transfer_params=forged),
-        )
-        assert r.status_code == 502, r.text
-        assert "wrong capability" in r.text or "not the blocks the prefill issued" in r.text
-    d = httpx.post(
-        f"{decode.url}/v1/completions",
-        timeout=60,
-        json=dict(victim_body, kv_transfer_params=victim),
-    )
+        _refused_as_params(_decode_leg(decode, victim_body, forged), "remote_mac")
+    # the victim's own signed params for another prompt (its KV would be cached under that
+    # prompt's hashes): refused the same way
+    replay_body = dict(victim_body, prompt=victim_body["prompt"][:1] + [7] * 12)
+    _refused_as_params(_decode_leg(decode, replay_body, victim), "another prompt")
+    assert _loads_started(decode) == started        # refused before anything was dialed
+    d = _decode_leg(decode, victim_body, victim)
     assert d.status_code == 200, d.text
     assert greedy_mismatch(tiny[1], victim_body["prompt"], _ids(d.json())) is None
-    # the capability is single-use: replaying the victim's params (new prompt tokens after
-    # the shared prefix so the decode's cache cannot serve it) reads nothing
-    replay_body = dict(victim_body, prompt=victim_body["prompt"][:1] + [7] * 12)
-    r = httpx.post(
-        f"{decode.url}/v1/completions",
-        timeout=60,
-        json=dict(replay_body, kv_transfer_params=victim),
-    )
-    assert r.status_code == 502 and "wrong capability" in r.text, r.text
-    httpx.post(
-        f"{prefill.url}/v1/kv_transfer/free",
-        json={"remote_request_id": mine["remote_request_id"],
-              "remote_capability": mine["remote_capability"]},
-    )
+    _free(prefill, mine)
+    assert wait_metric(prefill, "kvrelay:kv_blocks_used", 0)["kvrelay:kv_blocks_used"] == 0
+
+
+def test_claims_the_prefill_refuses_are_400_not_502(secured):
+    """Signed params whose capability was claimed already (a replay, or another server of
+    the topology read them first): the prefill refuses the claim, nothing is read, and the
+    decode answers 400 naming kv_transfer_params (a client's mistake), not 502."""
+    _, prefill, decode, side = secured
+    body = _body(9, seed=7)
+    params = _prefill_leg(prefill, body).json()["kv_transfer_params"]
+    claim = {"type": "claim", "request_id": params["remote_request_id"],
+             "capability": params["remote_capability"]}
+    assert side_channel_call(*side, claim, secret=SECRET.encode())["block_ids"] == \
+        params["remote_block_ids"]
+    r = _decode_leg(decode, body, params)
+    _refused_as_params(r, "KV transfer refused")
+    assert "claimed already" in r.json()["error"]["message"]
+    _free(prefill, params)
+    assert wait_metric(prefill, "kvrelay:kv_blocks_used", 0)["kvrelay:kv_blocks_used"] == 0
+
+
+class _Attacker:
+    """A listener the attacker controls, that records every connection and relays it to
+    `target` (the real prefill's side channel) frame by frame, optionally naming the real
+    prefill in the hello. After the client's part it tries to use the upstream connection
+    itself: `upstream` records what the prefill answered a handshake request there."""
+
+    def __init__(self, target: tuple[str, int], rename: bool = False) -> None:
+        self.target, self.rename = target, rename
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = self.listener.getsockname()
+        self.connections = 0
+        self.upstream: list[dict | None] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        self.listener.settimeout(0.1)
+        while not self._stop.is_set():
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                continue
+            self.connections += 1
+            with client, socket.create_connection(self.target, timeout=10) as up:
+                self._relay(client, up)
+
+    def _relay(self, client: socket.socket, up: socket.socket) -> None:
+        client.settimeout(10)
+        try:
+            while (msg := recv_frame(client)) is not None:
+                if self.rename and msg.get("auth") == "hello":
+                    msg = dict(msg, endpoint=list(self.target))
+                send_frame(up, msg)
+                reply = recv_frame(up)
+                if reply is None:
+                    break
+                send_frame(client, reply)
+        except OSError:
+            pass
+        try:                       # the attacker's own request on the relayed connection
+            send_frame(up, {"type": "handshake", "version": 2, "engine_id": "x",
+                            "tp_size": 1, "spec": {}})
+            self.upstream.append(recv_frame(up))
+        except OSError:
+            self.upstream.append(None)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        self.listener.close()
+
+
+@pytest.fixture()
+def attacker(secured):
+    made: list[_Attacker] = []
+
+    def make(rename: bool = False) -> _Attacker:
+        made.append(_Attacker(secured[3], rename))
+        return made[-1]
+
+    yield make
+    for a in made:
+        a.close()
+
+
+def test_a_relaying_attacker_gets_no_session_and_no_dial(tiny, secured, attacker):
+    """Issue 26's attack end to end. (1) Params that point the decode at the attacker's
+    listener — unsigned, or signed params with the host/port changed — are a 400 and the
+    attacker sees no connection. (2) Even a client that does dial the attacker (as a
+    decode did before) cannot be relayed into a session: the client refuses, and the
+    relayed connection at the real prefill's side channel never authenticates."""
+    _, prefill, decode, _ = secured
+    body = _body(13, seed=8)
+    signed = _prefill_leg(prefill, body).json()["kv_transfer_params"]
+    for rename in (False, True):
+        evil = attacker(rename)
+        at = {"remote_host": evil.address[0], "remote_port": evil.address[1]}
+        unsigned = {k: v for k, v in signed.items() if k != "remote_mac"}
+        _refused_as_params(_decode_leg(decode, body, dict(unsigned, **at)), "remote_mac")
+        _refused_as_params(_decode_leg(decode, body, dict(signed, **at)), "remote_mac")
+        time.sleep(0.3)
+        assert evil.connections == 0
+        with socket.create_connection(evil.address, timeout=10) as s, \
+                pytest.raises(AuthError, match=AUTH_FAILED):
+            client_authenticate(s, SECRET.encode(), endpoint=evil.address,
+                                identity="kv_consumer:victim")
+        deadline = time.monotonic() + 10
+        while not evil.upstream and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert evil.connections == 1
+        assert evil.upstream in ([None], [{"ok": False, "error": AUTH_FAILED}]), evil.upstream
+    # the honest request of that prompt still works and equals single instance
+    d = _decode_leg(decode, body, signed)
+    assert d.status_code == 200, d.text
+    assert greedy_mismatch(tiny[1], body["prompt"], _ids(d.json())) is None
+
+
+def test_cache_poisoning_is_refused_before_any_read(tiny, secured, attacker):
+    """The attacker wants chosen KV stored in the decode's prefix cache under a real
+    prompt's hashes: with its own signed params for another prompt of the same length,
+    or through a fake prefill that relays to the real one. Both are a 400 before any
+    read or dial; afterwards an honest request of that prompt equals single instance."""
+    _, prefill, decode, _ = secured
+    victim_body, own_body = _body(13, seed=9), _body(13, seed=10)
+    own = _prefill_leg(prefill, own_body).json()["kv_transfer_params"]
+    fake = attacker(rename=True)
+    started = _loads_started(decode)
+    _refused_as_params(_decode_leg(decode, victim_body, own), "another prompt")
+    _refused_as_params(
+        _decode_leg(decode, victim_body,
+                    dict(own, remote_host=fake.address[0], remote_port=fake.address[1])),
+        "remote_mac")
+    assert fake.connections == 0
+    assert _loads_started(decode) == started
+    _free(prefill, own)
+    _, d = prefill_then_decode(prefill, decode, victim_body, "after-poisoning")
+    assert d.status_code == 200, d.text
+    assert greedy_mismatch(tiny[1], victim_body["prompt"], _ids(d.json())) is None
     assert wait_metric(prefill, "kvrelay:kv_blocks_used", 0)["kvrelay:kv_blocks_used"] == 0
 
 
@@ -358,7 +509,7 @@ def test_connection_flood_keeps_memory_flat_and_handshakes_working(tiny, secured
     assert grown < 40, f"engine RSS grew {grown:.0f} MiB"
     # an authenticated peer's channel still answers after the flood
     with socket.create_connection(side, timeout=5) as s:
-        client_authenticate(s, SECRET.encode())
+        client_authenticate(s, SECRET.encode(), endpoint=side)
 
 
 def test_ucx_listens_only_where_the_side_channel_does(secured):
