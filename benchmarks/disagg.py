@@ -128,7 +128,8 @@ def single(model: str, port: int, work: Path, args: argparse.Namespace) -> dict[
 
 def disagg(model: str, base_port: int, work: Path, args: argparse.Namespace) -> dict[str, Any]:
     cmd = [PY, "-m", "kvrelay.cli", "deploy", "--model", model, "--prefill", "1", "--decode", "1",
-           "--devices", "0-1", "--base-port", str(base_port), "--no-validate",
+           "--devices", "0-1", "--port", str(base_port), "--base-port", str(base_port),
+           "--no-validate",
            "--served-model-name", "bench",
            "--log-dir", str(work / "deploy-logs"), "--", *SERVE_FLAGS[:4]]
     log(f"1P1D: {' '.join(cmd[3:])}")

@@ -19,6 +19,7 @@ from kvrelay.bench.client import ENDPOINTS, RequestOptions, first_model
 from kvrelay.bench.metrics import METRIC_NAMES, compute_metrics, output_timeline, parse_goodput
 from kvrelay.bench.runner import RunConfig, run_blocking
 from kvrelay.bench.tokens import HFTokenCounter, make_counter
+from kvrelay.cli_flags import HelpFormatter
 
 logger = logging.getLogger("kvrelay.bench")
 DATASETS = ("random", "prefix_repetition", "sharegpt", "sonnet")
@@ -29,78 +30,109 @@ BACKEND_ENDPOINTS = {"vllm": "/v1/completions", "openai": "/v1/completions",
 def _serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="benchmark an OpenAI-compatible server",
                        description="Benchmark online serving (vLLM bench serve's flags and "
-                                   "metrics).")
+                                   "metrics; docs/bench.md). Lengths are in tokens of "
+                                   "--tokenizer,\nelse in words (about one token each).",
+                       formatter_class=HelpFormatter)
     g = p.add_argument_group("server")
-    g.add_argument("--base-url", default=None,
+    g.add_argument("--base-url", default=None, metavar="URL",
                    help="e.g. http://127.0.0.1:8000 (overrides --host/--port)")
-    g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--endpoint", default=None, choices=ENDPOINTS, help="default /v1/completions")
+    g.add_argument("--host", default="127.0.0.1", help="the server's address (no --base-url)")
+    g.add_argument("--port", type=int, default=8000, help="the server's port (no --base-url)")
+    g.add_argument("--endpoint", default=None, choices=ENDPOINTS,
+                   help="the API path sent to (default: /v1/completions, or --backend's)")
     g.add_argument("--backend", default=None, choices=tuple(BACKEND_ENDPOINTS),
                    help="vLLM's name for the API flavour; openai-chat = --endpoint "
-                        "/v1/chat/completions")
-    g.add_argument("--model", default=None, help="default: the first model of GET /v1/models")
-    g.add_argument("--tokenizer", default=None,
+                        "/v1/chat/completions (default: none)")
+    g.add_argument("--model", default=None,
+                   help="the model field sent (default: the first model of GET /v1/models)")
+    g.add_argument("--tokenizer", default=None, metavar="PATH",
                    help="tokenizer.json or a model directory: exact prompt lengths (default: word "
                         "units, token counts from the server's usage)")
     d = p.add_argument_group("dataset")
-    d.add_argument("--dataset-name", default="random", choices=DATASETS)
-    d.add_argument("--dataset-path", default=None,
+    d.add_argument("--dataset-name", default="random", choices=DATASETS,
+                   help="where the prompts come from (docs/bench.md#datasets)")
+    d.add_argument("--dataset-path", default=None, metavar="PATH",
                    help="sharegpt JSON or sonnet text (default: bundled)")
-    d.add_argument("--num-prompts", type=int, default=1000)
-    d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--random-input-len", type=int, default=1024)
-    d.add_argument("--random-output-len", type=int, default=128)
-    d.add_argument("--random-range-ratio", type=float, default=0.0)
-    d.add_argument("--random-prefix-len", type=int, default=0)
-    d.add_argument("--prefix-repetition-prefix-len", type=int, default=256)
-    d.add_argument("--prefix-repetition-suffix-len", type=int, default=256)
-    d.add_argument("--prefix-repetition-num-prefixes", type=int, default=10)
-    d.add_argument("--prefix-repetition-output-len", type=int, default=128)
-    d.add_argument("--sharegpt-output-len", type=int, default=None)
+    d.add_argument("--num-prompts", type=int, default=1000, metavar="N",
+                   help="requests to send (sharegpt multi-turn: turns in all)")
+    d.add_argument("--seed", type=int, default=0, metavar="N",
+                   help="seeds the datasets and the arrival times")
+    d.add_argument("--random-input-len", type=int, default=1024, metavar="N",
+                   help="random: prompt length")
+    d.add_argument("--random-output-len", type=int, default=128, metavar="N",
+                   help="random: output length (max_tokens)")
+    d.add_argument("--random-range-ratio", type=float, default=0.0, metavar="R",
+                   help="random: lengths drawn uniformly within ± R times the lengths above")
+    d.add_argument("--random-prefix-len", type=int, default=0, metavar="N",
+                   help="random: tokens shared by every prompt, before its own")
+    d.add_argument("--prefix-repetition-prefix-len", type=int, default=256, metavar="N",
+                   help="prefix_repetition: length of each shared prefix")
+    d.add_argument("--prefix-repetition-suffix-len", type=int, default=256, metavar="N",
+                   help="prefix_repetition: length of each prompt's own suffix")
+    d.add_argument("--prefix-repetition-num-prefixes", type=int, default=10, metavar="N",
+                   help="prefix_repetition: distinct prefixes (prompt i takes prefix i mod N)")
+    d.add_argument("--prefix-repetition-output-len", type=int, default=128, metavar="N",
+                   help="prefix_repetition: output length (max_tokens)")
+    d.add_argument("--sharegpt-output-len", type=int, default=None, metavar="N",
+                   help="sharegpt: output length (default: the dataset reply's length)")
     d.add_argument("--sharegpt-multi-turn", action="store_true",
                    help="send a conversation's turns in order, each with the whole history as "
                         "prompt")
-    d.add_argument("--sharegpt-max-turns", type=int, default=5)
-    d.add_argument("--sharegpt-max-prompt-len", type=int, default=1024)
-    d.add_argument("--sharegpt-max-total-len", type=int, default=2048)
-    d.add_argument("--sonnet-input-len", type=int, default=550)
-    d.add_argument("--sonnet-output-len", type=int, default=150)
-    d.add_argument("--sonnet-prefix-len", type=int, default=200)
+    d.add_argument("--sharegpt-max-turns", type=int, default=5, metavar="N",
+                   help="sharegpt multi-turn: turns per conversation at most")
+    d.add_argument("--sharegpt-max-prompt-len", type=int, default=1024, metavar="N",
+                   help="sharegpt: longest prompt kept")
+    d.add_argument("--sharegpt-max-total-len", type=int, default=2048, metavar="N",
+                   help="sharegpt: longest prompt + output kept")
+    d.add_argument("--sonnet-input-len", type=int, default=550, metavar="N",
+                   help="sonnet: prompt length")
+    d.add_argument("--sonnet-output-len", type=int, default=150, metavar="N",
+                   help="sonnet: output length (max_tokens)")
+    d.add_argument("--sonnet-prefix-len", type=int, default=200, metavar="N",
+                   help="sonnet: length of the instruction and lines every prompt shares")
     r = p.add_argument_group("load")
-    r.add_argument("--request-rate", type=float, default=math.inf,
+    r.add_argument("--request-rate", type=float, default=math.inf, metavar="R",
                    help="requests (conversations) per second; inf sends all at once")
-    r.add_argument("--burstiness", type=float, default=1.0,
+    r.add_argument("--burstiness", type=float, default=1.0, metavar="B",
                    help="gamma shape of the intervals; 1 = Poisson")
-    r.add_argument("--max-concurrency", type=int, default=None)
-    r.add_argument("--ignore-eos", action="store_true")
-    r.add_argument("--temperature", type=float, default=0.0)
+    r.add_argument("--max-concurrency", type=int, default=None, metavar="N",
+                   help="requests in flight at most (default: unlimited)")
+    r.add_argument("--ignore-eos", action="store_true",
+                   help="send ignore_eos: true (exact output lengths)")
+    r.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                   help="the sampling temperature sent")
     o = p.add_argument_group("output")
-    o.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el",
+    o.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el", metavar="NAMES",
                    help="of ttft,tpot,itl,e2el")
-    o.add_argument("--metric-percentiles", default="50,90,99",
+    o.add_argument("--metric-percentiles", default="50,90,99", metavar="PS",
                    help="comma-separated, e.g. 50,90,99")
     o.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
-                   help="SLOs, e.g. ttft:200 tpot:50")
+                   help="SLOs, e.g. ttft:200 tpot:50 (default: none)")
     o.add_argument("--save-result", action="store_true",
                    help="write the JSON result (and the PNG figure)")
-    o.add_argument("--result-dir", default=".")
-    o.add_argument("--result-filename", default=None)
+    o.add_argument("--result-dir", default=".", metavar="DIR",
+                   help="where --save-result writes")
+    o.add_argument("--result-filename", default=None, metavar="NAME",
+                   help="the result's file name (default: from the date, model and dataset)")
     o.add_argument("--no-plot", action="store_true", help="with --save-result: no PNG figure")
-    o.add_argument("--label", default=None)
-    o.add_argument("--disable-tqdm", action="store_true")
+    o.add_argument("--label", default=None, help="a label stored in the JSON result")
+    o.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     o.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), default=None,
                    help="only compare two saved results (same as kvrelay bench compare)")
     return p
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvrelay bench", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="kvrelay bench", description=__doc__.split("\n")[0],
+                                     formatter_class=HelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, title="commands",
+                                metavar="COMMAND", help="kvrelay bench COMMAND --help: its flags")
     _serve_parser(sub)
-    c = sub.add_parser("compare", help="side-by-side table of two saved results, with ratios")
-    c.add_argument("a", metavar="A.json")
-    c.add_argument("b", metavar="B.json")
+    c = sub.add_parser("compare", help="side-by-side table of two saved results, with ratios",
+                       formatter_class=HelpFormatter)
+    c.add_argument("a", metavar="A.json", help="the first result (kvrelay bench serve "
+                                               "--save-result)")
+    c.add_argument("b", metavar="B.json", help="the second result; ratios are B / A")
     return parser
 
 

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from kvrelay import envs
+from kvrelay.cli_flags import HelpFormatter
 from kvrelay.deploy.plan import (
     KV_SECRET_ENV,
     Plan,
@@ -43,9 +44,10 @@ from kvrelay.deploy.plan import (
 from kvrelay.deploy.shapes import TUTORIAL, model_config
 from kvrelay.deploy.topology import (
     PRESETS,
+    Ports,
     TopologyError,
     merge_settings,
-    ports_from_bases,
+    ports_from_flags,
     topology_from_settings,
 )
 
@@ -61,49 +63,65 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog=PROG, usage=f"{PROG} [flags] [-- serve flags for every server]",
                 description="Stand up a kvrelay topology on this machine, or print its commands "
-                            "(--dry-run).")
-    p.add_argument("--config", type=Path, default=None,
-                   help="topology YAML (flags given here override it)")
+                            "(--dry-run).\nEvery flag: docs/deploy.md. Unset flags take the "
+                            "--config file's value, else the default shown.",
+                formatter_class=HelpFormatter)
+    p.add_argument("--config", type=Path, default=None, metavar="FILE",
+                   help="topology YAML (flags given here override it; default: none)")
     p.add_argument("--model", default=None,
                    help="checkpoint directory, or openai/gpt-oss-120b | openai/gpt-oss-20b "
                         "(built-in configs for --dry-run); default: the embedded model")
-    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="passed to every server; validate uses it (default: the model as given)")
     p.add_argument("--prefill", type=int, default=None, metavar="N",
-                   help="prefill servers (kv_producer); no --prefill/--decode: a single instance")
+                   help="prefill servers (kv_producer; default: none: without --prefill and "
+                        "--decode, a single instance)")
     p.add_argument("--decode", type=int, default=None, metavar="N",
-                   help="decode servers (kv_consumer)")
-    p.add_argument("--prefill-tp", type=int, default=None, metavar="N")
-    p.add_argument("--prefill-dp", type=int, default=None, metavar="N")
+                   help="decode servers (kv_consumer; default: none, a single instance)")
+    p.add_argument("--prefill-tp", type=int, default=None, metavar="N",
+                   help="TP size of each prefill server (default: 1)")
+    p.add_argument("--prefill-dp", type=int, default=None, metavar="N",
+                   help="DP size of each prefill server (default: 1)")
     p.add_argument("--prefill-ep-degree", type=int, default=None, metavar="N",
-                   help="neuron_config.ep_degree of the prefill servers (the tutorial: 2)")
-    p.add_argument("--decode-tp", type=int, default=None, metavar="N")
-    p.add_argument("--decode-dp", type=int, default=None, metavar="N")
+                   help="neuron_config.ep_degree of the prefill servers (default: 2 with the "
+                        "tutorial preset when the prefill TP is even and EP is on, else none)")
+    p.add_argument("--decode-tp", type=int, default=None, metavar="N",
+                   help="TP size of each decode server (default: 1)")
+    p.add_argument("--decode-dp", type=int, default=None, metavar="N",
+                   help="DP size of each decode server (default: 1)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, metavar="N",
-                   help="single instance (no --prefill/--decode): its TP size")
+                   help="single instance (no --prefill/--decode): its TP size (default: 1)")
     p.add_argument("--data-parallel-size", "-dp", type=int, default=None, metavar="N",
-                   help="single instance: its DP size")
+                   help="single instance: its DP size (default: 1)")
     p.add_argument("--enable-expert-parallel", action="store_true", default=None,
-                   help="--enable-expert-parallel on every server")
+                   help="--enable-expert-parallel on every server (default: off)")
+    p.add_argument("--port", type=int, default=None, metavar="P",
+                   help="where clients connect: the proxy's port, or a single instance's "
+                        f"(default: {Ports.proxy})")
     p.add_argument("--base-port", type=int, default=None, metavar="P",
-                   help="proxy P, prefill P+100…, decode P+200… (default 8000: 8000/8100/8200)")
+                   help="the servers behind the proxy: prefill P+100…, decode P+200… (default: "
+                        f"{Ports.prefill - 100}: {Ports.prefill}/{Ports.decode}); the proxy stays "
+                        "on --port")
     p.add_argument("--side-channel-port", type=int, default=None, metavar="P",
-                   help="KV side channels: prefill P…, decode P+100… (default 5559: 5559/5659)")
+                   help="KV side channels: prefill P…, decode P+100… (default: "
+                        f"{Ports.prefill_side_channel}: {Ports.prefill_side_channel}/"
+                        f"{Ports.decode_side_channel})")
     p.add_argument("--devices", default=None, metavar="IDS",
                    help="device ids of each host, e.g. 0-63 (default: this machine's CPU cores)")
     p.add_argument("--hosts", nargs="+", default=None, metavar="ROLE=HOST[,HOST]",
                    help="hosts per role (prefill, decode, single, proxy) for --dry-run layouts "
-                        "across machines")
+                        "across machines (default: 127.0.0.1 for every role)")
     p.add_argument("--proxy-args", default=None, metavar="'FLAGS'",
                    help="flags for the proxy, one string (e.g. '--routing cache_aware "
-                        "--disagg-policy auto')")
+                        "--disagg-policy auto'; default: none)")
     p.add_argument("--connector", choices=("nixl", "tcp"), default=None,
-                   help="KV transport (default nixl)")
-    p.add_argument("--kv-backend", default=None,
-                   help="NIXL backend (default UCX; LIBFABRIC with --preset tutorial)")
+                   help="KV transport (default: nixl)")
+    p.add_argument("--kv-backend", default=None, metavar="NAME",
+                   help="NIXL backend (default: UCX; LIBFABRIC with --preset tutorial)")
     p.add_argument("--preset", choices=PRESETS, default=None,
-                   help="tutorial: the tutorial's serve flags and neuron_config (default for the "
-                        "built-in ids)")
-    p.add_argument("--log-dir", type=Path, default=None,
+                   help="tutorial: the tutorial's serve flags and neuron_config (default: "
+                        "tutorial for the built-in ids, else none)")
+    p.add_argument("--log-dir", type=Path, default=None, metavar="DIR",
                    help="where each process logs (default: a new temp dir)")
     p.add_argument("--dry-run", action="store_true",
                    help="check the topology and print every command; start nothing")
@@ -127,7 +145,7 @@ def flag_settings(args: argparse.Namespace, serve_args: list[str]) -> dict[str, 
         "model": args.model, "served_model_name": args.served_model_name, "preset": args.preset,
         "connector": args.connector, "kv_backend": args.kv_backend, "devices": args.devices,
         "hosts": args.hosts}.items() if v is not None}
-    ports = ports_from_bases(args.base_port, args.side_channel_port)
+    ports = ports_from_flags(args.port, args.base_port, args.side_channel_port)
     if ports:
         s["ports"] = ports
     roles = {
@@ -227,8 +245,8 @@ def launch(plan: Plan, args: argparse.Namespace) -> int:
         return 1
     busy = ports_in_use(plan)
     if busy:
-        print(f"{PROG}: error: " + "; ".join(busy) + " (choose others with --base-port / "
-                                                     "--side-channel-port)",
+        print(f"{PROG}: error: " + "; ".join(busy) + " (choose others with --port / "
+                                                     "--base-port / --side-channel-port)",
               file=sys.stderr)
         return 1
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="kvrelay-deploy-"))

@@ -21,10 +21,12 @@ Assignment, for the tutorial's 16 × TP4 prefill + TP8 DP8 EP64 decode on two ho
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import shlex
 from collections import defaultdict
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from kvrelay.deploy.shapes import served_name_of, tutorial_defaults
@@ -38,6 +40,7 @@ TUTORIAL_MAX_NUM_SEQS = {"single": 4, "prefill": 1, "decode": 4}
 TUTORIAL_MAX_MODEL_LEN = 16384
 TUTORIAL_BATCHED_TOKENS = 8192
 KV_SECRET_ENV = "KVRELAY_KV_SECRET"
+NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")     # one entry per GPU the driver sees
 # --dry-run prints no secret: how to make one, and a line that refuses to go on without it
 KV_SECRET_NOTE = [
     "",
@@ -230,20 +233,56 @@ def _serve_args(topo: Topology, layout: RoleLayout, port: int) -> tuple[str, ...
         args.append("--enable-expert-parallel")
     args += _preset_args(topo, spec)
     if spec.kv_role:
-        args += ["--kv-transfer-config", json.dumps(kv_transfer_config(topo, spec.kv_role))]
+        args += ["--kv-transfer-config",
+                 json.dumps(kv_transfer_config(topo, spec.kv_role, kv_buffer_device(topo, spec)))]
     if layout.neuron:
         args += ["--additional-config", json.dumps({"neuron_config": layout.neuron})]
     args += _without_additional_config(topo.serve_args + spec.args)
     return tuple(args)
 
 
-def kv_transfer_config(topo: Topology, kv_role: str) -> dict[str, Any]:
-    """The tutorial's --kv-transfer-config (TcpConnector for `--connector tcp`)."""
+def kv_transfer_config(topo: Topology, kv_role: str, device: str = "cuda") -> dict[str, Any]:
+    """The tutorial's --kv-transfer-config (TcpConnector for `--connector tcp`), with the
+    servers' device as kv_buffer_device."""
     if topo.connector == "tcp":
         return {"kv_connector": "TcpConnector", "kv_role": kv_role,
                 "kv_connector_extra_config": {"backends": ["TCP"]}}
-    return {"kv_connector": "NixlConnector", "kv_role": kv_role, "kv_buffer_device": "cuda",
+    return {"kv_connector": "NixlConnector", "kv_role": kv_role, "kv_buffer_device": device,
             "kv_connector_extra_config": {"backends": [topo.kv_backend]}}
+
+
+def kv_buffer_device(topo: Topology, spec: RoleSpec) -> str:
+    """Where the role's servers keep their KV blocks: their `--device cpu|cuda` when the
+    passthrough flags give one; else, everything on this machine, this machine's device
+    (what `--device auto` picks); else (other hosts, unknown from here) the tutorial's cuda."""
+    device = _last_flag_value(topo.serve_args + spec.args, "--device")
+    if device in ("cpu", "cuda"):
+        return device
+    return local_device() if topo.local else "cuda"
+
+
+def local_device(gpus: Path = NVIDIA_GPUS, torch_dirs: list[Path] | None = None) -> str:
+    """cuda when `kvrelay serve --device auto` would find CUDA here — an NVIDIA GPU (a
+    `gpus` entry) and a torch built with CUDA (libtorch_cuda in `torch_dirs`, default:
+    the installed torch's) — else cpu. Looked up without importing torch."""
+    if not gpus.is_dir() or not any(gpus.iterdir()):
+        return "cpu"
+    if torch_dirs is None:
+        spec = importlib.util.find_spec("torch")
+        torch_dirs = [Path(d) for d in (spec.submodule_search_locations or [])] if spec else []
+    found = any(next((d / "lib").glob("libtorch_cuda*"), None) for d in torch_dirs)
+    return "cuda" if found else "cpu"
+
+
+def _last_flag_value(args: tuple[str, ...], name: str) -> str | None:
+    """The value of the last `name V` / `name=V` in args (argparse's rule: the last wins)."""
+    value = None
+    for i, a in enumerate(args):
+        if a == name and i + 1 < len(args):
+            value = args[i + 1]
+        elif a.startswith(name + "="):
+            value = a.partition("=")[2]
+    return value
 
 
 def _preset_args(topo: Topology, spec: RoleSpec) -> list[str]:

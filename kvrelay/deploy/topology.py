@@ -262,12 +262,16 @@ def _ports(raw: Any, problems: list[str]) -> Ports:
     return Ports(**values)
 
 
-def ports_from_bases(base: int | None, side_channel: int | None) -> dict[str, int]:
-    """--base-port B: proxy B, prefill B+100…, decode B+200… (the tutorial's 8000/8100/8200);
+def ports_from_flags(port: int | None, base: int | None,
+                     side_channel: int | None) -> dict[str, int]:
+    """--port P: the proxy (or the single instance) on P; --base-port B: prefill B+100…,
+    decode B+200… (the tutorial's 8100/8200 from 8000), the proxy staying on --port;
     --side-channel-port S: prefill S…, decode S+100… (the tutorial's 5559/5659)."""
     out: dict[str, int] = {}
+    if port is not None:
+        out["proxy"] = port
     if base is not None:
-        out |= {"proxy": base, "prefill": base + 100, "decode": base + 200}
+        out |= {"prefill": base + 100, "decode": base + 200}
     if side_channel is not None:
         out |= {"prefill_side_channel": side_channel, "decode_side_channel": side_channel + 100}
     return out

@@ -32,6 +32,7 @@ from typing import Any, NoReturn
 import httpx
 
 from kvrelay import envs
+from kvrelay.cli_flags import HelpFormatter
 
 PROG = "kvrelay validate"
 TUTORIAL_PROMPT = "The capital of France is "
@@ -459,9 +460,10 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog=PROG,
-                description="The tutorial's 'Confirm your work' checks against a server or proxy.")
-    p.add_argument("--base-url", required=True,
-                   help="the proxy (DI) or the server, e.g. http://127.0.0.1:8000")
+                description="The tutorial's 'Confirm your work' checks against a server or proxy.",
+                formatter_class=HelpFormatter)
+    p.add_argument("--base-url", required=True, metavar="URL",
+                   help="the proxy (DI) or the server, e.g. http://127.0.0.1:8000 (required)")
     p.add_argument("--model", default=None,
                    help="model name for requests (default: the first of /v1/models)")
     p.add_argument("--expect-di", action="store_true",
@@ -473,13 +475,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-url", action="append", default=[], metavar="URL",
                    help="a prefill server whose /metrics to read (repeatable; default: the proxy's "
                         "listing)")
-    p.add_argument("--num-requests", type=int, default=16,
+    p.add_argument("--num-requests", type=int, default=16, metavar="N",
                    help="concurrent requests of the traffic check")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds allowed for each request")
-    p.add_argument("--api-key", default=envs.OPENAI_API_KEY.raw(),
+    p.add_argument("--timeout", type=float, default=120.0, metavar="S",
+                   help="seconds allowed for each request")
+    p.add_argument("--api-key", default=None, metavar="KEY",
                    help="bearer token (default: $OPENAI_API_KEY)")
     p.add_argument("--prompt", default=TUTORIAL_PROMPT, help="the completion check's prompt")
-    p.add_argument("--max-tokens", type=int, default=16,
+    p.add_argument("--max-tokens", type=int, default=16, metavar="N",
                    help="max_tokens of the completion and chat checks")
     return p
 
@@ -498,7 +501,8 @@ def main(argv: list[str] | None = None) -> int:
         base_url=args.base_url, model=args.model, expect_di=args.expect_di,
         decode_urls=tuple(u.rstrip("/") for u in args.decode_url),
         prefill_urls=tuple(u.rstrip("/") for u in args.prefill_url), num_requests=args.num_requests,
-        timeout=args.timeout, api_key=args.api_key, prompt=args.prompt, max_tokens=args.max_tokens)
+        timeout=args.timeout, api_key=args.api_key or envs.OPENAI_API_KEY.raw(),
+        prompt=args.prompt, max_tokens=args.max_tokens)
     results = run_checks(options)
     for r in results:
         print(r.line(), flush=True)

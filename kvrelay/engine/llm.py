@@ -1,10 +1,12 @@
-"""The offline API, shaped like vLLM's: `LLM(model, **engine_args).generate(...)`."""
+"""The offline API, shaped like vLLM's: `LLM(model, **engine_args).generate(...)` and
+`.chat(messages)`, which renders conversations as `kvrelay serve` does (the checkpoint's
+Jinja chat template, or harmony for gpt-oss's o200k tokenizer: `server/chat.py`)."""
 from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
@@ -13,7 +15,12 @@ from kvrelay.engine.core import LLMEngine
 from kvrelay.engine.outputs import RequestOutput
 from kvrelay.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from kvrelay.server.chat_types import Rendered
+
 Prompt = str | list[int] | dict[str, Any]
+Message = dict[str, Any]                    # an OpenAI chat message: {"role": ..., "content": ...}
+CHAT_TEMPLATE_KWARGS = ("reasoning_effort",)
 
 
 class LLM:
@@ -73,3 +80,78 @@ class LLM:
         finally:
             self.engine.output.final_only = False
         return [done[r] for r in order]
+
+    def chat(self, messages: Sequence[Message] | Sequence[Sequence[Message]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = False, chat_template: str | None = None,
+             add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """vLLM's `LLM.chat`: one conversation (a list of messages) or several, each
+        rendered as `/v1/chat/completions` renders it, then generated as `generate` does
+        (harmony's `<|return|>` / `<|call|>` added to the stop ids). `chat_template`
+        replaces the checkpoint's Jinja template; `chat_template_kwargs` takes
+        `reasoning_effort` (harmony). ValueError names a bad message or argument."""
+        conversations = _conversations(messages)
+        rendered = [self._render_chat(c, chat_template, add_generation_prompt, tools,
+                                      chat_template_kwargs or {}) for c in conversations]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = list(sampling_params) if isinstance(sampling_params, Sequence) \
+            else [sampling_params] * len(rendered)
+        if len(params) != len(rendered):
+            raise ValueError(f"{len(rendered)} conversations but {len(params)} sampling params")
+        prompts: list[Prompt] = [{"prompt_token_ids": r.prompt_ids} for r in rendered]
+        return self.generate(prompts, [_with_chat_stops(p, r) for p, r in zip(params, rendered)],
+                             use_tqdm)
+
+    def _render_chat(self, messages: Sequence[Message], chat_template: str | None,
+                     add_generation_prompt: bool, tools: list[dict[str, Any]] | None,
+                     kwargs: dict[str, Any]) -> Rendered:
+        from pydantic import ValidationError
+
+        from kvrelay.server.chat import make_chat_renderer
+        from kvrelay.server.harmony_chat import is_harmony_tokenizer
+        from kvrelay.server.protocol import ChatCompletionRequest, OpenAIError
+        unknown = sorted(set(kwargs) - set(CHAT_TEMPLATE_KWARGS))
+        if unknown:
+            raise ValueError(f"chat_template_kwargs: {unknown[0]!r} is not supported (only "
+                             f"{', '.join(CHAT_TEMPLATE_KWARGS)})")
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise ValueError(f"chat needs a tokenizer.json in {self.engine.model_dir}")
+        if chat_template is not None:
+            if is_harmony_tokenizer(tokenizer):
+                raise ValueError("chat_template: this checkpoint's chats are rendered in harmony "
+                                 "(openai-harmony), not with a Jinja template")
+            tokenizer = replace(tokenizer, chat_template=chat_template)
+        renderer = make_chat_renderer(tokenizer)
+        if renderer is None:
+            raise ValueError(f"{self.engine.model_dir}: the checkpoint has no chat template "
+                             "(pass chat_template=...)")
+        try:
+            body = ChatCompletionRequest.model_validate({
+                "messages": list(messages), "add_generation_prompt": add_generation_prompt,
+                "tools": tools, "reasoning_effort": kwargs.get("reasoning_effort")})
+            return renderer.render(body)
+        except (OpenAIError, ValidationError) as e:
+            raise ValueError(f"messages: {e}") from None
+
+
+def _conversations(messages: Sequence[Message] | Sequence[Sequence[Message]]
+                   ) -> list[Sequence[Message]]:
+    """One conversation (messages are dicts) or a list of them."""
+    if not messages:
+        raise ValueError("messages: expected a list of chat messages (or of conversations)")
+    if isinstance(messages[0], dict):
+        return [messages]                                  # type: ignore[list-item]
+    return list(messages)                                  # type: ignore[arg-type]
+
+
+def _with_chat_stops(params: SamplingParams, rendered: Rendered) -> SamplingParams:
+    """`params` plus the renderer's stop ids and tool-call constraint (a copy if any)."""
+    extra = [t for t in rendered.stop_token_ids if t not in (params.stop_token_ids or [])]
+    structured = params.structured_outputs or rendered.structured
+    if not extra and structured is params.structured_outputs:
+        return params
+    return replace(params, stop_token_ids=[*(params.stop_token_ids or []), *extra],
+                   structured_outputs=structured)

@@ -27,7 +27,6 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from kvrelay import envs
 from kvrelay.model.config import CheckpointError, GptOssConfig, load_config
 from kvrelay.model.gpt_oss import DecoderLayer, GptOssModel
 from kvrelay.model.mxfp4 import BLOCK
@@ -286,17 +285,6 @@ def _load_with_progress(model: GptOssModel, src: SafetensorsWeights, progress: b
 
 def resolve_model_path(model: str, download_dir: str | None = None) -> Path:
     """A local directory, or a Hugging Face repo id found in the HF cache layout
-    (`<cache>/models--org--name/snapshots/<rev>/`). Never downloads."""
-    path = Path(model).expanduser()
-    if path.is_dir():
-        return path
-    cache = Path(download_dir or envs.HF_HUB_CACHE.raw()
-                 or Path(envs.HF_HOME.raw() or "~/.cache/huggingface") / "hub").expanduser()
-    snapshots = cache / f"models--{model.replace('/', '--')}" / "snapshots"
-    found = sorted(snapshots.glob("*/config.json"), key=lambda p: p.stat().st_mtime) \
-        if snapshots.is_dir() else []
-    if found:
-        return found[-1].parent
-    raise CheckpointError(
-        f"model {model!r} is not a local directory and was not found in {cache} "
-        f"(offline: no download is attempted; pass a checkpoint directory or --download-dir)")
+    (`<cache>/models--org--name/snapshots/<rev>/`). Never downloads (kvrelay/model/locate.py)."""
+    from kvrelay.model.locate import locate_checkpoint
+    return locate_checkpoint(model, download_dir)

@@ -12,6 +12,7 @@ import argparse
 import sys
 from typing import NoReturn
 
+from kvrelay.cli_flags import HelpFormatter
 from kvrelay.plan.capacity import (
     Measured,
     PlanError,
@@ -31,32 +32,55 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+REQUIRED = """required inputs:
+  --ttft-ms and --itl-ms                        the targets
+  --prefill-tok-s, or --prefill-result FILE     one prefill server's throughput
+  --decode-tok-s and --decode-batch, or --decode-result FILE
+                                                one decode server's throughput and batch
+  --rate, --prompt-len and --output-len, or --workload FILE
+                                                the workload (flags given win over the file)
+the rest are optional (defaults shown). The model: docs/proxy.md, section kvrelay plan."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog=PROG, description="Recommend prefill/decode server counts (xPyD) and "
-                                       "--max-num-seqs from measured throughputs.")
+                                       "--max-num-seqs from measured throughputs.",
+                epilog=REQUIRED, formatter_class=HelpFormatter)
     m = p.add_argument_group("measured (one server each)")
-    m.add_argument("--prefill-tok-s", type=float, help="prompt tokens/s of one prefill server")
+    m.add_argument("--prefill-tok-s", type=float, metavar="TOK_S",
+                   help="prompt tokens/s of one prefill server (required, or --prefill-result)")
     m.add_argument("--prefill-result", metavar="FILE",
                    help="bench result against one prefill server at --max-concurrency 1")
-    m.add_argument("--decode-tok-s", type=float, help="output tokens/s of one decode server")
-    m.add_argument("--decode-batch", type=int, help="the batch (concurrency) it was measured at")
-    m.add_argument("--itl-at-1-ms", type=float, default=None,
-                   help="ITL at batch 1 (a second point: step time interpolated linearly)")
+    m.add_argument("--decode-tok-s", type=float, metavar="TOK_S",
+                   help="output tokens/s of one decode server (required, or --decode-result)")
+    m.add_argument("--decode-batch", type=int, metavar="B",
+                   help="the batch (concurrency) it was measured at (required, or "
+                        "--decode-result)")
+    m.add_argument("--itl-at-1-ms", type=float, default=None, metavar="MS",
+                   help="ITL at batch 1 (a second point: step time interpolated linearly; "
+                        "default: none, the step time stays flat up to --decode-batch)")
     m.add_argument("--decode-result", metavar="FILE",
                    help="bench result against one decode/single server at --max-concurrency B")
     w = p.add_argument_group("workload and targets")
-    w.add_argument("--rate", type=float, help="requests/s")
-    w.add_argument("--prompt-len", type=float, help="mean prompt tokens")
-    w.add_argument("--output-len", type=float, help="mean output tokens")
+    w.add_argument("--rate", type=float, metavar="R",
+                   help="requests/s (required, or --workload)")
+    w.add_argument("--prompt-len", type=float, metavar="TOKENS",
+                   help="mean prompt tokens (required, or --workload)")
+    w.add_argument("--output-len", type=float, metavar="TOKENS",
+                   help="mean output tokens (required, or --workload)")
     w.add_argument("--workload", metavar="FILE",
                    help="bench result whose request rate and mean lengths to plan for")
-    w.add_argument("--ttft-ms", type=float, required=True, help="mean TTFT target")
-    w.add_argument("--itl-ms", type=float, required=True, help="ITL target")
-    w.add_argument("--handoff-ms", type=float, default=0.0,
+    w.add_argument("--ttft-ms", type=float, required=True, metavar="MS",
+                   help="mean TTFT target (required)")
+    w.add_argument("--itl-ms", type=float, required=True, metavar="MS",
+                   help="ITL target (required)")
+    w.add_argument("--handoff-ms", type=float, default=0.0, metavar="MS",
                    help="KV transfer + proxy hop per request (kvrelay:kv_transfer_seconds)")
-    w.add_argument("--max-util", type=float, default=0.8,
-                   help="highest prefill utilisation allowed (default 0.8)")
-    w.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    w.add_argument("--max-util", type=float, default=0.8, metavar="U",
+                   help="highest prefill utilisation allowed")
+    w.add_argument("--max-num-batched-tokens", type=int, default=8192, metavar="N",
+                   help="the prefill servers' --max-num-batched-tokens (their --max-num-seqs "
+                        "is what fits in it)")
     return p
 
 

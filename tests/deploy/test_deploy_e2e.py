@@ -84,7 +84,7 @@ def deployment(tiny_no_eos, tmp_path_factory):
     with open(out_path, "w") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "kvrelay.cli", "deploy", "--model", str(tiny_no_eos),
-             "--prefill", "2", "--decode", "1", "--base-port", str(base),
+             "--prefill", "2", "--decode", "1", "--port", str(base), "--base-port", str(base),
              "--side-channel-port", str(side), "--log-dir", str(logs), "--validate-requests", "2",
              "--", "--dtype", "float32", "--max-model-len", "256", "--block-size", "4"],
             stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -238,7 +238,8 @@ def test_no_restart_stops_everything_when_one_server_dies(tiny_no_eos, tmp_path)
     with open(out_path, "w") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "kvrelay.cli", "deploy", "--model", str(tiny_no_eos),
-             "--base-port", str(base), "--log-dir", str(tmp_path), "--no-validate",
+             "--port", str(base), "--base-port", str(base), "--log-dir", str(tmp_path),
+             "--no-validate",
              "--no-restart", "--", "--dtype", "float32", "--max-model-len", "64",
              "--block-size", "4"],
             stdout=out, stderr=subprocess.STDOUT, start_new_session=True)

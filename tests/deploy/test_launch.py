@@ -33,7 +33,8 @@ def test_a_taken_port_is_refused_before_anything_starts(config_dir, capsys):
         taken.listen()
         port = taken.getsockname()[1]
         rc = main(["--model", str(config_dir), "--prefill", "1", "--decode", "1", "--base-port",
-                   str(port - 100), "--side-channel-port", str(port + 1000)])
+                   str(port - 100), "--side-channel-port", str(port + 1000), "--port",
+                   str(_free_block())])
     assert rc == 1
     err = capsys.readouterr().err
     assert f"prefill-0 HTTP port {port} is already in use on this machine" in err
@@ -59,7 +60,8 @@ def test_a_server_that_fails_stops_the_rest_and_shows_its_log(config_dir, tmp_pa
     r = subprocess.run(
         [sys.executable, "-m", "kvrelay.cli", "deploy", "--model", str(config_dir), "--prefill",
          "1", "--decode", "1",
-         "--base-port", str(_free_block()), "--side-channel-port", str(_free_block()),
+         "--port", str(base := _free_block()), "--base-port", str(base),
+         "--side-channel-port", str(_free_block()),
          "--log-dir", str(tmp_path / "logs"), "--", "--no-such-flag"],
         capture_output=True, text=True, timeout=120, check=False)
     assert r.returncode == 1, r.stdout + r.stderr
@@ -95,7 +97,8 @@ def _free(port: int) -> bool:
 
 @pytest.mark.parametrize("where", ["http", "side_channel"])
 def test_serve_refuses_a_taken_port_in_one_line_before_the_model_loads(tiny, where):
-    """The port check comes first: nothing else is printed (no engine, no model loading)."""
+    """The port is checked before anything slow: nothing else is printed (no engine, no model
+    loading)."""
     kv = json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_producer"})
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -184,7 +184,8 @@ def test_single_instance_is_the_tutorials_first_command(capsys):
 
 # ---------------------------------------------------------------------------- assignment rules
 
-def test_local_2p1d_ports_side_channels_and_shared_cores(tiny_config_dir):
+def test_local_2p1d_ports_side_channels_and_shared_cores(tiny_config_dir, monkeypatch):
+    monkeypatch.setattr("kvrelay.deploy.plan.local_device", lambda: "cpu")
     plan = plan_of({"model": str(tiny_config_dir), "prefill": {"count": 2}, "decode": {"count": 1},
                     "ports": {"proxy": 9000, "prefill": 9100, "decode": 9200,
                               "prefill_side_channel": 9300, "decode_side_channel": 9400}})
@@ -211,8 +212,85 @@ def test_local_2p1d_ports_side_channels_and_shared_cores(tiny_config_dir):
                             "--tensor-parallel-size", "1", "--data-parallel-size", "1",
                             "--kv-transfer-config",
                             ('{"kv_connector": "NixlConnector", "kv_role": "kv_producer", '
-                             '"kv_buffer_device": "cuda", "kv_connector_extra_config": '
+                             '"kv_buffer_device": "cpu", "kv_connector_extra_config": '
                              '{"backends": ["UCX"]}}'))
+
+
+def test_port_moves_the_proxy_and_base_port_the_servers(capsys, tiny_config_dir):
+    di = ["--model", str(tiny_config_dir), "--prefill", "2", "--decode", "1", "--dry-run"]
+    for flags, proxy, prefill, decode in [
+            ([], 8000, [8100, 8101], 8200),
+            (["--port", "9000"], 9000, [8100, 8101], 8200),
+            (["--base-port", "7000"], 8000, [7100, 7101], 7200),      # the proxy stays on 8000
+            (["--port", "9000", "--base-port", "7000"], 9000, [7100, 7101], 7200)]:
+        rc, out, err = dry_run(capsys, di + flags)
+        assert rc == 0, err
+        cmds = [argv for _, argv in commands(out)]
+        assert [flag(a, "--port") for a in cmds if a[0] == "serve"] == [
+            [str(p)] for p in [*prefill, decode]]
+        proxy_cmd = next(a for a in cmds if a[0] == "proxy")
+        assert flag(proxy_cmd, "--port") == [str(proxy)]
+        assert flag(proxy_cmd, "--prefiller-port") == [str(p) for p in prefill]
+        assert flag(proxy_cmd, "--decoder-port") == [str(decode)]
+        assert flag(cmds[-1], "--base-url") == [f"http://127.0.0.1:{proxy}"]
+    # a single instance has no proxy: clients reach the server on --port
+    for flags, port in [([], 8000), (["--port", "9000"], 9000), (["--base-port", "7000"], 8000)]:
+        rc, out, _ = dry_run(capsys, ["--model", str(tiny_config_dir), "--dry-run", *flags])
+        serve = next(argv for _, argv in commands(out) if argv[0] == "serve")
+        assert rc == 0 and flag(serve, "--port") == [str(port)]
+
+
+def test_port_flags_override_the_yaml_ports(capsys, tiny_config_dir, tmp_path):
+    (tmp_path / "topo.yaml").write_text(f"model: {tiny_config_dir}\nprefill: {{count: 1}}\n"
+                                        "decode: {count: 1}\nports: {proxy: 9500, prefill: 9600}\n")
+    rc, out, _ = dry_run(capsys, ["--config", str(tmp_path / "topo.yaml"), "--dry-run"])
+    proxy = next(argv for _, argv in commands(out) if argv[0] == "proxy")
+    assert rc == 0 and flag(proxy, "--port") == ["9500"]
+    assert flag(proxy, "--prefiller-port") == ["9600"] and flag(proxy, "--decoder-port") == ["8200"]
+    rc, out, _ = dry_run(capsys, ["--config", str(tmp_path / "topo.yaml"), "--port", "9001",
+                                  "--dry-run"])
+    proxy = next(argv for _, argv in commands(out) if argv[0] == "proxy")
+    assert rc == 0 and flag(proxy, "--port") == ["9001"]
+    assert flag(proxy, "--prefiller-port") == ["9600"]
+
+
+def _kv_devices(settings: dict) -> list[str | None]:
+    plan = plan_of(settings)
+    return [json.loads(s.args[s.args.index("--kv-transfer-config") + 1]).get("kv_buffer_device")
+            for s in plan.servers]
+
+
+def test_kv_buffer_device_is_the_servers_device(tiny_config_dir, monkeypatch):
+    di = {"model": str(tiny_config_dir), "prefill": {"count": 1}, "decode": {"count": 1}}
+    monkeypatch.setattr("kvrelay.deploy.plan.local_device", lambda: "cpu")
+    assert _kv_devices(di) == ["cpu", "cpu"]            # no "cuda" warning from every server
+    assert _kv_devices(di | {"serve_args": ["--device", "cuda"]}) == ["cuda", "cuda"]
+    assert _kv_devices(di | {"decode": {"count": 1, "args": ["--device=cuda"]}}) == ["cpu", "cuda"]
+    assert _kv_devices(di | {"serve_args": ["--device", "cuda", "--device", "auto"]}) == [
+        "cpu", "cpu"]                                    # the last one wins, as in argparse
+    assert _kv_devices(di | {"connector": "tcp"}) == [None, None]
+    monkeypatch.setattr("kvrelay.deploy.plan.local_device", lambda: "cuda")
+    assert _kv_devices(di) == ["cuda", "cuda"]
+    # other hosts: their device is not known here; the tutorial's value unless --device says
+    remote = di | {"hosts": {"prefill": "A", "decode": "B"}}
+    monkeypatch.setattr("kvrelay.deploy.plan.local_device", lambda: "cpu")
+    assert _kv_devices(remote) == ["cuda", "cuda"]
+    assert _kv_devices(remote | {"serve_args": ["--device", "cpu"]}) == ["cpu", "cpu"]
+
+
+def test_local_device_needs_a_gpu_and_a_cuda_build_of_torch(tmp_path):
+    from kvrelay.deploy.plan import local_device
+    gpus, cpu_torch, cuda_torch = tmp_path / "gpus", tmp_path / "cpu", tmp_path / "cuda"
+    for d in (gpus, cpu_torch / "lib", cuda_torch / "lib"):
+        d.mkdir(parents=True)
+    (cpu_torch / "lib" / "libtorch_cpu.so").touch()
+    (cuda_torch / "lib" / "libtorch_cuda.so").touch()
+    assert local_device(tmp_path / "absent", [cuda_torch]) == "cpu"     # no NVIDIA driver
+    assert local_device(gpus, [cuda_torch]) == "cpu"                    # the driver sees no GPU
+    (gpus / "0000:00:1e.0").mkdir()
+    assert local_device(gpus, [cpu_torch]) == "cpu"                     # a CPU-only torch
+    assert local_device(gpus, [cuda_torch]) == "cuda"
+    assert local_device(gpus, []) == "cpu"                              # no torch
 
 
 def test_servers_spread_over_their_hosts_and_fill_devices_in_order(tiny_config_dir):
