@@ -178,7 +178,7 @@ class LLMEngine:
         text, ids = ((prompt, self._encode(prompt)) if isinstance(prompt, str)
                      else (None, list(prompt)))
         self._check_params(params, ids)
-        transfer = self.transfer.check(kv_transfer_params)
+        transfer = self.transfer.check(kv_transfer_params, ids)
         grammar = self.structured.matcher(params)       # ValueError: a bad schema / regex
         made = [p for p in (f(params, ids) for f in self.processor_factories) if p is not None]
         if made:
@@ -289,17 +289,30 @@ class LLMEngine:
         return self.step_outputs(plan)
 
     def update_step(self, plan: StepPlan, sampled: dict[str, list[int]]) -> None:
-        self.scheduler.update(plan.out, sampled)
+        finished = self.scheduler.update(plan.out, sampled)
         self.num_steps += 1
+        self._fail_broken_grammars(finished)
+
+    def _fail_broken_grammars(self, finished: list[Request]) -> None:
+        """A sequence whose grammar failed (a token it refused, a limit llguidance hit
+        computing a mask: `GrammarMatcher.failed`) was stopped by the scheduler; its
+        request ends with an error (500), never with text that breaks its constraint."""
+        for req in finished:
+            if (req.grammar is not None and req.grammar.failed is not None
+                    and self.output.parent_of(req.request_id) is not None):
+                reason = f"structured output failed: {req.grammar.failed}"
+                self._fail_request(req, RuntimeError(reason), "structured output", reason)
 
     def step_outputs(self, plan: StepPlan) -> list[RequestOutput]:
         """Detokenizing (stop strings end requests here) and the step's outputs."""
         return (self.output.outputs(plan.out) + self.output.failed_outputs(plan.failed)
                 + self._take_failures())
 
-    def _fail_request(self, req: Request, error: BaseException, where: str) -> None:
+    def _fail_request(self, req: Request, error: BaseException, where: str,
+                      message: str | None = None) -> None:
         """Fail the client request `req` belongs to (all of its n sequences): abort them,
-        free their blocks, and queue an error output; the engine keeps serving the rest."""
+        free their blocks, and queue an error output (`message`, else one naming `where`
+        and `error`); the engine keeps serving the rest."""
         parent = self.output.parent_of(req.request_id)
         logger.error("request %s failed in %s: %s: %s", req.request_id, where,
                      type(error).__name__, error, exc_info=error)
@@ -310,8 +323,8 @@ class LLMEngine:
         for child in parent.children:
             self.transfer.release(child)             # finished prefill: its held blocks
         self.output.forget(parent)
-        self._failures.append(error_output(parent, f"the request failed in {where}: "
-                                                   f"{type(error).__name__}: {error}"))
+        self._failures.append(error_output(parent, message or f"the request failed in {where}: "
+                                                              f"{type(error).__name__}: {error}"))
 
     def _take_failures(self) -> list[RequestOutput]:
         """This step's failed requests' outputs. Failing them freed blocks mid-step: the

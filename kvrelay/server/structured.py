@@ -10,13 +10,17 @@ Accepted (at most one per request):
 
 A malformed field, schema, regex or grammar is a 400 naming the field and the problem.
 JSON is compact by default (no free whitespace), as vLLM's disable_any_whitespace.
+
+Every constraint the server hands the engine — these fields, tool choice, the Responses
+API's `text.format` (server/structured_hooks.py) — passes `check_constraint`
+(server/grammar_check.py): the bounds, then one compile in a worker process.
 """
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from typing import Any
 
+from kvrelay.server.grammar_check import check_constraint
 from kvrelay.server.protocol import OpenAIError
 from kvrelay.structured.params import StructuredOutputsParams
 
@@ -41,7 +45,7 @@ def request_constraint(body: Any, harmony: bool = False) -> StructuredOutputsPar
         p = StructuredOutputsParams(harmony=harmony, **fields)
     except (TypeError, ValueError) as e:
         raise OpenAIError(f"{param}: {e}", param=param) from None
-    _check_compiles(p, param)
+    check_constraint(p, param)
     return p
 
 
@@ -95,25 +99,6 @@ def _vllm_fields(so: Any) -> dict[str, Any] | None:
     if "disable_any_whitespace" in so and not so["disable_any_whitespace"]:
         fields["any_whitespace"] = True
     return fields
-
-
-def _check_compiles(p: StructuredOutputsParams, param: str) -> None:
-    """Compile the constraint once here (cached), so a bad one is a 400 before the engine."""
-    error = _compile_error(p.cache_key())
-    if error:
-        raise OpenAIError(f"{param}: {error}", param=param)
-
-
-@functools.lru_cache(maxsize=256)
-def _compile_error(key: str) -> str | None:
-    import json
-
-    from kvrelay.structured.backend import validate
-    try:
-        validate(StructuredOutputsParams.from_dict(json.loads(key)))
-    except ValueError as e:            # GrammarError, or JSON text that does not parse
-        return str(e)
-    return None
 
 
 def is_harmony_chat(chat: Any) -> bool:

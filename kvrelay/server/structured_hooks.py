@@ -7,6 +7,10 @@ harmony checkpoints (`harmony=True`) the constraint covers the assistant turn: o
 free analysis, then the call (`<|channel|>commentary to=functions.NAME <|constrain|>json
 <|message|>ARGS<|call|>`) or the formatted final answer. Without harmony the whole output is
 constrained; a call then is vLLM's JSON list `[{"name": N, "parameters": {...}}]`.
+
+Every constraint made here passes the same bounds and isolated compile check as the
+request's own structured-output fields (server/grammar_check.py): a 400 naming
+`tools` or `text.format`, before the engine compiles anything.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import pkgutil
 from typing import Any
 
 from kvrelay.sampling_params import SamplingParams
+from kvrelay.server.grammar_check import check_constraint
 from kvrelay.server.protocol import OpenAIError
 from kvrelay.server.tools import NO_TOOLS, ToolSpec
 from kvrelay.structured.params import FunctionSpec, StructuredOutputsParams, ToolCallConstraint
@@ -32,18 +37,21 @@ def _functions(tools: ToolSpec) -> tuple[FunctionSpec, ...]:
     return tuple(FunctionSpec(t.name, t.parameters) for t in named)
 
 
-def _params(**fields: Any) -> StructuredOutputsParams:
+def _params(param: str, **fields: Any) -> StructuredOutputsParams:
+    """The checked constraint (`check_constraint`); a 400 naming `param` otherwise."""
     try:
-        return StructuredOutputsParams(**fields)
+        p = StructuredOutputsParams(**fields)
     except ValueError as e:
-        raise OpenAIError(str(e)) from None
+        raise OpenAIError(str(e), param=param) from None
+    check_constraint(p, param)
+    return p
 
 
 def tool_call(tools: ToolSpec, harmony: bool) -> StructuredOutputsParams | None:
     """The constraint of `tool_choice` required / named (None for auto / none)."""
     if not tools.choice.forces_call:
         return None
-    return _params(tool_call=ToolCallConstraint(_functions(tools)), harmony=harmony)
+    return _params("tools", tool_call=ToolCallConstraint(_functions(tools)), harmony=harmony)
 
 
 def json_format(schema: dict[str, Any], harmony: bool,
@@ -53,7 +61,7 @@ def json_format(schema: dict[str, Any], harmony: bool,
     call = None
     if tools is not None and tools.parse_calls and not tools.choice.forces_call:
         call = ToolCallConstraint(_functions(tools), required=False)
-    return _params(json=schema, harmony=harmony, tool_call=call)
+    return _params("text.format", json=schema, harmony=harmony, tool_call=call)
 
 
 def attach(params: SamplingParams, constraint: StructuredOutputsParams | None,
@@ -66,6 +74,8 @@ def attach(params: SamplingParams, constraint: StructuredOutputsParams | None,
         params.structured_outputs = constraint
     elif (current is not None and current.tool_call is None and current.formats()
           and tools.parse_calls):
-        params.structured_outputs = dataclasses.replace(
+        combined = dataclasses.replace(
             current, tool_call=ToolCallConstraint(_functions(tools), required=False))
+        check_constraint(combined, "tools")
+        params.structured_outputs = combined
     return params

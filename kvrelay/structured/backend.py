@@ -1,8 +1,22 @@
 """The grammar engine (llguidance): compile constraints into matchers, one per sequence.
 
 Owner of: the llguidance tokenizer of one checkpoint, the cache of compiled grammars
-(keyed by the constraint and the analysis budget; the tokenizer is fixed per backend) and
-the executor that fills several sequences' masks in parallel (outside the GIL).
+(keyed by the constraint and the analysis budget; the tokenizer is fixed per backend), the
+thread every compile of the process runs on, and the executor that fills several
+sequences' masks in parallel (outside the GIL).
+
+Hostile grammars (limits.py has the measurements): every constraint passes
+`limits.check` before it compiles, and compiles on one thread with a 256 MiB stack
+(`COMPILE_STACK_BYTES`, 32× the main thread's 8 MiB). llguidance's recursion follows the
+input's nesting; the shallowest input measured to overflow 8 MiB is ~8× the bounds, and
+this stack holds ~30× deeper (a 1,200-definition `$ref` chain that kills an 8 MiB stack
+compiles here; a Lark chain first overflows it at ~88,000 rules), so nothing that passed
+the bounds can overflow the engine's stack. The stack is address space reserved once
+(pages are touched only as deep as a compile goes). A matcher that fails later (a token it refuses,
+a limit llguidance hits while computing a mask) records why in `failed`; the engine then
+ends that request with an error (engine/core.py), never with text that breaks the
+constraint. llguidance's errors are kept non-verbose (its verbose ones quote the parser
+state and the grammar).
 
 Why llguidance (docs/benchmarks.md, "Structured outputs: grammar engine"): compiling a JSON
 schema takes ~0.5-2 ms against xgrammar's 18-30 ms at the o200k vocabulary (agents send a
@@ -13,16 +27,59 @@ small next to a step.
 from __future__ import annotations
 
 import logging
+import threading
 from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
+from kvrelay.structured import limits
 from kvrelay.structured.grammar import GrammarError, build_grammar
 from kvrelay.structured.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
 CACHE_SIZE = 256               # compiled grammars kept (least recently used evicted)
+COMPILE_STACK_BYTES = 256 << 20   # the compile thread's stack (see the module docstring)
+
+T = TypeVar("T")
+
+
+class _CompileThread:
+    """The one thread, with a `COMPILE_STACK_BYTES` stack, that runs every compile of the
+    process; callers wait for their compile as they did when it ran on their own thread."""
+
+    def __init__(self, stack_bytes: int) -> None:
+        self.stack_bytes = stack_bytes
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+
+    def run(self, fn: Callable[..., T], *args: Any) -> T:
+        with self._lock:
+            if self._pool is None:
+                pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+                previous = threading.stack_size(self.stack_bytes)
+                try:                            # the pool starts its thread on this submit
+                    pool.submit(int).result()
+                finally:
+                    threading.stack_size(previous)
+                self._pool = pool
+        return self._pool.submit(fn, *args).result()
+
+
+_COMPILER = _CompileThread(COMPILE_STACK_BYTES)
+
+
+def compile_in_thread(fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` on the process's compile thread (its large stack), waited for."""
+    return _COMPILER.run(fn, *args)
+
+
+def parser_limits() -> Any:
+    """llguidance's own limits, left at their defaults, with short error messages."""
+    import llguidance
+    return llguidance.LLParserLimits(verbose_errors=False)
 
 
 class GrammarMatcher:
@@ -40,8 +97,19 @@ class GrammarMatcher:
 
     def accept(self, token_id: int) -> None:
         if self.failed is None and not self.matcher.consume_token(token_id):
-            self.failed = self.matcher.get_error() or f"token {token_id} is not allowed here"
-            logger.error("structured output: %s", self.failed)
+            self.fail(_first_line(self.matcher.get_error())
+                      or f"token {token_id} is not allowed here")
+
+    def fail(self, reason: str) -> None:
+        """The grammar cannot go on (the request ends with an error: engine/core.py)."""
+        if self.failed is None:
+            self.failed = reason
+            logger.error("structured output failed: %s", reason)
+
+    def check(self) -> None:
+        """After a mask was computed: a limit llguidance hit there fails the matcher."""
+        if self.failed is None and self.matcher.is_error():
+            self.fail(_first_line(self.matcher.get_error()) or "the grammar engine failed")
 
     def allows(self, token_id: int) -> bool:
         """Whether `token_id` is allowed next (its bit in the next mask), without the mask:
@@ -64,7 +132,6 @@ class GrammarBackend:
     def __init__(self, tokenizer_json: str, vocab_size: int,
                  eos_token_ids: tuple[int, ...]) -> None:
         import llguidance
-        self._ll = llguidance
         self.vocab_size = vocab_size
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
                                                 eos_token=list(eos_token_ids) or None)
@@ -73,12 +140,14 @@ class GrammarBackend:
         self.hits = self.misses = 0
 
     def matcher(self, p: StructuredOutputsParams, analysis_budget: int) -> GrammarMatcher:
-        """A fresh matcher for `p`; GrammarError (a ValueError) when it does not compile."""
+        """A fresh matcher for `p`; GrammarError (a ValueError) when it is over a bound
+        (limits.py) or does not compile."""
         key = _Key(p.cache_key(), analysis_budget)
         template = self._cache.get(key)
         if template is None:
             self.misses += 1
-            template = self._compile(p, analysis_budget)
+            limits.check(p)
+            template = compile_in_thread(self._compile, p, analysis_budget)
             self._cache[key] = template
             if len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
@@ -88,11 +157,7 @@ class GrammarBackend:
         return GrammarMatcher(template.deep_copy(), self)
 
     def _compile(self, p: StructuredOutputsParams, analysis_budget: int) -> Any:
-        grammar = build_grammar(p, analysis_budget)
-        matcher = self._ll.LLMatcher(self.tokenizer, grammar, log_level=0)
-        if matcher.is_error():
-            raise GrammarError(_short(matcher.get_error()))
-        return matcher
+        return compile_matcher(self.tokenizer, p, analysis_budget)
 
     def fill(self, rows: list[tuple[GrammarMatcher, int]], bitmask_ptr: int, batch: int,
              parallel: bool = True) -> None:
@@ -106,19 +171,39 @@ class GrammarBackend:
         if parallel:
             self.executor.unsafe_compute_mask_ptr([(m.matcher, i) for m, i in rows], bitmask_ptr,
                                                   words * 4, batch)
-            return
-        for m, i in rows:
-            m.matcher.unsafe_compute_mask_ptr(bitmask_ptr + i * words * 4, words * 4)
+        else:
+            for m, i in rows:
+                m.matcher.unsafe_compute_mask_ptr(bitmask_ptr + i * words * 4, words * 4)
+        for m, _ in rows:                # a limit llguidance hit computing a mask
+            m.check()
 
 
-def validate(p: StructuredOutputsParams) -> None:
-    """Check that `p` compiles, without a tokenizer (the API server's early 400).
-    GrammarError names the problem."""
+def compile_matcher(tokenizer: Any, p: StructuredOutputsParams, analysis_budget: int) -> Any:
+    """`p` compiled against `tokenizer` (an LLTokenizer): an LLMatcher at the start of the
+    output; GrammarError naming the problem when it does not compile. No bounds checked."""
     import llguidance
+    grammar = build_grammar(p, analysis_budget)
+    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=parser_limits())
+    if matcher.is_error():
+        raise GrammarError(_short(matcher.get_error()))
+    return matcher
+
+
+def validate(p: StructuredOutputsParams, tokenizer: Any = None, analysis_budget: int = 0,
+             ) -> None:
+    """Check that `p` compiles (the API server's early 400; compile_check.py runs it in a
+    worker process). With the checkpoint's `tokenizer` (an LLTokenizer) it is the engine's
+    own compile; without one, llguidance's validation of the grammar (a harmony envelope's
+    special tokens need a tokenizer: then its pieces are checked alone). No bounds
+    checked (limits.check). GrammarError names the problem."""
+    import llguidance
+    if tokenizer is not None:
+        compile_matcher(tokenizer, p, analysis_budget)
+        return
     grammar = build_grammar(p, analysis_budget=0)
     if p.harmony:                 # special tokens need a tokenizer: check the pieces alone
         grammar = build_grammar(_without_envelope(p), analysis_budget=0)
-    error = llguidance.LLMatcher.validate_grammar(grammar)
+    error = llguidance.LLMatcher.validate_grammar(grammar, limits=parser_limits())
     if error and not error.startswith("WARNING"):
         raise GrammarError(_short(error))
 
@@ -126,6 +211,10 @@ def validate(p: StructuredOutputsParams) -> None:
 def _without_envelope(p: StructuredOutputsParams) -> StructuredOutputsParams:
     from dataclasses import replace
     return replace(p, harmony=False)
+
+
+def _first_line(error: str | None) -> str:
+    return next((line.strip() for line in (error or "").splitlines() if line.strip()), "")
 
 
 def _short(error: str) -> str:

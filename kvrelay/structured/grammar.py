@@ -71,13 +71,30 @@ def _args_schema(parameters: Mapping[str, Any] | None, p: StructuredOutputsParam
 
 def _calls_schema(tools: ToolCallConstraint, p: StructuredOutputsParams) -> dict[str, Any]:
     """Non-harmony tool calls: vLLM's required-tool-choice shape, a JSON array of
-    `{"name": NAME, "parameters": ARGS}`."""
+    `{"name": NAME, "parameters": ARGS}`. Each function's schema sits in `$defs` as `fn_I`,
+    its own `$ref`s moved below it, so they resolve as in the schema alone."""
+    defs = {f"fn_{i}": _relocated(f.parameters or {"type": "object"}, f"#/$defs/fn_{i}")
+            for i, f in enumerate(tools.functions)}
     options = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
                 "properties": {"name": {"const": f.name},
-                               "parameters": dict(f.parameters or {"type": "object"})}}
-               for f in tools.functions]
+                               "parameters": {"$ref": f"#/$defs/fn_{i}"}}}
+               for i, f in enumerate(tools.functions)]
     item = options[0] if len(options) == 1 else {"anyOf": options}
-    return _with_options({"type": "array", "minItems": 1, "items": item}, p)
+    return _with_options({"type": "array", "minItems": 1, "items": item, "$defs": defs}, p)
+
+
+def _relocated(schema: Any, base: str) -> Any:
+    """A copy of `schema` whose local `$ref`s ("#", "#/$defs/x", ...) point below `base`,
+    where it is embedded. Recursive: limits.py bounds the nesting (MAX_SCHEMA_DEPTH)."""
+    if isinstance(schema, list):
+        return [_relocated(v, base) for v in schema]
+    if not isinstance(schema, Mapping):
+        return schema
+    out = {k: _relocated(v, base) for k, v in schema.items()}
+    ref = out.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        out["$ref"] = base + ref[1:]
+    return out
 
 
 def build_grammar(p: StructuredOutputsParams, analysis_budget: int = 0) -> str:

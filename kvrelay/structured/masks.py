@@ -17,7 +17,6 @@ without the extension.
 """
 from __future__ import annotations
 
-import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -28,7 +27,6 @@ if TYPE_CHECKING:
     from kvrelay.engine.request import Request
     from kvrelay.structured.backend import GrammarMatcher
 
-logger = logging.getLogger(__name__)
 
 _NEG_INF = torch.tensor(float("-inf"))
 # A row is sampled among its allowed ids when they lie in at most this many 32-token words
@@ -121,8 +119,10 @@ class TokenMasks:
             sparse, chosen, empty = _native_rows(logits, bitmask, index, modes)
         else:
             sparse, chosen, empty = _torch_rows(logits, bitmask, index, modes)
-        for i in empty:       # a matcher with no way forward: the row is left free
-            logger.error("structured output: no allowed token for %s", requests[i].request_id)
+        for i in empty:       # a matcher with no way forward: the request ends with an error
+            matcher = requests[i].grammar
+            if matcher is not None:
+                matcher.fail("the grammar allows no token here")
         chosen.update(picked)
         return logits, sparse, chosen
 
