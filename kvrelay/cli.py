@@ -12,35 +12,39 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import resource
 import sys
 import time
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
-DTYPES = ("auto", "bfloat16", "float16", "float32")
+from kvrelay.cli_flags import (
+    DTYPES,
+    QUANTIZATIONS,
+    SERVE_FLAGS,
+    HelpFormatter,
+    add_flags,
+    json_object,
+)
+
+if TYPE_CHECKING:
+    from kvrelay.config import EngineArgs
+    from kvrelay.server.tools import AgentOptions
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="gpt-oss checkpoint directory or HF repo id (default: the embedded model)")
-    p.add_argument("--dtype", choices=DTYPES, default="float32")
-    p.add_argument("--hf-overrides", type=_json_object, default=None, metavar="JSON")
-    p.add_argument("--download-dir", default=None)
-    p.add_argument("--quantization", choices=("auto", "mxfp4", "none"), default="auto",
+    p.add_argument("--dtype", choices=DTYPES, default="float32",
+                   help="weights and activations; auto: the checkpoint's torch_dtype")
+    p.add_argument("--hf-overrides", type=json_object, default=None, metavar="JSON",
+                   help="keys merged into config.json before the model is built")
+    p.add_argument("--download-dir", default=None, metavar="DIR",
+                   help="the Hugging Face cache --model is looked up in (default: "
+                        "$HF_HUB_CACHE, else ~/.cache/huggingface/hub)")
+    p.add_argument("--quantization", choices=QUANTIZATIONS, default="auto",
                    help="expert weights: keep MXFP4 packed (auto/mxfp4) or dequantise (none)")
-
-
-def _json_object(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"malformed JSON ({e.msg} at column {e.colno})") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("expected a JSON object")
-    return value
 
 
 class _Parser(argparse.ArgumentParser):
@@ -51,65 +55,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _add_serve_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", default=None,
-                   help="checkpoint directory or HF repo id (default: the embedded model)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", nargs="+", default=None)
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    p.add_argument("--data-parallel-size", "-dp", type=int, default=1)
-    p.add_argument("--enable-expert-parallel", action="store_true")
-    p.add_argument("--data-parallel-size-local", "-dpl", type=int, default=None,
-                   help="replicas on this node (default: all); the rest run on --headless nodes")
-    p.add_argument("--data-parallel-start-rank", "-dpr", type=int, default=0,
-                   help="first replica rank on this node (a --headless node)")
-    p.add_argument("--data-parallel-address", "-dpa", default="127.0.0.1",
-                   help="the head node's address (headless nodes connect to it)")
-    p.add_argument("--data-parallel-rpc-port", "-dpp", type=int, default=29550,
-                   help="the head's port for headless nodes")
-    p.add_argument("--headless", action="store_true",
-                   help="run only this node's replicas (no API server); they join the head")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--disable-hybrid-kv-cache-manager", action=argparse.BooleanOptionalAction,
-                   default=False)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--dtype", choices=DTYPES, default="auto")
-    p.add_argument("--max-logprobs", type=int, default=20)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--hf-overrides", type=_json_object, default=None, metavar="JSON")
-    p.add_argument("--additional-config", type=_json_object, default=None, metavar="JSON")
-    p.add_argument("--kv-transfer-config", type=_json_object, default=None, metavar="JSON")
-    p.add_argument("--optimization-level", type=int, default=None)
-    p.add_argument("--download-dir", default=None)
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    p.add_argument("--num-gpu-blocks-override", type=int, default=None)
-    p.add_argument("--quantization", choices=("mxfp4",), default=None)
-    p.add_argument("--async-scheduling", action="store_true",
-                   help="plan the next step while the current one computes")
-    # function calling and reasoning, with vLLM's names (kvrelay/server/tools.py)
-    p.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help="let the model decide to call tools (tool_choice 'auto' on chat)")
-    p.add_argument("--tool-call-parser", default=None, metavar="NAME",
-                   help="how tool calls are read from the output: 'openai' (gpt-oss harmony)")
-    p.add_argument("--reasoning-parser", default=None, metavar="NAME",
-                   help="'openai_gptoss': reasoning from harmony's analysis channel "
-                        "(harmony checkpoints always split it)")
-    p.add_argument("--logits-processors", nargs="+", default=[], metavar="MODULE:ATTR",
-                   help="factories f(params, prompt_ids) -> logits processor, "
-                        "applied to every request")
-    # the HTTP side's bounds and trust (kvrelay/server/admission.py, docs/serving.md)
-    p.add_argument("--max-queued-requests", type=int, default=1024, metavar="N",
-                   help="sequences that may wait beyond --max-num-seqs; past it 503 + Retry-After")
-    p.add_argument("--max-seqs-per-request", type=int, default=256, metavar="N",
-                   help="prompts x n of one request; past it 400")
-    p.add_argument("--forwarded-allow-ips", default=None, metavar="IPS",
-                   help="comma-separated proxy addresses (or '*') whose X-Forwarded-For/-Proto "
-                        "are trusted (default: none)")
+    """vLLM's serve flags, from the one table docs/serving.md is rendered from."""
+    add_flags(p, SERVE_FLAGS)
 
 
 SERVE_ENGINE_FLAGS = (
@@ -121,25 +68,36 @@ SERVE_ENGINE_FLAGS = (
     "hf_overrides", "additional_config",
     "kv_transfer_config", "optimization_level", "download_dir", "device", "kv_cache_memory_bytes",
     "num_gpu_blocks_override", "quantization", "logits_processors", "async_scheduling")
+SERVE_EPILOG = ("Every flag with its default and meaning: docs/serving.md, section Flags.\n"
+                "The names and meanings are vLLM's.")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="kvrelay", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    sub.add_parser("proxy", help="disaggregated-serving proxy (kvrelay proxy --help)")
-    sub.add_parser("bench", help="serving benchmark (kvrelay bench serve --help)")
-    sub.add_parser("deploy", help="stand up a topology on this machine (kvrelay deploy --help)")
-    sub.add_parser("validate",
-                   help="the tutorial's 'Confirm your work' checks (kvrelay validate --help)")
-    sub.add_parser("plan",
-                   help="recommend xPyD and --max-num-seqs from measurements (kvrelay plan --help)")
-    serve = sub.add_parser("serve", help="OpenAI-compatible server (vLLM's flags)")
+    parser = _Parser(prog="kvrelay", description=__doc__.split("\n")[0],
+                     formatter_class=HelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser,
+                                title="commands", metavar="COMMAND",
+                                help="kvrelay COMMAND --help: its flags")
+    for name, summary in (
+            ("proxy", "disaggregated-serving proxy (kvrelay proxy --help)"),
+            ("bench", "serving benchmark (kvrelay bench serve --help)"),
+            ("deploy", "stand up a topology on this machine (kvrelay deploy --help)"),
+            ("validate", "the tutorial's 'Confirm your work' checks (kvrelay validate --help)"),
+            ("plan", "recommend xPyD and --max-num-seqs from measurements (kvrelay plan --help)")):
+        sub.add_parser(name, help=summary, formatter_class=HelpFormatter)
+    serve = sub.add_parser("serve", help="OpenAI-compatible server (vLLM's flags)",
+                           description="The OpenAI-compatible server (vLLM's flags).",
+                           epilog=SERVE_EPILOG, formatter_class=HelpFormatter)
     _add_serve_flags(serve)
-    gen = sub.add_parser("generate", help="greedy generation with the model (no server)")
-    gen.add_argument("prompt", nargs="?", default="The capital of France is")
-    gen.add_argument("--max-tokens", type=int, default=16)
+    gen = sub.add_parser("generate", help="greedy generation with the model (no server)",
+                         formatter_class=HelpFormatter)
+    gen.add_argument("prompt", nargs="?", default="The capital of France is",
+                     help="the text to complete (with --chat: the user message)")
+    gen.add_argument("--max-tokens", type=int, default=16, metavar="N",
+                     help="tokens to generate at most")
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
-    gen.add_argument("--max-model-len", type=int, default=4096)
+    gen.add_argument("--max-model-len", type=int, default=4096, metavar="N",
+                     help="longest prompt + output, in tokens")
     _add_model_flags(gen)
     return parser
 
@@ -208,13 +166,12 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    engine_args, agent = preflight(args)        # bad flags and paths: one line, before torch
     if not args.headless:                   # a taken port: one line now, not after the model loads
         from kvrelay.ports import check_serve_ports
         check_serve_ports(args)
-    from kvrelay.config import EngineArgs, EngineConfig
+    from kvrelay.config import EngineConfig
     from kvrelay.server.launch import serve
-    engine_args = EngineArgs(**{name: getattr(args, name) for name in SERVE_ENGINE_FLAGS})
-    agent = agent_options(args)                                           # flag errors first
     http = http_options(args)
     # every engine value checked before a process starts
     config = EngineConfig.from_args(engine_args)
@@ -222,6 +179,31 @@ def _serve(args: argparse.Namespace) -> int:
         from kvrelay.engine.dp_remote import run_headless
         return run_headless(config.args)
     return serve(config, args.host, args.port, args.api_key, agent, http)
+
+
+def preflight(args: argparse.Namespace) -> tuple[EngineArgs, AgentOptions]:
+    """What can be checked of serve's flags without torch, the server or the model: the
+    engine arguments, `--additional-config`, `--kv-transfer-config`, the tool and admission
+    flags, and that MODEL is a checkpoint (a directory, or a repo id in the HF cache, with a
+    valid config.json). Returns (EngineArgs, AgentOptions); ValueError / OSError name the
+    flag or the path."""
+    from kvrelay.config import EngineArgs, NeuronConfig
+    from kvrelay.disagg.params import KVTransferConfig
+    from kvrelay.server.admission import AdmissionLimits
+    engine_args = EngineArgs(**{name: getattr(args, name) for name in SERVE_ENGINE_FLAGS})
+    neuron = NeuronConfig.from_additional_config(engine_args.additional_config)
+    if engine_args.quantization == "none" and neuron.quantization is not None:
+        raise ValueError(f"--quantization none contradicts --additional-config's "
+                         f"neuron_config.quantization {neuron.quantization!r}")
+    KVTransferConfig.from_json(engine_args.kv_transfer_config)
+    agent = agent_options(args)
+    AdmissionLimits(1, args.max_queued_requests, args.max_seqs_per_request)
+    if engine_args.model is not None:          # the embedded model is built later, on first use
+        from kvrelay.model.config import load_config
+        from kvrelay.model.locate import locate_checkpoint
+        load_config(locate_checkpoint(engine_args.model, engine_args.download_dir),
+                    engine_args.hf_overrides)
+    return engine_args, agent
 
 
 def http_options(args: argparse.Namespace):
@@ -233,7 +215,7 @@ def http_options(args: argparse.Namespace):
                        args.forwarded_allow_ips)
 
 
-def agent_options(args: argparse.Namespace):
+def agent_options(args: argparse.Namespace) -> AgentOptions:
     """The tool-calling flags and the Responses store size (ValueError names the flag)."""
     from kvrelay import envs
     from kvrelay.server.tools import AgentOptions
@@ -242,7 +224,11 @@ def agent_options(args: argparse.Namespace):
                         tool_call_parser=args.tool_call_parser,
                         reasoning_parser=args.reasoning_parser,
                         responses_store_size=(envs.RESPONSES_STORE_MAX_ENTRIES.as_int() or 0
-                                              if store else 0))
+                                              if store else 0),
+                        responses_store_max_bytes=envs.RESPONSES_STORE_MAX_BYTES.as_int() or 0,
+                        responses_store_max_entry_bytes=(
+                            envs.RESPONSES_STORE_MAX_ENTRY_BYTES.as_int() or 0),
+                        responses_owner_header=args.responses_owner_header)
 
 
 if __name__ == "__main__":

@@ -152,6 +152,12 @@ RESPONSES_STORE = EnvVar("KVRELAY_ENABLE_RESPONSES_API_STORE", "VLLM_ENABLE_RESP
 RESPONSES_STORE_MAX_ENTRIES = EnvVar("KVRELAY_RESPONSES_STORE_MAX_ENTRIES", None, "1000",
                                      "responses kept in memory; the least recently used are "
                                      "evicted first")
+RESPONSES_STORE_MAX_BYTES = EnvVar("KVRELAY_RESPONSES_STORE_MAX_BYTES", None, str(256 << 20),
+                                   "bytes all stored responses may take (their JSON); the least "
+                                   "recently used are evicted first")
+RESPONSES_STORE_MAX_ENTRY_BYTES = EnvVar("KVRELAY_RESPONSES_STORE_MAX_ENTRY_BYTES", None,
+                                         str(16 << 20), "bytes one stored response may take; a "
+                                         "larger one is answered but not kept")
 
 # -- where things are cached on disk
 XDG_CACHE_HOME = EnvVar("XDG_CACHE_HOME", None, None,

@@ -9,7 +9,9 @@ answer: each harmony message becomes an output item (analysis → `reasoning`, f
 the openai client parses.
 
 Stored responses (`store`, default true) live in a bounded in-memory `ResponseStore`
-(oldest evicted first); `previous_response_id` continues one: its whole conversation
+(kvrelay/server/response_store.py: entries, bytes and one entry's size bounded, least
+recently used evicted first, each entry visible only to the client that created it);
+`previous_response_id` continues one: its whole conversation
 (inputs and outputs, not its instructions) comes before the new input.
 """
 from __future__ import annotations
@@ -19,7 +21,6 @@ import json
 import logging
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +36,13 @@ from kvrelay.server import serving, structured_hooks
 from kvrelay.server.chat import Rendered
 from kvrelay.server.harmony_chat import HarmonyChat, is_function_call
 from kvrelay.server.protocol import ChatCompletionRequest, OpenAIError
+from kvrelay.server.response_store import (
+    ResponseStore,
+    StoredResponse,
+    StoreLimits,
+    check_metadata,
+    owner_of,
+)
 from kvrelay.server.tools import ToolCallOut, ToolSpec, calls_from_json_array, tool_spec
 
 logger = logging.getLogger(__name__)
@@ -65,49 +73,6 @@ class ResponsesRequest(BaseModel):
     # vLLM's disaggregation field, as on chat: the proxy's prefill leg asks for the KV to be
     # kept ({do_remote_decode: true}) and gets the handle back; its decode leg passes it in.
     kv_transfer_params: dict[str, Any] | None = None
-
-
-# ------------------------------------------------------------------ the store
-
-
-@dataclass
-class StoredResponse:
-    body: dict[str, Any]              # the response object, as returned
-    messages: list[dict[str, Any]]    # the conversation through this response (chat messages)
-
-
-class ResponseStore:
-    """Responses kept for GET and `previous_response_id`: at most `max_entries`, the least
-    recently used evicted first. Owned by the API process (one event loop, no locking)."""
-
-    def __init__(self, max_entries: int) -> None:
-        self.max_entries = max_entries
-        self._items: OrderedDict[str, StoredResponse] = OrderedDict()
-
-    @property
-    def enabled(self) -> bool:
-        return self.max_entries > 0
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def put(self, item: StoredResponse) -> None:
-        if not self.enabled:
-            return
-        self._items[item.body["id"]] = item
-        self._items.move_to_end(item.body["id"])
-        while len(self._items) > self.max_entries:
-            evicted, _ = self._items.popitem(last=False)
-            logger.debug("responses store full: evicted %s", evicted)
-
-    def get(self, response_id: str) -> StoredResponse | None:
-        item = self._items.get(response_id)
-        if item is not None:
-            self._items.move_to_end(response_id)
-        return item
-
-    def delete(self, response_id: str) -> bool:
-        return self._items.pop(response_id, None) is not None
 
 
 # ------------------------------------------------------------------ input → chat messages
@@ -413,6 +378,7 @@ class _Prepared:
     rendered: Rendered
     params: Any
     tools: ToolSpec
+    owner: str = ""                     # owner_of(...): whose stored response this will be
     response_id: str = field(default_factory=lambda: _id("resp"))
     created_at: int = field(default_factory=lambda: int(time.time()))
 
@@ -442,8 +408,10 @@ def _text_format(body: ResponsesRequest) -> dict[str, Any] | None:
                       "{'type': 'json_schema', 'name': ..., 'schema': {...}}", param="text.format")
 
 
-def _prepare(state: serving.ServerState, store: ResponseStore, body: ResponsesRequest) -> _Prepared:
+def _prepare(state: serving.ServerState, store: ResponseStore, body: ResponsesRequest,
+             owner: str = "") -> _Prepared:
     model = serving._check_model(state, body.model)
+    check_metadata(body.metadata)
     if state.chat is None:
         raise OpenAIError("this model has no chat template", param="input")
     if body.background:
@@ -454,7 +422,7 @@ def _prepare(state: serving.ServerState, store: ResponseStore, body: ResponsesRe
             raise OpenAIError("previous_response_id needs the responses store, which is off "
                               "on this server (VLLM_ENABLE_RESPONSES_API_STORE=0)",
                               param="previous_response_id")
-        previous = store.get(body.previous_response_id)
+        previous = store.get(body.previous_response_id, owner)
         if previous is None:
             raise OpenAIError(f"Previous response with id '{body.previous_response_id}' not found.",
                               param="previous_response_id")
@@ -481,7 +449,7 @@ def _prepare(state: serving.ServerState, store: ResponseStore, body: ResponsesRe
     params = structured_hooks.attach(
         serving._sampling(state, chat, max_tokens, None, extra_stop_ids=rendered.stop_token_ids),
         rendered.structured)
-    return _Prepared(body, model, messages, rendered, params, tools)
+    return _Prepared(body, model, messages, rendered, params, tools, owner)
 
 
 def _chat_choice(tools: ToolSpec) -> Any:
@@ -532,8 +500,9 @@ def _finish(state: serving.ServerState, store: ResponseStore, p: _Prepared, deco
     response = _response(p, "incomplete" if incomplete else "completed", output,
                          _usage(p, len(out.token_ids), decoder.reasoning_tokens,
                                 final.num_cached_tokens), keep)
-    if keep:
-        store.put(StoredResponse(response, p.messages + output_messages(output)))
+    if keep and not store.put(StoredResponse(response, p.messages + output_messages(output),
+                                             p.owner)):
+        response["store"] = False          # larger than one entry may be: answered, not kept
     return response
 
 
@@ -596,13 +565,15 @@ async def _stream(state: serving.ServerState, store: ResponseStore, p: _Prepared
 
 
 def add_responses_routes(app: FastAPI, state: serving.ServerState) -> ResponseStore:
-    store = ResponseStore(state.agent.responses_store_size)
+    agent = state.agent
+    store = ResponseStore(StoreLimits(agent.responses_store_size, agent.responses_store_max_bytes,
+                                      agent.responses_store_max_entry_bytes))
     app.state.responses_store = store
 
     @app.post("/v1/responses")
     async def create_response(body: ResponsesRequest, request: Request):
         serving._check_hold_rate(state, request, body.kv_transfer_params)
-        p = _prepare(state, store, body)
+        p = _prepare(state, store, body, owner_of(request.headers, agent.responses_owner_header))
         if body.stream:
             # made before the response starts, so a full queue is a 503, not a broken stream
             gen = state.engine.generate(p.response_id, p.rendered.prompt_ids, p.params,
@@ -612,16 +583,16 @@ def add_responses_routes(app: FastAPI, state: serving.ServerState) -> ResponseSt
         return await _create(state, store, p, request)
 
     @app.get("/v1/responses/{response_id}")
-    async def get_response(response_id: str):
-        item = store.get(response_id)
+    async def get_response(response_id: str, request: Request):
+        item = store.get(response_id, owner_of(request.headers, agent.responses_owner_header))
         if item is None:
             raise OpenAIError(f"Response with id '{response_id}' not found.", 404,
                               "NotFoundError", "response_id")
         return item.body
 
     @app.delete("/v1/responses/{response_id}")
-    async def delete_response(response_id: str):
-        if not store.delete(response_id):
+    async def delete_response(response_id: str, request: Request):
+        if not store.delete(response_id, owner_of(request.headers, agent.responses_owner_header)):
             raise OpenAIError(f"Response with id '{response_id}' not found.", 404,
                               "NotFoundError", "response_id")
         return {"id": response_id, "object": "response", "deleted": True}

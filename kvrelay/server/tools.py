@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from kvrelay.server.protocol import OpenAIError
+from kvrelay.structured import limits
 
 TOOL_CALL_PARSERS = ("openai",)          # gpt-oss's harmony calls (vLLM's name)
 REASONING_PARSERS = ("openai_gptoss",)   # gpt-oss's analysis channel (vLLM's name)
@@ -34,6 +35,9 @@ class AgentOptions:
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
     responses_store_size: int = 1000      # 0: no store (store / previous_response_id refused)
+    responses_store_max_bytes: int = 256 << 20       # all entries (response_store.py)
+    responses_store_max_entry_bytes: int = 16 << 20  # one entry; larger ones are not kept
+    responses_owner_header: str | None = None        # who owns a stored response (else the key)
 
     def __post_init__(self) -> None:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
@@ -46,6 +50,13 @@ class AgentOptions:
             raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
         if self.responses_store_size < 0:
             raise ValueError(f"responses store size must be >= 0, got {self.responses_store_size}")
+        if self.responses_store_max_bytes < 1 or self.responses_store_max_entry_bytes < 1:
+            raise ValueError("responses store byte limits must be >= 1 (KVRELAY_RESPONSES_STORE_"
+                             "MAX_BYTES / _MAX_ENTRY_BYTES)")
+        if self.responses_owner_header is not None and not re.fullmatch(
+                r"[A-Za-z0-9-]{1,64}", self.responses_owner_header):
+            raise ValueError(f"--responses-owner-header: expected an HTTP header name, got "
+                             f"{self.responses_owner_header!r}")
 
     @property
     def auto_tools(self) -> bool:
@@ -144,6 +155,10 @@ def parse_tools(raw: Any, param: str = "tools") -> tuple[FunctionTool, ...]:
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise OpenAIError(f"{param}: duplicate function names {dupes}", param=param)
+    try:        # how many, and their schemas' size and shape (kvrelay/structured/limits.py)
+        limits.check_tools([(t.name, t.parameters) for t in out])
+    except ValueError as e:
+        raise OpenAIError(f"{param}: {e}", param=param) from None
     return tuple(out)
 
 
