@@ -28,6 +28,7 @@ import json
 import math
 import re
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 MAX_BODY_BYTES = 32 * 2**20
@@ -118,13 +119,46 @@ def is_json(content_type: str | None) -> bool:
 
 
 # -- parsing ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DecodedBody:
+    """A body's text and what its raw bytes said about it (`decode`): the caller may drop
+    the bytes before `parse_text`, so the parse holds the text and the value, not three
+    copies of the body."""
+    text: str
+    long_digits: bool               # a run of more than MAX_INT_DIGITS digits
+    walk: bool                      # the parsed value needs `check_tree`
+
+
 def parse_json(raw: bytes) -> Any:
     """The body's JSON value, or BodyError 400 saying why it is not acceptable."""
+    return parse_text(decode(raw))
+
+
+def decode(raw: bytes) -> DecodedBody:
+    """The body as UTF-8 text with the raw-byte hints `parse_text` needs; BodyError 400
+    when it is not UTF-8."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise BodyError(400, f"the request body is not valid UTF-8 (byte {e.start})") from None
-    long_digits = _LONG_DIGIT_RUN in raw.translate(_DIGITS_AS_ZEROS)
+    long_digits = _has_long_digit_run(raw)
+    walk = (long_digits or raw.count(b"[") + raw.count(b"{") >= MAX_JSON_DEPTH
+            or _SURROGATE_ESCAPE.search(raw) is not None)
+    return DecodedBody(text, long_digits, walk)
+
+
+def _has_long_digit_run(raw: bytes) -> bool:
+    """A run of more than MAX_INT_DIGITS digits anywhere: searched 1 MiB at a time (each
+    window overlapping the next by the run's length), so it costs 1 MiB of memory, not a
+    translated copy of the whole body."""
+    step, overlap = 1 << 20, len(_LONG_DIGIT_RUN)
+    return any(_LONG_DIGIT_RUN in raw[start:start + step + overlap].translate(_DIGITS_AS_ZEROS)
+               for start in range(0, max(len(raw), 1), step))
+
+
+def parse_text(body: DecodedBody) -> Any:
+    """`decode`'s text parsed strictly; BodyError 400 saying why it is not acceptable."""
+    text, long_digits = body.text, body.long_digits
     try:
         value = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float,
                            parse_int=_bounded_int if long_digits else None)
@@ -136,8 +170,7 @@ def parse_json(raw: bytes) -> Any:
         raise _too_deep() from None
     except ValueError as e:                  # a number Python will not convert; not expected
         raise BodyError(400, f"unacceptable number in the JSON body: {e}") from None
-    if (long_digits or raw.count(b"[") + raw.count(b"{") >= MAX_JSON_DEPTH
-            or _SURROGATE_ESCAPE.search(raw)):
+    if body.walk:
         check_tree(value)
     return value
 

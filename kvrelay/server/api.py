@@ -1,14 +1,18 @@
 """The OpenAI-compatible HTTP API.
 
-Request path: FastAPI validates the body (pydantic) → `ServerState` tokenises /
-renders the chat and checks lengths → `EngineClient.generate` (engine-core process)
-yields accumulated outputs → responses are shaped as OpenAI's, streamed as SSE when
-asked. Client mistakes are 4xx with OpenAI's error object; a disconnect aborts the
-request in the engine (its KV blocks are freed at once).
+Request path: the door (`_Edge`: auth, 503 + Retry-After until the engine is ready, the
+body read bounded) → `PreparedRoute` bounds, parses and validates the body (pydantic),
+off the event loop when it is large (`server/prep.py`, `server/limits.py`) → the route
+tokenises / renders the chat and checks lengths on a prep worker (`ServerState.prep`) →
+`EngineClient.generate` (engine-core process) yields accumulated outputs → responses are
+shaped as OpenAI's, streamed as SSE when asked. Client mistakes are 4xx with OpenAI's
+error object; a disconnect aborts the request in the engine (its KV blocks are freed at
+once).
 
 Every error leaves as OpenAI's error object, whatever raised it: the door (`_Edge`:
-auth, body size as it streams, JSON that parses to something the tokenizer and
-pydantic can take — `kvrelay/http_body.py`), pydantic validation, FastAPI's 404/405, the
+auth, readiness, body size as it streams), the body's preparation (`PreparedRoute`: the
+caps of `server/limits.py`, JSON that parses to something the tokenizer and pydantic can
+take — `kvrelay/http_body.py`), pydantic validation, FastAPI's 404/405, the
 engine (400 naming the field, 500 for a request that failed inside the engine while
 the others went on, 502 a failed KV transfer, 503 a dead engine or a prefill whose
 `hold_share` is full, with Retry-After), a client over its `hold_rate` of
@@ -34,7 +38,7 @@ from pydantic import BaseModel, Field
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvrelay import http_body
+from kvrelay import http_auth, http_body
 from kvrelay.engine.client import (
     EngineDeadError,
     EngineError,
@@ -46,6 +50,14 @@ from kvrelay.engine.outputs import RequestOutput
 from kvrelay.server import structured_hooks
 from kvrelay.server.admission import AdmittedEngine
 from kvrelay.server.chat import finish_reason
+from kvrelay.server.prep import (
+    BODY_KEY,
+    INLINE_BYTES,
+    BodyHolder,
+    PreparedRoute,
+    body_error,
+    body_size,
+)
 from kvrelay.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -59,7 +71,6 @@ from kvrelay.server.serving import (
     ServerState,
     _Busy,
     _chat_logprobs,
-    _check_hold_rate,
     _check_lengths,
     _check_model,
     _collect,
@@ -70,6 +81,9 @@ from kvrelay.server.serving import (
     _sse,
     _Timing,
     _until_disconnect,
+    kv_transfer_params,
+    refund_hold,
+    take_hold,
 )
 from kvrelay.server.structured import is_harmony_chat, request_constraint
 from kvrelay.server.tools import check_chat_tool_choice
@@ -159,45 +173,45 @@ class _Edge:
             except http_body.ClientGone:
                 return
             except http_body.BodyError as e:     # over the limit while streaming in (chunked)
-                refusal = _error_response(_body_error(e))
+                refusal = _error_response(body_error(e))
             else:
-                refusal = _json_refusal(body, headers.get("content-type"))
-                receive = http_body.replay(body, receive)
+                # parsed and checked by the route (server/prep.py), off the loop if large
+                holder = BodyHolder(body)
+                del body
+                scope["state"][BODY_KEY] = holder
+                receive = holder.replay(receive)
         app = refusal or self.app
         await app(scope, receive, send_with_id)
 
     def _refusal(self, path: str, method: str, headers: Headers) -> JSONResponse | None:
         state = self.state
         if (state.api_key and path.startswith("/v1/")
-                and headers.get("authorization") != f"Bearer {state.api_key}"):
+                and not http_auth.bearer_matches(headers.get("authorization"), [state.api_key])):
             return JSONResponse(
                 OpenAIError("invalid or missing API key", 401, "AuthenticationError").body(),
                 status_code=401)
         length = headers.get("content-length")
         if length and length.isdigit() and int(length) > http_body.MAX_BODY_BYTES:
-            return _error_response(_body_error(http_body.too_large()))
-        if path.startswith("/v1/") and method == "POST" and not state.ready:
-            return JSONResponse({"error": {"message": "the server is not ready",
-                                           "type": "ServiceUnavailableError",
-                                           "param": None, "code": 503}}, status_code=503)
+            return _error_response(body_error(http_body.too_large()))
+        if path.startswith("/v1/") and not state.ready:
+            return _not_ready(state)
         return None
 
 
-def _json_refusal(body: bytes, content_type: str | None) -> JSONResponse | None:
-    """A 400 for a JSON body pydantic and the tokenizer could not take; an empty body is
-    left to FastAPI (it names the missing field)."""
-    if not http_body.is_json(content_type) or not body.strip():
-        return None
-    try:
-        http_body.parse_json(body)
-    except http_body.BodyError as e:
-        return _error_response(_body_error(e))
-    return None
+# a starting server is ready in seconds to minutes; a draining one never again (the proxy
+# and OpenAI's clients retry a 503 with Retry-After, the proxy at another server)
+NOT_READY_RETRY_AFTER_S = 2
 
 
-def _body_error(e: http_body.BodyError) -> OpenAIError:
-    return OpenAIError(e.message, e.status,
-                       "RequestTooLarge" if e.status == 413 else "BadRequestError", e.param)
+def _not_ready(state: ServerState) -> JSONResponse:
+    """Every /v1 route until the engine is ready (the state /health reports): 503 with
+    Retry-After, nothing of the request read or checked."""
+    why = ("the server is shutting down" if not state.accepting else
+           "the engine has stopped" if state.engine.dead else
+           "the server is starting: the engine is not ready yet")
+    error = OpenAIError(f"{why}; retry after {NOT_READY_RETRY_AFTER_S} s", 503,
+                        "ServiceUnavailableError")
+    return _error_response(error, {"Retry-After": str(NOT_READY_RETRY_AFTER_S)})
 
 
 def _error_response(error: OpenAIError, headers: Mapping[str, str] | None = None) -> JSONResponse:
@@ -244,13 +258,58 @@ def _stream_error(e: Exception) -> dict[str, Any]:
     return {"error": {"message": str(e), "type": kind, "param": None, "code": code}}
 
 
+def _batch_of(prompt: Any) -> int:
+    """How many prompts a completion's `prompt` holds, from its shape."""
+    batch = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
+    return len(prompt) if batch else 1
+
+
 def _check_batch_size(state: ServerState, body: CompletionRequest) -> None:
     """400 for prompts × n over --max-seqs-per-request, from the body's shape alone."""
-    if not isinstance(state.engine, AdmittedEngine):
-        return
-    prompt = body.prompt
-    batch = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
-    state.engine.admission.check_size(len(prompt) if batch else 1, body.n)
+    if isinstance(state.engine, AdmittedEngine):
+        state.engine.admission.check_size(_batch_of(body.prompt), body.n)
+
+
+_GRAMMAR_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex",
+                   "guided_choice", "guided_grammar")
+
+
+def _prep_size(request: Request, body: Any) -> int:
+    """The size `PrepPool.run` goes by: the body's, except that a request with an output
+    constraint always goes to a worker (a small grammar can take seconds to check)."""
+    if any(getattr(body, name, None) is not None for name in _GRAMMAR_FIELDS):
+        return INLINE_BYTES + 1
+    return body_size(request)
+
+
+def _prepare_completion(state: ServerState, body: CompletionRequest
+                        ) -> tuple[list[tuple[str | None, list[int]]], list[Any]]:
+    """Tokenise the prompts, check the constraint and lengths, build each prompt's
+    sampling parameters (on a prep worker for large requests: server/prep.py)."""
+    prompts = _prompts(state, body.prompt)
+    structured = request_constraint(body)
+    params = []
+    for _, ids in prompts:
+        max_tokens = _check_lengths(state, ids, body.max_tokens)
+        params.append(_sampling(state, body, max_tokens, body.logprobs, body.prompt_logprobs,
+                                structured=structured))
+    return prompts, params
+
+
+def _prepare_chat(state: ServerState, body: ChatCompletionRequest) -> tuple[Any, Any]:
+    """Render and tokenise the chat, check the constraint and length, build the sampling
+    parameters (on a prep worker for large requests: server/prep.py)."""
+    assert state.chat is not None, "the endpoint answers 400 without a chat template"
+    rendered = state.chat.render(body, state.max_model_len)
+    check_chat_tool_choice(rendered.tools, state.agent)
+    max_tokens = _check_lengths(state, rendered.prompt_ids, body.max_new_tokens)
+    top = (body.top_logprobs or 0) if body.logprobs else None   # logprobs alone: the chosen
+    params = structured_hooks.attach(
+        _sampling(state, body, max_tokens, top,
+                  extra_stop_ids=rendered.stop_token_ids, logprobs_param="top_logprobs",
+                  structured=request_constraint(body, is_harmony_chat(state.chat))),
+        rendered.structured, rendered.tools)
+    return rendered, params
 
 
 def _admitted_batch(state: ServerState, prompts: int, n: int) -> contextlib.AbstractContextManager:
@@ -264,6 +323,7 @@ def _admitted_batch(state: ServerState, prompts: int, n: int) -> contextlib.Abst
 # -- the app --------------------------------------------------------------------------------
 def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="kvrelay", docs_url=None, redoc_url=None)
+    app.router.route_class = PreparedRoute     # bodies parsed + checked off the loop
     app.state.kvrelay = state
     _install_error_handlers(app)
 
@@ -317,24 +377,24 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         model = _check_model(state, body.model)
-        _check_hold_rate(state, request, body.kv_transfer_params)
+        kv = kv_transfer_params(body.kv_transfer_params)
         _check_batch_size(state, body)                       # before tokenising 100k prompts
-        prompts = _prompts(state, body.prompt)
         if body.suffix:
             raise OpenAIError("suffix is not supported", param="suffix")
-        params = []
-        structured = request_constraint(body)
-        for _, ids in prompts:
-            max_tokens = _check_lengths(state, ids, body.max_tokens)
-            params.append(_sampling(state, body, max_tokens, body.logprobs, body.prompt_logprobs,
-                                    structured=structured))
+        if body.kv_transfer_params and _batch_of(body.prompt) > 1:
+            raise OpenAIError("kv_transfer_params needs a single prompt", param="prompt")
+        prompts, params = await state.prep.run(_prepare_completion, state, body,
+                                               size=_prep_size(request, body))
         base_id = f"cmpl-{request.state.request_id}"
         created = int(time.time())
-        if body.kv_transfer_params and len(prompts) > 1:
-            raise OpenAIError("kv_transfer_params needs a single prompt", param="prompt")
-        with _admitted_batch(state, len(prompts), body.n):     # 400 / 503 before any stream
-            gens = [state.engine.generate(f"{base_id}-{i}", ids, p, body.kv_transfer_params)
-                    for i, ((_, ids), p) in enumerate(zip(prompts, params))]
+        take_hold(state, request, kv)                       # 429 before the engine holds
+        try:
+            with _admitted_batch(state, len(prompts), body.n):  # 400 / 503 before any stream
+                gens = [state.engine.generate(f"{base_id}-{i}", ids, p, body.kv_transfer_params)
+                        for i, ((_, ids), p) in enumerate(zip(prompts, params))]
+        except OpenAIError:
+            refund_hold(state, request, kv)                 # refused: it holds nothing
+            raise
         if body.stream:
             return StreamingResponse(_stream_completions(state, body, model, base_id, created,
                                                          prompts, gens),
@@ -365,21 +425,20 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         model = _check_model(state, body.model)
-        _check_hold_rate(state, request, body.kv_transfer_params)
+        kv = kv_transfer_params(body.kv_transfer_params)
         if state.chat is None:
             raise OpenAIError("this model has no chat template", param="messages")
-        rendered = state.chat.render(body)
-        check_chat_tool_choice(rendered.tools, state.agent)
-        max_tokens = _check_lengths(state, rendered.prompt_ids, body.max_new_tokens)
-        top = (body.top_logprobs or 0) if body.logprobs else None   # logprobs alone: the chosen
-        params = structured_hooks.attach(
-            _sampling(state, body, max_tokens, top,
-                      extra_stop_ids=rendered.stop_token_ids, logprobs_param="top_logprobs",
-                      structured=request_constraint(body, is_harmony_chat(state.chat))),
-            rendered.structured, rendered.tools)
+        rendered, params = await state.prep.run(_prepare_chat, state, body,
+                                                size=_prep_size(request, body))
         base_id = f"chatcmpl-{request.state.request_id}"
         created = int(time.time())
-        gen = state.engine.generate(base_id, rendered.prompt_ids, params, body.kv_transfer_params)
+        take_hold(state, request, kv)                       # 429 before the engine holds
+        try:
+            gen = state.engine.generate(base_id, rendered.prompt_ids, params,
+                                        body.kv_transfer_params)
+        except OpenAIError:
+            refund_hold(state, request, kv)                 # refused: it holds nothing
+            raise
         if body.stream:
             return StreamingResponse(_stream_chat(state, body, model, base_id, created, rendered,
                                                   gen),

@@ -23,6 +23,8 @@ from kvrelay.server.chat_types import (
     tool_call_deltas,
 )
 from kvrelay.server.harmony_chat import HarmonyChat, is_harmony_tokenizer
+from kvrelay.server.limits import check_min_tokens
+from kvrelay.server.prompt_tokens import TokenizerFacts, encode_within, tokenizer_facts
 from kvrelay.server.protocol import ChatCompletionRequest, ChatMessage, OpenAIError, message_text
 from kvrelay.server.tools import NO_TOOLS, ToolSpec, calls_from_json_array
 
@@ -64,16 +66,18 @@ class _ForcedCallStream:
 class TemplateChat:
     """The checkpoint's Jinja chat template (e.g. ChatML for the embedded model)."""
 
-    def __init__(self, tokenizer: CheckpointTokenizer) -> None:
+    def __init__(self, tokenizer: CheckpointTokenizer, facts: TokenizerFacts | None = None) -> None:
         self.tokenizer = tokenizer
+        self.facts = facts if facts is not None else tokenizer_facts(tokenizer)
 
     @property
     def template_has_tools(self) -> bool:
         return "tools" in (self.tokenizer.chat_template or "")
 
-    def render(self, body: ChatCompletionRequest) -> Rendered:
+    def render(self, body: ChatCompletionRequest, limit: int = 0) -> Rendered:
         spec = request_tools(body)
         messages = [self._message(m.model_dump(exclude_none=True)) for m in body.messages]
+        self._check_size(messages, limit)
         tools = [t.as_chat_tool() for t in spec.offered] if self.template_has_tools else None
         try:
             text = self.tokenizer.render_chat(messages, body.add_generation_prompt,
@@ -81,8 +85,18 @@ class TemplateChat:
         except Exception as e:  # template errors are the client's (e.g. unsupported roles)
             raise OpenAIError(f"could not render the chat template: {e}",
                               param="messages") from None
-        return Rendered(self.tokenizer.encode(text), tools=spec,
-                        structured=structured_hooks.tool_call(spec, harmony=False))
+        ids = encode_within(self.tokenizer, self.facts, text, limit, "messages", "conversation")
+        return Rendered(ids, tools=spec, structured=structured_hooks.tool_call(spec, harmony=False))
+
+    def _check_size(self, messages: list[dict[str, Any]], limit: int) -> None:
+        """400 before rendering when the messages' text alone proves the conversation longer
+        than `limit` tokens. Counted: the content of every message but the assistant's,
+        stripped (templates render it; some trim it, some rewrite assistant turns)."""
+        if not limit or not self.facts.longest_token_bytes:
+            return
+        texts = (m["content"].strip() for m in messages
+                 if m["role"] != "assistant" and isinstance(m["content"], str))
+        check_min_tokens(texts, limit, self.facts, "messages", "conversation")
 
     def _message(self, raw: dict[str, Any]) -> dict[str, Any]:
         """A chat message for the template: text content; without a tool syntax in the
@@ -111,13 +125,14 @@ class TemplateChat:
         return _ForcedCallStream() if tools.choice.forces_call else _TextStream()
 
 
-def make_chat_renderer(tokenizer: CheckpointTokenizer | None) -> ChatRenderer | None:
+def make_chat_renderer(tokenizer: CheckpointTokenizer | None,
+                       facts: TokenizerFacts | None = None) -> ChatRenderer | None:
     if tokenizer is None:
         return None
     if is_harmony_tokenizer(tokenizer):
-        return HarmonyChat(tokenizer)
+        return HarmonyChat(tokenizer, facts)
     if tokenizer.chat_template:
-        return TemplateChat(tokenizer)
+        return TemplateChat(tokenizer, facts)
     return None
 
 

@@ -51,7 +51,9 @@ class StreamParser(Protocol):
 
 
 class ChatRenderer(Protocol):
-    def render(self, body: ChatCompletionRequest) -> Rendered: ...
+    # `limit`: the context length; a conversation proven to reach it is a 400 before it is
+    # tokenised whole (0: no limit, the caller checks the length)
+    def render(self, body: ChatCompletionRequest, limit: int = 0) -> Rendered: ...
 
     def parse(self, token_ids: list[int], text: str, tools: ToolSpec = ...) -> Parsed: ...
 

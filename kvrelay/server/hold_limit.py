@@ -7,7 +7,11 @@ straight to a prefill cannot take the whole share for itself: a token bucket per
 of `hold_rate` holds per second, up to `hold_burst` at once
 (`kv_connector_extra_config.hold_rate` / `hold_burst`). Over it: 429 with Retry-After.
 
-Who is a client (the server decides, see `api._hold_client`): the peer address. Requests
+The bucket is charged with what the engine holds for: `kv_transfer_params` parsed once
+(`serving.kv_transfer_params`; `do_remote_decode` must be a JSON boolean), charged just
+before the request goes to the engine and refunded when the server's queue refuses it.
+
+Who is a client (the server decides, see `serving._hold_client`): the peer address. Requests
 that present the server's `--api-key` are not bounded: only the operator's components
 (the proxy) hold it, and one shared key cannot tell clients apart, so a bucket on it
 would only throttle the proxy. Behind a proxy without keys every request comes from the
@@ -56,6 +60,12 @@ class HoldRateLimiter:
             bucket.tokens -= 1
             return None
         return (1 - bucket.tokens) / self.rate
+
+    def refund(self, client: str) -> None:
+        """Give back one hold taken for `client` (its request never reached the engine)."""
+        bucket = self._buckets.get(client)
+        if bucket is not None:
+            bucket.tokens = min(self.burst, bucket.tokens + 1)
 
     def message(self, wait_s: float) -> str:
         return (f"too many KV holds from this client: at most {self.rate:g} do_remote_decode "

@@ -31,8 +31,11 @@ from kvrelay.server.admission import (
 )
 from kvrelay.server.api import ServerState, build_app
 from kvrelay.server.chat import make_chat_renderer
+from kvrelay.server.grammar_check import configure as configure_grammar_checks
 from kvrelay.server.hold_limit import HoldRateLimiter
 from kvrelay.server.metrics import ServerMetrics
+from kvrelay.server.prep import return_large_buffers_to_the_os
+from kvrelay.server.prompt_tokens import tokenizer_facts
 from kvrelay.server.tools import AgentOptions
 
 logger = logging.getLogger("kvrelay.server")
@@ -105,6 +108,7 @@ def serve(config: EngineConfig, host: str, port: int, api_key: str | None,
     limits = AdmissionLimits(args.max_num_seqs * args.data_parallel_size,
                              opts.max_queued_requests, opts.max_seqs_per_request)
     tokenizer = load_tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
+    configure_grammar_checks(model_dir if tokenizer is not None else None)  # its worker starts
     timeout = envs.EXECUTE_MODEL_TIMEOUT_S.as_float()
     core: EngineClient
     if args.data_parallel_size > 1:
@@ -114,10 +118,13 @@ def serve(config: EngineConfig, host: str, port: int, api_key: str | None,
         core = AsyncEngine(args, step_timeout_s=timeout)
     admission = Admission(limits)
     engine = AdmittedEngine(core, admission)
+    facts = tokenizer_facts(tokenizer)     # bytes-per-token bound, once (server/prompt_tokens.py)
+    return_large_buffers_to_the_os()       # a large body's buffers do not stay resident
+    # max_model_len 0 until the engine is ready: /health and every /v1 route answer 503 till then
     state = ServerState(engine=engine, tokenizer=tokenizer, served_names=names, max_model_len=0,
                        max_logprobs=args.max_logprobs, api_key=api_key,
-                       defaults=sampling_defaults(model_dir),
-                       chat=make_chat_renderer(tokenizer), agent=agent or AgentOptions())
+                       defaults=sampling_defaults(model_dir), token_facts=facts,
+                       chat=make_chat_renderer(tokenizer, facts), agent=agent or AgentOptions())
     state.metrics = ServerMetrics(lambda: engine.stats, names[0], lambda: engine.info,
                                   admission)
     state.hold_limiter = hold_limiter(config)

@@ -1,6 +1,7 @@
 """The Responses API store: what `store: true` keeps for GET, DELETE and `previous_response_id`.
 
-Owner: the API process (one event loop, no locking). Bounded three ways, so no client can
+Owner: the API process; a lock, as `previous_response_id` is read on the prep workers
+(server/prep.py) while the event loop stores. Bounded three ways, so no client can
 grow it without limit:
 
 - entries: at most `max_entries` (KVRELAY_RESPONSES_STORE_MAX_ENTRIES, 1000);
@@ -24,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import threading
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -74,6 +76,7 @@ class ResponseStore:
         self.limits = limits
         self.bytes = 0
         self._items: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._lock = threading.Lock()
 
     @property
     def enabled(self) -> bool:
@@ -93,27 +96,32 @@ class ResponseStore:
                            "KVRELAY_RESPONSES_STORE_MAX_ENTRY_BYTES)", item.body["id"],
                            item.size, self.limits.max_entry_bytes)
             return False
-        self._drop(item.body["id"])
-        self._items[item.body["id"]] = item
-        self.bytes += item.size
-        while len(self._items) > self.limits.max_entries or self.bytes > self.limits.max_bytes:
-            evicted, old = self._items.popitem(last=False)
-            self.bytes -= old.size
-            logger.debug("responses store full: evicted %s", evicted)
+        with self._lock:
+            self._drop(item.body["id"])
+            self._items[item.body["id"]] = item
+            self.bytes += item.size
+            while (len(self._items) > self.limits.max_entries
+                   or self.bytes > self.limits.max_bytes):
+                evicted, old = self._items.popitem(last=False)
+                self.bytes -= old.size
+                logger.debug("responses store full: evicted %s", evicted)
         return True
 
     def get(self, response_id: str, owner: str) -> StoredResponse | None:
-        item = self._items.get(response_id)
-        if item is None or item.owner != owner:
-            return None
-        self._items.move_to_end(response_id)
-        return item
+        with self._lock:
+            item = self._items.get(response_id)
+            if item is None or item.owner != owner:
+                return None
+            self._items.move_to_end(response_id)
+            return item
 
     def delete(self, response_id: str, owner: str) -> bool:
-        if self.get(response_id, owner) is None:
-            return False
-        self._drop(response_id)
-        return True
+        with self._lock:
+            item = self._items.get(response_id)
+            if item is None or item.owner != owner:
+                return False
+            self._drop(response_id)
+            return True
 
     def _drop(self, response_id: str) -> None:
         old = self._items.pop(response_id, None)

@@ -35,6 +35,7 @@ from kvrelay.engine.outputs import RequestOutput
 from kvrelay.server import serving, structured_hooks
 from kvrelay.server.chat import Rendered
 from kvrelay.server.harmony_chat import HarmonyChat, is_function_call
+from kvrelay.server.prep import INLINE_BYTES
 from kvrelay.server.protocol import ChatCompletionRequest, OpenAIError
 from kvrelay.server.response_store import (
     ResponseStore,
@@ -440,7 +441,7 @@ def _prepare(state: serving.ServerState, store: ResponseStore, body: ResponsesRe
             "top_p": body.top_p, "max_tokens": body.max_output_tokens, "seed": body.seed})
     except ValidationError as e:    # an input the chat form cannot hold: the client's
         raise OpenAIError(f"input: {e.errors()[0].get('msg', 'invalid')}", param="input") from None
-    rendered = state.chat.render(chat)
+    rendered = state.chat.render(chat, state.max_model_len)
     schema = _text_format(body)
     if rendered.structured is None and schema is not None:
         rendered.structured = structured_hooks.json_format(
@@ -572,12 +573,20 @@ def add_responses_routes(app: FastAPI, state: serving.ServerState) -> ResponseSt
 
     @app.post("/v1/responses")
     async def create_response(body: ResponsesRequest, request: Request):
-        serving._check_hold_rate(state, request, body.kv_transfer_params)
-        p = _prepare(state, store, body, owner_of(request.headers, agent.responses_owner_header))
+        kv = serving.kv_transfer_params(body.kv_transfer_params)
+        owner = owner_of(request.headers, agent.responses_owner_header)
+        # rendering, tokenising and the grammar check on a worker thread (server/prep.py);
+        # always there: a text.format or a tool schema can take a while to check
+        p = await state.prep.run(_prepare, state, store, body, owner, size=INLINE_BYTES + 1)
+        serving.take_hold(state, request, kv)               # 429 before the engine holds
         if body.stream:
             # made before the response starts, so a full queue is a 503, not a broken stream
-            gen = state.engine.generate(p.response_id, p.rendered.prompt_ids, p.params,
-                                        p.body.kv_transfer_params)
+            try:
+                gen = state.engine.generate(p.response_id, p.rendered.prompt_ids, p.params,
+                                            p.body.kv_transfer_params)
+            except OpenAIError:
+                serving.refund_hold(state, request, kv)     # refused: it holds nothing
+                raise
             return StreamingResponse(_stream(state, store, p, gen),
                                      media_type="text/event-stream")
         return await _create(state, store, p, request)

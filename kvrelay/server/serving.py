@@ -15,6 +15,7 @@ from typing import Any
 
 from fastapi import Request
 
+from kvrelay.disagg.params import KVTransferParams
 from kvrelay.engine.client import (
     EngineClient,
     EngineError,
@@ -27,9 +28,13 @@ from kvrelay.sampling_params import (
     check_token_ids,
     validate_for_model,
 )
+from kvrelay.server.admission import DEFAULT_MAX_SEQS_PER_REQUEST, AdmittedEngine
 from kvrelay.server.chat import ChatRenderer
 from kvrelay.server.hold_limit import HoldRateLimiter, retry_after
+from kvrelay.server.limits import RequestLimits
 from kvrelay.server.metrics import ServerMetrics
+from kvrelay.server.prep import PrepPool
+from kvrelay.server.prompt_tokens import TokenizerFacts, encode_within, tokenizer_facts
 from kvrelay.server.protocol import (
     OpenAIError,
 )
@@ -54,10 +59,27 @@ class ServerState:
     agent: AgentOptions = field(default_factory=AgentOptions)   # tool / responses flags
     accepting: bool = True
     hold_limiter: HoldRateLimiter | None = None   # prefill: per-client do_remote_decode rate
+    # what the tokenizer guarantees (found once at start-up; None: find it now)
+    token_facts: TokenizerFacts | None = None
+    prep: PrepPool = field(default_factory=PrepPool)   # tokenising etc. off the event loop
+
+    def __post_init__(self) -> None:
+        if self.token_facts is None:
+            self.token_facts = tokenizer_facts(self.tokenizer)
 
     @property
     def ready(self) -> bool:
-        return self.engine.ready.is_set() and not self.engine.dead and self.accepting
+        """Requests are taken: the engine is up and alive, its model length is known (it is
+        set from the engine's info once the engine is ready: a request taken before would
+        meet "maximum context length is 0"), and the server is not draining."""
+        return (self.engine.ready.is_set() and not self.engine.dead and self.accepting
+                and self.max_model_len > 0)
+
+    def request_limits(self) -> RequestLimits:
+        engine = self.engine
+        prompts = (engine.admission.limits.max_per_request if isinstance(engine, AdmittedEngine)
+                   else DEFAULT_MAX_SEQS_PER_REQUEST)
+        return RequestLimits(self.max_model_len, prompts, self.token_facts or TokenizerFacts())
 
 
 def _check_model(state: ServerState, model: str | None) -> str:
@@ -69,10 +91,15 @@ def _check_model(state: ServerState, model: str | None) -> str:
 
 
 def _tokenize(state: ServerState, prompt: str) -> list[int]:
+    """The prompt's ids, counted in pieces so a prompt longer than the context is refused
+    after at most about that many tokens (server/prompt_tokens.py)."""
     if state.tokenizer is None:
         raise OpenAIError("this model has no tokenizer; send prompts as token ids", param="prompt")
+    facts = state.token_facts or TokenizerFacts()
     try:
-        return state.tokenizer.encode(prompt)
+        return encode_within(state.tokenizer, facts, prompt, state.max_model_len)
+    except OpenAIError:
+        raise
     except Exception as e:  # noqa: BLE001 -- text the tokenizer cannot take is the client's
         raise OpenAIError(f"the prompt could not be tokenized: {e}", param="prompt") from None
 
@@ -107,20 +134,55 @@ class _Busy(OpenAIError):
 
 
 HOLD_RETRY_AFTER_S = 1
+_KV_FLAGS = ("do_remote_decode", "do_remote_prefill")
 
 
-def _check_hold_rate(state: ServerState, request: Request, kv_transfer_params: Any) -> None:
+def kv_transfer_params(raw: Any) -> KVTransferParams | None:
+    """A request's kv_transfer_params, parsed once: what the hold rate is charged on is
+    what the engine holds for. The flags must be JSON booleans (a truthy `1`, `"x"` or
+    `[1]` once placed a hold the rate check did not count); 400 naming the field."""
+    if isinstance(raw, dict):
+        for flag in _KV_FLAGS:
+            if flag in raw and not isinstance(raw[flag], bool):
+                raise OpenAIError(f"kv_transfer_params.{flag} must be a JSON boolean (true or "
+                                  f"false), got {type(raw[flag]).__name__}",
+                                  param=f"kv_transfer_params.{flag}")
+    try:
+        return KVTransferParams.from_dict(raw)
+    except ValueError as e:
+        raise OpenAIError(str(e), param=getattr(e, "param", "kv_transfer_params")) from None
+
+
+def _check_hold_rate(state: ServerState, request: Request,
+                     raw: Any) -> KVTransferParams | None:
+    """Parse `raw` kv_transfer_params (`kv_transfer_params`) and charge a hold that it
+    places (`take_hold`); returns the parsed params."""
+    params = kv_transfer_params(raw)
+    take_hold(state, request, params)
+    return params
+
+
+def take_hold(state: ServerState, request: Request, params: KVTransferParams | None) -> None:
     """A do_remote_decode request places a KV hold: at most `hold_rate` per second per
     client (kvrelay/server/hold_limit.py), else 429 with Retry-After."""
     limiter = state.hold_limiter
-    if limiter is None or not isinstance(kv_transfer_params, dict):
-        return
-    if kv_transfer_params.get("do_remote_decode") is not True:
+    if limiter is None or params is None or not params.do_remote_decode:
         return
     client = _hold_client(state, request)
     wait = limiter.take(client) if client is not None else None
     if wait is not None:
         raise _Busy(limiter.message(wait), 429, "RateLimitError", wait)
+
+
+def refund_hold(state: ServerState, request: Request, params: KVTransferParams | None) -> None:
+    """Give back the hold `take_hold` charged for a request the server then refused
+    before it reached the engine (a full queue), so only requests that hold are charged."""
+    limiter = state.hold_limiter
+    if limiter is None or params is None or not params.do_remote_decode:
+        return
+    client = _hold_client(state, request)
+    if client is not None:
+        limiter.refund(client)
 
 
 def _hold_client(state: ServerState, request: Request) -> str | None:

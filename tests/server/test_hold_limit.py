@@ -15,7 +15,9 @@ from kvrelay.disagg.params import KVTransferConfig
 from kvrelay.engine.async_client import KVHoldRefused
 from kvrelay.engine.outputs import CompletionOutput, RequestOutput
 from kvrelay.server.api import ServerState, build_app
+from kvrelay.server.chat import TemplateChat
 from kvrelay.server.hold_limit import HoldRateLimiter
+from tests.agent.fakes import PLAIN_TEMPLATE, char_tokenizer
 
 HOLD = {"do_remote_decode": True, "do_remote_prefill": False}
 CAPABILITY = "cap-3f9a"
@@ -101,7 +103,8 @@ class FakePrefill:
 
 def _app(engine: FakePrefill, limiter: HoldRateLimiter | None, api_key: str | None = None):
     state = ServerState(engine=engine, tokenizer=None, served_names=["m"],  # type: ignore[arg-type]
-                        max_model_len=96, max_logprobs=5, api_key=api_key, hold_limiter=limiter)
+                        max_model_len=96, max_logprobs=5, api_key=api_key, hold_limiter=limiter,
+                        chat=TemplateChat(char_tokenizer(PLAIN_TEMPLATE)))
     return build_app(state)
 
 
