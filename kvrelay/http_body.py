@@ -175,9 +175,10 @@ def parse_text(body: DecodedBody) -> Any:
     return value
 
 
-def parse_object(raw: bytes) -> dict[str, Any]:
-    """`parse_json`, and the value must be an object (BodyError 400 otherwise)."""
-    value = parse_json(raw)
+def parse_object(raw: bytes | DecodedBody) -> dict[str, Any]:
+    """`parse_json` (of `decode`'s result, if given one), and the value must be an object
+    (BodyError 400 otherwise)."""
+    value = parse_text(raw if isinstance(raw, DecodedBody) else decode(raw))
     if not isinstance(value, dict):
         raise BodyError(400, "the request body must be a JSON object")
     return value

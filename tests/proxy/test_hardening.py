@@ -223,6 +223,28 @@ def test_integers_of_5000_digits_are_400_naming_the_field(fakes, proxies, raw, p
     assert prefill_attempts(fakes) == 0
 
 
+def test_large_bodies_are_parsed_off_the_loop_with_the_same_checks(fakes, proxies):
+    """A body over INLINE_PARSE_BYTES goes through `_parse_boxed` on a worker thread: the same
+    checks (path-named 400s), the same forwarded body."""
+    from kvrelay.proxy import app as proxy_app
+    pad = "a" * (proxy_app.INLINE_PARSE_BYTES + 1)
+    bad = ('{"prompt": "x", "pad": "' + pad + '", "max_tokens": 1' + "7" * 5001 + "}").encode()
+    good = ('{"prompt": "' + pad + '", "max_tokens": 3}').encode()
+    with client() as c:
+        r = c.post(f"{proxies['main'].url}/v1/completions", content=bad,
+                   headers={"Content-Type": "application/json"})
+        assert assert_openai_error(r, 400, "BadRequestError")["param"] == "max_tokens"
+        r = c.post(f"{proxies['main'].url}/v1/completions", content=b"[" + good + b"]",
+                   headers={"Content-Type": "application/json"})
+        assert "must be a JSON object" in assert_openai_error(r, 400, "BadRequestError")["message"]
+        assert prefill_attempts(fakes) == 0
+        r = c.post(f"{proxies['main'].url}/v1/completions", content=good,
+                   headers={"X-Request-Id": "req-large"})
+    assert r.status_code == 200, r.text
+    [p] = served_by(fakes, "req-large").completions()
+    assert p.body["prompt"] == pad
+
+
 def test_surrogate_pair_and_moderate_nesting_pass(fakes, proxies):
     raw = b'{"prompt": "\\ud83d\\ude00", "max_tokens": 3, "x": ' + b"[" * 60 + b"]" * 60 + b"}"
     with client() as c:
