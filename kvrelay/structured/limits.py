@@ -78,6 +78,12 @@ MAX_ALTERNATIVES = 1000                  # `|` alternatives of one rule (nested 
 MAX_CHOICES = 1000
 MAX_CHOICE_CHARS = 10_000
 MAX_REGEX_CHARS = 16 * 1024
+# Counted repetitions multiplied through nested groups (`(a{300}){300}`: 90,000): in a
+# regex, a schema's `pattern`, a grammar. llguidance's lexer unrolls them: a mask took
+# 14 ms at 10,000 (a{10000}), 0.3-0.4 s at ~100,000, and past that it fails mid-request
+# ("too many expressions constructed"). A schema's maxLength / maxItems are counters, not
+# unrolled (1,000,000 cost nothing), and are not bounded.
+MAX_REPEAT = 10_000
 # tools
 MAX_TOOLS = 128
 MAX_TOOLS_SCHEMA_BYTES = 1024 * 1024     # all tools' parameters together
@@ -100,6 +106,7 @@ def check(p: StructuredOutputsParams) -> None:
         check_schema(p.json, "the JSON schema")
     if p.regex is not None:
         _at_most(len(p.regex), MAX_REGEX_CHARS, "MAX_REGEX_CHARS", "the regex", "characters")
+        check_repeats(p.regex, "the regex")
     if p.choice is not None:
         check_choices(p.choice)
     if p.grammar is not None:
@@ -169,6 +176,11 @@ def _check_schema_shape(root: Any, what: str) -> None:
         if isinstance(node, Mapping):
             if isinstance(node.get("$ref"), str):
                 refs += 1
+            if isinstance(node.get("pattern"), str):
+                check_repeats(node["pattern"], f"{what}: a pattern")
+            if isinstance(node.get("patternProperties"), Mapping):
+                for pattern in node["patternProperties"]:
+                    check_repeats(str(pattern), f"{what}: a patternProperties pattern")
             for key in ("$defs", "definitions"):
                 if isinstance(node.get(key), Mapping):
                     definitions += len(node[key])
@@ -284,6 +296,7 @@ def check_grammar(text: str) -> None:
     dialect as llguidance tells them apart); a schema embedded with Lark's `%json {...}`
     is checked as a schema. A scan, not a parse: what it cannot read, llguidance reports."""
     _at_most(len(text.encode()), MAX_GRAMMAR_BYTES, "MAX_GRAMMAR_BYTES", "the grammar", "bytes")
+    check_repeats(text, "the grammar")        # its regex terminals and repetition ranges
     from llguidance.gbnf_to_lark import is_lark_syntax
     lark = is_lark_syntax(text)
     if lark:
@@ -350,6 +363,58 @@ def _references(body: str, tokens: re.Pattern[str], rules: Mapping[str, str],
         elif tok != "|" and tok in rules:
             refs.append((tok, level))
     return refs
+
+
+_QUANTIFIER = re.compile(r"\{(\d+)(?:,(\d*))?\}|~\s*(\d+)(?:\s*\.\.\s*(\d+))?")
+
+
+def check_repeats(text: str, what: str) -> None:
+    """LimitExceeded when `text` (a regex, or a grammar's text) repeats something more
+    than MAX_REPEAT times, counted repetitions (`{n}`, `{n,m}`, `{n,}`, Lark's `~ n..m`)
+    multiplied through the groups they apply to."""
+    _at_most(repeat_product(text), MAX_REPEAT, "MAX_REPEAT", what,
+             "repetitions (counted repetitions multiplied through nested groups)")
+
+
+def repeat_product(text: str) -> int:
+    """The largest product of counted repetitions that apply to one atom, in one pass (no
+    recursion): `(a{300}){300}` → 90,000; `a{10}b{20}` → 20. Escapes and character classes
+    are single atoms; a quantifier applies to the atom or group just before it."""
+    groups = [1]                  # the largest product inside each open group
+    last = best = 1               # the value the next quantifier multiplies
+    i = 0
+    while i < len(text):
+        c = text[i]
+        if c == "(":
+            groups.append(1)
+            last, i = 1, i + 1
+            continue
+        if c == ")":
+            last = groups.pop() if len(groups) > 1 else 1
+            groups[-1] = max(groups[-1], last)
+            i += 1
+            continue
+        m = _QUANTIFIER.match(text, i)
+        if m:
+            low, high = int(m.group(1) or m.group(3)), m.group(2) or m.group(4)
+            last *= max(low, int(high) if high else 0, 1)
+            groups[-1], best = max(groups[-1], last), max(best, last)
+            i = m.end()
+            continue
+        if c == "[":
+            i = _class_end(text, i)
+        else:
+            i += 2 if c == "\\" else 1
+        last = 1
+    return max(best, *groups)
+
+
+def _class_end(text: str, i: int) -> int:
+    """The index after the character class that starts at text[i] == "["."""
+    i += 1
+    while i < len(text) and text[i] != "]":
+        i += 2 if text[i] == "\\" else 1
+    return i + 1
 
 
 def _at_most(value: int, limit: int, name: str, what: str, unit: str) -> None:

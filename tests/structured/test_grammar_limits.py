@@ -158,3 +158,32 @@ def test_recursion_is_not_depth():
 
 def test_a_schema_text_that_is_not_json_is_left_to_the_grammar_builder():
     limits.check(Constraint(json="{not json"))      # no LimitExceeded: backend says why
+
+
+@pytest.mark.parametrize("text, product", [
+    ("(a{300}){300}", 90_000), ("a{10}b{20}", 20), ("x{2,}", 2), ("x{2,7}", 7),
+    ("((a{10}){10}){10}", 1000), ("(a{5})(b{7}){2}", 14), ("[{}]{5}", 5), (r"\{3}", 1),
+    (r"\d{1,1000}", 1000), ('r: "a"~3..50', 50), ("plain (text)", 1)])
+def test_repeat_product_multiplies_counted_repetitions_through_groups(text, product):
+    assert limits.repeat_product(text) == product
+
+
+@pytest.mark.parametrize("make", [
+    lambda rx: Constraint(regex=rx),
+    lambda rx: Constraint(json={"type": "string", "pattern": rx}),
+    lambda rx: Constraint(json={"type": "object", "patternProperties": {rx: {}}}),
+    lambda rx: Constraint(grammar=f"start: /{rx}/"),
+])
+def test_counted_repetitions_are_bounded_where_a_regex_arrives(make):
+    """`(a{1000}){1000}` passed every other bound, compiled, took 1.5 s per mask and then
+    failed mid-request ("too many expressions constructed"): the hostile battery's 500."""
+    limits.check(make("(a{100}){100}"))                              # 10,000: at the limit
+    for rx in ("(a{1000}){1000}", "(a{100}){101}", "a{10001}"):
+        with pytest.raises(LimitExceeded) as e:
+            limits.check(make(rx))
+        assert e.value.limit == "MAX_REPEAT"
+
+
+def test_schema_lengths_are_counters_not_repetitions():
+    limits.check(Constraint(json={"type": "string", "maxLength": 10**6, "minLength": 10**5}))
+    limits.check(Constraint(json={"type": "array", "maxItems": 10**6}))
