@@ -39,6 +39,12 @@ MAX_JSON_DEPTH = 128
 # bound: 78), short enough that every accepted integer converts to a finite float and
 # parses in microseconds (Python refuses over 4,300 digits, as a ValueError).
 MAX_INT_DIGITS = 100
+# A body's shape, counted on its raw bytes before the parse (check_raw_shape): more arrays
+# and objects, or strings, than any request needs (tool schemas, messages and batches need
+# far fewer; a whole vocabulary of logit_bias keys fits) would cost the parse ~1 KB of
+# Python objects each — 14x the body for 200,000 tools.
+MAX_JSON_CONTAINERS = 65_536
+MAX_JSON_STRINGS = 262_144
 
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 
@@ -49,6 +55,56 @@ _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 # longer on a 28 MiB list of token ids).
 _DIGITS_AS_ZEROS = bytes(0x30 if 0x30 <= c <= 0x39 else 0x20 for c in range(256))
 _LONG_DIGIT_RUN = b"0" * (MAX_INT_DIGITS + 1)
+
+
+def check_raw_shape(raw: bytes, max_numbers: int) -> None:
+    """BodyError 400 when the raw JSON body holds more containers, strings or number
+    literals than any request may (`param` "prompt" for the numbers: token ids are what a
+    body holds many of). Counts inside strings are separated out only when a plain count
+    is over its cap (a long text full of brackets or digits is fine)."""
+    quotes = raw.count(b'"')
+    if quotes > 2 * MAX_JSON_STRINGS:
+        quotes = _unescaped(raw).count(b'"')          # \" inside strings is no delimiter
+        if quotes > 2 * MAX_JSON_STRINGS:
+            raise BodyError(400, f"the body holds more than {MAX_JSON_STRINGS} JSON strings")
+    containers = raw.count(b"[") + raw.count(b"{")
+    digits = raw.translate(_DIGITS_AS_ZEROS)
+    numbers = digits.count(b" 0") + digits.startswith(b"0")
+    if containers <= MAX_JSON_CONTAINERS and numbers <= max_numbers:
+        return
+    containers, numbers = _outside_strings(_unescaped(raw), digits)
+    if containers > MAX_JSON_CONTAINERS:
+        raise BodyError(400, f"the body holds more than {MAX_JSON_CONTAINERS} JSON arrays and "
+                        "objects")
+    if numbers > max_numbers:
+        raise BodyError(400, f"the body holds more than {max_numbers} numbers", "prompt")
+
+
+def _unescaped(raw: bytes) -> bytes:
+    """`raw` without its escaped backslashes and quotes: every `"` left delimits a string.
+    (Escapes pair up left to right, as `replace` finds them; no copy when there are none.)"""
+    return raw.replace(b"\\\\", b"").replace(b'\\"', b"")
+
+
+def _outside_strings(clean: bytes, digits: bytes) -> tuple[int, int]:
+    """Containers and number literals outside strings. `clean` has no escaped quotes;
+    `digits` is the translated raw body (its offsets differ from `clean`'s when escapes
+    were removed, so numbers are counted on `clean` translated)."""
+    if len(clean) != len(digits):
+        digits = clean.translate(_DIGITS_AS_ZEROS)
+    containers = numbers = 0
+    start = 0
+    while True:
+        quote = clean.find(b'"', start)
+        end = len(clean) if quote < 0 else quote
+        containers += clean.count(b"[", start, end) + clean.count(b"{", start, end)
+        numbers += digits.count(b" 0", start, end) + (digits[start:start + 1] == b"0")
+        if quote < 0:
+            return containers, numbers
+        close = clean.find(b'"', quote + 1)
+        if close < 0:                           # malformed: the parse will say where
+            return containers, numbers
+        start = close + 1
 
 
 class BodyError(ValueError):

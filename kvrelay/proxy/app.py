@@ -113,7 +113,8 @@ MAX_KEEPALIVE = 256
 # closing at that instant (no answer then looks like a crash: 502, not re-sent). One the
 # server closed earlier, httpx finds closed before writing and replaces.
 KEEPALIVE_EXPIRY_S = 2.0
-INLINE_PARSE_BYTES = 64 * 1024   # larger client bodies are parsed on a worker thread
+INLINE_PARSE_BYTES = 64 * 1024   # larger client bodies are parsed (and keyed) on a worker thread
+MAX_BODY_NUMBERS = 4 * 2**20 + 262_144   # number literals in a body: serve's cap at most
 HEALTH_INTERVAL_S = 2.0          # background /health probe of every backend
 FREE_PATH = "/v1/kv_transfer/free"
 FREE_RESULTS = ("sent", "not_found", "rejected", "error")
@@ -482,25 +483,31 @@ async def _unless_disconnected(receive: Receive, work: Awaitable[T]) -> T:
     raise ClientGone
 
 
-async def _read_body(request: Request, request_id: str) -> dict[str, Any] | Response:
-    """The client's JSON object. A body over INLINE_PARSE_BYTES is parsed on a worker thread
-    (a 30 MB body takes ~1 s: /health and other clients' streams go on meanwhile), and the
-    raw bytes are dropped once decoded, so the parse holds about 2x the body, not 3x."""
+async def _read_body(request: Request, request_id: str) -> tuple[dict[str, Any], int] | Response:
+    """The client's JSON object and its size in bytes. Its shape is bounded on the raw bytes
+    first (`http_body.check_raw_shape`: a body of 200,000 tools would parse into 14x its
+    size). A body over INLINE_PARSE_BYTES is parsed on a worker thread (a 30 MB body takes
+    ~1 s: /health and other clients' streams go on meanwhile), and the raw bytes are dropped
+    once decoded, so the parse holds about 2x the body, not 3x."""
     try:
         raw = await http_body.read_limited(request.stream(),
                                            content_length=request.headers.get("content-length"))
-        if len(raw) <= INLINE_PARSE_BYTES:
-            return http_body.parse_object(raw)
+        size = len(raw)
+        if size <= INLINE_PARSE_BYTES:
+            http_body.check_raw_shape(raw, MAX_BODY_NUMBERS)
+            return http_body.parse_object(raw), size
         box = [raw]
         del raw
-        return await asyncio.to_thread(_parse_boxed, box)
+        return await asyncio.to_thread(_parse_boxed, box), size
     except http_body.BodyError as e:
         type_ = "RequestTooLarge" if e.status == 413 else "BadRequestError"
         return _error(e.status, e.message, type_, request_id, e.param)
 
 
 def _parse_boxed(box: list[bytes]) -> dict[str, Any]:
-    """`parse_object` of the one body in `box`, which it empties before parsing."""
+    """`parse_object` of the one body in `box` (shape checked first), which it empties
+    before parsing."""
+    http_body.check_raw_shape(box[0], MAX_BODY_NUMBERS)
     return http_body.parse_object(http_body.decode(box.pop()))
 
 
@@ -764,13 +771,17 @@ async def relay_completion(state: ProxyState, request: Request, path: str) -> Re
     """Prefill, then decode; returns what the client gets (see the module docstring)."""
     request_id = request.headers.get("x-request-id") or str(uuid.uuid4())
     try:
-        body = await _read_body(request, request_id)
+        read = await _read_body(request, request_id)
     except ClientDisconnect:
         return _finish(state, path, _client_closed(request_id, "while sending its body"))
-    if isinstance(body, Response):
-        return _finish(state, path, body)
+    if isinstance(read, Response):
+        return _finish(state, path, read)
+    body, size = read
     headers = _backend_headers(state, request, request_id)
-    route = _route(state, path, body, request_id)
+    key = None
+    if size > INLINE_PARSE_BYTES and _needs_key(state):   # rendering a long prompt: off the loop
+        key = await asyncio.to_thread(_prompt_key, state, path, body)
+    route = _route(state, path, body, request_id, key)
     prefilled: Prefilled | None = None
     if route.prefill is None:
         payload = {k: v for k, v in body.items() if k != "kv_transfer_params"}
@@ -806,12 +817,22 @@ class Route:
     prefill: Choice | None          # None: straight to decode (it prefills the prompt itself)
 
 
-def _route(state: ProxyState, path: str, body: dict[str, Any], request_id: str) -> Route:
+def _needs_key(state: ProxyState) -> bool:
+    return state.routing.routing == "cache_aware" or state.routing.disagg.policy == "auto"
+
+
+def _prompt_key(state: ProxyState, path: str, body: dict[str, Any]) -> PromptKey:
+    """The prompt's routing key (pure: safe on a worker thread)."""
+    return state.hasher.key(path, responses.key_body(body) if path == responses.PATH else body)
+
+
+def _route(state: ProxyState, path: str, body: dict[str, Any], request_id: str,
+           key: PromptKey | None = None) -> Route:
     """The servers to try for each leg, and whether there is a prefill leg at all; counted
-    per decision in `kvrelay_proxy:routing_decisions_total` and logged at debug level."""
-    needs_key = state.routing.routing == "cache_aware" or state.routing.disagg.policy == "auto"
-    keyed = responses.key_body(body) if path == responses.PATH else body
-    key = state.hasher.key(path, keyed) if needs_key else None
+    per decision in `kvrelay_proxy:routing_decisions_total` and logged at debug level.
+    `key`: the prompt's key when already made (off the loop, for a large body)."""
+    if key is None and _needs_key(state):
+        key = _prompt_key(state, path, body)
     decode = state.decode_router.choose(key)
     direct, why = state.routing.disagg.direct(key, decode.first_matched)
     previous = body.get("previous_response_id") if path == responses.PATH else None

@@ -32,6 +32,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvrelay import http_body
+from kvrelay.http_body import MAX_JSON_CONTAINERS, MAX_JSON_STRINGS  # noqa: F401 -- named here
 from kvrelay.server.prompt_tokens import NO_FACTS, TokenizerFacts
 from kvrelay.server.protocol import OpenAIError
 
@@ -39,11 +41,7 @@ MAX_MESSAGES = 4096
 MAX_TOOLS = 128
 MAX_TOKEN_IDS = 4 * 2**20
 MAX_OTHER_NUMBERS = 262_144
-MAX_JSON_CONTAINERS = 65_536
-MAX_JSON_STRINGS = 262_144
 
-# every digit becomes "0", every other byte a space: a number literal starts at " 0"
-_DIGITS = bytes(0x30 if 0x30 <= c <= 0x39 else 0x20 for c in range(256))
 
 
 @dataclass(frozen=True)
@@ -63,55 +61,17 @@ class RequestLimits:
 # -- before the parse ------------------------------------------------------------------------
 def scan_body(raw: bytes, limits: RequestLimits) -> None:
     """400 when the raw JSON body holds more containers, strings or numbers than any
-    request may. Counts inside strings are separated out only when a plain count is over
-    its cap (a long text full of brackets or digits is fine)."""
-    quotes = raw.count(b'"')
-    if quotes > 2 * MAX_JSON_STRINGS:
-        quotes = _unescaped(raw).count(b'"')          # \" inside strings is no delimiter
-        if quotes > 2 * MAX_JSON_STRINGS:
-            raise OpenAIError(f"the body holds more than {MAX_JSON_STRINGS} JSON strings")
-    containers = raw.count(b"[") + raw.count(b"{")
-    digits = raw.translate(_DIGITS)
-    numbers = digits.count(b" 0") + digits.startswith(b"0")
-    if containers <= MAX_JSON_CONTAINERS and numbers <= limits.max_numbers:
-        return
-    containers, numbers = _outside_strings(_unescaped(raw), digits)
-    if containers > MAX_JSON_CONTAINERS:
-        raise OpenAIError(f"the body holds more than {MAX_JSON_CONTAINERS} JSON arrays and "
-                          "objects")
-    if numbers > limits.max_numbers:
-        raise OpenAIError(
-            f"the body holds more than {limits.max_numbers} numbers: at most "
-            f"{limits.max_prompts} prompts (--max-seqs-per-request) of fewer than "
-            f"{limits.max_model_len} token ids (--max-model-len), {MAX_TOKEN_IDS} ids in all, "
-            f"and {MAX_OTHER_NUMBERS} other numbers", param="prompt")
-
-
-def _unescaped(raw: bytes) -> bytes:
-    """`raw` without its escaped backslashes and quotes: every `"` left delimits a string.
-    (Escapes pair up left to right, as `replace` finds them; no copy when there are none.)"""
-    return raw.replace(b"\\\\", b"").replace(b'\\"', b"")
-
-
-def _outside_strings(clean: bytes, digits: bytes) -> tuple[int, int]:
-    """Containers and number literals outside strings. `clean` has no escaped quotes;
-    `digits` is the translated raw body (its offsets differ from `clean`'s when escapes
-    were removed, so numbers are counted on `clean` translated)."""
-    if len(clean) != len(digits):
-        digits = clean.translate(_DIGITS)
-    containers = numbers = 0
-    start = 0
-    while True:
-        quote = clean.find(b'"', start)
-        end = len(clean) if quote < 0 else quote
-        containers += clean.count(b"[", start, end) + clean.count(b"{", start, end)
-        numbers += digits.count(b" 0", start, end) + (digits[start:start + 1] == b"0")
-        if quote < 0:
-            return containers, numbers
-        close = clean.find(b'"', quote + 1)
-        if close < 0:                           # malformed: the parse will say where
-            return containers, numbers
-        start = close + 1
+    request may (`http_body.check_raw_shape`, with this server's number cap)."""
+    try:
+        http_body.check_raw_shape(raw, limits.max_numbers)
+    except http_body.BodyError as e:
+        if e.param == "prompt":
+            raise OpenAIError(
+                f"the body holds more than {limits.max_numbers} numbers: at most "
+                f"{limits.max_prompts} prompts (--max-seqs-per-request) of fewer than "
+                f"{limits.max_model_len} token ids (--max-model-len), {MAX_TOKEN_IDS} ids in "
+                f"all, and {MAX_OTHER_NUMBERS} other numbers", param="prompt") from None
+        raise OpenAIError(e.message, param=e.param) from None
 
 
 # -- after the parse, before pydantic --------------------------------------------------------

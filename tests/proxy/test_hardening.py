@@ -245,6 +245,20 @@ def test_large_bodies_are_parsed_off_the_loop_with_the_same_checks(fakes, proxie
     assert p.body["prompt"] == pad
 
 
+@pytest.mark.parametrize("what, item", [("tools", '{"type": "function"}'), ("strings", '"x"')])
+def test_a_body_of_too_many_objects_or_strings_is_refused_before_the_parse(fakes, proxies,
+                                                                           what, item):
+    """200,000 tools parsed into 14x their bytes of Python objects in the proxy (the hostile
+    battery); the raw-byte shape check refuses such a body first."""
+    raw = ('{"messages": [], "tools": [' + ", ".join([item] * 300_000) + "]}").encode()
+    with client() as c:
+        r = c.post(f"{proxies['main'].url}/v1/chat/completions", content=raw,
+                   headers={"Content-Type": "application/json"})
+    error = assert_openai_error(r, 400, "BadRequestError")
+    assert "JSON arrays and objects" in error["message"] or "JSON strings" in error["message"]
+    assert prefill_attempts(fakes) == 0
+
+
 def test_surrogate_pair_and_moderate_nesting_pass(fakes, proxies):
     raw = b'{"prompt": "\\ud83d\\ude00", "max_tokens": 3, "x": ' + b"[" * 60 + b"]" * 60 + b"}"
     with client() as c:
