@@ -504,6 +504,21 @@ async def _read_body(request: Request, request_id: str) -> tuple[dict[str, Any],
         return _error(e.status, e.message, type_, request_id, e.param)
 
 
+def _json_bytes(payload: dict[str, Any]) -> bytes:
+    """`payload` as httpx's `json=` would send it."""
+    return json.dumps(payload, ensure_ascii=False, separators=(",", ":"),
+                      allow_nan=False).encode()
+
+
+def _json_request(client: httpx.AsyncClient, path: str, payload: dict[str, Any] | bytes,
+                  headers: dict[str, str]) -> httpx.Request:
+    """A POST of `payload`: a dict (encoded by httpx) or JSON already encoded (`_json_bytes`)."""
+    if isinstance(payload, bytes):
+        return client.build_request("POST", path, content=payload,
+                                    headers={**headers, "Content-Type": "application/json"})
+    return client.build_request("POST", path, json=payload, headers=headers)
+
+
 def _parse_boxed(box: list[bytes]) -> dict[str, Any]:
     """`parse_object` of the one body in `box` (shape checked first), which it empties
     before parsing."""
@@ -530,7 +545,8 @@ class AnswerBroken(Exception):
 
 
 async def _prefill(state: ProxyState, path: str, body: dict[str, Any], headers: dict[str, str],
-                   request_id: str, order: list[Backend]) -> Prefilled | Response:
+                   request_id: str, order: list[Backend],
+                   large: bool = False) -> Prefilled | Response:
     """Send the prefill request to the servers of `order`, first one first. Only a server the
     proxy could not connect to (`_is_connect_error`: the request never left) is replaced by
     the next one: a server that took the request — answered it with any status, or closed
@@ -540,7 +556,9 @@ async def _prefill(state: ProxyState, path: str, body: dict[str, Any], headers: 
     next server, and when every server is busy the proxy waits (backoff) and goes round
     again, for at most `state.busy_retry_s` seconds and MAX_BUSY_ROUNDS rounds; then the
     client gets the last busy answer as is."""
-    payload = responses.prefill_body(body) if path == responses.PATH else prefill_body(body)
+    fields = responses.prefill_body(body) if path == responses.PATH else prefill_body(body)
+    # a large one encoded once, off the loop (a 30 MB prompt, 4 M token ids)
+    payload = await asyncio.to_thread(_json_bytes, fields) if large else fields
     failures: list[str] = []
     deadline = time.monotonic() + state.busy_retry_s
     order = list(order)
@@ -609,15 +627,15 @@ def _prefill_answer(state: ProxyState, backend: Backend, resp: httpx.Response,
     return _prefill_result(backend, resp, request_id, resp.elapsed.total_seconds())
 
 
-async def _post_prefill(state: ProxyState, backend: Backend, path: str, payload: dict[str, Any],
-                        headers: dict[str, str]) -> httpx.Response:
+async def _post_prefill(state: ProxyState, backend: Backend, path: str,
+                        payload: dict[str, Any] | bytes, headers: dict[str, str]) -> httpx.Response:
     """The prefill's whole answer. httpx.TransportError: no response came (sent elsewhere
     only when `_is_connect_error`); AnswerBroken: the response started, then broke."""
     assert backend.client is not None
     state.acquire(backend)
     t0 = time.monotonic()
     try:
-        request = backend.client.build_request("POST", path, json=payload, headers=headers)
+        request = _json_request(backend.client, path, payload, headers)
         resp = await backend.client.send(request, stream=True)
         try:
             await resp.aread()
@@ -656,7 +674,7 @@ class DecodeLeg:
     started: float
 
 
-async def _open_decode(state: ProxyState, path: str, payload: dict[str, Any],
+async def _open_decode(state: ProxyState, path: str, payload: dict[str, Any] | bytes,
                        headers: dict[str, str],
                        request_id: str, order: list[Backend]) -> DecodeLeg | Response:
     """Send the decode request to the servers of `order`, first one first; as for prefill,
@@ -668,7 +686,7 @@ async def _open_decode(state: ProxyState, path: str, payload: dict[str, Any],
         state.acquire(backend)
         t0 = time.monotonic()
         try:
-            request = backend.client.build_request("POST", path, json=payload, headers=headers)
+            request = _json_request(backend.client, path, payload, headers)
             resp = await backend.client.send(request, stream=True)
         except httpx.TransportError as e:         # no response started
             state.release(backend)
@@ -784,12 +802,13 @@ async def relay_completion(state: ProxyState, request: Request, path: str) -> Re
     route = _route(state, path, body, request_id, key)
     prefilled: Prefilled | None = None
     if route.prefill is None:
-        payload = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+        fields = {k: v for k, v in body.items() if k != "kv_transfer_params"}
     else:
         try:
             answer = await _unless_disconnected(
                 request.receive,
-                _prefill(state, path, body, headers, request_id, route.prefill.order))
+                _prefill(state, path, body, headers, request_id, route.prefill.order,
+                         large=size > INLINE_PARSE_BYTES))
         except ClientGone:
             return _finish(state, path, _client_closed(request_id, "during prefill"))
         if isinstance(answer, Response):
@@ -803,8 +822,11 @@ async def relay_completion(state: ProxyState, request: Request, path: str) -> Re
         logger.debug("request %s: prefill on %s took %.3fs (remote_request_id %s, KV at %s:%s)",
                      request_id, answer.backend.name, answer.seconds,
                      kv.get("remote_request_id"), kv.get("remote_host"), kv.get("remote_port"))
-        payload = decode_body(body, kv)
-    response = await _decode(state, request, path, payload, headers, prefilled, request_id, route)
+        fields = decode_body(body, kv)
+    # a large body encoded off the loop
+    payload = await asyncio.to_thread(_json_bytes, fields) if size > INLINE_PARSE_BYTES else fields
+    response = await _decode(state, request, path, payload, bool(body.get("stream")), headers,
+                             prefilled, request_id, route)
     if isinstance(response, RelayStream):
         return response              # counted when the stream ends (a client that leaves: 499)
     return _finish(state, path, response)
@@ -865,7 +887,8 @@ def _describe_choice(choice: Choice, key: PromptKey | None) -> str:
     return f"{first.name} ({choice.decision}{blocks}, load {first.in_flight})"
 
 
-async def _decode(state: ProxyState, request: Request, path: str, payload: dict[str, Any],
+async def _decode(state: ProxyState, request: Request, path: str,
+                  payload: dict[str, Any] | bytes, stream: bool,
                   headers: dict[str, str], prefilled: Prefilled | None, request_id: str,
                   route: Route) -> Response:
     def free() -> None:
@@ -901,7 +924,7 @@ async def _decode(state: ProxyState, request: Request, path: str, payload: dict[
         status = CLIENT_CLOSED if outcome == "disconnected" else leg.response.status_code
         state.metrics.requests.labels(path, str(status)).inc()
 
-    if leg.response.is_success and payload.get("stream"):
+    if leg.response.is_success and stream:
         if path != responses.PATH:
             return RelayStream(leg, request_id, end_stream)
         sniffer = responses.StreamSniffer()
