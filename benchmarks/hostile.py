@@ -216,58 +216,76 @@ def tree_pids(root: int) -> list[int]:
 
 
 class Watch:
-    """/health of every URL each 100 ms, RSS of every process of the tree each 20 ms."""
+    """/health of every URL each 100 ms and the RSS of every process of the tree each 20 ms,
+    sampled in a child process: in this one, building and sending 31 MB bodies holds the
+    GIL for whole seconds, which a thread here would count as the servers' latency."""
 
     def __init__(self, urls: list[str], root: int) -> None:
+        import multiprocessing
         self.urls = urls
-        self.health: dict[str, list[float]] = {url: [] for url in urls}
-        self.health_failures: Counter[str] = Counter()
         self.pids = tree_pids(root)
-        self.peak: dict[int, int] = {}
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._health, daemon=True),
-                         threading.Thread(target=self._rss, daemon=True)]
+        ctx = multiprocessing.get_context("spawn")
+        self._stop = ctx.Event()
+        self._parent, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_sample, args=(urls, self.pids, self._stop, child),
+                                 daemon=True)
+        self.health: dict[str, list[float]] = {}
+        self.health_failures: Counter[str] = Counter()
+        self._rss: list[tuple[float, int, int]] = []       # (time, pid, bytes)
 
     def __enter__(self) -> Watch:
-        for t in self._threads:
-            t.start()
+        self._proc.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        for t in self._threads:
-            t.join()
+        health, failures, self._rss = self._parent.recv()
+        self._proc.join()
+        self.health, self.health_failures = health, Counter(failures)
 
-    def _health(self) -> None:
-        with httpx.Client(timeout=10) as client:
-            while not self._stop.is_set():
-                for url in self.urls:
-                    t0 = time.perf_counter()
-                    try:
-                        status = client.get(f"{url}/health").status_code
-                    except httpx.HTTPError as e:
-                        status = type(e).__name__    # type: ignore[assignment]
-                    self.health[url].append(time.perf_counter() - t0)
-                    if status != 200:
-                        self.health_failures[str(status)] += 1
-                self._stop.wait(0.1)
-
-    def _rss(self) -> None:
-        while not self._stop.is_set():
-            for pid in self.pids:
-                self.peak[pid] = max(self.peak.get(pid, 0), rss(pid))
-            self._stop.wait(0.02)
-
-    def start_request(self) -> dict[int, int]:
-        now = {pid: rss(pid) for pid in self.pids}
-        self.peak = dict(now)
-        return now
-
-    def growth(self, before: dict[int, int]) -> int:
-        return max((self.peak.get(pid, 0) - b for pid, b in before.items()), default=0)
+    def growth(self, start: float, end: float) -> int:
+        """The largest RSS growth of one process while [start, end] (time.time()) lasted,
+        over its last sample before `start`."""
+        before: dict[int, int] = {}
+        peak: dict[int, int] = {}
+        for t, pid, value in self._rss:
+            if t < start:
+                before[pid] = value
+            elif t <= end + 0.05 and pid in before:
+                peak[pid] = max(peak.get(pid, 0), value)
+        return max((peak[pid] - before[pid] for pid in peak), default=0)
 
     def dead(self) -> list[int]:
         return [pid for pid in self.pids if not Path(f"/proc/{pid}").exists()]
+
+
+def _sample(urls: list[str], pids: list[int], stop: Any, conn: Any) -> None:
+    health: dict[str, list[float]] = {url: [] for url in urls}
+    failures: Counter[str] = Counter()
+    rss_samples: list[tuple[float, int, int]] = []
+
+    def poll_health() -> None:
+        with httpx.Client(timeout=10) as client:
+            while not stop.is_set():
+                for url in urls:
+                    t0 = time.perf_counter()
+                    try:
+                        status = str(client.get(f"{url}/health").status_code)
+                    except httpx.HTTPError as e:
+                        status = type(e).__name__
+                    health[url].append(time.perf_counter() - t0)
+                    if status != "200":
+                        failures[status] += 1
+                stop.wait(0.1)
+
+    poller = threading.Thread(target=poll_health, daemon=True)
+    poller.start()
+    while not stop.is_set():
+        now = time.time()
+        rss_samples.extend((now, pid, rss(pid)) for pid in pids)
+        stop.wait(0.02)
+    poller.join()
+    conn.send((health, dict(failures), rss_samples))
 
 
 # ------------------------------------------------------------------ one target
@@ -294,28 +312,29 @@ def run_target(name: str, targets: dict[str, str], health_urls: list[str], root:
                bodies: list[tuple[str, str, Any]], kv_targets: dict[str, str]) -> dict[str, Any]:
     statuses: Counter[str] = Counter()
     fivexx: list[str] = []
-    ratios: list[tuple[str, float]] = []
+    timed: list[tuple[str, int, float, float]] = []      # bodies >= 1 MB: label, size, times
     honest_failures = 0
     sent = 0
     with Watch(health_urls, root) as watch, httpx.Client(timeout=120) as client:
         for i, (label, path, body) in enumerate(bodies):
             is_kv = label.startswith(("do_remote", "relayed"))
             for tname, url in (kv_targets if is_kv else targets).items():
-                before = watch.start_request()
+                t0 = time.time()
                 status, size = send(client, url, path, body)
-                growth = watch.growth(before)
+                t1 = time.time()
                 sent += 1
                 statuses[str(status)] += 1
                 if not isinstance(status, int) or status >= 500:
                     fivexx.append(f"{tname}: {label} -> {status}")
                 if size >= MB:
-                    ratios.append((f"{tname}: {label}", growth / size))
+                    timed.append((f"{tname}: {label}", size, t0, t1))
             if i % 10 == 9:
                 honest_failures += not honest(client, next(iter(targets.values())))
                 log(f"{name}: {i + 1}/{len(bodies)} bodies, {len(fivexx)} x 5xx, "
                     f"{len(watch.dead())} dead")
         honest_failures += not honest(client, next(iter(targets.values())))
         dead = watch.dead()
+    ratios = [(label, watch.growth(t0, t1) / size) for label, size, t0, t1 in timed]
     health = sorted(t for times in watch.health.values() for t in times)
     per_url = {url: {"p99_s": sorted(times)[int(len(times) * 0.99)], "max_s": max(times)}
                for url, times in watch.health.items() if times}
