@@ -33,13 +33,7 @@ from kvrelay.disagg.side_channel import (
 from kvrelay.disagg.tcp import TcpTransport
 from kvrelay.disagg.transport import ReadDesc, TransferError
 from kvrelay.kv_cache.manager import KVCacheGroup
-from kvrelay.kv_cache.spec import KVCacheSpec
-
-SECRET = b"correct horse battery staple"
-SPEC = KVCacheSpec("tiny:abc", "float32", 4, 2, 2, 8, hybrid=False, sliding_window=None)
-NB = 10
-PROMPT = list(range(100, 110))
-
+from tests.disagg.test_kv_auth import NB, PROMPT, SECRET, SPEC
 
 # -- helpers: an honest server thread, a relaying man in the middle ------------------------
 
