@@ -286,6 +286,8 @@ class Scheduler:
             req.status = Status.WAITING
             self.waiting.appendleft(req)
             return
+        logger.warning("KV load for %s failed (%s); the request fails (policy \"fail\")",
+                       request_id, error)
         req.error = f"KV transfer from the prefill server failed: {error}"
         self._finish(req, Status.FINISHED_ABORTED)
 
