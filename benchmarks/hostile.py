@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -37,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))
 from common import git_sha, log, machine_info  # noqa: E402 -- after the sys.path insert
+from disagg import stop, wait_health  # noqa: E402 -- the same process helpers
 
 PY = sys.executable
 MODEL = "hostile"
@@ -370,35 +370,6 @@ def start(cmd: list[str], log_path: Path, env: dict[str, str] | None = None) -> 
                             env=os.environ | {"PYTHONUNBUFFERED": "1"} | (env or {}))
 
 
-def wait_health(urls: list[str], proc: subprocess.Popen, timeout_s: float = 900) -> None:
-    deadline = time.monotonic() + timeout_s
-    for url in urls:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"exited with {proc.returncode} before {url} was ready")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{url} not ready")
-            time.sleep(0.5)
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(90)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
 def relay_listener() -> tuple[int, list[int]]:
     """A listener where relayed params point: counts connections a decode made to it."""
     import socket
@@ -436,11 +407,11 @@ def main() -> None:
         proc = start([PY, "-m", "kvrelay.cli", "serve", model, "--port", str(args.base_port),
                       *SERVE_FLAGS], work / "serve.log")
         try:
-            wait_health([url], proc)
+            wait_health(url, proc)
             result["serve"] = run_target("serve", {"serve": url}, [url], proc.pid, bodies,
                                          {"serve": url})
         finally:
-            stop(proc)
+            stop(proc, timeout_s=90)
     if args.only in (None, "deploy"):
         base = args.base_port
         proxy, prefills = f"http://127.0.0.1:{base}", [f"http://127.0.0.1:{base + 100 + i}"
@@ -453,12 +424,13 @@ def main() -> None:
                       "--", *[f for f in SERVE_FLAGS if f != MODEL
                               and f != "--served-model-name"]], work / "deploy.log")
         try:
-            wait_health([*prefills, decode, proxy], proc)
+            for server in (*prefills, decode, proxy):
+                wait_health(server, proc)
             result["deploy"] = run_target(
                 "2P1D", {"proxy": proxy}, [proxy, *prefills, decode], proc.pid, bodies,
                 {"proxy": proxy, "prefill": prefills[0], "decode": decode})
         finally:
-            stop(proc)
+            stop(proc, timeout_s=90)
     result["relay_listener_connections"] = len(relay_hits)
     checks = {t: {"no_crash": not r["crashed_pids"], "no_5xx": not r["5xx"],
                   "health_p99_le_1s": (r["health_p99_s"] or 0) <= 1.0,

@@ -9,6 +9,7 @@ import pytest
 from kvrelay import LLM, SamplingParams
 from kvrelay.structured import backend
 from kvrelay.structured.params import StructuredOutputsParams as Constraint
+from tests.engine.test_isolation import run
 from tests.structured import bombs
 from tests.structured.schemas import CHOICES, WEATHER, valid_json
 
@@ -22,15 +23,8 @@ def llm(bytes_ckpt):
 
 
 def _run(engine, requests: dict[str, SamplingParams]) -> dict:
-    for request_id, params in requests.items():
-        engine.add_request(request_id, "Tell me", params)
-    finals = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
-    assert set(finals) == set(requests)
-    return finals
+    """Each request on the prompt "Tell me", run to the end (tests/engine/test_isolation.run)."""
+    return run(engine, {rid: ("Tell me", params) for rid, params in requests.items()})
 
 
 @pytest.mark.parametrize("bomb,limit", [
