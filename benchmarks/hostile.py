@@ -209,6 +209,21 @@ def rss(pid: int) -> int:
     return 0
 
 
+def process_kind(pid: int) -> str:
+    """"proxy", "api server", "engine" or "other", from the command line."""
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return "other"
+    if " proxy" in cmd:
+        return "proxy"
+    if " serve" in cmd:
+        return "api server"
+    if "multiprocessing" in cmd or "spawn" in cmd:
+        return "engine"
+    return "other"
+
+
 def tree_pids(root: int) -> list[int]:
     """`root` and every live descendant (deploy starts its servers in sessions of their own)."""
     from tests.processes import descendants
@@ -224,6 +239,7 @@ class Watch:
         import multiprocessing
         self.urls = urls
         self.pids = tree_pids(root)
+        self.kinds = {pid: process_kind(pid) for pid in self.pids}
         ctx = multiprocessing.get_context("spawn")
         self._stop = ctx.Event()
         self._parent, child = ctx.Pipe()
@@ -243,9 +259,9 @@ class Watch:
         self._proc.join()
         self.health, self.health_failures = health, Counter(failures)
 
-    def growth(self, start: float, end: float) -> int:
-        """The largest RSS growth of one process while [start, end] (time.time()) lasted,
-        over its last sample before `start`."""
+    def growth(self, start: float, end: float) -> dict[str, int]:
+        """Per kind of process (`process_kind`): the largest RSS growth of one of them
+        while [start, end] (time.time()) lasted, over its last sample before `start`."""
         before: dict[int, int] = {}
         peak: dict[int, int] = {}
         for t, pid, value in self._rss:
@@ -253,7 +269,11 @@ class Watch:
                 before[pid] = value
             elif t <= end + 0.05 and pid in before:
                 peak[pid] = max(peak.get(pid, 0), value)
-        return max((peak[pid] - before[pid] for pid in peak), default=0)
+        out: dict[str, int] = {}
+        for pid in peak:
+            kind = self.kinds.get(pid, "other")
+            out[kind] = max(out.get(kind, 0), peak[pid] - before[pid])
+        return out
 
     def dead(self) -> list[int]:
         return [pid for pid in self.pids if not Path(f"/proc/{pid}").exists()]
@@ -334,7 +354,13 @@ def run_target(name: str, targets: dict[str, str], health_urls: list[str], root:
                     f"{len(watch.dead())} dead")
         honest_failures += not honest(client, next(iter(targets.values())))
         dead = watch.dead()
-    ratios = [(label, watch.growth(t0, t1) / size) for label, size, t0, t1 in timed]
+    grown = [(label, watch.growth(t0, t1), size) for label, size, t0, t1 in timed]
+    ratios = [(label, max(g.values(), default=0) / size) for label, g, size in grown]
+    by_kind: dict[str, tuple[str, float]] = {}
+    for label, g, size in grown:
+        for kind, growth in g.items():
+            if growth / size > by_kind.get(kind, ("-", 0.0))[1]:
+                by_kind[kind] = (label, growth / size)
     health = sorted(t for times in watch.health.values() for t in times)
     per_url = {url: {"p99_s": sorted(times)[int(len(times) * 0.99)], "max_s": max(times)}
                for url, times in watch.health.items() if times}
@@ -348,6 +374,7 @@ def run_target(name: str, targets: dict[str, str], health_urls: list[str], root:
             "health_failures": dict(watch.health_failures), "health_per_url": per_url,
             "processes_watched": len(watch.pids),
             "rss_growth_per_body_byte_max": worst[1], "rss_worst_body": worst[0],
+            "rss_growth_per_body_byte_by_process": by_kind,
             "rss_ratios": sorted(ratios, key=lambda r: -r[1])[:10]}
 
 

@@ -57,22 +57,21 @@ _DIGITS_AS_ZEROS = bytes(0x30 if 0x30 <= c <= 0x39 else 0x20 for c in range(256)
 _LONG_DIGIT_RUN = b"0" * (MAX_INT_DIGITS + 1)
 
 
-def check_raw_shape(raw: bytes, max_numbers: int) -> None:
+def check_raw_shape(raw: bytes | bytearray, max_numbers: int) -> None:
     """BodyError 400 when the raw JSON body holds more containers, strings or number
     literals than any request may (`param` "prompt" for the numbers: token ids are what a
     body holds many of). Counts inside strings are separated out only when a plain count
-    is over its cap (a long text full of brackets or digits is fine)."""
+    is over its cap (a long text full of brackets or digits is fine). Numbers are counted
+    on translated windows of SHAPE_WINDOW bytes, never a translated copy of the whole."""
     quotes = raw.count(b'"')
     if quotes > 2 * MAX_JSON_STRINGS:
         quotes = _unescaped(raw).count(b'"')          # \" inside strings is no delimiter
         if quotes > 2 * MAX_JSON_STRINGS:
             raise BodyError(400, f"the body holds more than {MAX_JSON_STRINGS} JSON strings")
     containers = raw.count(b"[") + raw.count(b"{")
-    digits = raw.translate(_DIGITS_AS_ZEROS)
-    numbers = digits.count(b" 0") + digits.startswith(b"0")
-    if containers <= MAX_JSON_CONTAINERS and numbers <= max_numbers:
+    if containers <= MAX_JSON_CONTAINERS and _numbers(raw, 0, len(raw)) <= max_numbers:
         return
-    containers, numbers = _outside_strings(_unescaped(raw), digits)
+    containers, numbers = _outside_strings(_unescaped(raw))
     if containers > MAX_JSON_CONTAINERS:
         raise BodyError(400, f"the body holds more than {MAX_JSON_CONTAINERS} JSON arrays and "
                         "objects")
@@ -80,25 +79,36 @@ def check_raw_shape(raw: bytes, max_numbers: int) -> None:
         raise BodyError(400, f"the body holds more than {max_numbers} numbers", "prompt")
 
 
-def _unescaped(raw: bytes) -> bytes:
+SHAPE_WINDOW = 64 * 1024
+
+
+def _numbers(raw: bytes | bytearray, start: int, end: int) -> int:
+    """Number literals (runs of digits) in raw[start:end], a window at a time."""
+    count, after_digit = 0, False
+    for s in range(start, end, SHAPE_WINDOW):
+        digits = raw[s:min(end, s + SHAPE_WINDOW)].translate(_DIGITS_AS_ZEROS)
+        count += digits.count(b" 0") + (digits[:1] == b"0" and not after_digit)
+        after_digit = digits[-1:] == b"0"
+    return count
+
+
+def _unescaped(raw: bytes | bytearray) -> bytes | bytearray:
     """`raw` without its escaped backslashes and quotes: every `"` left delimits a string.
     (Escapes pair up left to right, as `replace` finds them; no copy when there are none.)"""
+    if b"\\" not in raw:
+        return raw
     return raw.replace(b"\\\\", b"").replace(b'\\"', b"")
 
 
-def _outside_strings(clean: bytes, digits: bytes) -> tuple[int, int]:
-    """Containers and number literals outside strings. `clean` has no escaped quotes;
-    `digits` is the translated raw body (its offsets differ from `clean`'s when escapes
-    were removed, so numbers are counted on `clean` translated)."""
-    if len(clean) != len(digits):
-        digits = clean.translate(_DIGITS_AS_ZEROS)
+def _outside_strings(clean: bytes | bytearray) -> tuple[int, int]:
+    """Containers and number literals outside strings (`clean` has no escaped quotes)."""
     containers = numbers = 0
     start = 0
     while True:
         quote = clean.find(b'"', start)
         end = len(clean) if quote < 0 else quote
         containers += clean.count(b"[", start, end) + clean.count(b"{", start, end)
-        numbers += digits.count(b" 0", start, end) + (digits[start:start + 1] == b"0")
+        numbers += _numbers(clean, start, end)
         if quote < 0:
             return containers, numbers
         close = clean.find(b'"', quote + 1)
@@ -193,21 +203,21 @@ def parse_json(raw: bytes) -> Any:
 def decode(raw: bytes) -> DecodedBody:
     """The body as UTF-8 text with the raw-byte hints `parse_text` needs; BodyError 400
     when it is not UTF-8."""
+    long_digits = _has_long_digit_run(raw)       # the hints first: the text is not yet held
+    walk = (long_digits or raw.count(b"[") + raw.count(b"{") >= MAX_JSON_DEPTH
+            or _SURROGATE_ESCAPE.search(raw) is not None)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise BodyError(400, f"the request body is not valid UTF-8 (byte {e.start})") from None
-    long_digits = _has_long_digit_run(raw)
-    walk = (long_digits or raw.count(b"[") + raw.count(b"{") >= MAX_JSON_DEPTH
-            or _SURROGATE_ESCAPE.search(raw) is not None)
     return DecodedBody(text, long_digits, walk)
 
 
 def _has_long_digit_run(raw: bytes) -> bool:
-    """A run of more than MAX_INT_DIGITS digits anywhere: searched 1 MiB at a time (each
-    window overlapping the next by the run's length), so it costs 1 MiB of memory, not a
-    translated copy of the whole body."""
-    step, overlap = 1 << 20, len(_LONG_DIGIT_RUN)
+    """A run of more than MAX_INT_DIGITS digits anywhere: searched SHAPE_WINDOW bytes at a
+    time (each window overlapping the next by the run's length), so it costs a window of
+    memory, not a translated copy of the whole body."""
+    step, overlap = SHAPE_WINDOW, len(_LONG_DIGIT_RUN)
     return any(_LONG_DIGIT_RUN in raw[start:start + step + overlap].translate(_DIGITS_AS_ZEROS)
                for start in range(0, max(len(raw), 1), step))
 
@@ -223,7 +233,7 @@ def parse_text(body: DecodedBody) -> Any:
     except json.JSONDecodeError as e:
         raise BodyError(400, f"malformed JSON body: {e}") from None
     except RecursionError:
-        raise _too_deep() from None
+        raise too_deep() from None
     except ValueError as e:                  # a number Python will not convert; not expected
         raise BodyError(400, f"unacceptable number in the JSON body: {e}") from None
     if body.walk:
@@ -247,7 +257,7 @@ def check_tree(value: Any) -> None:
     while stack:
         node, depth, path = stack.pop()
         if isinstance(node, (dict, list)) and depth > MAX_JSON_DEPTH:
-            raise _too_deep()
+            raise too_deep()
         if isinstance(node, dict):
             for key, item in node.items():
                 if _LONE_SURROGATE.search(key):
@@ -287,7 +297,7 @@ def _param(path: tuple[str | int, ...]) -> str | None:
     return ".".join(_printable(str(p)) for p in path) or None
 
 
-def _too_deep() -> BodyError:
+def too_deep() -> BodyError:
     return BodyError(400, f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
 
 

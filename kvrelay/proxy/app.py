@@ -84,15 +84,10 @@ from starlette.types import Receive, Scope, Send
 
 from kvrelay import http_auth, http_body
 from kvrelay.proxy import responses, scrape
+from kvrelay.proxy.body import INLINE_PARSE_BYTES, ClientBody, Payload, parse_body, read_body
 from kvrelay.proxy.policy import Choice, Router, RoutingSettings, hit_correction
 from kvrelay.proxy.prefix import Hasher, PromptKey
-from kvrelay.proxy.routing import (
-    Backend,
-    decode_body,
-    free_notice,
-    prefill_body,
-    routable_kv_params,
-)
+from kvrelay.proxy.routing import Backend, free_notice, prefill_edit, routable_kv_params
 
 logger = logging.getLogger("kvrelay.proxy")
 T = TypeVar("T")
@@ -113,8 +108,6 @@ MAX_KEEPALIVE = 256
 # closing at that instant (no answer then looks like a crash: 502, not re-sent). One the
 # server closed earlier, httpx finds closed before writing and replaces.
 KEEPALIVE_EXPIRY_S = 2.0
-INLINE_PARSE_BYTES = 64 * 1024   # larger client bodies are parsed (and keyed) on a worker thread
-MAX_BODY_NUMBERS = 4 * 2**20 + 262_144   # number literals in a body: serve's cap at most
 HEALTH_INTERVAL_S = 2.0          # background /health probe of every backend
 FREE_PATH = "/v1/kv_transfer/free"
 FREE_RESULTS = ("sent", "not_found", "rejected", "error")
@@ -483,47 +476,26 @@ async def _unless_disconnected(receive: Receive, work: Awaitable[T]) -> T:
     raise ClientGone
 
 
-async def _read_body(request: Request, request_id: str) -> tuple[dict[str, Any], int] | Response:
-    """The client's JSON object and its size in bytes. Its shape is bounded on the raw bytes
-    first (`http_body.check_raw_shape`: a body of 200,000 tools would parse into 14x its
-    size). A body over INLINE_PARSE_BYTES is parsed on a worker thread (a 30 MB body takes
-    ~1 s: /health and other clients' streams go on meanwhile), and the raw bytes are dropped
-    once decoded, so the parse holds about 2x the body, not 3x."""
+async def _read_body(request: Request, request_id: str) -> ClientBody | Response:
+    """The client's body, checked and split into its fields (`parse_body`; a body over
+    INLINE_PARSE_BYTES on a worker thread: a 30 MB body takes about a second, and /health
+    and other clients' streams go on meanwhile)."""
     try:
-        raw = await http_body.read_limited(request.stream(),
-                                           content_length=request.headers.get("content-length"))
-        size = len(raw)
-        if size <= INLINE_PARSE_BYTES:
-            http_body.check_raw_shape(raw, MAX_BODY_NUMBERS)
-            return http_body.parse_object(raw), size
-        box = [raw]
-        del raw
-        return await asyncio.to_thread(_parse_boxed, box), size
+        raw = await read_body(request.stream(), request.headers.get("content-length"))
+        if len(raw) <= INLINE_PARSE_BYTES:
+            return parse_body(raw)
+        return await asyncio.to_thread(parse_body, raw)
     except http_body.BodyError as e:
         type_ = "RequestTooLarge" if e.status == 413 else "BadRequestError"
         return _error(e.status, e.message, type_, request_id, e.param)
 
 
-def _json_bytes(payload: dict[str, Any]) -> bytes:
-    """`payload` as httpx's `json=` would send it."""
-    return json.dumps(payload, ensure_ascii=False, separators=(",", ":"),
-                      allow_nan=False).encode()
-
-
-def _json_request(client: httpx.AsyncClient, path: str, payload: dict[str, Any] | bytes,
+def _json_request(client: httpx.AsyncClient, path: str, payload: Payload,
                   headers: dict[str, str]) -> httpx.Request:
-    """A POST of `payload`: a dict (encoded by httpx) or JSON already encoded (`_json_bytes`)."""
-    if isinstance(payload, bytes):
-        return client.build_request("POST", path, content=payload,
-                                    headers={**headers, "Content-Type": "application/json"})
-    return client.build_request("POST", path, json=payload, headers=headers)
-
-
-def _parse_boxed(box: list[bytes]) -> dict[str, Any]:
-    """`parse_object` of the one body in `box` (shape checked first), which it empties
-    before parsing."""
-    http_body.check_raw_shape(box[0], MAX_BODY_NUMBERS)
-    return http_body.parse_object(http_body.decode(box.pop()))
+    """A POST of `payload` (the client's bytes with the leg's fields spliced in)."""
+    return client.build_request("POST", path, content=payload.content(),
+                                headers={**headers, "Content-Type": "application/json",
+                                         "Content-Length": str(payload.length)})
 
 
 # ---------------------------------------------------------------------------- prefill leg
@@ -544,9 +516,9 @@ class AnswerBroken(Exception):
         self.error = error
 
 
-async def _prefill(state: ProxyState, path: str, body: dict[str, Any], headers: dict[str, str],
-                   request_id: str, order: list[Backend],
-                   large: bool = False) -> Prefilled | Response:
+async def _prefill(state: ProxyState, path: str, client_body: ClientBody,
+                   headers: dict[str, str], request_id: str,
+                   order: list[Backend]) -> Prefilled | Response:
     """Send the prefill request to the servers of `order`, first one first. Only a server the
     proxy could not connect to (`_is_connect_error`: the request never left) is replaced by
     the next one: a server that took the request — answered it with any status, or closed
@@ -556,9 +528,8 @@ async def _prefill(state: ProxyState, path: str, body: dict[str, Any], headers: 
     next server, and when every server is busy the proxy waits (backoff) and goes round
     again, for at most `state.busy_retry_s` seconds and MAX_BUSY_ROUNDS rounds; then the
     client gets the last busy answer as is."""
-    fields = responses.prefill_body(body) if path == responses.PATH else prefill_body(body)
-    # a large one encoded once, off the loop (a 30 MB prompt, 4 M token ids)
-    payload = await asyncio.to_thread(_json_bytes, fields) if large else fields
+    edit = (responses.prefill_edit if path == responses.PATH else prefill_edit)(client_body.fields)
+    payload = client_body.payload(*edit)
     failures: list[str] = []
     deadline = time.monotonic() + state.busy_retry_s
     order = list(order)
@@ -628,7 +599,7 @@ def _prefill_answer(state: ProxyState, backend: Backend, resp: httpx.Response,
 
 
 async def _post_prefill(state: ProxyState, backend: Backend, path: str,
-                        payload: dict[str, Any] | bytes, headers: dict[str, str]) -> httpx.Response:
+                        payload: Payload, headers: dict[str, str]) -> httpx.Response:
     """The prefill's whole answer. httpx.TransportError: no response came (sent elsewhere
     only when `_is_connect_error`); AnswerBroken: the response started, then broke."""
     assert backend.client is not None
@@ -674,7 +645,7 @@ class DecodeLeg:
     started: float
 
 
-async def _open_decode(state: ProxyState, path: str, payload: dict[str, Any] | bytes,
+async def _open_decode(state: ProxyState, path: str, payload: Payload,
                        headers: dict[str, str],
                        request_id: str, order: list[Backend]) -> DecodeLeg | Response:
     """Send the decode request to the servers of `order`, first one first; as for prefill,
@@ -794,21 +765,20 @@ async def relay_completion(state: ProxyState, request: Request, path: str) -> Re
         return _finish(state, path, _client_closed(request_id, "while sending its body"))
     if isinstance(read, Response):
         return _finish(state, path, read)
-    body, size = read
+    client_body = read
     headers = _backend_headers(state, request, request_id)
     key = None
-    if size > INLINE_PARSE_BYTES and _needs_key(state):   # rendering a long prompt: off the loop
-        key = await asyncio.to_thread(_prompt_key, state, path, body)
-    route = _route(state, path, body, request_id, key)
+    if client_body.size > INLINE_PARSE_BYTES and _needs_key(state):   # a long prompt: off the loop
+        key = await asyncio.to_thread(_prompt_key, state, path, client_body)
+    route = _route(state, path, client_body, request_id, key)
     prefilled: Prefilled | None = None
     if route.prefill is None:
-        fields = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+        payload = client_body.payload({}, drop=("kv_transfer_params",))
     else:
         try:
             answer = await _unless_disconnected(
                 request.receive,
-                _prefill(state, path, body, headers, request_id, route.prefill.order,
-                         large=size > INLINE_PARSE_BYTES))
+                _prefill(state, path, client_body, headers, request_id, route.prefill.order))
         except ClientGone:
             return _finish(state, path, _client_closed(request_id, "during prefill"))
         if isinstance(answer, Response):
@@ -822,10 +792,9 @@ async def relay_completion(state: ProxyState, request: Request, path: str) -> Re
         logger.debug("request %s: prefill on %s took %.3fs (remote_request_id %s, KV at %s:%s)",
                      request_id, answer.backend.name, answer.seconds,
                      kv.get("remote_request_id"), kv.get("remote_host"), kv.get("remote_port"))
-        fields = decode_body(body, kv)
-    # a large body encoded off the loop
-    payload = await asyncio.to_thread(_json_bytes, fields) if size > INLINE_PARSE_BYTES else fields
-    response = await _decode(state, request, path, payload, bool(body.get("stream")), headers,
+        payload = client_body.payload({"kv_transfer_params": kv})
+    response = await _decode(state, request, path, payload, bool(client_body.get("stream")),
+                             headers,
                              prefilled, request_id, route)
     if isinstance(response, RelayStream):
         return response              # counted when the stream ends (a client that leaves: 499)
@@ -843,21 +812,27 @@ def _needs_key(state: ProxyState) -> bool:
     return state.routing.routing == "cache_aware" or state.routing.disagg.policy == "auto"
 
 
-def _prompt_key(state: ProxyState, path: str, body: dict[str, Any]) -> PromptKey:
-    """The prompt's routing key (pure: safe on a worker thread)."""
-    return state.hasher.key(path, responses.key_body(body) if path == responses.PATH else body)
+def _prompt_key(state: ProxyState, path: str, client_body: ClientBody) -> PromptKey | None:
+    """The prompt's routing key (pure: safe on a worker thread); None for a prompt too
+    deeply nested to walk (the server will refuse it)."""
+    fields = client_body.fields
+    try:
+        return state.hasher.key(path, responses.key_body(fields) if path == responses.PATH
+                                else fields, client_body.prompt_bytes)
+    except (RecursionError, ValueError):
+        return None
 
 
-def _route(state: ProxyState, path: str, body: dict[str, Any], request_id: str,
+def _route(state: ProxyState, path: str, client_body: ClientBody, request_id: str,
            key: PromptKey | None = None) -> Route:
     """The servers to try for each leg, and whether there is a prefill leg at all; counted
     per decision in `kvrelay_proxy:routing_decisions_total` and logged at debug level.
     `key`: the prompt's key when already made (off the loop, for a large body)."""
     if key is None and _needs_key(state):
-        key = _prompt_key(state, path, body)
+        key = _prompt_key(state, path, client_body)
     decode = state.decode_router.choose(key)
     direct, why = state.routing.disagg.direct(key, decode.first_matched)
-    previous = body.get("previous_response_id") if path == responses.PATH else None
+    previous = client_body.get("previous_response_id") if path == responses.PATH else None
     if previous is not None:
         # The conversation so far is stored on the decode server that answered it, and only
         # there: no prefill leg (the prefill has not got it), and that server or none. An
@@ -888,7 +863,7 @@ def _describe_choice(choice: Choice, key: PromptKey | None) -> str:
 
 
 async def _decode(state: ProxyState, request: Request, path: str,
-                  payload: dict[str, Any] | bytes, stream: bool,
+                  payload: Payload, stream: bool,
                   headers: dict[str, str], prefilled: Prefilled | None, request_id: str,
                   route: Route) -> Response:
     def free() -> None:

@@ -24,6 +24,7 @@ import uvicorn
 
 from kvrelay import envs
 from kvrelay.cli_flags import HelpFormatter
+from kvrelay.malloc import one_arena, return_large_buffers_to_the_os
 from kvrelay.proxy import policy
 from kvrelay.proxy.policy import DisaggPolicy, RoutingSettings
 from kvrelay.proxy.routing import EndpointError, expand_endpoints
@@ -232,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     _setup_logging(settings.log_level)
+    return_large_buffers_to_the_os()       # a large body's buffers do not stay resident
+    one_arena()                            # nor what worker threads freed
     return serve(settings)
 
 

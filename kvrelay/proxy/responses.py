@@ -13,12 +13,13 @@ the usual `kv_transfer_params`; see `prefill_body`.
 """
 from __future__ import annotations
 
-import copy
 import json
 from collections import OrderedDict
+from collections.abc import Iterator, Mapping
 from typing import Any
 
-from kvrelay.proxy.routing import PREFILL_KV_TRANSFER_PARAMS, Backend
+from kvrelay import rawjson
+from kvrelay.proxy.routing import PREFILL_KV_TRANSFER_PARAMS, Backend, edited
 
 PATH = "/v1/responses"
 MAX_HOMES = 65536                 # ids remembered (~100 bytes each); the oldest used go first
@@ -52,33 +53,42 @@ class ResponseHomes:
         self._homes.pop(response_id, None)
 
 
-def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
-    """A Responses body as the prefill server gets it: one output token, not streamed, not
-    stored, KV kept for the decode server."""
-    out = copy.deepcopy(body)
-    out["max_output_tokens"] = 1
-    out["stream"] = False
-    out["store"] = False
-    out["kv_transfer_params"] = dict(PREFILL_KV_TRANSFER_PARAMS)
-    return out
+def prefill_edit(body: Mapping[str, Any]) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """How a Responses body differs for the prefill server: one output token, not
+    streamed, not stored, KV kept for the decode server."""
+    return {"max_output_tokens": 1, "stream": False, "store": False,
+            "kv_transfer_params": dict(PREFILL_KV_TRANSFER_PARAMS)}, ()
 
 
-def key_body(body: dict[str, Any]) -> dict[str, Any]:
+def prefill_body(body: Mapping[str, Any]) -> dict[str, Any]:
+    """A Responses body as the prefill server gets it (`prefill_edit` applied)."""
+    return edited(body, *prefill_edit(body))
+
+
+def key_body(body: Mapping[str, Any]) -> dict[str, Any]:
     """The Responses body in chat form, for the prompt key only (`prefix.Hasher.key`): the
     instructions as the system message, then the input items, in the order the server
     renders them. Without this every Responses body keys as an empty prompt, which would
-    send them all straight to decode under `--disagg-policy auto`."""
-    messages: list[Any] = []
-    if isinstance(body.get("instructions"), str):
-        messages.append({"role": "system", "content": body["instructions"]})
+    send them all straight to decode under `--disagg-policy auto`. The values may be raw
+    (`rawjson`): the messages are then made one at a time, as the key reads them."""
+    return {"model": body.get("model"), "tools": body.get("tools"),
+            "messages": _key_messages(body)}
+
+
+def _key_messages(body: Mapping[str, Any]) -> Iterator[Any]:
+    instructions = body.get("instructions")
+    if rawjson.is_string(instructions):
+        yield {"role": "system", "content": instructions}
     raw = body.get("input")
-    items = [{"role": "user", "content": raw}] if isinstance(raw, str) else raw
-    for item in items if isinstance(items, list) else [items]:
-        if isinstance(item, dict) and item.get("type", "message") == "message":
-            messages.append({"role": item.get("role"), "content": item.get("content")})
+    if rawjson.is_string(raw):
+        yield {"role": "user", "content": raw}
+        return
+    for item in rawjson.elements(raw) if rawjson.is_array(raw) else [raw]:
+        fields = rawjson.members(item) if rawjson.is_object(item) else None
+        if fields is not None and fields.get("type", "message") == "message":
+            yield {"role": fields.get("role"), "content": fields.get("content")}
         else:                           # reasoning, calls, call outputs: their JSON stands in
-            messages.append(item)
-    return {"model": body.get("model"), "tools": body.get("tools"), "messages": messages}
+            yield item
 
 
 def id_from_json(content: bytes) -> str | None:

@@ -9,8 +9,8 @@ Pure bookkeeping (no I/O), so the rules are unit-tested with exact values:
 """
 from __future__ import annotations
 
-import copy
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,17 +120,27 @@ def expand_endpoints(hosts: list[str], ports: list[int], flag: str) -> list[tupl
     return pairs
 
 
-def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
-    """The client's body as the prefill server gets it: one token, not streamed, KV kept."""
-    out = copy.deepcopy(body)
-    for name in PREFILL_DROPPED_FIELDS:
-        out.pop(name, None)
-    out["max_tokens"] = 1
-    if "max_completion_tokens" in out:
-        out["max_completion_tokens"] = 1
-    out["stream"] = False
-    out["kv_transfer_params"] = dict(PREFILL_KV_TRANSFER_PARAMS)
+def prefill_edit(body: Mapping[str, Any]) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """How the prefill server's body differs from the client's: the fields set (one token,
+    not streamed, KV kept) and the fields left out."""
+    changes: dict[str, Any] = {"max_tokens": 1, "stream": False,
+                               "kv_transfer_params": dict(PREFILL_KV_TRANSFER_PARAMS)}
+    if "max_completion_tokens" in body:
+        changes["max_completion_tokens"] = 1
+    return changes, PREFILL_DROPPED_FIELDS
+
+
+def edited(body: Mapping[str, Any], changes: Mapping[str, Any],
+           drop: tuple[str, ...] = ()) -> dict[str, Any]:
+    """`body` with an edit applied (what `ClientBody.payload` sends, as a dict)."""
+    out = {k: v for k, v in body.items() if k not in drop}
+    out.update(changes)
     return out
+
+
+def prefill_body(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The client's body as the prefill server gets it (`prefill_edit` applied)."""
+    return edited(body, *prefill_edit(body))
 
 
 def routable_kv_params(kv_params: dict[str, Any], prefill_host: str) -> dict[str, Any]:
@@ -143,11 +153,9 @@ def routable_kv_params(kv_params: dict[str, Any], prefill_host: str) -> dict[str
     return out
 
 
-def decode_body(body: dict[str, Any], kv_params: dict[str, Any]) -> dict[str, Any]:
+def decode_body(body: Mapping[str, Any], kv_params: dict[str, Any]) -> dict[str, Any]:
     """The client's original body with the prefill's `kv_transfer_params`."""
-    out = dict(body)
-    out["kv_transfer_params"] = kv_params
-    return out
+    return edited(body, {"kv_transfer_params": kv_params})
 
 
 def free_notice(kv_params: dict[str, Any]) -> dict[str, Any] | None:

@@ -21,6 +21,7 @@ from kvrelay import envs
 from kvrelay.config import EngineConfig
 from kvrelay.engine.async_client import AsyncEngine
 from kvrelay.engine.client import EngineClient
+from kvrelay.malloc import return_large_buffers_to_the_os
 from kvrelay.model.tokenizer import load_tokenizer
 from kvrelay.server.admission import (
     DEFAULT_MAX_QUEUED_REQUESTS,
@@ -34,7 +35,6 @@ from kvrelay.server.chat import make_chat_renderer
 from kvrelay.server.grammar_check import configure as configure_grammar_checks
 from kvrelay.server.hold_limit import HoldRateLimiter
 from kvrelay.server.metrics import ServerMetrics
-from kvrelay.server.prep import return_large_buffers_to_the_os
 from kvrelay.server.prompt_tokens import tokenizer_facts
 from kvrelay.server.tools import AgentOptions
 

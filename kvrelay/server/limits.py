@@ -32,10 +32,15 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvrelay import http_body
+from kvrelay import http_body, rawjson
 from kvrelay.http_body import MAX_JSON_CONTAINERS, MAX_JSON_STRINGS  # noqa: F401 -- named here
 from kvrelay.server.prompt_tokens import NO_FACTS, TokenizerFacts
 from kvrelay.server.protocol import OpenAIError
+from kvrelay.server.response_store import (
+    METADATA_MAX_KEY_CHARS,
+    METADATA_MAX_PAIRS,
+    METADATA_MAX_VALUE_CHARS,
+)
 
 MAX_MESSAGES = 4096
 MAX_TOOLS = 128
@@ -72,6 +77,29 @@ def scan_body(raw: bytes, limits: RequestLimits) -> None:
                 f"{limits.max_model_len} token ids (--max-model-len), {MAX_TOKEN_IDS} ids in "
                 f"all, and {MAX_OTHER_NUMBERS} other numbers", param="prompt") from None
         raise OpenAIError(e.message, param=e.param) from None
+
+
+# Bytes of `metadata` no acceptable value can exceed: 16 pairs of a 64- and a 512-character
+# string, every character a 6-byte escape, and the JSON punctuation around them.
+METADATA_MAX_RAW_BYTES = (METADATA_MAX_PAIRS * (METADATA_MAX_KEY_CHARS + METADATA_MAX_VALUE_CHARS)
+                          * 6 + METADATA_MAX_PAIRS * 8 + 2)
+
+
+def check_raw_fields(path: str, raw: bytes) -> None:
+    """400 for a field whose bytes alone prove it unacceptable, before the parse builds it
+    (a 25 MB `metadata` would be held twice, as text and as its value, to be refused)."""
+    if path != "/v1/responses" or len(raw) <= METADATA_MAX_RAW_BYTES:
+        return
+    try:
+        fields = rawjson.split_fields(raw)
+    except (ValueError, RecursionError):            # not a JSON object: the parse says why
+        return
+    metadata = fields.get("metadata")
+    if metadata is not None and len(metadata) > METADATA_MAX_RAW_BYTES:
+        raise OpenAIError(
+            f"metadata: {len(metadata)} bytes; at most {METADATA_MAX_PAIRS} key-value pairs "
+            f"of keys ≤ {METADATA_MAX_KEY_CHARS} and values ≤ {METADATA_MAX_VALUE_CHARS} "
+            f"characters", param="metadata")
 
 
 # -- after the parse, before pydantic --------------------------------------------------------

@@ -24,7 +24,6 @@ as soon as it is parsed rather than kept for the length of the request.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import functools
 import os
 from collections.abc import Callable, Coroutine, MutableMapping
@@ -38,7 +37,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from kvrelay import http_body
-from kvrelay.server.limits import RequestLimits, check_shape, scan_body
+from kvrelay.server.limits import RequestLimits, check_raw_fields, check_shape, scan_body
 from kvrelay.server.protocol import OpenAIError
 
 INLINE_BYTES = 64 * 1024
@@ -47,24 +46,6 @@ BODY_KEY = "kvrelay.body"
 
 T = TypeVar("T")
 Receive = Callable[[], Coroutine[Any, Any, MutableMapping[str, Any]]]
-
-
-# glibc's mallopt parameter: blocks at least this large are mmapped (and unmapped on free)
-_M_MMAP_THRESHOLD = -3
-MMAP_THRESHOLD_BYTES = 2**20
-
-
-def return_large_buffers_to_the_os() -> bool:
-    """Fix glibc's mmap threshold at 1 MiB in this (the API) process. glibc raises it each
-    time a large block is freed, up to 32 MiB, after which a large body's buffers come
-    from the heap and stay resident once the request is answered: a 30 MB prompt left
-    +57 MiB behind, now +9 MiB. Only the API process: the engine is a spawned process with
-    glibc's default, where torch's tensors reuse heap blocks. False where it is not glibc."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
-    except (OSError, AttributeError):
-        return False
 
 
 def default_workers() -> int:
@@ -149,6 +130,7 @@ def prepare_body(holder: BodyHolder, path: str, model: type[BaseModel],
     (400 / 413) or RequestValidationError (pydantic's, answered as a 400)."""
     raw = holder.take()
     scan_body(raw, limits)
+    check_raw_fields(path, raw)
     try:
         decoded = http_body.decode(raw)
         del raw                   # the parse holds the text and the value: 2x the body, not 3x

@@ -64,8 +64,9 @@ def test_key_body_keys_the_prompt():
     assert key.tokens > 100 and key.hashes        # not an empty prompt (auto would skip prefill)
     items = [{"role": "user", "content": [{"type": "input_text", "text": long}]},
              {"type": "function_call_output", "call_id": "c", "output": "sunny"}]
-    body = responses.key_body({"model": "m", "instructions": "be brief", "input": items})
-    assert body["messages"] == [{"role": "system", "content": "be brief"},
-                                {"role": "user", "content": items[0]["content"]}, items[1]]
-    longer = hasher.key(responses.PATH, body)
+    request = {"model": "m", "instructions": "be brief", "input": items}
+    assert list(responses.key_body(request)["messages"]) == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": items[0]["content"]}, items[1]]
+    longer = hasher.key(responses.PATH, responses.key_body(request))
     assert longer.hashes[:1] != key.hashes[:1]    # the instructions come first

@@ -218,7 +218,7 @@ def test_proofs_use_role_separated_keys_and_keep_the_secret_off_the_wire():
 def test_the_side_channel_refuses_relayed_clients_and_serves_honest_ones(monkeypatch):
     """The real listener (FramedServer under the side channel): a client that dialed a
     relay gets nothing and the handler never runs; a direct one is served."""
-    monkeypatch.setattr(auth, "AUTH_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(auth, "AUTH_TIMEOUT_S", 5.0)
     calls: list[dict] = []
 
     def handler(msg: dict) -> dict:
@@ -238,7 +238,7 @@ def test_the_side_channel_refuses_relayed_clients_and_serves_honest_ones(monkeyp
 
 def test_tcp_transport_refuses_a_reader_that_dialed_a_relay(monkeypatch):
     """A reader whose peer metadata points at a relay: no bytes, no read-done notice."""
-    monkeypatch.setattr(auth, "AUTH_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(auth, "AUTH_TIMEOUT_S", 5.0)
     data = torch.arange(64, dtype=torch.float32)
     server = TcpTransport("127.0.0.1", 0, secret=SECRET, identity="P-rank0")
     server.register([data])

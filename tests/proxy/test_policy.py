@@ -1,14 +1,22 @@
 """The router's pure parts: prompt keys, the prefix table, server choice, the disagg policy."""
 from __future__ import annotations
 
+import struct
 import time
 
 import pytest
 
-from kvrelay.kv_cache.hashing import hash_blocks, root_hash
 from kvrelay.proxy import scrape
 from kvrelay.proxy.policy import DisaggPolicy, Router, hit_correction
-from kvrelay.proxy.prefix import Hasher, PrefixTable, PromptKey, render
+from kvrelay.proxy.prefix import (
+    HashChain,
+    Hasher,
+    PrefixTable,
+    PromptKey,
+    chain_hash,
+    chain_root,
+    render,
+)
 from kvrelay.proxy.routing import Backend
 from tests.proxy.fakes import vllm_metrics
 
@@ -28,7 +36,8 @@ def key(text: str) -> PromptKey:
 def test_token_id_prompts_use_the_servers_chained_hashes():
     ids = list(range(10))
     k = H.key("/v1/completions", {"model": "m", "prompt": ids})
-    assert k.hashes == hash_blocks(ids, 4, root_hash("ids:m"))       # full blocks only: 2
+    first = chain_hash(chain_root("ids:m"), struct.pack("<4q", *ids[:4]))
+    assert k.hashes == [first, chain_hash(first, struct.pack("<4q", *ids[4:8]))]  # full blocks
     assert len(k.hashes) == 2 and k.tokens == 10 and k.cached_tokens(1) == 4
 
 
@@ -225,7 +234,7 @@ def test_malformed_bodies_still_get_a_key(body):
     """The server judges a bad request (and answers 400); the router must not fail first."""
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     k = H.key(path, body)
-    assert k.tokens >= 0 and isinstance(k.hashes, list)
+    assert k.tokens >= 0 and isinstance(k.hashes, HashChain)
 
 
 def test_small_kv_usage_differences_keep_the_rotation():

@@ -59,6 +59,27 @@ def test_a_container_bomb_is_refused_before_the_parse():
     scan_body(code, LIMITS)
 
 
+def test_metadata_its_bytes_prove_too_large_is_refused_before_the_parse(monkeypatch):
+    """16 pairs of 64 + 512 characters, every one a 6-byte escape, is the most an acceptable
+    `metadata` can take: past that the body is refused unparsed (a 25 MB metadata would be
+    held twice, as text and as its value)."""
+    from kvrelay.server import limits
+    from kvrelay.server.response_store import check_metadata
+    escaped = {f"\\u{k:04x}" * 63 + "k": "\\u00e9" * 512 for k in range(0x100, 0x110)}
+    raw = ('{"model": "m", "input": "hi", "metadata": {'
+           + ", ".join(f'"{k}": "{v}"' for k, v in escaped.items()) + "}}").encode()
+    assert len(raw) > 50_000
+    check_metadata(json.loads(raw)["metadata"])                  # acceptable ...
+    limits.check_raw_fields("/v1/responses", raw)                # ... so not refused unparsed
+    big = json.dumps({"model": "m", "input": "hi", "metadata": {"k": "v" * 1_000_000}}).encode()
+    monkeypatch.setattr(prep.http_body, "decode", lambda raw: pytest.fail("parsed"))
+    holder = prep.BodyHolder(big)
+    with pytest.raises(OpenAIError, match="metadata: 1000009 bytes; at most 16") as refused:
+        prep.prepare_body(holder, "/v1/responses", object, LIMITS)    # type: ignore[arg-type]
+    assert refused.value.param == "metadata"
+    limits.check_raw_fields("/v1/chat/completions", big)         # Responses only
+
+
 def test_too_many_strings_or_numbers_are_refused_before_the_parse():
     strings = json.dumps({"prompt": "w5", "stop": ["s"] * (MAX_JSON_STRINGS + 1)}).encode()
     with pytest.raises(OpenAIError, match="JSON strings"):
