@@ -28,6 +28,7 @@ The caps (each far above any request the server could serve):
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -85,21 +86,42 @@ METADATA_MAX_RAW_BYTES = (METADATA_MAX_PAIRS * (METADATA_MAX_KEY_CHARS + METADAT
                           * 6 + METADATA_MAX_PAIRS * 8 + 2)
 
 
-def check_raw_fields(path: str, raw: bytes) -> None:
+RAW_CHECK_BYTES = 64 * 1024      # smaller bodies are parsed at once: nothing to save
+_NOT_PLAIN = re.compile(rb"[\\\x80-\xff]")     # an escape or a non-ASCII byte
+
+
+def check_raw_fields(path: str, raw: bytes, limits: RequestLimits) -> None:
     """400 for a field whose bytes alone prove it unacceptable, before the parse builds it
-    (a 25 MB `metadata` would be held twice, as text and as its value, to be refused)."""
-    if path != "/v1/responses" or len(raw) <= METADATA_MAX_RAW_BYTES:
+    (a 31 MB prompt or a 25 MB `metadata` would be held twice, as text and as its value,
+    only to be refused):
+    - `metadata` (Responses) longer than any acceptable one can be (METADATA_MAX_RAW_BYTES);
+    - a completion's `prompt` string, plain ASCII without escapes (its text is then its bytes
+      exactly), that proves at least --max-model-len tokens: the check of `check_text_bytes`,
+      same decision and message, on the bytes."""
+    if len(raw) <= RAW_CHECK_BYTES or path not in ("/v1/responses", "/v1/completions"):
         return
     try:
         fields = rawjson.split_fields(raw)
     except (ValueError, RecursionError):            # not a JSON object: the parse says why
         return
-    metadata = fields.get("metadata")
+    metadata = fields.get("metadata") if path == "/v1/responses" else None
     if metadata is not None and len(metadata) > METADATA_MAX_RAW_BYTES:
         raise OpenAIError(
             f"metadata: {len(metadata)} bytes; at most {METADATA_MAX_PAIRS} key-value pairs "
             f"of keys ≤ {METADATA_MAX_KEY_CHARS} and values ≤ {METADATA_MAX_VALUE_CHARS} "
             f"characters", param="metadata")
+    prompt = fields.get("prompt") if path == "/v1/completions" else None
+    if prompt is None or len(prompt) <= RAW_CHECK_BYTES:
+        return
+    view = memoryview(prompt)
+    if view[0] != ord('"') or _NOT_PLAIN.search(view) is not None:
+        return
+    facts = limits.facts
+    step = RAW_CHECK_BYTES
+    skipped = sum(bytes(view[i:i + step]).count(c.encode())      # a window at a time
+                  for i in range(1, view.nbytes - 1, step) for c in facts.untokenized)
+    covered = view.nbytes - 2 - skipped
+    _refuse_proven_length(covered, limits.max_model_len, facts, "prompt", "prompt")
 
 
 # -- after the parse, before pydantic --------------------------------------------------------
@@ -162,7 +184,14 @@ def check_min_tokens(texts: Iterable[str], max_model_len: int, facts: TokenizerF
     token covers more than `facts.longest_token_bytes` of them (no bound known: no check)."""
     if not facts.longest_token_bytes or not max_model_len:
         return
-    covered = sum(facts.covered_bytes(t) for t in texts)
+    _refuse_proven_length(sum(facts.covered_bytes(t) for t in texts), max_model_len, facts,
+                          param, what)
+
+
+def _refuse_proven_length(covered: float, max_model_len: int, facts: TokenizerFacts,
+                          param: str, what: str) -> None:
+    if not facts.longest_token_bytes or not max_model_len:
+        return
     at_least = facts.min_tokens(covered)
     if at_least >= max_model_len:
         raise OpenAIError(

@@ -130,7 +130,7 @@ def prepare_body(holder: BodyHolder, path: str, model: type[BaseModel],
     (400 / 413) or RequestValidationError (pydantic's, answered as a 400)."""
     raw = holder.take()
     scan_body(raw, limits)
-    check_raw_fields(path, raw)
+    check_raw_fields(path, raw, limits)
     try:
         decoded = http_body.decode(raw)
         del raw                   # the parse holds the text and the value: 2x the body, not 3x

@@ -70,14 +70,14 @@ def test_metadata_its_bytes_prove_too_large_is_refused_before_the_parse(monkeypa
            + ", ".join(f'"{k}": "{v}"' for k, v in escaped.items()) + "}}").encode()
     assert len(raw) > 50_000
     check_metadata(json.loads(raw)["metadata"])                  # acceptable ...
-    limits.check_raw_fields("/v1/responses", raw)                # ... so not refused unparsed
+    limits.check_raw_fields("/v1/responses", raw, LIMITS)      # ... so not refused unparsed
     big = json.dumps({"model": "m", "input": "hi", "metadata": {"k": "v" * 1_000_000}}).encode()
     monkeypatch.setattr(prep.http_body, "decode", lambda raw: pytest.fail("parsed"))
     holder = prep.BodyHolder(big)
     with pytest.raises(OpenAIError, match="metadata: 1000009 bytes; at most 16") as refused:
         prep.prepare_body(holder, "/v1/responses", object, LIMITS)    # type: ignore[arg-type]
     assert refused.value.param == "metadata"
-    limits.check_raw_fields("/v1/chat/completions", big)         # Responses only
+    limits.check_raw_fields("/v1/chat/completions", big, LIMITS)         # Responses only
 
 
 def test_too_many_strings_or_numbers_are_refused_before_the_parse():
@@ -118,6 +118,32 @@ def test_a_prompt_whose_bytes_prove_it_too_long_is_refused_untokenised():
     assert refused.value.param == "prompt"
     with pytest.raises(OpenAIError, match="at least"):
         check_shape("/v1/completions", {"prompt": ["w5", "é" * 800]}, limits)   # 1600 bytes
+
+
+@pytest.mark.parametrize("text, refused_unparsed", [
+    ("x" * 200_000, True),                    # plain ASCII: its bytes are its text
+    ("x" * 100_000 + "\n" + "x" * 100_000, False),   # an escape: judged after the parse
+    ("é" * 100_000, False),                   # non-ASCII: judged after the parse
+    ("x" * 2000, False),                      # a short body: parsed at once
+])
+def test_a_plain_prompt_too_long_by_its_bytes_is_refused_before_the_parse(monkeypatch, text,
+                                                                          refused_unparsed):
+    """The same decision and message as `check_text_bytes` after the parse, from the raw
+    bytes, for plain ASCII prompts (a 31 MB prompt is then held once, not twice)."""
+    limits = RequestLimits(96, 256, TokenizerFacts(longest_token_bytes=16, untokenized="\x00y"))
+    raw = json.dumps({"model": "m", "prompt": text + "y" * 7000}).encode()
+    with pytest.raises(OpenAIError) as after_parse:
+        check_shape("/v1/completions", json.loads(raw), limits)
+    if not refused_unparsed:
+        from kvrelay.server.limits import check_raw_fields
+        check_raw_fields("/v1/completions", raw, limits)
+        return
+    monkeypatch.setattr(prep.http_body, "decode", lambda raw: pytest.fail("parsed"))
+    with pytest.raises(OpenAIError) as before_parse:
+        prep.prepare_body(prep.BodyHolder(raw), "/v1/completions", object, limits)  # type: ignore[arg-type]
+    assert (before_parse.value.message, before_parse.value.param) == \
+        (after_parse.value.message, after_parse.value.param)
+    assert "(200000 bytes of text" in before_parse.value.message       # the y's not counted
 
 
 # -- what a tokenizer guarantees ------------------------------------------------------------
