@@ -201,7 +201,8 @@ def serve(settings: ProxySettings) -> int:
         print(f"{PROG}: error: cannot listen on {settings.host}:{settings.port}: "
               f"{(e.strerror or str(e)).lower()}", file=sys.stderr, flush=True)
         return 1
-    from kvrelay.proxy.app import ProxyAuth, build_app
+    from kvrelay.proxy.app import build_app
+    from kvrelay.proxy.state import ProxyAuth
     auth = ProxyAuth(api_key=settings.api_key, backend_key=envs.OPENAI_API_KEY.raw())
     app = build_app(settings.prefill, settings.decode, auth, settings.health_interval_s,
                     settings.routing, settings.busy_retry_s)

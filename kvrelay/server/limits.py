@@ -41,6 +41,7 @@ from kvrelay.server.response_store import (
     METADATA_MAX_KEY_CHARS,
     METADATA_MAX_PAIRS,
     METADATA_MAX_VALUE_CHARS,
+    check_metadata_pairs,
 )
 
 MAX_MESSAGES = 4096
@@ -106,10 +107,7 @@ def check_raw_fields(path: str, raw: bytes, limits: RequestLimits) -> None:
         return
     metadata = fields.get("metadata") if path == "/v1/responses" else None
     if metadata is not None and len(metadata) > METADATA_MAX_RAW_BYTES:
-        raise OpenAIError(
-            f"metadata: {len(metadata)} bytes; at most {METADATA_MAX_PAIRS} key-value pairs "
-            f"of keys ≤ {METADATA_MAX_KEY_CHARS} and values ≤ {METADATA_MAX_VALUE_CHARS} "
-            f"characters", param="metadata")
+        _check_raw_metadata(rawjson.node(metadata))
     prompt = fields.get("prompt") if path == "/v1/completions" else None
     if prompt is None or len(prompt) <= RAW_CHECK_BYTES:
         return
@@ -122,6 +120,20 @@ def check_raw_fields(path: str, raw: bytes, limits: RequestLimits) -> None:
                   for i in range(1, view.nbytes - 1, step) for c in facts.untokenized)
     covered = view.nbytes - 2 - skipped
     _refuse_proven_length(covered, limits.max_model_len, facts, "prompt", "prompt")
+
+
+def _check_raw_metadata(metadata: Any) -> None:
+    """`check_metadata`'s refusal, same message, of `metadata` not parsed: its members'
+    values measured a window at a time. (Bytes past METADATA_MAX_RAW_BYTES can only be
+    whitespace when nothing is refused: the parse then goes on.)"""
+    if not rawjson.is_object(metadata):
+        raise OpenAIError("metadata must be an object of string keys and values",
+                          param="metadata")
+    members = rawjson.members(metadata)
+    check_metadata_pairs(len(members), (
+        (key, rawjson.is_string(value),
+         sum(map(len, rawjson.string_windows(value))) if rawjson.is_string(value) else 0)
+        for key, value in ((key, members[key]) for key in members)))
 
 
 # -- after the parse, before pydantic --------------------------------------------------------

@@ -27,7 +27,7 @@ import json
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -144,16 +144,24 @@ def check_metadata(metadata: Any) -> None:
     if not isinstance(metadata, Mapping):
         raise OpenAIError("metadata must be an object of string keys and values",
                           param="metadata")
-    if len(metadata) > METADATA_MAX_PAIRS:
+    check_metadata_pairs(len(metadata), ((key, isinstance(value, str),
+                                          len(value) if isinstance(value, str) else 0)
+                                         for key, value in metadata.items()))
+
+
+def check_metadata_pairs(count: int, pairs: Iterable[tuple[str, bool, int]]) -> None:
+    """`check_metadata` of an object of `count` members, given as (key, is a string, its
+    length in characters): also for a body not parsed yet (`limits.check_raw_fields`)."""
+    if count > METADATA_MAX_PAIRS:
         raise OpenAIError(f"metadata: at most {METADATA_MAX_PAIRS} key-value pairs, got "
-                          f"{len(metadata)}", param="metadata")
-    for key, value in metadata.items():
+                          f"{count}", param="metadata")
+    for key, is_text, chars in pairs:
         if len(key) > METADATA_MAX_KEY_CHARS:
             raise OpenAIError(f"metadata: keys are at most {METADATA_MAX_KEY_CHARS} characters, "
                               f"got one of {len(key)}", param="metadata")
-        if not isinstance(value, str):
+        if not is_text:
             raise OpenAIError(f"metadata.{key}: values must be strings",
                               param=f"metadata.{key}")
-        if len(value) > METADATA_MAX_VALUE_CHARS:
+        if chars > METADATA_MAX_VALUE_CHARS:
             raise OpenAIError(f"metadata.{key}: values are at most {METADATA_MAX_VALUE_CHARS} "
-                              f"characters, got {len(value)}", param=f"metadata.{key}")
+                              f"characters, got {chars}", param=f"metadata.{key}")

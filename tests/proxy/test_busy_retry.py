@@ -10,7 +10,8 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvrelay.proxy.app import MAX_BUSY_ROUNDS, build_app
+from kvrelay.proxy.app import build_app
+from kvrelay.proxy.legs import MAX_BUSY_ROUNDS
 from kvrelay.proxy.policy import RoutingSettings
 from tests.proxy.fakes import STREAM_TOKENS, FakeBackend, Script
 

@@ -11,7 +11,8 @@ import time
 import httpx
 import pytest
 
-from kvrelay.proxy.app import KEEPALIVE_EXPIRY_S, _is_connect_error
+from kvrelay.proxy.answers import is_connect_error
+from kvrelay.proxy.state import KEEPALIVE_EXPIRY_S
 from tests.proxy.conftest import IDLE_CLOSE_S
 from tests.proxy.fakes import client, refused_port, wait_for
 from tests.proxy.test_hardening import assert_openai_error
@@ -125,7 +126,7 @@ async def _read_one(reader) -> None:
 def test_the_httpx_behaviour_the_rule_rests_on():
     """Pinned, in-process: (1) a pooled connection the server closed while idle is found
     closed and replaced before the request is written — no error; (2) a server that read
-    the request and closed raises RemoteProtocolError, no ConnectError, so `_is_connect_error`
+    the request and closed raises RemoteProtocolError, no ConnectError, so `is_connect_error`
     keeps it from being re-sent; (3) a closed port is a ConnectError."""
 
     async def idle_closer(reader, writer):        # answers, closes after 0.05 s idle
@@ -170,8 +171,8 @@ def test_the_httpx_behaviour_the_rule_rests_on():
     finally:
         sock.close()
     assert len(connects) == 3                      # a new connection each time, no error
-    assert isinstance(crashed, httpx.RemoteProtocolError) and not _is_connect_error(crashed)
-    assert isinstance(refused, httpx.ConnectError) and _is_connect_error(refused)
+    assert isinstance(crashed, httpx.RemoteProtocolError) and not is_connect_error(crashed)
+    assert isinstance(refused, httpx.ConnectError) and is_connect_error(refused)
 
 
 def _url(server: asyncio.Server) -> str:

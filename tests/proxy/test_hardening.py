@@ -224,10 +224,10 @@ def test_integers_of_5000_digits_are_400_naming_the_field(fakes, proxies, raw, p
 
 
 def test_large_bodies_are_parsed_off_the_loop_with_the_same_checks(fakes, proxies):
-    """A body over INLINE_PARSE_BYTES goes through `_parse_boxed` on a worker thread: the same
+    """A body over INLINE_PARSE_BYTES goes through `parse_body` on a worker thread: the same
     checks (path-named 400s), the same forwarded body."""
-    from kvrelay.proxy import app as proxy_app
-    pad = "a" * (proxy_app.INLINE_PARSE_BYTES + 1)
+    from kvrelay.proxy.body import INLINE_PARSE_BYTES
+    pad = "a" * (INLINE_PARSE_BYTES + 1)
     bad = ('{"prompt": "x", "pad": "' + pad + '", "max_tokens": 1' + "7" * 5001 + "}").encode()
     good = ('{"prompt": "' + pad + '", "max_tokens": 3}').encode()
     with client() as c:

@@ -7,12 +7,13 @@ import asyncio
 
 import pytest
 
-from kvrelay.proxy import app as proxy_app
+from kvrelay.proxy import state as proxy_state
 
 
 @pytest.fixture()
 def state():
-    return proxy_app.ProxyState.create([("127.0.0.1", 1)], [("127.0.0.1", 2)], health_interval_s=0)
+    return proxy_state.ProxyState.create([("127.0.0.1", 1)], [("127.0.0.1", 2)],
+                                         health_interval_s=0)
 
 
 def _check_with(state, monkeypatch, reason: str | None) -> bool:
@@ -20,7 +21,7 @@ def _check_with(state, monkeypatch, reason: str | None) -> bool:
         return reason
     async def no_scrape(_backend):
         return None
-    monkeypatch.setattr(proxy_app, "_probe", probe)
+    monkeypatch.setattr(proxy_state, "probe", probe)
     monkeypatch.setattr(state, "_scrape", no_scrape)
     b = state.prefill[0]
     asyncio.run(state._check(b))
@@ -28,10 +29,10 @@ def _check_with(state, monkeypatch, reason: str | None) -> bool:
 
 
 def test_one_timeout_keeps_a_backend_healthy_two_do_not(state, monkeypatch):
-    assert _check_with(state, monkeypatch, proxy_app._TIMED_OUT)
-    assert not _check_with(state, monkeypatch, proxy_app._TIMED_OUT)
+    assert _check_with(state, monkeypatch, proxy_state.TIMED_OUT)
+    assert not _check_with(state, monkeypatch, proxy_state.TIMED_OUT)
     assert _check_with(state, monkeypatch, None)                      # answers again
-    assert _check_with(state, monkeypatch, proxy_app._TIMED_OUT)      # the count starts over
+    assert _check_with(state, monkeypatch, proxy_state.TIMED_OUT)      # the count starts over
 
 
 @pytest.mark.parametrize("reason", ["HTTP 503", "connection refused"])

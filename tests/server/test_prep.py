@@ -74,9 +74,18 @@ def test_metadata_its_bytes_prove_too_large_is_refused_before_the_parse(monkeypa
     big = json.dumps({"model": "m", "input": "hi", "metadata": {"k": "v" * 1_000_000}}).encode()
     monkeypatch.setattr(prep.http_body, "decode", lambda raw: pytest.fail("parsed"))
     holder = prep.BodyHolder(big)
-    with pytest.raises(OpenAIError, match="metadata: 1000009 bytes; at most 16") as refused:
+    with pytest.raises(OpenAIError, match=r"metadata\.k: values are at most 512 characters, "
+                       r"got 1000000") as refused:
         prep.prepare_body(holder, "/v1/responses", object, LIMITS)    # type: ignore[arg-type]
-    assert refused.value.param == "metadata"
+    assert refused.value.param == "metadata.k"
+    for bad, param in [({f"k{i}": "v" * 9000 for i in range(17)}, "metadata"),
+                       ({"k" * 70_000: "v"}, "metadata"), ({"k": [1] * 30_000}, "metadata.k")]:
+        with pytest.raises(OpenAIError) as whole:
+            check_metadata(bad)
+        with pytest.raises(OpenAIError) as unparsed:
+            limits.check_raw_fields("/v1/responses", json.dumps({"metadata": bad}).encode(), LIMITS)
+        assert (unparsed.value.message, unparsed.value.param) == \
+            (whole.value.message, whole.value.param) and whole.value.param == param
     limits.check_raw_fields("/v1/chat/completions", big, LIMITS)         # Responses only
 
 

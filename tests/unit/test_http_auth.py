@@ -110,7 +110,7 @@ def test_serve_checks_its_api_key_with_bearer_matches(monkeypatch):
 
 
 def test_the_proxy_checks_its_api_key_with_bearer_matches(monkeypatch):
-    from kvrelay.proxy.app import ProxyAuth
+    from kvrelay.proxy.state import ProxyAuth
     calls = _spy_on_bearer_matches(monkeypatch)
     auth = ProxyAuth(api_key=KEY)
     assert auth.admits(f"Bearer {KEY}")
