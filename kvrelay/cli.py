@@ -67,7 +67,8 @@ SERVE_ENGINE_FLAGS = (
     "max_num_batched_tokens", "max_num_seqs", "block_size", "dtype", "max_logprobs", "seed",
     "hf_overrides", "additional_config",
     "kv_transfer_config", "optimization_level", "download_dir", "device", "kv_cache_memory_bytes",
-    "num_gpu_blocks_override", "quantization", "logits_processors", "async_scheduling")
+    "num_gpu_blocks_override", "quantization", "logits_processors", "async_scheduling",
+    "kv_events_config")
 SERVE_EPILOG = ("Every flag with its default and meaning: docs/serving.md, section Flags.\n"
                 "The names and meanings are vLLM's.")
 
@@ -183,12 +184,13 @@ def _serve(args: argparse.Namespace) -> int:
 
 def preflight(args: argparse.Namespace) -> tuple[EngineArgs, AgentOptions]:
     """What can be checked of serve's flags without torch, the server or the model: the
-    engine arguments, `--additional-config`, `--kv-transfer-config`, the tool and admission
-    flags, and that MODEL is a checkpoint (a directory, or a repo id in the HF cache, with a
-    valid config.json). Returns (EngineArgs, AgentOptions); ValueError / OSError name the
-    flag or the path."""
+    engine arguments, `--additional-config`, `--kv-transfer-config`, `--kv-events-config`,
+    the tool and admission flags, and that MODEL is a checkpoint (a directory, or a repo id
+    in the HF cache, with a valid config.json). Returns (EngineArgs, AgentOptions);
+    ValueError / OSError name the flag or the path."""
     from kvrelay.config import EngineArgs, NeuronConfig
     from kvrelay.disagg.params import KVTransferConfig
+    from kvrelay.kv_events.config import KVEventsConfig
     from kvrelay.server.admission import AdmissionLimits
     engine_args = EngineArgs(**{name: getattr(args, name) for name in SERVE_ENGINE_FLAGS})
     neuron = NeuronConfig.from_additional_config(engine_args.additional_config)
@@ -196,6 +198,7 @@ def preflight(args: argparse.Namespace) -> tuple[EngineArgs, AgentOptions]:
         raise ValueError(f"--quantization none contradicts --additional-config's "
                          f"neuron_config.quantization {neuron.quantization!r}")
     KVTransferConfig.from_json(engine_args.kv_transfer_config)
+    KVEventsConfig.from_json(engine_args.kv_events_config)
     agent = agent_options(args)
     AdmissionLimits(1, args.max_queued_requests, args.max_seqs_per_request)
     if engine_args.model is not None:          # the embedded model is built later, on first use

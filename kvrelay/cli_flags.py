@@ -244,6 +244,13 @@ SERVE_FLAGS: tuple[FlagGroup, ...] = (
            default=20, type=int, metavar="N"),
         _F(("--async-scheduling",), "plan the next step while the current one computes",
            action="store_true", default=False),
+        _F(("--kv-events-config",), "vLLM's KV cache events for external routers (llm-d, "
+                                    "Dynamo): {\"enable_kv_cache_events\": true, "
+                                    "\"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": "
+                                    "\"tcp://*:5558\", \"topic\": …}; also publisher, "
+                                    "buffer_steps, hwm, max_queue_size (docs/serving.md, KV "
+                                    "cache events)",
+           type=json_object, metavar="JSON", default_note="none: no events"),
         _F(("--optimization-level",), "accepted for vLLM's commands; no effect on eager CPU",
            type=int, metavar="N", default_note="none"),
     )),

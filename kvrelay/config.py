@@ -22,6 +22,7 @@ from kvrelay.model.config import GptOssConfig, load_config
 
 if TYPE_CHECKING:
     from kvrelay.disagg.params import KVTransferConfig
+    from kvrelay.kv_events.config import KVEventsConfig
 
 logger = logging.getLogger(__name__)
 
@@ -181,6 +182,9 @@ class EngineArgs:
     data_parallel_master_port: int | None = None
     # vLLM's --async-scheduling: plan step N+1 while step N computes (engine/async_steps.py)
     async_scheduling: bool = False
+    # vLLM's --kv-events-config: the prefix cache's changes published for external routers
+    # (kvrelay/kv_events/)
+    kv_events_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -335,6 +339,7 @@ class EngineConfig:
     neuron: NeuronConfig
     kv_transfer: KVTransferConfig | None
     served_names: tuple[str, ...]
+    kv_events: KVEventsConfig | None = None  # --kv-events-config (None: unset)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES[1:]:
@@ -350,8 +355,10 @@ class EngineConfig:
     def from_args(cls, args: EngineArgs) -> EngineConfig:
         """Resolve and validate; ValueError (one line, naming the flag) on a bad value."""
         from kvrelay.disagg.params import KVTransferConfig
+        from kvrelay.kv_events.config import KVEventsConfig
         neuron = NeuronConfig.from_additional_config(args.additional_config)
         kv_transfer = KVTransferConfig.from_json(args.kv_transfer_config)
+        kv_events = KVEventsConfig.from_json(args.kv_events_config)
         model_dir = resolve_model_dir(args.model, args.download_dir)
         model = load_config(model_dir, args.hf_overrides)
         dtype = args.dtype if args.dtype != "auto" else _checkpoint_dtype(model)
@@ -368,6 +375,7 @@ class EngineConfig:
             neuron=neuron,
             kv_transfer=kv_transfer,
             served_names=served_names(args),
+            kv_events=kv_events,
         )
 
     @property

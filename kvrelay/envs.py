@@ -91,6 +91,11 @@ KERNELS_DIR = EnvVar("KVRELAY_KERNELS_DIR", None, None,
                      "where the native CPU kernels are compiled and cached (default "
                      "$XDG_CACHE_HOME/kvrelay/kernels or ~/.cache/kvrelay/kernels; shared by "
                      "every KVRELAY_CACHE_DIR, one build per kvrelay/torch version)")
+KERNELS_BUILD = EnvVar("KVRELAY_KERNELS_BUILD", None, "background",
+                       "kvrelay serve with no native kernels built yet: 'background' (serve on "
+                       "the PyTorch reference paths at once, compile with one job at low "
+                       "priority, switch to the kernels between two steps when they are built) "
+                       "or 'wait' (compile with every core first, then serve)")
 ATTENTION_KERNEL = EnvVar("KVRELAY_ATTENTION_KERNEL", None, "auto",
                           "decode attention on CPU: 'auto' (the C++ paged kernel, built on first "
                           "use; the PyTorch reference path if it cannot be built) or 'reference' "
@@ -172,6 +177,16 @@ SIDE_CHANNEL_ADVERTISE_HOST = EnvVar(
     "KVRELAY_SIDE_CHANNEL_ADVERTISE_HOST", None, None,
     "the host a prefill server puts in kv_transfer_params for decode servers to reach its side "
     "channel (default: the bind host, or the default route's IP for a wildcard bind)")
+
+# -- KV cache events (kvrelay/kv_events/)
+KV_EVENTS_INT_HASHES = EnvVar(
+    "KVRELAY_KV_EVENTS_USE_INT_BLOCK_HASHES", "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1",
+    "KV cache events (--kv-events-config): 1 publishes block hashes as vLLM does by default, the "
+    "unsigned 64-bit integer of the SHA-256 digest's last 8 bytes (big-endian); 0 the 32 bytes")
+KV_EVENTS_ENCODING = EnvVar(
+    "KVRELAY_KV_EVENTS_ENCODING", None, "map",
+    "KV cache events: 'map' (default) encodes each event as a tagged map, as vLLM after 0.23 does; "
+    "'array' as the positional arrays of vLLM <= 0.23, for subscribers that read only those")
 
 
 def user_cache_dir() -> Path:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -38,6 +39,8 @@ HARMONY_SPECIAL_TOKENS: dict[int, str] = {
 }
 RETURN_ID, CONSTRAIN_ID, CHANNEL_ID, START_ID, END_ID, MESSAGE_ID, CALL_ID = (
     200002, 200003, 200005, 200006, 200007, 200008, 200012)
+FIRST_SPECIAL_ID = 199998     # o200k's text tokens are 0..199997; every id from here up is special
+MESSAGE_END_IDS = (END_ID, RETURN_ID, CALL_ID)
 # what makes a tokenizer a harmony one: these tokens, at these ids
 _HARMONY_MARKERS = {"<|start|>": START_ID, "<|channel|>": CHANNEL_ID, "<|message|>": MESSAGE_ID,
                     "<|end|>": END_ID, "<|return|>": RETURN_ID}
@@ -47,6 +50,9 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 # the longest message header we accept before calling the output malformed
 # (a real one is `<|channel|>commentary to=functions.NAME <|constrain|>json`, ~10 tokens)
 MAX_HEADER_TOKENS = 128
+FUNCTIONS = "functions."
+# a function name a call may carry (the names `tools` accepts: kvrelay/server/tools.py)
+_FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 class HarmonyUnavailableError(RuntimeError):
@@ -265,6 +271,18 @@ def render_chat(messages: Sequence[Mapping[str, Any]], reasoning_effort: str | N
 
 # ------------------------------------------------------------------ parsing
 
+def call_name(channel: str | None, recipient: str | None) -> str | None:
+    """The client function a message calls: NAME for a message to `functions.NAME` on a
+    channel other than `final` (commentary, as harmony prescribes; analysis too, as vLLM
+    reads it), when NAME is a valid function name. None for anything else: gpt-oss's
+    built-in tools (`to=python`, `to=browser.search`), a garbled or empty address
+    (`to=functions.`, `to=functions.a b`)."""
+    if not recipient or not recipient.startswith(FUNCTIONS) or channel in (None, "final"):
+        return None
+    name = recipient[len(FUNCTIONS):]
+    return name if _FUNCTION_NAME.fullmatch(name) else None
+
+
 @dataclass(frozen=True)
 class Delta:
     """New text of one message. channel: "analysis" (reasoning), "final" (the answer; also
@@ -275,6 +293,11 @@ class Delta:
     text: str
     recipient: str | None = None
     message: int = 0      # which message of the turn (0, 1, ...): tells two calls apart
+
+    @property
+    def call_name(self) -> str | None:
+        """The function this message calls (see `call_name`), or None."""
+        return call_name(self.channel, self.recipient)
 
 
 @dataclass(frozen=True)
@@ -339,8 +362,11 @@ class HarmonyStreamParser:
     Built on openai-harmony's StreamableParser. Output that breaks harmony's grammar (text
     where a header belongs, a header that never ends, text after `<|end|>` without
     `<|start|>`) never raises: from there on the decoded text is treated as final content,
-    and `result().malformed` is True. The concatenated deltas of each channel always equal
-    the corresponding `result()` field.
+    and `result().malformed` is True. Inside a message's text, `<|start|>` or `<|channel|>`
+    ends the message (the model began the next one without `<|end|>`), and the other special
+    tokens (`<|constrain|>`, `<|message|>`, `<|endoftext|>`, reserved ids) are not text and
+    are dropped. The concatenated deltas of each channel always equal the corresponding
+    `result()` field.
     """
 
     def __init__(self) -> None:
@@ -374,6 +400,11 @@ class HarmonyStreamParser:
             return "final"
         return (self._msg_channel or "final") if self._in_content else None
 
+    @property
+    def calls_ended(self) -> int:
+        """How many function calls (messages to `functions.NAME`) have ended so far."""
+        return len(self._chat.tool_calls)
+
     def feed(self, token_id: int) -> list[Delta]:
         """Process one generated token; the text it completes, by channel (one delta or none)."""
         if self._closed:
@@ -383,6 +414,11 @@ class HarmonyStreamParser:
             return self._fallback_feed(token)
         if token in (RETURN_ID, CALL_ID) and self._chat.finish is None:
             self._chat.finish = "stop" if token == RETURN_ID else "tool_calls"
+        if self._in_content and not FIRST_SPECIAL_ID > token >= 0 \
+                and token not in MESSAGE_END_IDS:
+            if token in (START_ID, CHANNEL_ID):
+                return self._implicit_end(token)
+            return []                         # a special token inside text is no text
         was_content = self._in_content
         try:
             self._parser.process(token)
@@ -458,6 +494,21 @@ class HarmonyStreamParser:
 
     # -- internals
 
+    def _implicit_end(self, token: int) -> list[Delta]:
+        """`<|start|>` or `<|channel|>` inside a message's text: end the message as `<|end|>`
+        would, then read `token` as the start of the next message's header."""
+        try:
+            self._parser.process(END_ID)
+            if token == CHANNEL_ID:          # the next header, as `<|start|>assistant` begins it
+                for t in self._enc.encode("<|start|>assistant", allowed_special="all"):
+                    self._parser.process(t)
+        except Exception:  # openai_harmony.HarmonyError (not expected: END is valid here)
+            return self._enter_fallback(token)
+        self._in_content = False
+        self._end_message()
+        self._unaccounted.clear()
+        return self.feed(token)
+
     def _emit(self, channel: str | None, recipient: str | None, text: str) -> Delta:
         channel = channel or "final"
         self._msg_text.append(text)
@@ -473,10 +524,11 @@ class HarmonyStreamParser:
         recipient = self._msg_recipient
         # a call of a client's function (the commentary channel, to=functions.NAME); calls of
         # gpt-oss's built-in tools (to=python, to=browser.*) stay text of their channel
-        if (recipient and recipient.startswith("functions.")
-                and self._msg_channel not in (None, "final")):
-            name = recipient[len("functions."):]
-            self._chat.tool_calls.append(ToolCall(name, "".join(self._msg_text), recipient))
+        name = call_name(self._msg_channel, recipient)
+        arguments = "".join(self._msg_text)
+        # a call message without text (not even `{}`) shows nothing to call with: no call
+        if name is not None and recipient is not None and arguments:
+            self._chat.tool_calls.append(ToolCall(name, arguments, recipient))
         self._drop_message()
 
     def _drop_message(self) -> None:

@@ -96,11 +96,13 @@ E2E_FIXTURES = {
 # in-process, over ~1.5 s each on 2 loaded cores
 SLOW_PATHS = (
     "tests/model/test_embedded.py",                       # the 135M embedded model vs transformers
+    "tests/kv_events/test_engine_events.py",              # two tiny engines publishing KV events
     # Inductor compiles (its own helper subprocesses included): 15-120 s
     "tests/engine/test_engine_greedy.py::test_compiled_decode_matches_transformers",
     "tests/structured/test_engine.py::test_harmony_turn_constrained_from_the_first_token",
     "tests/agent/test_agent_api.py::test_responses_constraints",
     "tests/agent/test_responses_proxy.py::test_key_body_keys_the_prompt",
+    "tests/agent/test_harmony_fuzz.py",     # hypothesis: 60+ examples x 3 requests, 3-6 s a test
     "tests/disagg/test_kv_auth.py::test_tcp_transport_allocates_as_bytes_arrive_and_caps_threads",
     "tests/disagg/test_kv_auth.py::test_side_channel_frames_announcing_megabytes_cost_nothing",
     "tests/disagg/test_nixl_progress.py::test_idle_nixl_transport_costs_no_cpu",
@@ -109,6 +111,24 @@ SLOW_PATHS = (
 SLOW_FIXTURES = {
     ("tests.unit.test_harmony", "o200k_tok"),         # builds the real o200k tokenizer.json
 }
+
+# -- smoke: the contributor's fast subset ---------------------------------------------------
+#
+# `python -m pytest -m "unit or smoke" -q`: every unit test plus these few e2e tests, one per
+# kind of process a change most often breaks — the README's main job (the embedded model
+# answering the README's request and passing `kvrelay validate`), the OpenAI API on a tiny
+# server, disaggregated prefill/decode behind the proxy, `kvrelay bench serve`, and
+# `kvrelay serve`'s fast errors. Each keeps its kind marker too; CI (`python -m pytest -q`,
+# the README's test command) runs everything.
+SMOKE_PATHS = (
+    "tests/e2e/test_cli_fast_errors.py",
+    "tests/server/test_embedded_server.py::test_the_readme_completion_answers_paris",
+    "tests/server/test_embedded_server.py::test_validate_passes_and_knows_the_answers",
+    "tests/server/test_openai_api.py::test_streaming_completion_equals_non_streaming",
+    "tests/server/test_openai_api.py::test_chat_completion_and_stream",
+    "tests/e2e/test_disagg_proxy.py::test_tutorial_validation_through_the_proxy",
+    "tests/bench/test_e2e_serve.py::test_chat_random_without_tokenizer_counts_with_the_served",
+)
 
 
 def _uses_fixture(item: pytest.Item, fixtures: set[tuple[str, str]]) -> bool:
@@ -132,6 +152,8 @@ def kind_of(item: pytest.Item) -> str:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         item.add_marker(kind_of(item))
+        if item.nodeid.startswith(SMOKE_PATHS):
+            item.add_marker("smoke")
 
 
 @contextlib.contextmanager

@@ -145,12 +145,21 @@ async def send(client: httpx.AsyncClient, url: str, opts: RequestOptions, req: S
     return result
 
 
-async def first_model(client: httpx.AsyncClient, base_url: str) -> str:
-    """The first model id of GET /v1/models (the default --model)."""
+async def list_models(client: httpx.AsyncClient, base_url: str) -> list[dict[str, Any]]:
+    """GET /v1/models' entries (id, and root: the model's path where the server gives it)."""
     resp = await client.get(f"{base_url}/v1/models", timeout=30)
     if resp.status_code != 200:
         raise RuntimeError(f"GET {base_url}/v1/models: {_error_text(resp, resp.content)}")
-    data = resp.json().get("data") or []
+    try:
+        data = resp.json().get("data") or []
+    except (ValueError, AttributeError):
+        raise RuntimeError(f"GET {base_url}/v1/models: not a model list") from None
+    return [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
+
+
+async def first_model(client: httpx.AsyncClient, base_url: str) -> str:
+    """The first model id of GET /v1/models (the default --model)."""
+    data = await list_models(client, base_url)
     if not data:
         raise RuntimeError(f"GET {base_url}/v1/models lists no model; pass --model")
     return data[0]["id"]

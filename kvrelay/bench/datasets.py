@@ -4,8 +4,9 @@ Every builder returns a list of *conversations*; a conversation is a list of req
 one after another (each turn waits for the previous one to finish). Single-turn datasets
 make conversations of one request, so the runner has one shape to schedule.
 
-Lengths are in tokens of `--tokenizer` when given, else in the units of
-`tokens.WordCounter` (words and punctuation marks; see tokens.py).
+Lengths are in tokens of `--tokenizer`, else of the served model's tokenizer where it is
+on this machine, else in the units of `tokens.WordCounter` (words and punctuation marks;
+see tokens.py).
 """
 from __future__ import annotations
 

@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from kvrelay.bench import datasets, plot, report
-from kvrelay.bench.client import ENDPOINTS, RequestOptions, first_model
+from kvrelay.bench.client import ENDPOINTS, RequestOptions, list_models
 from kvrelay.bench.metrics import METRIC_NAMES, compute_metrics, output_timeline, parse_goodput
 from kvrelay.bench.runner import RunConfig, run_blocking
-from kvrelay.bench.tokens import HFTokenCounter, make_counter
+from kvrelay.bench.tokens import HFTokenCounter, choose_counter
 from kvrelay.cli_flags import HelpFormatter
 
 logger = logging.getLogger("kvrelay.bench")
@@ -31,7 +31,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="benchmark an OpenAI-compatible server",
                        description="Benchmark online serving (vLLM bench serve's flags and "
                                    "metrics; docs/bench.md). Lengths are in tokens of "
-                                   "--tokenizer,\nelse in words (about one token each).",
+                                   "--tokenizer,\nelse of the served model's tokenizer where "
+                                   "it is on this machine, else in words (about one token "
+                                   "each).",
                        formatter_class=HelpFormatter)
     g = p.add_argument_group("server")
     g.add_argument("--base-url", default=None, metavar="URL",
@@ -46,8 +48,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     g.add_argument("--model", default=None,
                    help="the model field sent (default: the first model of GET /v1/models)")
     g.add_argument("--tokenizer", default=None, metavar="PATH",
-                   help="tokenizer.json or a model directory: exact prompt lengths (default: word "
-                        "units, token counts from the server's usage)")
+                   help="tokenizer.json or a model directory: exact prompt lengths; 'words': "
+                        "word units (default: the served model's tokenizer, from GET /v1/models, "
+                        "where it is on this machine, else words)")
     d = p.add_argument_group("dataset")
     d.add_argument("--dataset-name", default="random", choices=DATASETS,
                    help="where the prompts come from (docs/bench.md#datasets)")
@@ -184,10 +187,31 @@ def _base_url(args: argparse.Namespace) -> str:
     return (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
 
 
-async def _resolve_model(base_url: str) -> str:
+async def _models(base_url: str) -> list[dict[str, Any]]:
     import httpx
     async with httpx.AsyncClient(trust_env=False) as client:
-        return await first_model(client, base_url)
+        return await list_models(client, base_url)
+
+
+def _model_and_counter(args: argparse.Namespace,
+                       base_url: str) -> tuple[str, datasets.Counter, str]:
+    """(model, counter, which tokenizer counts): --model, else the first of GET /v1/models;
+    the counter from --tokenizer, else the served model's tokenizer (tokens.choose_counter)."""
+    import httpx
+    entries: list[dict[str, Any]] | None = None
+    model: str = args.model
+    if args.model is None:
+        entries = asyncio.run(_models(base_url))
+        if not entries:
+            raise RuntimeError(f"GET {base_url}/v1/models lists no model; pass --model")
+        model = entries[0]["id"]
+    elif args.tokenizer is None:
+        try:                                  # only to find the tokenizer: words if it fails
+            entries = asyncio.run(_models(base_url))
+        except (httpx.HTTPError, RuntimeError) as e:
+            logger.debug("GET /v1/models: %s", e)
+    counter, which = choose_counter(args.tokenizer, entries, model)
+    return model, counter, which
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -196,13 +220,13 @@ def serve(args: argparse.Namespace) -> int:
     out_cfg = OutputConfig.from_args(args)
     base_url = _base_url(args)
     endpoint = args.endpoint or BACKEND_ENDPOINTS.get(args.backend or "", "/v1/completions")
-    model = args.model or asyncio.run(_resolve_model(base_url))
-    counter = make_counter(args.tokenizer)
+    model, counter, which = _model_and_counter(args, base_url)
     convs = build_dataset(args, counter)
     n_requests = sum(len(c) for c in convs)
     print(f"kvrelay bench: {base_url}{endpoint} model={model} dataset={args.dataset_name} "
           f"requests={n_requests} (conversations={len(convs)}) rate={args.request_rate} "
-          f"concurrency={args.max_concurrency or 'unlimited'} lengths: {counter.name}", flush=True)
+          f"concurrency={args.max_concurrency or 'unlimited'}", flush=True)
+    print(f"kvrelay bench: lengths counted in {which}", flush=True)
     cfg = RunConfig(base_url, RequestOptions(endpoint, model, args.ignore_eos, args.temperature),
                     args.request_rate, args.burstiness, args.max_concurrency, args.seed,
                     args.disable_tqdm)
@@ -213,7 +237,7 @@ def serve(args: argparse.Namespace) -> int:
         "date": time.strftime("%Y%m%d-%H%M%S"), "backend": "kvrelay-bench",
         "endpoint_type": "openai-chat" if cfg.options.chat else "openai", "label": args.label,
         "base_url": base_url, "endpoint": endpoint, "model_id": model,
-        "tokenizer_id": args.tokenizer,
+        "tokenizer_id": counter.name if isinstance(counter, HFTokenCounter) else None,
         "dataset_name": args.dataset_name + ("-multi-turn" if args.sharegpt_multi_turn
                                              and args.dataset_name == "sharegpt" else ""),
         "num_prompts": n_requests, "num_conversations": len(convs),

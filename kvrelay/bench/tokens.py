@@ -1,12 +1,16 @@
 """Token counting and random prompt text, with or without a tokenizer.
 
-`--tokenizer PATH` (a tokenizer.json, or a model directory holding one) loads it with the
-`tokenizers` library: prompt lengths are then exact for that tokenizer. Without one the
-client cannot know the server's tokens, so it works in *units*: a unit is a word or a
-punctuation mark (the regex `\\w+|[^\\w\\s]`), which is about one token of an English BPE
-vocabulary and exactly one token of a word-level one. Random prompts are then random
-words. Either way the reported input/output token counts come from the server's `usage`
-(requested with `stream_options.include_usage`) whenever the server sends it.
+The tokenizer is `--tokenizer PATH` (a tokenizer.json, or a model directory holding one),
+else the served model's own, found on this machine from `GET /v1/models` (`served_tokenizer`:
+kvrelay lists the checkpoint directory it loaded as the model's `root`; a model id is also
+looked up as a directory or in the Hugging Face cache). It is loaded with the `tokenizers`
+library: prompt lengths are then exact for that tokenizer. Without one (`--tokenizer words`,
+or a server whose model is not on this machine) the client cannot know the server's tokens,
+so it works in *units*: a unit is a word or a punctuation mark (the regex
+`\\w+|[^\\w\\s]`), which is about one token of an English BPE vocabulary and exactly one
+token of a word-level one. Random prompts are then random words. Either way the reported
+input/output token counts come from the server's `usage` (requested with
+`stream_options.include_usage`) whenever the server sends it.
 """
 from __future__ import annotations
 
@@ -15,8 +19,12 @@ import re
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
+from kvrelay.model.config import CheckpointError
+from kvrelay.model.locate import locate_checkpoint
+
+WORDS = "words"                 # --tokenizer words: word units, whatever the server serves
 _UNIT = re.compile(r"\w+|[^\w\s]")
 
 
@@ -128,4 +136,44 @@ class HFTokenCounter:
 
 
 def make_counter(tokenizer: str | None) -> WordCounter | HFTokenCounter:
-    return HFTokenCounter(tokenizer) if tokenizer else WordCounter()
+    return HFTokenCounter(tokenizer) if tokenizer and tokenizer != WORDS else WordCounter()
+
+
+def served_tokenizer(entries: list[dict[str, Any]], model: str) -> Path | None:
+    """The directory holding the tokenizer.json of the model served as `model`, found on this
+    machine: its `/v1/models` entry's `root` (kvrelay: the checkpoint directory it loaded;
+    vLLM: the model as given), then its id, each as a directory or a Hugging Face repo id in
+    the local cache (never downloaded). None when neither is here."""
+    entry = next((e for e in entries if isinstance(e, dict) and e.get("id") == model), None)
+    names = [entry.get("root"), entry.get("id")] if entry else [model]
+    for name in dict.fromkeys(n for n in names if isinstance(n, str) and n):
+        try:
+            path = locate_checkpoint(name)
+        except (CheckpointError, OSError, ValueError):
+            continue
+        if (path / "tokenizer.json").is_file():
+            return path
+    return None
+
+
+def choose_counter(tokenizer: str | None, entries: list[dict[str, Any]] | None,
+                   model: str) -> tuple[WordCounter | HFTokenCounter, str]:
+    """The counter for the dataset's lengths and a line saying which one counts and why:
+    --tokenizer PATH, else the served model's tokenizer where it is on this machine, else
+    words (also with --tokenizer words)."""
+    if tokenizer == WORDS:
+        return WordCounter(), "words, about one token each (--tokenizer words)"
+    if tokenizer:
+        return HFTokenCounter(tokenizer), f"tokens of {tokenizer} (--tokenizer)"
+    found = served_tokenizer(entries or [], model)
+    if found is not None:
+        return HFTokenCounter(str(found)), (f"tokens of the served model's tokenizer, {found} "
+                                            "(from GET /v1/models; --tokenizer overrides)")
+    if entries is None:
+        why = "GET /v1/models did not answer"
+    else:
+        entry = next((e for e in entries if isinstance(e, dict) and e.get("id") == model), {})
+        root = entry.get("root")
+        where = f"{model!r}" + (f" (root {root!r})" if root not in (None, model) else "")
+        why = f"the served model {where} has no tokenizer.json on this machine"
+    return WordCounter(), f"words, about one token each ({why}; --tokenizer PATH counts tokens)"

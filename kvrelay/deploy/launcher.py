@@ -9,6 +9,10 @@ server meanwhile — or, with `restart=False`, reported so that everything stops
 sends SIGTERM to each group (the proxy first; servers drain in-flight requests), then SIGKILL
 to whatever is left of each group after the grace period. Nothing is found by name: only
 the PIDs started here are signalled.
+
+While the processes come up, each one's step (`STEPS`: starting, building the embedded model,
+loading the weights, warming up, ready …) is read from its log: a line when a process moves
+to another step, and every STATUS_EVERY_S a line with where each one is.
 """
 from __future__ import annotations
 
@@ -33,6 +37,23 @@ STOP_GRACE_S = 35.0          # kvrelay serve drains in-flight requests for up to
 TAIL_LINES = 25
 RESTART_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
 STABLE_S = 60.0              # a process up this long has its backoff reset
+STATUS_EVERY_S = 15.0        # bring-up: a line with every process's step this often
+# A starting process's step: the furthest of these its log shows (in the order they happen;
+# "starting" before any: Python's imports). The texts are kvrelay serve's and uvicorn's log
+# lines; a step a log never shows (the proxy, a small checkpoint without a weights bar) is
+# skipped, and one logged out of order (a background kernel build) never moves a step back.
+STARTING = "starting"
+READY_STEP = "ready"
+STEPS = (
+    ("Waiting for application startup", "starting up"),
+    ("building the embedded model", "building the embedded model"),
+    ("building the native kernels", "building the native kernels"),
+    ("Loading weights", "loading the weights"),
+    ("kvrelay.model.loader: loaded", "allocating the KV cache"),
+    ("KV cache: ", "warming up"),
+    (READY_LINE, READY_STEP),
+)
+_LONGEST_STEP = max(len(text) for text, _ in STEPS)
 
 
 class DeployFailure(RuntimeError):
@@ -52,6 +73,9 @@ class Component:
     log_offset: int = 0            # where this run's output starts in the log (restarts append)
     started_at: float = 0.0
     restarts: int = 0
+    step: str = STARTING           # what its log says it is doing (STEPS)
+    scanned: int = 0               # log bytes read for the step so far
+    step_index: int = -1
 
     def start(self) -> None:
         mode = "ab" if self.proc is not None else "wb"
@@ -63,6 +87,7 @@ class Component:
                                          env=self.env, start_new_session=True)
         self.is_ready = False
         self.started_at = time.monotonic()
+        self.step, self.step_index, self.scanned = STARTING, -1, self.log_offset
 
     @property
     def pid(self) -> int:
@@ -74,8 +99,26 @@ class Component:
 
     def check_ready(self) -> bool:
         if not self.is_ready:
-            self.is_ready = READY_LINE in self.log_text(self.log_offset)
+            self.update_step()
+            self.is_ready = self.step == READY_STEP
         return self.is_ready
+
+    def update_step(self) -> bool:
+        """Read the log written since the last call; True when the step changed."""
+        back = min(_LONGEST_STEP, self.scanned - self.log_offset)   # a line cut in two
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self.scanned - back)
+                new = f.read()
+        except OSError:
+            return False
+        self.scanned += len(new) - back
+        text = new.decode(errors="replace")
+        found = max((i for i, (line, _) in enumerate(STEPS) if line in text), default=-1)
+        if found <= self.step_index:
+            return False
+        self.step_index, self.step = found, STEPS[found][1]
+        return True
 
     def log_text(self, offset: int = 0) -> str:
         try:
@@ -101,6 +144,13 @@ class Component:
         except ProcessLookupError:
             return False
         return True
+
+
+def status_line(components: list[Component], waited: float) -> str:
+    """`waiting 30s: decode-0 warming up, prefill-0 loading the weights, prefill-1 ready`."""
+    return (f"waiting {waited:.0f}s: "
+            + ", ".join(f"{c.name} {'exited' if c.poll() is not None else c.step}"
+                        for c in components))
 
 
 def child_env(exports: tuple[tuple[str, str], ...],
@@ -167,16 +217,27 @@ class Deployment:
         return c
 
     def await_ready(self, components: list[Component], timeout: float,
-                    stop: threading.Event) -> bool:
+                    stop: threading.Event, say: Callable[[str], None] | None = None) -> bool:
         """True once each logged "Application startup complete"; False if `stop` was set.
-        Raises DeployFailure when one exits first or the timeout passes."""
-        deadline = time.monotonic() + timeout
+        Raises DeployFailure when one exits first or the timeout passes. `say` hears each
+        step a component reaches and, every STATUS_EVERY_S, where each one is."""
+        t0 = time.monotonic()
+        deadline, next_status = t0 + timeout, t0 + STATUS_EVERY_S
         while True:
             if stop.is_set():
                 return False
-            pending = [c for c in components if not c.check_ready()]
+            pending = []
+            for c in components:
+                before = c.step
+                if not c.check_ready():
+                    pending.append(c)
+                if say is not None and c.step != before:
+                    say(f"{c.name}: {c.step} ({time.monotonic() - c.started_at:.1f}s)")
             if not pending:
                 return True
+            if say is not None and time.monotonic() >= next_status:
+                say(status_line(components, time.monotonic() - t0))
+                next_status += STATUS_EVERY_S
             for c in pending:
                 rc = c.poll()
                 if rc is not None:

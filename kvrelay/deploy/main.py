@@ -9,7 +9,8 @@ or print (`--dry-run`) every process's exact command and environment for any mac
 
 Steps: check the layout against the model's config (plan.py), generate the topology's KV
 secret (`KVRELAY_KV_SECRET` for every server; shown nowhere), start the decode and prefill
-servers at once, await each one's "Application startup complete", start the proxy, run
+servers at once, await each one's "Application startup complete" (saying which step each
+one is at: starting, loading the weights, warming up, ready …), start the proxy, run
 `kvrelay validate` against it, print the endpoints, then supervise: a process that exits is
 restarted with backoff (`--no-restart`: everything stops instead, exit 1). On SIGINT/SIGTERM
 stop everything it started. Exit status: 0 after a signal, 1 when something failed (the
@@ -277,13 +278,13 @@ def _run(plan: Plan, args: argparse.Namespace, deployment, stop: threading.Event
     t0 = time.monotonic()
     servers = deployment.start_servers()
     _say("started " + ", ".join(f"{c.name} (pid {c.pid})" for c in servers))
-    if not deployment.await_ready(servers, timeout, stop):
+    if not deployment.await_ready(servers, timeout, stop, _say):
         return 0
     _say(f"{len(servers)} server(s) ready in {time.monotonic() - t0:.1f}s")
     if plan.proxy:
         proxy = deployment.start_proxy()
         _say(f"started proxy (pid {proxy.pid})")
-        if not deployment.await_ready([proxy], timeout, stop):
+        if not deployment.await_ready([proxy], timeout, stop, _say):
             return 0
     if not args.no_validate and not _validate(plan, args, stop):
         if stop.is_set():

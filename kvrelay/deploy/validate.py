@@ -7,14 +7,22 @@ when every check passed):
 
     health       GET /health answers 200 (through a proxy: every prefill and decode server is up)
     models       GET /v1/models lists the model (or names the one to use when --model is absent)
-    completion   the tutorial's request ("The capital of France is ", max_tokens 16): OpenAI
-                 shape, non-empty choices[0].text, finish_reason length|stop, usage populated
-    chat         a chat completion of the same shape (content, or harmony reasoning, non-empty)
+    completion   the tutorial's request ("The capital of France is", max_tokens 16) at
+                 temperature 0: OpenAI shape, non-empty choices[0].text, finish_reason
+                 length|stop, usage populated, and a plausible answer (below)
+    chat         a chat completion of the same shape at temperature 0 (content, or harmony
+                 reasoning, non-empty), and a plausible answer
     traffic      --num-requests concurrent requests, mixed prompt and output lengths, completions
                  and chat, streamed (SSE to [DONE], usage chunk) and not: zero failures
     kv-transfer  (--expect-di) the decode servers pulled KV during this run, with no transfer
                  failures and no handshake errors (their /metrics; the servers come from
                  --decode-url/--prefill-url or from the proxy's /health listing)
+
+A plausible answer: when validate knows the model's greedy answer to the prompt (the
+embedded model, recognised by its name or by /v1/models' `root`, the checkpoint it loaded:
+"Paris" to both default prompts), or `--expect WORD` names one, the text must contain that
+word; otherwise it must look like language: not blank, at least 90 % printable characters,
+and some letters (not only digits, punctuation or symbols, as "1.26269002482531" is).
 
 The checks use plain httpx, no torch, so validate runs from any machine that reaches the URL.
 """
@@ -35,8 +43,18 @@ from kvrelay import envs
 from kvrelay.cli_flags import HelpFormatter
 
 PROG = "kvrelay validate"
-TUTORIAL_PROMPT = "The capital of France is "
+# The tutorial's prompt without its trailing space: a BPE model has seen " Paris" after "is",
+# so a small one answers it greedily (the embedded model: " Paris."; with the space it
+# continues "21st-century Paris.").
+TUTORIAL_PROMPT = "The capital of France is"
 CHAT_MESSAGE = "What is the capital of France? Answer in one word."
+# kvrelay.model.embedded's EMBEDDED_MODEL_NAME and the stem of its cache directory, not
+# imported from there (it imports torch; validate runs without it); a unit test keeps them equal
+EMBEDDED_MODEL_NAME = "kvrelay/smollm2-135m-gpt-oss"
+EMBEDDED_DIR_STEM = "smollm2-135m-gpt-oss"
+# greedy answers validate knows: model → {prompt or chat message: a word the answer contains}
+KNOWN_ANSWERS = {EMBEDDED_MODEL_NAME: {TUTORIAL_PROMPT: "Paris", CHAT_MESSAGE: "Paris"}}
+MIN_PRINTABLE = 0.9
 FINISH_REASONS = ("length", "stop")
 WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog", "while", "seven",
          "wise", "owls", "count", "silver", "stars", "above", "a", "quiet", "harbour", "full", "of",
@@ -68,6 +86,7 @@ class ValidateOptions:
     api_key: str | None = None
     prompt: str = TUTORIAL_PROMPT
     max_tokens: int = 16
+    expect: str | None = None         # a word the completion must contain (--expect)
 
 
 class ShapeError(ValueError):
@@ -137,6 +156,50 @@ def _usage(body: dict[str, Any]) -> dict[str, int]:
     return usage
 
 
+# ---------------------------------------------------------------------------- plausibility
+
+def implausible(text: str) -> str | None:
+    """Why `text` does not look like a language model's answer (None: it does): blank, mostly
+    unprintable, or no letters at all (only digits, punctuation or symbols)."""
+    if not text.strip():
+        return "the answer is blank"
+    printable = sum((c.isprintable() and c != "\ufffd") or c in "\n\r\t" for c in text)
+    if printable < MIN_PRINTABLE * len(text):
+        return (f"only {100 * printable / len(text):.0f}% of the answer's characters are "
+                f"printable (at least {100 * MIN_PRINTABLE:.0f}% expected)")
+    if not any(c.isalpha() for c in text):
+        return "the answer has no letters, only digits, punctuation or symbols"
+    return None
+
+
+def known_model(entries: list[dict[str, Any]], model: str | None) -> str | None:
+    """The KNOWN_ANSWERS model that `model` is, from its /v1/models entry: its id or its
+    `root` (kvrelay gives the checkpoint directory it loaded; vLLM the model as given)."""
+    entry = next((e for e in entries if e.get("id") == model), {"id": model})
+    for value in (entry.get("id"), entry.get("root")):
+        if not isinstance(value, str):
+            continue
+        if value in KNOWN_ANSWERS:
+            return value
+        if value.rstrip("/").rsplit("/", 1)[-1].startswith(EMBEDDED_DIR_STEM):
+            return EMBEDDED_MODEL_NAME
+    return None
+
+
+def plausibility(text: str, expect: str | None, why: str) -> tuple[bool, str]:
+    """(ok, what was checked or why it failed) for an answer; `expect` a word it must contain
+    (`why`: where that expectation comes from), else the weaker `implausible` check."""
+    if expect is not None:
+        if expect.casefold() in text.casefold():
+            return True, f"contains {expect!r}"
+        return False, f"the answer does not contain {expect!r} ({why}): {_short(text, 60)}"
+    problem = implausible(text)
+    if problem:
+        return False, (f"implausible answer: {problem} (no expected word for this model, so "
+                       f"the plausibility check; --expect WORD makes it exact): {_short(text, 60)}")
+    return True, "plausible text"
+
+
 def _short(text: str, n: int = 40) -> str:
     return repr(text if len(text) <= n else text[:n] + "…")
 
@@ -173,6 +236,7 @@ class Validator:
     options: ValidateOptions
     model: str | None = None
     results: list[CheckResult] = field(default_factory=list)
+    entries: list[dict[str, Any]] = field(default_factory=list)   # /v1/models' data
 
     def __post_init__(self) -> None:
         key = self.options.api_key
@@ -220,8 +284,9 @@ class Validator:
         resp = self.client.get("/v1/models")
         if resp.status_code != 200:
             return False, _http_error(resp)
-        ids = [m["id"] for m in resp.json().get("data", [])
-               if isinstance(m, dict) and isinstance(m.get("id"), str)]
+        self.entries = [m for m in resp.json().get("data", [])
+                        if isinstance(m, dict) and isinstance(m.get("id"), str)]
+        ids = [m["id"] for m in self.entries]
         if not ids:
             return False, "no models listed"
         if self.model is None:
@@ -232,24 +297,39 @@ class Validator:
         return True, f"serving {', '.join(ids)}"
 
     # -- the tutorial's requests ----------------------------------------------------------------
+    def expected(self, prompt: str, explicit: str | None = None) -> tuple[str | None, str]:
+        """(the word the answer to `prompt` must contain, or None; where that comes from)."""
+        if explicit is not None:
+            return explicit, "--expect"
+        known = known_model(self.entries, self.model)
+        word = KNOWN_ANSWERS.get(known or "", {}).get(prompt)
+        return word, f"{known}'s greedy answer to {prompt!r}"
+
     def completion(self) -> tuple[bool, str]:
         body = {"model": self.model, "prompt": self.options.prompt,
-                "max_tokens": self.options.max_tokens}
+                "max_tokens": self.options.max_tokens, "temperature": 0}
         resp = self.client.post("/v1/completions", json=body)
         if resp.status_code != 200:
             return False, _http_error(resp)
         text, reason, usage = check_completion(resp.json())
+        ok, checked = plausibility(text, *self.expected(self.options.prompt, self.options.expect))
+        if not ok:
+            return False, checked
         return True, (f"{usage['completion_tokens']} tokens, finish_reason {reason}, "
-                      f"prompt_tokens {usage['prompt_tokens']}: {_short(text)}")
+                      f"prompt_tokens {usage['prompt_tokens']}, {checked}: {_short(text)}")
 
     def chat(self) -> tuple[bool, str]:
         body = {"model": self.model, "messages": [{"role": "user", "content": CHAT_MESSAGE}],
-                "max_tokens": self.options.max_tokens}
+                "max_tokens": self.options.max_tokens, "temperature": 0}
         resp = self.client.post("/v1/chat/completions", json=body)
         if resp.status_code != 200:
             return False, _http_error(resp)
         text, reason, usage = check_chat(resp.json())
-        return True, f"{usage['completion_tokens']} tokens, finish_reason {reason}: {_short(text)}"
+        ok, checked = plausibility(text, *self.expected(CHAT_MESSAGE))
+        if not ok:
+            return False, checked
+        return True, (f"{usage['completion_tokens']} tokens, finish_reason {reason}, {checked}: "
+                      f"{_short(text)}")
 
     # -- representative traffic ----------------------------------------------------------------
     def traffic(self) -> tuple[bool, str]:
@@ -482,6 +562,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, metavar="KEY",
                    help="bearer token (default: $OPENAI_API_KEY)")
     p.add_argument("--prompt", default=TUTORIAL_PROMPT, help="the completion check's prompt")
+    p.add_argument("--expect", default=None, metavar="WORD",
+                   help="a word the completion check's answer must contain (default: the known "
+                        "answer for the embedded model and the default prompt, else a "
+                        "plausibility check)")
     p.add_argument("--max-tokens", type=int, default=16, metavar="N",
                    help="max_tokens of the completion and chat checks")
     return p
@@ -493,6 +577,9 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else 2
+    if args.expect is not None and not args.expect.strip():
+        print(f"{PROG}: error: --expect needs a word", file=sys.stderr)
+        return 2
     if args.num_requests < 0 or args.timeout <= 0 or args.max_tokens < 1:
         print(f"{PROG}: error: --num-requests must be ≥ 0, --timeout and --max-tokens positive",
               file=sys.stderr)
@@ -502,7 +589,7 @@ def main(argv: list[str] | None = None) -> int:
         decode_urls=tuple(u.rstrip("/") for u in args.decode_url),
         prefill_urls=tuple(u.rstrip("/") for u in args.prefill_url), num_requests=args.num_requests,
         timeout=args.timeout, api_key=args.api_key or envs.OPENAI_API_KEY.raw(),
-        prompt=args.prompt, max_tokens=args.max_tokens)
+        prompt=args.prompt, max_tokens=args.max_tokens, expect=args.expect)
     results = run_checks(options)
     for r in results:
         print(r.line(), flush=True)

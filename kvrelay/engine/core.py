@@ -9,6 +9,8 @@ own owner, built here from the `EngineConfig`:
     sampler.py           tokens from logits rows
     output_processor.py  client requests: n > 1 fan-out, detokenising, deltas, outputs
     kv_transfer.py       disaggregation: the KV connector and its checks
+    kv_events/           --kv-events-config: the prefix cache's changes, published once
+                         per step (a thread in this process; never blocks the step)
 
     add_request ─▶ fan_out ─▶ Scheduler.waiting
     step() = run_planned(plan_step()):
@@ -67,6 +69,8 @@ from kvrelay.engine.sampler import Sampler
 from kvrelay.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvrelay.kv_cache.manager import KVCacheManager
 from kvrelay.kv_cache.spec import KVCacheSpec
+from kvrelay.kv_events.publisher import make_publisher
+from kvrelay.kv_events.wire import GroupSpec
 from kvrelay.model.tokenizer import CheckpointTokenizer, load_tokenizer
 from kvrelay.sampling_params import (
     SamplingParams,
@@ -90,9 +94,15 @@ class LLMEngine:
         self.model, self.model_config = self.executor.model, self.executor.config
         self.max_model_len = config.max_model_len
         num_blocks = config.num_blocks(kv_bytes_per_block(self.model, self.args.block_size))
-        self.kv = KVCacheManager(num_blocks, self.args.block_size, kv_groups(self.model),
+        groups = kv_groups(self.model)
+        # --kv-events-config: bound (or connected) now, so a busy port fails the start-up
+        self.kv_events = make_publisher(config.kv_events, self.args.block_size,
+                                        [GroupSpec.of_window(g.window) for g in groups],
+                                        self.args.data_parallel_rank)
+        self.kv = KVCacheManager(num_blocks, self.args.block_size, groups,
                                  enable_prefix_caching=self.args.enable_prefix_caching,
-                                 hash_seed=f"{self.model_dir.name}:{self.args.block_size}")
+                                 hash_seed=f"{self.model_dir.name}:{self.args.block_size}",
+                                 enable_kv_cache_events=self.kv_events is not None)
         self.runner = self.executor.start_runner(num_blocks)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_batched_tokens,
                                                    self.args.max_num_seqs, self.max_model_len),
@@ -153,6 +163,10 @@ class LLMEngine:
                         "graphs): steps are not padded", self.device.type)
         for note in self.config.ignored_inputs(self.device.type):
             logger.warning("%s", note)
+        if self.kv_events is not None and not self.args.enable_prefix_caching:
+            logger.warning("--kv-events-config: prefix caching is off "
+                           "(--no-enable-prefix-caching), so no block is ever cached and no "
+                           "KV cache event is published")
 
     def kv_cache_spec(self) -> KVCacheSpec:
         c = self.model_config
@@ -168,7 +182,26 @@ class LLMEngine:
             self.pipeline.shutdown()
         self.sampler.masks.close()
         self.transfer.close()
+        if self.kv_events is not None:
+            self.publish_kv_events()
+            self.kv_events.shutdown()
         self.executor.shutdown()
+
+    # -- KV cache events --------------------------------------------------------------------
+    def publish_kv_events(self) -> None:
+        """Hand the prefix cache's changes since the last call to the publisher (one batch;
+        none when nothing changed). Called after every step and after a reset."""
+        if self.kv_events is not None:
+            events = self.kv.take_events()
+            if events:
+                self.kv_events.publish(events)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's reset_prefix_cache): False, changing nothing,
+        while any request holds KV blocks. Subscribers get AllBlocksCleared."""
+        reset = self.kv.reset_prefix_cache()
+        self.publish_kv_events()
+        return reset
 
     # -- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
@@ -237,7 +270,9 @@ class LLMEngine:
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         if self.pipeline is not None:
-            return self.pipeline.step()     # outputs of the step that landed (async_steps.py)
+            outputs = self.pipeline.step()  # outputs of the step that landed (async_steps.py)
+            self.publish_kv_events()
+            return outputs
         return self.run_planned(self.plan_step())
 
     def plan_step(self, ahead: StepPlan | None = None) -> StepPlan:
@@ -264,6 +299,7 @@ class LLMEngine:
         if plan.step is None and not (dp_token_counts and max(dp_token_counts)):
             if plan.kv_work is not None:
                 self.executor.send_kv(plan.kv_work)      # no step follows to carry it
+            self.publish_kv_events()                      # a finished KV load cached blocks
             return self.output.failed_outputs(plan.failed)
         step = plan.step or dummy_step(self.runner.num_groups)
         step.dp_token_counts = tuple(dp_token_counts) if dp_token_counts else None
@@ -272,8 +308,11 @@ class LLMEngine:
         logits = self.forward(plan, step)
         if plan.step is None:
             self.num_dummy_steps += 1
+            self.publish_kv_events()
             return self.output.failed_outputs(plan.failed)
-        return self.finish_step(plan, self.sample(plan, logits))
+        outputs = self.finish_step(plan, self.sample(plan, logits))
+        self.publish_kv_events()                          # the step's evictions and new blocks
+        return outputs
 
     def forward(self, plan: StepPlan, step: StepInput) -> torch.Tensor:
         """The model forward of a step, failures attributed (`step_io.forward`)."""

@@ -28,6 +28,7 @@ import signal
 import time
 import traceback
 from contextlib import nullcontext
+from dataclasses import replace
 from multiprocessing.connection import Connection
 from typing import IO, Any, Protocol
 
@@ -121,14 +122,16 @@ def run_engine_core(args: EngineArgs, conn: Connection, log_level: int = logging
     try:
         # imported in the core process only: the API process must not load torch
         from kvrelay.engine.core import LLMEngine
+        from kvrelay.engine.native_switch import NativeSwitch
         from kvrelay.model.fast_paths import native_paths
+        switch = NativeSwitch.start(args)       # a missing kernel build: in the background
         engine = LLMEngine(args)
         keep_freed_memory()
         freeze_startup_objects()
         info = EngineInfo(max_model_len=engine.max_model_len, model_dir=str(engine.model_dir),
                           pid=os.getpid(), vocab_size=engine.model_config.vocab_size,
                           kv_cache_spec=dict(engine.kv_cache_spec().__dict__),
-                          native=native_paths())    # once: the CPU kernels/matmul path in use
+                          native=native_paths())    # the CPU kernels/matmul path in use
         conn.send(Ready(info, engine_stats(engine)))
     except BaseException as e:  # report any startup failure in one line, then exit
         conn.send(Fatal(f"{type(e).__name__}: {e}"))
@@ -138,8 +141,10 @@ def run_engine_core(args: EngineArgs, conn: Connection, log_level: int = logging
         if engine.expert_world is not None:            # experts across DP replicas
             run_lockstep(engine, conn, handle, engine_stats)
         else:
-            _loop(engine, conn)
+            _loop(engine, conn, _Switching(switch, info))
     finally:
+        from kvrelay.model import kernels
+        kernels.stop_background_build()
         engine.shutdown()
 
 
@@ -195,22 +200,57 @@ def _step_trace() -> IO[str] | nullcontext[None]:
 STATS_EVERY_S = 0.1        # while steps run without outputs (a long prefill), stats this often
 
 
-def _loop(engine: CoreEngine, conn: Connection) -> None:
+class _Switching:
+    """The loop's side of `NativeSwitch` (engine/native_switch.py): between two steps, switch
+    to the native kernels once their background build is done, and tell the API process
+    (a second `Ready` carrying the new `native` paths: its metrics read them from there)."""
+
+    def __init__(self, switch: Any, info: EngineInfo) -> None:
+        self.switch, self.info = switch, info
+
+    def idle_wait(self) -> float | None:
+        return self.switch.idle_wait()
+
+    def between_steps(self, engine: Any, conn: Connection) -> None:
+        if not self.switch.pending:
+            return
+        pipeline = engine.pipeline
+        if not self.switch.due(pipeline_busy=pipeline is not None and pipeline.busy):
+            return
+        from kvrelay.model.fast_paths import native_paths
+        self.switch.apply(engine.model, engine.executor, engine.runner.num_groups,
+                          engine.args.block_size)
+        self.info = replace(self.info, native=native_paths())
+        conn.send(Ready(self.info, engine_stats(engine)))
+
+
+def _loop(engine: CoreEngine, conn: Connection, switching: _Switching | None = None) -> None:
     with _step_trace() as trace:
-        _run(engine, conn, trace)
+        _run(engine, conn, trace, switching)
 
 
-def _run(engine: CoreEngine, conn: Connection, trace: IO[str] | None) -> None:
+def _run(engine: CoreEngine, conn: Connection, trace: IO[str] | None,
+         switching: _Switching | None = None) -> None:
     last_stats: EngineStats | None = None
     last_sent = time.monotonic()
     announced: set[str] = set()          # requests whose first message (with the prompt) went out
     # between steps, one poll(2) call: Connection.poll(0) builds a selector each time
     waiting = select.poll()
     waiting.register(conn.fileno(), select.POLLIN)
+    idle_wait = switching.idle_wait if switching is not None else lambda: None
     while True:
+        if switching is not None:
+            try:
+                switching.between_steps(engine, conn)
+            except BaseException as e:
+                conn.send(Fatal(f"switching to the native kernels failed: "
+                                f"{type(e).__name__}: {e}"))
+                logger.error(traceback.format_exc())
+                return
         if not engine.has_unfinished_requests():
-            # idle: sleep until a message (or poll transfers/leases every 10 ms)
-            conn.poll(0.01 if engine.transfer_busy else None)
+            # idle: sleep until a message (or poll transfers/leases every 10 ms, or a
+            # background kernel build)
+            conn.poll(0.01 if engine.transfer_busy else idle_wait())
         while waiting.poll(0):
             try:
                 message = conn.recv()

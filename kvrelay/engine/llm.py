@@ -42,6 +42,11 @@ class LLM:
         """Stop tensor-parallel worker processes (if any)."""
         self.engine.shutdown()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's `LLM.reset_prefix_cache`); False while
+        requests hold KV blocks."""
+        return self.engine.reset_prefix_cache()
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

@@ -91,7 +91,8 @@ class EngineStats(PicklesAsTuple, _Record):
 
 @dataclass(frozen=True)
 class EngineInfo(_Record):
-    """What the engine core resolved at start-up (sent once, with `Ready`)."""
+    """What the engine core resolved at start-up (sent with `Ready`; again, with a second
+    `Ready`, when the native kernels built in the background switch in)."""
 
     max_model_len: int
     model_dir: str

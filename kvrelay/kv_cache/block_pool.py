@@ -10,6 +10,9 @@ map `(group, hash) → block`. Nothing else mutates these.
 The free queue is LRU: blocks are taken from its head (evicting their cached hash)
 and freed blocks join its tail. Block 0 is the *null block*: never allocated,
 it fills block-table entries a sliding-window layer no longer needs.
+
+With KV cache events on (`events` a list, kv_cache/events.py) every eviction and reset is
+recorded there in order; `KVCacheManager.cache_blocks` records the blocks entering.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from kvrelay.kv_cache.events import CacheEvent, Cleared, Removed
 from kvrelay.kv_cache.hashing import BlockHash
 
 NULL_BLOCK = 0
@@ -44,6 +48,7 @@ class BlockPool:
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_blocks))
         self.cached: dict[tuple[int, BlockHash], KVBlock] = {}
         self.blocks[NULL_BLOCK].ref_cnt = 1   # permanently held
+        self.events: list[CacheEvent] | None = None   # KV cache events: a list when on
 
     # -- queries ------------------------------------------------------------------------
     @property
@@ -95,18 +100,34 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free[block.block_id] = None
 
-    def cache(self, block: KVBlock, group: int, block_hash: BlockHash) -> None:
-        """Record that `block` holds the tokens named by `block_hash` (first writer wins)."""
+    def cache(self, block: KVBlock, group: int, block_hash: BlockHash) -> bool:
+        """Record that `block` holds the tokens named by `block_hash` (first writer wins);
+        whether it entered the cache."""
         if block.block_hash is not None or (group, block_hash) in self.cached:
-            return
+            return False
         block.block_hash, block.group = block_hash, group
         self.cached[(group, block_hash)] = block
+        return True
 
     def _uncache(self, block: KVBlock) -> None:
         if block.block_hash is not None:
             if self.cached.get((block.group, block.block_hash)) is block:
                 del self.cached[(block.group, block.block_hash)]
+                if self.events is not None:
+                    self.events.append(Removed(block.group, block.block_hash))
             block.block_hash, block.group = None, -1
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash (vLLM's reset_prefix_cache); refused (False) while any
+        block is in use, as a running request's blocks would stay cached under it."""
+        if self.num_used:
+            return False
+        for block in self.cached.values():
+            block.block_hash, block.group = None, -1
+        self.cached.clear()
+        if self.events is not None:
+            self.events.append(Cleared())
+        return True
 
     def check_integrity(self) -> None:
         """free + used == total; ref counts ≥ 0; free ⇔ ref_cnt 0; cache map consistent."""

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import cast
 
 from kvrelay.kv_cache.block_pool import NULL_BLOCK, BlockPool, KVBlock
+from kvrelay.kv_cache.events import CacheEvent, Stored
 from kvrelay.kv_cache.hashing import BlockHash, hash_block, root_hash
 
 
@@ -67,13 +68,16 @@ class PrefixCacheStats:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, groups: Sequence[KVCacheGroup],
-                 enable_prefix_caching: bool = True, hash_seed: str = "") -> None:
+                 enable_prefix_caching: bool = True, hash_seed: str = "",
+                 enable_kv_cache_events: bool = False) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
         self.groups = list(groups)
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
+        if enable_kv_cache_events:           # the prefix cache's changes, for --kv-events-config
+            self.pool.events = []
         self.root = root_hash(hash_seed)
         self.requests: dict[str, _RequestState] = {}
         self.stats = PrefixCacheStats()
@@ -225,11 +229,45 @@ class KVCacheManager:
         state = self.requests[req_id]
         num_full = num_computed // self.block_size
         hashes = self._hashes(state, tokens, num_full)
+        events = self.pool.events
         for g, table in enumerate(state.tables):
-            for i in range(state.num_cached[g], min(num_full, len(table))):
-                if table[i].block_id != NULL_BLOCK:
-                    self.pool.cache(table[i], g, hashes[i])
-            state.num_cached[g] = max(state.num_cached[g], min(num_full, len(table)))
+            end = min(num_full, len(table))
+            if events is None:
+                for i in range(state.num_cached[g], end):
+                    if table[i].block_id != NULL_BLOCK:
+                        self.pool.cache(table[i], g, hashes[i])
+            else:
+                self._cache_recording(events, g, table, hashes, tokens, state.num_cached[g], end)
+            state.num_cached[g] = max(state.num_cached[g], end)
+
+    def _cache_recording(self, events: list[CacheEvent], g: int, table: list[KVBlock],
+                         hashes: list[BlockHash], tokens: Sequence[int], start: int,
+                         end: int) -> None:
+        """`cache_blocks` for one group, recording one `Stored` per run of consecutive
+        blocks that entered the cache (a null block, or a hash another block already
+        holds, ends a run)."""
+        B, run = self.block_size, -1
+        for i in range(start, end + 1):
+            entered = (i < end and table[i].block_id != NULL_BLOCK
+                       and self.pool.cache(table[i], g, hashes[i]))
+            if entered and run < 0:
+                run = i
+            elif not entered and run >= 0:
+                events.append(Stored(g, hashes[run:i], hashes[run - 1] if run else None,
+                                     list(tokens[run * B:i * B])))
+                run = -1
+
+    def take_events(self) -> list[CacheEvent]:
+        """The KV cache events recorded since the last call (empty when events are off)."""
+        events = self.pool.events
+        if not events:
+            return []
+        self.pool.events = []
+        return events
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (False, changing nothing, while blocks are in use)."""
+        return self.pool.reset_prefix_cache()
 
     def free(self, req_id: str) -> None:
         """Release every block of the request (tail first, so its last blocks are

@@ -14,16 +14,19 @@ from kvrelay.model.layers import linear, moe, paged_decode
 
 def native_paths() -> dict[str, Any]:
     """{"kernels": {"moe": "avx512" | None, "paged_decode": ..., "dense": "avx512_bf16" | ...},
-    "half_matmul": "native"|"fp32"}
+    "build": "ready" | "building" | "failed", "half_matmul": "native"|"fp32"}
 
     A kernel is None where its PyTorch reference path serves it: the build failed (the
-    one warning `kernels.status()` logs says why) or KVRELAY_MOE_KERNEL=torch /
+    one warning `kernels.status()` logs says why) or is still running in the background
+    (`engine/native_switch.py`), or KVRELAY_MOE_KERNEL=torch /
     KVRELAY_ATTENTION_KERNEL=reference / KVRELAY_DENSE_KERNEL=torch turned it off (then
     nothing is built for it). "dense" is the decode-sized matmuls' and norms' kernel."""
-    moe_on = moe.moe_kernel_mode() != "torch" and kernels.status().available
+    status = kernels.status()
+    moe_on = moe.moe_kernel_mode() != "torch" and status.available
     return {
-        "kernels": {"moe": kernels.status().isa if moe_on else None,
-                    "paged_decode": kernels.status().isa if paged_decode.enabled() else None,
-                    "dense": linear.dense_kernel_isa() if kernels.status().available else None},
+        "kernels": {"moe": status.isa if moe_on else None,
+                    "paged_decode": status.isa if paged_decode.enabled() else None,
+                    "dense": linear.dense_kernel_isa() if status.available else None},
+        "build": "ready" if status.available else "building" if status.building else "failed",
         "half_matmul": "native" if linear.half_matmul_choice().native else "fp32",
     }

@@ -315,6 +315,15 @@ class GptOssModel(nn.Module):
             stack = self.__dict__["_stack"] = DecodeStack(self)
         return stack.get(h)
 
+    def forget_kernel_plans(self) -> None:
+        """Drop what was planned from the native kernels' availability — the decode stack,
+        the experts' decode plans — after it changed (a background build finished,
+        `engine/native_switch.py`): the next step plans again."""
+        self.__dict__.pop("_stack", None)
+        for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)
+            layer.mlp.experts.forget_decode_plan()
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[T', H] → float32 logits [T', V]."""
         return self.lm_head(hidden).float()

@@ -19,6 +19,7 @@ import json
 import logging
 import mmap
 import struct
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -242,6 +243,7 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype = torch.bfloat16,
     requires MXFP4 experts on disk; None dequantises MXFP4 experts at load.
     config: the checkpoint's parsed config.json when the caller has it (EngineConfig).
     """
+    start = time.perf_counter()
     model_dir = Path(model_dir)
     if config is None:
         config = load_config(model_dir, hf_overrides)
@@ -259,16 +261,19 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype = torch.bfloat16,
         model.to(device)
     model.eval()
     nbytes = model.weight_bytes()
-    logger.info("loaded %s: %d layers, %s experts, %.1f MiB of weights on %s", model_dir,
-                config.num_hidden_layers, "MXFP4" if packed else str(dtype).replace("torch.", ""),
-                nbytes / 2**20, device)
+    logger.info("loaded %s: %d layers, %s experts, %.1f MiB of weights on %s in %.1f s",
+                model_dir, config.num_hidden_layers,
+                "MXFP4" if packed else str(dtype).replace("torch.", ""), nbytes / 2**20, device,
+                time.perf_counter() - start)
     return LoadedModel(model, config, mxfp4_on_disk, nbytes)
 
 
 def _load_with_progress(model: GptOssModel, src: SafetensorsWeights, progress: bool) -> None:
     steps = len(model.layers) + 2
-    bar = tqdm(total=steps, desc="Loading weights", unit="part", disable=not progress,
-               leave=False)
+    if progress:        # a line for logs (kvrelay deploy reads it), the bar for a terminal
+        logger.info("Loading weights: %d parts from %s", steps, src.model_dir)
+    bar = tqdm(total=steps, desc="Loading weights", unit="part",
+               disable=None if progress else True, leave=False)   # None: on a terminal only
     with bar:
         model.embed_tokens.load(src, "model.embed_tokens.weight")
         src.release()

@@ -19,8 +19,10 @@ building every rank's layer with `NoCollectives` and summing/concatenating by ha
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:       # annotations only: EngineConfig validates layouts without torch
+    import torch
 
 
 class Collectives:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping, MutableMapping, Sequence
@@ -50,6 +51,7 @@ from kvrelay.engine.outputs import RequestOutput
 from kvrelay.server import structured_hooks
 from kvrelay.server.admission import AdmittedEngine
 from kvrelay.server.chat import finish_reason
+from kvrelay.server.harmony_chat import calls_limited
 from kvrelay.server.prep import (
     BODY_KEY,
     INLINE_BYTES,
@@ -258,6 +260,14 @@ def _stream_error(e: Exception) -> dict[str, Any]:
     return {"error": {"message": str(e), "type": kind, "param": None, "code": code}}
 
 
+def _model_root(state: ServerState) -> str | None:
+    """The checkpoint directory the engine loaded (absolute), once it is known: `/v1/models`'
+    `root`, so a client on this machine (`kvrelay bench serve`'s default tokenizer,
+    `kvrelay validate`) can tell which model answers under a --served-model-name."""
+    model_dir = getattr(getattr(state.engine, "info", None), "model_dir", None)
+    return os.path.abspath(model_dir) if isinstance(model_dir, str) and model_dir else None
+
+
 def _batch_of(prompt: Any) -> int:
     """How many prompts a completion's `prompt` holds, from its shape."""
     batch = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
@@ -301,7 +311,8 @@ def _prepare_chat(state: ServerState, body: ChatCompletionRequest) -> tuple[Any,
     parameters (on a prep worker for large requests: server/prep.py)."""
     assert state.chat is not None, "the endpoint answers 400 without a chat template"
     rendered = state.chat.render(body, state.max_model_len)
-    check_chat_tool_choice(rendered.tools, state.agent)
+    if not is_harmony_chat(state.chat):       # harmony's chat format carries the calls
+        check_chat_tool_choice(rendered.tools, state.agent)
     max_tokens = _check_lengths(state, rendered.prompt_ids, body.max_new_tokens)
     top = (body.top_logprobs or 0) if body.logprobs else None   # logprobs alone: the chosen
     params = structured_hooks.attach(
@@ -365,9 +376,11 @@ def build_app(state: ServerState) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         now = int(time.time())
+        root = _model_root(state)
         return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": now, "owned_by": "kvrelay", "root": name,
-             "max_model_len": state.max_model_len} for name in state.served_names]}
+            {"id": name, "object": "model", "created": now, "owned_by": "kvrelay",
+             "root": root or name, "max_model_len": state.max_model_len}
+            for name in state.served_names]}
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -434,8 +447,9 @@ def build_app(state: ServerState) -> FastAPI:
         created = int(time.time())
         take_hold(state, request, kv)                       # 429 before the engine holds
         try:
-            gen = state.engine.generate(base_id, rendered.prompt_ids, params,
-                                        body.kv_transfer_params)
+            gen = calls_limited(state.engine.generate(base_id, rendered.prompt_ids, params,
+                                                      body.kv_transfer_params),
+                                rendered.tools, state.chat)
         except OpenAIError:
             refund_hold(state, request, kv)                 # refused: it holds nothing
             raise

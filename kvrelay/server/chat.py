@@ -46,7 +46,8 @@ class _ForcedCallStream:
     """A template model's output under `tool_choice` required / named: the grammar makes it
     vLLM's JSON list of calls, returned as tool calls once complete (text if it is not)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tools: ToolSpec) -> None:
+        self.tools = tools
         self.text: list[str] = []
         self.made_calls = False
 
@@ -59,6 +60,7 @@ class _ForcedCallStream:
         calls = calls_from_json_array(text)
         if calls is None:
             return [{"content": text}] if text else []
+        calls = self.tools.limit(calls)
         self.made_calls = True
         return [tool_call_deltas(i, c, c.arguments, True) for i, c in enumerate(calls)]
 
@@ -118,11 +120,11 @@ class TemplateChat:
         if tools.choice.forces_call:
             calls = calls_from_json_array(text)
             if calls is not None:
-                return Parsed("", tool_calls=calls)
+                return Parsed("", tool_calls=tools.limit(calls))
         return Parsed(text)
 
     def stream_parser(self, tools: ToolSpec = NO_TOOLS) -> StreamParser:
-        return _ForcedCallStream() if tools.choice.forces_call else _TextStream()
+        return _ForcedCallStream(tools) if tools.choice.forces_call else _TextStream()
 
 
 def make_chat_renderer(tokenizer: CheckpointTokenizer | None,

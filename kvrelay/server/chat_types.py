@@ -61,7 +61,7 @@ class ChatRenderer(Protocol):
 
 
 def request_tools(body: ChatCompletionRequest) -> ToolSpec:
-    return tool_spec(body.tools, body.tool_choice)
+    return tool_spec(body.tools, body.tool_choice, body.parallel_tool_calls)
 
 
 def tool_call_deltas(index: int, call: ToolCallOut, arguments: str,

@@ -1,13 +1,21 @@
 """Chat for gpt-oss checkpoints in harmony: render with openai-harmony (tools in the
 developer message, earlier calls and tool results in the conversation), split the output
-into `reasoning` (analysis channel), `content` (final channel) and `tool_calls`
-(commentary-channel messages to `functions.NAME`)."""
+into `reasoning` (analysis channel), `tool_calls` (messages to `functions.NAME`) and
+`content` (everything else the model wrote: the final channel, preambles, other channels,
+and output that breaks harmony's grammar), whatever tokens the model emits.
+
+The streamed and the whole answer come from the same `_HarmonyStream`, so the deltas of a
+stream always add up to the non-streamed message. `one_call_per_turn` ends a turn after
+its first call when the request says `parallel_tool_calls: false`.
+"""
 from __future__ import annotations
 
 import json
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any, Literal
 
 from kvrelay import harmony
+from kvrelay.engine.outputs import CompletionOutput, RequestOutput
 from kvrelay.model.tokenizer import CheckpointTokenizer
 from kvrelay.server import structured_hooks
 from kvrelay.server.chat_types import Parsed, Rendered, request_tools, tool_call_deltas
@@ -23,7 +31,6 @@ from kvrelay.server.prompt_tokens import (
 from kvrelay.server.protocol import ChatCompletionRequest, OpenAIError
 from kvrelay.server.tools import NO_TOOLS, ToolCallOut, ToolSpec
 
-FUNCTIONS = "functions."
 # ordinary text up to this size is rendered straight away (openai-harmony holds the GIL:
 # ~0.3 s a MiB); more is counted first, without the GIL (see HarmonyChat._check)
 COUNT_FIRST_BYTES = 2**20
@@ -34,19 +41,37 @@ def is_harmony_tokenizer(tokenizer: CheckpointTokenizer) -> bool:
 
 
 def is_function_call(delta: harmony.Delta) -> bool:
-    return bool(delta.recipient and delta.recipient.startswith(FUNCTIONS)
-                and delta.channel != "final")
+    """A delta of a message to `functions.NAME` (NAME a valid function name)."""
+    return delta.call_name is not None
+
+
+DeltaKind = Literal["reasoning", "call", "content"]
+
+
+def delta_kind(delta: harmony.Delta, tools: ToolSpec) -> DeltaKind:
+    """Where a delta's text goes: a call of a client function (when the request's calls are
+    returned) → the call's arguments; the analysis channel → reasoning; anything else
+    (final, preambles, other channels, built-in tools' calls, calls under tool_choice none,
+    malformed output) → content, so no text the model wrote is lost."""
+    if tools.parse_calls and is_function_call(delta):
+        return "call"
+    if delta.channel == "analysis":
+        return "reasoning"
+    return "content"
 
 
 class _HarmonyStream:
-    """Channel-by-channel deltas: analysis → `reasoning` (+ `reasoning_content`), final →
-    `content`, a function call → OpenAI tool-call deltas (the first names the call)."""
+    """Channel-by-channel deltas: analysis → `reasoning` (+ `reasoning_content`), a function
+    call → OpenAI tool-call deltas (the first names the call), the rest → `content`. Keeps
+    what it sent, so `parsed()` is the sum of the deltas."""
 
     def __init__(self, tools: ToolSpec = NO_TOOLS) -> None:
         self.parser = harmony.HarmonyStreamParser()
         self.tools = tools
         self.calls: list[ToolCallOut] = []
+        self._call_args: list[list[str]] = []
         self._call_message = -1        # the harmony message the last call came from
+        self._texts: dict[str, list[str]] = {"reasoning": [], "content": []}
 
     @property
     def made_calls(self) -> bool:
@@ -57,19 +82,24 @@ class _HarmonyStream:
         for d in deltas:
             if not d.text:
                 continue
-            if d.channel == "analysis":
-                out.append({"reasoning": d.text, "reasoning_content": d.text})
-            elif d.channel == "final":
-                out.append({"content": d.text})
-            elif self.tools.parse_calls and is_function_call(d):
+            kind = delta_kind(d, self.tools)
+            if kind == "call":
                 out.append(self._call_delta(d))
+                continue
+            self._texts[kind].append(d.text)
+            if kind == "reasoning":
+                out.append({"reasoning": d.text, "reasoning_content": d.text})
+            else:
+                out.append({"content": d.text})
         return out
 
     def _call_delta(self, d: harmony.Delta) -> dict[str, Any]:
         first = d.message != self._call_message
         if first:
             self._call_message = d.message
-            self.calls.append(ToolCallOut((d.recipient or "")[len(FUNCTIONS):], ""))
+            self.calls.append(ToolCallOut(d.call_name or "", ""))
+            self._call_args.append([])
+        self._call_args[-1].append(d.text)
         return tool_call_deltas(len(self.calls) - 1, self.calls[-1], d.text, first)
 
     def feed(self, token_ids: list[int], text: str) -> list[dict[str, Any]]:
@@ -81,18 +111,100 @@ class _HarmonyStream:
     def flush(self) -> list[dict[str, Any]]:
         return self._as_openai(self.parser.close())
 
+    def parsed(self) -> Parsed:
+        """The whole message: what the deltas so far add up to."""
+        reasoning = "".join(self._texts["reasoning"])
+        calls = [ToolCallOut(c.name, "".join(args), c.id)
+                 for c, args in zip(self.calls, self._call_args)]
+        return Parsed("".join(self._texts["content"]), reasoning or None, calls)
+
+
+class _CallWatch:
+    """Where, in one output's tokens, its first function call ends (parallel_tool_calls
+    false): a second harmony parser over the same tokens, so it does not depend on the
+    consumer's."""
+
+    def __init__(self) -> None:
+        self.parser = harmony.HarmonyStreamParser()
+        self.seen = 0                       # tokens fed so far
+
+    def end_of_first_call(self, token_ids: list[int]) -> int | None:
+        """Feed new tokens; the count of them up to and including the one that ended the
+        first call, or None while none has."""
+        for i, token in enumerate(token_ids):
+            self.parser.feed(token)
+            if self.parser.calls_ended:
+                self.seen += i + 1
+                return i + 1
+        self.seen += len(token_ids)
+        return None
+
+
+def _cut(o: CompletionOutput, keep_new: int, total: int) -> CompletionOutput:
+    """`o` ended after `keep_new` of its new tokens (`total` tokens in all): a finished copy
+    with its own lists (the engine's cumulative lists keep growing). Its text stays as the
+    engine gave it: harmony answers are made from the token ids."""
+    delta_ids = list(o.delta_token_ids[:keep_new])
+    return CompletionOutput(
+        o.index, o.text, list(o.token_ids[:total]), "stop", delta_ids[-1] if delta_ids else None,
+        None if o.logprobs is None else list(o.logprobs[:total]), o.delta_text, delta_ids,
+        None if o.delta_logprobs is None else list(o.delta_logprobs[:keep_new]))
+
+
+def _ended(o: CompletionOutput) -> CompletionOutput:
+    """An output that ended earlier, as a later step shows it: nothing new."""
+    return CompletionOutput(o.index, o.text, o.token_ids, o.finish_reason, o.stop_reason,
+                            o.logprobs, "", [], None if o.delta_logprobs is None else [])
+
+
+def calls_limited(gen: AsyncIterator[RequestOutput], tools: ToolSpec,
+                  renderer: object) -> AsyncIterator[RequestOutput]:
+    """`gen`, each turn ended after its first call where the request allows one call
+    (`parallel_tool_calls: false`) on a harmony model. (A template model's calls are one
+    JSON list: the grammar's `maxItems` and `ToolSpec.limit` hold it to one.)"""
+    if isinstance(renderer, HarmonyChat) and tools.parse_calls and not tools.parallel:
+        return one_call_per_turn(gen)
+    return gen
+
+
+async def one_call_per_turn(gen: AsyncIterator[RequestOutput]
+                            ) -> AsyncGenerator[RequestOutput, None]:
+    """`parallel_tool_calls: false` on a harmony model: each output's turn ends with its
+    first function call. `<|call|>` (a stop token) already ends the turn; a call closed
+    with `<|end|>` (or with a `<|start|>` that begins the next message) would be followed by
+    more messages — there the output is cut after the call and finished with "stop" (so
+    the answer's finish reason is "tool_calls"), and once every output has finished the
+    engine request is closed (aborted) instead of generating on."""
+    watches: dict[int, _CallWatch] = {}
+    ended: dict[int, CompletionOutput] = {}
+    try:
+        async for out in gen:
+            outputs = []
+            for o in out.outputs:
+                if o.index in ended:
+                    outputs.append(_ended(ended[o.index]))
+                    continue
+                watch = watches.setdefault(o.index, _CallWatch())
+                keep = watch.end_of_first_call(o.delta_token_ids)
+                if keep is not None and (o.finish_reason is None or keep < len(o.delta_token_ids)):
+                    o = ended[o.index] = _cut(o, keep, watch.seen)
+                outputs.append(o)
+            out.outputs = outputs
+            if ended and not out.finished and all(o.finished for o in outputs):
+                out.finished = True
+            yield out
+            if out.finished:
+                return
+    finally:
+        if isinstance(gen, AsyncGenerator):
+            await gen.aclose()
+
 
 def render_harmony(body: ChatCompletionRequest, tools: ToolSpec) -> list[int]:
     """The harmony prompt of a chat request; ValueError on bad messages."""
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
     return harmony.render_chat(messages, body.reasoning_effort,
                                [t.as_chat_tool() for t in tools.offered] or None)
-
-
-def parsed_calls(chat: harmony.ParsedChat, tools: ToolSpec) -> list[ToolCallOut]:
-    if not tools.parse_calls:
-        return []
-    return [ToolCallOut(c.name, c.arguments) for c in chat.tool_calls]
 
 
 def _texts(body: ChatCompletionRequest) -> list[str]:
@@ -158,8 +270,11 @@ class HarmonyChat:
         check_piece_work(hf_tokenizer(self.tokenizer), words, work)
 
     def parse(self, token_ids: list[int], text: str, tools: ToolSpec = NO_TOOLS) -> Parsed:
-        result = harmony.parse_completion(token_ids)
-        return Parsed(result.content, result.reasoning or None, parsed_calls(result, tools))
+        """The whole answer: exactly what a stream of the same tokens adds up to."""
+        stream = _HarmonyStream(tools)
+        stream.feed(token_ids, text)
+        stream.flush()
+        return stream.parsed()
 
     def stream_parser(self, tools: ToolSpec = NO_TOOLS) -> _HarmonyStream:
         return _HarmonyStream(tools)

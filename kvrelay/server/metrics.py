@@ -3,8 +3,9 @@
 Engine gauges/totals are read from the engine core's latest stats snapshot at scrape
 time; latency histograms and token counters are observed by the API server. What the
 engine core resolved at start-up (native CPU kernels, the half-precision matmul path)
-comes once with its "ready" info (`kvrelay.model.fast_paths.native_paths`) and is exported
-from there, so it costs nothing per step.
+comes with its "ready" info (`kvrelay.model.fast_paths.native_paths`; sent again when the
+kernels, built in the background, switch in) and is exported from there, so it costs
+nothing per step.
 """
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ def native_families(native: dict[str, Any], labels: list[str],
                     values: list[str]) -> Iterator[GaugeMetricFamily]:
     """`kvrelay:native_kernels_available{kernel, isa}` 1 where the native CPU kernel serves
     `kernel` (isa: the ISA build it runs), 0 where the PyTorch reference path does (isa
-    "none"); `kvrelay:half_matmul_path{path}` 1 on the path bf16/fp16 matmuls take."""
+    "none"); `kvrelay:native_kernels_ready` / `_building` (the build: done and in use /
+    compiling in the background; both 0 when it failed); `kvrelay:half_matmul_path{path}`
+    1 on the path bf16/fp16 matmuls take."""
     kernels = GaugeMetricFamily(
         "kvrelay:native_kernels_available",
         "1 if the native CPU kernel serves this kernel, 0 if the PyTorch reference path does "
@@ -32,6 +35,16 @@ def native_families(native: dict[str, Any], labels: list[str],
     for kernel, isa in sorted(native.get("kernels", {}).items()):
         kernels.add_metric(values + [kernel, isa or "none"], 1.0 if isa else 0.0)
     yield kernels
+    build = native.get("build")
+    if build:
+        for state in ("ready", "building"):
+            gauge = GaugeMetricFamily(
+                f"kvrelay:native_kernels_{state}",
+                "1 once the native CPU kernels are built and in use" if state == "ready" else
+                "1 while the native CPU kernels compile in the background (the PyTorch "
+                "reference paths serve meanwhile; the log shows the progress)", labels=labels)
+            gauge.add_metric(values, 1.0 if build == state else 0.0)
+            yield gauge
     chosen = native.get("half_matmul")
     if chosen:
         path = GaugeMetricFamily(

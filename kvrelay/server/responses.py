@@ -4,9 +4,9 @@ A request becomes a chat conversation (`input` items → chat messages, `instruc
 the system message, `reasoning.effort` → harmony's `Reasoning:` line) and is rendered by
 the server's chat renderer, so harmony prompts are the same as on /v1/chat/completions.
 The output tokens go through one `_OutputBuilder` for both the streamed and the whole
-answer: each harmony message becomes an output item (analysis → `reasoning`, final →
-`message`, a call to `functions.NAME` → `function_call`), each with the streaming events
-the openai client parses.
+answer: each harmony message becomes an output item (analysis → `reasoning`, a call to
+`functions.NAME` → `function_call`, any other text → `message`: `harmony_chat.delta_kind`,
+as chat splits it), each with the streaming events the openai client parses.
 
 Stored responses (`store`, default true) live in a bounded in-memory `ResponseStore`
 (kvrelay/server/response_store.py: entries, bytes and one entry's size bounded, least
@@ -34,7 +34,7 @@ from kvrelay.engine.client import EngineDeadError, EngineError, KVTransferFailed
 from kvrelay.engine.outputs import RequestOutput
 from kvrelay.server import serving, structured_hooks
 from kvrelay.server.chat import Rendered
-from kvrelay.server.harmony_chat import HarmonyChat, is_function_call
+from kvrelay.server.harmony_chat import HarmonyChat, calls_limited, delta_kind
 from kvrelay.server.prep import INLINE_BYTES
 from kvrelay.server.protocol import ChatCompletionRequest, OpenAIError
 from kvrelay.server.response_store import (
@@ -221,17 +221,17 @@ class _OutputBuilder:
     # -- input
 
     def harmony(self, delta: harmony.Delta) -> None:
+        """A harmony delta: a call → a function_call item, analysis → a reasoning item,
+        anything else the model wrote (final, preambles, other channels, malformed output)
+        → a message item (`harmony_chat.delta_kind`)."""
         if not delta.text:
             return
-        if delta.channel == "analysis":
-            kind, name = "reasoning", None
-        elif delta.channel == "final" or (delta.channel == "commentary" and not delta.recipient):
-            kind, name = "message", None
-        elif self.tools.parse_calls and is_function_call(delta):
-            kind, name = "function_call", (delta.recipient or "")[len("functions."):]
+        kind = delta_kind(delta, self.tools)
+        if kind == "call":
+            self._text("function_call", delta.message, delta.text, delta.call_name)
         else:
-            return                        # built-in tools' calls (python, browser) are not shown
-        self._text(kind, delta.message, delta.text, name)
+            self._text("reasoning" if kind == "reasoning" else "message", delta.message,
+                       delta.text, None)
 
     def text(self, text: str) -> None:
         """A template model's output: its text, or under a forced choice the JSON list of
@@ -249,7 +249,7 @@ class _OutputBuilder:
             calls = calls_from_json_array(pending)
             if calls is None:
                 self._text("message", 0, pending, None)
-            for i, call in enumerate(calls or []):
+            for i, call in enumerate(self.tools.limit(calls or [])):
                 self._text("function_call", ("call", i), call.arguments, call.name)
         self._close(incomplete)
         return [it.item for it in self.items]
@@ -431,13 +431,14 @@ def _prepare(state: serving.ServerState, store: ResponseStore, body: ResponsesRe
     messages = history + input_messages(body.input)
     if not messages:
         raise OpenAIError("input: expected at least one item", param="input")
-    tools = tool_spec(body.tools, body.tool_choice)
+    tools = tool_spec(body.tools, body.tool_choice, body.parallel_tool_calls)
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     try:
         chat = ChatCompletionRequest.model_validate({
             "model": model, "messages": system + messages, "reasoning_effort": _effort(body),
             "tools": [t.as_chat_tool() for t in tools.tools] or None,
-            "tool_choice": _chat_choice(tools), "temperature": body.temperature,
+            "tool_choice": _chat_choice(tools), "parallel_tool_calls": body.parallel_tool_calls,
+            "temperature": body.temperature,
             "top_p": body.top_p, "max_tokens": body.max_output_tokens, "seed": body.seed})
     except ValidationError as e:    # an input the chat form cannot hold: the client's
         raise OpenAIError(f"input: {e.errors()[0].get('msg', 'invalid')}", param="input") from None
@@ -509,8 +510,8 @@ def _finish(state: serving.ServerState, store: ResponseStore, p: _Prepared, deco
 
 async def _create(state: serving.ServerState, store: ResponseStore, p: _Prepared,
                   request: Request) -> dict[str, Any]:
-    gen = state.engine.generate(p.response_id, p.rendered.prompt_ids, p.params,
-                                p.body.kv_transfer_params)
+    gen = calls_limited(state.engine.generate(p.response_id, p.rendered.prompt_ids, p.params,
+                                              p.body.kv_transfer_params), p.tools, state.chat)
     (final,) = await serving._until_disconnect(request, asyncio.ensure_future(
         serving._collect(state, [gen], [(None, p.rendered.prompt_ids)])))
     decoder = _Decoder(isinstance(state.chat, HarmonyChat), _OutputBuilder(p.tools))
@@ -582,8 +583,9 @@ def add_responses_routes(app: FastAPI, state: serving.ServerState) -> ResponseSt
         if body.stream:
             # made before the response starts, so a full queue is a 503, not a broken stream
             try:
-                gen = state.engine.generate(p.response_id, p.rendered.prompt_ids, p.params,
-                                            p.body.kv_transfer_params)
+                gen = calls_limited(state.engine.generate(
+                    p.response_id, p.rendered.prompt_ids, p.params, p.body.kv_transfer_params),
+                    p.tools, state.chat)
             except OpenAIError:
                 serving.refund_hold(state, request, kv)     # refused: it holds nothing
                 raise

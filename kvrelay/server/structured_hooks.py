@@ -51,7 +51,9 @@ def tool_call(tools: ToolSpec, harmony: bool) -> StructuredOutputsParams | None:
     """The constraint of `tool_choice` required / named (None for auto / none)."""
     if not tools.choice.forces_call:
         return None
-    return _params("tools", tool_call=ToolCallConstraint(_functions(tools)), harmony=harmony)
+    return _params("tools", tool_call=ToolCallConstraint(_functions(tools),
+                                                         parallel=tools.parallel),
+                   harmony=harmony)
 
 
 def json_format(schema: dict[str, Any], harmony: bool,
@@ -60,7 +62,7 @@ def json_format(schema: dict[str, Any], harmony: bool,
     call of one of them."""
     call = None
     if tools is not None and tools.parse_calls and not tools.choice.forces_call:
-        call = ToolCallConstraint(_functions(tools), required=False)
+        call = ToolCallConstraint(_functions(tools), required=False, parallel=tools.parallel)
     return _params("text.format", json=schema, harmony=harmony, tool_call=call)
 
 
@@ -75,7 +77,8 @@ def attach(params: SamplingParams, constraint: StructuredOutputsParams | None,
     elif (current is not None and current.tool_call is None and current.formats()
           and tools.parse_calls):
         combined = dataclasses.replace(
-            current, tool_call=ToolCallConstraint(_functions(tools), required=False))
+            current, tool_call=ToolCallConstraint(_functions(tools), required=False,
+                                                  parallel=tools.parallel))
         check_constraint(combined, "tools")
         params.structured_outputs = combined
     return params

@@ -7,7 +7,9 @@ the grammar constraint) sees `FunctionTool`s and one `ToolChoice`.
 
 Server options (`AgentOptions`) carry vLLM's flags `--enable-auto-tool-choice`,
 `--tool-call-parser openai` and `--reasoning-parser openai_gptoss`: as in vLLM,
-`tool_choice: "auto"` on /v1/chat/completions needs the first two.
+`tool_choice: "auto"` on /v1/chat/completions needs the first two — for template models.
+A harmony (gpt-oss) model's chat format carries its calls (the commentary channel,
+`to=functions.NAME`), so "auto" needs no flag there.
 """
 from __future__ import annotations
 
@@ -102,9 +104,16 @@ class ToolChoice:
 
 @dataclass(frozen=True)
 class ToolSpec:
-    """A request's tools with its choice; `offered` are the tools the prompt shows."""
+    """A request's tools with its choice; `offered` are the tools the prompt shows.
+    `parallel`: `parallel_tool_calls` (default true); false → at most one call an answer."""
     tools: tuple[FunctionTool, ...] = ()
     choice: ToolChoice = field(default_factory=ToolChoice)
+    parallel: bool = True
+
+    def limit(self, calls: list[ToolCallOut]) -> list[ToolCallOut]:
+        """`calls` as the answer may hold them: the first only under parallel_tool_calls
+        false."""
+        return calls if self.parallel else calls[:1]
 
     @property
     def offered(self) -> tuple[FunctionTool, ...]:
@@ -191,9 +200,12 @@ def parse_tool_choice(raw: Any, tools: Sequence[FunctionTool],
                       param=param)
 
 
-def tool_spec(tools: Any, choice: Any) -> ToolSpec:
+def tool_spec(tools: Any, choice: Any, parallel: Any = None) -> ToolSpec:
+    """`tools`, `tool_choice` and `parallel_tool_calls` (None: true) of a request."""
     parsed = parse_tools(tools)
-    return ToolSpec(parsed, parse_tool_choice(choice, parsed))
+    if parallel is not None and not isinstance(parallel, bool):
+        raise OpenAIError("parallel_tool_calls: expected a boolean", param="parallel_tool_calls")
+    return ToolSpec(parsed, parse_tool_choice(choice, parsed), parallel is not False)
 
 
 def new_call_id() -> str:
@@ -236,7 +248,8 @@ def calls_from_json_array(text: str) -> list[ToolCallOut] | None:
 
 
 def check_chat_tool_choice(tools: ToolSpec, options: AgentOptions) -> None:
-    """vLLM's rule for /v1/chat/completions: `tool_choice: "auto"` (also implied by `tools`
-    without a choice) needs `--enable-auto-tool-choice --tool-call-parser ...`."""
+    """vLLM's rule for /v1/chat/completions on a template model: `tool_choice: "auto"` (also
+    implied by `tools` without a choice) needs `--enable-auto-tool-choice --tool-call-parser
+    ...` (api.py does not ask it of harmony models, whose chat format carries the calls)."""
     if tools.tools and tools.choice.mode == "auto" and not options.auto_tools:
         raise OpenAIError(AUTO_NEEDS_FLAGS, param="tool_choice")

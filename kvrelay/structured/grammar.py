@@ -71,8 +71,9 @@ def _args_schema(parameters: Mapping[str, Any] | None, p: StructuredOutputsParam
 
 def _calls_schema(tools: ToolCallConstraint, p: StructuredOutputsParams) -> dict[str, Any]:
     """Non-harmony tool calls: vLLM's required-tool-choice shape, a JSON array of
-    `{"name": NAME, "parameters": ARGS}`. Each function's schema sits in `$defs` as `fn_I`,
-    its own `$ref`s moved below it, so they resolve as in the schema alone."""
+    `{"name": NAME, "parameters": ARGS}` (exactly one under `parallel=False`). Each
+    function's schema sits in `$defs` as `fn_I`, its own `$ref`s moved below it, so they
+    resolve as in the schema alone."""
     defs = {f"fn_{i}": _relocated(f.parameters or {"type": "object"}, f"#/$defs/fn_{i}")
             for i, f in enumerate(tools.functions)}
     options = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
@@ -80,7 +81,10 @@ def _calls_schema(tools: ToolCallConstraint, p: StructuredOutputsParams) -> dict
                                "parameters": {"$ref": f"#/$defs/fn_{i}"}}}
                for i, f in enumerate(tools.functions)]
     item = options[0] if len(options) == 1 else {"anyOf": options}
-    return _with_options({"type": "array", "minItems": 1, "items": item, "$defs": defs}, p)
+    array: dict[str, Any] = {"type": "array", "minItems": 1, "items": item, "$defs": defs}
+    if not tools.parallel:
+        array["maxItems"] = 1
+    return _with_options(array, p)
 
 
 def _relocated(schema: Any, base: str) -> Any:

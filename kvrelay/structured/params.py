@@ -45,9 +45,12 @@ class FunctionSpec:
 class ToolCallConstraint:
     """The answer calls one of `functions` (tool_choice "required": every tool; a named
     tool_choice: that one). `required=False`: a call OR the format of the enclosing params
-    (or, harmony without a format, free final text)."""
+    (or, harmony without a format, free final text). `parallel=False` (the request's
+    `parallel_tool_calls: false`): the non-harmony JSON list holds exactly one call (a harmony
+    turn's constrained call is always one: `<|call|>` ends it)."""
     functions: tuple[FunctionSpec, ...]
     required: bool = True
+    parallel: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "functions", tuple(
@@ -59,7 +62,8 @@ class ToolCallConstraint:
             raise ValueError(f"duplicate function names in {names}")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"functions": [f.to_dict() for f in self.functions], "required": self.required}
+        return {"functions": [f.to_dict() for f in self.functions], "required": self.required,
+                "parallel": self.parallel}
 
 
 _FORMATS = ("json", "regex", "choice", "grammar", "json_object")
@@ -89,7 +93,8 @@ class StructuredOutputsParams:
             object.__setattr__(self, "choice", tuple(self.choice))
         if isinstance(self.tool_call, Mapping):
             object.__setattr__(self, "tool_call", ToolCallConstraint(
-                tuple(self.tool_call["functions"]), bool(self.tool_call.get("required", True))))
+                tuple(self.tool_call["functions"]), bool(self.tool_call.get("required", True)),
+                bool(self.tool_call.get("parallel", True))))
         formats = self.formats()
         if len(formats) > 1:
             raise ValueError(f"only one of {', '.join(_FORMATS)} may be set, got {formats}")

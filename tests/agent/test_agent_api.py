@@ -97,13 +97,26 @@ def test_responses_constraints():
     assert engine.requests[-1][1].structured_outputs is None
 
 
-def test_auto_tool_choice_needs_vllms_flags():
-    _, client, http = _harmony(scripted_harmony_answer("", "Hi"), agent=AgentOptions())
-    err = _error(http, "chat/completions", {"messages": USER, "tools": TOOLS})
-    assert "--enable-auto-tool-choice" in err["message"] and err["param"] == "tool_choice"
+def test_auto_tool_choice_needs_vllms_flags_on_template_models_only():
+    """A harmony model's chat format carries its calls: "auto" works on a plain `kvrelay
+    serve` (issue 29: the Agents SDK's second turn got this 400); a template model keeps
+    vLLM's rule."""
+    _, client, http = _harmony(scripted_tool_call("get_weather", '{"city":"Oslo"}'),
+                               agent=AgentOptions())
+    for choice in ("auto", None):
+        out = client.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS,
+                                             **({"tool_choice": choice} if choice else {}))
+        assert out.choices[0].finish_reason == "tool_calls"
+        assert out.choices[0].message.tool_calls[0].function.name == "get_weather"
     # plain chat and the Responses API (vLLM's too) need no flag
     assert client.chat.completions.create(model=MODEL, messages=USER).choices[0].message.content
-    assert client.responses.create(model=MODEL, input="x", tools=RTOOLS).output_text == "Hi"
+    assert client.responses.create(model=MODEL, input="x", tools=RTOOLS).output[0].type == \
+        "function_call"
+    tok = char_tokenizer()
+    engine = ScriptedEngine(lambda prompt: [*tok.encode("Fine."), EOS], tok.decode)
+    _, http = openai_client(make_state(engine, False, AgentOptions(), tokenizer=tok))
+    err = _error(http, "chat/completions", {"messages": USER, "tools": TOOLS})
+    assert "--enable-auto-tool-choice" in err["message"] and err["param"] == "tool_choice"
 
 
 @pytest.mark.parametrize("kwargs, match", [

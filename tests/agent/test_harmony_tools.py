@@ -205,7 +205,8 @@ def _scripts(enc) -> dict[str, tuple[list[int], list[tuple[str, str]], str, str]
         "call after analysis": (after_analysis, [("get_weather", '{"city":"Oslo"}')], "Check.", ""),
         "several calls": (several, [("get_weather", '{"city":"Rome"}'),
                                     ("get_time", '{"tz":"CET"}')], "Two.", ""),
-        "text then call": (text_then_call, [("get_time", "{}")], "", ""),
+        # a preamble (commentary without a recipient) is text for the user: content
+        "text then call": (text_then_call, [("get_time", "{}")], "", "Let me look."),
     }
 
 
@@ -219,8 +220,8 @@ def test_scripted_calls_become_openai_tool_calls(enc, chat, name):
     assert [(c.function.name, c.function.arguments) for c in message.tool_calls] == calls
     assert all(c.id.startswith("call_") and c.type == "function" for c in message.tool_calls)
     assert len({c.id for c in message.tool_calls}) == len(calls)
-    assert message.content is None and (message.model_extra or {}).get("reasoning") == (
-        reasoning or None)
+    assert message.content == (content or None)
+    assert (message.model_extra or {}).get("reasoning") == (reasoning or None)
     assert finish_reason("stop", bool(parsed.tool_calls)) == "tool_calls"
 
     # streamed: one chunk per delta, token by token, as the openai client accumulates them

@@ -187,3 +187,54 @@ def test_a_proxy_is_read_through_its_backends():
     later = server_metrics.PrefixCacheSnapshot(250.0, 130.0, snap.sources)
     assert server_metrics.hit_rate(snap, later) == (100.0, 80.0, 0.8)
     assert server_metrics.hit_rate(snap, None) == (None, None, None)
+
+
+# -- progress -------------------------------------------------------------------------------
+
+def test_progress_line_says_done_total_rate_and_time_left():
+    assert runner.progress_line(8, 16, 4.0) == (
+        "kvrelay bench: 8/16 requests done (50%), 2.00 req/s, 4.0s elapsed, ~4s left")
+    assert runner.progress_line(16, 16, 8.0) == (
+        "kvrelay bench: 16/16 requests done (100%), 2.00 req/s, 8.0s elapsed")
+    assert runner.progress_line(0, 16, 0.0) == (
+        "kvrelay bench: 0/16 requests done (0%), 0.00 req/s, 0.0s elapsed")
+
+
+def test_line_progress_prints_every_interval_and_at_the_end():
+    import io
+    now = [0.0]
+    out = io.StringIO()
+    bar = runner.LineProgress(10, out, every_s=5.0, clock=lambda: now[0])
+    for t in (1, 2, 6, 7, 8, 12, 13, 14, 15, 16):           # one request ends at each time
+        now[0] = float(t)
+        bar.update(1)
+    bar.close()
+    assert out.getvalue().splitlines() == [
+        "kvrelay bench: 3/10 requests done (30%), 0.50 req/s, 6.0s elapsed, ~14s left",
+        "kvrelay bench: 6/10 requests done (60%), 0.50 req/s, 12.0s elapsed, ~8s left",
+        "kvrelay bench: 10/10 requests done (100%), 0.62 req/s, 16.0s elapsed"]
+
+
+def test_a_run_shows_progress_lines_when_stderr_is_not_a_terminal(monkeypatch, capsys):
+    fake = FakeOpenAI(step_s=0)
+    _patch_client(monkeypatch, fake)
+    cfg = runner.RunConfig(BASE, RequestOptions(model="m"))
+    asyncio.run(runner.run(cfg, [[_req(f"q{i}", 1)] for i in range(5)]))
+    err = capsys.readouterr().err
+    assert err.startswith("kvrelay bench: 5/5 requests done (100%), ") and "\r" not in err
+    asyncio.run(runner.run(runner.RunConfig(BASE, RequestOptions(model="m"), disable_tqdm=True),
+                           [[_req("q", 1)]]))
+    assert capsys.readouterr().err == ""                  # --disable-tqdm: nothing
+
+
+def test_a_terminal_gets_the_tqdm_bar():
+    import io
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+    out = Tty()
+    bar = runner._progress(3, False, out)
+    bar.update(3)
+    bar.close()
+    assert type(bar).__name__ == "tqdm" and "3/3" in out.getvalue()

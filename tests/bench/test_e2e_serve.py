@@ -22,9 +22,9 @@ def server(tiny, tmp_path_factory):
         s.stop()
 
 
-def bench(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvrelay.cli", "bench", "serve", "--disable-tqdm",
-                           *args],
+def bench(*args: str, timeout: float = 240, progress: bool = False) -> subprocess.CompletedProcess:
+    quiet = [] if progress else ["--disable-tqdm"]
+    return subprocess.run([sys.executable, "-m", "kvrelay.cli", "bench", "serve", *quiet, *args],
                           capture_output=True, text=True, timeout=timeout, check=False)
 
 
@@ -55,12 +55,31 @@ def test_prefix_repetition_run_against_kvrelay(server, tiny, tmp_path):
         assert "figure: skipped" in r.stdout
 
 
-def test_chat_random_without_tokenizer(server):
+def test_chat_random_without_tokenizer_counts_with_the_served_models(server, tiny):
+    """No --tokenizer: the served model's (GET /v1/models' root, under --served-model-name
+    tiny), and the output says so; progress lines on stderr (not a terminal)."""
     r = bench("--base-url", server.url, "--endpoint", "/v1/chat/completions", "--dataset-name",
               "random",
               "--random-input-len", "12", "--random-output-len", "4", "--num-prompts", "4",
-              "--request-rate", "50", "--ignore-eos")
+              "--request-rate", "50", "--ignore-eos", progress=True)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "Successful requests:                    4" in r.stdout
     assert "Failed requests:                        0" in r.stdout
     assert "Total generated tokens:                 16" in r.stdout
+    assert (f"kvrelay bench: lengths counted in tokens of the served model's tokenizer, "
+            f"{tiny[0]} (from GET /v1/models; --tokenizer overrides)") in r.stdout
+    assert "kvrelay bench: 4/4 requests done (100%), " in r.stderr, r.stderr
+
+
+def test_random_prompts_are_exact_in_the_served_models_tokens(server, tiny, tmp_path):
+    r = bench("--base-url", server.url, "--dataset-name", "random", "--random-input-len", "12",
+              "--random-output-len", "2", "--num-prompts", "3", "--ignore-eos", "--save-result",
+              "--no-plot", "--result-dir", str(tmp_path), "--result-filename", "run.json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    d = json.loads((tmp_path / "run.json").read_text())
+    assert d["input_lens"] == [12] * 3                       # the server's usage agrees
+    assert d["tokenizer_id"] == str(tiny[0])
+    r = bench("--base-url", server.url, "--dataset-name", "random", "--random-input-len", "12",
+              "--random-output-len", "2", "--num-prompts", "1", "--tokenizer", "words")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "lengths counted in words, about one token each (--tokenizer words)" in r.stdout

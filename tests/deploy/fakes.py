@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 class Script:
     health: int = 200
     model: str = "fake-model"
+    root: str | None = None            # /v1/models' root (None: the id, as vLLM without a path)
     text: str = " Paris, the capital."
     finish_reason: str | None = "length"
     usage: dict[str, Any] | None = field(default_factory=lambda: {"prompt_tokens": 6,
@@ -45,6 +46,7 @@ class FakeServer:
     transfers: int = 0
     failures: int = 0
     requests: int = 0
+    bodies: list[dict[str, Any]] = field(default_factory=list)   # completion and chat requests
 
     def __post_init__(self) -> None:
         self.sock = socket.socket()
@@ -118,7 +120,8 @@ def _app(fake: FakeServer) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": fake.script.model, "object": "model"}]}
+        return {"object": "list", "data": [{"id": fake.script.model, "object": "model",
+                                            "root": fake.script.root or fake.script.model}]}
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -141,6 +144,7 @@ def _app(fake: FakeServer) -> FastAPI:
 
     async def answer(request: Request, chat: bool) -> Response:
         body = json.loads(await request.body())
+        fake.bodies.append(body)
         status = fake.count()
         if chat and fake.script.chat_status != 200:
             status = fake.script.chat_status

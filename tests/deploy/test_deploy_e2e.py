@@ -116,6 +116,8 @@ def test_deploy_validated_its_own_topology(deployment):
     assert (f"prefill-1  http://127.0.0.1:{base + 101}  TP1, devices 1  "
             f"side channel {side + 1}") in text
     assert f"decode-0   http://127.0.0.1:{base + 200}" in text
+    for name in ("decode-0", "prefill-0", "prefill-1", "proxy"):      # the bring-up status
+        assert f"kvrelay deploy: {name}: ready (" in text, text
 
 
 def test_validate_expect_di_against_the_proxy(deployment):

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from kvrelay.deploy.validate import ValidateOptions, main, run_checks
+from kvrelay.deploy.validate import (
+    EMBEDDED_DIR_STEM,
+    EMBEDDED_MODEL_NAME,
+    TUTORIAL_PROMPT,
+    ValidateOptions,
+    implausible,
+    main,
+    run_checks,
+)
 from tests.deploy.fakes import FakeServer, Script
 
 
@@ -30,7 +38,8 @@ def test_every_check_passes_on_a_good_server(fake):
     assert failed(v) == {}
     assert v["health"][1] == "HTTP 200 (0 prefill, 1 decode behind it)"
     assert v["completion"][1].startswith(
-        "16 tokens, finish_reason length, prompt_tokens 6: ' Paris")
+        "16 tokens, finish_reason length, prompt_tokens 6, plausible text: ' Paris")
+    assert v["chat"][1].startswith("16 tokens, finish_reason length, plausible text: ' Paris")
     assert v["traffic"][1].startswith("16/16 ok (8 streamed)")
     # completion + chat + 16 traffic requests, each one KV pull in the fake
     assert v["kv-transfer"][1].startswith("1 decode server(s) pulled KV 18 times")
@@ -132,3 +141,93 @@ def test_kv_transfer_fails_when_the_decode_server_is_not_a_consumer(fake):
     v = failed(verdicts(fake, expect_di=True, num_requests=0))
     assert v == {"kv-transfer": f"decode {fake.url}: no kvrelay:kv_transfers_total metric (not a "
                                 "kv_consumer?)"}
+
+
+# -- plausible answers ----------------------------------------------------------------------
+
+def test_the_completion_and_chat_checks_ask_greedily(fake):
+    verdicts(fake, num_requests=0)
+    completion, chat = fake.bodies
+    assert completion["prompt"] == TUTORIAL_PROMPT == "The capital of France is"
+    assert completion["temperature"] == 0 and chat["temperature"] == 0
+
+
+@pytest.mark.parametrize("text, reason", [
+    ("1.26269002482531", "the answer has no letters, only digits, punctuation or symbols"),
+    (" 12, 34.5 -- ?!", "the answer has no letters, only digits, punctuation or symbols"),
+    ("  \n\t ", "the answer is blank"),
+    ("\x00\x01\x02\x03ab\x04\x05", "only 25% of the answer's characters are printable"),
+    ("\ufffd\ufffd\ufffd\ufffd\ufffd\ufffd\ufffd\ufffdok", "only 20% of the answer's characters"),
+])
+def test_nonsense_fails_the_plausibility_check(fake, text, reason):
+    """An unknown model's answer must at least look like language: the README's old example
+    (sampled nonsense that validate used to pass) fails, naming the check."""
+    assert implausible(text) is not None and implausible(text).startswith(reason)
+    fake.script = Script(text=text)
+    v = failed(verdicts(fake, num_requests=0))
+    assert list(v) == ["completion", "chat"], v
+    for check in ("completion", "chat"):
+        assert v[check].startswith(f"implausible answer: {reason}"), v[check]
+        assert "no expected word for this model" in v[check]
+
+
+@pytest.mark.parametrize("text", [" Paris.", " w80 w121 w95", "Das ist 42.", " 東京", "\n\nThe"])
+def test_language_passes_the_plausibility_check(text):
+    assert implausible(text) is None
+
+
+def test_main_reports_a_nonsense_answer_and_exits_1(fake, capsys):
+    fake.script = Script(text="1.26269002482531")
+    assert main(["--base-url", fake.url, "--num-requests", "0"]) == 1
+    out = capsys.readouterr().out
+    assert ("FAIL completion: implausible answer: the answer has no letters, only digits, "
+            "punctuation or symbols") in out and "'1.26269002482531'" in out
+    assert out.splitlines()[-1].startswith("FAIL: 3/5 checks passed")
+
+
+def test_the_embedded_model_must_answer_paris(fake):
+    """The embedded model's greedy answers are known: plausible words are not enough."""
+    fake.script = Script(model=EMBEDDED_MODEL_NAME, text=" London, the capital.")
+    v = failed(verdicts(fake, num_requests=0))
+    assert v == {
+        "completion": "the answer does not contain 'Paris' (kvrelay/smollm2-135m-gpt-oss's greedy "
+                      "answer to 'The capital of France is'): ' London, the capital.'",
+        "chat": "the answer does not contain 'Paris' (kvrelay/smollm2-135m-gpt-oss's greedy "
+                "answer to 'What is the capital of France? Answer in one word.'): "
+                "' London, the capital.'"}
+    fake.script = Script(model=EMBEDDED_MODEL_NAME, text=" Paris.")
+    v = verdicts(fake, num_requests=0)
+    assert failed(v) == {} and "contains 'Paris'" in v["completion"][1]
+
+
+def test_the_embedded_model_is_recognised_by_its_root_under_another_name(fake):
+    root = f"/home/u/.cache/kvrelay/models/{EMBEDDED_DIR_STEM}-v1"
+    fake.script = Script(model="openai/gpt-oss-120b", root=root, text=" London.")
+    assert set(failed(verdicts(fake, num_requests=0))) == {"completion", "chat"}
+    # another checkpoint under the same name: the plausibility check only
+    fake.script = Script(model="openai/gpt-oss-120b", root="/models/gpt-oss-120b", text=" London.")
+    assert failed(verdicts(fake, num_requests=0)) == {}
+
+
+def test_a_custom_prompt_of_the_embedded_model_gets_the_plausibility_check(fake):
+    fake.script = Script(model=EMBEDDED_MODEL_NAME, text=" blue.")
+    v = failed(verdicts(fake, num_requests=0, prompt="The sky is"))
+    assert list(v) == ["chat"]                 # the chat message is still the known one
+
+
+def test_expect_names_the_word_for_any_model(fake, capsys):
+    fake.script = Script(text=" Lyon is nice.")
+    assert main(["--base-url", fake.url, "--num-requests", "0", "--expect", "Paris"]) == 1
+    assert ("FAIL completion: the answer does not contain 'Paris' (--expect): ' Lyon is nice.'"
+            in capsys.readouterr().out)
+    assert main(["--base-url", fake.url, "--num-requests", "0", "--expect", "lyon"]) == 0
+    assert "PASS completion: 16 tokens, finish_reason length, prompt_tokens 6, contains 'lyon'" \
+        in capsys.readouterr().out
+    assert main(["--base-url", fake.url, "--expect", " "]) == 2
+
+
+def test_the_embedded_names_match_the_embedded_module():
+    """validate keeps its own copies (kvrelay.model.embedded imports torch)."""
+    from kvrelay.model import embedded
+    assert EMBEDDED_MODEL_NAME == embedded.EMBEDDED_MODEL_NAME
+    assert embedded.CACHE_SUBDIR.rsplit("/", 1)[-1].startswith(EMBEDDED_DIR_STEM)

@@ -2,6 +2,10 @@
 requests, and its greedy chat answers equal transformers' on the converted checkpoint."""
 from __future__ import annotations
 
+import json
+import re
+from pathlib import Path
+
 import httpx
 import openai
 import pytest
@@ -34,6 +38,38 @@ def test_tutorial_validation_requests(embedded):
     assert body["choices"][0]["text"].strip()
     assert body["choices"][0]["finish_reason"] in ("length", "stop")
     assert body["usage"]["prompt_tokens"] > 0 and body["usage"]["completion_tokens"] > 0
+
+
+def test_the_readme_completion_answers_paris(embedded):
+    """The README's first completion request, as written there, answers what it says."""
+    server, _ = embedded
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    body = json.loads(re.search(r"""/v1/completions .*\n\s*-d '(\{.*\})'""", readme).group(1))
+    assert body["temperature"] == 0
+    r = httpx.post(f"{server.url}/v1/completions", timeout=120, json=body)
+    assert r.status_code == 200, r.text
+    text = r.json()["choices"][0]["text"]
+    assert text.startswith(" Paris.")
+    assert f"Its `choices[0].text` is `{json.dumps(text)}`" in readme
+
+
+def test_models_root_is_the_loaded_checkpoint(embedded):
+    server, model_dir = embedded
+    data = httpx.get(f"{server.url}/v1/models").json()["data"]
+    assert [m["id"] for m in data] == ["openai/gpt-oss-120b", "kvrelay/smollm2-135m-gpt-oss"]
+    assert {m["root"] for m in data} == {str(Path(model_dir).absolute())}
+
+
+def test_validate_passes_and_knows_the_answers(embedded):
+    """`kvrelay validate` on the embedded model served as openai/gpt-oss-120b: it recognises
+    the model by /v1/models' root and requires "Paris" from both greedy answers."""
+    from kvrelay.deploy.validate import ValidateOptions, run_checks
+    server, _ = embedded
+    results = run_checks(ValidateOptions(base_url=server.url, num_requests=2, timeout=120))
+    assert [r.line() for r in results if not r.ok] == []
+    details = {r.name: r.detail for r in results}
+    assert "openai/gpt-oss-120b" in details["models"]
+    assert "contains 'Paris'" in details["completion"] and "contains 'Paris'" in details["chat"]
 
 
 def test_paris_completion(embedded):

@@ -55,6 +55,7 @@ def test_working_kernels_are_exported_with_their_isa(server):
         (isa, "moe"): 1.0, (isa, "paged_decode"): 1.0,    # labels sorted: isa, kernel
         (kernels.status().dense_isa, "dense"): 1.0}
     assert labelled(server, "kvrelay:half_matmul_path") == expected_half_path()
+    assert labelled(server, "kvrelay:native_kernels_ready") == {(): 1.0}
 
 
 def test_failed_build_is_a_zero_gauge_and_one_warning(broken_kernels_server):
@@ -65,5 +66,7 @@ def test_failed_build_is_a_zero_gauge_and_one_warning(broken_kernels_server):
     assert labelled(s, "kvrelay:native_kernels_available") == {
         ("none", "moe"): 0.0, ("none", "paged_decode"): 0.0, ("none", "dense"): 0.0}
     assert labelled(s, "kvrelay:half_matmul_path") == expected_half_path()
+    assert labelled(s, "kvrelay:native_kernels_ready") == {(): 0.0}
+    assert labelled(s, "kvrelay:native_kernels_building") == {(): 0.0}     # failed, not pending
     warnings = [line for line in s.log().splitlines() if WARNING in line]
     assert len(warnings) == 1 and "no C++ compiler" in warnings[0], warnings

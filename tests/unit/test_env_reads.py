@@ -18,6 +18,7 @@ LIBRARY_DEFAULTS = {
     "cli.py": "OMP_WAIT_POLICY / GOMP_SPINCOUNT for OpenMP",
     "disagg/nixl.py": "UCX_* and NIXL_LOG_LEVEL for NIXL/UCX",
     "model/kernels/__init__.py": "PATH while ninja builds the kernels",
+    "model/kernels/build.py": "MAX_JOBS and PATH for the background compiler (cpp_extension)",
     "model/o200k.py": "TIKTOKEN_ENCODINGS_BASE for openai-harmony",
     "deploy/launcher.py": "copies the environment for the processes it starts",
     "envs.py": "the one reader",

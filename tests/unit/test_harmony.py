@@ -408,6 +408,51 @@ def test_parser_random_tokens_never_crash():
         assert result.content == joined(deltas, "final")
 
 
+@pytest.mark.parametrize("text, reasoning, content", [
+    # the model began the next message without ending this one (issue 29: no 500, no
+    # header text in the answer)
+    ("<|channel|>analysis<|message|>think<|start|>assistant<|channel|>final<|message|>Hi"
+     "<|return|>", "think", "Hi"),
+    ("<|channel|>analysis<|message|>think<|channel|>final<|message|>Hi<|return|>",
+     "think", "Hi"),
+])
+def test_parser_new_header_inside_text_ends_the_message(enc, text, reasoning, content):
+    tokens = enc.encode(text, allowed_special="all")
+    parser = HarmonyStreamParser()
+    deltas = feed_all(parser, tokens)
+    result = parser.result()
+    assert (result.reasoning, result.content, result.malformed) == (reasoning, content, False)
+    assert joined(deltas, "analysis") == reasoning and joined(deltas, "final") == content
+
+
+def test_parser_special_tokens_inside_text_are_dropped(enc):
+    tokens = enc.encode("<|channel|>final<|message|>a<|constrain|>b<|message|>c",
+                        allowed_special="all")
+    tokens += [199999, 200013, 201087]             # <|endoftext|>, reserved ids
+    tokens += enc.encode("d<|return|>", allowed_special="all")
+    result = parse_completion(tokens)
+    assert (result.content, result.malformed, result.finish) == ("abcd", False, "stop")
+
+
+def test_parser_call_needs_a_function_name(enc):
+    def calls(text: str) -> list[tuple[str, str]]:
+        tokens = enc.encode(text, allowed_special="all")
+        return [(c.name, c.arguments) for c in parse_completion(tokens).tool_calls]
+    assert calls("<|channel|>commentary to=functions.get_weather<|message|>{}<|call|>") == [
+        ("get_weather", "{}")]
+    assert calls("<|channel|>analysis to=functions.get_weather<|message|>{}<|call|>") == [
+        ("get_weather", "{}")]
+    for text in ("<|channel|>commentary to=functions.<|message|>{}<|call|>",      # no name
+                 "<|channel|>commentary to=<|message|>{}<|call|>",                # no recipient
+                 "<|channel|>commentary to=python<|message|>print(1)<|call|>",    # built-in
+                 "<|channel|>final to=functions.f<|message|>{}<|return|>",         # final
+                 "<|channel|>commentary to=functions.f<|message|><|call|>"):       # no text
+        assert calls(text) == []
+    assert harmony.call_name("commentary", "functions.a-b.c_1") == "a-b.c_1"
+    assert harmony.call_name("commentary", "functions." + "x" * 65) is None
+    assert harmony.call_name(None, "functions.f") is None
+
+
 def test_parser_feed_after_close_is_an_error():
     parser = HarmonyStreamParser()
     parser.close()

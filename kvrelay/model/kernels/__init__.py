@@ -18,6 +18,14 @@ Where the build fails (no compiler, no ninja, headers missing) the model keeps t
 pure-PyTorch paths: `status()` says why, and a single warning is logged; the server
 exports it as the `kvrelay:native_kernels_available` metric.
 
+A build logs each source as it is built, and a heartbeat (`build.py`). By default
+`status()` waits for it, compiling in this process. After `build_in_background()` (the
+serving engine core, `engine/native_switch.py`) it does not: a missing build starts on a
+thread, whose compiler is a process of its own — one job at low priority — and `status()`
+answers "not available, building" until it is done; the caller then clears `status` (and
+what was decided from it) at a safe point and asks again, which loads the library (or
+logs the failure's one warning).
+
 This package sits below the layers that call it (`layers/moe.py`, `layers/paged_decode.py`)
 and imports none of them; whether each layer uses its kernel is the layer's decision, and
 `kvrelay.model.fast_paths` reports them together.
@@ -31,10 +39,13 @@ import os
 import platform
 import shutil
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -85,6 +96,7 @@ class KernelStatus:
     reason: str              # "" when available, otherwise why the build or load failed
     library: str | None = None
     dense_isa: str | None = None   # the dense ops' variant (they also know "avx512_bf16")
+    building: bool = False   # not available yet: a background build is running
 
 
 def kernels_root() -> Path:
@@ -109,36 +121,24 @@ def compiler() -> str | None:
     return shutil.which(cpp_extension.get_cxx_compiler())
 
 
-@contextmanager
-def _ninja_on_path() -> Iterator[None]:
-    """torch's builder runs `ninja` from PATH; the `ninja` wheel (a kvrelay dependency)
-    puts it in the virtualenv, which is not on PATH when a server runs the venv's python
-    without activating it."""
-    old = os.environ.get("PATH", "")
-    if shutil.which("ninja") is None:
-        try:
-            import ninja
-            os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, old])
-        except ImportError:
-            pass
-    try:
-        yield
-    finally:
-        os.environ["PATH"] = old
-
-
 def _library_path(directory: Path) -> Path:
     return directory / f"{NAME}.so"
 
 
-def _build(directory: Path) -> Path:
-    """Compile (or reuse) the extension; one process at a time per build directory."""
+def _build(directory: Path, background: bool = False) -> Path:
+    """Compile (or reuse) the extension; one process at a time per build directory.
+    `background`: one compile job at low priority, and no limit on waiting for another
+    process's build (nothing waits on this one)."""
     from filelock import FileLock
     from torch.utils import cpp_extension
 
+    from kvrelay.model.kernels import build
+
     directory.mkdir(parents=True, exist_ok=True)
     timeout = envs.COMPILATION_TIMEOUT_S.as_float()
-    with FileLock(str(directory / "build.flock"), timeout=timeout if timeout else -1):
+    lock = FileLock(str(directory / "build.flock"), timeout=-1 if background or not timeout
+                    else timeout)
+    with _locked(lock, directory):
         library = _library_path(directory)
         if library.is_file():
             return library
@@ -148,15 +148,128 @@ def _build(directory: Path) -> Path:
         if compiler() is None:
             raise RuntimeError(f"no C++ compiler ({cpp_extension.get_cxx_compiler()!r} not found; "
                                "set CXX or install g++)")
-        logger.info("building the native kernels in %s (once per kvrelay/torch version)",
-                    directory)
-        with _ninja_on_path():
-            cpp_extension.load(NAME, [str(CSRC / s) for s in SOURCES],
-                               extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
-                               extra_include_paths=[str(CSRC)],
-                               build_directory=str(directory), is_python_module=False,
-                               verbose=False)
+        logger.info("building the native kernels in %s (once per kvrelay/torch version): "
+                    "%d sources%s", directory, len(SOURCES),
+                    ", one compile job at low priority; serving on the PyTorch reference "
+                    "paths meanwhile" if background else "")
+        spec = build.BuildSpec(NAME, tuple(str(CSRC / s) for s in SOURCES), CFLAGS, LDFLAGS,
+                               str(CSRC))
+        with build.BuildWatch(directory, len(SOURCES) + 1) as watch:    # sources + the link
+            if background:
+                build.run_child(spec, directory)
+            else:
+                with _ninja_on_path():
+                    spec.load(directory)
+        logger.info("native kernels built in %.0f s", watch.elapsed())
         return library
+
+
+@contextmanager
+def _locked(lock: Any, directory: Path) -> Iterator[None]:
+    """Hold the build lock; say so when another process's build has it first."""
+    from filelock import Timeout
+
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        logger.info("waiting for another process building the native kernels in %s", directory)
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+@contextmanager
+def _ninja_on_path() -> Iterator[None]:
+    """`build.path_with_ninja` while this process builds."""
+    from kvrelay.model.kernels import build
+
+    old = os.environ.get("PATH", "")
+    os.environ["PATH"] = build.path_with_ninja(old)
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = old
+
+
+def _finished_build(directory: Path) -> bool:
+    """Whether a complete build is in `directory` now (checked under the build lock, which a
+    build holds until it has linked; False while another process holds it)."""
+    from filelock import FileLock, Timeout
+
+    if not _library_path(directory).is_file():
+        return False
+    try:
+        with FileLock(str(directory / "build.flock"), timeout=0):
+            return _library_path(directory).is_file()
+    except Timeout:
+        return False
+
+
+class BackgroundBuild:
+    """Owner of this process's background build: a thread running `_build` (which waits for
+    another process's build of the same directory, or compiles) and its outcome."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.started = time.monotonic()
+        self.seconds: float | None = None       # until the outcome is known
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        if _finished_build(directory):          # a warm start: nothing to wait for
+            self.seconds = 0.0
+            self.done.set()
+            return
+        threading.Thread(target=self._run, name="kvrelay-kernel-build", daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            _build(self.directory, background=True)
+        except BaseException as exc:  # noqa: BLE001 - kept for status(), which warns once
+            self.error = exc
+        finally:
+            self.seconds = time.monotonic() - self.started
+            self.done.set()
+
+    def library(self) -> Path | None:
+        """The built library; None while building; the build's error once it failed."""
+        if not self.done.is_set():
+            return None
+        if self.error is not None:
+            raise self.error
+        return _library_path(self.directory)
+
+
+_background: BackgroundBuild | None = None
+_in_background = False
+
+
+def build_in_background() -> None:
+    """From now on `status()` does not wait for a build (see the module docstring)."""
+    global _in_background
+    _in_background = True
+
+
+def background_build() -> BackgroundBuild | None:
+    """This process's background build, once `status()` has started (or found) it."""
+    return _background
+
+
+def stop_background_build() -> None:
+    """Stop a compiler still running for this process (the engine is shutting down)."""
+    from kvrelay.model.kernels import build
+    build.stop()
+
+
+def _library() -> Path | None:
+    """The library to load, building it first (or, in the background, None until built)."""
+    global _background
+    if not _in_background:
+        return _build(build_dir())
+    if _background is None:
+        _background = BackgroundBuild(build_dir())
+    return _background.library()
 
 
 @functools.cache
@@ -190,9 +303,13 @@ def _register_fake() -> None:
 
 @functools.cache
 def status() -> KernelStatus:
-    """Build/load the extension once per process; never raises."""
+    """Build/load the extension once per process; never raises. In the background
+    (`build_in_background`) it answers `building` without waiting; call again after
+    `status.cache_clear()` once `background_build().done` is set."""
     try:
-        library = _build(build_dir())
+        library = _library()
+        if library is None:
+            return KernelStatus(False, None, (), "building in the background", building=True)
         if not hasattr(torch.ops.kvrelay_kernels, "moe_experts"):
             torch.ops.load_library(str(library))
         isas = tuple(torch.ops.kvrelay_kernels.isas())

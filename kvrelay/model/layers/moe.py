@@ -242,6 +242,10 @@ class Experts(nn.Module):
             plan = self.__dict__["_decode_plan"] = _DecodePlan(self)
         return plan
 
+    def forget_decode_plan(self) -> None:
+        """The kernels' availability changed (`engine/native_switch.py`): plan again."""
+        self.__dict__.pop("_decode_plan", None)
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor,
                 expert_ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], weights/expert_ids [T, k] → this rank's partial output [T, H]."""
