@@ -11,9 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from kvrelay.model.config import GptOssConfig, load_config
-
-# as kvrelay.model.embedded (which imports torch)
-EMBEDDED_MODEL_NAME = "kvrelay/smollm2-135m-gpt-oss"
+from kvrelay.model.embedded import EMBEDDED_MODEL_NAME
 
 _GPT_OSS_COMMON: dict[str, Any] = {
     "model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"],
@@ -60,7 +58,7 @@ def model_config(model: str | None, served_name: str | None = None) -> GptOssCon
     (the directory's served name may be a built-in id too, but its own file wins); None is
     kvrelay serve's embedded default model (built into the cache on first use)."""
     if model is None:
-        from kvrelay.model.embedded import embedded_model_dir  # imports torch; builds once
+        from kvrelay.model.embedded import embedded_model_dir  # builds once (with torch)
         return load_config(embedded_model_dir())
     path = Path(model).expanduser()
     if (path / "config.json").is_file():

@@ -41,6 +41,7 @@ import httpx
 
 from kvrelay import envs
 from kvrelay.cli_flags import HelpFormatter
+from kvrelay.model.embedded import CACHE_SUBDIR, EMBEDDED_MODEL_NAME
 
 PROG = "kvrelay validate"
 # The tutorial's prompt without its trailing space: a BPE model has seen " Paris" after "is",
@@ -48,10 +49,8 @@ PROG = "kvrelay validate"
 # continues "21st-century Paris.").
 TUTORIAL_PROMPT = "The capital of France is"
 CHAT_MESSAGE = "What is the capital of France? Answer in one word."
-# kvrelay.model.embedded's EMBEDDED_MODEL_NAME and the stem of its cache directory, not
-# imported from there (it imports torch; validate runs without it); a unit test keeps them equal
-EMBEDDED_MODEL_NAME = "kvrelay/smollm2-135m-gpt-oss"
-EMBEDDED_DIR_STEM = "smollm2-135m-gpt-oss"
+# the stem of the embedded model's cache directory (CACHE_SUBDIR's last part, less its version)
+EMBEDDED_DIR_STEM = CACHE_SUBDIR.rsplit("/", 1)[-1].rsplit("-v", 1)[0]
 # greedy answers validate knows: model → {prompt or chat message: a word the answer contains}
 KNOWN_ANSWERS = {EMBEDDED_MODEL_NAME: {TUTORIAL_PROMPT: "Paris", CHAT_MESSAGE: "Paris"}}
 MIN_PRINTABLE = 0.9

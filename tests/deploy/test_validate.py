@@ -226,8 +226,12 @@ def test_expect_names_the_word_for_any_model(fake, capsys):
     assert main(["--base-url", fake.url, "--expect", " "]) == 2
 
 
-def test_the_embedded_names_match_the_embedded_module():
-    """validate keeps its own copies (kvrelay.model.embedded imports torch)."""
+def test_the_embedded_models_directory_is_recognised_under_any_served_name(tmp_path):
+    """The directory `kvrelay serve` builds the embedded model into (its `root`) names the
+    model, whatever --served-model-name says; another directory does not."""
+    from kvrelay.deploy.validate import known_model
     from kvrelay.model import embedded
-    assert EMBEDDED_MODEL_NAME == embedded.EMBEDDED_MODEL_NAME
-    assert embedded.CACHE_SUBDIR.rsplit("/", 1)[-1].startswith(EMBEDDED_DIR_STEM)
+    root = str(tmp_path / embedded.CACHE_SUBDIR)
+    assert known_model([{"id": "openai/gpt-oss-120b", "root": root}],
+                       "openai/gpt-oss-120b") == EMBEDDED_MODEL_NAME
+    assert known_model([{"id": "m", "root": str(tmp_path / "other")}], "m") is None
