@@ -38,12 +38,16 @@ def no_answer(state: ProxyState, backend: Backend, e: httpx.TransportError,
                           "another server", "BadGatewayError", request_id)
 
 
-def json_request(client: httpx.AsyncClient, path: str, payload: Payload,
-                 headers: dict[str, str]) -> httpx.Request:
-    """A POST of `payload` (the client's bytes with the leg's fields spliced in)."""
-    return client.build_request("POST", path, content=payload.content(),
-                                headers={**headers, "Content-Type": "application/json",
-                                         "Content-Length": str(payload.length)})
+async def _post(backend: Backend, path: str, payload: Payload,
+                headers: dict[str, str]) -> httpx.Response:
+    """POST `payload` (the client's bytes with the leg's fields spliced in) to `backend`:
+    the response with its headers read, its body not yet."""
+    assert backend.client is not None
+    request = backend.client.build_request(
+        "POST", path, content=payload.content(),
+        headers={**headers, "Content-Type": "application/json",
+                 "Content-Length": str(payload.length)})
+    return await backend.client.send(request, stream=True)
 
 
 @dataclass
@@ -148,12 +152,10 @@ async def _post_prefill(state: ProxyState, backend: Backend, path: str,
                         payload: Payload, headers: dict[str, str]) -> httpx.Response:
     """The prefill's whole answer. httpx.TransportError: no response came (sent elsewhere
     only when `is_connect_error`); AnswerBroken: the response started, then broke."""
-    assert backend.client is not None
     state.acquire(backend)
     t0 = time.monotonic()
     try:
-        request = json_request(backend.client, path, payload, headers)
-        resp = await backend.client.send(request, stream=True)
+        resp = await _post(backend, path, payload, headers)
         try:
             await resp.aread()
         except httpx.TransportError as e:
@@ -197,12 +199,10 @@ async def open_decode(state: ProxyState, path: str, payload: Payload,
     the request and closed without answering: 502)."""
     failures: list[str] = []
     for backend in order:
-        assert backend.client is not None
         state.acquire(backend)
         t0 = time.monotonic()
         try:
-            request = json_request(backend.client, path, payload, headers)
-            resp = await backend.client.send(request, stream=True)
+            resp = await _post(backend, path, payload, headers)
         except httpx.TransportError as e:         # no response started
             state.release(backend)
             if not is_connect_error(e):              # it had the request: not sent elsewhere
