@@ -19,6 +19,11 @@ Part `crossover` (1P1D, idle): lone requests of a few prompt lengths through `al
 `never`; the hand-off cost and the decode server's prefill speed give the default
 `--direct-max-tokens` (see part_crossover).
 
+Part `events` (2 prefills publishing KV events + 1 decode): cache_aware routing from the
+servers' KV events (`--kv-events-port`) vs the proxy's own guess, where the guess goes
+wrong: two proxies in front of the same servers (replicas behind a balancer), each seeing
+half the traffic. See part_events.
+
 Everything runs on this machine's cores (shared), so only ratios from the same run mean
 anything; `uptime` is recorded before and after each part.
 """
@@ -263,9 +268,108 @@ def part_crossover(model: str, work: Path, args: argparse.Namespace) -> dict[str
     return res
 
 
+def serve(model: str, role: str, port: int, events: tuple[int, int], work: Path,
+          args: argparse.Namespace) -> subprocess.Popen:
+    """One `kvrelay serve` of a 1+ P 1 D topology (NIXL over UCX on loopback) publishing its
+    KV events on 127.0.0.1 (`events`: PUB and replay ports)."""
+    kv = {"kv_connector": "NixlConnector", "kv_role": role,
+          "kv_connector_extra_config": {"backends": ["UCX"]}}
+    ev = {"enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{events[0]}",
+          "bind": True, "replay_endpoint": f"tcp://127.0.0.1:{events[1]}"}
+    cmd = [PY, "-m", "kvrelay.cli", "serve", model, "--port", str(port), "--served-model-name",
+           SERVED, "--max-model-len", "2048", "--max-num-seqs", str(args.max_num_seqs),
+           "--kv-transfer-config", json.dumps(kv), "--kv-events-config", json.dumps(ev)]
+    env = os.environ | {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(port + 1000), "UCX_TLS": "tcp",
+                        "UCX_NET_DEVICES": "lo"}
+    return subprocess.Popen(cmd, stdout=open(work / f"serve-{port}.log", "w"),
+                            stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def wait_healthy(port: int, timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"server on {port} not healthy within {timeout_s:.0f} s")
+
+
+def part_events(model: str, work: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """KV events vs the proxy's own guess. 2 prefill servers (publishing KV events) + 1
+    decode, and four proxies, all cache_aware: two follow the prefills' events, two use
+    their own guess. Each pair stands for two proxy replicas behind a balancer: request j of
+    a mode uses prefix j % P and goes through proxy (j // P) % 2 of its pair, so every
+    prefix reaches the servers through both proxies in turn, and a guessing proxy never saw
+    what its twin routed (and the second proxy of each pair first takes one unrelated
+    request: replicas' rotations are not in step). Each mode has its own prefixes (random
+    token ids: exact blocks); the two modes' requests alternate (drift in the shared
+    machine's load hits both), one at a time, so each request's prefill prefix-cache hits
+    are the prefill servers' counter deltas around it. Reported per mode: hit rate (hits /
+    queries, prefill servers), TTFT (streamed first token through the proxy) p50 and mean."""
+    import random
+    import statistics
+    res: dict[str, Any] = {"uptime_before": uptime()}
+    base = args.base_port
+    prefills, decode = [base + 100, base + 101], base + 200
+    events = [(base + 300 + 2 * i, base + 301 + 2 * i) for i in range(2)]
+    servers = [serve(model, "kv_producer", p, ev, work, args) for p, ev in zip(prefills, events)]
+    servers.append(serve(model, "kv_consumer", decode, (base + 310, base + 311), work, args))
+    pxs: list[subprocess.Popen] = []
+    try:
+        for port in prefills + [decode]:
+            wait_healthy(port)
+        urls: dict[str, list[str]] = {"guess": [], "events": []}
+        ev_flags = ["--kv-events-port", *(str(p) for p, _ in events),
+                    "--kv-events-replay-port", *(str(r) for _, r in events)]
+        for i, (mode, flags) in enumerate([("guess", []), ("guess", []), ("events", ev_flags),
+                                           ("events", ev_flags)]):
+            pxs.append(proxy(base + 50 + i, prefills, decode, flags, work, f"events-{mode}-{i}"))
+            urls[mode].append(f"http://127.0.0.1:{base + 50 + i}")
+        rng = random.Random(0)
+        for port in prefills:                                # warm-up, not measured
+            first_token_s(f"http://127.0.0.1:{port}", [rng.randrange(1000, 40000)
+                                                       for _ in range(64)])
+        for mode in urls:          # a replica's rotation is where its own traffic left it:
+            first_token_s(urls[mode][1], [rng.randrange(1000, 40000) for _ in range(64)])
+        n_prefixes, per_mode = args.events_prefixes, args.events_requests
+        prefixes = {mode: [[rng.randrange(1000, 40000) for _ in range(args.events_prefix_len)]
+                           for _ in range(n_prefixes)] for mode in urls}
+        rows: dict[str, list[dict[str, float]]] = {mode: [] for mode in urls}
+        for j in range(per_mode):
+            for mode in ("guess", "events"):
+                prompt = prefixes[mode][j % n_prefixes] + [rng.randrange(1000, 40000)
+                                                           for _ in range(16)]
+                before = counters(prefills)
+                ttft = first_token_s(urls[mode][(j // n_prefixes) % 2], prompt)
+                time.sleep(0.3)                               # the prefill's counters settle
+                after = counters(prefills)
+                rows[mode].append({"ttft_s": ttft, "hits": after["hits"] - before["hits"],
+                                   "queries": after["queries"] - before["queries"]})
+        for mode, rs in rows.items():
+            q, h = sum(r["queries"] for r in rs), sum(r["hits"] for r in rs)
+            ttfts = [r["ttft_s"] * 1e3 for r in rs]
+            res[mode] = {"requests": len(rs), "prefill_prefix_queries": q,
+                         "prefill_prefix_hits": h, "prefill_hit_rate": h / q if q else 0.0,
+                         "ttft_p50_ms": statistics.median(ttfts),
+                         "ttft_mean_ms": statistics.fmean(ttfts),
+                         "misses": sum(1 for r in rs if r["hits"] == 0)}
+            log(f"events part, {mode}: {res[mode]}")
+    finally:
+        for px in pxs:
+            stop(px, 20)
+        for s in servers:
+            stop(s)
+    res["uptime_after"] = uptime()
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--part", choices=("prefix", "disagg", "crossover", "all"), default="all")
+    ap.add_argument("--part", choices=("prefix", "disagg", "crossover", "events", "all"),
+                    default="all")
     ap.add_argument("--routings", nargs="+", choices=("round_robin", "cache_aware"),
                     default=["round_robin", "cache_aware"], help="prefix part: in this order")
     ap.add_argument("--workloads", nargs="+", choices=tuple(PREFIX_WORKLOADS),
@@ -283,6 +387,9 @@ def main() -> None:
     ap.add_argument("--short-input", type=int, default=32)
     ap.add_argument("--long-input", type=int, default=512)
     ap.add_argument("--mix-output", type=int, default=32)
+    ap.add_argument("--events-prefixes", type=int, default=4)
+    ap.add_argument("--events-prefix-len", type=int, default=256)
+    ap.add_argument("--events-requests", type=int, default=24, help="per mode")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args()
@@ -300,6 +407,8 @@ def main() -> None:
         results["disagg"] = part_disagg(args.model, work, args)
     if args.part in ("crossover", "all"):
         results["crossover"] = part_crossover(args.model, work, args)
+    if args.part in ("events", "all"):
+        results["events"] = part_events(args.model, work, args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     dest = out / f"routing-{args.part}{args.tag}.json"

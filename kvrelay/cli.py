@@ -68,7 +68,7 @@ SERVE_ENGINE_FLAGS = (
     "hf_overrides", "additional_config",
     "kv_transfer_config", "optimization_level", "download_dir", "device", "kv_cache_memory_bytes",
     "num_gpu_blocks_override", "quantization", "logits_processors", "async_scheduling",
-    "kv_events_config")
+    "kv_events_config", "distributed_executor_backend", "data_parallel_backend", "ray_address")
 SERVE_EPILOG = ("Every flag with its default and meaning: docs/serving.md, section Flags.\n"
                 "The names and meanings are vLLM's.")
 
@@ -179,6 +179,9 @@ def _serve(args: argparse.Namespace) -> int:
     if engine_args.headless:
         from kvrelay.engine.dp_remote import run_headless
         return run_headless(config.args)
+    if "ray" in (engine_args.distributed_executor_backend, engine_args.data_parallel_backend):
+        from kvrelay.distributed.ray_cluster import connect
+        connect(engine_args.ray_address)   # no cluster: one line now, not after the model loads
     return serve(config, args.host, args.port, args.api_key, agent, http)
 
 

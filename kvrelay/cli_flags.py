@@ -276,6 +276,17 @@ SERVE_FLAGS: tuple[FlagGroup, ...] = (
            default=29550, type=int, metavar="PORT"),
         _F(("--headless",), "run only this node's replicas (no API server); they join the head",
            action="store_true", default=False),
+        _F(("--distributed-executor-backend",), "mp: tensor-parallel ranks are processes on "
+                                                "this node; ray: Ray actors placed on a running "
+                                                "cluster (a TP group packed on a node), which "
+                                                "also places the data-parallel replicas",
+           default="mp", choices=("mp", "uni", "ray")),
+        _F(("--data-parallel-backend", "-dpb"), "mp: replicas on this node and --headless "
+                                                "nodes; ray: Ray places the replicas beyond "
+                                                "this node's (spread over nodes)",
+           default="mp", choices=("mp", "ray")),
+        _F(("--ray-address",), "the Ray cluster to join (kvrelay never starts one)",
+           metavar="HOST:PORT", default_note="$RAY_ADDRESS, else a cluster on this host"),
     )),
     FlagGroup("Disaggregation and Neuron settings (docs/deploy.md)", (
         _F(("--kv-transfer-config",), "vLLM's KV connector settings for disaggregated "

@@ -35,6 +35,9 @@ NEURON_KEYS = {
 }
 
 
+EXECUTOR_BACKENDS = ("mp", "uni", "ray")     # vLLM's names; "uni" is "mp" at TP 1
+
+
 @dataclass(frozen=True)
 class NeuronConfig:
     """The tutorial's `neuron_config` keys with their meaning on CPU/CUDA.
@@ -185,6 +188,12 @@ class EngineArgs:
     # vLLM's --kv-events-config: the prefix cache's changes published for external routers
     # (kvrelay/kv_events/)
     kv_events_config: dict[str, Any] | None = None
+    # vLLM's --distributed-executor-backend ("mp": TP ranks are processes on this node;
+    # "ray": Ray actors placed on a cluster, which also places DP replicas) and
+    # --data-parallel-backend ("mp": this node + --headless nodes; "ray": placed by Ray)
+    distributed_executor_backend: str = "mp"
+    data_parallel_backend: str = "mp"
+    ray_address: str | None = None          # the cluster to join; else RAY_ADDRESS, "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -210,6 +219,19 @@ class EngineArgs:
                              "across data-parallel replicas yet")
 
     def _check_data_parallel(self) -> None:
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            raise ValueError(f"--distributed-executor-backend must be one of "
+                             f"{', '.join(EXECUTOR_BACKENDS)}, got "
+                             f"{self.distributed_executor_backend!r}")
+        if self.data_parallel_backend not in ("mp", "ray"):
+            raise ValueError(f"--data-parallel-backend must be mp or ray, got "
+                             f"{self.data_parallel_backend!r}")
+        if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
+            raise ValueError("--distributed-executor-backend uni runs one rank; use mp or ray "
+                             f"for --tensor-parallel-size {self.tensor_parallel_size}")
+        if self.ray_replicas and self.headless:
+            raise ValueError("--headless is the hand-run alternative to Ray placing the "
+                             "replicas; drop it with --data-parallel-backend ray")
         dp, local = self.data_parallel_size, self.local_replicas
         start = self.data_parallel_start_rank
         if self.tensor_parallel_size < 1 or dp < 1:
@@ -232,10 +254,16 @@ class EngineArgs:
                              f"{self.data_parallel_rpc_port}")
 
     @property
+    def ray_replicas(self) -> bool:
+        """Ray places the data-parallel replicas beyond this node's."""
+        return "ray" in (self.data_parallel_backend, self.distributed_executor_backend)
+
+    @property
     def local_replicas(self) -> int:
-        """Replicas this node runs (--data-parallel-size-local, default: all of them)."""
+        """Replicas this node runs (--data-parallel-size-local, default: all of them; with
+        Ray placing replicas, one: the API server's, the rest go where Ray puts them)."""
         if self.data_parallel_size_local is None:
-            return self.data_parallel_size
+            return 1 if self.ray_replicas else self.data_parallel_size
         return self.data_parallel_size_local
 
     @property

@@ -195,6 +195,20 @@ def user_cache_dir() -> Path:
     return Path(xdg).expanduser() if xdg else Path.home() / ".cache"
 
 
+# -- Ray (--distributed-executor-backend ray / --data-parallel-backend ray)
+RAY_ADDRESS = EnvVar("RAY_ADDRESS", None, None,
+                     "the Ray cluster that --distributed-executor-backend ray / "
+                     "--data-parallel-backend ray join (--ray-address wins); unset: a cluster "
+                     "started on this host with `ray start --head`. kvrelay never starts one")
+RAY_CPUS_PER_WORKER = EnvVar("KVRELAY_RAY_CPUS_PER_WORKER", None, "1",
+                             "Ray CPUs reserved per tensor-parallel rank placed by Ray (a "
+                             "data-parallel replica reserves TP × this); the rank runs that many "
+                             "torch threads")
+RAY_PLACEMENT_TIMEOUT_S = EnvVar("KVRELAY_RAY_PLACEMENT_TIMEOUT_S", None, "120",
+                                 "seconds Ray may take to place a server's ranks or replicas "
+                                 "before the server gives up with the resources it asked for")
+
+
 def kvrelay_cache_dir() -> Path:
     """$KVRELAY_CACHE_DIR, else $XDG_CACHE_HOME/kvrelay, else ~/.cache/kvrelay."""
     explicit = CACHE_DIR.raw()

@@ -6,6 +6,7 @@ or print (`--dry-run`) every process's exact command and environment for any mac
     kvrelay deploy --model openai/gpt-oss-120b --prefill 16 --prefill-tp 4 \\
         --decode 1 --decode-tp 8 --decode-dp 8 --enable-expert-parallel --devices 0-63 \\
         --hosts prefill=PREFILL_HOST decode=DECODE_HOST --dry-run
+    kvrelay deploy --prefill 2 --decode 1 --emit k8s --k8s-image IMAGE --k8s-model-pvc PVC
 
 Steps: check the layout against the model's config (plan.py), generate the topology's KV
 secret (`KVRELAY_KV_SECRET` for every server; shown nowhere), start the decode and prefill
@@ -33,6 +34,7 @@ from typing import Any, NoReturn
 
 from kvrelay import envs
 from kvrelay.cli_flags import HelpFormatter
+from kvrelay.deploy import k8s
 from kvrelay.deploy.plan import (
     KV_SECRET_ENV,
     Plan,
@@ -47,6 +49,7 @@ from kvrelay.deploy.topology import (
     PRESETS,
     Ports,
     TopologyError,
+    load_yaml,
     merge_settings,
     ports_from_flags,
     topology_from_settings,
@@ -137,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-ready-timeout", type=float, default=None, metavar="S",
                    help="seconds each server may take to be ready (default: "
                         f"{envs.ENGINE_READY_TIMEOUT_S.shown})")
+    k8s.add_flags(p)
     return p
 
 
@@ -164,20 +168,6 @@ def flag_settings(args: argparse.Namespace, serve_args: list[str]) -> dict[str, 
     if args.proxy_args is not None:
         s["proxy_args"] = shlex.split(args.proxy_args)
     return s
-
-
-def load_yaml(path: Path) -> dict[str, Any]:
-    import yaml
-    try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as e:
-        raise TopologyError([f"{path}: {e.strerror}"]) from None
-    except yaml.YAMLError as e:
-        raise TopologyError([f"{path}: not valid YAML ({e})"]) from None
-    if not isinstance(data, dict):
-        raise TopologyError([f"{path}: expected a mapping at the top "
-                             "(model:, prefill:, decode: …)"])
-    return data
 
 
 def build_plan(args: argparse.Namespace, serve_args: list[str]) -> Plan:
@@ -218,6 +208,10 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else 2
+    problem = k8s.flag_problem(args)
+    if problem:
+        print(f"{PROG}: error: {problem}", file=sys.stderr)
+        return 2
     try:
         plan = build_plan(args, serve_args)
     except TopologyError as e:
@@ -225,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         for problem in e.problems:
             print(f"  {problem}", file=sys.stderr)
         return 1
+    if args.emit:
+        return k8s.emit(plan, args)
     if args.dry_run:
         try:
             print(render(plan), flush=True)

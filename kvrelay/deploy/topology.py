@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 from kvrelay.envs import parse_id_list
@@ -302,3 +303,17 @@ def _str_tuple(raw: Any, what: str, problems: list[str]) -> tuple[str, ...]:
         problems.append(f"{what}: expected a list of command-line words")
         return ()
     return tuple(str(a) for a in raw)
+
+
+def load_yaml(path: Path) -> dict[str, Any]:
+    import yaml
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as e:
+        raise TopologyError([f"{path}: {e.strerror}"]) from None
+    except yaml.YAMLError as e:
+        raise TopologyError([f"{path}: not valid YAML ({e})"]) from None
+    if not isinstance(data, dict):
+        raise TopologyError([f"{path}: expected a mapping at the top "
+                             "(model:, prefill:, decode: …)"])
+    return data

@@ -149,15 +149,9 @@ class MultiprocExecutor:
 
     def __init__(self, spec: RankSpec, make_runner: RunnerFactory) -> None:
         self.spec, self.make_runner = spec, make_runner
-        ctx = mp.get_context("spawn")
-        self.kv_queue = ctx.Queue()                  # ranks' KV-transfer progress (disaggregation)
-        self.workers = [ctx.Process(target=worker_main, args=(spec, r, make_runner, self.kv_queue),
-                                    name=f"kvrelay-tp-rank{r}", daemon=True)
-                        for r in range(1, spec.tp_size)]
-        for w in self.workers:
-            w.start()
         self.failed: str | None = None
         self._closing = False
+        self._start_workers()
         threading.Thread(target=self._monitor, name="kvrelay-tp-monitor", daemon=True).start()
         try:
             self.loaded = _setup_rank(spec, 0)
@@ -169,6 +163,29 @@ class MultiprocExecutor:
         self.expert_world = spec.expert_world
         self.runner: Any = None
 
+    # -- the workers: processes here; Ray actors in `distributed/ray_executor.py` ------------
+    def _start_workers(self) -> None:
+        ctx = mp.get_context("spawn")
+        self.kv_queue: Any = ctx.Queue()             # ranks' KV-transfer progress (disaggregation)
+        self.workers = [ctx.Process(target=worker_main,
+                                    args=(self.spec, r, self.make_runner, self.kv_queue),
+                                    name=f"kvrelay-tp-rank{r}", daemon=True)
+                        for r in range(1, self.spec.tp_size)]
+        for w in self.workers:
+            w.start()
+
+    def _dead_worker(self) -> str | None:
+        """Which worker has exited (and how), if any."""
+        dead = next((w for w in self.workers if w.exitcode is not None), None)
+        if dead is None:
+            return None
+        return (f"tensor-parallel worker {dead.name} (pid {dead.pid}) exited with code "
+                f"{dead.exitcode}")
+
+    def _join_workers(self, timeout_s: float) -> None:
+        for w in self.workers:
+            w.join(timeout_s)
+
     @property
     def link(self) -> MultiprocExecutor:
         """The KV connector's RankLink to ranks 1..N-1."""
@@ -179,10 +196,9 @@ class MultiprocExecutor:
         (the monitor may not have seen it yet) rather than the socket error."""
         deadline = time.monotonic() + wait_s
         while not self.failed and time.monotonic() < deadline:
-            dead = next((w for w in self.workers if w.exitcode is not None), None)
+            dead = self._dead_worker()
             if dead is not None:
-                return (f"tensor-parallel worker {dead.name} (pid {dead.pid}) exited with code "
-                        f"{dead.exitcode}")
+                return dead
             time.sleep(0.05)
         return self.failed or f"tensor-parallel collective failed: {error}"
 
@@ -195,11 +211,14 @@ class MultiprocExecutor:
                 if self._closing:
                     continue
                 w.join(1)
-                self.failed = (f"tensor-parallel worker {w.name} (pid {w.pid}) exited with code "
-                               f"{w.exitcode}")
-                logger.error("%s; stopping the other ranks", self.failed)
-                self._kill_all()          # rank 0's pending collective then fails at once
+                self._fail(f"tensor-parallel worker {w.name} (pid {w.pid}) exited with code "
+                           f"{w.exitcode}")
                 return
+
+    def _fail(self, why: str) -> None:
+        self.failed = why
+        logger.error("%s; stopping the other ranks", why)
+        self._kill_all()          # rank 0's pending collective then fails at once
 
     def start_runner(self, num_blocks: int) -> Any:
         import torch.distributed as dist
@@ -253,8 +272,7 @@ class MultiprocExecutor:
                 dist.broadcast_object_list([None], src=0)
             except Exception:  # workers may be gone already
                 pass
-        for w in self.workers:
-            w.join(10)
+        self._join_workers(10)
         self._kill_all()
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -9,6 +9,8 @@ and stays there. It is an `EngineClient`, as `AsyncEngine` is, so the server doe
 
     node 0 (head): API server + replicas [0, local)      listens on address:rpc_port
     node k (--headless): replicas [start, start + local)  connects to the head
+    Ray actor (--data-parallel-backend ray): one replica  placed by Ray, connects the same
+                                                          way (`engine/dp_ray.py`)
 
 Expert parallelism across replicas (`--enable-expert-parallel` with DP > 1): the
 experts are sharded over all TP × DP ranks, which meet in one expert world at
@@ -29,6 +31,7 @@ from dataclasses import replace
 from kvrelay.config import EngineArgs
 from kvrelay.engine.async_client import AsyncEngine, CoreClient
 from kvrelay.engine.dp_placement import replica_args
+from kvrelay.engine.dp_ray import RayReplicas
 from kvrelay.engine.dp_remote import HeadListener, RemoteReplica
 from kvrelay.engine.messages import EngineInfo, EngineStats, Wake
 from kvrelay.engine.outputs import RequestOutput
@@ -43,11 +46,23 @@ def free_port(address: str) -> int:
         return s.getsockname()[1]
 
 
+def _ray_head_args(args: EngineArgs) -> EngineArgs:
+    """With Ray placing replicas, nobody types the head's address and port: the address
+    is this node's as the cluster knows it, the port a free one there."""
+    from kvrelay.distributed import ray_cluster
+    ray_cluster.connect(args.ray_address)
+    host = ray_cluster.node_ip()
+    return replace(args, data_parallel_address=host, data_parallel_rpc_port=free_port(host))
+
+
 class DataParallelEngine:
     """An `EngineClient` (`engine/client.py`) over N replicas."""
 
     def __init__(self, args: EngineArgs, step_timeout_s: float | None = None) -> None:
         self.args = args
+        self.ray: RayReplicas | None = None
+        if args.ray_replicas and args.local_replicas < args.data_parallel_size:
+            args = self.args = _ray_head_args(args)
         self.lockstep = args.experts_across_replicas
         if self.lockstep and args.data_parallel_master_port is None:
             args = replace(args, data_parallel_master_port=free_port(args.data_parallel_address))
@@ -61,6 +76,8 @@ class DataParallelEngine:
                       for r in range(local, args.data_parallel_size)]
             self.replicas += remote
             self.listener = HeadListener(args, remote)
+            if args.ray_replicas:
+                self.ray = RayReplicas(args, remote)
         for r in self.replicas:
             r.group = self if self.lockstep else None
         self.ready = asyncio.Event()
@@ -101,6 +118,8 @@ class DataParallelEngine:
             r.start()
         if self.listener is not None:            # after the replicas can take messages
             self.listener.start()
+        if self.ray is not None:                 # after the head listens
+            self.ray.start()
 
     async def wait_ready(self, timeout_s: float | None) -> None:
         await asyncio.gather(*(r.wait_ready(timeout_s) for r in self.replicas))
@@ -111,6 +130,8 @@ class DataParallelEngine:
             r.shutdown()
         if self.listener is not None:
             self.listener.close()
+        if self.ray is not None:
+            self.ray.shutdown()
 
     def check_stalled(self) -> None:
         for r in self.replicas:

@@ -283,8 +283,10 @@ def connect_to_head(args: EngineArgs, timeout_s: float) -> socket.socket:
             time.sleep(0.5)
 
 
-def run_headless(args: EngineArgs) -> int:
-    """Run this node's replicas for the head; returns the exit code."""
+def run_headless(args: EngineArgs, signals: bool = True) -> int:
+    """Run this node's replicas for the head; returns the exit code. `signals`: SIGTERM /
+    SIGINT stop the replicas (a process of its own; not in a Ray actor, whose thread may
+    not own the signals and which is stopped by the head's Shutdown or by Ray)."""
     timeout = envs.ENGINE_READY_TIMEOUT_S.as_float() or 600.0
     sock = connect_to_head(args, timeout)
     sock.settimeout(60)
@@ -310,10 +312,11 @@ def run_headless(args: EngineArgs) -> int:
         cores[r] = (p, mine)
     logger.info("headless: data-parallel ranks %s joined the head at %s:%d", list(ranks),
                 args.data_parallel_address, args.data_parallel_rpc_port)
-    return _relay(sock, cores)
+    return _relay(sock, cores, signals)
 
 
-def _relay(sock: socket.socket, cores: dict[int, tuple[Any, Connection]]) -> int:
+def _relay(sock: socket.socket, cores: dict[int, tuple[Any, Connection]],
+           signals: bool = True) -> int:
     send_lock = threading.Lock()
     stopping = threading.Event()
     shut: set[int] = set()                                   # replicas told to shut down
@@ -344,8 +347,9 @@ def _relay(sock: socket.socket, cores: dict[int, tuple[Any, Connection]]) -> int
         except OSError:
             pass
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    if signals:
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
     rc = 0
     try:
         while len(shut) < len(cores):

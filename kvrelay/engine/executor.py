@@ -2,6 +2,8 @@
 
     UniprocExecutor     TP=1: the runner lives in this (the engine-core) process
     MultiprocExecutor   TP=N: ranks 1..N-1 in worker processes (kvrelay/distributed/)
+    RayExecutor         TP=N with --distributed-executor-backend ray: ranks 1..N-1 are
+                        Ray actors (kvrelay/distributed/ray_executor.py)
 
 Both have one interface — `model`, `config`, `start_runner(num_blocks)`, `runner`,
 `execute(step)`, `send_kv(work)`, `link` (the KV connector's RankLink, None at TP=1),
@@ -75,6 +77,10 @@ def make_executor(config: EngineConfig, device: torch.device) -> Executor:
     expert_world = _expert_world(config)
     _pin_cpus(config, device)
     if config.args.tensor_parallel_size > 1:
+        if config.args.distributed_executor_backend == "ray":
+            from kvrelay.distributed.ray_executor import RayExecutor
+            return RayExecutor(_rank_spec(config, expert_world), _make_runner,
+                               config.args.ray_address)
         return MultiprocExecutor(_rank_spec(config, expert_world), _make_runner)
     a, ctx = config.args, _replica_context(expert_world)
     loaded = load_model(config.model_dir, dtype=TORCH_DTYPES[config.dtype],

@@ -9,11 +9,14 @@
 and the publisher skips as many sequence numbers, so a subscriber sees the gap (replay
 cannot fill it: the batch never existed there). vLLM blocks the scheduler instead.
 
-Sockets (vLLM's rules): the PUB socket binds an endpoint with a wildcard host (`*`, `::`)
-or an ipc:// / inproc:// one and connects to any other (a subscriber that binds, e.g. an
-indexer); the ROUTER replay socket always binds. A replay request is [identity, b"", start
-seq (8 bytes, big-endian)]; the answer, one message per buffered batch with seq ≥ start,
-[identity, b"", topic, seq, payload], then [identity, b"", b"", END_SEQ, b""].
+Sockets (vLLM's rules, config.py): the PUB socket binds an endpoint with a wildcard host
+(`*`, `::`) or an ipc:// / inproc:// one and connects to any other (a subscriber that binds,
+e.g. an indexer); the ROUTER replay socket always binds. kvrelay's differences: an unset
+endpoint binds 127.0.0.1:5557, `"bind": true` binds a named interface, and events that
+leave loopback without `"auth": "kv_secret"` (CURVE, curve.py) cost one WARNING line.
+A replay request is [identity, b"", start seq (8 bytes, big-endian)]; the answer, one
+message per buffered batch with seq ≥ start, [identity, b"", topic, seq, payload], then
+[identity, b"", b"", END_SEQ, b""].
 
 The sockets are made (and bound: a busy port fails the engine's start-up) in the caller's
 thread and then used only by the publisher thread. pyzmq is imported here only.
@@ -31,16 +34,12 @@ from typing import Any
 from kvrelay import envs
 from kvrelay.kv_cache.events import CacheEvent
 from kvrelay.kv_events.config import KVEventsConfig
+from kvrelay.kv_events.curve import Admitter, CurveKeys, make_server, publisher_keys
 from kvrelay.kv_events.wire import ENCODINGS, END_SEQ, GroupSpec, WireFormat
 
 logger = logging.getLogger(__name__)
 
 _POLL_S = 0.05               # how long the thread waits for a batch before serving replays again
-
-
-def binds(endpoint: str) -> bool:
-    """vLLM's rule: bind a wildcard host or a local transport, connect to anything else."""
-    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
 class ZmqEventPublisher:
@@ -58,30 +57,18 @@ class ZmqEventPublisher:
             config.max_queue_size)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._topic = config.topic.encode()
+        keys = publisher_keys(config)                # ValueError: no secret, no CURVE
         self._ctx = zmq.Context()
+        # the ZAP handler runs before any socket listens, so no handshake slips past it
+        self.admitter = Admitter(self._ctx, keys) if keys is not None else None
         self._pub: Any = None
         self._replay: Any = None
+        self.replay_endpoint: str | None = None
         try:
-            self._pub = self._ctx.socket(zmq.PUB)
-            self._pub.set_hwm(config.hwm)
-            self._pub.setsockopt(zmq.LINGER, 0)
-            if binds(config.endpoint):
-                self._pub.bind(config.endpoint)
-                self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
-            else:
-                self._pub.connect(config.endpoint)
-                self.endpoint = config.endpoint
-            self.replay_endpoint: str | None = None
-            if config.replay_endpoint is not None:
-                self._replay = self._ctx.socket(zmq.ROUTER)
-                self._replay.setsockopt(zmq.LINGER, 0)
-                # a whole replay and its end marker fit (ZMQ acks reads every HWM/2 messages)
-                self._replay.setsockopt(zmq.SNDHWM, 2 * (config.buffer_steps + 1))
-                self._replay.bind(config.replay_endpoint)
-                self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
+            self._open(config, keys)
         except zmq.ZMQError as e:
-            self._ctx.destroy(linger=0)
-            raise ValueError(f"--kv-events-config: cannot open {config.endpoint!r} / "
+            self._close_context()
+            raise ValueError(f"--kv-events-config: cannot open {config.pub_endpoint!r} / "
                              f"{config.replay_endpoint!r}: {e}") from None
         self._seq = 0
         self._skipped = 0                 # batches dropped since the last one queued
@@ -93,10 +80,40 @@ class ZmqEventPublisher:
         self._thread = threading.Thread(target=self._run, name="kv-events-publisher",
                                         daemon=True)
         self._thread.start()
-        logger.info("KV cache events: publishing on %s (%s)%s, topic %r, data-parallel rank %d",
-                    self.endpoint, "bound" if binds(config.endpoint) else "connected",
+        logger.info("KV cache events: publishing on %s (%s)%s, topic %r, data-parallel rank "
+                    "%d, %s", self.endpoint, "bound" if config.pub_binds else "connected",
                     f", replay on {self.replay_endpoint}" if self.replay_endpoint else "",
-                    config.topic, data_parallel_rank)
+                    config.topic, data_parallel_rank,
+                    "CURVE keyed from the KV secret" if keys else "unauthenticated")
+        warn_if_exposed(config)
+
+    def _open(self, config: KVEventsConfig, keys: CurveKeys | None) -> None:
+        zmq = self._zmq
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.set_hwm(config.hwm)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        if keys is not None:
+            make_server(self._pub, keys)
+        if config.pub_binds:
+            self._pub.bind(config.pub_endpoint)
+            self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        else:
+            self._pub.connect(config.pub_endpoint)
+            self.endpoint = config.pub_endpoint
+        if config.replay_endpoint is not None:
+            self._replay = self._ctx.socket(zmq.ROUTER)
+            self._replay.setsockopt(zmq.LINGER, 0)
+            # a whole replay and its end marker fit (ZMQ acks reads every HWM/2 messages)
+            self._replay.setsockopt(zmq.SNDHWM, 2 * (config.buffer_steps + 1))
+            if keys is not None:
+                make_server(self._replay, keys)
+            self._replay.bind(config.replay_endpoint)
+            self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def _close_context(self) -> None:
+        if self.admitter is not None:
+            self.admitter.stop()
+        self._ctx.destroy(linger=0)
 
     # -- the engine's side (never blocks) ------------------------------------------------------
     def publish(self, events: list[CacheEvent]) -> bool:
@@ -125,7 +142,7 @@ class ZmqEventPublisher:
             logger.warning("KV cache events: the publisher thread did not stop within %.1f s",
                            timeout)
             return                                   # its sockets stay with it (a daemon)
-        self._ctx.destroy(linger=0)
+        self._close_context()
 
     # -- the publisher thread ------------------------------------------------------------------
     def _run(self) -> None:
@@ -173,6 +190,17 @@ class ZmqEventPublisher:
             except zmq.Again:
                 logger.warning("KV cache events: a replay client is not reading; its replay "
                                "was cut short")
+
+
+def warn_if_exposed(config: KVEventsConfig) -> None:
+    """One WARNING line when unauthenticated events can be read beyond this host: a
+    wildcard or non-loopback bind, or a connect to another host, without `"auth"`."""
+    exposed = config.exposed()
+    if exposed and config.auth is None:
+        logger.warning("KV cache events on %s are unauthenticated and carry the token ids of "
+                       "cached prompts (other clients' too): anyone who reaches them reads "
+                       "those; bind loopback or a private interface, or set \"auth\": "
+                       "\"kv_secret\" (docs/security.md)", " and ".join(exposed))
 
 
 def make_publisher(config: KVEventsConfig | None, block_size: int, groups: Sequence[GroupSpec],

@@ -1,5 +1,6 @@
 """A KV-event subscriber: each backend's cached blocks, rebuilt from its `--kv-events-config`
-stream (kvrelay's or vLLM's), for cache-aware routing. Not wired into the proxy app yet.
+stream (kvrelay's or vLLM's), and the proxy's feed of them into cache-aware routing
+(`kvrelay proxy --kv-events-port`, `KVEventsFeed` at the end of this file).
 
 Per backend one SUB socket (topic filter) and, when the backend has a replay endpoint, one
 DEALER socket for replays. Sequence numbers keep the view exact:
@@ -20,27 +21,38 @@ DEALER socket for replays. Sequence numbers keep the view exact:
                      are fetched, and a restarted publisher that got past `next` is noticed
 
 Each stored block is kept under (group, engine hash) and under a key of its own computed
-from the tokens of its whole prefix (`prefix_key`, chained from the event's parent), so a
-router can ask how many leading blocks of a prompt a backend holds (`cached_prefix_blocks`)
-without knowing the engine's hash function (what llm-d does with vLLM's events).
+from the tokens of its whole prefix (`prefix_key`: the proxy's own chain hash, prefix.py,
+from the root `EVENTS_ROOT`, chained from the event's parent), so a router can ask how many
+leading blocks of a prompt a backend holds (`cached_prefix_blocks`, or with the keys
+already computed, `cached_prefix_keys`) without knowing the engine's hash function (what
+llm-d does with vLLM's events).
 
-Not thread-safe: one thread calls `poll` (which may block up to its timeout) and the
-queries, and should call it continually: ZMQ hands a SUB socket a newly connected
-publisher (and sends it the subscription) only while the socket is in use, so a publisher
-that connects to a bound subscriber nobody polls drops its first batches (the replay
-then recovers them). pyzmq is imported when the first backend is added.
+Threads: one thread adds backends and calls `poll` (which may block up to its timeout),
+and should call it continually: ZMQ hands a SUB socket a newly connected publisher (and
+sends it the subscription) only while the socket is in use, so a publisher that connects
+to a bound subscriber nobody polls drops its first batches (the replay then recovers
+them). The queries may come from any thread: `poll` waits outside `lock` and applies each
+message under it, the queries read under it. With `keys` (kv_events/curve.py) every socket
+is a CURVE client of the key derived from the KV secret. pyzmq is imported when the first
+backend is added.
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import struct
+import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvrelay.kv_events.config import read_secret
+from kvrelay.kv_events.curve import CurveKeys, derive_keys, make_client
 from kvrelay.kv_events.wire import (
     END_SEQ,
     ExternalHash,
@@ -51,26 +63,25 @@ from kvrelay.kv_events.wire import (
     WireStored,
     decode_batch,
 )
+from kvrelay.proxy.prefix import EVENTS_ROOT, BlockHash, PromptKey, chain_hash
 
 logger = logging.getLogger(__name__)
 
 REPLAY_TIMEOUT_S = 5.0           # a replay without its end marker by then is given up
 _SEEN = 64                       # timestamps of the last batches applied, to recognise them
-_ROOT = hashlib.sha256(b"kvrelay-kv-events-prefix-v1").digest()
 
 
-def prefix_key(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
-    """This subscriber's name for a block: SHA-256 over its parent's key and its tokens
-    (little-endian int64), chained from a fixed root. Equal prefixes, equal keys, whatever
-    the engine's own hash."""
-    h = hashlib.sha256(parent if parent is not None else _ROOT)
-    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
-    return h.digest()
+def prefix_key(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
+    """This subscriber's name for a block: the proxy's chain hash (prefix.chain_hash) over its
+    parent's key and its tokens as little-endian int64, from `EVENTS_ROOT`. Equal prefixes,
+    equal keys, whatever the engine's own hash."""
+    packed = struct.pack(f"<{len(token_ids)}q", *token_ids)
+    return chain_hash(parent if parent is not None else EVENTS_ROOT, packed)
 
 
-def prefix_keys(token_ids: Sequence[int], block_size: int) -> list[bytes]:
+def prefix_keys(token_ids: Sequence[int], block_size: int) -> list[BlockHash]:
     """The keys of the full blocks of `token_ids`."""
-    keys: list[bytes] = []
+    keys: list[BlockHash] = []
     parent = None
     for b in range(len(token_ids) // block_size):
         parent = prefix_key(parent, token_ids[b * block_size:(b + 1) * block_size])
@@ -99,6 +110,7 @@ class BackendView:
     seen_ts: OrderedDict[int, float] = field(default_factory=OrderedDict)  # recent seq → ts
     last_ts: float = 0.0                       # ts of the last batch applied
     stats: BackendStats = field(default_factory=BackendStats)
+    last_message: float = 0.0                  # monotonic time of the last message read
 
     def clear(self) -> None:
         self.blocks.clear()
@@ -168,14 +180,18 @@ class _Backend:
     last_heard: float = 0.0                    # the last message or request (monotonic)
     waiting: list[tuple[int, WireBatch]] = field(default_factory=list)  # live, held meanwhile
     restarted: bool = False                    # this replay showed a new publisher
+    probing: bool = False                      # the replay in flight is an idle one
 
 
 class KVEventSubscriber:
     """Follows the KV events of any number of backends; `poll` applies what arrived."""
 
-    def __init__(self, topic: str = "", idle_replay_s: float | None = 2.0) -> None:
+    def __init__(self, topic: str = "", idle_replay_s: float | None = 2.0,
+                 keys: CurveKeys | None = None) -> None:
         self.topic = topic.encode()
         self.idle_replay_s = idle_replay_s
+        self.keys = keys
+        self.lock = threading.Lock()           # the views: written by `poll`, read by queries
         self._zmq: Any = None
         self._ctx: Any = None
         self._poller: Any = None
@@ -191,14 +207,12 @@ class KVEventSubscriber:
         if name in self._backends:
             raise ValueError(f"backend {name!r} is already followed")
         zmq = self._zmq_module()
-        sub = self._ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
+        sub = self._socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
         (sub.bind if bind else sub.connect)(endpoint)
         replay = None
         if replay_endpoint is not None:
-            replay = self._ctx.socket(zmq.DEALER)
-            replay.setsockopt(zmq.LINGER, 0)
+            replay = self._socket(zmq.DEALER)
             replay.connect(replay_endpoint)
         backend = _Backend(BackendView(name), sub, replay)
         self._backends[name] = backend
@@ -212,6 +226,13 @@ class KVEventSubscriber:
                 self._poller.register(sock, zmq.POLLIN)
             self._request_replay(backend, 0)
         return backend.view
+
+    def _socket(self, kind: int) -> Any:
+        sock = self._ctx.socket(kind)
+        sock.setsockopt(self._zmq.LINGER, 0)
+        if self.keys is not None:
+            make_client(sock, self.keys)
+        return sock
 
     def remove_backend(self, name: str) -> None:
         backend = self._backends.pop(name)
@@ -244,19 +265,36 @@ class KVEventSubscriber:
     # -- queries ----------------------------------------------------------------------------------
     def blocks(self, name: str) -> set[tuple[int, ExternalHash]]:
         """(group, engine hash) of every block `name` holds, as its events say."""
-        return set(self._backends[name].view.blocks)
+        with self.lock:
+            return set(self._backends[name].view.blocks)
 
     def cached_prefix_blocks(self, name: str, token_ids: Sequence[int], group: int = 0) -> int:
         """How many leading full blocks of `token_ids` `name` holds in `group`."""
-        view = self._backends[name].view
-        if not view.block_size:
+        block_size = self._backends[name].view.block_size
+        if not block_size:
             return 0
-        n = 0
-        for key in prefix_keys(token_ids, view.block_size):
-            if (group, key) not in view.keys:
-                break
-            n += 1
-        return n
+        return self.cached_prefix_keys(name, prefix_keys(token_ids, block_size), group)
+
+    def cached_prefix_keys(self, name: str, keys: Sequence[BlockHash], group: int = 0) -> int:
+        """How many of `keys` (a prompt's block keys, `prefix_keys`), from the first, `name`
+        holds in `group`."""
+        with self.lock:
+            held = self._backends[name].view.keys
+            n = 0
+            for key in keys:
+                if (group, key) not in held:
+                    break
+                n += 1
+            return n
+
+    def synced(self, name: str, within_s: float, now: float | None = None) -> bool:
+        """`name`'s view is current: joined, no gap being filled (an idle replay may be in
+        flight), and a message (live or a replay's answer) came within `within_s`."""
+        backend = self._backends[name]
+        now = time.monotonic() if now is None else now
+        return ((backend.replay_since is None or backend.probing)
+                and backend.view.last_message > 0
+                and now - backend.view.last_message <= within_s)
 
     # -- the event loop ----------------------------------------------------------------------------
     def poll(self, timeout_s: float = 0.0) -> int:
@@ -270,18 +308,23 @@ class KVEventSubscriber:
             for sock in ready:
                 backend, kind = self._by_socket[sock]
                 frames = sock.recv_multipart()
-                if kind == "monitor":
-                    self._on_connection(backend)
-                    continue
-                read += 1
-                backend.last_heard = time.monotonic()
-                if kind == "replay":
-                    self._on_replay(backend, frames)
-                else:
-                    self._on_live(backend, frames)
+                with self.lock:
+                    read += self._on_message(backend, kind, frames)
             ready = dict(self._poller.poll(0))
-        self._expire_replays()
+        with self.lock:
+            self._expire_replays()
         return read
+
+    def _on_message(self, backend: _Backend, kind: str, frames: list[bytes]) -> int:
+        if kind == "monitor":
+            self._on_connection(backend)
+            return 0
+        backend.last_heard = backend.view.last_message = time.monotonic()
+        if kind == "replay":
+            self._on_replay(backend, frames)
+        else:
+            self._on_live(backend, frames)
+        return 1
 
     def _on_connection(self, backend: _Backend) -> None:
         backend.connections += 1
@@ -357,6 +400,7 @@ class KVEventSubscriber:
             self._request_replay(backend, 0)
             return
         backend.replay_since = None
+        backend.probing = False
         waiting, backend.waiting = sorted(backend.waiting, key=lambda w: w[0]), []
         for i, (seq, batch) in enumerate(waiting):
             if backend.view.is_new_publisher(seq, batch) and backend.replay is not None:
@@ -390,6 +434,7 @@ class KVEventSubscriber:
         assert backend.replay is not None
         backend.replay.send_multipart((b"", start.to_bytes(8, "big")))
         backend.replay_since = backend.last_heard = time.monotonic()
+        backend.probing = False
         backend.view.stats.replays += 1
 
     def _expire_replays(self) -> None:
@@ -405,6 +450,7 @@ class KVEventSubscriber:
                 view = backend.view
                 start = view.next_seq - 1 if view.next_seq - 1 in view.seen_ts else view.next_seq
                 self._request_replay(backend, start)
+                backend.probing = True
 
     def _decode(self, backend: _Backend, payload: bytes) -> WireBatch | None:
         try:
@@ -422,3 +468,180 @@ class KVEventSubscriber:
                 raise RuntimeError("following KV events needs pyzmq (pip install pyzmq)") from None
             self._zmq, self._ctx, self._poller = zmq, zmq.Context(), zmq.Poller()
         return self._zmq
+
+
+# -- the proxy's feed ---------------------------------------------------------------------------
+
+STALE_S = 5.0                    # a view with no message for this long is not trusted
+FEED_IDLE_REPLAY_S = 1.0         # the feed's idle replays: a live publisher answers each
+FEED_POLL_S = 0.1                # how long the feed thread waits for messages at a time
+
+
+@dataclass(frozen=True)
+class EventSource:
+    """Where one backend publishes (`name` is the backend's, "host:port" of its HTTP API)."""
+    name: str
+    endpoint: str
+    replay_endpoint: str | None = None
+
+
+@dataclass(frozen=True)
+class KVEventsRouting:
+    """`kvrelay proxy --kv-events-*`: whose events to follow and how (main.py builds it)."""
+    sources: tuple[EventSource, ...]
+    topic: str = ""
+    auth: bool = False                # CURVE keyed from the KV secret (kv_events/curve.py)
+    secret_file: str | None = None    # the KV secret when KVRELAY_KV_SECRET is unset
+
+    def feed(self, block_size: int, registry: CollectorRegistry) -> KVEventsFeed:
+        """The feed (not started); a ValueError when auth is asked for without a secret."""
+        keys = None
+        if self.auth:
+            keys = derive_keys(read_secret(self.secret_file, "--kv-events-auth",
+                                           "--kv-events-secret-file"))
+        return KVEventsFeed(self.sources, block_size, self.topic, keys, registry=registry)
+
+
+class KVEventsFeed:
+    """The proxy's view of its servers' caches from their KV events, for the routers.
+
+    Owns a `KVEventSubscriber` and the daemon thread that polls it continually (its sockets
+    are made in that thread and used only there). The event loop calls `refine` while it
+    routes: for each followed backend whose view is usable — synced, heard from within
+    `stale_s` (the idle replays make a live publisher answer every `FEED_IDLE_REPLAY_S`)
+    and keyed with the proxy's block size — the router's guessed match is replaced by the
+    leading blocks the events say the backend holds. A backend whose stream is silent,
+    still joining, or keyed otherwise keeps the guess. A view that lost batches (counted in
+    `lost`) stays in use: its errors heal as the server stores blocks again, which the guess
+    would never see for traffic that did not pass this proxy.
+
+    Only prompts given as token ids can be matched (`PromptKey.token_keys`): the proxy has
+    no tokenizer, and the events name blocks by their token ids."""
+
+    def __init__(self, sources: Sequence[EventSource], block_size: int, topic: str = "",
+                 keys: CurveKeys | None = None, stale_s: float = STALE_S,
+                 idle_replay_s: float = FEED_IDLE_REPLAY_S,
+                 registry: CollectorRegistry | None = None) -> None:
+        self.sources = list(sources)
+        self.block_size = block_size
+        self.stale_s = stale_s
+        self.subscriber = KVEventSubscriber(topic, idle_replay_s, keys)
+        self.metrics = FeedMetrics(self, registry or CollectorRegistry())
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="kv-events-feed", daemon=True)
+
+    def start(self) -> None:
+        """Starts the thread; raises what adding the backends raised (a bad endpoint)."""
+        self._thread.start()
+        self._ready.wait()
+        if self._error is not None:
+            raise self._error
+        logger.info("KV events: cache_aware routing follows %s%s (token-id prompts; a silent "
+                    "stream falls back to the proxy's own guess)",
+                    ", ".join(f"{x.name} at {x.endpoint}" for x in self.sources),
+                    ", CURVE keyed from the KV secret" if self.subscriber.keys else "")
+
+    def stop(self, timeout: float = 2.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        try:
+            for s in self.sources:
+                self.subscriber.add_backend(s.name, s.endpoint, s.replay_endpoint)
+        except Exception as e:  # noqa: BLE001 -- handed to start()'s caller
+            self._error = e
+            self.subscriber.close()
+            return
+        finally:
+            self._ready.set()
+        try:
+            while not self._stop.is_set():
+                self.subscriber.poll(FEED_POLL_S)
+        except Exception:  # noqa: BLE001 -- the routers fall back to their guess
+            logger.exception("KV events: the feed stopped; routing uses the proxy's own guess")
+        finally:
+            self.subscriber.close()
+
+    # -- queries (the event loop) -------------------------------------------------------------
+    def usable(self, name: str, now: float | None = None) -> bool:
+        """`name`'s events are followed, current and keyed with the proxy's block size (a
+        backend the closing thread already dropped is not)."""
+        if self._stop.is_set() or not self._thread.is_alive():
+            return False
+        try:
+            view = self.subscriber.view(name)
+            return (view.block_size in (None, self.block_size)
+                    and self.subscriber.synced(name, self.stale_s, now))
+        except KeyError:
+            return False
+
+    def refine(self, key: PromptKey, matched: dict[str, int]) -> dict[str, int]:
+        """`matched` (backend → leading blocks held, the router's guess) with each usable
+        followed backend's count from its events; counted per source in `lookups`."""
+        if key.token_keys is None:
+            return matched
+        out = dict(matched)
+        now = time.monotonic()
+        for s in self.sources:
+            if s.name not in out:
+                continue
+            source = "events" if self.usable(s.name, now) else "guess"
+            if source == "events":
+                try:
+                    out[s.name] = self.subscriber.cached_prefix_keys(s.name, key.token_keys)
+                except KeyError:                  # dropped by the closing thread meanwhile
+                    source = "guess"
+            self.metrics.lookups.labels(s.name, source).inc()
+            self.metrics.matched.labels(s.name, source).inc(out[s.name])
+        return out
+
+    def stats(self, name: str) -> BackendStats:
+        return self.subscriber.view(name).stats
+
+
+class FeedMetrics(Collector):
+    """`kvrelay_proxy:kv_events_*`: which source each routed prompt's match came from, the
+    blocks matched, whether each stream is usable, and the subscriber's counters."""
+
+    def __init__(self, feed: KVEventsFeed, registry: CollectorRegistry) -> None:
+        self.feed = feed
+        self.lookups = Counter("kvrelay_proxy:kv_events_lookups",
+                               "Token-id prompts matched against a followed backend, by where "
+                               "the match came from (events: its KV events; guess: the "
+                               "proxy's own table, its stream being silent or joining).",
+                               ["backend", "source"], registry=registry)
+        self.matched = Counter("kvrelay_proxy:kv_events_matched_blocks",
+                               "Leading prompt blocks a followed backend was found to hold, "
+                               "by source.", ["backend", "source"], registry=registry)
+        for s in feed.sources:
+            for source in ("events", "guess"):
+                self.lookups.labels(s.name, source)
+                self.matched.labels(s.name, source)
+        registry.register(self)
+
+    def collect(self) -> Iterator[Metric]:
+        up = GaugeMetricFamily("kvrelay_proxy:kv_events_stream_up",
+                               "1 when the backend's KV-event view is used for routing.",
+                               labels=["backend"])
+        families = {field: CounterMetricFamily(f"kvrelay_proxy:kv_events_{field}",
+                                               f"KV-event subscriber: {doc}.", labels=["backend"])
+                    for field, doc in (("batches", "batches applied"),
+                                       ("replays", "replay requests sent"),
+                                       ("lost", "batches no replay could supply"),
+                                       ("restarts", "publisher restarts seen (view rebuilt)"),
+                                       ("errors", "undecodable messages"))}
+        now = time.monotonic()
+        for s in self.feed.sources:
+            up.add_metric([s.name], float(self.feed.usable(s.name, now)))
+            try:
+                stats = self.feed.stats(s.name)
+            except KeyError:                      # not joined yet, or closing
+                continue
+            for name, family in families.items():
+                family.add_metric([s.name], float(getattr(stats, name)))
+        yield up
+        yield from families.values()

@@ -9,6 +9,11 @@ the server cannot start (a taken port: one line, before anything else starts).
 
 `--api-key KEY` (or $KVRELAY_API_KEY / $VLLM_API_KEY): clients must send
 `Authorization: Bearer KEY`; the backends then get $OPENAI_API_KEY if set (see app.py).
+
+`--kv-events-port 5557 [--kv-events-replay-port 5558]`: cache_aware routing follows each
+prefill server's KV events (its `--kv-events-config`) at tcp://PREFILL_HOST:PORT
+(proxy/kv_events.py); ports pair with the prefill servers as --prefiller-port does with
+hosts: one for all, or one per server.
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ from kvrelay import envs
 from kvrelay.cli_flags import HelpFormatter
 from kvrelay.malloc import one_arena, return_large_buffers_to_the_os
 from kvrelay.proxy import policy
+from kvrelay.proxy.kv_events import EventSource, KVEventsRouting
 from kvrelay.proxy.policy import DisaggPolicy, RoutingSettings
 from kvrelay.proxy.routing import EndpointError, expand_endpoints
 
@@ -102,6 +108,7 @@ def add_proxy_flags(p: argparse.ArgumentParser) -> None:
     r.add_argument("--routing-table-blocks", type=int, default=policy.DEFAULT_SERVER_BLOCKS,
                    metavar="N", help="prefix-table blocks remembered per server until its "
                                      "/metrics report its KV capacity")
+    add_kv_events_flags(r)
     r.add_argument("--disagg-policy", choices=policy.DISAGG_POLICIES, default="always",
                    help="always: prefill then decode; never: decode servers prefill everything; "
                         "auto: straight to decode for short or decode-cached prompts")
@@ -112,6 +119,26 @@ def add_proxy_flags(p: argparse.ArgumentParser) -> None:
                    default=policy.DEFAULT_DIRECT_CACHED_FRACTION, metavar="F",
                    help="auto: the decode server holds at least this share of the prompt: "
                         "straight to decode")
+
+
+def add_kv_events_flags(r: argparse._ArgumentGroup) -> None:
+    r.add_argument("--kv-events-port", nargs="+", type=int, default=None, metavar="PORT",
+                   help="cache_aware: follow each prefill server's KV events (its "
+                        "--kv-events-config endpoint) at tcp://PREFILL_HOST:PORT and route by "
+                        "the prefix blocks they say it holds (token-id prompts); one port for "
+                        "every server, or one per server in --prefiller order")
+    r.add_argument("--kv-events-replay-port", nargs="+", type=int, default=None, metavar="PORT",
+                   help="the servers' replay_endpoint ports (same pairing): joins and gaps are "
+                        "filled by replay, and a silent server is noticed (without it a server "
+                        "with no events lately counts as silent: the proxy's guess is used)")
+    r.add_argument("--kv-events-topic", default="", metavar="TOPIC",
+                   help="subscribe to messages whose topic starts with TOPIC")
+    r.add_argument("--kv-events-auth", choices=("none", "kv_secret"), default="none",
+                   help='kv_secret: the servers publish with "auth": "kv_secret" (CURVE keyed '
+                        f"from the KV secret: ${envs.KV_SECRET.name} or --kv-events-secret-file)")
+    r.add_argument("--kv-events-secret-file", default=None, metavar="PATH",
+                   help=f"the KV secret for --kv-events-auth kv_secret when "
+                        f"${envs.KV_SECRET.name} is unset")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -131,10 +158,9 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
     if not 0 <= args.prefill_busy_retry < float("inf"):
         raise EndpointError(f"--prefill-busy-retry: {args.prefill_busy_retry:g} is not a "
                             f"number of seconds >= 0")
-    routing = _routing_settings(args)
-    return ProxySettings(host=args.host, port=args.port, routing=routing,
-                         prefill=expand_endpoints(args.prefiller_host, args.prefiller_port,
-                                                  "prefiller"),
+    prefill = expand_endpoints(args.prefiller_host, args.prefiller_port, "prefiller")
+    routing = _routing_settings(args, prefill)
+    return ProxySettings(host=args.host, port=args.port, routing=routing, prefill=prefill,
                          decode=expand_endpoints(args.decoder_host, args.decoder_port, "decoder"),
                          log_level=args.log_level, api_key=args.api_key or envs.PROXY_API_KEY.raw(),
                          health_interval_s=args.health_interval,
@@ -142,7 +168,8 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
                          forwarded_allow_ips=args.forwarded_allow_ips or None)
 
 
-def _routing_settings(args: argparse.Namespace) -> RoutingSettings:
+def _routing_settings(args: argparse.Namespace,
+                      prefill: list[tuple[str, int]]) -> RoutingSettings:
     if args.routing_load_margin < 0:
         raise EndpointError(f"--routing-load-margin: {args.routing_load_margin:g} is negative")
     if args.routing_block_size < 1:
@@ -159,7 +186,49 @@ def _routing_settings(args: argparse.Namespace) -> RoutingSettings:
                             f"in (0, 1]")
     disagg = DisaggPolicy(args.disagg_policy, args.direct_max_tokens, args.direct_cached_fraction)
     return RoutingSettings(args.routing, args.routing_load_margin, disagg, args.routing_block_size,
-                           args.routing_chars_per_token, args.routing_table_blocks)
+                           args.routing_chars_per_token, args.routing_table_blocks,
+                           _kv_events(args, prefill))
+
+
+def _kv_events(args: argparse.Namespace, prefill: list[tuple[str, int]]) -> KVEventsRouting | None:
+    """--kv-events-*: one event source per prefill server, named as its backend."""
+    if args.kv_events_port is None:
+        for flag in ("replay_port", "auth", "secret_file"):
+            if getattr(args, f"kv_events_{flag}") not in (None, "none"):
+                raise EndpointError(f"--kv-events-{flag.replace('_', '-')} needs --kv-events-port")
+        return None
+    if args.routing != "cache_aware":
+        raise EndpointError(f"--kv-events-port needs --routing cache_aware (not {args.routing})")
+    pub = _event_ports(args.kv_events_port, len(prefill), "--kv-events-port")
+    replay = (_event_ports(args.kv_events_replay_port, len(prefill), "--kv-events-replay-port")
+              if args.kv_events_replay_port else [None] * len(prefill))
+    sources = tuple(EventSource(f"{host}:{port}", _tcp(host, p), _tcp(host, r) if r else None)
+                    for (host, port), p, r in zip(prefill, pub, replay, strict=True))
+    auth = args.kv_events_auth == "kv_secret"
+    if auth:
+        from kvrelay.kv_events.config import read_secret
+        try:
+            read_secret(args.kv_events_secret_file, "--kv-events-auth kv_secret",
+                        "--kv-events-secret-file")
+        except ValueError as e:
+            raise EndpointError(str(e)) from None
+    elif args.kv_events_secret_file:
+        raise EndpointError("--kv-events-secret-file needs --kv-events-auth kv_secret")
+    return KVEventsRouting(sources, args.kv_events_topic, auth, args.kv_events_secret_file)
+
+
+def _event_ports(ports: list[int], servers: int, flag: str) -> list[int]:
+    if len(ports) not in (1, servers):
+        raise EndpointError(f"{flag}: {len(ports)} ports for {servers} prefill servers: give one "
+                            f"for all or one per server")
+    for port in ports:
+        if not 1 <= port <= 65535:
+            raise EndpointError(f"{flag}: {port} is not a TCP port (1-65535)")
+    return ports * servers if len(ports) == 1 else list(ports)
+
+
+def _tcp(host: str, port: int) -> str:
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
 class _ProxyServer(uvicorn.Server):

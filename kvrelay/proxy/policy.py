@@ -7,9 +7,10 @@ Server choice (`--routing`):
 - `least_loaded`: the fewest requests in flight (or running + waiting, as the server's
   /metrics last said, when that is more), ties round-robin.
 - `cache_aware` (default): the server holding the longest prefix of the prompt
-  (`PrefixTable`), unless its load exceeds the least-loaded server's by more than
-  `load_margin` requests — then the least-loaded one ("load override"). No server holding
-  any of it: least-loaded.
+  (`PrefixTable`, the proxy's guess from what it routed; with `--kv-events-port` a
+  server's own KV events where they are live, `Router.events`), unless its load exceeds
+  the least-loaded server's by more than `load_margin` requests — then the least-loaded
+  one ("load override"). No server holding any of it: least-loaded.
 Always: servers cooling down (a failed /health probe or connection) go last; a decode
 server whose KV cache is nearly full (`KV_FULL`) goes after the others.
 
@@ -26,16 +27,21 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvrelay.proxy.prefix import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_CHARS_PER_TOKEN,
     DEFAULT_SERVER_BLOCKS,
+    CachedPrefixes,
     Hasher,
     PrefixTable,
     PromptKey,
 )
 from kvrelay.proxy.routing import Backend
+
+if TYPE_CHECKING:
+    from kvrelay.proxy.kv_events import KVEventsRouting
 
 ROUTING_POLICIES = ("cache_aware", "round_robin", "least_loaded")
 DISAGG_POLICIES = ("always", "auto", "never")
@@ -77,6 +83,7 @@ class Router:
     policy: str = "cache_aware"
     load_margin: float = DEFAULT_LOAD_MARGIN
     table: PrefixTable = field(default_factory=PrefixTable)
+    events: CachedPrefixes | None = None      # the servers' KV events (proxy/kv_events.py)
     _counter: itertools.count = field(default_factory=itertools.count, repr=False)
 
     def _rotation(self) -> dict[str, int]:
@@ -101,6 +108,8 @@ class Router:
         if self.policy == "least_loaded" or key is None or not key.hashes:
             return Choice(ranked, "least_loaded")
         matched = self.table.match(key.hashes, (b.name for b in self.backends))
+        if self.events is not None:
+            matched = self.events.refine(key, matched)
         usable = [b for b in ranked if not b.cooling(now) and b.kv_usage < KV_FULL] or ranked[:1]
         best = max(usable, key=lambda b: (matched[b.name], -load(b), -rotation[b.name]))
         if matched[best.name] == 0:
@@ -175,9 +184,10 @@ class RoutingSettings:
     block_size: int = DEFAULT_BLOCK_SIZE
     chars_per_token: float = DEFAULT_CHARS_PER_TOKEN
     table_blocks: int = DEFAULT_SERVER_BLOCKS
+    kv_events: KVEventsRouting | None = None     # --kv-events-port: follow prefills' events
 
     def hasher(self) -> Hasher:
-        return Hasher(self.block_size, self.chars_per_token)
+        return Hasher(self.block_size, self.chars_per_token, self.kv_events is not None)
 
     def router(self, backends: list[Backend], role: str) -> Router:
         """Decode servers are never plain round-robin: a decode request lasts its whole

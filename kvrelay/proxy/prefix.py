@@ -16,6 +16,11 @@ The hashes are the proxy's own keys, not the servers' block hashes (those depend
 token ids); all the proxy needs is that a shared prefix gives shared leading keys, and a
 block-sized chunk keeps the bookkeeping in step with what a server can cache.
 
+With KV events (`--kv-events-port`, proxy/kv_events.py) a token-id prompt also gets
+`token_keys`: the same chain over its ids from a root shared by every model
+(`EVENTS_ROOT`), the keys the event subscriber gives the blocks servers report, so a
+server's events answer "how many leading blocks does it hold" exactly (`CachedPrefixes`).
+
 `PrefixTable` remembers, per server, the chains the proxy sent it, least recently used
 first, bounded per server (by the server's KV capacity once its /metrics report it, else
 a flag), and answers "how many leading blocks of this prompt does each server hold".
@@ -31,7 +36,7 @@ import struct
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, overload
+from typing import Any, Protocol, overload
 
 from kvrelay import rawjson
 from kvrelay.kv_cache.hashing import root_hash
@@ -100,6 +105,9 @@ def chain_root(seed: str) -> BlockHash:
     return root_hash(seed)[:DIGEST_BYTES]
 
 
+EVENTS_ROOT = chain_root("kv-events")   # token_keys' root: the KV-event subscriber's keys
+
+
 @dataclass(frozen=True)
 class PromptKey:
     """A request's prompt as the router sees it."""
@@ -107,15 +115,26 @@ class PromptKey:
     hashes: Sequence[BlockHash]
     tokens: int                    # exact for token-id prompts, estimated for text
     tokens_per_block: float
+    # the token-id chain from EVENTS_ROOT (a single token-id prompt, with KV events on)
+    token_keys: Sequence[BlockHash] | None = None
 
     def cached_tokens(self, blocks: int) -> int:
         return min(self.tokens, int(blocks * self.tokens_per_block))
+
+
+class CachedPrefixes(Protocol):
+    """What a router may consult besides its own table (proxy/kv_events.py's feed)."""
+
+    def refine(self, key: PromptKey, matched: dict[str, int]) -> dict[str, int]:
+        """`matched` (server → leading blocks held) with better counts where it has them."""
+        ...
 
 
 @dataclass(frozen=True)
 class Hasher:
     block_size: int = DEFAULT_BLOCK_SIZE
     chars_per_token: float = DEFAULT_CHARS_PER_TOKEN
+    token_keys: bool = False       # also key token-id prompts for KV events (`token_keys`)
 
     @property
     def chunk_chars(self) -> int:
@@ -135,7 +154,8 @@ class Hasher:
             count, values = ids
             hashes = _hash_stream(values, self.block_size, chain_root(f"ids:{model}"),
                                   MAX_KEY_BLOCKS)
-            return PromptKey(hashes, count, float(self.block_size))
+            return PromptKey(hashes, count, float(self.block_size),
+                             self._token_keys(body.get("prompt")))
         chunks = _TextChunks(self.chunk_chars, chain_root(f"text:{model}"), MAX_KEY_BLOCKS)
         pieces = text_pieces(body)
         cut = False
@@ -152,6 +172,14 @@ class Hasher:
         return PromptKey(HashChain(bytes(chunks.blob)),
                          math.ceil(chars / self.chars_per_token),
                          self.chunk_chars / self.chars_per_token)
+
+
+    def _token_keys(self, prompt: Any) -> HashChain | None:
+        """The events' keys of a single token-id prompt (a batch's server-side blocks are
+        each prompt's own: not one chain)."""
+        if not self.token_keys or not _id_list(prompt):
+            return None
+        return _hash_stream(_ids(prompt), self.block_size, EVENTS_ROOT, MAX_KEY_BLOCKS)
 
 
 class _TextChunks:

@@ -1,5 +1,6 @@
 """The proxy's state: its backends, their clients, the routers and the background probe of
-every backend's /health and /metrics; who may use the proxy (`ProxyAuth`)."""
+every backend's /health and /metrics; who may use the proxy (`ProxyAuth`); with
+`--kv-events-port`, the feed of the prefill servers' KV events (proxy/kv_events.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -9,6 +10,7 @@ import math
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import httpx
 
@@ -19,6 +21,9 @@ from kvrelay.proxy.metrics import ProxyMetrics
 from kvrelay.proxy.policy import Router, RoutingSettings, hit_correction
 from kvrelay.proxy.prefix import Hasher, PromptKey
 from kvrelay.proxy.routing import Backend
+
+if TYPE_CHECKING:
+    from kvrelay.proxy.kv_events import KVEventsFeed
 
 logger = logging.getLogger("kvrelay.proxy")
 
@@ -79,6 +84,7 @@ class ProxyState:
 
     hasher: Hasher = field(default_factory=Hasher)
     homes: responses.ResponseHomes = field(default_factory=responses.ResponseHomes)
+    kv_events: KVEventsFeed | None = None      # the prefills' KV events (started by `open`)
 
     @classmethod
     def create(cls, prefill: list[tuple[str, int]], decode: list[tuple[str, int]],
@@ -88,10 +94,15 @@ class ProxyState:
         routing = routing or RoutingSettings()
         p = [Backend("prefill", h, port) for h, port in prefill]
         d = [Backend("decode", h, port) for h, port in decode]
-        return cls(p, d, ProxyMetrics(p + d), routing.router(p, "prefill"),
-                   routing.router(d, "decode"),
+        metrics = ProxyMetrics(p + d)
+        prefill_router = routing.router(p, "prefill")
+        feed = None
+        if routing.kv_events is not None and prefill_router.policy == "cache_aware":
+            feed = routing.kv_events.feed(routing.block_size, metrics.registry)
+            prefill_router.events = feed
+        return cls(p, d, metrics, prefill_router, routing.router(d, "decode"),
                    auth or ProxyAuth(), routing, health_interval_s, busy_retry_s,
-                   hasher=routing.hasher())
+                   hasher=routing.hasher(), kv_events=feed)
 
     def router(self, b: Backend) -> Router:
         return self.prefill_router if b.role == "prefill" else self.decode_router
@@ -135,6 +146,8 @@ class ProxyState:
         task.add_done_callback(self.tasks.discard)
 
     async def open(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.start()
         for b in self.backends:
             b.client = _backend_client(b)
         self.health_client = httpx.AsyncClient(timeout=HEALTH_TIMEOUT_S, trust_env=False)
@@ -216,6 +229,8 @@ class ProxyState:
                 await b.client.aclose()
         if self.health_client is not None:
             await self.health_client.aclose()
+        if self.kv_events is not None:
+            self.kv_events.stop()
 
 
 def _backend_client(b: Backend) -> httpx.AsyncClient:

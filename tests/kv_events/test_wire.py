@@ -30,11 +30,26 @@ def s(text: str) -> str:
 
 
 # -- the config ---------------------------------------------------------------------------------
-def test_defaults_are_vllms():
+def test_defaults_are_vllms_but_the_endpoint_binds_loopback():
+    """vLLM's defaults, but for the endpoint: unset, it binds 127.0.0.1:5557 (vLLM: every
+    interface); written out, vLLM's bind/connect rule holds unless `bind` says otherwise."""
     c = KVEventsConfig()
     assert (c.enable_kv_cache_events, c.publisher, c.endpoint, c.replay_endpoint, c.buffer_steps,
-            c.hwm, c.max_queue_size, c.topic) == (False, "null", "tcp://*:5557", None, 10_000,
+            c.hwm, c.max_queue_size, c.topic) == (False, "null", None, None, 10_000,
                                                   100_000, 100_000, "")
+    assert (c.pub_endpoint, c.pub_binds) == ("tcp://127.0.0.1:5557", True)
+    on = KVEventsConfig.from_json({"enable_kv_cache_events": True})
+    assert on.exposed() == []
+    wild = KVEventsConfig.from_json({"enable_kv_cache_events": True, "endpoint": "tcp://*:5557",
+                                     "replay_endpoint": "tcp://0.0.0.0:5558"})
+    assert wild.pub_binds and wild.exposed() == ["tcp://*:5557", "tcp://0.0.0.0:5558"]
+    named = {"enable_kv_cache_events": True, "endpoint": "tcp://10.0.0.5:5557"}
+    assert not KVEventsConfig.from_json(named).pub_binds                  # vLLM: connects
+    assert KVEventsConfig.from_json(named | {"bind": True}).pub_binds
+    assert KVEventsConfig.from_json(named).exposed() == ["tcp://10.0.0.5:5557"]
+    local = {"enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:6000", "bind": True,
+             "replay_endpoint": "tcp://localhost:6001"}
+    assert KVEventsConfig.from_json(local).exposed() == []
     assert KVEventsConfig.from_json(None) is None
     on = KVEventsConfig.from_json({"enable_kv_cache_events": True})
     assert on.publisher == "zmq" and on.active                  # vLLM: unset publisher → zmq
@@ -54,11 +69,27 @@ def test_defaults_are_vllms():
     ({"replay_endpoint": "tcp://h:70000"}, "is not tcp://HOST:PORT"),
     ({"max_queue_size": 0}, "max_queue_size must be ≥ 1"),
     ({"hwm": -1}, "must be ≥ 0"),
+    ({"bind": True}, "bind needs an endpoint"),
+    ({"auth": "password"}, "auth 'password' is not one of kv_secret"),
+    ({"secret_file": "/x"}, "secret_file is read only with"),
+    ({"enable_kv_cache_events": True, "auth": "kv_secret", "secret_file": "/nonexistent/k"},
+     "cannot read the secret file '/nonexistent/k'"),
 ])
 def test_bad_configs_name_the_flag_and_key(raw, message):
     with pytest.raises(ValueError, match="--kv-events-config") as e:
         KVEventsConfig.from_json(raw)
     assert message in str(e.value)
+
+
+def test_kv_secret_auth_needs_the_secret(monkeypatch, tmp_path):
+    monkeypatch.delenv("KVRELAY_KV_SECRET", raising=False)
+    raw = {"enable_kv_cache_events": True, "auth": "kv_secret"}
+    with pytest.raises(ValueError, match="needs the KV secret: set KVRELAY_KV_SECRET"):
+        KVEventsConfig.from_json(raw)
+    (tmp_path / "k").write_text("s3cret\n")
+    assert KVEventsConfig.from_json(raw | {"secret_file": str(tmp_path / "k")}).auth
+    monkeypatch.setenv("KVRELAY_KV_SECRET", "from-env")
+    assert KVEventsConfig.from_json(raw).auth == "kv_secret"
 
 
 def test_data_parallel_ranks_offset_the_ports_as_vllm():
@@ -67,6 +98,8 @@ def test_data_parallel_ranks_offset_the_ports_as_vllm():
     assert c.for_rank(0) == c
     assert (c.for_rank(3).endpoint, c.for_rank(3).replay_endpoint) == ("tcp://*:5560",
                                                                         "tcp://*:5660")
+    default = KVEventsConfig.from_json({"enable_kv_cache_events": True}).for_rank(2)
+    assert (default.pub_endpoint, default.pub_binds) == ("tcp://127.0.0.1:5559", True)
     assert offset_endpoint("tcp://*:0", 2) == "tcp://*:0"          # the OS picks: unchanged
     assert offset_endpoint("inproc://cache", 1) == "inproc://cache_dp1"
     assert offset_endpoint(None, 1) is None

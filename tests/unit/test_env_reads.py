@@ -21,6 +21,7 @@ LIBRARY_DEFAULTS = {
     "model/kernels/build.py": "MAX_JOBS and PATH for the background compiler (cpp_extension)",
     "model/o200k.py": "TIKTOKEN_ENCODINGS_BASE for openai-harmony",
     "deploy/launcher.py": "copies the environment for the processes it starts",
+    "distributed/ray_cluster.py": "copies kvrelay's variables into a Ray actor's runtime_env",
     "envs.py": "the one reader",
 }
 
