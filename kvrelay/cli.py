@@ -17,6 +17,7 @@ import os
 import resource
 import sys
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from kvrelay.cli_flags import (
@@ -234,7 +235,18 @@ def agent_options(args: argparse.Namespace) -> AgentOptions:
                         responses_store_max_bytes=envs.RESPONSES_STORE_MAX_BYTES.as_int() or 0,
                         responses_store_max_entry_bytes=(
                             envs.RESPONSES_STORE_MAX_ENTRY_BYTES.as_int() or 0),
-                        responses_owner_header=args.responses_owner_header)
+                        responses_owner_header=args.responses_owner_header,
+                        responses_store_path=responses_store_path(args))
+
+
+def responses_store_path(args: argparse.Namespace) -> str | None:
+    """The SQLite file of the responses store (None: in memory): one per port under the
+    state directory, so the servers of one host (kvrelay deploy) each keep their own."""
+    from kvrelay import envs
+    if args.responses_store == "memory":
+        return None
+    state = Path(args.state_dir).expanduser() if args.state_dir else envs.state_dir()
+    return str(state / f"responses-{args.port}.sqlite3")
 
 
 if __name__ == "__main__":

@@ -208,6 +208,12 @@ SERVE_FLAGS: tuple[FlagGroup, ...] = (
         _F(("--responses-owner-header",), "header naming the client a stored response belongs "
                                           "to, set by a trusted gateway in front",
            metavar="NAME", default_note="the Authorization header"),
+        _F(("--responses-store",), "where /v1/responses keeps stored responses: sqlite (a file "
+                                   "under --state-dir, one per port: they survive a restart) "
+                                   "or memory", default="sqlite", choices=("sqlite", "memory")),
+        _F(("--state-dir",), "directory of the state kept across restarts (the responses "
+                             "store)", metavar="DIR",
+           default_note="$KVRELAY_STATE_DIR, else ~/.cache/kvrelay/state"),
     )),
     FlagGroup("Tools and reasoning (docs/agents.md)", (
         _F(("--enable-auto-tool-choice",), "let the model decide to call tools (tool_choice "

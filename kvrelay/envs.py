@@ -80,8 +80,9 @@ KV_SECRET = EnvVar("KVRELAY_KV_SECRET", None, None,
                    "authentication")
 STRUCTURED_ANALYSIS_BUDGET = EnvVar("KVRELAY_STRUCTURED_ANALYSIS_BUDGET", None, "1024",
                                     "harmony + structured outputs: most tokens of the analysis "
-                                    "message before the constrained answer (at most half of "
-                                    "max_tokens)")
+                                    "message before the constrained answer at reasoning effort "
+                                    "medium (low: a quarter, high: 4x; at most half of "
+                                    "max_tokens; a request's thinking_token_budget wins)")
 MOE_KERNEL = EnvVar("KVRELAY_MOE_KERNEL", None, "auto",
                     "MoE experts on CPU: 'native' (the C++ kernels built on first use; an error "
                     "if they cannot be built), 'torch' (the pure-PyTorch reference) or 'auto' "
@@ -163,6 +164,10 @@ RESPONSES_STORE_MAX_BYTES = EnvVar("KVRELAY_RESPONSES_STORE_MAX_BYTES", None, st
 RESPONSES_STORE_MAX_ENTRY_BYTES = EnvVar("KVRELAY_RESPONSES_STORE_MAX_ENTRY_BYTES", None,
                                          str(16 << 20), "bytes one stored response may take; a "
                                          "larger one is answered but not kept")
+STATE_DIR = EnvVar("KVRELAY_STATE_DIR", None, None,
+                   "where kvrelay serve keeps state across restarts (the responses store, "
+                   "--responses-store sqlite); --state-dir wins (default "
+                   "$KVRELAY_CACHE_DIR/state, else ~/.cache/kvrelay/state)")
 
 # -- where things are cached on disk
 XDG_CACHE_HOME = EnvVar("XDG_CACHE_HOME", None, None,
@@ -213,6 +218,12 @@ def kvrelay_cache_dir() -> Path:
     """$KVRELAY_CACHE_DIR, else $XDG_CACHE_HOME/kvrelay, else ~/.cache/kvrelay."""
     explicit = CACHE_DIR.raw()
     return Path(explicit).expanduser() if explicit else user_cache_dir() / "kvrelay"
+
+
+def state_dir() -> Path:
+    """$KVRELAY_STATE_DIR, else the kvrelay cache directory's state/."""
+    explicit = STATE_DIR.raw()
+    return Path(explicit).expanduser() if explicit else kvrelay_cache_dir() / "state"
 
 
 # every variable above, for docs and checks (computed, so additions never collide)

@@ -32,6 +32,13 @@ def _quiet_transformers():
 
 
 @pytest.fixture(scope="session", autouse=True)
+def _state_dir(tmp_path_factory):
+    """The servers tests start keep their responses store (`kvrelay serve`'s default: SQLite
+    under the state directory) in the session's temporary directory, not the user's."""
+    os.environ.setdefault("KVRELAY_STATE_DIR", str(tmp_path_factory.mktemp("kvrelay-state")))
+
+
+@pytest.fixture(scope="session", autouse=True)
 def _paged_decode_kernel():
     """Build the native kernels (MoE, paged decode attention) once, before any test starts
     a server: they are cached on disk, and a cold build (a minute quiet, minutes on a
@@ -55,6 +62,8 @@ E2E_PATHS = (
     "tests/agent/test_agent_disagg.py",
     "tests/agent/test_agent_enforced.py",
     "tests/agent/test_agent_server.py",
+    "tests/agent/test_agents_sdk.py",
+    "tests/agent/test_responses_background.py",
     "tests/bench/test_e2e_serve.py",
     "tests/bench/test_report_cli.py::test_the_bench_imports_no_torch",
     "tests/deploy/test_deploy_e2e.py",

@@ -66,7 +66,7 @@ from kvrelay.server.protocol import (
     OpenAIError,
     error_type_for,
 )
-from kvrelay.server.responses import add_responses_routes
+from kvrelay.server.response_routes import add_responses_routes
 from kvrelay.server.serving import (
     HOLD_RETRY_AFTER_S,
     CompletionChunks,
@@ -319,7 +319,7 @@ def _prepare_chat(state: ServerState, body: ChatCompletionRequest) -> tuple[Any,
         _sampling(state, body, max_tokens, top,
                   extra_stop_ids=rendered.stop_token_ids, logprobs_param="top_logprobs",
                   structured=request_constraint(body, is_harmony_chat(state.chat))),
-        rendered.structured, rendered.tools)
+        rendered.structured, rendered.tools, body)
     return rendered, params
 
 

@@ -6,9 +6,9 @@ OpenAI fields keep working; wrong types and out-of-range values are 400s.
 from __future__ import annotations
 
 from http import HTTPStatus
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
 from kvrelay.sampling_params import INT64_MAX, INT64_MIN
 
@@ -39,6 +39,22 @@ class OpenAIError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.status}}
+
+
+def _thinking_token_budget(value: Any) -> int | None:
+    """vLLM's `thinking_token_budget`: a JSON integer ≥ 0, or -1 (no budget of its own);
+    true / 1.5 / "8" are refused rather than read as numbers."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < -1:
+        raise ValueError(f"expected an integer >= 0, or -1 for no budget of its own; "
+                         f"got {value!r}")
+    return value
+
+
+# the most tokens of the analysis message under enforcement (tool_choice required / named, a
+# response format): kvrelay/structured/manager.py `requested_budget`; docs/agents.md
+ThinkingTokenBudget = Annotated[int | None, BeforeValidator(_thinking_token_budget)]
 
 
 class StreamOptions(BaseModel):
@@ -110,6 +126,7 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0)
     reasoning_effort: Literal["low", "medium", "high"] | None = None
+    thinking_token_budget: ThinkingTokenBudget = None
     add_generation_prompt: bool = True
     # function calling (validated in kvrelay/server/tools.py, which names the bad entry)
     tools: list[Any] | None = None

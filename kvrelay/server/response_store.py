@@ -1,13 +1,16 @@
-"""The Responses API store: what `store: true` keeps for GET, DELETE and `previous_response_id`.
+"""The Responses API store: what `store: true` keeps for GET, DELETE, cancel and
+`previous_response_id`.
 
-Owner: the API process; a lock, as `previous_response_id` is read on the prep workers
-(server/prep.py) while the event loop stores. Bounded three ways, so no client can
-grow it without limit:
+Two kinds, one rule set (`ResponseStore`): `MemoryResponseStore` keeps the entries in this
+process; `SqliteResponseStore` (server/response_sqlite.py, `kvrelay serve`'s default) keeps
+them in a SQLite file under the state directory, so they survive a restart
+(`response_sqlite.open_store` picks one from the flags). Both are
+bounded three ways, so no client can grow them without limit:
 
 - entries: at most `max_entries` (KVRELAY_RESPONSES_STORE_MAX_ENTRIES, 1000);
 - bytes: at most `max_bytes` in all (KVRELAY_RESPONSES_STORE_MAX_BYTES, 256 MiB), counted
   as the UTF-8 JSON of the response plus its conversation; the least recently used entries
-  are evicted first until both bounds hold;
+  (created, replaced or read longest ago) are evicted first until both bounds hold;
 - one entry: at most `max_entry_bytes` (KVRELAY_RESPONSES_STORE_MAX_ENTRY_BYTES, 16 MiB);
   a larger response is answered but not kept (its `store` says false).
 
@@ -17,8 +20,8 @@ characters): anything else is a 400 before the request runs.
 Each entry belongs to the client that created it: `owner_of` names the owner (the value of
 the operator's `--responses-owner-header` when set, else the request's Authorization
 header), kept as a SHA-256 digest. `get` and `delete` by another owner find nothing, so
-another key's GET, DELETE or `previous_response_id` is a 404 that says no more than an id
-that never existed.
+another key's GET, DELETE, cancel or `previous_response_id` is a 404 that says no more than
+an id that never existed.
 """
 from __future__ import annotations
 
@@ -38,6 +41,8 @@ logger = logging.getLogger(__name__)
 METADATA_MAX_PAIRS = 16
 METADATA_MAX_KEY_CHARS = 64
 METADATA_MAX_VALUE_CHARS = 512
+# a background response that has not finished yet (server/response_background.py)
+UNFINISHED = ("queued", "in_progress")
 
 
 @dataclass(frozen=True)
@@ -62,20 +67,55 @@ class StoredResponse:
     owner: str = ""                   # owner_of(...) of the request that created it
     size: int = field(default=0, compare=False)   # bytes counted against the budget
 
+    @property
+    def id(self) -> str:
+        return self.body["id"]
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """An entry as UTF-8 JSON text: what the budget counts and what SQLite keeps."""
+    body: str
+    messages: str
+
+    @property
+    def size(self) -> int:
+        return len(self.body.encode()) + len(self.messages.encode())
+
+    @classmethod
+    def of(cls, item: StoredResponse) -> Encoded:
+        return cls(_dumps(item.body), _dumps(item.messages))
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, default=str)
+
 
 def entry_size(item: StoredResponse) -> int:
     """The bytes an entry counts for: its response and conversation as UTF-8 JSON."""
-    return sum(len(json.dumps(part, ensure_ascii=False, default=str).encode())
-               for part in (item.body, item.messages))
+    return Encoded.of(item).size
+
+
+@dataclass
+class _Meta:
+    owner: str
+    size: int
 
 
 class ResponseStore:
-    """Responses kept for their owners, least recently used evicted first (see module)."""
+    """Responses kept for their owners, least recently used evicted first (see module).
+
+    Owner of the index (id → owner and size, least recently used first) and of the budget
+    arithmetic, under one lock: `previous_response_id` is read on the prep workers
+    (server/prep.py) and GET on a thread while the event loop stores. Subclasses keep the
+    payloads (`_keep`, `_load`, `_discard`, `_touched`); the index is the truth of what
+    exists, so a payload is looked up only for an id the index holds for that owner.
+    """
 
     def __init__(self, limits: StoreLimits) -> None:
         self.limits = limits
         self.bytes = 0
-        self._items: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._index: OrderedDict[str, _Meta] = OrderedDict()
         self._lock = threading.Lock()
 
     @property
@@ -83,50 +123,117 @@ class ResponseStore:
         return self.limits.max_entries > 0
 
     def __len__(self) -> int:
-        return len(self._items)
+        return len(self._index)
+
+    def __contains__(self, response_id: object) -> bool:
+        return response_id in self._index
 
     def put(self, item: StoredResponse) -> bool:
-        """Keep `item`; False (nothing kept) when the store is off or the entry is larger
-        than `max_entry_bytes`."""
+        """Keep `item` (replacing an entry of the same id); False (nothing kept) when the
+        store is off or the entry is larger than `max_entry_bytes`."""
         if not self.enabled:
             return False
-        item.size = entry_size(item)
+        encoded = Encoded.of(item)
+        item.size = encoded.size
         if item.size > self.limits.max_entry_bytes:
             logger.warning("responses store: %s not kept (%d bytes; at most %d: "
-                           "KVRELAY_RESPONSES_STORE_MAX_ENTRY_BYTES)", item.body["id"],
-                           item.size, self.limits.max_entry_bytes)
+                           "KVRELAY_RESPONSES_STORE_MAX_ENTRY_BYTES)", item.id, item.size,
+                           self.limits.max_entry_bytes)
             return False
         with self._lock:
-            self._drop(item.body["id"])
-            self._items[item.body["id"]] = item
+            self._unindex(item.id)
+            self._index[item.id] = _Meta(item.owner, item.size)
             self.bytes += item.size
-            while (len(self._items) > self.limits.max_entries
-                   or self.bytes > self.limits.max_bytes):
-                evicted, old = self._items.popitem(last=False)
-                self.bytes -= old.size
-                logger.debug("responses store full: evicted %s", evicted)
+            evicted = self._over_budget()
+            self._keep(item, encoded)
+            if evicted:
+                self._discard(evicted)
         return True
 
     def get(self, response_id: str, owner: str) -> StoredResponse | None:
         with self._lock:
-            item = self._items.get(response_id)
-            if item is None or item.owner != owner:
+            meta = self._index.get(response_id)
+            if meta is None or meta.owner != owner:
                 return None
-            self._items.move_to_end(response_id)
-            return item
+            self._index.move_to_end(response_id)
+            self._touched(response_id)
+        return self._load(response_id)
 
     def delete(self, response_id: str, owner: str) -> bool:
         with self._lock:
-            item = self._items.get(response_id)
-            if item is None or item.owner != owner:
+            meta = self._index.get(response_id)
+            if meta is None or meta.owner != owner:
                 return False
-            self._drop(response_id)
+            self._unindex(response_id)
+            self._discard([response_id])
             return True
 
-    def _drop(self, response_id: str) -> None:
-        old = self._items.pop(response_id, None)
+    def close(self) -> None:
+        """Write out what is pending (SQLite); the memory store has nothing to do."""
+
+    # -- the index (callers hold the lock)
+
+    def _reindex(self, response_id: str, owner: str, size: int) -> None:
+        """An entry that exists already (a store reopened), as the most recently used."""
+        self._index[response_id] = _Meta(owner, size)
+        self.bytes += size
+
+    def _unindex(self, response_id: str) -> None:
+        old = self._index.pop(response_id, None)
         if old is not None:
             self.bytes -= old.size
+
+    def _over_budget(self) -> list[str]:
+        """Drop the least recently used entries until both budgets hold; their ids."""
+        evicted = []
+        while len(self._index) > self.limits.max_entries or self.bytes > self.limits.max_bytes:
+            response_id, old = self._index.popitem(last=False)
+            self.bytes -= old.size
+            evicted.append(response_id)
+            logger.debug("responses store full: evicted %s", response_id)
+        return evicted
+
+    # -- the payloads (subclasses; all but _load are called with the lock held)
+
+    def _keep(self, item: StoredResponse, encoded: Encoded) -> None:
+        raise NotImplementedError
+
+    def _load(self, response_id: str) -> StoredResponse | None:
+        raise NotImplementedError
+
+    def _discard(self, response_ids: list[str]) -> None:
+        raise NotImplementedError
+
+    def _touched(self, response_id: str) -> None:
+        """`response_id` was read: it is now the most recently used."""
+
+
+class MemoryResponseStore(ResponseStore):
+    """The entries as objects in this process: gone when it exits."""
+
+    def __init__(self, limits: StoreLimits) -> None:
+        super().__init__(limits)
+        self._items: dict[str, StoredResponse] = {}
+
+    def _keep(self, item: StoredResponse, encoded: Encoded) -> None:
+        self._items[item.id] = item
+
+    def _load(self, response_id: str) -> StoredResponse | None:
+        return self._items.get(response_id)
+
+    def _discard(self, response_ids: list[str]) -> None:
+        for response_id in response_ids:
+            self._items.pop(response_id, None)
+
+
+def previous_conversation(previous: StoredResponse) -> list[dict[str, Any]]:
+    """The conversation a `previous_response_id` continues; 400 while that response is
+    still running in the background (its output is not known yet)."""
+    if previous.body.get("status") in UNFINISHED:
+        raise OpenAIError(f"Previous response with id '{previous.id}' has not finished "
+                          f"(status {previous.body['status']}); poll it until it has",
+                          param="previous_response_id")
+    return list(previous.messages)
 
 
 def owner_of(headers: Mapping[str, str], owner_header: str | None) -> str:

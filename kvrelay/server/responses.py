@@ -8,11 +8,13 @@ answer: each harmony message becomes an output item (analysis → `reasoning`, a
 `functions.NAME` → `function_call`, any other text → `message`: `harmony_chat.delta_kind`,
 as chat splits it), each with the streaming events the openai client parses.
 
-Stored responses (`store`, default true) live in a bounded in-memory `ResponseStore`
-(kvrelay/server/response_store.py: entries, bytes and one entry's size bounded, least
-recently used evicted first, each entry visible only to the client that created it);
-`previous_response_id` continues one: its whole conversation
-(inputs and outputs, not its instructions) comes before the new input.
+Stored responses (`store`, default true) live in a bounded `ResponseStore`
+(kvrelay/server/response_store.py: SQLite under the state directory or memory; entries,
+bytes and one entry's size bounded, least recently used evicted first, each entry visible
+only to the client that created it); `previous_response_id` continues one: its whole
+conversation (inputs, outputs and function calls with their results, not its instructions)
+comes before the new input. The routes are kvrelay/server/response_routes.py's;
+`background: true` runs in kvrelay/server/response_background.py.
 """
 from __future__ import annotations
 
@@ -25,8 +27,7 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
+from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvrelay import harmony
@@ -35,14 +36,12 @@ from kvrelay.engine.outputs import RequestOutput
 from kvrelay.server import serving, structured_hooks
 from kvrelay.server.chat import Rendered
 from kvrelay.server.harmony_chat import HarmonyChat, calls_limited, delta_kind
-from kvrelay.server.prep import INLINE_BYTES
-from kvrelay.server.protocol import ChatCompletionRequest, OpenAIError
+from kvrelay.server.protocol import ChatCompletionRequest, OpenAIError, ThinkingTokenBudget
 from kvrelay.server.response_store import (
     ResponseStore,
     StoredResponse,
-    StoreLimits,
     check_metadata,
-    owner_of,
+    previous_conversation,
 )
 from kvrelay.server.tools import ToolCallOut, ToolSpec, calls_from_json_array, tool_spec
 
@@ -71,6 +70,7 @@ class ResponsesRequest(BaseModel):
     user: str | None = None
     background: bool | None = None
     seed: int | None = None            # vLLM's extension, as on chat
+    thinking_token_budget: ThinkingTokenBudget = None   # vLLM's, as on chat (docs/agents.md)
     # vLLM's disaggregation field, as on chat: the proxy's prefill leg asks for the KV to be
     # kept ({do_remote_decode: true}) and gets the handle back; its decode leg passes it in.
     kv_transfer_params: dict[str, Any] | None = None
@@ -415,8 +415,6 @@ def _prepare(state: serving.ServerState, store: ResponseStore, body: ResponsesRe
     check_metadata(body.metadata)
     if state.chat is None:
         raise OpenAIError("this model has no chat template", param="input")
-    if body.background:
-        raise OpenAIError("background responses are not supported", param="background")
     history: list[dict[str, Any]] = []
     if body.previous_response_id is not None:
         if not store.enabled:
@@ -427,7 +425,7 @@ def _prepare(state: serving.ServerState, store: ResponseStore, body: ResponsesRe
         if previous is None:
             raise OpenAIError(f"Previous response with id '{body.previous_response_id}' not found.",
                               param="previous_response_id")
-        history = list(previous.messages)
+        history = previous_conversation(previous)
     messages = history + input_messages(body.input)
     if not messages:
         raise OpenAIError("input: expected at least one item", param="input")
@@ -439,7 +437,8 @@ def _prepare(state: serving.ServerState, store: ResponseStore, body: ResponsesRe
             "tools": [t.as_chat_tool() for t in tools.tools] or None,
             "tool_choice": _chat_choice(tools), "parallel_tool_calls": body.parallel_tool_calls,
             "temperature": body.temperature,
-            "top_p": body.top_p, "max_tokens": body.max_output_tokens, "seed": body.seed})
+            "top_p": body.top_p, "max_tokens": body.max_output_tokens, "seed": body.seed,
+            "thinking_token_budget": body.thinking_token_budget})
     except ValidationError as e:    # an input the chat form cannot hold: the client's
         raise OpenAIError(f"input: {e.errors()[0].get('msg', 'invalid')}", param="input") from None
     rendered = state.chat.render(chat, state.max_model_len)
@@ -450,7 +449,7 @@ def _prepare(state: serving.ServerState, store: ResponseStore, body: ResponsesRe
     max_tokens = serving._check_lengths(state, rendered.prompt_ids, body.max_output_tokens)
     params = structured_hooks.attach(
         serving._sampling(state, chat, max_tokens, None, extra_stop_ids=rendered.stop_token_ids),
-        rendered.structured)
+        rendered.structured, body=chat)
     return _Prepared(body, model, messages, rendered, params, tools, owner)
 
 
@@ -479,6 +478,7 @@ def _response(p: _Prepared, status: str, output: list[dict[str, Any]],
         "tool_choice": p.tools.choice.as_response_value(),
         "tools": [t.as_response_tool() for t in p.tools.tools],
         "store": store, "truncation": "disabled", "user": body.user, "usage": usage,
+        "background": bool(body.background),
     }
 
 
@@ -561,52 +561,3 @@ async def _stream(state: serving.ServerState, store: ResponseStore, p: _Prepared
         seq += 1
     kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
     yield _event(seq, {"type": kind, "response": response})
-
-
-# ------------------------------------------------------------------ routes
-
-
-def add_responses_routes(app: FastAPI, state: serving.ServerState) -> ResponseStore:
-    agent = state.agent
-    store = ResponseStore(StoreLimits(agent.responses_store_size, agent.responses_store_max_bytes,
-                                      agent.responses_store_max_entry_bytes))
-    app.state.responses_store = store
-
-    @app.post("/v1/responses")
-    async def create_response(body: ResponsesRequest, request: Request):
-        kv = serving.kv_transfer_params(body.kv_transfer_params)
-        owner = owner_of(request.headers, agent.responses_owner_header)
-        # rendering, tokenising and the grammar check on a worker thread (server/prep.py);
-        # always there: a text.format or a tool schema can take a while to check
-        p = await state.prep.run(_prepare, state, store, body, owner, size=INLINE_BYTES + 1)
-        serving.take_hold(state, request, kv)               # 429 before the engine holds
-        if body.stream:
-            # made before the response starts, so a full queue is a 503, not a broken stream
-            try:
-                gen = calls_limited(state.engine.generate(
-                    p.response_id, p.rendered.prompt_ids, p.params, p.body.kv_transfer_params),
-                    p.tools, state.chat)
-            except OpenAIError:
-                serving.refund_hold(state, request, kv)     # refused: it holds nothing
-                raise
-            return StreamingResponse(_stream(state, store, p, gen),
-                                     media_type="text/event-stream")
-        return await _create(state, store, p, request)
-
-    @app.get("/v1/responses/{response_id}")
-    async def get_response(response_id: str, request: Request):
-        item = store.get(response_id, owner_of(request.headers, agent.responses_owner_header))
-        if item is None:
-            raise OpenAIError(f"Response with id '{response_id}' not found.", 404,
-                              "NotFoundError", "response_id")
-        return item.body
-
-    @app.delete("/v1/responses/{response_id}")
-    async def delete_response(response_id: str, request: Request):
-        if not store.delete(response_id, owner_of(request.headers, agent.responses_owner_header)):
-            raise OpenAIError(f"Response with id '{response_id}' not found.", 404,
-                              "NotFoundError", "response_id")
-        return {"id": response_id, "object": "response", "deleted": True}
-
-    return store
-

@@ -22,6 +22,7 @@ from kvrelay.sampling_params import SamplingParams
 from kvrelay.server.grammar_check import check_constraint
 from kvrelay.server.protocol import OpenAIError
 from kvrelay.server.tools import NO_TOOLS, ToolSpec
+from kvrelay.structured.manager import requested_budget
 from kvrelay.structured.params import FunctionSpec, StructuredOutputsParams, ToolCallConstraint
 
 
@@ -67,10 +68,31 @@ def json_format(schema: dict[str, Any], harmony: bool,
 
 
 def attach(params: SamplingParams, constraint: StructuredOutputsParams | None,
-           tools: ToolSpec = NO_TOOLS) -> SamplingParams:
+           tools: ToolSpec = NO_TOOLS, body: Any = None) -> SamplingParams:
     """Puts the tool-choice constraint on `params`. A forced call wins over a response format
     already there (the call is this turn's answer); a format with tools the model may call
-    becomes "a call or the formatted answer"."""
+    becomes "a call or the formatted answer". `body` (a ChatCompletionRequest): a harmony
+    constraint gets the analysis budget it asks for (`with_budget`)."""
+    _attach(params, constraint, tools)
+    return with_budget(params, body)
+
+
+def with_budget(params: SamplingParams, body: Any) -> SamplingParams:
+    """A harmony constraint on `params` gets the analysis budget `body` asks for: its
+    `thinking_token_budget`, else its `reasoning_effort`'s (manager.requested_budget);
+    the engine then caps it to leave room for the answer within max_tokens."""
+    p = params.structured_outputs
+    if p is None or not p.harmony or body is None:
+        return params
+    want = requested_budget(getattr(body, "reasoning_effort", None),
+                            getattr(body, "thinking_token_budget", None), params.max_tokens)
+    if want is not None and want != p.analysis_budget:
+        params.structured_outputs = dataclasses.replace(p, analysis_budget=want)
+    return params
+
+
+def _attach(params: SamplingParams, constraint: StructuredOutputsParams | None,
+            tools: ToolSpec) -> None:
     current = params.structured_outputs
     if constraint is not None:
         params.structured_outputs = constraint
@@ -81,4 +103,3 @@ def attach(params: SamplingParams, constraint: StructuredOutputsParams | None,
                                                   parallel=tools.parallel))
         check_constraint(combined, "tools")
         params.structured_outputs = combined
-    return params

@@ -40,6 +40,7 @@ class AgentOptions:
     responses_store_max_bytes: int = 256 << 20       # all entries (response_store.py)
     responses_store_max_entry_bytes: int = 16 << 20  # one entry; larger ones are not kept
     responses_owner_header: str | None = None        # who owns a stored response (else the key)
+    responses_store_path: str | None = None          # SQLite file of the store; None: memory
 
     def __post_init__(self) -> None:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:

@@ -18,6 +18,9 @@ ends that request with an error (engine/core.py), never with text that breaks th
 constraint. llguidance's errors are kept non-verbose (its verbose ones quote the parser
 state and the grammar).
 
+A harmony turn with a max_tokens also finishes within it (closing.py): its matcher holds an
+`Ending`, and while one is being taken its mask allows that ending's next token alone.
+
 Why llguidance (docs/benchmarks.md, "Structured outputs: grammar engine"): compiling a JSON
 schema takes ~0.5-2 ms against xgrammar's 18-30 ms at the o200k vocabulary (agents send a
 new tool schema per conversation), its Lark grammars name special tokens and bound a rule's
@@ -26,6 +29,7 @@ small next to a step.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 from collections import OrderedDict
@@ -35,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvrelay.structured import limits
+from kvrelay.structured.closing import MAX_ENDING, Closer, Ending
 from kvrelay.structured.grammar import GrammarError, build_grammar
 from kvrelay.structured.params import StructuredOutputsParams
 
@@ -86,19 +91,44 @@ class GrammarMatcher:
     """One sequence's position in its grammar. Owner: the Request it is attached to;
     advanced by `Request.append_token` with every accepted token."""
 
-    def __init__(self, matcher: Any, backend: GrammarBackend) -> None:
+    def __init__(self, matcher: Any, backend: GrammarBackend, ending: Ending | None = None,
+                 ) -> None:
         self.matcher = matcher
         self.backend = backend
         self.failed: str | None = None
+        # harmony turns with a max_tokens: when to take the grammar's ending (closing.py);
+        # None (every other constraint): nothing is checked per token
+        self.ending = ending
 
     def fork(self) -> GrammarMatcher:
         """A matcher at the same position, advancing independently (n > 1 children)."""
-        return GrammarMatcher(self.matcher.deep_copy(), self.backend)
+        return GrammarMatcher(self.matcher.deep_copy(), self.backend,
+                              None if self.ending is None else self.ending.copy())
+
+    def end_within(self, max_tokens: int) -> None:
+        """Finish within `max_tokens` tokens from here (the start of the output): near the
+        end, the mask allows only the next token of an ending of the grammar."""
+        self.ending = Ending(max_tokens)
+        self._check_ending()
 
     def accept(self, token_id: int) -> None:
         if self.failed is None and not self.matcher.consume_token(token_id):
             self.fail(_first_line(self.matcher.get_error())
                       or f"token {token_id} is not allowed here")
+        if self.ending is not None:
+            self.ending.accepted(token_id)
+            self._check_ending()
+
+    def _check_ending(self) -> None:
+        ending = self.ending
+        if (ending is not None and self.failed is None and ending.due()
+                and not self.matcher.is_stopped()):
+            ending.check(self.matcher, self.backend.closer)
+
+    @property
+    def forced_token(self) -> int | None:
+        """The only token the next mask allows while an ending is being taken."""
+        return None if self.ending is None else self.ending.next_forced
 
     def fail(self, reason: str) -> None:
         """The grammar cannot go on (the request ends with an error: engine/core.py)."""
@@ -114,7 +144,12 @@ class GrammarMatcher:
     def allows(self, token_id: int) -> bool:
         """Whether `token_id` is allowed next (its bit in the next mask), without the mask:
         a lexer step over the token's bytes."""
-        return self.failed is None and self.matcher.validate_tokens([token_id]) == 1
+        if self.failed is not None:
+            return False
+        forced = self.forced_token
+        if forced is not None:
+            return token_id == forced
+        return self.matcher.validate_tokens([token_id]) == 1
 
     @property
     def terminated(self) -> bool:
@@ -136,8 +171,42 @@ class GrammarBackend:
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
                                                 eos_token=list(eos_token_ids) or None)
         self.executor = llguidance.LLExecutor()
+        self.eos_token_ids = eos_token_ids
         self._cache: OrderedDict[_Key, Any] = OrderedDict()
         self.hits = self.misses = 0
+        self._closer: Closer | None = None
+        self._answer_tokens: OrderedDict[str, int | None] = OrderedDict()
+        self._overhead: int | None = None
+
+    @property
+    def closer(self) -> Closer:
+        """The ending search of this tokenizer (closing.py), built on first use."""
+        if self._closer is None:
+            self._closer = Closer(self.tokenizer, self.eos_token_ids)
+        return self._closer
+
+    def answer_tokens(self, p: StructuredOutputsParams) -> int | None:
+        """Harmony: the fewest tokens of `p`'s answer the closer finds from the start of the
+        turn without an analysis message (`<|channel|>` … `<|call|>` / `<|return|>`): what
+        the analysis budget must leave. None when it finds no ending (then nothing is
+        reserved). Cached per constraint."""
+        key = p.cache_key()
+        if key not in self._answer_tokens:
+            path = self.closer.path(self.matcher(p, 0).matcher, MAX_ENDING)
+            self._answer_tokens[key] = None if path is None else len(path)
+            if len(self._answer_tokens) > CACHE_SIZE:
+                self._answer_tokens.popitem(last=False)
+        self._answer_tokens.move_to_end(key)
+        return self._answer_tokens[key]
+
+    def analysis_overhead(self) -> int:
+        """The tokens of an analysis message beyond its text: `<|channel|>analysis<|message|>`
+        and `<|end|><|start|>assistant` (6 with o200k)."""
+        if self._overhead is None:
+            self._overhead = sum(
+                len(self.tokenizer.tokenize_str(t, parse_special=True))
+                for t in ("<|channel|>analysis<|message|>", "<|end|><|start|>assistant"))
+        return self._overhead
 
     def matcher(self, p: StructuredOutputsParams, analysis_budget: int) -> GrammarMatcher:
         """A fresh matcher for `p`; GrammarError (a ValueError) when it is over a bound
@@ -168,14 +237,25 @@ class GrammarBackend:
         the wait to be scheduled again cost more than the masks: 7 ms of wall time against
         0.1 ms of CPU for 8 rows of o200k under load 5)."""
         words = (self.vocab_size + 31) // 32
-        if parallel:
-            self.executor.unsafe_compute_mask_ptr([(m.matcher, i) for m, i in rows], bitmask_ptr,
+        free = [(m, i) for m, i in rows if m.forced_token is None]
+        if parallel and free:
+            self.executor.unsafe_compute_mask_ptr([(m.matcher, i) for m, i in free], bitmask_ptr,
                                                   words * 4, batch)
-        else:
-            for m, i in rows:
+        elif free:
+            for m, i in free:
                 m.matcher.unsafe_compute_mask_ptr(bitmask_ptr + i * words * 4, words * 4)
-        for m, _ in rows:                # a limit llguidance hit computing a mask
+        for m, i in rows:
+            forced = m.forced_token
+            if forced is not None:       # taking an ending (closing.py): that token alone
+                _write_one(bitmask_ptr + i * words * 4, words, forced)
+        for m, _ in free:                # a limit llguidance hit computing a mask
             m.check()
+
+
+def _write_one(row_ptr: int, words: int, token: int) -> None:
+    """A bitmask row (int32 words at `row_ptr`) that allows `token` alone."""
+    ctypes.memset(row_ptr, 0, words * 4)
+    ctypes.c_uint32.from_address(row_ptr + (token // 32) * 4).value = 1 << (token % 32)
 
 
 def compile_matcher(tokenizer: Any, p: StructuredOutputsParams, analysis_budget: int) -> Any:

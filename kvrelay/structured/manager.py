@@ -17,16 +17,41 @@ if TYPE_CHECKING:
     from kvrelay.structured.backend import GrammarBackend, GrammarMatcher
 
 
+# reasoning effort → the analysis budget, as a multiple of KVRELAY_STRUCTURED_ANALYSIS_BUDGET
+# (the medium budget, 1024 tokens by default: low 256, medium 1024, high 4096)
+EFFORT_SCALE = {"low": 0.25, "medium": 1.0, "high": 4.0}
+UNLIMITED = -1          # thinking_token_budget -1 (vLLM's "no budget"): all the room there is
+
+
+def effort_budget(effort: str | None) -> int:
+    """The analysis budget of a reasoning effort (None: medium, harmony's default)."""
+    medium = envs.STRUCTURED_ANALYSIS_BUDGET.as_int() or 0
+    return int(medium * EFFORT_SCALE.get(effort or "medium", 1.0))
+
+
+def requested_budget(effort: str | None, thinking_token_budget: int | None,
+                     max_tokens: int | None) -> int | None:
+    """What a request asks of its analysis message under enforcement: its own
+    `thinking_token_budget` (-1: as much as the answer leaves, i.e. max_tokens before the
+    engine's cap), else its effort's budget capped at half of max_tokens, so the answer
+    keeps at least half. The engine caps either to leave room for the answer."""
+    if thinking_token_budget is not None:
+        if thinking_token_budget == UNLIMITED:
+            return max_tokens
+        return thinking_token_budget
+    budget = effort_budget(effort)
+    return budget if max_tokens is None else min(budget, max_tokens // 2)
+
+
 def analysis_budget(p: StructuredOutputsParams, max_tokens: int | None) -> int:
-    """Harmony: the analysis message's token budget — the request's own, else the
-    default (KVRELAY_STRUCTURED_ANALYSIS_BUDGET) capped at half of max_tokens, so the
-    constrained answer keeps room to finish."""
+    """Harmony: the analysis message's token budget before the room check — the request's
+    own (`requested_budget`, set by the server), else the medium effort's default capped at
+    half of max_tokens, so the constrained answer keeps room to finish."""
     if not p.harmony:
         return 0
     if p.analysis_budget is not None:
         return p.analysis_budget
-    default = envs.STRUCTURED_ANALYSIS_BUDGET.as_int() or 0
-    return default if max_tokens is None else min(default, max_tokens // 2)
+    return requested_budget(None, None, max_tokens) or 0
 
 
 class StructuredOutputs:
@@ -53,4 +78,20 @@ class StructuredOutputs:
         p = params.structured_outputs
         if p is None:
             return None
-        return self.backend.matcher(p, analysis_budget(p, params.max_tokens))
+        max_tokens = params.max_tokens
+        matcher = self.backend.matcher(p, self.budget(p, max_tokens))
+        if p.harmony and max_tokens is not None:
+            matcher.end_within(max_tokens)
+        return matcher
+
+    def budget(self, p: StructuredOutputsParams, max_tokens: int | None) -> int:
+        """The analysis budget compiled into `p`'s grammar: `analysis_budget`, at most what
+        leaves room within max_tokens for the analysis message's own tokens and the
+        shortest answer (`answer_tokens`). 0 (no analysis message) when even that does not
+        fit: the answer then has every token (and is cut at max_tokens if it needs more)."""
+        want = analysis_budget(p, max_tokens)
+        if want == 0 or max_tokens is None:
+            return want
+        answer = self.backend.answer_tokens(p) or 0
+        room = max_tokens - answer - self.backend.analysis_overhead()
+        return max(0, min(want, room))

@@ -84,8 +84,9 @@ class StructuredOutputsParams:
     any_whitespace: bool = False
     # the output is a harmony assistant turn (see the module docstring)
     harmony: bool = False
-    # harmony: most tokens of the optional analysis message (None: the engine's default;
-    # 0: no analysis message)
+    # harmony: most tokens of the optional analysis message, as the request asks for it
+    # (server/structured_hooks.with_budget; None: the engine's default; 0: no analysis
+    # message); the engine caps it to leave room for the answer (manager.StructuredOutputs)
     analysis_budget: int | None = None
 
     def __post_init__(self) -> None:

@@ -63,7 +63,8 @@ def test_required_and_named_choice_constrain_the_harmony_turn():
     assert out.choices[0].finish_reason == "tool_calls"
     assert engine.requests[-1][1].structured_outputs == StructuredOutputsParams(
         tool_call=ToolCallConstraint((FunctionSpec("get_weather", WEATHER),
-                                      FunctionSpec("get_time", TIME))), harmony=True)
+                                      FunctionSpec("get_time", TIME))), harmony=True,
+        analysis_budget=1024)          # medium effort's (kvrelay/structured/manager.py)
     client.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, tool_choice={
         "type": "function", "function": {"name": "get_time"}})
     assert engine.requests[-1][1].structured_outputs.tool_call.functions == (
@@ -81,18 +82,19 @@ def test_responses_constraints():
     client.responses.create(model=MODEL, input="x", tools=RTOOLS,
                             tool_choice={"type": "function", "name": "get_weather"})
     assert engine.requests[-1][1].structured_outputs == StructuredOutputsParams(
-        tool_call=ToolCallConstraint((FunctionSpec("get_weather", WEATHER),)), harmony=True)
+        tool_call=ToolCallConstraint((FunctionSpec("get_weather", WEATHER),)), harmony=True,
+        analysis_budget=1024)
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     client.responses.create(model=MODEL, input="x", text={"format": {
         "type": "json_schema", "name": "A", "schema": schema}})
     assert engine.requests[-1][1].structured_outputs == StructuredOutputsParams(
-        json=schema, harmony=True)
+        json=schema, harmony=True, analysis_budget=1024)
     # a format with tools the model may call: "a call or the formatted answer"
     client.responses.create(model=MODEL, input="x", tools=RTOOLS[:1], text={"format": {
         "type": "json_schema", "name": "A", "schema": schema}})
     assert engine.requests[-1][1].structured_outputs == StructuredOutputsParams(
         json=schema, harmony=True, tool_call=ToolCallConstraint(
-            (FunctionSpec("get_weather", WEATHER),), required=False))
+            (FunctionSpec("get_weather", WEATHER),), required=False), analysis_budget=1024)
     client.responses.create(model=MODEL, input="x")
     assert engine.requests[-1][1].structured_outputs is None
 
@@ -252,7 +254,7 @@ def test_max_output_tokens_gives_an_incomplete_response():
     ("responses", {"input": "x", "text": {"format": {"type": "yaml"}}}, "text.format"),
     ("responses", {"input": "x", "previous_response_id": "resp_unknown"},
      "previous_response_id"),
-    ("responses", {"input": "x", "background": True}, "background"),
+    ("responses", {"input": "x", "background": True, "store": False}, "store"),
     ("responses", {"input": "x", "text": {"format": 5}}, "text.format"),
     ("responses", {"input": "x", "text": {"format": {"type": "json_schema", "schema": 5}}},
      "text.format"),
