@@ -225,6 +225,7 @@ def http_options(args: argparse.Namespace):
 def agent_options(args: argparse.Namespace) -> AgentOptions:
     """The tool-calling flags and the Responses store size (ValueError names the flag)."""
     from kvrelay import envs
+    from kvrelay.server.mcp.servers import parse_tool_servers
     from kvrelay.server.tools import AgentOptions
     store = envs.RESPONSES_STORE.raw() not in ("0", "false", "False")
     return AgentOptions(enable_auto_tool_choice=args.enable_auto_tool_choice,
@@ -236,7 +237,10 @@ def agent_options(args: argparse.Namespace) -> AgentOptions:
                         responses_store_max_entry_bytes=(
                             envs.RESPONSES_STORE_MAX_ENTRY_BYTES.as_int() or 0),
                         responses_owner_header=args.responses_owner_header,
-                        responses_store_path=responses_store_path(args))
+                        responses_store_path=responses_store_path(args),
+                        tool_servers=parse_tool_servers(args.tool_server),
+                        tool_server_timeout_s=args.tool_server_timeout,
+                        tool_server_max_calls=args.tool_server_max_calls)
 
 
 def responses_store_path(args: argparse.Namespace) -> str | None:

@@ -223,6 +223,15 @@ SERVE_FLAGS: tuple[FlagGroup, ...] = (
         _F(("--reasoning-parser",), "'openai_gptoss': reasoning from harmony's analysis "
                                     "channel (harmony checkpoints always split it)",
            metavar="NAME", default_note="none"),
+        _F(("--tool-server",), "MCP servers /v1/responses' mcp tools may use, comma-separated "
+                               "[LABEL=]host:port (its /mcp endpoint) or [LABEL=]URL; no "
+                               "other URL is connected to", metavar="SERVERS",
+           default_note="none: mcp tools are refused"),
+        _F(("--tool-server-timeout",), "seconds one MCP operation (list the tools, call one) "
+                                       "may take", default=30.0, type=float, metavar="S"),
+        _F(("--tool-server-max-calls",), "MCP calls one response may make (a request's "
+                                         "max_tool_calls may lower it)", default=16, type=int,
+           metavar="N"),
         _F(("--logits-processors",), "factories f(params, prompt_ids) -> logits processor, "
                                      "applied to every request", default=[], nargs="+",
            metavar="MODULE:ATTR", default_note="none"),

@@ -141,7 +141,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds each server may take to be ready (default: "
                         f"{envs.ENGINE_READY_TIMEOUT_S.shown})")
     k8s.add_flags(p)
+    add_ray_flags(p)
     return p
+
+
+def add_ray_flags(p: argparse.ArgumentParser, scale: bool = False) -> None:
+    g = p.add_argument_group("Ray (docs/cluster.md)")
+    if not scale:
+        g.add_argument("--backend", choices=("local", "ray"), default="local",
+                       help="local: processes on this machine (default); ray: detached actors "
+                            "on a running Ray cluster, restarted by Ray and scalable in place")
+        g.add_argument("--down", action="store_true",
+                       help="--backend ray: stop the deployment NAME and remove its actors")
+    g.add_argument("--name", default="kvrelay", metavar="NAME",
+                   help="the deployment's name on the Ray cluster (default kvrelay)")
+    g.add_argument("--ray-address", default=None, metavar="HOST:PORT",
+                   help="the Ray cluster (default $RAY_ADDRESS, else a cluster on this host)")
 
 
 def flag_settings(args: argparse.Namespace, serve_args: list[str]) -> dict[str, Any]:
@@ -171,14 +186,22 @@ def flag_settings(args: argparse.Namespace, serve_args: list[str]) -> dict[str, 
 
 
 def build_plan(args: argparse.Namespace, serve_args: list[str]) -> Plan:
+    return plan_from_settings(merged_settings(args, serve_args))
+
+
+def merged_settings(args: argparse.Namespace, serve_args: list[str]) -> dict[str, Any]:
+    """The topology in the YAML schema: the file's settings, then the command line's."""
     settings = load_yaml(args.config) if args.config else {}
     flags = flag_settings(args, serve_args)
-    # the file's first, then the command line's
     if "serve_args" in settings and "serve_args" in flags:
         flags["serve_args"] = list(settings["serve_args"]) + flags["serve_args"]
     settings = merge_settings(settings, flags)
     if args.enable_expert_parallel:
         _enable_expert_parallel(settings)
+    return settings
+
+
+def plan_from_settings(settings: dict[str, Any]) -> Plan:
     model = settings.get("model")
     served = settings.get("served_model_name")
     default_preset = "tutorial" if model in TUTORIAL or served in TUTORIAL else "none"
@@ -200,6 +223,8 @@ def _enable_expert_parallel(settings: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["status"], ["scale"]):
+        return _ray_command(argv[0], argv[1:])
     serve_args: list[str] = []
     if "--" in argv:
         cut = argv.index("--")
@@ -212,8 +237,12 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"{PROG}: error: {problem}", file=sys.stderr)
         return 2
+    if args.down:
+        from kvrelay.deploy import ray_backend
+        return _one_line(lambda: ray_backend.down(args.name, args.ray_address, _say))
     try:
-        plan = build_plan(args, serve_args)
+        settings = merged_settings(args, serve_args)
+        plan = plan_from_settings(settings)
     except TopologyError as e:
         print(f"{PROG}: error: invalid topology:", file=sys.stderr)
         for problem in e.problems:
@@ -228,7 +257,43 @@ def main(argv: list[str] | None = None) -> int:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.backend == "ray":
+        from kvrelay.deploy import ray_backend
+        return _one_line(lambda: ray_backend.up(plan, args, settings, _say))
     return launch(plan, args)
+
+
+def _ray_command(command: str, argv: list[str]) -> int:
+    """`kvrelay deploy status` / `kvrelay deploy scale --prefill N --decode N`."""
+    from kvrelay.deploy import ray_backend
+    p = _Parser(prog=f"{PROG} {command}", formatter_class=HelpFormatter)
+    add_ray_flags(p, scale=True)
+    if command == "scale":
+        p.add_argument("--prefill", type=int, default=None, metavar="N",
+                       help="prefill servers wanted (added, or the last ones drained away)")
+        p.add_argument("--decode", type=int, default=None, metavar="N",
+                       help="decode servers wanted")
+        p.add_argument("--log-dir", type=Path, default=None, metavar="DIR")
+    try:
+        args = p.parse_args(argv)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 2
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if command == "status":
+        return _one_line(lambda: ray_backend.status(args.name, args.ray_address, _say))
+    if args.prefill is None and args.decode is None:
+        p.error("say how many: --prefill N and/or --decode N")
+    return _one_line(lambda: ray_backend.scale(plan_from_settings, args, _say))
+
+
+def _one_line(run) -> int:
+    """Ray commands: a cluster that cannot be joined (or a bad layout) is one line, exit 1."""
+    try:
+        return run()
+    except (ConnectionError, ValueError, TopologyError) as e:
+        text = "; ".join(e.problems) if isinstance(e, TopologyError) else str(e)
+        print(f"{PROG}: error: {text}", file=sys.stderr)
+        return 1
 
 
 # ---------------------------------------------------------------------------- launching

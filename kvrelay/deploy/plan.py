@@ -404,7 +404,7 @@ def _proxy(topo: Topology, servers: list[ServerPlan]) -> ProxyPlan:
 
 PROXY_RESERVED = ("--host", "--port", "--prefiller-host", "--prefiller-hosts", "--prefiller-port",
                   "--prefiller-ports", "--decoder-host", "--decoder-hosts", "--decoder-port",
-                  "--decoder-ports")
+                  "--decoder-ports", "--backends-file")
 
 
 def _proxy_arg_problems(topo: Topology) -> list[str]:

@@ -47,8 +47,9 @@ puts servers that are down or not ready at the end of the order until they answe
 the same loop reads their `/metrics` (load, KV usage and capacity, prefix-cache counters).
 Server choice and whether to disaggregate at all are `policy.py`'s (`_route`), over the prefix
 table of `prefix.py`. `POST /v1/responses` takes the same legs (its prefill body is
-`responses.py`'s); a `previous_response_id` follow-up, GET and DELETE go to the decode
-server that stored the response (`responses.ResponseHomes`, learned from relayed answers).
+`responses.py`'s); a `previous_response_id` follow-up, GET (its query too: a resumed stream
+is relayed as SSE), DELETE and cancel go to the decode server that stored the response
+(`responses.ResponseHomes`, learned from relayed answers).
 Every error the proxy itself returns is an OpenAI error body.
 
 Rooms: this file is the app and one request's path (`relay_completion`); the body is
@@ -88,8 +89,9 @@ from kvrelay.proxy.answers import (
     error_response,
     is_connect_error,
 )
+from kvrelay.proxy.backend_set import BackendsFile
 from kvrelay.proxy.body import INLINE_PARSE_BYTES, ClientBody, Payload, parse_body, read_body
-from kvrelay.proxy.legs import Prefilled, open_decode, run_prefill, send_free
+from kvrelay.proxy.legs import DecodeLeg, Prefilled, open_decode, run_prefill, send_free
 from kvrelay.proxy.policy import Choice, RoutingSettings
 from kvrelay.proxy.prefix import PromptKey
 from kvrelay.proxy.relay import ClientGone, RelayStream, decode_whole, unless_disconnected
@@ -142,6 +144,9 @@ async def relay_completion(state: ProxyState, request: Request, path: str) -> Re
     if client_body.size > INLINE_PARSE_BYTES and _needs_key(state):   # a long prompt: off the loop
         key = await asyncio.to_thread(_prompt_key, state, path, client_body)
     route = _route(state, path, client_body, request_id, key)
+    unserved = state.unserved(route.prefill, route.decode, request_id)
+    if unserved is not None:                 # a backends file with no server for a leg yet
+        return _finish(state, path, unserved)
     prefilled: Prefilled | None = None
     if route.prefill is None:
         payload = client_body.payload({}, drop=("kv_transfer_params",))
@@ -227,6 +232,8 @@ def _route(state: ProxyState, path: str, client_body: ClientBody, request_id: st
 
 
 def _describe_choice(choice: Choice, key: PromptKey | None) -> str:
+    if not choice.order:
+        return "none (no server takes requests)"
     first = choice.order[0]
     held = choice.first_matched
     blocks = f", {held}/{len(key.hashes)} blocks cached" if key is not None and key.hashes else ""
@@ -262,6 +269,8 @@ async def _decode(state: ProxyState, request: Request, path: str,
                      outcome, seconds)
         if outcome != "done":
             free()
+        elif prefilled is not None:          # the decode pulled its KV: the prefill is free
+            state.let_go(prefilled.backend)
 
     def end_stream(outcome: str) -> None:
         end(outcome)
@@ -299,7 +308,7 @@ async def health(state: ProxyState) -> Response:
     servers = [{"role": b.role, "server": b.name, "healthy": r is None,
                 **({"error": r} if r else {})}
                for b, r in zip(state.backends, reasons)]
-    down = [s for s in servers if not s["healthy"]]
+    down = [s for s in servers if not s["healthy"]] + state.empty_roles()
     status = 503 if down else 200
     body = {"status": "unavailable" if down else "ok", "down": down, "servers": servers}
     return _finish(state, "/health", JSONResponse(body, status_code=status))
@@ -310,7 +319,7 @@ async def models(state: ProxyState, request: Request) -> Response:
     request_id = request.headers.get("x-request-id") or str(uuid.uuid4())
     headers = _backend_headers(state, request, request_id)
     failures: list[str] = []
-    for backend in state.decode_router.choose(None).order:
+    for backend in state.takers(state.decode_router.choose(None).order, "decode"):
         assert backend.client is not None
         try:
             resp = await backend.client.get("/v1/models", headers=headers,
@@ -326,10 +335,13 @@ async def models(state: ProxyState, request: Request) -> Response:
 
 
 async def stored_response(state: ProxyState, request: Request, method: str,
-                          response_id: str) -> Response:
-    """`GET` / `DELETE /v1/responses/{id}` on the decode server that stored the response
-    (learned from the answers the proxy relayed); 404 when the proxy has not seen the id."""
-    endpoint = responses.PATH + "/{id}"
+                          response_id: str, action: str = "") -> Response:
+    """`GET` / `DELETE /v1/responses/{id}` and `POST /v1/responses/{id}/cancel` (`action`)
+    on the decode server that stored the response (learned from the answers the proxy
+    relayed); 404 when the proxy has not seen the id. The query goes along (a background
+    response's `?stream=true&starting_after=N`), and an SSE answer is relayed as it comes
+    (`RelayStream`: no read timeout, the client leaving closes it)."""
+    endpoint = responses.PATH + "/{id}" + action
     request_id = request.headers.get("x-request-id") or str(uuid.uuid4())
     backend = state.homes.home(response_id)
     if backend is None or backend.client is None:
@@ -337,17 +349,33 @@ async def stored_response(state: ProxyState, request: Request, method: str,
             404, f"Response with id '{response_id}' not found (this proxy has not relayed it).",
             "NotFoundError", request_id))
     headers = _backend_headers(state, request, request_id)
+    streamed = method == "GET" and "stream" in request.query_params
+    timeout = httpx.Timeout(HEALTH_TIMEOUT_S * 5, read=None if streamed else HEALTH_TIMEOUT_S * 5)
     try:
-        resp = await backend.client.request(method, f"{responses.PATH}/{response_id}",
-                                            headers=headers, timeout=HEALTH_TIMEOUT_S * 5)
+        resp = await backend.client.send(backend.client.build_request(
+            method, f"{responses.PATH}/{response_id}{action}", params=request.query_params,
+            headers=headers, timeout=timeout), stream=True)
     except httpx.TransportError as e:
         state.failed(backend, "connect" if is_connect_error(e) else "transport")
         return _finish(state, endpoint, error_response(
             503, f"decode server {backend.name}, which holds response '{response_id}', did not "
             f"answer: {describe(e)}", "ServiceUnavailableError", request_id))
+    if resp.is_success and resp.headers.get("content-type", "").startswith("text/event-stream"):
+        def end(outcome: str) -> None:
+            status = CLIENT_CLOSED if outcome == "disconnected" else resp.status_code
+            state.metrics.requests.labels(endpoint, str(status)).inc()
+        return RelayStream(DecodeLeg(backend, resp, time.monotonic()), request_id, end)
+    try:
+        content = await resp.aread()
+    except httpx.TransportError as e:
+        return _finish(state, endpoint, error_response(
+            502, f"decode server {backend.name} failed: {describe(e)}", "BadGatewayError",
+            request_id))
+    finally:
+        await resp.aclose()
     if (method == "DELETE" and resp.is_success) or resp.status_code == 404:
         state.homes.forget(response_id)          # gone from that server (deleted or evicted)
-    return _finish(state, endpoint, copy_response(resp, resp.content, request_id))
+    return _finish(state, endpoint, copy_response(resp, content, request_id))
 
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
@@ -404,9 +432,12 @@ def build_app(prefill: list[tuple[str, int]], decode: list[tuple[str, int]],
               auth: ProxyAuth | None = None,
               health_interval_s: float = HEALTH_INTERVAL_S,
               routing: RoutingSettings | None = None,
-              busy_retry_s: float = PREFILL_BUSY_RETRY_S) -> FastAPI:
-    """The proxy app for these (host, port) prefill and decode servers."""
-    state = ProxyState.create(prefill, decode, auth, health_interval_s, routing, busy_retry_s)
+              busy_retry_s: float = PREFILL_BUSY_RETRY_S,
+              backends_file: BackendsFile | None = None) -> FastAPI:
+    """The proxy app for these (host, port) prefill and decode servers, or for those
+    `backends_file` lists (and will list: state.py)."""
+    state = ProxyState.create(prefill, decode, auth, health_interval_s, routing, busy_retry_s,
+                              backends_file)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -461,6 +492,10 @@ def build_app(prefill: list[tuple[str, int]], decode: list[tuple[str, int]],
     @app.delete(responses.PATH + "/{response_id}")
     async def _delete_response(response_id: str, request: Request) -> Response:
         return await stored_response(state, request, "DELETE", response_id)
+
+    @app.post(responses.PATH + "/{response_id}/cancel")
+    async def _cancel_response(response_id: str, request: Request) -> Response:
+        return await stored_response(state, request, "POST", response_id, "/cancel")
 
     @app.get("/metrics")
     async def _metrics() -> Response:

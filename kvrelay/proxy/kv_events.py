@@ -39,6 +39,7 @@ backend is added.
 from __future__ import annotations
 
 import logging
+import queue
 import struct
 import threading
 import time
@@ -63,6 +64,7 @@ from kvrelay.kv_events.wire import (
     WireStored,
     decode_batch,
 )
+from kvrelay.proxy.metrics import remove_series
 from kvrelay.proxy.prefix import EVENTS_ROOT, BlockHash, PromptKey, chain_hash
 
 logger = logging.getLogger(__name__)
@@ -246,6 +248,9 @@ class KVEventSubscriber:
 
     def view(self, name: str) -> BackendView:
         return self._backends[name].view
+
+    def __len__(self) -> int:
+        return len(self._backends)
 
     def reset_backend(self, name: str) -> None:
         """Forget `name`'s blocks and replay (e.g. after its health check failed)."""
@@ -485,6 +490,11 @@ class EventSource:
     replay_endpoint: str | None = None
 
 
+def tcp_endpoint(host: str, port: int) -> str:
+    """tcp://HOST:PORT (an IPv6 host in brackets)."""
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
 @dataclass(frozen=True)
 class KVEventsRouting:
     """`kvrelay proxy --kv-events-*`: whose events to follow and how (main.py builds it)."""
@@ -516,7 +526,11 @@ class KVEventsFeed:
     would never see for traffic that did not pass this proxy.
 
     Only prompts given as token ids can be matched (`PromptKey.token_keys`): the proxy has
-    no tokenizer, and the events name blocks by their token ids."""
+    no tokenizer, and the events name blocks by their token ids.
+
+    The sources may change while it runs (`--backends-file`): `add` and `remove`, from the
+    event loop, change `sources` at once and queue the change for the thread, which alone
+    touches the subscriber's sockets."""
 
     def __init__(self, sources: Sequence[EventSource], block_size: int, topic: str = "",
                  keys: CurveKeys | None = None, stale_s: float = STALE_S,
@@ -527,6 +541,8 @@ class KVEventsFeed:
         self.stale_s = stale_s
         self.subscriber = KVEventSubscriber(topic, idle_replay_s, keys)
         self.metrics = FeedMetrics(self, registry or CollectorRegistry())
+        self._initial = list(sources)
+        self._changes: queue.SimpleQueue[tuple[str, EventSource]] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._error: BaseException | None = None
@@ -540,8 +556,22 @@ class KVEventsFeed:
             raise self._error
         logger.info("KV events: cache_aware routing follows %s%s (token-id prompts; a silent "
                     "stream falls back to the proxy's own guess)",
-                    ", ".join(f"{x.name} at {x.endpoint}" for x in self.sources),
+                    ", ".join(f"{x.name} at {x.endpoint}" for x in self.sources) or "no server yet",
                     ", CURVE keyed from the KV secret" if self.subscriber.keys else "")
+
+    def add(self, source: EventSource) -> None:
+        """Follow one more backend's events (its view joins in the feed thread)."""
+        self.sources.append(source)
+        self.metrics.add(source.name)
+        self._changes.put(("add", source))
+        logger.info("KV events: following %s at %s", source.name, source.endpoint)
+
+    def remove(self, name: str) -> None:
+        """Stop following `name`: it is no longer consulted, its sockets close in the thread."""
+        for source in [s for s in self.sources if s.name == name]:
+            self.sources.remove(source)
+            self.metrics.remove(name)
+            self._changes.put(("remove", source))
 
     def stop(self, timeout: float = 2.0) -> None:
         self._stop.set()
@@ -550,7 +580,7 @@ class KVEventsFeed:
 
     def _run(self) -> None:
         try:
-            for s in self.sources:
+            for s in self._initial:
                 self.subscriber.add_backend(s.name, s.endpoint, s.replay_endpoint)
         except Exception as e:  # noqa: BLE001 -- handed to start()'s caller
             self._error = e
@@ -560,11 +590,33 @@ class KVEventsFeed:
             self._ready.set()
         try:
             while not self._stop.is_set():
-                self.subscriber.poll(FEED_POLL_S)
+                self._apply_changes()
+                if len(self.subscriber):
+                    self.subscriber.poll(FEED_POLL_S)
+                else:                              # nothing to poll: poll() would not wait
+                    self._stop.wait(FEED_POLL_S)
         except Exception:  # noqa: BLE001 -- the routers fall back to their guess
             logger.exception("KV events: the feed stopped; routing uses the proxy's own guess")
         finally:
             self.subscriber.close()
+
+    def _apply_changes(self) -> None:
+        """The sources added and removed since the last poll, in order (the feed thread)."""
+        while True:
+            try:
+                change, source = self._changes.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                if change == "add":
+                    self.subscriber.add_backend(source.name, source.endpoint,
+                                                source.replay_endpoint)
+                else:
+                    self.subscriber.remove_backend(source.name)
+            except Exception as e:  # noqa: BLE001 -- one bad source must not stop the others
+                logger.warning("KV events: could not %s %s at %s: %s; its routing uses the "
+                               "proxy's own guess", "follow" if change == "add" else "drop",
+                               source.name, source.endpoint, e)
 
     # -- queries (the event loop) -------------------------------------------------------------
     def usable(self, name: str, now: float | None = None) -> bool:
@@ -618,10 +670,17 @@ class FeedMetrics(Collector):
                                "Leading prompt blocks a followed backend was found to hold, "
                                "by source.", ["backend", "source"], registry=registry)
         for s in feed.sources:
-            for source in ("events", "guess"):
-                self.lookups.labels(s.name, source)
-                self.matched.labels(s.name, source)
+            self.add(s.name)
         registry.register(self)
+
+    def add(self, name: str) -> None:
+        for source in ("events", "guess"):
+            self.lookups.labels(name, source)
+            self.matched.labels(name, source)
+
+    def remove(self, name: str) -> None:
+        for counter in (self.lookups, self.matched):
+            remove_series(counter, ("backend", "source"), (name,))
 
     def collect(self) -> Iterator[Metric]:
         up = GaugeMetricFamily("kvrelay_proxy:kv_events_stream_up",

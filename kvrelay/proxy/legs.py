@@ -85,7 +85,7 @@ async def run_prefill(state: ProxyState, path: str, client_body: ClientBody,
     order = list(order)
     for rounds in range(1, MAX_BUSY_ROUNDS + 1):
         busy: tuple[Backend, httpx.Response] | None = None
-        for backend in list(order):
+        for backend in state.takers(list(order), "prefill"):   # not one drained meanwhile
             try:
                 resp = await _post_prefill(state, backend, path, payload, headers)
             except httpx.TransportError as e:
@@ -95,7 +95,7 @@ async def run_prefill(state: ProxyState, path: str, client_body: ClientBody,
                 logger.warning("request %s: prefill server %s could not be reached: %s",
                                request_id, backend.name, describe(e))
                 failures.append(f"{backend.name} ({describe(e)})")
-                order.remove(backend)                 # not tried again in a later round
+                order = [b for b in order if b is not backend]   # not tried in a later round
                 continue
             except AnswerBroken as e:
                 state.failed(backend, "transport")
@@ -118,7 +118,8 @@ async def run_prefill(state: ProxyState, path: str, client_body: ClientBody,
         if wait <= 0:
             return _prefill_answer(state, *busy, request_id)
         await asyncio.sleep(wait)
-    return error_response(503, "no prefill server could take the request: " + "; ".join(failures),
+    return error_response(503, "no prefill server could take the request: "
+                          + ("; ".join(failures) or "none takes requests now"),
                           "ServiceUnavailableError", request_id)
 
 
@@ -145,7 +146,10 @@ def _prefill_answer(state: ProxyState, backend: Backend, resp: httpx.Response,
                        "retried)", request_id, backend.name, resp.status_code)
     else:
         backend.mark_ok()
-    return _prefill_result(backend, resp, request_id, resp.elapsed.total_seconds())
+    result = _prefill_result(backend, resp, request_id, resp.elapsed.total_seconds())
+    if isinstance(result, Prefilled):
+        state.hold(backend)          # until the decode leg ends: `let_go` (or `send_free`)
+    return result
 
 
 async def _post_prefill(state: ProxyState, backend: Backend, path: str,
@@ -198,7 +202,7 @@ async def open_decode(state: ProxyState, path: str, payload: Payload,
     only a server the proxy could not connect to is replaced by the next one (one that took
     the request and closed without answering: 502)."""
     failures: list[str] = []
-    for backend in order:
+    for backend in state.takers(order, "decode"):     # not one drained meanwhile
         state.acquire(backend)
         t0 = time.monotonic()
         try:
@@ -217,12 +221,22 @@ async def open_decode(state: ProxyState, path: str, payload: Payload,
             raise
         backend.mark_ok()
         return DecodeLeg(backend, resp, t0)
-    return error_response(503, "no decode server could take the request: " + "; ".join(failures),
+    return error_response(503, "no decode server could take the request: "
+                          + ("; ".join(failures) or "none takes requests now"),
                           "ServiceUnavailableError", request_id)
 
 
 async def send_free(state: ProxyState, prefilled: Prefilled, headers: dict[str, str],
                     request_id: str) -> None:
+    """The free notice (best effort); then the request no longer holds the prefill."""
+    try:
+        await _send_free(state, prefilled, headers, request_id)
+    finally:
+        state.let_go(prefilled.backend)
+
+
+async def _send_free(state: ProxyState, prefilled: Prefilled, headers: dict[str, str],
+                     request_id: str) -> None:
     body = free_notice(prefilled.kv_params)
     capability = prefilled.kv_params.get("remote_capability")
     if body is not None and capability:       # kvrelay prefills free only with it

@@ -14,6 +14,10 @@ the server cannot start (a taken port: one line, before anything else starts).
 prefill server's KV events (its `--kv-events-config`) at tcp://PREFILL_HOST:PORT
 (proxy/kv_events.py); ports pair with the prefill servers as --prefiller-port does with
 hosts: one for all, or one per server.
+
+`--backends-file PATH` instead of the --prefiller-*/--decoder-* flags: the servers a
+supervisor lists in a JSON file, followed as it changes (proxy/backend_set.py; each
+prefill's KV-event ports are in the file too).
 """
 from __future__ import annotations
 
@@ -31,12 +35,17 @@ from kvrelay import envs
 from kvrelay.cli_flags import HelpFormatter
 from kvrelay.malloc import one_arena, return_large_buffers_to_the_os
 from kvrelay.proxy import policy
-from kvrelay.proxy.kv_events import EventSource, KVEventsRouting
+from kvrelay.proxy.backend_set import BackendsFile, BackendsFileError
+from kvrelay.proxy.kv_events import EventSource, KVEventsRouting, tcp_endpoint
 from kvrelay.proxy.policy import DisaggPolicy, RoutingSettings
 from kvrelay.proxy.routing import EndpointError, expand_endpoints
 
 logger = logging.getLogger("kvrelay.proxy")
 PROG = "kvrelay proxy"
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PREFILL_PORT = 8100
+DEFAULT_DECODE_PORT = 8200
+ENDPOINT_FLAGS = ("prefiller_host", "prefiller_port", "decoder_host", "decoder_port")
 GRACEFUL_SHUTDOWN_S = 10
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -53,6 +62,7 @@ class ProxySettings:
     busy_retry_s: float = 10.0
     routing: RoutingSettings = field(default_factory=RoutingSettings)
     forwarded_allow_ips: str | None = None      # None: X-Forwarded-For / -Proto not trusted
+    backends_file: BackendsFile | None = None   # then `prefill` and `decode` are empty
 
 
 class _Parser(argparse.ArgumentParser):
@@ -66,14 +76,25 @@ def add_proxy_flags(p: argparse.ArgumentParser) -> None:
     """The proxy's flags (vLLM toy_proxy_server.py's names; the plural spellings too)."""
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
+    # Unset (None) means the default: a given flag conflicts with --backends-file.
     p.add_argument("--prefiller-host", "--prefiller-hosts", dest="prefiller_host", nargs="+",
-                   default=["127.0.0.1"], metavar="HOST", help="prefill server host(s)")
+                   default=None, metavar="HOST",
+                   help=f"prefill server host(s) (default: {DEFAULT_HOST})")
     p.add_argument("--prefiller-port", "--prefiller-ports", dest="prefiller_port", nargs="+",
-                   type=int, default=[8100], metavar="PORT", help="prefill server port(s)")
+                   type=int, default=None, metavar="PORT",
+                   help=f"prefill server port(s) (default: {DEFAULT_PREFILL_PORT})")
     p.add_argument("--decoder-host", "--decoder-hosts", dest="decoder_host", nargs="+",
-                   default=["127.0.0.1"], metavar="HOST", help="decode server host(s)")
+                   default=None, metavar="HOST",
+                   help=f"decode server host(s) (default: {DEFAULT_HOST})")
     p.add_argument("--decoder-port", "--decoder-ports", dest="decoder_port", nargs="+", type=int,
-                   default=[8200], metavar="PORT", help="decode server port(s)")
+                   default=None, metavar="PORT",
+                   help=f"decode server port(s) (default: {DEFAULT_DECODE_PORT})")
+    p.add_argument("--backends-file", default=None, metavar="PATH",
+                   help='instead of the --prefiller-*/--decoder-* flags: a JSON file {"prefill": '
+                        '[{"id": ..., "url": "http://HOST:PORT", "kv_events_port": ...}], '
+                        '"decode": [...]}, re-read when it changes (replace it atomically); '
+                        "added servers are used once their /health answers 200, removed ones "
+                        "finish their requests (docs/proxy.md#backends-that-change)")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info",
                    help="debug logs one line per request leg")
     p.add_argument("--api-key", default=None, metavar="KEY",
@@ -158,14 +179,41 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
     if not 0 <= args.prefill_busy_retry < float("inf"):
         raise EndpointError(f"--prefill-busy-retry: {args.prefill_busy_retry:g} is not a "
                             f"number of seconds >= 0")
-    prefill = expand_endpoints(args.prefiller_host, args.prefiller_port, "prefiller")
+    backends_file = _backends_file(args)
+    prefill, decode = [], []
+    if backends_file is None:
+        prefill = expand_endpoints(args.prefiller_host or [DEFAULT_HOST],
+                                   args.prefiller_port or [DEFAULT_PREFILL_PORT], "prefiller")
+        decode = expand_endpoints(args.decoder_host or [DEFAULT_HOST],
+                                  args.decoder_port or [DEFAULT_DECODE_PORT], "decoder")
     routing = _routing_settings(args, prefill)
     return ProxySettings(host=args.host, port=args.port, routing=routing, prefill=prefill,
-                         decode=expand_endpoints(args.decoder_host, args.decoder_port, "decoder"),
+                         decode=decode,
                          log_level=args.log_level, api_key=args.api_key or envs.PROXY_API_KEY.raw(),
                          health_interval_s=args.health_interval,
                          busy_retry_s=args.prefill_busy_retry,
-                         forwarded_allow_ips=args.forwarded_allow_ips or None)
+                         forwarded_allow_ips=args.forwarded_allow_ips or None,
+                         backends_file=backends_file)
+
+
+def _backends_file(args: argparse.Namespace) -> BackendsFile | None:
+    """--backends-file, read once here so that a bad one is a one-line error at start."""
+    if args.backends_file is None:
+        return None
+    given = [f"--{flag.replace('_', '-')}" for flag in ENDPOINT_FLAGS
+             if getattr(args, flag) is not None]
+    if given:
+        raise EndpointError(f"--backends-file and {given[0]}: give the servers in one or the "
+                            f"other")
+    if args.health_interval == 0:
+        raise EndpointError("--backends-file needs the background probe (--health-interval > "
+                            "0): a server the file adds is used once its /health answers 200")
+    backends_file = BackendsFile(args.backends_file)
+    try:
+        backends_file.load()
+    except BackendsFileError as e:
+        raise EndpointError(f"--backends-file: {e}") from None
+    return backends_file
 
 
 def _routing_settings(args: argparse.Namespace,
@@ -192,6 +240,8 @@ def _routing_settings(args: argparse.Namespace,
 
 def _kv_events(args: argparse.Namespace, prefill: list[tuple[str, int]]) -> KVEventsRouting | None:
     """--kv-events-*: one event source per prefill server, named as its backend."""
+    if args.backends_file is not None:
+        return _kv_events_from_file(args)
     if args.kv_events_port is None:
         for flag in ("replay_port", "auth", "secret_file"):
             if getattr(args, f"kv_events_{flag}") not in (None, "none"):
@@ -202,8 +252,25 @@ def _kv_events(args: argparse.Namespace, prefill: list[tuple[str, int]]) -> KVEv
     pub = _event_ports(args.kv_events_port, len(prefill), "--kv-events-port")
     replay = (_event_ports(args.kv_events_replay_port, len(prefill), "--kv-events-replay-port")
               if args.kv_events_replay_port else [None] * len(prefill))
-    sources = tuple(EventSource(f"{host}:{port}", _tcp(host, p), _tcp(host, r) if r else None)
+    sources = tuple(EventSource(f"{host}:{port}", tcp_endpoint(host, p),
+                                tcp_endpoint(host, r) if r else None)
                     for (host, port), p, r in zip(prefill, pub, replay, strict=True))
+    return _with_auth(args, sources)
+
+
+def _kv_events_from_file(args: argparse.Namespace) -> KVEventsRouting | None:
+    """With --backends-file the ports are the file's (`kv_events_port`); the other flags say
+    how to follow them. The sources come and go with the file (state.py)."""
+    for flag in ("port", "replay_port"):
+        if getattr(args, f"kv_events_{flag}") is not None:
+            raise EndpointError(f"--kv-events-{flag.replace('_', '-')}: with --backends-file, "
+                                f"give each prefill server's kv_events_{flag} in the file")
+    if args.routing != "cache_aware":
+        return None                      # the file's event ports are not used then
+    return _with_auth(args, ())
+
+
+def _with_auth(args: argparse.Namespace, sources: tuple[EventSource, ...]) -> KVEventsRouting:
     auth = args.kv_events_auth == "kv_secret"
     if auth:
         from kvrelay.kv_events.config import read_secret
@@ -225,10 +292,6 @@ def _event_ports(ports: list[int], servers: int, flag: str) -> list[int]:
         if not 1 <= port <= 65535:
             raise EndpointError(f"{flag}: {port} is not a TCP port (1-65535)")
     return ports * servers if len(ports) == 1 else list(ports)
-
-
-def _tcp(host: str, port: int) -> str:
-    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
 class _ProxyServer(uvicorn.Server):
@@ -274,7 +337,7 @@ def serve(settings: ProxySettings) -> int:
     from kvrelay.proxy.state import ProxyAuth
     auth = ProxyAuth(api_key=settings.api_key, backend_key=envs.OPENAI_API_KEY.raw())
     app = build_app(settings.prefill, settings.decode, auth, settings.health_interval_s,
-                    settings.routing, settings.busy_retry_s)
+                    settings.routing, settings.busy_retry_s, settings.backends_file)
     config = uvicorn.Config(app, host=settings.host, port=settings.port,
                             log_level=settings.log_level,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, lifespan="on",

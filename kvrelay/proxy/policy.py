@@ -12,7 +12,9 @@ Server choice (`--routing`):
   the least-loaded server's by more than `load_margin` requests — then the least-loaded
   one ("load override"). No server holding any of it: least-loaded.
 Always: servers cooling down (a failed /health probe or connection) go last; a decode
-server whose KV cache is nearly full (`KV_FULL`) goes after the others.
+server whose KV cache is nearly full (`KV_FULL`) goes after the others. A router orders the
+servers that take requests (`Router.backends`, which `ProxyState` replaces as servers are
+admitted and drained); with none, its choice is empty ("no_server").
 
 Disaggregation (`--disagg-policy`):
 - `always`: prefill → decode (the tutorial's flow).
@@ -68,6 +70,7 @@ class Choice:
 
     order: list[Backend]
     decision: str                  # cache_hit | load_override | least_loaded | round_robin
+                                   # | no_server (nothing to order)
     matched: dict[str, int] = field(default_factory=dict)    # server → leading blocks held
 
     @property
@@ -99,6 +102,8 @@ class Router:
                                                     rotation[b.name]))
 
     def choose(self, key: PromptKey | None) -> Choice:
+        if not self.backends:
+            return Choice([], "no_server")
         now = time.monotonic()
         rotation = self._rotation()
         if self.policy == "round_robin":
@@ -124,6 +129,10 @@ class Router:
 
     def forget(self, backend: Backend) -> int:
         return self.table.forget(backend.name)
+
+    def drop(self, backend: Backend) -> None:
+        """`backend` is gone for good: its entries and its capacity."""
+        self.table.drop(backend.name)
 
 
 # Hit-rate correction: once the router has expected at least this many prefix-cache hit
@@ -186,8 +195,11 @@ class RoutingSettings:
     table_blocks: int = DEFAULT_SERVER_BLOCKS
     kv_events: KVEventsRouting | None = None     # --kv-events-port: follow prefills' events
 
-    def hasher(self) -> Hasher:
-        return Hasher(self.block_size, self.chars_per_token, self.kv_events is not None)
+    def hasher(self, token_keys: bool | None = None) -> Hasher:
+        """`token_keys`: key token-id prompts for KV events too (default: when followed)."""
+        if token_keys is None:
+            token_keys = self.kv_events is not None
+        return Hasher(self.block_size, self.chars_per_token, token_keys)
 
     def router(self, backends: list[Backend], role: str) -> Router:
         """Decode servers are never plain round-robin: a decode request lasts its whole

@@ -435,6 +435,11 @@ class PrefixTable:
         """Drop everything `server` was thought to hold; returns how many blocks."""
         return len(self._lru.pop(server, ()))
 
+    def drop(self, server: str) -> None:
+        """`server` is gone (drained and removed): its entries and its known capacity."""
+        self._lru.pop(server, None)
+        self._capacity.pop(server, None)
+
     def _trim(self, server: str) -> None:
         lru = self._lru.get(server)
         if lru is None:

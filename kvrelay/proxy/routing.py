@@ -41,12 +41,24 @@ class EndpointError(ValueError):
 
 @dataclass(eq=False)
 class Backend:
-    """One prefill or decode server, with its shared HTTP client and live counters."""
+    """One prefill or decode server, with its shared HTTP client and live counters.
+
+    Its place in a changing set (`--backends-file`) is `ProxyState`'s to change: `ready`
+    (it answered a first healthy /health since it was added: flag-given servers start
+    ready), `draining` (removed: no new requests, those in flight finish), `dropped`
+    (drained and forgotten: nothing may use it any more), `holds` (requests it prefilled
+    whose decode leg has not ended: the decode pulls the KV it holds, and a free notice may
+    still go to it)."""
 
     role: str                      # "prefill" | "decode"
     host: str
     port: int
     client: httpx.AsyncClient | None = None
+    id: str = ""                   # the backends file's stable name ("" → `name`)
+    ready: bool = True
+    draining: bool = False
+    dropped: bool = False
+    holds: int = 0
     in_flight: int = 0
     failures: int = 0
     down_until: float = 0.0        # monotonic time until which it is tried last
@@ -63,9 +75,29 @@ class Backend:
     expected_hits: float = 0.0
     window_start: tuple[float, float] | None = None
 
+    def __post_init__(self) -> None:
+        self.id = self.id or self.name
+
     @property
     def name(self) -> str:
         return f"{self.host}:{self.port}"
+
+    @property
+    def takes_requests(self) -> bool:
+        """New requests may go to it: admitted, and neither draining nor dropped."""
+        return self.ready and not self.draining
+
+    @property
+    def state(self) -> str:
+        """active | unready | draining (`kvrelay_proxy:backends`)."""
+        if self.draining:
+            return "draining"
+        return "active" if self.ready else "unready"
+
+    @property
+    def idle(self) -> bool:
+        """Nothing in flight on it, and no request still needs it."""
+        return self.in_flight == 0 and self.holds == 0
 
     @property
     def url(self) -> str:

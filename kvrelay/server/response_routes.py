@@ -3,7 +3,8 @@
 
 A request is prepared by kvrelay/server/responses.py (`_prepare`: input → chat → prompt,
 on a prep worker), then answered one of three ways: whole (`_create`), streamed
-(`_stream`), or in the background (kvrelay/server/response_background.py). The store
+(`_stream`), or in the background (kvrelay/server/response_background.py); a request with
+MCP tools runs the server's tool loop instead (kvrelay/server/mcp/). The store
 (`open_store`: SQLite or memory; kvrelay/server/response_store.py, response_sqlite.py) is
 read off the event loop: a SQLite read, and the JSON of a large response, take milliseconds.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
@@ -18,6 +20,8 @@ from fastapi.responses import StreamingResponse
 from kvrelay.engine.outputs import RequestOutput
 from kvrelay.server import serving
 from kvrelay.server.harmony_chat import calls_limited
+from kvrelay.server.mcp import loop as mcp_loop
+from kvrelay.server.mcp.setup import open_setup
 from kvrelay.server.prep import INLINE_BYTES
 from kvrelay.server.protocol import OpenAIError
 from kvrelay.server.response_background import BackgroundResponses, check_background
@@ -55,10 +59,13 @@ def add_responses_routes(app: FastAPI, state: serving.ServerState) -> ResponseSt
         if kv is not None and kv.do_remote_decode:
             body.background = None       # a proxy's prefill leg: answered at once, not stored
         check_background(body, store)
+        mcp = await open_setup(body, agent)      # MCP servers checked and listed (mcp/setup.py)
         # rendering, tokenising and the grammar check on a worker thread (server/prep.py);
         # always there: a text.format or a tool schema can take a while to check
-        p = await state.prep.run(_prepare, state, store, body, owner(request),
+        p = await state.prep.run(_prepare, state, store, body, owner(request), mcp,
                                  size=INLINE_BYTES + 1)
+        if mcp is not None and not (kv is not None and kv.do_remote_decode):
+            return await _mcp_answer(state, store, p, request, kv)
         if body.background:
             queued = background.start(p, lambda: _engine_request(state, p))
             if body.stream:
@@ -113,3 +120,19 @@ def add_responses_routes(app: FastAPI, state: serving.ServerState) -> ResponseSt
         return {"id": response_id, "object": "response", "deleted": True}
 
     return store
+
+
+async def _mcp_answer(state: serving.ServerState, store: ResponseStore, p: _Prepared,
+                      request: Request, kv: Any) -> Any:
+    """A response whose tools include MCP servers: the server runs the tool loop
+    (kvrelay/server/mcp/loop.py). A proxy's prefill leg is answered as any other (it
+    lists the tools, to render the same prompt, and calls none)."""
+    serving.take_hold(state, request, kv)
+    try:
+        gen = mcp_loop.first_round(state, p)
+    except OpenAIError:
+        serving.refund_hold(state, request, kv)
+        raise
+    if p.body.stream:
+        return StreamingResponse(mcp_loop.stream(state, store, p, gen), media_type=SSE)
+    return await mcp_loop.create(state, store, p, gen, request)

@@ -71,6 +71,7 @@ class ResponsesRequest(BaseModel):
     background: bool | None = None
     seed: int | None = None            # vLLM's extension, as on chat
     thinking_token_budget: ThinkingTokenBudget = None   # vLLM's, as on chat (docs/agents.md)
+    max_tool_calls: int | None = Field(None, ge=1)      # MCP calls this response may make
     # vLLM's disaggregation field, as on chat: the proxy's prefill leg asks for the KV to be
     # kept ({do_remote_decode: true}) and gets the handle back; its decode leg passes it in.
     kv_transfer_params: dict[str, Any] | None = None
@@ -140,6 +141,8 @@ class _Conversation:
             self._assistant().setdefault("tool_calls", []).append(
                 {"id": call_id, "type": "function",
                  "function": {"name": name, "arguments": arguments}})
+        elif kind in ("mcp_call", "mcp_list_tools"):
+            self._mcp(item, kind, where)
         elif kind == "function_call_output":
             self._close()
             call_id = item.get("call_id")
@@ -149,8 +152,24 @@ class _Conversation:
                                   "content": _text(item.get("output"), f"{where}.output")})
         else:
             raise OpenAIError(f"{where}: unsupported input item type {kind!r} (supported: "
-                              f"message, reasoning, function_call, function_call_output)",
-                              param=where)
+                              f"message, reasoning, function_call, function_call_output, "
+                              f"mcp_list_tools, mcp_call)", param=where)
+
+    def _mcp(self, item: Mapping[str, Any], kind: str, where: str) -> None:
+        """An MCP call the server ran: the call, then its output (or error) as the tool's
+        answer, as harmony shows a function call and its result. A tool list is no
+        message (the tools are offered again with the request that continues)."""
+        if kind == "mcp_list_tools":
+            return
+        name, call_id = item.get("name"), item.get("id")
+        if not isinstance(name, str) or not isinstance(call_id, str):
+            raise OpenAIError(f"{where}: an mcp_call needs 'name' and 'id'", param=where)
+        self.add({"type": "function_call", "name": name, "call_id": call_id,
+                  "arguments": item.get("arguments") or "{}"}, where)
+        output = item.get("output")
+        if not isinstance(output, str):
+            output = f"error: {json.dumps(item.get('error') or 'the call was not made')}"
+        self.add({"type": "function_call_output", "call_id": call_id, "output": output}, where)
 
     def _message(self, item: Mapping[str, Any], where: str) -> None:
         role = item.get("role")
@@ -380,6 +399,7 @@ class _Prepared:
     params: Any
     tools: ToolSpec
     owner: str = ""                     # owner_of(...): whose stored response this will be
+    mcp: Any = None                     # kvrelay/server/mcp/setup.McpSetup (None: no MCP tools)
     response_id: str = field(default_factory=lambda: _id("resp"))
     created_at: int = field(default_factory=lambda: int(time.time()))
 
@@ -410,7 +430,7 @@ def _text_format(body: ResponsesRequest) -> dict[str, Any] | None:
 
 
 def _prepare(state: serving.ServerState, store: ResponseStore, body: ResponsesRequest,
-             owner: str = "") -> _Prepared:
+             owner: str = "", mcp: Any = None) -> _Prepared:
     model = serving._check_model(state, body.model)
     check_metadata(body.metadata)
     if state.chat is None:
@@ -429,7 +449,19 @@ def _prepare(state: serving.ServerState, store: ResponseStore, body: ResponsesRe
     messages = history + input_messages(body.input)
     if not messages:
         raise OpenAIError("input: expected at least one item", param="input")
-    tools = tool_spec(body.tools, body.tool_choice, body.parallel_tool_calls)
+    tools = mcp.tool_spec(body.parallel_tool_calls) if mcp is not None else \
+        tool_spec(body.tools, body.tool_choice, body.parallel_tool_calls)
+    rendered, params = _render(state, body, model, messages, tools, body.max_output_tokens)
+    return _Prepared(body, model, messages, rendered, params, tools, owner, mcp=mcp)
+
+
+def _render(state: serving.ServerState, body: ResponsesRequest, model: str,
+            messages: list[dict[str, Any]], tools: ToolSpec, max_tokens: int | None,
+            within_context: bool = False) -> tuple[Rendered, Any]:
+    """The prompt and sampling params of `messages` (the conversation, without the
+    instructions) under `body`'s settings. `within_context`: `max_tokens` is cut to the
+    room the prompt leaves (a later round of the MCP tool loop) instead of a 400."""
+    assert state.chat is not None          # _prepare checked it
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     try:
         chat = ChatCompletionRequest.model_validate({
@@ -437,7 +469,7 @@ def _prepare(state: serving.ServerState, store: ResponseStore, body: ResponsesRe
             "tools": [t.as_chat_tool() for t in tools.tools] or None,
             "tool_choice": _chat_choice(tools), "parallel_tool_calls": body.parallel_tool_calls,
             "temperature": body.temperature,
-            "top_p": body.top_p, "max_tokens": body.max_output_tokens, "seed": body.seed,
+            "top_p": body.top_p, "max_tokens": max_tokens, "seed": body.seed,
             "thinking_token_budget": body.thinking_token_budget})
     except ValidationError as e:    # an input the chat form cannot hold: the client's
         raise OpenAIError(f"input: {e.errors()[0].get('msg', 'invalid')}", param="input") from None
@@ -446,11 +478,13 @@ def _prepare(state: serving.ServerState, store: ResponseStore, body: ResponsesRe
     if rendered.structured is None and schema is not None:
         rendered.structured = structured_hooks.json_format(
             schema, isinstance(state.chat, HarmonyChat), tools)
-    max_tokens = serving._check_lengths(state, rendered.prompt_ids, body.max_output_tokens)
+    if within_context and max_tokens is not None:
+        max_tokens = min(max_tokens, max(state.max_model_len - len(rendered.prompt_ids), 1))
+    max_tokens = serving._check_lengths(state, rendered.prompt_ids, max_tokens)
     params = structured_hooks.attach(
         serving._sampling(state, chat, max_tokens, None, extra_stop_ids=rendered.stop_token_ids),
         rendered.structured, body=chat)
-    return _Prepared(body, model, messages, rendered, params, tools, owner)
+    return rendered, params
 
 
 def _chat_choice(tools: ToolSpec) -> Any:
@@ -475,8 +509,10 @@ def _response(p: _Prepared, status: str, output: list[dict[str, Any]],
         "previous_response_id": body.previous_response_id,
         "reasoning": {"effort": _effort(body) or "medium", "summary": None},
         "text": body.text or {"format": {"type": "text"}},
-        "tool_choice": p.tools.choice.as_response_value(),
-        "tools": [t.as_response_tool() for t in p.tools.tools],
+        "tool_choice": p.tools.choice.as_response_value() if p.mcp is None else
+        p.mcp.choice_sent or p.tools.choice.as_response_value(),
+        "tools": [t.as_response_tool() for t in p.tools.tools] if p.mcp is None else
+        p.mcp.echo_tools(p.tools),
         "store": store, "truncation": "disabled", "user": body.user, "usage": usage,
         "background": bool(body.background),
     }

@@ -18,10 +18,13 @@ import re
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from kvrelay.server.protocol import OpenAIError
 from kvrelay.structured import limits
+
+if TYPE_CHECKING:
+    from kvrelay.server.mcp.servers import ToolServer
 
 TOOL_CALL_PARSERS = ("openai",)          # gpt-oss's harmony calls (vLLM's name)
 REASONING_PARSERS = ("openai_gptoss",)   # gpt-oss's analysis channel (vLLM's name)
@@ -41,6 +44,12 @@ class AgentOptions:
     responses_store_max_entry_bytes: int = 16 << 20  # one entry; larger ones are not kept
     responses_owner_header: str | None = None        # who owns a stored response (else the key)
     responses_store_path: str | None = None          # SQLite file of the store; None: memory
+    # MCP tools in /v1/responses (kvrelay/server/mcp/): the servers a request may use
+    # (--tool-server: mcp.servers.ToolServer entries), each operation's timeout, and the
+    # MCP calls one response may make
+    tool_servers: tuple[ToolServer, ...] = ()
+    tool_server_timeout_s: float = 30.0
+    tool_server_max_calls: int = 16
 
     def __post_init__(self) -> None:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
@@ -60,6 +69,12 @@ class AgentOptions:
                 r"[A-Za-z0-9-]{1,64}", self.responses_owner_header):
             raise ValueError(f"--responses-owner-header: expected an HTTP header name, got "
                              f"{self.responses_owner_header!r}")
+        if not self.tool_server_timeout_s > 0:
+            raise ValueError(f"--tool-server-timeout: expected seconds > 0, got "
+                             f"{self.tool_server_timeout_s}")
+        if self.tool_server_max_calls < 1:
+            raise ValueError(f"--tool-server-max-calls: expected >= 1, got "
+                             f"{self.tool_server_max_calls}")
 
     @property
     def auto_tools(self) -> bool:

@@ -150,3 +150,23 @@ def test_unknown_previous_response_id_through_the_proxy(cluster):
     r = httpx.post(f"{cluster[0]}/responses", timeout=30, json={
         "model": MODEL, "input": "x", "previous_response_id": "resp_unknown"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id"
+
+
+def _events(text: str) -> list[dict]:
+    return [json.loads(line[5:]) for line in text.splitlines() if line.startswith("data:")]
+
+
+def test_background_resume_and_cancel_through_the_proxy(cluster):
+    """A streamed background response through the proxy: resumed with `starting_after`
+    (its query forwarded, the answer relayed as SSE) and cancelled (forwarded; it had
+    finished, so it comes back unchanged) on the decode server that holds it."""
+    url = cluster[0]
+    first = _events(httpx.post(f"{url}/responses", timeout=60, json={
+        "model": MODEL, "input": "Hello?", "background": True, "stream": True}).text)
+    rid = first[0]["response"]["id"]
+    assert first[-1]["type"] == "response.completed"
+    resumed = httpx.get(f"{url}/responses/{rid}?stream=true&starting_after=2", timeout=60)
+    assert resumed.headers["content-type"].startswith("text/event-stream")
+    assert _events(resumed.text) == first[3:]
+    cancelled = httpx.post(f"{url}/responses/{rid}/cancel", timeout=60)
+    assert cancelled.status_code == 200 and cancelled.json()["status"] == "completed"

@@ -1,5 +1,5 @@
 """`--distributed-executor-backend ray` / `--data-parallel-backend ray` on a real local Ray
-cluster of three nodes (a head with no CPUs for actors, two nodes of 2 CPUs), all on
+cluster of three nodes (a head with no CPUs for actors, two nodes of 3 CPUs), all on
 127.0.0.1: tensor-parallel ranks and data-parallel replicas placed on other nodes give
 the single-instance tokens; the actors go away with the server; no cluster, or no room
 in it, is a one-line error."""
@@ -9,11 +9,8 @@ import os
 import re
 import signal
 import threading
-import time
-from pathlib import Path
 
 import httpx
-import pytest
 
 from tests.distributed.test_expert_parallel_dp import (
     BASE,
@@ -24,50 +21,9 @@ from tests.distributed.test_expert_parallel_dp import (
 )
 from tests.distributed.test_worker_death import _await_running as await_running
 from tests.processes import KvrelayProcess, Server, free_port
+from tests.ray_cluster import ray_actor_pids, ray_cluster, wait_actors_gone  # noqa: F401
 
-# Ray finds each node's address from the route out of the machine; this pins every node,
-# driver and actor of the test cluster to loopback (servers in tests listen on 127.0.0.1).
-# Ray reads it when imported, so it is set before the import (it concerns only Ray).
-LOOPBACK = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-os.environ.update(LOOPBACK)
-ray = pytest.importorskip("ray", reason="Ray is the optional extra kvrelay[ray]")
 PLACED = re.compile(r"on Ray: rank (\d+) → node (\w+) \(([\d.]+)\)")
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    from ray.cluster_utils import Cluster
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
-    try:
-        c.add_node(num_cpus=2)
-        c.add_node(num_cpus=2)
-        c.wait_for_nodes()
-        head_id = c.head_node.node_id
-        yield c.address, head_id
-    finally:
-        c.shutdown()
-
-
-def ray_actor_pids(kind: str) -> list[int]:
-    """Processes of Ray actors of `kind` (Ray names them `ray::Kind...`) on this machine."""
-    out = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if cmd.startswith(f"ray::{kind}".encode()):
-            out.append(int(pid))
-    return out
-
-
-def wait_actors_gone(kind: str, timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while ray_actor_pids(kind) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not ray_actor_pids(kind), f"{kind} actors left behind"
 
 
 def placed_off_head(log: str, head_id: str) -> list[int]:
@@ -79,8 +35,8 @@ def placed_off_head(log: str, head_id: str) -> list[int]:
     return [int(r) for r, _, _ in rows]
 
 
-def test_tp2_with_rank1_on_another_node_matches_tp1(tiny, tp1_tokens, cluster, tmp_path):  # noqa: F811
-    address, head_id = cluster
+def test_tp2_with_rank1_on_another_node_matches_tp1(tiny, tp1_tokens, ray_cluster, tmp_path):  # noqa: F811
+    address, head_id = ray_cluster
     s = Server(str(tiny[0]), BASE + ["-tp", "2", "--distributed-executor-backend", "ray",
                                      "--ray-address", address], tmp_path / "serve.log")
     try:
@@ -96,9 +52,9 @@ def test_tp2_with_rank1_on_another_node_matches_tp1(tiny, tp1_tokens, cluster, t
         s.stop()
 
 
-def test_dp2_experts_across_replicas_placed_by_ray_match_tp1(tiny, tp1_tokens, cluster,  # noqa: F811
+def test_dp2_experts_across_replicas_placed_by_ray_match_tp1(tiny, tp1_tokens, ray_cluster,  # noqa: F811
                                                               tmp_path):
-    address, head_id = cluster
+    address, head_id = ray_cluster
     s = Server(str(tiny[0]), BASE + ["-dp", "2", "--enable-expert-parallel",
                                      "--data-parallel-backend", "ray", "--ray-address", address],
                tmp_path / "serve.log")
@@ -116,10 +72,10 @@ def test_dp2_experts_across_replicas_placed_by_ray_match_tp1(tiny, tp1_tokens, c
         s.stop()
 
 
-def test_killed_rank_actor_fails_the_server_cleanly(tiny, cluster, tmp_path):
+def test_killed_rank_actor_fails_the_server_cleanly(tiny, ray_cluster, tmp_path):  # noqa: F811
     """As for a dead worker process (test_worker_death.py): the request in flight gets a
     503 naming the rank, the server exits 1, the actors are gone."""
-    address, _ = cluster
+    address, _ = ray_cluster
     s = Server(str(tiny[0]), ["--dtype", "float32", "--max-model-len", "4096", "--block-size",
                               "4", "-tp", "2", "--distributed-executor-backend", "ray",
                               "--ray-address", address], tmp_path / "serve.log")
@@ -145,17 +101,17 @@ def test_killed_rank_actor_fails_the_server_cleanly(tiny, cluster, tmp_path):
         s.stop()
 
 
-def test_no_cluster_and_no_room_are_one_line_errors(tiny, cluster, tmp_path):
-    address, _ = cluster
+def test_no_cluster_and_no_room_are_one_line_errors(tiny, ray_cluster, tmp_path):  # noqa: F811
+    address, _ = ray_cluster
     nowhere = KvrelayProcess(["serve", str(tiny[0]), *BASE, "-tp", "2",
                               "--distributed-executor-backend", "ray", "--ray-address",
                               f"127.0.0.1:{free_port()}"], tmp_path / "nowhere.log",
                              )
-    # 3 CPUs per rank: the nodes have 2
+    # 4 CPUs per rank: the nodes have 3
     full = KvrelayProcess(["serve", str(tiny[0]), *BASE, "-tp", "2",
                            "--distributed-executor-backend", "ray", "--ray-address", address],
                           tmp_path / "full.log",
-                          env={"KVRELAY_RAY_CPUS_PER_WORKER": "3",
+                          env={"KVRELAY_RAY_CPUS_PER_WORKER": "4",
                                "KVRELAY_RAY_PLACEMENT_TIMEOUT_S": "2"})
     try:
         assert nowhere.proc.wait(120) == 1
@@ -164,7 +120,7 @@ def test_no_cluster_and_no_room_are_one_line_errors(tiny, cluster, tmp_path):
             nowhere.log()[-2000:]
         assert "ray start --head" in errors[0]
         assert full.proc.wait(120) == 1
-        assert "Ray could not place tensor-parallel ranks 1..1: 1 bundle(s) of {'CPU': 3}" \
+        assert "Ray could not place tensor-parallel ranks 1..1: 1 bundle(s) of {'CPU': 4}" \
             in full.log(), full.log()[-3000:]
         wait_actors_gone("RankActor")
     finally:

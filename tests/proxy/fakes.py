@@ -48,6 +48,7 @@ class Script:
     metrics: str | None = None           # GET /metrics: this Prometheus text (None: 404)
     # prefill: answer this many completions busy first (503 "KV hold refused", Retry-After)
     busy_answers: int = 0
+    delay_s: float = 0.0                 # prefill: take this long before answering
 
 
 @dataclass
@@ -199,6 +200,8 @@ async def prefill_answer(fake: FakeBackend, request: Request, body: dict[str, An
             await asyncio.sleep(0.05)
             raise RuntimeError("scripted prefill crash mid-answer")
         return StreamingResponse(broken(), media_type="application/json")
+    if fake.script.delay_s:
+        await asyncio.sleep(fake.script.delay_s)
     if fake.script.mode == "slow":        # holds the request; notes when the proxy gives up on it
         for _ in range(200):
             if await request.is_disconnected():

@@ -337,7 +337,9 @@ def test_metrics_parse(fakes, proxies):
                         "kvrelay_proxy:routing_decisions": "counter",
                         "kvrelay_proxy:prefix_table_blocks": "gauge",
                         "kvrelay_proxy:prefix_table_forgotten": "counter",
-                        "kvrelay_proxy:prefill_busy_retries": "counter"}
+                        "kvrelay_proxy:prefill_busy_retries": "counter",
+                        "kvrelay_proxy:backends": "gauge",
+                        "kvrelay_proxy:backend_info": "gauge"}
     samples = _samples(proxies["main"])
     assert samples[("kvrelay_proxy:requests_total",
                     (("endpoint", "/v1/completions"), ("status", "200")))] >= 1

@@ -1,0 +1,209 @@
+"""A Ray-placed 2P1D against the same topology from `kvrelay deploy` on one host (issue 27's
+targets): time to ready, output throughput of the same `kvrelay bench serve` workload, how
+long a killed server takes to serve again, and the failed requests of a scale step under load.
+
+    python benchmarks/ray_deploy.py [--model DIR] [--num-prompts 24] [--out FILE]
+
+Starts its own Ray cluster on 127.0.0.1 (three nodes: a head with no CPUs for actors and two
+with 3 logical CPUs each — on one machine the nodes share its cores, so this measures what Ray
+adds, not more hardware), runs the local deploy, then the Ray deploy, one after the other, with
+the same ports. Progress goes to stderr; the JSON result to --out (and stdout).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"          # every node on 127.0.0.1
+
+import httpx
+
+BASE, SIDE = 23400, 13400
+KVRELAY = [sys.executable, "-m", "kvrelay.cli"]
+
+
+def say(text: str) -> None:
+    print(f"[ray_deploy] {text}", file=sys.stderr, flush=True)
+
+
+def wait_http(url: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(url)
+
+
+def bench(url: str, args: argparse.Namespace, tag: str, out_dir: Path) -> dict:
+    cmd = KVRELAY + ["bench", "serve", "--base-url", url, "--dataset-name", "random",
+                     "--random-input-len", str(args.input_len), "--random-output-len",
+                     str(args.output_len), "--num-prompts", str(args.num_prompts),
+                     "--max-concurrency", str(args.concurrency), "--ignore-eos",
+                     "--save-result", "--result-dir", str(out_dir), "--result-filename",
+                     f"{tag}.json"]
+    if args.tokenizer:
+        cmd += ["--tokenizer", args.tokenizer]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    return json.loads((out_dir / f"{tag}.json").read_text())
+
+
+def topology(args: argparse.Namespace) -> list[str]:
+    model = ["--model", args.model] if args.model else []
+    return [*model, "--prefill", "2", "--decode", "1", "--port", str(BASE),
+            "--base-port", str(BASE), "--side-channel-port", str(SIDE)]
+
+
+def local_run(args: argparse.Namespace, out_dir: Path) -> dict:
+    say("local deploy: starting")
+    t0 = time.monotonic()
+    proc = subprocess.Popen(KVRELAY + ["deploy", *topology(args), "--no-validate",
+                                       "--log-dir", str(out_dir / "local-logs")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if "Ctrl-C stops everything" in line:
+            break
+    ready = time.monotonic() - t0
+    say(f"local deploy: ready in {ready:.1f}s; benchmarking")
+    try:
+        result = bench(f"http://127.0.0.1:{BASE}", args, "local", out_dir)
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(120)
+    return {"ready_s": ready, "output_throughput": result["output_throughput"],
+            "median_ttft_ms": result["median_ttft_ms"], "median_tpot_ms": result["median_tpot_ms"]}
+
+
+def ray_run(args: argparse.Namespace, address: str, out_dir: Path) -> dict:
+    common = ["--name", "bench", "--ray-address", address]
+    say("Ray deploy: placing")
+    t0 = time.monotonic()
+    up = subprocess.run(KVRELAY + ["deploy", "--backend", "ray", *common, *topology(args),
+                                   "--log-dir", str(out_dir / "ray-logs")],
+                        capture_output=True, text=True)
+    ready = time.monotonic() - t0
+    if up.returncode != 0:
+        raise RuntimeError(up.stdout + up.stderr)
+    url = re.search(r"OpenAI base URL: (http://[\d.:]+)/v1", up.stdout)[1]  # type: ignore[index]
+    say(f"Ray deploy: ready in {ready:.1f}s; benchmarking")
+    try:
+        result = bench(url, args, "ray", out_dir)
+        back = kill_and_time(url)
+        say(f"Ray deploy: a killed prefill served again after {back['serving_again_s']:.1f}s")
+        scale = scale_under_load(url, common)
+        say(f"Ray deploy: scale steps {scale}")
+    finally:
+        subprocess.run(KVRELAY + ["deploy", "--down", *common], capture_output=True)
+    return {"ready_s": ready, "output_throughput": result["output_throughput"],
+            "median_ttft_ms": result["median_ttft_ms"],
+            "median_tpot_ms": result["median_tpot_ms"], **back, "scale": scale}
+
+
+def serve_pid(port: int) -> int:
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"serve" in cmd and str(port).encode() in cmd and b"kvrelay.cli" in cmd:
+                return int(pid)
+    raise LookupError(port)
+
+
+def kill_and_time(url: str) -> dict:
+    port = BASE + 100
+    os.kill(serve_pid(port), signal.SIGKILL)
+    t0 = time.monotonic()
+    wait_http(f"http://127.0.0.1:{port}/health", 300)
+    again = time.monotonic() - t0
+    while True:
+        text = httpx.get(f"{url}/metrics").text
+        active = [float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
+                  if ln.startswith('kvrelay_proxy:backends{role="prefill",state="active"}')]
+        if active and active[0] >= 2:
+            break
+        time.sleep(0.2)
+    return {"serving_again_s": again, "proxy_took_back_s": time.monotonic() - t0}
+
+
+def scale_under_load(url: str, common: list[str]) -> dict:
+    failed, done = [], [0]
+    stop = threading.Event()
+
+    def load() -> None:
+        with httpx.Client(timeout=120) as c:
+            while not stop.is_set():
+                r = c.post(f"{url}/v1/completions", json={"prompt": "hello " * 16,
+                                                          "max_tokens": 8, "ignore_eos": True})
+                done[0] += 1
+                if r.status_code != 200:
+                    failed.append(r.status_code)
+
+    t = threading.Thread(target=load, daemon=True)
+    t.start()
+    steps = {}
+    for n in (3, 1):
+        t0 = time.monotonic()
+        r = subprocess.run(KVRELAY + ["deploy", "scale", *common, "--prefill", str(n)],
+                           capture_output=True, text=True)
+        steps[f"prefill_to_{n}_s"] = time.monotonic() - t0
+        if r.returncode != 0:
+            steps[f"prefill_to_{n}_error"] = r.stdout[-500:] + r.stderr[-500:]
+    stop.set()
+    t.join(120)
+    return {**steps, "requests": done[0], "failed": len(failed)}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="checkpoint (default: the embedded model)")
+    p.add_argument("--tokenizer", default=None)
+    p.add_argument("--num-prompts", type=int, default=24)
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--out", type=Path, default=Path("ray_deploy.json"))
+    args = p.parse_args()
+    out_dir = args.out.parent / (args.out.stem + "-runs")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    from ray.cluster_utils import Cluster
+    cluster = Cluster(initialize_head=True,
+                      head_node_args={"num_cpus": 0, "include_dashboard": False})
+    try:
+        cluster.add_node(num_cpus=3)
+        cluster.add_node(num_cpus=3)
+        cluster.wait_for_nodes()
+        local = local_run(args, out_dir)
+        ray = ray_run(args, cluster.address, out_dir)
+    finally:
+        cluster.shutdown()
+    result = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+              "load": os.getloadavg(), "model": args.model or "embedded",
+              "workload": {k: getattr(args, k) for k in ("num_prompts", "concurrency",
+                                                         "input_len", "output_len")},
+              "local": local, "ray": ray,
+              "ratios": {"throughput_ray_over_local":
+                         ray["output_throughput"] / local["output_throughput"],
+                         "ready_ray_over_local": ray["ready_s"] / local["ready_s"]}}
+    args.out.write_text(json.dumps(result, indent=1))
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,439 @@
+"""`kvrelay deploy --backend ray`: the topology's servers and its proxy as detached, named Ray
+actors on a running cluster, supervised and scaled by Ray.
+
+    kvrelay deploy --backend ray --prefill 2 --decode 1 [--name NAME] [-- serve flags]
+    kvrelay deploy status [--name NAME]          each server's node, URL, health and load
+    kvrelay deploy scale --prefill 3 [--name NAME] [same topology flags as the deploy]
+    kvrelay deploy --down [--name NAME]
+
+Why actors that own a process, not Ray Serve: a kvrelay server is a whole serving process (its
+own HTTP server, engine core, KV plane); Ray's job here is placement, restart and a shared
+view, which detached actors give without a second request path in front of ours. Each
+`ServerActor` starts `kvrelay serve` (or `kvrelay proxy`) on its node with the plan's
+command — bound to the node's address, its side channel advertised there — and exits when
+the process does, so Ray restarts it (`max_restarts`) and the process with it. Ray picks the
+node from the CPUs the server asks for (its ranks); device pinning is Ray's accounting, not
+the plan's device ids, which name one host's cores.
+
+The proxy's actor follows the servers: every half second it asks each server actor of the
+deployment (by name, in the deployment's namespace) where it is and whether it is ready and
+not draining, and rewrites the proxy's `--backends-file` (atomically) when that changes — a
+restarted server on another node, a server added or drained — so no port is typed by hand.
+
+The KV secret is generated here and reaches every actor through its runtime_env (its
+environment), never a command line. Anyone who can reach the Ray cluster controls these
+actors (Ray has no authentication): keep the cluster's ports private.
+
+Scale: new servers are placed and join the proxy when ready; a server scaled away is marked
+draining (the proxy stops routing to it), stopped once it has nothing in flight (its own
+/metrics: no request running or waiting, no KV block held), then its actor is killed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from kvrelay import envs
+from kvrelay.deploy.plan import KV_SECRET_ENV, Plan, ServerPlan
+
+logger = logging.getLogger(__name__)
+
+PROG = "kvrelay deploy"
+NAMESPACE_PREFIX = "kvrelay-deploy-"
+PROXY = "proxy"
+POLL_S = 0.5
+STOP_GRACE_S = 35.0
+MAX_RESTARTS = 20
+IDLE_S = 1.0                 # a drained server idle this long is stopped
+# environment a server must not inherit from the machine that ran `deploy`
+_NOT_SHIPPED = ("NEURON_VISIBLE_DEVICES", "KVRELAY_VISIBLE_DEVICES", "RAY_ADDRESS")
+
+
+def namespace(name: str) -> str:
+    return NAMESPACE_PREFIX + name
+
+
+def _http_json(url: str, timeout: float = 2.0) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read().decode(errors="replace")
+    except urllib.error.HTTPError as e:
+        return e.code, ""
+    except OSError:
+        return 0, ""
+
+
+def _metric(text: str, name: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and not line.startswith("#"):
+            try:
+                total += float(line.rsplit(" ", 1)[1])
+            except ValueError:
+                pass
+    return total
+
+
+def with_host(args: tuple[str, ...], host: str) -> list[str]:
+    """The command with `--host` set to this node's address (the plan's is one host's)."""
+    out = list(args)
+    if "--host" in out:
+        out[out.index("--host") + 1] = host
+    return out
+
+
+# ------------------------------------------------------------------------------ actors
+
+class ServerActor:
+    """One `kvrelay serve` / `kvrelay proxy` process on this actor's node (made remote with
+    `ray.remote` at run time: Ray is an optional extra)."""
+
+    def __init__(self, name: str, role: str, args: tuple[str, ...], port: int,
+                 env: dict[str, str], log_dir: str) -> None:
+        import ray
+        self.name, self.role, self.port = name, role, port
+        self.ip = ray.util.get_node_ip_address()
+        self.node = ray.get_runtime_context().get_node_id()
+        self.draining = False
+        self.stopping = False
+        child_env = {k: v for k, v in os.environ.items() if k not in _NOT_SHIPPED} | env
+        if role in ("prefill", "decode"):
+            child_env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = self.ip
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+        self.log_path = str(Path(log_dir) / f"{name}.log")
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "kvrelay.cli",
+                                          *with_host(args, self.ip)],
+                                         stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, env=child_env,
+                                         start_new_session=True)
+        threading.Thread(target=self._watch, daemon=True, name="kvrelay-server-watch").start()
+
+    def _watch(self) -> None:
+        self.proc.wait()
+        if not self.stopping:
+            os._exit(1)              # the actor dies with its process: Ray restarts both
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.ip}:{self.port}"
+
+    def status(self) -> dict[str, Any]:
+        health, _ = _http_json(f"{self.url}/health")
+        _, metrics = _http_json(f"{self.url}/metrics") if health == 200 else (0, "")
+        return {"name": self.name, "role": self.role, "node": self.node, "ip": self.ip,
+                "url": self.url, "pid": self.proc.pid,
+                "ready": health == 200, "draining": self.draining,
+                "running": _metric(metrics, "vllm:num_requests_running"),
+                "waiting": _metric(metrics, "vllm:num_requests_waiting"),
+                "kv_blocks": _metric(metrics, "kvrelay:kv_blocks_used"),
+                "log": self.log_path}
+
+    def drain(self) -> None:
+        self.draining = True
+
+    def stop(self) -> int | None:
+        """SIGTERM the process group (a server drains for up to 30 s), then SIGKILL."""
+        self.stopping = True
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+        return self.proc.returncode
+
+
+class ProxyActor(ServerActor):
+    """`kvrelay proxy` fed by the deployment's server actors through `--backends-file`."""
+
+    def __init__(self, args: tuple[str, ...], port: int, env: dict[str, str], log_dir: str,
+                 ns: str, settings: dict[str, Any]) -> None:
+        self.ns, self.settings, self.env = ns, settings, env
+        self.backends_path = str(Path(tempfile.mkdtemp(prefix="kvrelay-backends-")) /
+                                 "backends.json")
+        self.written: dict[str, Any] | None = None
+        self._write_backends()
+        super().__init__(PROXY, PROXY, tuple(args) + ("--backends-file", self.backends_path),
+                         port, env, log_dir)
+        threading.Thread(target=self._follow, daemon=True, name="kvrelay-backends").start()
+
+    def deployment(self) -> tuple[dict[str, Any], dict[str, str]]:
+        """What `scale` needs to place more servers like these: the topology settings and
+        the environment (the KV secret) every server gets."""
+        return self.settings, self.env
+
+    def _follow(self) -> None:
+        while not self.stopping:
+            try:
+                self._write_backends()
+            except Exception as e:                  # a server actor restarting: next round
+                logger.debug("backends: %s", e)
+            time.sleep(POLL_S)
+
+    def _write_backends(self) -> None:
+        import ray
+        servers = [server_handle(n, self.ns) for n in server_names(self.ns)]
+        states = ray.get([s.status.remote() for s in servers], timeout=10) if servers else []
+        out: dict[str, Any] = {"prefill": [], "decode": []}
+        for st in sorted(states, key=lambda s: s["name"]):
+            if st["role"] in out and st["ready"] and not st["draining"]:
+                out[st["role"]].append({"id": st["name"], "url": st["url"]})
+        if out != self.written:
+            tmp = self.backends_path + ".tmp"
+            Path(tmp).write_text(json.dumps(out))
+            os.replace(tmp, self.backends_path)
+            self.written = out
+
+
+def server_names(ns: str) -> list[str]:
+    import ray
+    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a["namespace"] == ns and a["name"] != PROXY)
+
+
+def server_handle(name: str, ns: str) -> Any:
+    import ray
+    return ray.get_actor(name, namespace=ns)
+
+
+# ------------------------------------------------------------------------------ commands
+
+def _connect(address: str | None) -> Any:
+    from kvrelay.distributed.ray_cluster import connect
+    return connect(address)
+
+
+def _server_env(plan: Plan, server: ServerPlan, secret: str) -> dict[str, str]:
+    env = dict(plan.exports) | dict(server.env) | {KV_SECRET_ENV: secret}
+    return {k: v for k, v in env.items() if k not in _NOT_SHIPPED}
+
+
+def _place(ray: Any, cls: type, name: str, ns: str, cpus: int, *args: Any) -> Any:
+    """A detached named actor (it outlives `deploy`), spread over the nodes, restarted by
+    Ray when it dies; a few concurrent calls (status while it stops)."""
+    return ray.remote(cls).options(
+        name=name, namespace=ns, lifetime="detached", max_restarts=MAX_RESTARTS,
+        max_task_retries=0, num_cpus=cpus, max_concurrency=4,
+        scheduling_strategy="SPREAD").remote(*args)
+
+
+def start_servers(ray: Any, plan: Plan, servers: list[ServerPlan], ns: str, secret: str,
+                  log_dir: str) -> list[Any]:
+    from kvrelay.distributed.ray_cluster import cpus_per_worker
+    return [_place(ray, ServerActor, s.name, ns, len(s.devices) * cpus_per_worker(), s.name,
+                   s.role, s.args, s.port, _server_env(plan, s, secret), log_dir)
+            for s in servers]
+
+
+def await_ready(ray: Any, handles: list[Any], timeout_s: float, say) -> list[dict[str, Any]]:
+    """Every handle's status once all are ready; TimeoutError naming those that are not."""
+    deadline = time.monotonic() + timeout_s
+    last = 0.0
+    while True:
+        try:
+            states = ray.get([h.status.remote() for h in handles], timeout=30)
+        except Exception as e:                   # an actor restarting after a failed start
+            states = []
+            logger.debug("status: %s", e)
+        if states and all(s["ready"] for s in states):
+            return states
+        if time.monotonic() > deadline:
+            waiting = [s["name"] for s in states if not s["ready"]] or ["(no answer)"]
+            raise TimeoutError(f"not ready after {timeout_s:.0f}s: {', '.join(waiting)}")
+        if time.monotonic() - last > 15:
+            say("waiting for " + ", ".join(f"{s['name']} on {s['ip']}" for s in states
+                                            if not s["ready"]))
+            last = time.monotonic()
+        time.sleep(1.0)
+
+
+def up(plan: Plan, args: argparse.Namespace, settings: dict[str, Any], say) -> int:
+    """Place the topology and its proxy; return once the proxy answers (deploy exits; the
+    actors live on: `kvrelay deploy --down` stops them)."""
+    if not plan.proxy:
+        say("error: --backend ray places disaggregated topologies (prefill + decode + proxy); "
+            "a single instance is `kvrelay serve --distributed-executor-backend ray`")
+        return 2
+    ray = _connect(args.ray_address)
+    ns = namespace(args.name)
+    existing = [a for a in ray.util.list_named_actors(all_namespaces=True)
+                if a["namespace"] == ns]
+    if existing:
+        say(f"error: deployment {args.name!r} already runs on this cluster ({len(existing)} "
+            f"actors); `kvrelay deploy --down --name {args.name}` first, or choose --name")
+        return 1
+    t0 = time.monotonic()
+    log_dir = str(args.log_dir or Path(tempfile.gettempdir()) / f"kvrelay-deploy-{args.name}")
+    secret = secrets.token_hex(32)
+    handles = start_servers(ray, plan, list(plan.servers), ns, secret, log_dir)
+    say(f"placed {len(handles)} server(s) on the Ray cluster (namespace {ns}); KV secret in "
+        f"their runtime environment (not shown); logs on each node in {log_dir}")
+    timeout = float(args.engine_ready_timeout or envs.ENGINE_READY_TIMEOUT_S.as_float() or 600)
+    try:
+        states = await_ready(ray, handles, timeout + 15, say)
+        proxy_env = {KV_SECRET_ENV: secret} | dict(plan.exports)
+        proxy_args = proxy_command(plan)
+        proxy = _place(ray, ProxyActor, PROXY, ns, 1, proxy_args, plan.proxy.port, proxy_env,
+                       log_dir, ns, settings)
+        [proxy_state] = await_ready(ray, [proxy], 120, say)
+        await_backends(proxy_state["url"], len(plan.role_servers("prefill")),
+                       len(plan.role_servers("decode")), 120)
+    except Exception as e:
+        say(f"error: {e}; stopping what was placed")
+        down(args.name, args.ray_address, say)
+        return 1
+    say(f"ready in {time.monotonic() - t0:.1f}s")
+    for s in states + [proxy_state]:
+        say(f"  {s['name']:<10} {s['url']}  node {s['node'][:8]}  (log {s['log']})")
+    say(f"OpenAI base URL: {proxy_state['url']}/v1 (model {plan.served_name}). "
+        f"`kvrelay deploy --down --name {args.name}` stops it.")
+    return 0
+
+
+def proxy_command(plan: Plan) -> tuple[str, ...]:
+    """The plan's proxy command without its backend flags: the backends file replaces them."""
+    assert plan.proxy is not None
+    out, skip = [], False
+    for a in plan.proxy.args:
+        if a.startswith("--prefiller-") or a.startswith("--decoder-"):
+            skip = True
+            continue
+        if skip and not a.startswith("--"):
+            continue
+        skip = False
+        out.append(a)
+    return tuple(out)
+
+
+def await_backends(proxy_url: str, prefill: int, decode: int, timeout_s: float) -> None:
+    """Until the proxy reports that many active backends per role (its /metrics)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        code, text = _http_json(f"{proxy_url}/metrics")
+        got = {role: _metric(text, f'kvrelay_proxy:backends{{role="{role}",state="active"}}')
+               for role in ("prefill", "decode")}
+        if code == 200 and got["prefill"] >= prefill and got["decode"] >= decode:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the proxy has {got} active backends after {timeout_s:.0f}s, "
+                               f"expected {prefill} prefill and {decode} decode")
+        time.sleep(0.5)
+
+
+def down(name: str, address: str | None, say) -> int:
+    ray = _connect(address)
+    ns = namespace(name)
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["namespace"] == ns]
+    if not names:
+        say(f"no deployment {name!r} on this cluster")
+        return 0
+    order = ([PROXY] if PROXY in names else []) + sorted(n for n in names if n != PROXY)
+    for n in order:                          # the proxy first: no new request reaches a server
+        handle = ray.get_actor(n, namespace=ns)
+        try:
+            ray.get(handle.stop.remote(), timeout=STOP_GRACE_S + 10)
+        except Exception as e:
+            logger.debug("stop %s: %s", n, e)
+        ray.kill(handle, no_restart=True)
+    say(f"stopped {len(order)} actor(s) of deployment {name!r}: {', '.join(order)}")
+    return 0
+
+
+def status(name: str, address: str | None, say, out=sys.stdout) -> int:
+    ray = _connect(address)
+    ns = namespace(name)
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["namespace"] == ns]
+    if not names:
+        say(f"no deployment {name!r} on this cluster")
+        return 1
+    handles = [ray.get_actor(n, namespace=ns) for n in sorted(names)]
+    states = ray.get([h.status.remote() for h in handles], timeout=30)
+    out.write(f"{'name':<10} {'node':<9} {'url':<24} {'health':<9} running waiting kv_blocks\n")
+    for s in states:
+        health = "draining" if s["draining"] else ("ready" if s["ready"] else "starting")
+        out.write(f"{s['name']:<10} {s['node'][:8]:<9} {s['url']:<24} {health:<9} "
+                  f"{s['running']:>7.0f} {s['waiting']:>7.0f} {s['kv_blocks']:>9.0f}\n")
+    return 0 if all(s["ready"] for s in states) else 1
+
+
+def scale(plan_for, args: argparse.Namespace, say) -> int:
+    """Add servers of a role (placed, then joined by the proxy when ready) or drain the
+    highest-numbered ones away."""
+    ray = _connect(args.ray_address)
+    ns = namespace(args.name)
+    try:
+        proxy = ray.get_actor(PROXY, namespace=ns)
+    except ValueError:
+        say(f"error: no deployment {args.name!r} on this cluster")
+        return 1
+    settings, env = ray.get(proxy.deployment.remote())
+    secret = env[KV_SECRET_ENV]
+    for role in ("prefill", "decode"):
+        want = getattr(args, role)
+        if want is None:
+            continue
+        if want < 1:
+            say(f"error: --{role} must be ≥ 1 (a topology needs both roles)")
+            return 2
+        have = [n for n in server_names(ns) if n.startswith(f"{role}-")]
+        settings = dict(settings) | {role: dict(settings.get(role, {})) | {"count": want}}
+        plan = plan_for(settings)
+        planned = {s.name: s for s in plan.role_servers(role)}
+        added = [planned[n] for n in sorted(planned) if n not in have]
+        removed = [n for n in have if n not in planned]
+        if added:
+            log_dir = str(args.log_dir or Path(tempfile.gettempdir()) /
+                          f"kvrelay-deploy-{args.name}")
+            handles = start_servers(ray, plan, added, ns, secret, log_dir)
+            await_ready(ray, handles, 600, say)
+            say(f"{role}: added {', '.join(s.name for s in added)}")
+        proxy_url = ray.get(proxy.status.remote())["url"]
+        for n in reversed(removed):
+            _drain_and_stop(ray, n, ns, proxy_url, say)
+    return 0
+
+
+def _drain_and_stop(ray: Any, name: str, ns: str, proxy_url: str, say,
+                    timeout_s: float = 300) -> None:
+    """Drain: the proxy stops routing to it and lets go of it once nothing it routed there is
+    in flight (a prefill: until its decodes have pulled the KV); then the server's own
+    counters must show nothing either, for IDLE_S (a request routed just before); then stop."""
+    handle = ray.get_actor(name, namespace=ns)
+    ray.get(handle.drain.remote())
+    deadline = time.monotonic() + timeout_s
+    held = f'id="{name}"'
+    while time.monotonic() < deadline:
+        _, text = _http_json(f"{proxy_url}/metrics")
+        if text and not any(line.startswith("kvrelay_proxy:backend_info{") and held in line
+                            for line in text.splitlines()):
+            break
+        time.sleep(0.25)
+    idle_since = None
+    while time.monotonic() < deadline:
+        s = ray.get(handle.status.remote())
+        if s["running"] or s["waiting"] or s["kv_blocks"]:
+            idle_since = None
+        elif idle_since is None:
+            idle_since = time.monotonic()
+        elif time.monotonic() - idle_since >= IDLE_S:
+            break
+        time.sleep(0.25)
+    ray.get(handle.stop.remote(), timeout=STOP_GRACE_S + 10)
+    ray.kill(handle, no_restart=True)
+    say(f"drained and stopped {name}")

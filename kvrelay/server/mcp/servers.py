@@ -1,0 +1,192 @@
+"""Which MCP servers a request may use: the operator's allowlist, and a request's entries.
+
+`--tool-server` (vLLM's flag) lists the MCP servers this server may connect to, comma-
+separated; each entry is `[LABEL=]ADDRESS`, ADDRESS either `host:port` (its streamable
+HTTP endpoint `http://host:port/mcp`) or a URL (`http://host:port/path`):
+
+    --tool-server calc=127.0.0.1:8001,http://10.0.0.5:9000/mcp
+
+A request's `{"type": "mcp", "server_label": L, "server_url": U, ...}` names one of them —
+by its URL (compared after normalising scheme, host, port and path), or, without a URL, by
+the entry's LABEL. Anything else is a 400: the server never connects to a URL a client
+made up (server-side request forgery). `require_approval` must be "never" (kvrelay has no
+approval flow); `connector_id` / `tunnel_id` (OpenAI's hosted connectors) are refused.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+from kvrelay.server.protocol import OpenAIError
+
+DEFAULT_PATH = "/mcp"          # the streamable HTTP endpoint of an entry given as host:port
+_LABEL = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+@dataclass(frozen=True)
+class ToolServer:
+    """One `--tool-server` entry: its label (may be None) and normalised URL."""
+    label: str | None
+    url: str
+
+
+def normalise_url(text: str) -> str:
+    """`http(s)://host[:port][/path]` in one spelling (lower-case scheme and host, the
+    default port dropped, an empty path → /mcp, no trailing slash); ValueError otherwise."""
+    parts = urlsplit(text.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"expected http(s)://host:port[/path] or host:port, got {text!r}")
+    if parts.username or parts.password or parts.query or parts.fragment:
+        raise ValueError(f"a tool server URL has no user, query or fragment: {text!r}")
+    try:
+        port = parts.port
+    except ValueError:
+        raise ValueError(f"bad port in {text!r}") from None
+    host = parts.hostname.lower()
+    if ":" in host:
+        host = f"[{host}]"                   # IPv6
+    default = 443 if parts.scheme == "https" else 80
+    netloc = host if port in (None, default) else f"{host}:{port}"
+    path = parts.path.rstrip("/") or DEFAULT_PATH
+    return f"{parts.scheme}://{netloc}{path}"
+
+
+def parse_tool_servers(text: str | None) -> tuple[ToolServer, ...]:
+    """`--tool-server`'s value → its entries (ValueError naming the flag and the entry)."""
+    if not text:
+        return ()
+    out: list[ToolServer] = []
+    for raw in text.split(","):
+        entry = raw.strip()
+        if not entry:
+            continue
+        if entry == "demo":
+            raise ValueError("--tool-server demo: kvrelay has no demo tools; list MCP servers "
+                             "as [LABEL=]host:port or [LABEL=]http://host:port/path")
+        label, address = entry.split("=", 1) if "=" in entry.split("://")[0] else ("", entry)
+        if label and not _LABEL.match(label):
+            raise ValueError(f"--tool-server {entry!r}: a label is 1-64 letters, digits, '_' "
+                             f"or '-'")
+        if "://" not in address:
+            address = f"http://{address}"
+        try:
+            url = normalise_url(address)
+        except ValueError as e:
+            raise ValueError(f"--tool-server {entry!r}: {e}") from None
+        out.append(ToolServer(label or None, url))
+    labels = [s.label for s in out if s.label]
+    dupes = sorted({x for x in labels if labels.count(x) > 1})
+    if dupes:
+        raise ValueError(f"--tool-server: label(s) {dupes} given twice")
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class McpServerRef:
+    """One `{"type": "mcp"}` entry of a request, resolved to an allowed server."""
+    label: str                                 # the request's server_label
+    url: str                                   # the allowlisted URL it resolved to
+    raw: Mapping[str, Any]                     # the entry as sent (echoed without secrets)
+    headers: dict[str, str] = field(default_factory=dict)
+    tool_names: frozenset[str] | None = None   # allowed_tools (None: all)
+    read_only: bool = False                    # allowed_tools.read_only: readOnlyHint tools
+
+    def allows(self, name: str, annotations: Mapping[str, Any] | None) -> bool:
+        if self.tool_names is not None and name not in self.tool_names:
+            return False
+        return not self.read_only or bool((annotations or {}).get("readOnlyHint"))
+
+    def as_response_tool(self) -> dict[str, Any]:
+        """The entry as a response echoes it: its headers and token are not repeated."""
+        out = {k: v for k, v in self.raw.items() if k not in ("headers", "authorization")}
+        return {**out, "headers": None, "server_url": out.get("server_url", self.url)}
+
+
+def is_mcp(tool: Any) -> bool:
+    return isinstance(tool, Mapping) and tool.get("type") == "mcp"
+
+
+def resolve(raw: Mapping[str, Any], where: str, allowed: tuple[ToolServer, ...]) -> McpServerRef:
+    """A request's `{"type": "mcp"}` entry → the server it may use; 400 otherwise."""
+    label = raw.get("server_label")
+    if not isinstance(label, str) or not _LABEL.match(label):
+        raise OpenAIError(f"{where}.server_label: expected 1-64 letters, digits, '_' or '-', "
+                          f"got {label!r}", param=where)
+    for unsupported in ("connector_id", "tunnel_id"):
+        if raw.get(unsupported) is not None:
+            raise OpenAIError(f"{where}.{unsupported}: OpenAI's hosted connectors are not "
+                              f"available here; name a server of --tool-server", param=where)
+    _check_approval(raw.get("require_approval"), where)
+    if not allowed:
+        raise OpenAIError(f"{where}: this server connects to no MCP servers (its operator "
+                          f"lists them with --tool-server)", param=where)
+    url = _allowed_url(raw, label, where, allowed)
+    return McpServerRef(label, url, raw, _headers(raw, where), *_allowed_tools(raw, where))
+
+
+def _allowed_url(raw: Mapping[str, Any], label: str, where: str,
+                 allowed: tuple[ToolServer, ...]) -> str:
+    given = raw.get("server_url")
+    if given is None:
+        for server in allowed:
+            if server.label == label:
+                return server.url
+        raise OpenAIError(f"{where}: no server_url, and no --tool-server entry is labelled "
+                          f"{label!r} (labels: {sorted(s.label for s in allowed if s.label)})",
+                          param=where)
+    try:
+        url = normalise_url(given) if isinstance(given, str) else ""
+    except ValueError:
+        url = ""
+    if url and any(s.url == url for s in allowed):
+        return url
+    raise OpenAIError(f"{where}.server_url: {given!r} is not one of the MCP servers this server "
+                      f"may connect to (--tool-server); kvrelay connects only to the servers its "
+                      f"operator listed", param=f"{where}.server_url")
+
+
+def _check_approval(value: Any, where: str) -> None:
+    """Only "never" (or {"never": {...}} with nothing under "always"): kvrelay calls the
+    tools without asking, so a request that expects approvals must not run."""
+    if value == "never":
+        return
+    if isinstance(value, Mapping) and not value.get("always") and set(value) <= {"always",
+                                                                                 "never"}:
+        return
+    raise OpenAIError(f"{where}.require_approval: only 'never' is supported (kvrelay runs MCP "
+                      f"calls without an approval step; OpenAI's default is to ask), got "
+                      f"{value!r}", param=f"{where}.require_approval")
+
+
+def _headers(raw: Mapping[str, Any], where: str) -> dict[str, str]:
+    headers = raw.get("headers") or {}
+    if not isinstance(headers, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in headers.items()):
+        raise OpenAIError(f"{where}.headers: expected an object of strings", param=where)
+    out = dict(headers)
+    token = raw.get("authorization")
+    if token is not None:
+        if not isinstance(token, str):
+            raise OpenAIError(f"{where}.authorization: expected a string", param=where)
+        out["Authorization"] = f"Bearer {token}"
+    return out
+
+
+def _allowed_tools(raw: Mapping[str, Any], where: str) -> tuple[frozenset[str] | None, bool]:
+    value = raw.get("allowed_tools")
+    if value is None:
+        return None, False
+    if isinstance(value, list) and all(isinstance(n, str) for n in value):
+        return frozenset(value), False
+    if isinstance(value, Mapping):
+        names = value.get("tool_names")
+        read_only = value.get("read_only")
+        names_ok = names is None or (isinstance(names, list)
+                                     and all(isinstance(n, str) for n in names))
+        if names_ok and isinstance(read_only, (bool, type(None))):
+            return (None if names is None else frozenset(names)), bool(read_only)
+    raise OpenAIError(f"{where}.allowed_tools: expected a list of tool names or "
+                      f"{{'tool_names': [...], 'read_only': bool}}", param=where)
