@@ -20,9 +20,10 @@ deployment (by name, in the deployment's namespace) where it is and whether it i
 not draining, and rewrites the proxy's `--backends-file` (atomically) when that changes — a
 restarted server on another node, a server added or drained — so no port is typed by hand.
 
-The KV secret is generated here and reaches every actor through its runtime_env (its
-environment), never a command line. Anyone who can reach the Ray cluster controls these
-actors (Ray has no authentication): keep the cluster's ports private.
+The KV secret is generated here and reaches each actor in its creation arguments (Ray keeps
+them to restart it; a runtime_env would cost a fresh worker process per actor), and the
+server in its environment — never a command line or a log. Anyone who can reach the Ray
+cluster controls these actors (Ray has no authentication): keep the cluster's ports private.
 
 Scale: new servers are placed and join the proxy when ready; a server scaled away is marked
 draining (the proxy stops routing to it), stopped once it has nothing in flight (its own
@@ -101,7 +102,7 @@ class ServerActor:
     `ray.remote` at run time: Ray is an optional extra)."""
 
     def __init__(self, name: str, role: str, args: tuple[str, ...], port: int,
-                 env: dict[str, str], log_dir: str) -> None:
+                 env: dict[str, str], log_dir: str, cpus: int = 0) -> None:
         import ray
         self.name, self.role, self.port = name, role, port
         self.ip = ray.util.get_node_ip_address()
@@ -111,6 +112,10 @@ class ServerActor:
         child_env = {k: v for k, v in os.environ.items() if k not in _NOT_SHIPPED} | env
         if role in ("prefill", "decode"):
             child_env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = self.ip
+        if cpus and "OMP_NUM_THREADS" not in env:
+            # the CPUs Ray reserved for it (no core ids: Ray accounts, it does not pin), as
+            # the local deploy gives each server its slice of cores
+            child_env["OMP_NUM_THREADS"] = str(cpus)
         Path(log_dir).mkdir(parents=True, exist_ok=True)
         self.log_path = str(Path(log_dir) / f"{name}.log")
         with open(self.log_path, "ab") as log:
@@ -166,7 +171,7 @@ class ProxyActor(ServerActor):
         self.backends_path = str(Path(tempfile.mkdtemp(prefix="kvrelay-backends-")) /
                                  "backends.json")
         self.written: dict[str, Any] | None = None
-        self._write_backends()
+        self._write({"prefill": [], "decode": []})     # the servers join as they get ready
         super().__init__(PROXY, PROXY, tuple(args) + ("--backends-file", self.backends_path),
                          port, env, log_dir)
         threading.Thread(target=self._follow, daemon=True, name="kvrelay-backends").start()
@@ -193,10 +198,13 @@ class ProxyActor(ServerActor):
             if st["role"] in out and st["ready"] and not st["draining"]:
                 out[st["role"]].append({"id": st["name"], "url": st["url"]})
         if out != self.written:
-            tmp = self.backends_path + ".tmp"
-            Path(tmp).write_text(json.dumps(out))
-            os.replace(tmp, self.backends_path)
-            self.written = out
+            self._write(out)
+
+    def _write(self, backends: dict[str, Any]) -> None:
+        tmp = self.backends_path + ".tmp"
+        Path(tmp).write_text(json.dumps(backends))
+        os.replace(tmp, self.backends_path)             # the proxy never reads half a file
+        self.written = backends
 
 
 def server_names(ns: str) -> list[str]:
@@ -234,9 +242,12 @@ def _place(ray: Any, cls: type, name: str, ns: str, cpus: int, *args: Any) -> An
 def start_servers(ray: Any, plan: Plan, servers: list[ServerPlan], ns: str, secret: str,
                   log_dir: str) -> list[Any]:
     from kvrelay.distributed.ray_cluster import cpus_per_worker
-    return [_place(ray, ServerActor, s.name, ns, len(s.devices) * cpus_per_worker(), s.name,
-                   s.role, s.args, s.port, _server_env(plan, s, secret), log_dir)
-            for s in servers]
+    out = []
+    for s in servers:
+        cpus = len(s.devices) * cpus_per_worker()
+        out.append(_place(ray, ServerActor, s.name, ns, cpus, s.name, s.role, s.args, s.port,
+                          _server_env(plan, s, secret), log_dir, cpus))
+    return out
 
 
 def await_ready(ray: Any, handles: list[Any], timeout_s: float, say) -> list[dict[str, Any]]:
@@ -258,7 +269,7 @@ def await_ready(ray: Any, handles: list[Any], timeout_s: float, say) -> list[dic
             say("waiting for " + ", ".join(f"{s['name']} on {s['ip']}" for s in states
                                             if not s["ready"]))
             last = time.monotonic()
-        time.sleep(1.0)
+        time.sleep(0.25)
 
 
 def up(plan: Plan, args: argparse.Namespace, settings: dict[str, Any], say) -> int:
@@ -281,22 +292,23 @@ def up(plan: Plan, args: argparse.Namespace, settings: dict[str, Any], say) -> i
     secret = secrets.token_hex(32)
     handles = start_servers(ray, plan, list(plan.servers), ns, secret, log_dir)
     say(f"placed {len(handles)} server(s) on the Ray cluster (namespace {ns}); KV secret in "
-        f"their runtime environment (not shown); logs on each node in {log_dir}")
+        f"their environment (not shown); logs on each node in {log_dir}")
     timeout = float(args.engine_ready_timeout or envs.ENGINE_READY_TIMEOUT_S.as_float() or 600)
     try:
-        states = await_ready(ray, handles, timeout + 15, say)
+        # the proxy at once, beside the servers: it answers 503 until its backends file lists
+        # them, and lists each as soon as it is ready
         proxy_env = {KV_SECRET_ENV: secret} | dict(plan.exports)
-        proxy_args = proxy_command(plan)
-        proxy = _place(ray, ProxyActor, PROXY, ns, 1, proxy_args, plan.proxy.port, proxy_env,
-                       log_dir, ns, settings)
-        [proxy_state] = await_ready(ray, [proxy], 120, say)
+        proxy = _place(ray, ProxyActor, PROXY, ns, 1, proxy_command(plan), plan.proxy.port,
+                       proxy_env, log_dir, ns, settings)
+        *states, proxy_state = await_ready(ray, handles + [proxy], timeout + 15, say)
+        ready_s = time.monotonic() - t0
         await_backends(proxy_state["url"], len(plan.role_servers("prefill")),
                        len(plan.role_servers("decode")), 120)
     except Exception as e:
         say(f"error: {e}; stopping what was placed")
         down(args.name, args.ray_address, say)
         return 1
-    say(f"ready in {time.monotonic() - t0:.1f}s")
+    say(f"ready in {time.monotonic() - t0:.1f}s (servers ready at {ready_s:.1f}s)")
     for s in states + [proxy_state]:
         say(f"  {s['name']:<10} {s['url']}  node {s['node'][:8]}  (log {s['log']})")
     say(f"OpenAI base URL: {proxy_state['url']}/v1 (model {plan.served_name}). "
