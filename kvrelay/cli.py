@@ -69,7 +69,8 @@ SERVE_ENGINE_FLAGS = (
     "hf_overrides", "additional_config",
     "kv_transfer_config", "optimization_level", "download_dir", "device", "kv_cache_memory_bytes",
     "num_gpu_blocks_override", "quantization", "logits_processors", "async_scheduling",
-    "kv_events_config", "distributed_executor_backend", "data_parallel_backend", "ray_address")
+    "kv_events_config", "distributed_executor_backend", "data_parallel_backend", "ray_address",
+    "speculative_config")
 SERVE_EPILOG = ("Every flag with its default and meaning: docs/serving.md, section Flags.\n"
                 "The names and meanings are vLLM's.")
 

@@ -259,6 +259,12 @@ SERVE_FLAGS: tuple[FlagGroup, ...] = (
            default=20, type=int, metavar="N"),
         _F(("--async-scheduling",), "plan the next step while the current one computes",
            action="store_true", default=False),
+        _F(("--speculative-config",), "speculative decoding: {\"method\": \"ngram\", "
+                                      "\"num_speculative_tokens\": K, \"prompt_lookup_max\": "
+                                      "N, \"prompt_lookup_min\": M}: drafts copied from an "
+                                      "earlier match of the last tokens, verified in one "
+                                      "forward (docs/speculative.md)",
+           type=json_object, metavar="JSON", default_note="none: off"),
         _F(("--kv-events-config",), "vLLM's KV cache events for external routers (llm-d, "
                                     "Dynamo): {\"enable_kv_cache_events\": true, "
                                     "\"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": "

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvrelay.model.config import GptOssConfig, load_config
+from kvrelay.spec_decode.config import SpeculativeConfig
 
 if TYPE_CHECKING:
     from kvrelay.disagg.params import KVTransferConfig
@@ -194,6 +195,8 @@ class EngineArgs:
     distributed_executor_backend: str = "mp"
     data_parallel_backend: str = "mp"
     ray_address: str | None = None          # the cluster to join; else RAY_ADDRESS, "auto"
+    # vLLM's --speculative-config: n-gram drafts verified in one forward (kvrelay/spec_decode/)
+    speculative_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -217,6 +220,9 @@ class EngineArgs:
         if self.async_scheduling and self.experts_across_replicas:
             raise ValueError("--async-scheduling does not support --enable-expert-parallel "
                              "across data-parallel replicas yet")
+        if SpeculativeConfig.from_json(self.speculative_config) and self.async_scheduling:
+            raise ValueError("--speculative-config does not support --async-scheduling yet "
+                             "(drafts need the previous step's token)")
 
     def _check_data_parallel(self) -> None:
         if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
@@ -368,6 +374,7 @@ class EngineConfig:
     kv_transfer: KVTransferConfig | None
     served_names: tuple[str, ...]
     kv_events: KVEventsConfig | None = None  # --kv-events-config (None: unset)
+    speculative: SpeculativeConfig | None = None   # --speculative-config (None: unset)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES[1:]:
@@ -404,6 +411,7 @@ class EngineConfig:
             kv_transfer=kv_transfer,
             served_names=served_names(args),
             kv_events=kv_events,
+            speculative=SpeculativeConfig.from_json(args.speculative_config),
         )
 
     @property

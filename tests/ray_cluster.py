@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,16 +20,27 @@ ray = pytest.importorskip("ray", reason="Ray is the optional extra kvrelay[ray]"
 NODE_CPUS = 3
 
 
+@dataclass
+class RayCluster:
+    address: str
+    head_id: str
+    cluster: Any                       # ray.cluster_utils.Cluster: add_node / remove_node
+
+    def __iter__(self):
+        return iter((self.address, self.head_id))
+
+
 @pytest.fixture(scope="module")
 def ray_cluster():
-    """(address, head node id) of a running three-node cluster; shut down after the module."""
+    """A running three-node cluster (unpacks as (address, head node id)); shut down after
+    the module."""
     from ray.cluster_utils import Cluster
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
     try:
         c.add_node(num_cpus=NODE_CPUS)
         c.add_node(num_cpus=NODE_CPUS)
         c.wait_for_nodes()
-        yield c.address, c.head_node.node_id
+        yield RayCluster(c.address, c.head_node.node_id, c)
     finally:
         c.shutdown()
 

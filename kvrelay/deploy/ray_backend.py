@@ -95,6 +95,14 @@ def with_host(args: tuple[str, ...], host: str) -> list[str]:
     return out
 
 
+def _die_with_parent() -> None:
+    """In the server's process before exec: SIGKILL when the actor's process dies (a node
+    lost, `ray.kill`), so no server outlives its actor holding its ports."""
+    import ctypes
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 # ------------------------------------------------------------------------------ actors
 
 class ServerActor:
@@ -118,16 +126,30 @@ class ServerActor:
             child_env["OMP_NUM_THREADS"] = str(cpus)
         Path(log_dir).mkdir(parents=True, exist_ok=True)
         self.log_path = str(Path(log_dir) / f"{name}.log")
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "kvrelay.cli",
-                                          *with_host(args, self.ip)],
-                                         stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, env=child_env,
-                                         start_new_session=True)
-        threading.Thread(target=self._watch, daemon=True, name="kvrelay-server-watch").start()
+        command = [sys.executable, "-m", "kvrelay.cli", *with_host(args, self.ip)]
+        started: list[Any] = []
+        ready = threading.Event()
+        threading.Thread(target=self._run, args=(command, child_env, started, ready),
+                         daemon=True, name="kvrelay-server").start()
+        ready.wait()
+        if not started:
+            raise RuntimeError(f"{name}: could not start {command[:4]}")
+        self.proc: subprocess.Popen = started[0]
 
-    def _watch(self) -> None:
-        self.proc.wait()
+    def _run(self, command: list[str], env: dict[str, str], started: list[Any],
+             ready: threading.Event) -> None:
+        """Start the server and wait for it, in one thread that lives as long as the server:
+        the server's parent-death signal is tied to the thread that started it (Ray may end
+        the threads that run an actor's calls)."""
+        try:
+            with open(self.log_path, "ab") as log:
+                proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, env=env,
+                                        start_new_session=True, preexec_fn=_die_with_parent)
+            started.append(proc)
+        finally:
+            ready.set()
+        proc.wait()
         if not self.stopping:
             os._exit(1)              # the actor dies with its process: Ray restarts both
 
@@ -191,8 +213,14 @@ class ProxyActor(ServerActor):
 
     def _write_backends(self) -> None:
         import ray
-        servers = [server_handle(n, self.ns) for n in server_names(self.ns)]
-        states = ray.get([s.status.remote() for s in servers], timeout=10) if servers else []
+        refs = [server_handle(n, self.ns).status.remote() for n in server_names(self.ns)]
+        answered, _ = ray.wait(refs, num_returns=len(refs), timeout=5) if refs else ([], [])
+        states = []
+        for ref in answered:        # an actor Ray is restarting is left out until it is back
+            try:
+                states.append(ray.get(ref))
+            except Exception as e:
+                logger.debug("backends: %s", e)
         out: dict[str, Any] = {"prefill": [], "decode": []}
         for st in sorted(states, key=lambda s: s["name"]):
             if st["role"] in out and st["ready"] and not st["draining"]:
@@ -219,6 +247,20 @@ def server_handle(name: str, ns: str) -> Any:
 
 
 # ------------------------------------------------------------------------------ commands
+
+def call(ray: Any, method: Any, *args: Any, timeout_s: float = 90) -> Any:
+    """`method.remote(*args)`, waited for; an actor that Ray is restarting (its node lost,
+    its process died) is asked again until `timeout_s`."""
+    from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return ray.get(method.remote(*args), timeout=max(deadline - time.monotonic(), 1))
+        except (ActorUnavailableError, RayActorError, GetTimeoutError):
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.5)
+
 
 def _connect(address: str | None) -> Any:
     from kvrelay.distributed.ray_cluster import connect
@@ -374,8 +416,8 @@ def status(name: str, address: str | None, say, out=sys.stdout) -> int:
     if not names:
         say(f"no deployment {name!r} on this cluster")
         return 1
-    handles = [ray.get_actor(n, namespace=ns) for n in sorted(names)]
-    states = ray.get([h.status.remote() for h in handles], timeout=30)
+    states = [call(ray, ray.get_actor(n, namespace=ns).status, timeout_s=30)
+              for n in sorted(names)]
     out.write(f"{'name':<10} {'node':<9} {'url':<24} {'health':<9} running waiting kv_blocks\n")
     for s in states:
         health = "draining" if s["draining"] else ("ready" if s["ready"] else "starting")
@@ -394,7 +436,7 @@ def scale(plan_for, args: argparse.Namespace, say) -> int:
     except ValueError:
         say(f"error: no deployment {args.name!r} on this cluster")
         return 1
-    settings, env = ray.get(proxy.deployment.remote())
+    settings, env = call(ray, proxy.deployment)
     secret = env[KV_SECRET_ENV]
     for role in ("prefill", "decode"):
         want = getattr(args, role)
@@ -415,7 +457,7 @@ def scale(plan_for, args: argparse.Namespace, say) -> int:
             handles = start_servers(ray, plan, added, ns, secret, log_dir)
             await_ready(ray, handles, 600, say)
             say(f"{role}: added {', '.join(s.name for s in added)}")
-        proxy_url = ray.get(proxy.status.remote())["url"]
+        proxy_url = call(ray, proxy.status)["url"]
         for n in reversed(removed):
             _drain_and_stop(ray, n, ns, proxy_url, say)
     return 0
@@ -427,7 +469,7 @@ def _drain_and_stop(ray: Any, name: str, ns: str, proxy_url: str, say,
     in flight (a prefill: until its decodes have pulled the KV); then the server's own
     counters must show nothing either, for IDLE_S (a request routed just before); then stop."""
     handle = ray.get_actor(name, namespace=ns)
-    ray.get(handle.drain.remote())
+    call(ray, handle.drain)
     deadline = time.monotonic() + timeout_s
     held = f'id="{name}"'
     while time.monotonic() < deadline:
@@ -438,7 +480,7 @@ def _drain_and_stop(ray: Any, name: str, ns: str, proxy_url: str, say,
         time.sleep(0.25)
     idle_since = None
     while time.monotonic() < deadline:
-        s = ray.get(handle.status.remote())
+        s = call(ray, handle.status)
         if s["running"] or s["waiting"] or s["kv_blocks"]:
             idle_since = None
         elif idle_since is None:
@@ -446,6 +488,6 @@ def _drain_and_stop(ray: Any, name: str, ns: str, proxy_url: str, say,
         elif time.monotonic() - idle_since >= IDLE_S:
             break
         time.sleep(0.25)
-    ray.get(handle.stop.remote(), timeout=STOP_GRACE_S + 10)
+    call(ray, handle.stop, timeout_s=STOP_GRACE_S + 10)
     ray.kill(handle, no_restart=True)
     say(f"drained and stopped {name}")

@@ -177,5 +177,5 @@ class AsyncSteps:
             except BaseException as fatal:  # noqa: BLE001 -- the engine thread raises it
                 self._landed.put(_Landed(step, fatal=fatal))
                 return
-            last = {rid: [token] for rid, token in drawn.tokens.items()}
+            last = dict(drawn.tokens)
             self._landed.put(_Landed(step, drawn))

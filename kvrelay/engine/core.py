@@ -11,6 +11,8 @@ own owner, built here from the `EngineConfig`:
     kv_transfer.py       disaggregation: the KV connector and its checks
     kv_events/           --kv-events-config: the prefix cache's changes, published once
                          per step (a thread in this process; never blocks the step)
+    spec_decode/         --speculative-config: n-gram drafts the scheduler adds to decodes,
+                         verified in the step's sampling (step_io → spec_decode.verify)
 
     add_request ─▶ fan_out ─▶ Scheduler.waiting
     step() = run_planned(plan_step()):
@@ -78,6 +80,8 @@ from kvrelay.sampling_params import (
     check_token_ids,
     validate_for_model,
 )
+from kvrelay.spec_decode.ngram import NgramProposer
+from kvrelay.spec_decode.stats import SpecDecodeStats
 from kvrelay.structured.manager import StructuredOutputs
 
 logger = logging.getLogger(__name__)
@@ -104,9 +108,14 @@ class LLMEngine:
                                  hash_seed=f"{self.model_dir.name}:{self.args.block_size}",
                                  enable_kv_cache_events=self.kv_events is not None)
         self.runner = self.executor.start_runner(num_blocks)
+        spec = config.speculative
+        # --speculative-config: the scheduler asks the proposer for each decode's drafts
+        self.proposer = NgramProposer(spec) if spec is not None else None
+        self.spec_stats = (SpecDecodeStats(accepted_per_pos=[0] * spec.num_speculative_tokens)
+                           if spec is not None else None)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_batched_tokens,
                                                    self.args.max_num_seqs, self.max_model_len),
-                                   self.kv)
+                                   self.kv, self.proposer.propose if self.proposer else None)
         self.transfer = KVTransferGlue(config.kv_transfer, self.scheduler, self.kv,
                                        self.args.block_size)
         self.sampler = Sampler(all_greedy=config.neuron.all_greedy)
@@ -163,6 +172,11 @@ class LLMEngine:
                         "graphs): steps are not padded", self.device.type)
         for note in self.config.ignored_inputs(self.device.type):
             logger.warning("%s", note)
+        if self.proposer is not None:
+            spec = self.proposer.config
+            logger.info("speculative decoding: n-gram drafts of up to %d tokens (lookup %d..%d "
+                        "tokens)", spec.num_speculative_tokens, spec.prompt_lookup_min,
+                        spec.prompt_lookup_max)
         if self.kv_events is not None and not self.args.enable_prefix_caching:
             logger.warning("--kv-events-config: prefix caching is off "
                            "(--no-enable-prefix-caching), so no block is ever cached and no "
@@ -328,9 +342,20 @@ class LLMEngine:
         return self.step_outputs(plan)
 
     def update_step(self, plan: StepPlan, sampled: dict[str, list[int]]) -> None:
+        self._count_drafts(plan, sampled)
         finished = self.scheduler.update(plan.out, sampled)
         self.num_steps += 1
         self._fail_broken_grammars(finished)
+
+    def _count_drafts(self, plan: StepPlan, sampled: dict[str, list[int]]) -> None:
+        """The spec_decode metrics: each verified draft and how much of it was accepted
+        (as verified: a stop inside the accepted tokens does not lower the count)."""
+        if self.spec_stats is None:
+            return
+        for chunk in plan.out.chunks:
+            tokens = sampled.get(chunk.request.request_id)
+            if chunk.drafts and tokens:
+                self.spec_stats.record(len(chunk.drafts), len(tokens) - 1)
 
     def _fail_broken_grammars(self, finished: list[Request]) -> None:
         """A sequence whose grammar failed (a token it refused, a limit llguidance hit

@@ -96,7 +96,20 @@ def engine_stats(engine: CoreEngine) -> EngineStats:
         num_steps=engine.num_steps,
         dp_dummy_steps=engine.num_dummy_steps,
         **transfer_stats(engine),
+        **spec_decode_stats(engine),
     )
+
+
+def spec_decode_stats(engine: CoreEngine) -> dict[str, Any]:
+    """The `spec_decode_*` fields of `EngineStats` (none without --speculative-config;
+    `LLMEngine.spec_stats`, which stand-in engines need not have)."""
+    s = getattr(engine, "spec_stats", None)
+    if s is None:
+        return {}
+    return {"spec_decode_num_drafts": s.num_drafts,
+            "spec_decode_num_draft_tokens": s.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": s.num_accepted_tokens,
+            "spec_decode_accepted_per_pos": tuple(s.accepted_per_pos)}
 
 
 def transfer_stats(engine: CoreEngine) -> dict[str, Any]:

@@ -49,7 +49,8 @@ class _Record(Mapping[str, Any]):
 @dataclass(frozen=True, eq=True)
 class EngineStats(PicklesAsTuple, _Record):
     """The engine core's counters after a step. The `kv_*` fields are None without a KV
-    connector (no disaggregation), so they are not exported then."""
+    connector (no disaggregation), the `spec_decode_*` ones without --speculative-config,
+    so they are not exported then."""
 
     num_requests_running: int = 0
     num_requests_waiting: int = 0
@@ -75,18 +76,36 @@ class EngineStats(PicklesAsTuple, _Record):
     kv_leases_expired: int | None = None
     kv_read_done_notices: int | None = None
     kv_loads_in_flight: int | None = None
+    spec_decode_num_drafts: int | None = None
+    spec_decode_num_draft_tokens: int | None = None
+    spec_decode_num_accepted_tokens: int | None = None
+    spec_decode_accepted_per_pos: tuple[int, ...] | None = None   # [j]: drafts accepted at j
+
+    def __post_init__(self) -> None:
+        per_pos = self.spec_decode_accepted_per_pos
+        if per_pos is not None and not isinstance(per_pos, tuple):     # a JSON frame's list
+            object.__setattr__(self, "spec_decode_accepted_per_pos", tuple(per_pos))
 
     @classmethod
     def total(cls, replicas: list[EngineStats]) -> EngineStats:
-        """The data-parallel sum: counters add up; the KV usage is the replicas' mean."""
+        """The data-parallel sum: counters add up (per position, too); the KV usage is the
+        replicas' mean."""
         if not replicas:
             return cls()
         summed: dict[str, Any] = {}
         for f in fields(cls):
             values = [getattr(s, f.name) for s in replicas if getattr(s, f.name) is not None]
-            summed[f.name] = sum(values) if values else None
+            summed[f.name] = _sum(values) if values else None
         summed["kv_cache_usage_perc"] /= len(replicas)
         return cls(**summed)
+
+
+def _sum(values: list[Any]) -> Any:
+    """Numbers added; tuples of counts added position by position."""
+    if not isinstance(values[0], tuple):
+        return sum(values)
+    width = max(len(v) for v in values)
+    return tuple(sum(v[j] for v in values if j < len(v)) for j in range(width))
 
 
 @dataclass(frozen=True)

@@ -155,10 +155,15 @@ class OutputProcessor:
             detok = parent.detok[req.request_id] = IncrementalDetokenizer(
                 self.tokenizer, req.prompt_token_ids, stops,
                 req.params.include_stop_str_in_output, req.params.skip_special_tokens)
-        new = req.output_token_ids[len(detok.ids) - min(len(req.prompt_token_ids), PROMPT_CONTEXT):]
-        stop = detok.add(new)
-        if stop is not None and req.status is Status.RUNNING:
-            self.scheduler.finish_stopped(req, stop)
+        context = min(len(req.prompt_token_ids), PROMPT_CONTEXT)
+        stop = detok.add(req.output_token_ids[len(detok.ids) - context:])
+        if stop is None:
+            return
+        # the detokenizer stops reading at the token that completes the stop string; a
+        # speculative step may have appended more, which never reach the client
+        read = len(detok.ids) - context
+        if req.status is Status.RUNNING or read < len(req.output_token_ids):
+            self.scheduler.finish_stopped(req, stop, read)
 
     def request_output(self, parent: ParentRequest) -> RequestOutput:
         """Cumulative text/tokens/logprobs per child, and what each adds since last time."""

@@ -95,3 +95,15 @@ class Request:
         self.all_token_ids.append(token_id)
         if self.grammar is not None:
             self.grammar.accept(token_id)
+
+    def truncate_output(self, n: int) -> None:
+        """Keep the first n output tokens (and their logprobs): a stop string ended the
+        output inside the tokens one speculative step appended. Never with a grammar
+        (those requests do not speculate: its matcher cannot step back)."""
+        drop = len(self.output_token_ids) - n
+        if drop <= 0:
+            return
+        assert self.grammar is None, "a grammar's matcher cannot drop tokens"
+        del self.output_token_ids[n:]
+        del self.all_token_ids[len(self.all_token_ids) - drop:]
+        del self.output_logprobs[n:]

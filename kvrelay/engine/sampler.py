@@ -11,6 +11,10 @@
 Sampling uses the exponential race (argmax of p / Exp(1) noise), so a row's draw
 depends only on that row's noise: a seeded request draws its noise from its own
 generator and produces the same tokens whatever else is in the batch.
+
+`ahead` (speculative decoding, kvrelay/spec_decode/verify.py): row i is sampled as if
+`ahead[i]` (draft tokens) had been appended to its request's output — what the logits
+processors see and what min_tokens counts — without touching the request.
 """
 from __future__ import annotations
 
@@ -55,9 +59,11 @@ def greedy_tokens(logits: torch.Tensor) -> list[int]:
     return argmax_rows(logits).tolist()
 
 
-def _banned_ids(req: Request) -> list[int]:
+def _banned_ids(req: Request, ahead: int = 0) -> list[int]:
+    """EOS and stop ids while fewer than min_tokens are out (`ahead`: draft tokens
+    counted as out already)."""
     p = req.params
-    if len(req.output_token_ids) >= p.min_tokens or req.grammar is not None:
+    if len(req.output_token_ids) + ahead >= p.min_tokens or req.grammar is not None:
         return []                       # a grammar decides alone when the output may end
     return list(p.stop_token_ids or ()) + ([] if p.ignore_eos else list(req.eos_token_ids))
 
@@ -72,12 +78,13 @@ class Sampler:
         (in the order `__call__` will get them), so they fill while the model runs."""
         self.masks.start(requests, self._grammar_plain(requests))
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
-        if all(self._plain_greedy(r) for r in requests):
+    def __call__(self, logits: torch.Tensor, requests: list[Request],
+                 ahead: list[list[int]] | None = None) -> SamplerOutput:
+        if all(self.plain_greedy(r) for r in requests):
             # the common serving case: one argmax for the batch, no copies, no masks
             return SamplerOutput(greedy_tokens(logits), [None] * len(requests))
         raw = logits
-        logits, allowed, chosen = self._process(logits, requests)
+        logits, allowed, chosen = self._process(logits, requests, ahead or [[]] * len(requests))
         greedy = [self.all_greedy or r.params.greedy for r in requests]
         tokens = [0] * len(requests)
         for i, t in chosen.items():                 # grammar rows picked by the masks
@@ -96,8 +103,9 @@ class Sampler:
         self._sample_allowed(logits, allowed, requests, greedy, tokens)
         return SamplerOutput(tokens, self._logprobs(raw, tokens, requests))
 
-    def isolated(self, logits: torch.Tensor,
-                 requests: list[Request]) -> tuple[SamplerOutput, dict[int, Exception]]:
+    def isolated(self, logits: torch.Tensor, requests: list[Request],
+                 ahead: list[list[int]] | None = None
+                 ) -> tuple[SamplerOutput, dict[int, Exception]]:
         """`self(logits, requests)`, but a failure caused by some rows (a logits processor
         that raises, say) fails only those rows: the batch is re-sampled row by row and
         the rows that fail alone come back as {row: exception} (their token is -1).
@@ -106,7 +114,7 @@ class Sampler:
         states = {i: r.generator.get_state() for i, r in enumerate(requests)
                   if r.generator is not None}
         try:
-            return self(logits, requests), {}
+            return self(logits, requests, ahead), {}
         except Exception as e:  # noqa: BLE001 -- attributed to rows below
             logger.warning("sampling a batch of %d failed (%s: %s); sampling row by row",
                            len(requests), type(e).__name__, e)
@@ -117,7 +125,7 @@ class Sampler:
         errors: dict[int, Exception] = {}
         for i, req in enumerate(requests):
             try:
-                one = self(logits[i:i + 1], [req])
+                one = self(logits[i:i + 1], [req], ahead[i:i + 1] if ahead else None)
             except Exception as e:  # noqa: BLE001 -- this row's own failure
                 errors[i] = e
                 tokens.append(-1)
@@ -149,8 +157,9 @@ class Sampler:
             j = int(row.argmax()) if greedy[i] else int(self._sample(row[None], [requests[i]])[0])
             tokens[i] = int(candidates[j])
 
-    def _plain_greedy(self, req: Request) -> bool:
-        """Greedy with nothing to apply first: no processors, bans or logprobs."""
+    def plain_greedy(self, req: Request) -> bool:
+        """Greedy with nothing to apply first: no processors, bans or logprobs (draft
+        tokens `ahead` cannot change that: they only bring min_tokens closer)."""
         p = req.params
         return ((self.all_greedy or p.greedy) and not p.logits_processors and p.logprobs is None
                 and req.grammar is None and not p.logit_bias
@@ -163,7 +172,7 @@ class Sampler:
                          if r.grammar is not None and (self.all_greedy or r.params.greedy)
                          and not r.params.logit_bias and not r.params.logits_processors)
 
-    def _process(self, logits: torch.Tensor, requests: list[Request],
+    def _process(self, logits: torch.Tensor, requests: list[Request], ahead: list[list[int]],
                  ) -> tuple[torch.Tensor, dict[int, torch.Tensor], dict[int, int]]:
         """(logits with the masks, bans, biases and processors applied, {row: allowed ids}
         for the grammar rows to be sampled among their allowed ids, {row: token} for the
@@ -177,14 +186,15 @@ class Sampler:
                 logits.clone() if wants_raw else logits, requests, self._grammar_plain(requests))
         changed = False
         for i, req in enumerate(requests):
-            banned = _banned_ids(req)
+            banned = _banned_ids(req, len(ahead[i]))
             bias = req.params.logit_bias
             if not banned and not bias and not req.params.logits_processors:
                 continue
             if not changed:
                 logits, changed = logits.clone(), True
+            seen = req.output_token_ids + ahead[i] if ahead[i] else req.output_token_ids
             for proc in req.params.logits_processors:
-                logits[i] = proc(req.output_token_ids, logits[i])
+                logits[i] = proc(seen, logits[i])
             if bias:
                 logits[i, list(bias)] += torch.tensor(list(bias.values()), dtype=logits.dtype)
             if banned:

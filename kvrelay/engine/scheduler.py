@@ -29,11 +29,27 @@ when N's token is sampled. A request whose N token certainly ends it (max_tokens
 max_model_len) is left out; one that N may end (EOS, stop ids, stop strings, a
 grammar) is planned anyway and its N+1 token dropped. Nothing in flight is preempted:
 a request without room waits for a plan made after its step has landed.
+
+Speculative decoding (`drafter`, kvrelay/spec_decode/): a running decode also gets the
+draft tokens the drafter proposes for it, as many as the budget, its max_tokens and
+max_model_len leave room for, and blocks for their slots (no preemption for drafts: without
+blocks it is a plain decode). Its chunk computes [last token, d1 … dK]; `update` keeps the
+accepted drafts as computed (their KV is right) and releases the blocks past the request's
+tokens. The slots of rejected drafts hold stale KV at positions >= num_computed_tokens,
+which attention never reads (it stops at the context length) and the next chunk there
+overwrites; prefix-cache hashes only ever cover computed, hence accepted, tokens.
+
+    positions   p    p+1  p+2  p+3      the chunk: start p, the last token t and 3 drafts
+    computes    t    d1   d2   d3       (the row at q predicts the token at q + 1)
+    drawn       d1   d2   x             d1, d2 accepted; x ≠ d3: the target's own token
+    after       t    d1   d2   x        computed through p+2; the next chunk starts at p+3
+                                        with x, over the stale K/V of d3
 """
 from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvrelay.engine.request import Request, Status
@@ -63,16 +79,29 @@ class ScheduledChunk:
     num_tokens: int             # tokens computed this step
     # async scheduling: a decode of the token the step in flight samples (not known yet)
     pending: bool = False
+    # speculative decoding: draft tokens after the last known one, verified by this step
+    # (counted in num_tokens: the chunk computes 1 + len(drafts) positions)
+    drafts: list[int] = field(default_factory=list)
 
     @property
     def completes(self) -> bool:
         """Whether this chunk reaches the last known token (so a token is sampled)."""
-        return self.pending or self.start + self.num_tokens == self.request.num_tokens
+        return self.pending or self.start + self.num_tokens - len(self.drafts) \
+            == self.request.num_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        """One known token (and its drafts, if any): attended as decodes, one row each."""
+        return self.num_tokens - len(self.drafts) == 1
+
+
+# (request, most drafts it may get) -> draft tokens (kvrelay/spec_decode/ngram.py)
+Drafter = Callable[[Request, int], list[int]]
 
 
 def _chunk_order(chunk: ScheduledChunk) -> int:
     """Decodes 0, chunks continuing a prefix 1, prompt chunks from position 0 2."""
-    return 0 if chunk.num_tokens == 1 else 1 if chunk.start else 2
+    return 0 if chunk.is_decode else 1 if chunk.start else 2
 
 
 @dataclass
@@ -98,8 +127,9 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
-        self.config, self.kv = config, kv
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
+                 drafter: Drafter | None = None) -> None:
+        self.config, self.kv, self.drafter = config, kv, drafter
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -148,7 +178,12 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if self._allocate_or_preempt(req, n, out):
+            chunk = self._speculative(req, n, budget)
+            if chunk is not None:
+                out.chunks.append(chunk)
+                budget -= chunk.num_tokens
+                i += 1
+            elif self._allocate_or_preempt(req, n, out):
                 out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
                 budget -= n
                 i += 1
@@ -182,6 +217,27 @@ class Scheduler:
         if not short:
             self._admit_waiting(out, budget)
         return self._ordered(out)
+
+    def _speculative(self, req: Request, n: int, budget: int) -> ScheduledChunk | None:
+        """A decode with the drafter's tokens, when it proposes any and their slots get
+        blocks; None otherwise (the caller schedules a plain chunk)."""
+        if self.drafter is None or n != 1:
+            return None
+        room = min(budget - 1, self._draft_room(req))
+        drafts = self.drafter(req, room) if room > 0 else []
+        start = req.num_computed_tokens
+        if not drafts or not self.kv.allocate(req.request_id, start, start + 1 + len(drafts)):
+            return None
+        return ScheduledChunk(req, start, 1 + len(drafts), drafts=drafts)
+
+    def _draft_room(self, req: Request) -> int:
+        """Drafts worth verifying: all accepted plus the target's own token must fit in
+        max_tokens and max_model_len (a longer draft computes rows that cannot be kept)."""
+        p = req.params
+        room = self.config.max_model_len - req.num_tokens - 1
+        if p.max_tokens is not None:
+            room = min(room, p.max_tokens - len(req.output_token_ids) - 1)
+        return room
 
     def _ends_with_next_token(self, req: Request) -> bool:
         """Whether the token being sampled for `req` finishes it by length."""
@@ -312,25 +368,41 @@ class Scheduler:
 
     # -- after the step -------------------------------------------------------------------
     def update(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
-        """Advance the scheduled requests; `sampled[req_id]` holds the token sampled for
-        each request whose chunk completed. Returns the requests that finished."""
+        """Advance the scheduled requests; `sampled[req_id]` holds the tokens sampled for
+        each request whose chunk completed (one, or a speculative chunk's accepted drafts
+        and the target's token). Returns the requests that finished."""
         finished = []
         for chunk in out.chunks:
             req = chunk.request
             if req.status is not Status.RUNNING:
                 continue                                 # aborted during the step
-            req.num_computed_tokens += chunk.num_tokens
-            self.kv.cache_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
-            if not chunk.completes:
-                continue
-            for token in sampled.get(req.request_id, []):
-                req.append_token(token)
-                status = self._check_stop(req, token)
-                if status is not None:
-                    self._finish(req, status)
-                    finished.append(req)
-                    break
+            tokens = sampled.get(req.request_id, []) if chunk.completes else []
+            status = self._advance(req, chunk, tokens)
+            if status is not None:
+                self._finish(req, status)
+                finished.append(req)
         return finished
+
+    def _advance(self, req: Request, chunk: ScheduledChunk, tokens: list[int]) -> Status | None:
+        """The chunk's computed positions and its new tokens onto `req`, one token at a
+        time: the first that stops it ends it and the tokens after it are dropped (with
+        their logprobs). Returns the status it stopped with, if any. Full blocks are
+        cached before a finished request frees them, so its prefix stays reusable."""
+        accepted = len(tokens) - 1 if chunk.drafts and tokens else 0
+        computed = req.num_computed_tokens + chunk.num_tokens - len(chunk.drafts) + accepted
+        status = None
+        for token in tokens:
+            req.append_token(token)
+            status = self._check_stop(req, token)
+            if status is not None:
+                break
+        del req.output_logprobs[len(req.output_token_ids):]
+        # a stop inside the accepted drafts leaves fewer tokens than were computed
+        req.num_computed_tokens = min(computed, req.num_tokens)
+        self.kv.cache_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
+        if chunk.drafts and status is None:
+            self.kv.shrink(req.request_id, req.num_tokens)   # the rejected drafts' blocks
+        return status
 
     def _check_stop(self, req: Request, token: int) -> Status | None:
         p = req.params
@@ -348,9 +420,19 @@ class Scheduler:
             return Status.FINISHED_LENGTH
         return None
 
-    def finish_stopped(self, req: Request, stop_reason: str) -> None:
-        """Finish a request on a stop string (detected on detokenised text)."""
+    def finish_stopped(self, req: Request, stop_reason: str, keep: int | None = None) -> None:
+        """Finish a request on a stop string (detected on detokenised text). `keep`: its
+        output tokens through the one that completed the stop. A step that appended
+        several (speculative decoding) drops those after it; if one of them had finished
+        the request (length, EOS), it finishes on the stop string instead."""
+        if req.status is Status.FINISHED_ABORTED:
+            return
+        if keep is not None:
+            req.truncate_output(keep)
         req.stop_reason = stop_reason
+        if req.status.finished:
+            req.status = Status.FINISHED_STOPPED         # its blocks were released then
+            return
         self._finish(req, Status.FINISHED_STOPPED)
 
     def _finish(self, req: Request, status: Status) -> None:

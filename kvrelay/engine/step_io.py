@@ -9,6 +9,16 @@ Row layout of the logits (`StepInput.logits_rows`), chunk by chunk in schedule o
 A chunk scores prompt token p + 1 from the logits at position p, for p in
 [start, start + n) with p + 1 < prompt length; a chunk that reaches the end of what
 is known samples from its last row.
+
+A speculative chunk (a decode with K draft tokens, kvrelay/spec_decode/) enters the model
+as K + 1 decode rows — the paged decode kernels' one-query-per-row path, each row's
+context one position longer than the previous one's, all sharing the request's block
+table (every row's K/V is written before any row attends) — and all K + 1 are sampling
+rows, verified by `spec_decode.verify`:
+
+    chunk start p, tokens t d1 d2:  rows (token, position, context)  (t, p, p+1)
+                                                                      (d1, p+1, p+2)
+                                                                      (d2, p+2, p+3)
 """
 from __future__ import annotations
 
@@ -24,6 +34,7 @@ from kvrelay.engine.runner import StepInput
 from kvrelay.engine.sampler import Sampler, top_logprobs
 from kvrelay.engine.scheduler import ScheduledChunk, SchedulerOutput
 from kvrelay.kv_cache.manager import KVCacheManager
+from kvrelay.spec_decode.verify import verify
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +49,10 @@ def step_input(out: SchedulerOutput, kv: KVCacheManager, num_groups: int) -> Ste
     tables: list[list[list[int]]] = [[] for _ in range(num_groups)]
     for chunk in out.chunks:
         req = chunk.request
+        if chunk.drafts:
+            _speculative_rows(chunk, kv, token_ids, q_lens, starts, tables)
+            rows.extend(range(len(token_ids) - chunk.num_tokens, len(token_ids)))
+            continue
         ids = req.all_token_ids[chunk.start:chunk.start + chunk.num_tokens]
         # a pending chunk's token is still being sampled: 0 until `fill_pending`
         token_ids.extend(ids if len(ids) == chunk.num_tokens else [0] * chunk.num_tokens)
@@ -50,8 +65,21 @@ def step_input(out: SchedulerOutput, kv: KVCacheManager, num_groups: int) -> Ste
         rows.extend(range(end - chunk.num_tokens, end - chunk.num_tokens + n_prompt))
         if chunk.completes:
             rows.append(end - 1)
-    num_decodes = sum(1 for c in out.chunks if c.num_tokens == 1)
+    num_decodes = sum(c.num_tokens if c.drafts else 1 for c in out.chunks if c.is_decode)
     return StepInput(token_ids, q_lens, starts, tables, rows, num_decodes)
+
+
+def _speculative_rows(chunk: ScheduledChunk, kv: KVCacheManager, token_ids: list[int],
+                      q_lens: list[int], starts: list[int],
+                      tables: list[list[list[int]]]) -> None:
+    """A speculative chunk as 1 + K decode rows (module docstring), appended in place."""
+    req, n = chunk.request, chunk.num_tokens
+    token_ids.append(req.all_token_ids[chunk.start])
+    token_ids.extend(chunk.drafts)
+    q_lens.extend([1] * n)
+    starts.extend(range(chunk.start, chunk.start + n))
+    for g, ids in enumerate(kv.block_ids(req.request_id)):
+        tables[g].extend([ids] * n)
 
 
 def fill_pending(out: SchedulerOutput, step: StepInput, sampled: dict[str, list[int]]) -> None:
@@ -120,7 +148,8 @@ class Draw:
     """A computed step's tokens, not yet applied to its requests (`apply`): drawing
     touches no request state but the seeded generators, so it may run on the forward
     thread (async scheduling) while the engine reads the requests."""
-    tokens: dict[str, int] = field(default_factory=dict)      # request id → its new token
+    # request id → its new tokens: one, or a speculative chunk's accepted drafts + one
+    tokens: dict[str, list[int]] = field(default_factory=dict)
     logprobs: list[tuple[Request, dict[int, Logprob]]] = field(default_factory=list)
     prompt: list[tuple[Request, int, list[dict[int, Logprob]]]] = field(default_factory=list)
     errors: list[tuple[Request, Exception, str]] = field(default_factory=list)
@@ -134,7 +163,7 @@ def draw(out: SchedulerOutput, logits: torch.Tensor, sampler: Sampler,
     (`sampling_requests` at the time); the rows of the others are skipped."""
     sampling = {id(r) for r in (sampling_requests(out) if requests is None else requests)}
     d = Draw()
-    row, sample_rows, reqs = 0, [], []
+    row, sample_rows, reqs, drafts = 0, [], [], []
     for chunk in out.chunks:
         req = chunk.request
         n = prompt_logprob_rows(chunk)
@@ -149,9 +178,12 @@ def draw(out: SchedulerOutput, logits: torch.Tensor, sampler: Sampler,
             if id(req) in sampling:
                 sample_rows.append(row)
                 reqs.append(req)
-            row += 1
+                drafts.append(chunk.drafts)
+            row += 1 + len(chunk.drafts)
     if not reqs:
         return d
+    if any(drafts):
+        return _draw_verified(d, logits, sampler, reqs, sample_rows, drafts)
     # a decode-only step samples every row: no copy (64 rows of a 201k vocabulary are 51 MB
     # of fresh memory, page faults included, per step)
     rows = logits if len(sample_rows) == logits.shape[0] else logits[sample_rows]
@@ -163,7 +195,22 @@ def draw(out: SchedulerOutput, logits: torch.Tensor, sampler: Sampler,
             continue
         if lp is not None:
             d.logprobs.append((req, lp))
-        d.tokens[req.request_id] = token
+        d.tokens[req.request_id] = [token]
+    return d
+
+
+def _draw_verified(d: Draw, logits: torch.Tensor, sampler: Sampler, reqs: list[Request],
+                   rows: list[int], drafts: list[list[int]]) -> Draw:
+    """`draw`'s tokens for a step with speculative chunks: each request's accepted drafts
+    and the target's own token (`spec_decode.verify`), with a logprob entry per token."""
+    with torch.inference_mode():
+        v = verify(sampler, logits, reqs, rows, drafts)
+    d.errors += [(reqs[i], err, "sampling") for i, err in v.errors.items()]
+    for i, req in enumerate(reqs):
+        if i in v.errors:
+            continue
+        d.logprobs += [(req, lp) for lp in v.logprobs[i] if lp is not None]
+        d.tokens[req.request_id] = v.tokens[i]
     return d
 
 
@@ -178,7 +225,7 @@ def apply(d: Draw, fail: FailFn) -> dict[str, list[int]]:
         fail(req, err, where)
     for req, lp in d.logprobs:
         req.output_logprobs.append(lp)
-    return {request_id: [token] for request_id, token in d.tokens.items()}
+    return dict(d.tokens)
 
 
 def sample(out: SchedulerOutput, logits: torch.Tensor, sampler: Sampler, fail: FailFn,

@@ -222,6 +222,21 @@ class KVCacheManager:
                 for i in range(first):
                     table[i] = self.pool.blocks[NULL_BLOCK]
 
+    def shrink(self, req_id: str, num_tokens: int) -> None:
+        """Release the request's blocks past those holding tokens [0, num_tokens): the
+        lookahead slots of rejected draft tokens (speculative decoding). None of them is
+        in the prefix cache: only blocks full of computed tokens are."""
+        state = self.requests.get(req_id)
+        if state is None:
+            return
+        keep = -(-num_tokens // self.block_size)
+        for table in state.tables:
+            if len(table) > keep:
+                self.pool.release(reversed(table[keep:]))
+                del table[keep:]
+                state.ids = None
+        state.fits_tokens = min(state.fits_tokens, keep * self.block_size)
+
     def cache_blocks(self, req_id: str, tokens: Sequence[int], num_computed: int) -> None:
         """Register the request's newly completed full blocks in the prefix cache."""
         if not self.enable_prefix_caching:

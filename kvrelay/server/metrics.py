@@ -56,6 +56,30 @@ def native_families(native: dict[str, Any], labels: list[str],
         yield path
 
 
+def spec_decode_families(s: Mapping[str, Any], labels: list[str],
+                         values: list[str]) -> Iterator[CounterMetricFamily]:
+    """vLLM's speculative decoding counters (--speculative-config): drafts verified, their
+    tokens, the tokens accepted, and per draft position j the drafts accepted at j
+    (`position` label, 0-based). Acceptance rate: accepted / draft tokens; mean accepted
+    length: 1 + accepted / drafts."""
+    for name, key, doc in (
+            ("vllm:spec_decode_num_drafts", "spec_decode_num_drafts",
+             "Drafts verified (steps of a request that carried draft tokens)."),
+            ("vllm:spec_decode_num_draft_tokens", "spec_decode_num_draft_tokens",
+             "Draft tokens proposed."),
+            ("vllm:spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens",
+             "Draft tokens accepted.")):
+        c = CounterMetricFamily(name, doc, labels=labels)
+        c.add_metric(values, s[key])
+        yield c
+    per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                  "Drafts whose token at this position was accepted.",
+                                  labels=labels + ["position"])
+    for j, count in enumerate(s.get("spec_decode_accepted_per_pos") or ()):
+        per_pos.add_metric(values + [str(j)], count)
+    yield per_pos
+
+
 class _EngineCollector(Collector):
     def __init__(self, stats: Callable[[], Mapping[str, Any]], model_name: str,
                  info: Callable[[], Mapping[str, Any] | None] | None = None) -> None:
@@ -97,6 +121,8 @@ class _EngineCollector(Collector):
                     s.get("blocks_used", 0))
         yield gauge("kvrelay:kv_blocks_total", "Usable KV blocks.", s.get("blocks_total", 0))
         yield counter("kvrelay:engine_steps", "Engine steps run.", s.get("num_steps", 0))
+        if "spec_decode_num_drafts" in s:
+            yield from spec_decode_families(s, labels, values)
         if "dp_dummy_steps" in s:
             yield counter("kvrelay:dp_dummy_steps", "Forwards of an idle replica so that experts "
                           "spanning data-parallel replicas step in lockstep.", s["dp_dummy_steps"])
