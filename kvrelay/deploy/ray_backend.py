@@ -237,8 +237,7 @@ class ProxyActor(ServerActor):
 
 def server_names(ns: str) -> list[str]:
     import ray
-    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                  if a["namespace"] == ns and a["name"] != PROXY)
+    return [n for n in _actor_names(ray, ns) if n != PROXY]
 
 
 def server_handle(name: str, ns: str) -> Any:
@@ -323,8 +322,7 @@ def up(plan: Plan, args: argparse.Namespace, settings: dict[str, Any], say) -> i
         return 2
     ray = _connect(args.ray_address)
     ns = namespace(args.name)
-    existing = [a for a in ray.util.list_named_actors(all_namespaces=True)
-                if a["namespace"] == ns]
+    existing = _actor_names(ray, ns)
     if existing:
         say(f"error: deployment {args.name!r} already runs on this cluster ({len(existing)} "
             f"actors); `kvrelay deploy --down --name {args.name}` first, or choose --name")
@@ -388,11 +386,16 @@ def await_backends(proxy_url: str, prefill: int, decode: int, timeout_s: float) 
         time.sleep(0.5)
 
 
+def _actor_names(ray: Any, ns: str) -> list[str]:
+    """Every actor of the deployment (its servers and its proxy)."""
+    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a["namespace"] == ns)
+
+
 def down(name: str, address: str | None, say) -> int:
     ray = _connect(address)
     ns = namespace(name)
-    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-             if a["namespace"] == ns]
+    names = _actor_names(ray, ns)
     if not names:
         say(f"no deployment {name!r} on this cluster")
         return 0
@@ -411,13 +414,11 @@ def down(name: str, address: str | None, say) -> int:
 def status(name: str, address: str | None, say, out=sys.stdout) -> int:
     ray = _connect(address)
     ns = namespace(name)
-    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-             if a["namespace"] == ns]
+    names = _actor_names(ray, ns)
     if not names:
         say(f"no deployment {name!r} on this cluster")
         return 1
-    states = [call(ray, ray.get_actor(n, namespace=ns).status, timeout_s=30)
-              for n in sorted(names)]
+    states = [call(ray, ray.get_actor(n, namespace=ns).status, timeout_s=30) for n in names]
     out.write(f"{'name':<10} {'node':<9} {'url':<24} {'health':<9} running waiting kv_blocks\n")
     for s in states:
         health = "draining" if s["draining"] else ("ready" if s["ready"] else "starting")

@@ -105,8 +105,9 @@ def _answer() -> list[int]:
     return scripted_harmony_answer(REASONING, ANSWER)
 
 
-def _poll(client, response_id: str, until: set[str], timeout: float = 10) -> list[str]:
-    """The statuses seen until one in `until`."""
+def poll_statuses(client, response_id: str, until: set[str], timeout: float = 10,
+                  every_s: float = 0.005) -> list[str]:
+    """The statuses a response went through until one in `until` (each once, in order)."""
     seen: list[str] = []
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -115,8 +116,11 @@ def _poll(client, response_id: str, until: set[str], timeout: float = 10) -> lis
             seen.append(status)
         if status in until:
             return seen
-        time.sleep(0.005)
+        time.sleep(every_s)
     raise AssertionError(f"{response_id}: still {seen[-1]} after {timeout}s")
+
+
+_poll = poll_statuses
 
 
 def _events(text: str) -> list[dict]:

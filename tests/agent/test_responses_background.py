@@ -16,6 +16,7 @@ import pytest
 from kvrelay.harmony import get_encoding
 from tests.agent.conftest import MODEL
 from tests.agent.paced import LONG
+from tests.agent.test_response_lifecycle import poll_statuses
 from tests.harmony_factories import scripted_harmony_answer
 from tests.processes import KvrelayProcess, Server, free_port
 
@@ -78,16 +79,7 @@ def served(o200k_checkpoint, tmp_path_factory):
 
 def _poll(client: openai.OpenAI, response_id: str, until: set[str],
           timeout: float = 60) -> list[str]:
-    seen: list[str] = []
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        status = client.responses.retrieve(response_id).status
-        if not seen or seen[-1] != status:
-            seen.append(status)
-        if status in until:
-            return seen
-        time.sleep(0.02)
-    raise AssertionError(f"{response_id}: still {seen[-1]} after {timeout} s")
+    return poll_statuses(client, response_id, until, timeout, every_s=0.02)
 
 
 def _idle(served: _Served, timeout: float = 30) -> dict[str, float]:
