@@ -65,6 +65,8 @@ from kvrelay.server.protocol import (
     CompletionRequest,
     OpenAIError,
     error_type_for,
+    resolve_reasoning,
+    without_reasoning,
 )
 from kvrelay.server.response_routes import add_responses_routes
 from kvrelay.server.serving import (
@@ -441,6 +443,7 @@ def build_app(state: ServerState) -> FastAPI:
         kv = kv_transfer_params(body.kv_transfer_params)
         if state.chat is None:
             raise OpenAIError("this model has no chat template", param="messages")
+        hide_reasoning = resolve_reasoning(body)
         rendered, params = await state.prep.run(_prepare_chat, state, body,
                                                 size=_prep_size(request, body))
         base_id = f"chatcmpl-{request.state.request_id}"
@@ -455,7 +458,7 @@ def build_app(state: ServerState) -> FastAPI:
             raise
         if body.stream:
             return StreamingResponse(_stream_chat(state, body, model, base_id, created, rendered,
-                                                  gen),
+                                                  gen, hide_reasoning),
                                      media_type="text/event-stream")
         (final,) = await _until_disconnect(request, asyncio.ensure_future(
             _collect(state, [gen], [(None, rendered.prompt_ids)])))
@@ -463,7 +466,9 @@ def build_app(state: ServerState) -> FastAPI:
         for o in final.outputs:
             completion_tokens += len(o.token_ids)
             parsed = state.chat.parse(o.token_ids, o.text, rendered.tools)
-            choices.append({"index": o.index, "message": parsed.message(),
+            message = parsed.message()
+            choices.append({"index": o.index,
+                            "message": without_reasoning(message) if hide_reasoning else message,
                             "logprobs": _chat_logprobs(state, o.token_ids, o.logprobs,
                                                        body.top_logprobs or 0),
                             "finish_reason": finish_reason(o.finish_reason,
@@ -537,8 +542,14 @@ async def _stream_completions(state: ServerState, body: CompletionRequest, model
 
 
 async def _stream_chat(state: ServerState, body: ChatCompletionRequest, model: str, base_id: str,
-                       created: int, rendered: Any,
-                       gen: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+                       created: int, rendered: Any, gen: AsyncIterator[RequestOutput],
+                       hide_reasoning: bool = False) -> AsyncIterator[str]:
+    def shown(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The deltas a client sees (`reasoning.exclude`: none that only carry reasoning)."""
+        if not hide_reasoning:
+            return deltas
+        return [d for d in map(without_reasoning, deltas) if d]
+
     timing = _Timing(state.metrics)
     completion_tokens = 0
     streams: dict[int, Any] = {}
@@ -563,11 +574,11 @@ async def _stream_chat(state: ServerState, body: ChatCompletionRequest, model: s
                 parser = streams.setdefault(o.index, chat.stream_parser(rendered.tools))
                 lp = _chat_logprobs(state, o.delta_token_ids, o.delta_logprobs,
                                     body.top_logprobs or 0)
-                for delta in parser.feed(o.delta_token_ids, o.delta_text):
+                for delta in shown(parser.feed(o.delta_token_ids, o.delta_text)):
                     yield chunk(o.index, delta, logprobs=lp)
                     lp = None
                 if o.finish_reason is not None:
-                    for delta in parser.flush():
+                    for delta in shown(parser.flush()):
                         yield chunk(o.index, delta)
                     yield chunk(o.index, {}, finish_reason(o.finish_reason, parser.made_calls),
                                 stop_reason=o.stop_reason)

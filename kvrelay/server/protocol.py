@@ -119,6 +119,18 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
 
+class ReasoningConfig(BaseModel):
+    """OpenRouter's `reasoning` request object, which OpenAI's gpt-oss guide asks implementers
+    to follow: `effort` is `reasoning_effort`, `max_tokens` is `thinking_token_budget`,
+    `exclude` leaves the reasoning out of the answer (it still happens and is counted)."""
+    model_config = ConfigDict(extra="forbid")
+
+    effort: Literal["low", "medium", "high"] | None = None
+    max_tokens: int | None = Field(None, ge=0)
+    exclude: bool = False
+    enabled: bool | None = None
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
@@ -127,6 +139,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(None, ge=0)
     reasoning_effort: Literal["low", "medium", "high"] | None = None
     thinking_token_budget: ThinkingTokenBudget = None
+    reasoning: ReasoningConfig | None = None
     add_generation_prompt: bool = True
     # function calling (validated in kvrelay/server/tools.py, which names the bad entry)
     tools: list[Any] | None = None
@@ -136,6 +149,36 @@ class ChatCompletionRequest(_SamplingFields):
     @property
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+
+def resolve_reasoning(body: ChatCompletionRequest) -> bool:
+    """Fold OpenRouter's `reasoning` object into vLLM's fields (`reasoning_effort`,
+    `thinking_token_budget`); True when the answer leaves the reasoning out. Two fields that
+    disagree, or reasoning turned off (gpt-oss always reasons), are 400s naming the field."""
+    r = body.reasoning
+    if r is None:
+        return False
+    if r.enabled is False:
+        raise OpenAIError("reasoning.enabled: gpt-oss always reasons; lower it with "
+                          "reasoning.effort \"low\" or hide it with reasoning.exclude",
+                          param="reasoning.enabled")
+    if r.effort is not None:
+        if body.reasoning_effort not in (None, r.effort):
+            raise OpenAIError(f"reasoning.effort {r.effort!r} contradicts reasoning_effort "
+                              f"{body.reasoning_effort!r}", param="reasoning.effort")
+        body.reasoning_effort = r.effort
+    if r.max_tokens is not None:
+        if body.thinking_token_budget not in (None, r.max_tokens):
+            raise OpenAIError(f"reasoning.max_tokens {r.max_tokens} contradicts "
+                              f"thinking_token_budget {body.thinking_token_budget}",
+                              param="reasoning.max_tokens")
+        body.thinking_token_budget = r.max_tokens
+    return r.exclude
+
+
+def without_reasoning(message: dict[str, Any]) -> dict[str, Any]:
+    """A chat message or delta with its reasoning fields taken out (`reasoning.exclude`)."""
+    return {k: v for k, v in message.items() if k not in ("reasoning", "reasoning_content")}
 
 
 def message_text(message: ChatMessage) -> str:

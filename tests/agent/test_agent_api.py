@@ -318,3 +318,39 @@ def test_attach_combines_with_a_response_format():
     p = structured_hooks.attach(SamplingParams(structured_outputs=fmt), forced, required)
     assert p.structured_outputs == forced
     assert structured_hooks.attach(SamplingParams(), None, auto).structured_outputs is None
+
+
+# -- OpenRouter's `reasoning` object (OpenAI's gpt-oss guide) -----------------------------------
+def test_openrouter_reasoning_effort_sets_the_harmony_system_message():
+    engine, client, _ = _harmony(scripted_harmony_answer("", "Hi"))
+    client.chat.completions.create(model=MODEL, messages=USER,
+                                   extra_body={"reasoning": {"effort": "high"}})
+    system = _decode(engine.requests[-1][0]).split("# Valid channels")[0]
+    assert "Reasoning: high" in system and system.count("Reasoning:") == 1
+
+
+def test_reasoning_exclude_hides_the_analysis_whole_and_streamed():
+    _, client, _ = _harmony(scripted_harmony_answer("Think about weather.", "Sunny."))
+    hidden = {"reasoning": {"exclude": True}}
+    out = client.chat.completions.create(model=MODEL, messages=USER, extra_body=hidden)
+    assert out.choices[0].message.content == "Sunny."
+    assert not {"reasoning", "reasoning_content"} & set(out.choices[0].message.model_extra or {})
+    shown = client.chat.completions.create(model=MODEL, messages=USER)
+    assert shown.choices[0].message.model_extra["reasoning"] == "Think about weather."
+    assert out.usage.completion_tokens == shown.usage.completion_tokens   # it still happened
+    chunks = list(client.chat.completions.create(model=MODEL, messages=USER, stream=True,
+                                                 extra_body=hidden))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(d.content or "" for d in deltas) == "Sunny."
+    assert not any({"reasoning", "reasoning_content"} & set(d.model_extra or {}) for d in deltas)
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"reasoning": {"effort": "high"}, "reasoning_effort": "low"}, "reasoning.effort"),
+    ({"reasoning": {"max_tokens": 8}, "thinking_token_budget": 16}, "reasoning.max_tokens"),
+    ({"reasoning": {"enabled": False}}, "reasoning.enabled"),
+])
+def test_reasoning_object_contradictions_are_400s(extra, param):
+    _, _, http = _harmony(scripted_harmony_answer("", "Hi"))
+    error = _error(http, "chat/completions", {"messages": USER, **extra})
+    assert error["param"] == param, error
