@@ -105,7 +105,8 @@ from kvrelay.proxy.state import (
 )
 
 logger = logging.getLogger("kvrelay.proxy")
-logger = logging.getLogger("kvrelay.proxy")
+
+
 def _backend_headers(state: ProxyState, request: Request, request_id: str) -> dict[str, str]:
     """X-Request-Id for both legs, and the Authorization `ProxyAuth` chooses."""
     headers = {"X-Request-Id": request_id}
@@ -255,6 +256,12 @@ async def _decode(state: ProxyState, request: Request, path: str,
     except ClientGone:
         free()
         return client_closed(request_id, "before decode answered")
+    except Exception as e:              # a proxy bug: the prefill still lets go (free notice)
+        free()
+        return _decode_failed(e, request_id, path)
+    except BaseException:               # cancelled: the same, then the cancellation goes on
+        free()
+        raise
     if isinstance(leg, Response):
         free()
         return leg
@@ -298,6 +305,16 @@ async def _decode(state: ProxyState, request: Request, path: str,
     return response
 
 
+def _decode_failed(e: Exception, request_id: str, path: str) -> Response:
+    """Opening the decode leg raised what no path handles: logged with its traceback (as
+    the app's last-resort handler does), and the client gets 502 as for any decode leg that
+    did not answer (`open_decode` released the decode server already)."""
+    logger.error("request %s: internal error opening the decode leg of %s", request_id, path,
+                 exc_info=e)
+    return error_response(502, f"decode leg failed: internal proxy error: {type(e).__name__}",
+                          "BadGatewayError", request_id)
+
+
 def _finish(state: ProxyState, path: str, response: Response) -> Response:
     state.metrics.requests.labels(path, str(response.status_code)).inc()
     return response
@@ -318,8 +335,12 @@ async def models(state: ProxyState, request: Request) -> Response:
     """`GET /v1/models` of a decode server (the next one if it cannot be reached)."""
     request_id = request.headers.get("x-request-id") or str(uuid.uuid4())
     headers = _backend_headers(state, request, request_id)
+    choice = state.decode_router.choose(None)
+    unserved = state.unserved(None, choice, request_id)   # none listed, ready or undrained
+    if unserved is not None:
+        return _finish(state, "/v1/models", unserved)
     failures: list[str] = []
-    for backend in state.takers(state.decode_router.choose(None).order, "decode"):
+    for backend in state.takers(choice.order, "decode"):
         assert backend.client is not None
         try:
             resp = await backend.client.get("/v1/models", headers=headers,
@@ -329,9 +350,9 @@ async def models(state: ProxyState, request: Request) -> Response:
             failures.append(f"{backend.name} ({describe(e)})")
             continue
         return _finish(state, "/v1/models", copy_response(resp, resp.content, request_id))
-    return _finish(state, "/v1/models", error_response(503,
-                                               "no decode server answered: " + "; ".join(failures),
-                                               "ServiceUnavailableError", request_id))
+    why = "; ".join(failures) or "none takes requests now"
+    return _finish(state, "/v1/models", error_response(
+        503, f"no decode server answered: {why}", "ServiceUnavailableError", request_id))
 
 
 async def stored_response(state: ProxyState, request: Request, method: str,
@@ -351,28 +372,37 @@ async def stored_response(state: ProxyState, request: Request, method: str,
     headers = _backend_headers(state, request, request_id)
     streamed = method == "GET" and "stream" in request.query_params
     timeout = httpx.Timeout(HEALTH_TIMEOUT_S * 5, read=None if streamed else HEALTH_TIMEOUT_S * 5)
+    state.acquire(backend)               # in flight until its answer ends: a drain waits for it
+    relayed: RelayStream | None = None
     try:
-        resp = await backend.client.send(backend.client.build_request(
-            method, f"{responses.PATH}/{response_id}{action}", params=request.query_params,
-            headers=headers, timeout=timeout), stream=True)
-    except httpx.TransportError as e:
-        state.failed(backend, "connect" if is_connect_error(e) else "transport")
-        return _finish(state, endpoint, error_response(
-            503, f"decode server {backend.name}, which holds response '{response_id}', did not "
-            f"answer: {describe(e)}", "ServiceUnavailableError", request_id))
-    if resp.is_success and resp.headers.get("content-type", "").startswith("text/event-stream"):
-        def end(outcome: str) -> None:
-            status = CLIENT_CLOSED if outcome == "disconnected" else resp.status_code
-            state.metrics.requests.labels(endpoint, str(status)).inc()
-        return RelayStream(DecodeLeg(backend, resp, time.monotonic()), request_id, end)
-    try:
-        content = await resp.aread()
-    except httpx.TransportError as e:
-        return _finish(state, endpoint, error_response(
-            502, f"decode server {backend.name} failed: {describe(e)}", "BadGatewayError",
-            request_id))
+        try:
+            resp = await backend.client.send(backend.client.build_request(
+                method, f"{responses.PATH}/{response_id}{action}", params=request.query_params,
+                headers=headers, timeout=timeout), stream=True)
+        except httpx.TransportError as e:
+            state.failed(backend, "connect" if is_connect_error(e) else "transport")
+            return _finish(state, endpoint, error_response(
+                503, f"decode server {backend.name}, which holds response '{response_id}', did "
+                f"not answer: {describe(e)}", "ServiceUnavailableError", request_id))
+        if resp.is_success and resp.headers.get("content-type", "").startswith(
+                "text/event-stream"):
+            def end(outcome: str) -> None:   # the stream ended: whole, cut, or the client left
+                state.release(backend)
+                status = CLIENT_CLOSED if outcome == "disconnected" else resp.status_code
+                state.metrics.requests.labels(endpoint, str(status)).inc()
+            relayed = RelayStream(DecodeLeg(backend, resp, time.monotonic()), request_id, end)
+            return relayed
+        try:
+            content = await resp.aread()
+        except httpx.TransportError as e:
+            return _finish(state, endpoint, error_response(
+                502, f"decode server {backend.name} failed: {describe(e)}", "BadGatewayError",
+                request_id))
+        finally:
+            await resp.aclose()
     finally:
-        await resp.aclose()
+        if relayed is None:              # else the stream releases it when it ends
+            state.release(backend)
     if (method == "DELETE" and resp.is_success) or resp.status_code == 404:
         state.homes.forget(response_id)          # gone from that server (deleted or evicted)
     return _finish(state, endpoint, copy_response(resp, content, request_id))

@@ -5,7 +5,8 @@ A `FakeBackend` is a FastAPI app served by uvicorn in a thread on a socket it bo
 as kvrelay serve would in its role:
 - prefill: a one-token completion plus `kv_transfer_params` (do_remote_prefill true, ...);
 - decode: a completion, or an SSE stream when the body says `stream: true`;
-- both: `GET /health`, `GET /v1/models`, `POST /v1/kv_transfer/free`.
+- both: `GET /health`, `GET /v1/models`, `POST /v1/kv_transfer/free`,
+  `GET /v1/responses/{id}` (a stored response; `?stream=true`: the decode's SSE stream).
 `Script` changes the answers (status codes, remote_host, slow/broken streams) per test.
 """
 from __future__ import annotations
@@ -143,6 +144,14 @@ def build_fake_app(fake: FakeBackend) -> FastAPI:
     async def models() -> dict[str, Any]:
         return {"object": "list",
                 "data": [{"id": "fake-model", "object": "model", "owned_by": fake.role}]}
+
+    @app.get("/v1/responses/{rid}")
+    async def stored(rid: str, request: Request, stream: bool = False) -> Response:
+        """A stored response: as JSON, or its events resumed as SSE (`?stream=true`)."""
+        await record(request)
+        if not stream:
+            return JSONResponse({"id": rid, "object": "response", "status": "completed"})
+        return StreamingResponse(sse_events(fake, chat=False), media_type="text/event-stream")
 
     @app.post("/v1/kv_transfer/free")
     async def free(request: Request) -> dict[str, Any]:

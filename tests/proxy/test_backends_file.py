@@ -25,6 +25,7 @@ import pytest
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvrelay.proxy import legs
 from kvrelay.proxy import state as proxy_state
 from kvrelay.proxy.app import build_app
 from kvrelay.proxy.backend_set import BackendsFile, BackendsFileError, BackendSpec, diff, parse
@@ -264,6 +265,105 @@ def test_a_replaced_decode_finishes_its_stream_and_new_ones_go_to_its_successor(
         wait_states(proxy, {name(a): "active", name(e): "active"})
     assert received(d) == ["on-d"] and d.events == ["stream_started", "stream_finished"]
     assert sorted(received(e)) == [f"after-{i}" for i in range(4)]
+
+
+def resume(url: str, response_id: str, leave_after: int | None = None) -> tuple[int, str]:
+    """(status, the text) of a stored response's events resumed through the proxy (`GET
+    /v1/responses/{id}?stream=true`); `leave_after`: the client leaves after that many."""
+    lines: list[str] = []
+    with client() as c, c.stream("GET", f"{url}/v1/responses/{response_id}",
+                                 params={"stream": "true", "starting_after": "0"}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                lines.append(line)
+                if len(lines) == leave_after:
+                    break
+    if lines[-1:] != ["data: [DONE]"]:
+        return r.status_code, f"stream without [DONE]: {lines}"
+    return r.status_code, "".join(json.loads(line[6:])["choices"][0]["text"]
+                                  for line in lines[:-1])
+
+
+def test_a_drained_decode_waits_for_a_resumed_stream(servers, tmp_path):
+    """A stored response's resumed stream counts as in flight on the decode server holding
+    it: one the client left lets go of it; one still streaming when the file replaces the
+    server keeps it (draining) until the stream ends whole; then it goes."""
+    a, _, _, d, e = servers
+    d.script = Script(chunk_delay_s=0.3)          # a resumed stream: ~1.5 s
+    path = tmp_path / "backends.json"
+    write(path, prefill=[entry("prefill-0", a)], decode=[entry("decode-0", d)])
+    with running(path) as proxy, ThreadPoolExecutor(1) as pool:
+        wait_states(proxy, {name(a): "active", name(d): "active"})
+        proxy.state.homes.remember("resp_bg", by_name(proxy.state, d.port))   # as if relayed
+        left = resume(proxy.url, "resp_bg", leave_after=1)
+        assert left[0] == 200 and "without [DONE]" in left[1]
+        wait_for(lambda: "stream_cancelled" in d.events, CHANGE_S, "D's stream to be closed")
+        d.events.clear()
+        stream = pool.submit(resume, proxy.url, "resp_bg")
+        wait_for(lambda: d.events == ["stream_started"], CHANGE_S, "D to stream")
+        write(path, prefill=[entry("prefill-0", a)], decode=[entry("decode-0", e)])
+        wait_states(proxy, {name(a): "active", name(d): "draining", name(e): "active"})
+        assert stream.result(timeout=30) == (200, WHOLE)
+        wait_states(proxy, {name(a): "active", name(e): "active"})
+    assert d.events == ["stream_started", "stream_finished"]
+
+
+def test_an_unexpected_error_in_the_decode_leg_lets_the_prefill_go(servers, tmp_path,
+                                                                   monkeypatch, caplog):
+    """Sending to the decode raises what no path expects (a proxy bug, injected): the client
+    gets 502 with an OpenAI error body, the prefill its free notice, and neither server stays
+    held: the prefill, then removed from the file, is dropped."""
+    a, b, _, d, _ = servers
+    post = legs._post
+
+    async def broken_decode(backend, path, payload, headers):
+        if backend.role == "decode":
+            raise RuntimeError("injected")
+        return await post(backend, path, payload, headers)
+    monkeypatch.setattr(legs, "_post", broken_decode)
+    caplog.set_level(logging.ERROR, logger="kvrelay.proxy")
+    path = tmp_path / "backends.json"
+    write(path, prefill=[entry("prefill-0", a)], decode=[entry("decode-0", d)])
+    with running(path) as proxy:
+        wait_states(proxy, {name(a): "active", name(d): "active"})
+        with client() as c:
+            r = c.post(f"{proxy.url}/v1/completions", json=BODY, headers={"X-Request-Id": "bug"})
+        assert r.status_code == 502 and r.headers["x-request-id"] == "bug"
+        assert r.json() == {"error": {"message": "decode leg failed: internal proxy error: "
+                                                 "RuntimeError",
+                                      "type": "BadGatewayError", "param": None, "code": 502}}
+        wait_for(lambda: len(a.frees()) == 1, CHANGE_S, "the free notice to A")
+        assert by_name(proxy.state, d.port).in_flight == 0
+        write(path, prefill=[entry("prefill-1", b)], decode=[entry("decode-0", d)])
+        wait_states(proxy, {name(b): "active", name(d): "active"})
+    assert received(a) == ["bug"] and d.completions() == []
+    assert [f.body["remote_request_id"] for f in a.frees()] == ["prefill-bug"]
+    assert any("internal error opening the decode leg" in r.getMessage() and r.exc_info
+               for r in caplog.records)
+
+
+def test_models_says_why_no_decode_server_answers(servers, tmp_path):
+    _, _, _, d, _ = servers
+    d.script = Script(health=503)
+    path = tmp_path / "backends.json"
+    write(path)
+
+    def models(url: str) -> tuple[int, str]:
+        with client() as c:
+            r = c.get(f"{url}/v1/models")
+        return r.status_code, (r.json()["data"][0]["id"] if r.status_code == 200
+                               else r.json()["error"]["message"])
+
+    with running(path) as proxy:
+        assert models(proxy.url) == (503, "no decode server takes requests (none is listed): "
+                                          "try again later")
+        write(path, decode=[entry("decode-0", d)])
+        wait_states(proxy, {name(d): "unready"})
+        assert models(proxy.url) == (503, "no decode server takes requests (1 not ready yet "
+                                          "(no healthy /health)): try again later")
+        d.script = Script()
+        wait_states(proxy, {name(d): "active"})
+        assert models(proxy.url) == (200, "fake-model")
 
 
 def test_an_added_server_waits_for_a_healthy_probe(servers, tmp_path):
