@@ -44,17 +44,43 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from kvrelay.engine import step_io
+from kvrelay.engine.step_io import StepPlan
 
 if TYPE_CHECKING:
-    from kvrelay.engine.core import LLMEngine, StepPlan
+    from kvrelay.engine.executor import Executor
+    from kvrelay.engine.output_processor import OutputProcessor
     from kvrelay.engine.outputs import RequestOutput
+    from kvrelay.engine.request import Request
+    from kvrelay.engine.runner import StepInput
+    from kvrelay.engine.sampler import Sampler
 
 logger = logging.getLogger(__name__)
+
+
+class PipelinedEngine(Protocol):
+    """The parts of `core.LLMEngine` that `AsyncSteps` runs, named here because core.py
+    imports this module: the import points one way."""
+
+    @property
+    def executor(self) -> Executor: ...
+    @property
+    def sampler(self) -> Sampler: ...
+    @property
+    def output(self) -> OutputProcessor: ...
+
+    def plan_step(self, ahead: StepPlan | None = None) -> StepPlan: ...
+    def prepare_sampling(self, plan: StepPlan) -> None: ...
+    def forward(self, plan: StepPlan, step: StepInput) -> torch.Tensor: ...
+    def sample(self, plan: StepPlan, logits: torch.Tensor) -> dict[str, list[int]]: ...
+    def update_step(self, plan: StepPlan, sampled: dict[str, list[int]]) -> None: ...
+    def step_outputs(self, plan: StepPlan) -> list[RequestOutput]: ...
+    def _fail_request(self, req: Request, error: BaseException, where: str,
+                      message: str | None = None) -> None: ...
 
 
 @dataclass(eq=False)
@@ -76,7 +102,7 @@ class AsyncSteps:
     forward thread and returns the outputs of the step that landed (none on the call
     that starts from idle). The engine counts a step in flight as unfinished work."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: PipelinedEngine) -> None:
         self.engine = engine
         self._steps: queue.SimpleQueue[_Step | None] = queue.SimpleQueue()
         self._landed: queue.SimpleQueue[_Landed] = queue.SimpleQueue()

@@ -41,7 +41,7 @@ import hashlib
 import importlib
 import json
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +68,8 @@ from kvrelay.engine.outputs import RequestOutput
 from kvrelay.engine.request import Request
 from kvrelay.engine.runner import StepInput, kv_bytes_per_block
 from kvrelay.engine.sampler import Sampler
-from kvrelay.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kvrelay.engine.scheduler import Scheduler, SchedulerConfig
+from kvrelay.engine.step_io import StepPlan
 from kvrelay.kv_cache.manager import KVCacheManager
 from kvrelay.kv_cache.spec import KVCacheSpec
 from kvrelay.kv_events.publisher import make_publisher
@@ -401,20 +402,6 @@ class LLMEngine:
     # -- introspection ----------------------------------------------------------------------
     def assert_no_leaks(self) -> None:
         self.kv.assert_no_leaks()
-
-
-@dataclass
-class StepPlan:
-    """A scheduled step not yet run."""
-    out: SchedulerOutput
-    step: StepInput | None           # None: nothing to compute here this step
-    failed: list[Request]
-    kv_work: object = None
-    sampling: list[Request] | None = None  # the requests it samples (`prepare_sampling`)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.step.token_ids) if self.step is not None else 0
 
 
 def _load_object(name: str) -> Any:

@@ -63,7 +63,6 @@ class EngineStats(PicklesAsTuple, _Record):
     num_preemptions: int = 0
     num_steps: int = 0
     dp_dummy_steps: int = 0
-    padded_tokens: int = 0
     kv_transfers: int | None = None
     kv_transfer_failures: int | None = None
     kv_transfer_bytes: int | None = None

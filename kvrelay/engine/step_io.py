@@ -41,6 +41,20 @@ logger = logging.getLogger(__name__)
 FailFn = Callable[[Request, BaseException, str], None]
 
 
+@dataclass
+class StepPlan:
+    """A scheduled step not yet run."""
+    out: SchedulerOutput
+    step: StepInput | None           # None: nothing to compute here this step
+    failed: list[Request]
+    kv_work: object = None
+    sampling: list[Request] | None = None  # the requests it samples (`prepare_sampling`)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.step.token_ids) if self.step is not None else 0
+
+
 def step_input(out: SchedulerOutput, kv: KVCacheManager, num_groups: int) -> StepInput:
     token_ids: list[int] = []
     q_lens: list[int] = []

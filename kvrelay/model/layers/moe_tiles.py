@@ -27,7 +27,7 @@ measured 3.5-4.8k tok/s without the tiles against 4.4-5.0k with them.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -37,7 +37,37 @@ from kvrelay.model.layers.moe_mode import moe_kernel_mode
 from kvrelay.model.mxfp4 import MXFP4Tensor
 
 if TYPE_CHECKING:
-    from kvrelay.model.layers.moe import Experts
+    from kvrelay.model.parallel import ParallelContext
+
+
+class TileExperts(Protocol):
+    """What the tiles read of `moe.Experts`, named here because moe.py imports this
+    module: the import points one way."""
+
+    @property
+    def ctx(self) -> ParallelContext: ...
+    @property
+    def gate_up(self) -> torch.Tensor | MXFP4Tensor: ...
+    @property
+    def down(self) -> torch.Tensor | MXFP4Tensor: ...
+    @property
+    def hidden(self) -> int: ...
+    @property
+    def i_local(self) -> int: ...
+    @property
+    def num_local(self) -> int: ...
+    @property
+    def first_expert(self) -> int: ...
+    @property
+    def add_down_bias(self) -> bool: ...
+    @property
+    def alpha(self) -> float: ...
+    @property
+    def limit(self) -> float: ...
+
+    def _kernel_weight(
+            self, w: torch.Tensor | MXFP4Tensor) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+    def _f32(self, name: str) -> torch.Tensor: ...
 
 # Token rows per expert (choices / local experts) from which the tiles take over. An
 # expert's rows are padded to 16 (one vector of token rows), so below that the tiles cost
@@ -58,7 +88,7 @@ def available() -> bool:
     return bool(torch.ops.kvrelay_kernels.moe_tile_isas())
 
 
-def wants(ex: Experts, x: torch.Tensor, choices: int) -> bool:
+def wants(ex: TileExperts, x: torch.Tensor, choices: int) -> bool:
     """Whether `ex` runs this call of `choices` (token, expert) pairs on the tiles."""
     if x.dtype != torch.bfloat16 or x.device.type != "cpu" or torch.compiler.is_compiling():
         return False
@@ -75,7 +105,7 @@ def wants(ex: Experts, x: torch.Tensor, choices: int) -> bool:
         and available()
 
 
-def forward(ex: Experts, x: torch.Tensor, weights: torch.Tensor,
+def forward(ex: TileExperts, x: torch.Tensor, weights: torch.Tensor,
             expert_ids: torch.Tensor) -> torch.Tensor:
     """x [T, H] bf16, weights/expert_ids [T, k] → this rank's partial output [T, H] bf16."""
     gate_up, down = ex._kernel_weight(ex.gate_up), ex._kernel_weight(ex.down)
