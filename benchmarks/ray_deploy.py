@@ -169,6 +169,18 @@ def scale_under_load(url: str, common: list[str]) -> dict:
     return {**steps, "requests": done[0], "failed": len(failed)}
 
 
+def _median_run(runs: list[dict]) -> dict:
+    """Each numeric figure's median over the rounds (the scale steps: the worst round)."""
+    import statistics
+    out: dict = {}
+    for key, value in runs[0].items():
+        if isinstance(value, (int, float)):
+            out[key] = statistics.median(r[key] for r in runs)
+        elif key == "scale":
+            out[key] = max((r[key] for r in runs), key=lambda s: s.get("failed", 0))
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="checkpoint (default: the embedded model)")
@@ -177,6 +189,7 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--repeat", type=int, default=2, help="rounds of local then Ray")
     p.add_argument("--out", type=Path, default=Path("ray_deploy.json"))
     args = p.parse_args()
     out_dir = args.out.parent / (args.out.stem + "-runs")
@@ -188,15 +201,19 @@ def main() -> int:
         cluster.add_node(num_cpus=3)
         cluster.add_node(num_cpus=3)
         cluster.wait_for_nodes()
-        local = local_run(args, out_dir)
-        ray = ray_run(args, cluster.address, out_dir)
+        locals_, rays = [], []
+        for r in range(args.repeat):                 # alternated: drift hits both alike
+            say(f"round {r + 1} of {args.repeat}")
+            locals_.append(local_run(args, out_dir))
+            rays.append(ray_run(args, cluster.address, out_dir))
     finally:
         cluster.shutdown()
+    local, ray = _median_run(locals_), _median_run(rays)
     result = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
               "load": os.getloadavg(), "model": args.model or "embedded",
               "workload": {k: getattr(args, k) for k in ("num_prompts", "concurrency",
                                                          "input_len", "output_len")},
-              "local": local, "ray": ray,
+              "local": local, "ray": ray, "rounds": {"local": locals_, "ray": rays},
               "ratios": {"throughput_ray_over_local":
                          ray["output_throughput"] / local["output_throughput"],
                          "ready_ray_over_local": ray["ready_s"] / local["ready_s"]}}

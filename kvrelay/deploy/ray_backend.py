@@ -157,9 +157,11 @@ class ServerActor:
     def url(self) -> str:
         return f"http://{self.ip}:{self.port}"
 
-    def status(self) -> dict[str, Any]:
+    def status(self, load: bool = True) -> dict[str, Any]:
+        """Where it runs and whether it is ready; with `load`, its counters too (the proxy's
+        follower leaves them out: it asks twice a second)."""
         health, _ = _http_json(f"{self.url}/health")
-        _, metrics = _http_json(f"{self.url}/metrics") if health == 200 else (0, "")
+        _, metrics = _http_json(f"{self.url}/metrics") if health == 200 and load else (0, "")
         return {"name": self.name, "role": self.role, "node": self.node, "ip": self.ip,
                 "url": self.url, "pid": self.proc.pid,
                 "ready": health == 200, "draining": self.draining,
@@ -213,7 +215,7 @@ class ProxyActor(ServerActor):
 
     def _write_backends(self) -> None:
         import ray
-        refs = [server_handle(n, self.ns).status.remote() for n in server_names(self.ns)]
+        refs = [server_handle(n, self.ns).status.remote(False) for n in server_names(self.ns)]
         answered, _ = ray.wait(refs, num_returns=len(refs), timeout=5) if refs else ([], [])
         states = []
         for ref in answered:        # an actor Ray is restarting is left out until it is back
