@@ -56,6 +56,8 @@ def _kernel_pick() -> int:
 class KvrelayProcess:
     """`kvrelay <args>` in its own process group; `stop()` ends the group."""
 
+    _terminated = False             # (a class default: subclasses may start their own Popen)
+
     def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None) -> None:
         self.log_path = log
         self._log = open(log, "w")  # noqa: SIM115 -- closed by stop()
@@ -77,9 +79,15 @@ class KvrelayProcess:
             time.sleep(0.2)
         raise TimeoutError(f"no {text!r} within {timeout}s:\n{self.log()[-3000:]}")
 
+    def terminate(self) -> None:
+        """SIGTERM to the group, without waiting: `stop_all` overlaps several shutdowns."""
+        if self.proc.poll() is None and not self._terminated:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self._terminated = True
+
     def stop(self, timeout: float = 20) -> int | None:
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.terminate()          # once: a second SIGTERM would cut uvicorn's drain short
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -91,6 +99,15 @@ class KvrelayProcess:
             pass
         self._log.close()
         return self.proc.returncode
+
+
+def stop_all(processes: list[KvrelayProcess]) -> None:
+    """Stop several processes at once: every group gets its SIGTERM first, then each is
+    waited for, so their graceful shutdowns (about a second each) overlap."""
+    for p in processes:
+        p.terminate()
+    for p in processes:
+        p.stop()
 
 
 class Server(KvrelayProcess):

@@ -1,6 +1,10 @@
 """Expert parallelism across data-parallel replicas (EP = TP × DP), the tutorial's decode
 layout (TP8 DP8 EP64) in small: -dp 2 (EP 2) and -tp 2 -dp 2 (EP 4) on the tiny
-checkpoint's 4 experts. Replicas step in lockstep; an idle one runs dummy steps."""
+checkpoint's 4 experts. Replicas step in lockstep; an idle one runs dummy steps.
+
+One server per layout for the module (a start is most of each test's time): the idle check
+runs on the EP 2 server after its workload, and the killed-worker test, which ends its
+server, is the EP 4 server's last user."""
 from __future__ import annotations
 
 import re
@@ -65,80 +69,86 @@ def check_layout(log: str, ranks: int, experts: int = 4) -> None:
     assert len({r[5] for r in rows}) == 1                                  # equal shares of bytes
 
 
-@pytest.mark.parametrize("tp,dp", [(1, 2), (2, 2)])
-def test_experts_across_replicas_match_tp1(tiny, tp1_tokens, tmp_path, tp, dp):
+def _serve(tiny, tmp_path_factory, tp: int, dp: int):
     s = Server(str(tiny[0]), BASE + ["-tp", str(tp), "-dp", str(dp), "--enable-expert-parallel"],
-               tmp_path / "serve.log")
+               tmp_path_factory.mktemp(f"ep-tp{tp}-dp{dp}") / "serve.log")
     try:
         s.wait_ready()
-        check_layout(s.log(), tp * dp)
-        check_tokens(tiny, run_workload(s.url), tp1_tokens)
-        m = s.metrics()
-        assert m["kvrelay:dp_dummy_steps_total"] > 0          # an idle replica stepped along
-        assert m["kvrelay:kv_blocks_used"] == 0
-        assert s.log().count("steps in lockstep") == dp
+        yield s
     finally:
         s.stop()
 
 
-def test_idle_replicas_do_not_spin(tiny, tmp_path):
+@pytest.fixture(scope="module")
+def ep2(tiny, tmp_path_factory):
+    """-dp 2 --enable-expert-parallel (EP 2)."""
+    yield from _serve(tiny, tmp_path_factory, 1, 2)
+
+
+@pytest.fixture(scope="module")
+def ep4(tiny, tmp_path_factory):
+    """-tp 2 -dp 2 --enable-expert-parallel (EP 4); test_killed_worker_... ends it."""
+    yield from _serve(tiny, tmp_path_factory, 2, 2)
+
+
+@pytest.mark.parametrize("layout,tp,dp", [("ep2", 1, 2), ("ep4", 2, 2)])
+def test_experts_across_replicas_match_tp1(tiny, tp1_tokens, request, layout, tp, dp):
+    s = request.getfixturevalue(layout)
+    check_layout(s.log(), tp * dp)
+    check_tokens(tiny, run_workload(s.url), tp1_tokens)
+    m = s.metrics()
+    assert m["kvrelay:dp_dummy_steps_total"] > 0          # an idle replica stepped along
+    assert m["kvrelay:kv_blocks_used"] == 0
+    assert s.log().count("steps in lockstep") == dp
+
+
+def test_idle_replicas_do_not_spin(ep2):
     """With no work, the engine cores sleep on their pipes: almost no CPU time."""
     from tests.processes import descendants
-    s = Server(str(tiny[0]), BASE + ["-dp", "2", "--enable-expert-parallel"],
-               tmp_path / "serve.log")
-    try:
-        s.wait_ready()
-        ask(s.url, PROMPTS[0])
-        procs = descendants(s.proc.pid)
+    ask(ep2.url, PROMPTS[0])
+    procs = descendants(ep2.proc.pid)
 
-        def cpu_ticks() -> int:
-            total = 0
-            for p in procs:
-                try:
-                    with open(f"/proc/{p}/stat") as f:
-                        fields = f.read().rsplit(")", 1)[1].split()
-                    total += int(fields[11]) + int(fields[12])
-                except OSError:
-                    pass
-            return total
+    def cpu_ticks() -> int:
+        total = 0
+        for p in procs:
+            try:
+                with open(f"/proc/{p}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                total += int(fields[11]) + int(fields[12])
+            except OSError:
+                pass
+        return total
 
-        before = cpu_ticks()
-        time.sleep(3)
-        assert cpu_ticks() - before < 30            # < 10% of one core over 3 s, for all processes
-    finally:
-        s.stop()
+    before = cpu_ticks()
+    time.sleep(3)
+    assert cpu_ticks() - before < 30            # < 10% of one core over 3 s, for all processes
 
 
-def test_killed_worker_of_one_replica_stops_everything(tiny, tmp_path):
+def test_killed_worker_of_one_replica_stops_everything(ep4):
     from tests.processes import alive, descendants
-    s = Server(str(tiny[0]), BASE + ["-tp", "2", "-dp", "2", "--enable-expert-parallel"],
-               tmp_path / "serve.log")
-    try:
-        s.wait_ready()
-        family = descendants(s.proc.pid)
-        workers = [p for p in family if "kvrelay-tp-rank" in _name(p) or _is_worker(p, s.proc.pid)]
-        assert workers, family
-        result = {}
+    s = ep4
+    family = descendants(s.proc.pid)
+    workers = [p for p in family if "kvrelay-tp-rank" in _name(p) or _is_worker(p, s.proc.pid)]
+    assert workers, family
+    result = {}
 
-        def long_request():
-            result["r"] = httpx.post(f"{s.url}/v1/completions", timeout=60, json={
-                "prompt": [1, 2, 3], "max_tokens": 80, "ignore_eos": True})
+    def long_request():
+        result["r"] = httpx.post(f"{s.url}/v1/completions", timeout=60, json={
+            "prompt": [1, 2, 3], "max_tokens": 80, "ignore_eos": True})
 
-        t = threading.Thread(target=long_request)
-        t.start()
-        time.sleep(1.0)
-        import os
-        import signal
-        os.kill(workers[-1], signal.SIGKILL)           # a TP worker of one replica
-        t.join(60)
-        assert result["r"].status_code == 503
-        assert s.proc.wait(60) == 1
-        deadline = time.monotonic() + 20
-        while any(alive(p) for p in family) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not [p for p in family if alive(p)], "orphan processes left behind"
-    finally:
-        s.stop()
+    t = threading.Thread(target=long_request)
+    t.start()
+    time.sleep(1.0)
+    import os
+    import signal
+    os.kill(workers[-1], signal.SIGKILL)           # a TP worker of one replica
+    t.join(60)
+    assert result["r"].status_code == 503
+    assert s.proc.wait(60) == 1
+    deadline = time.monotonic() + 20
+    while any(alive(p) for p in family) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [p for p in family if alive(p)], "orphan processes left behind"
 
 
 def _name(pid: int) -> str:

@@ -17,8 +17,11 @@ def tp1_outputs(tiny):
     return [o.outputs[0].token_ids for o in llm.generate(_prompts(), GREEDY)]
 
 
+# TP 4 runs with its experts laid out two ways; plain TP 4 (the experts' weights split four
+# ways, the 2 KV heads replicated) is tests/e2e/test_disagg_tp.py's decode TP 4, greedy-equal to
+# one instance, and tests/model/test_tensor_parallel_sim.py's sharded logits
 @pytest.mark.parametrize("tp,extra", [
-    (2, {}), (2, {"async_scheduling": True}), (4, {}), (4, {"enable_expert_parallel": True}),
+    (2, {}), (2, {"async_scheduling": True}), (4, {"enable_expert_parallel": True}),
     (4, {"additional_config": {"neuron_config": {"ep_degree": 2}}})])
 def test_tp_greedy_equals_tp1(tiny, tp1_outputs, tp, extra):
     from tests.factories import greedy_mismatch

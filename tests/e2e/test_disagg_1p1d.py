@@ -10,6 +10,7 @@ import pytest
 from kvrelay import LLM, SamplingParams
 from tests.e2e.disagg import prefill_then_decode, start, wait_metric
 from tests.factories import greedy_mismatch
+from tests.processes import stop_all
 
 # block size 4, sliding window 8: lengths hit every residue mod 4 around the window edge,
 # shorter than a block, and longer than the window
@@ -39,8 +40,7 @@ def pair(request, tiny, tmp_path_factory):
         decode.wait_ready()
         yield prefill, decode
     finally:
-        prefill.stop()
-        decode.stop()
+        stop_all([prefill, decode])
 
 
 def test_greedy_equals_single_instance(tiny, pair, reference):
@@ -90,7 +90,10 @@ def test_streaming_and_n(tiny, pair, reference):
     assert texts[0] == texts[1] == want
 
 
+@pytest.mark.parametrize("pair", ["UCX"], indirect=True)
 def test_lease_frees_blocks_when_decode_never_comes(pair):
+    """One transport: the lease is the prefill's scheduler's, whatever carries the KV (and the
+    test waits it out: 3 s)."""
     prefill, _ = pair
     r = httpx.post(f"{prefill.url}/v1/completions", timeout=60, json={
         "prompt": _prompt(20), "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
@@ -114,7 +117,10 @@ def test_explicit_free(pair):
     assert m["kvrelay:kv_blocks_used"] == 0
 
 
+@pytest.mark.parametrize("pair", ["UCX"], indirect=True)
 def test_handshake_mismatch_is_a_clear_error(tiny, pair, tmp_path):
+    """One transport: the handshake is the side channel's, before any transport is used
+    (the mismatched decode here is a UCX one either way), and it costs a server start."""
     prefill, _ = pair
     other = start(str(tiny[0]), "kv_consumer", tmp_path / "decode8.log",
                   flags=["--block-size", "8"])

@@ -51,12 +51,15 @@ def test_1p1d_across_namespaces_over_ucx(tiny, hosts, tmp_path):
                            tmp_path / "prefill.log",
                            env=ucx | {"UCX_NET_DEVICES": p.device,
                                       "VLLM_NIXL_SIDE_CHANNEL_HOST": "0.0.0.0",
-                                      "VLLM_NIXL_SIDE_CHANNEL_PORT": str(SIDE_PORT)})
+                                      "VLLM_NIXL_SIDE_CHANNEL_PORT": str(SIDE_PORT),
+                                      # one port in both namespaces: a responses store each
+                                      "KVRELAY_STATE_DIR": str(tmp_path / "prefill-state")})
     decode = NetnsProcess(d.netns, ["serve", str(tiny[0]), "--port", str(HTTP_PORT), *COMMON,
                                     "--kv-transfer-config", kv_config("kv_consumer")],
                           tmp_path / "decode.log",
                           env=ucx | {"UCX_NET_DEVICES": d.device,
-                                     "VLLM_NIXL_SIDE_CHANNEL_PORT": str(SIDE_PORT)})
+                                     "VLLM_NIXL_SIDE_CHANNEL_PORT": str(SIDE_PORT),
+                                     "KVRELAY_STATE_DIR": str(tmp_path / "decode-state")})
     prefill_url, decode_url = f"http://{p.address}:{HTTP_PORT}", f"http://127.0.0.1:{HTTP_PORT}"
     try:
         _wait_ready(prefill, d.netns, prefill_url)  # reached from the decode host, over the veth

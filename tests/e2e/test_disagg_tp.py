@@ -14,6 +14,7 @@ from kvrelay import LLM, SamplingParams
 from kvrelay.disagg.connector import needed_blocks
 from tests.e2e.disagg import prefill_then_decode, start, wait_metric
 from tests.factories import greedy_mismatch
+from tests.processes import stop_all
 
 PROMPT_LENS = [2, 5, 9, 12, 30]
 MAX_TOKENS = 5
@@ -48,8 +49,7 @@ def servers(tiny, tmp_path_factory):
             s.wait_ready(timeout=300)
         yield made
     finally:
-        for s in made.values():
-            s.stop()
+        stop_all(list(made.values()))
 
 
 def _reference(tiny, prompts: list[list[int]]) -> list[list[int]]:
@@ -163,8 +163,7 @@ def test_tcp_transport_prefill_tp2_to_decode_tp2(tiny, tmp_path):
         assert m["kvrelay:kv_transfer_bytes_total"] == sum(_expected_bytes(n) for n in lens)
         assert wait_metric(prefill, "kvrelay:kv_blocks_used", 0)["kvrelay:kv_blocks_used"] == 0
     finally:
-        prefill.stop()
-        decode.stop()
+        stop_all([prefill, decode])
 
 
 def test_decode_tp4_with_replicated_kv_heads(tiny, servers, tmp_path):

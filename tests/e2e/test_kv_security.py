@@ -21,7 +21,7 @@ from kvrelay.disagg.auth import AUTH_FAILED, AuthError, client_authenticate
 from kvrelay.disagg.side_channel import SideChannelError, recv_frame, send_frame, side_channel_call
 from tests.e2e.disagg import prefill_then_decode, start, wait_metric
 from tests.factories import greedy_mismatch
-from tests.processes import KvrelayProcess, Server, descendants, free_port
+from tests.processes import KvrelayProcess, Server, descendants, free_port, stop_all
 
 SECRET = "e2e-kv-secret-4f9c"
 NUM_BLOCKS = 64  # the prefill's pool: hold_share 0.5 → at most 32 blocks held
@@ -83,8 +83,7 @@ def secured(request, tiny, tmp_path_factory):
         decode.wait_ready()
         yield request.param, prefill, decode, ("127.0.0.1", side)
     finally:
-        prefill.stop()
-        decode.stop()
+        stop_all([prefill, decode])
 
 
 @pytest.fixture(scope="module")
@@ -441,15 +440,21 @@ def test_free_over_http_needs_the_capability(secured):
     assert free({"remote_request_id": rid, "remote_capability": cap}).status_code == 404
 
 
+@pytest.mark.parametrize("secured", ["UCX"], indirect=True)
 def test_the_proxy_frees_with_the_capability_and_passes_retry_after(secured, tmp_path):
     """kvrelay proxy's free notice (the decode refused the request) carries the prefill's
     remote_capability, so the blocks come back at once instead of after the 30 s lease;
-    a prefill's 503 for a full hold share reaches the client with its Retry-After."""
+    a prefill's 503 for a full hold share reaches the client with its Retry-After. One
+    transport: the proxy only speaks HTTP to the servers, and the capability check on
+    /v1/kv_transfer/free is test_free_over_http_needs_the_capability's, for both."""
     _, prefill, decode, _ = secured
     port = free_port()
+    # a busy prefill (503) is retried for --prefill-busy-retry (10 s by default) before the
+    # 503 is passed on: 0.2 s is enough to see it retried and passed on
     proxy = KvrelayProcess(["proxy", "--port", str(port), "--prefiller-host", "127.0.0.1",
                             "--prefiller-port", str(prefill.port), "--decoder-host", "127.0.0.1",
-                            "--decoder-port", str(decode.port)], tmp_path / "proxy.log")
+                            "--decoder-port", str(decode.port), "--prefill-busy-retry", "0.2"],
+                           tmp_path / "proxy.log")
     url = f"http://127.0.0.1:{port}/v1/completions"
     held: list[dict] = []
     try:

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from tests.engine.conftest import tiny  # noqa: F401  (the tiny checkpoint fixture)
-from tests.processes import KvrelayProcess, Server, free_port
+from tests.processes import KvrelayProcess, Server, free_port, stop_all
 
 LONG = 1900                        # tokens (seconds here): the running request outlives the checks
 SHORT = 8
@@ -63,8 +63,7 @@ def proxies(bounded, tmp_path_factory) -> Iterator[tuple[Proxy, Proxy]]:
             p.wait_for_line("Application startup complete", 60)
         yield made[0], made[1]
     finally:
-        for p in made:
-            p.stop()
+        stop_all(made)
 
 
 def _error(r: httpx.Response, status: int) -> dict:
@@ -178,11 +177,7 @@ def test_forwarded_for_is_trusted_only_when_the_operator_opts_in(bounded, proxie
     assert _peer_logged(trusting, trusting.url) == SPOOFED
 
 
-def test_serve_trusts_forwarded_for_from_the_addresses_it_is_given(tiny, tmp_path):  # noqa: F811
-    s = Server(str(tiny[0]), ["--dtype", "float32", "--max-model-len", "64",
-                              "--forwarded-allow-ips", "127.0.0.1"], tmp_path / "serve.log")
-    try:
-        s.wait_ready()
-        assert _peer_logged(s, s.url) == SPOOFED
-    finally:
-        s.stop()
+def test_serve_trusts_forwarded_for_from_the_addresses_it_is_given(server):
+    """The package's server (tests/server/conftest.py) runs with --forwarded-allow-ips
+    127.0.0.1."""
+    assert _peer_logged(server, server.url) == SPOOFED

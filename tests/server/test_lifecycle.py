@@ -62,45 +62,50 @@ def test_step_timeout_fails_the_request_instead_of_hanging(tiny, tmp_path):
         s.stop()
 
 
-def test_client_disconnect_frees_kv_blocks(tiny, tmp_path):
-    # steps of 0.2 s (tests.server.slow:drowsy): the 40-token request is surely running when
-    # the first chunk has arrived, whatever the machine's speed
-    s = Server(str(tiny[0]), TINY_FLAGS + ["--logits-processors", "tests.server.slow:drowsy"],
-               tmp_path / "serve.log")
+@pytest.fixture(scope="module")
+def keyed(tiny, tmp_path_factory):
+    """An API key, and steps of 0.2 s (tests.server.slow:drowsy): a 40-token request is
+    surely running when its first chunk has arrived, whatever the machine's speed. One
+    server for the two tests below: neither changes what the other sees."""
+    s = Server(str(tiny[0]), TINY_FLAGS + ["--api-key", "sekret",
+                                           "--logits-processors", "tests.server.slow:drowsy"],
+               tmp_path_factory.mktemp("keyed") / "serve.log")
     try:
         s.wait_ready()
-        body = {"prompt": [1, 2, 3], "max_tokens": 40, "stream": True, "ignore_eos": True}
-        with (httpx.Client(timeout=30) as http,
-              http.stream("POST", f"{s.url}/v1/completions", json=body) as r):
-            next(r.iter_lines())
-            assert s.metrics()["kvrelay:kv_blocks_used"] > 0
-        # the connection is closed mid-stream: the engine aborts and frees the blocks
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            m = s.metrics()
-            if m["kvrelay:kv_blocks_used"] == 0 and m["vllm:num_requests_running"] == 0:
-                assert m["vllm:generation_tokens_total"] < 40     # cut short, not finished
-                return
-            time.sleep(0.2)
-        raise AssertionError(f"blocks still held after disconnect: {s.metrics()}")
+        yield s
     finally:
         s.stop()
 
 
-def test_api_key(tiny, tmp_path):
-    s = Server(str(tiny[0]), TINY_FLAGS + ["--api-key", "sekret"], tmp_path / "serve.log")
-    try:
-        s.wait_ready()
-        assert httpx.get(f"{s.url}/v1/models").status_code == 401
-        r = httpx.post(f"{s.url}/v1/completions", json={"prompt": [1], "max_tokens": 1},
-                       headers={"Authorization": "Bearer wrong"})
-        assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError"
-        ok = httpx.post(f"{s.url}/v1/completions", json={"prompt": [1], "max_tokens": 1},
-                        headers={"Authorization": "Bearer sekret"})
-        assert ok.status_code == 200
-        assert httpx.get(f"{s.url}/health").status_code == 200      # health stays open
-    finally:
-        s.stop()
+def test_client_disconnect_frees_kv_blocks(keyed):
+    s = keyed
+    generated = s.metrics()["vllm:generation_tokens_total"]
+    body = {"prompt": [1, 2, 3], "max_tokens": 40, "stream": True, "ignore_eos": True}
+    with (httpx.Client(timeout=30, headers={"Authorization": "Bearer sekret"}) as http,
+          http.stream("POST", f"{s.url}/v1/completions", json=body) as r):
+        next(r.iter_lines())
+        assert s.metrics()["kvrelay:kv_blocks_used"] > 0
+    # the connection is closed mid-stream: the engine aborts and frees the blocks
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        m = s.metrics()
+        if m["kvrelay:kv_blocks_used"] == 0 and m["vllm:num_requests_running"] == 0:
+            assert m["vllm:generation_tokens_total"] - generated < 40   # cut short, not finished
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"blocks still held after disconnect: {s.metrics()}")
+
+
+def test_api_key(keyed):
+    s = keyed
+    assert httpx.get(f"{s.url}/v1/models").status_code == 401
+    r = httpx.post(f"{s.url}/v1/completions", json={"prompt": [1], "max_tokens": 1},
+                   headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError"
+    ok = httpx.post(f"{s.url}/v1/completions", json={"prompt": [1], "max_tokens": 1},
+                    headers={"Authorization": "Bearer sekret"})
+    assert ok.status_code == 200
+    assert httpx.get(f"{s.url}/health").status_code == 200      # health stays open
 
 
 @pytest.mark.parametrize("args,fragment", [

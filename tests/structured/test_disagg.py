@@ -8,7 +8,7 @@ import openai
 import pytest
 
 from tests.e2e.disagg import prefill_then_decode, start, wait_metric
-from tests.processes import KvrelayProcess, free_port
+from tests.processes import KvrelayProcess, free_port, stop_all
 from tests.structured.schemas import PERSON, REGEX, WEATHER, valid_json, valid_regex
 
 
@@ -27,9 +27,7 @@ def pair(bytes_ckpt, tmp_path_factory):
         proxy.wait_for_line("Application startup complete")
         yield f"http://127.0.0.1:{port}", prefill, decode
     finally:
-        proxy.stop()
-        prefill.stop()
-        decode.stop()
+        stop_all([proxy, prefill, decode])
 
 
 def test_both_legs_apply_the_grammar(pair):
