@@ -394,12 +394,19 @@ def _actor_names(ray: Any, ns: str) -> list[str]:
                   if a["namespace"] == ns)
 
 
-def down(name: str, address: str | None, say) -> int:
+def _deployment(name: str, address: str | None, say) -> tuple[Any, str, list[str]]:
+    """(ray, namespace, actor names) of deployment `name`; no names: it says so."""
     ray = _connect(address)
     ns = namespace(name)
     names = _actor_names(ray, ns)
     if not names:
         say(f"no deployment {name!r} on this cluster")
+    return ray, ns, names
+
+
+def down(name: str, address: str | None, say) -> int:
+    ray, ns, names = _deployment(name, address, say)
+    if not names:
         return 0
     order = ([PROXY] if PROXY in names else []) + sorted(n for n in names if n != PROXY)
     for n in order:                          # the proxy first: no new request reaches a server
@@ -414,11 +421,8 @@ def down(name: str, address: str | None, say) -> int:
 
 
 def status(name: str, address: str | None, say, out=sys.stdout) -> int:
-    ray = _connect(address)
-    ns = namespace(name)
-    names = _actor_names(ray, ns)
+    ray, ns, names = _deployment(name, address, say)
     if not names:
-        say(f"no deployment {name!r} on this cluster")
         return 1
     states = [call(ray, ray.get_actor(n, namespace=ns).status, timeout_s=30) for n in names]
     out.write(f"{'name':<10} {'node':<9} {'url':<24} {'health':<9} running waiting kv_blocks\n")

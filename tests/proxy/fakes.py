@@ -21,6 +21,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -407,3 +409,16 @@ def wait_for(predicate, timeout: float = 5.0, what: str = "condition") -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.02)
+
+
+@contextmanager
+def fake_servers(roles: tuple[str, ...]) -> Iterator[list[FakeBackend]]:
+    """Fake servers of these roles, started in order and all stopped on the way out."""
+    started: list[FakeBackend] = []
+    try:
+        for role in roles:
+            started.append(FakeBackend(role).start())
+        yield started
+    finally:
+        for fake in started:
+            fake.stop()

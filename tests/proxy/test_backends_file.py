@@ -35,7 +35,15 @@ from kvrelay.proxy.policy import RoutingSettings
 from kvrelay.proxy.prefix import Hasher
 from kvrelay.proxy.routing import Backend
 from tests.processes import free_port
-from tests.proxy.fakes import STREAM_TOKENS, FakeBackend, ProxyProcess, Script, client, wait_for
+from tests.proxy.fakes import (
+    STREAM_TOKENS,
+    FakeBackend,
+    ProxyProcess,
+    Script,
+    client,
+    fake_servers,
+    wait_for,
+)
 
 BODY = {"model": "m", "prompt": "The capital of France is", "max_tokens": 5}
 WHOLE = "".join(STREAM_TOKENS)
@@ -46,14 +54,8 @@ CHANGE_S = 10.0                   # how long a change may take to show (a loaded
 @pytest.fixture(scope="module")
 def fleet():
     """Prefill servers A B C, decode servers D E (threads)."""
-    started: list[FakeBackend] = []
-    try:
-        for role in ("prefill", "prefill", "prefill", "decode", "decode"):
-            started.append(FakeBackend(role).start())
+    with fake_servers(("prefill", "prefill", "prefill", "decode", "decode")) as started:
         yield started
-    finally:
-        for fake in started:
-            fake.stop()
 
 
 @pytest.fixture

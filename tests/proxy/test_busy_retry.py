@@ -13,21 +13,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvrelay.proxy.app import build_app
 from kvrelay.proxy.legs import MAX_BUSY_ROUNDS
 from kvrelay.proxy.policy import RoutingSettings
-from tests.proxy.fakes import STREAM_TOKENS, FakeBackend, Script
+from tests.proxy.fakes import STREAM_TOKENS, FakeBackend, Script, fake_servers
 
 BODY = {"model": "m", "prompt": "The capital of France is", "max_tokens": 5}
 
 
 @pytest.fixture(scope="module")
 def servers():
-    started: list[FakeBackend] = []
-    try:
-        for role in ("prefill", "prefill", "decode"):
-            started.append(FakeBackend(role).start())
+    with fake_servers(("prefill", "prefill", "decode")) as started:
         yield started
-    finally:
-        for fake in started:
-            fake.stop()
 
 
 @pytest.fixture
