@@ -59,6 +59,9 @@ EXECUTE_MODEL_TIMEOUT_S = EnvVar("KVRELAY_EXECUTE_MODEL_TIMEOUT_SECONDS",
                                  "seconds one engine step may take before its requests fail")
 COMPILATION_TIMEOUT_S = EnvVar("KVRELAY_COMPILATION_TIMEOUT", "VLLM_NEURON_COMPILATION_TIMEOUT",
                                "600", "seconds allowed for warm-up / graph capture / compilation")
+KV_LEASE_S = EnvVar("KVRELAY_NIXL_ABORT_REQUEST_TIMEOUT", "VLLM_NIXL_ABORT_REQUEST_TIMEOUT", "120",
+                   "seconds a prefill keeps a finished request's KV blocks for a decode read "
+                   "that never comes (kv_connector_extra_config.lease_s overrides it)")
 VISIBLE_DEVICES = EnvVar("KVRELAY_VISIBLE_DEVICES", "NEURON_VISIBLE_DEVICES", None,
                          "device slice: CPU core ids on CPU, GPU ids on CUDA, e.g. 0-3")
 CACHE_DIR = EnvVar("KVRELAY_CACHE_DIR", None, None,

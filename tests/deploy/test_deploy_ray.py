@@ -28,6 +28,7 @@ from tests.distributed.test_expert_parallel_dp import (
 from tests.ray_cluster import NODE_CPUS, ray_cluster, wait_actors_gone  # noqa: F401
 
 NAME = "t-ray"
+LEASE_S = 20
 
 
 def deploy(*argv: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -63,10 +64,13 @@ def health(url: str) -> int:
         return 0
 
 
-def metric(url: str, name: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
+def scrape(text: str, name: str) -> float:
     return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
                if ln.startswith(name) and not ln.startswith("#"))
+
+
+def metric(url: str, name: str) -> float:
+    return scrape(httpx.get(f"{url}/metrics", timeout=10).text, name)
 
 
 class Load:
@@ -110,7 +114,12 @@ def test_ray_deploy_2p1d_restart_scale_and_down(tiny, tiny_no_eos, tp1_tokens, r
     load = None
     try:
         t0 = time.monotonic()
-        up = deploy("--backend", "ray", *common, "--model", str(tiny_no_eos), "--prefill", "2",
+        # a short lease: a request whose proxy dies with a lost node after its prefill leg
+        # frees its held blocks within the test (the topology's env reaches every server)
+        config = tmp_path / "topology.yaml"
+        config.write_text(f"env:\n  VLLM_NIXL_ABORT_REQUEST_TIMEOUT: '{LEASE_S}'\n")
+        up = deploy("--backend", "ray", *common, "--config", str(config),
+                    "--model", str(tiny_no_eos), "--prefill", "2",
                     "--decode", "1", "--port", str(base), "--base-port", str(base),
                     "--side-channel-port", str(side),
                     "--log-dir", str(tmp_path / "logs"), "--", *BASE)
@@ -202,8 +211,17 @@ def test_ray_deploy_2p1d_restart_scale_and_down(tiny, tiny_no_eos, tp1_tokens, r
         assert len(scaled) >= 5
         assert not serve_pids(base + 101) and not serve_pids(base + 102)
 
-        for port in (base + 100, base + 200):
-            assert metric(f"http://127.0.0.1:{port}", "kvrelay:kv_blocks_used") == 0
+        # no block held anywhere: the decode holds none; a prefill may still hold a request's
+        # blocks for a decode read that will never come (its proxy was lost with the node
+        # after the prefill leg) — only until the lease, never past it
+        assert metric(f"http://127.0.0.1:{base + 200}", "kvrelay:kv_blocks_used") == 0
+        prefill0, held_until = f"http://127.0.0.1:{base + 100}", time.monotonic() + LEASE_S + 5
+        while metric(prefill0, "kvrelay:kv_blocks_used"):
+            text = httpx.get(f"{prefill0}/metrics", timeout=10).text
+            assert (scrape(text, "kvrelay:kv_blocks_used")    # (held ones may share a block)
+                    <= scrape(text, "kvrelay:kv_blocks_held_for_remote")), text
+            assert time.monotonic() < held_until, text
+            time.sleep(0.5)
         print(f"ray deploy: ready {ready_s:.1f}s, prefill back {back_s:.1f}s, taken back by the "
               f"proxy {taken_back_s:.1f}s, a lost node's servers back {node_back_s:.1f}s, "
               f"{len(scaled)} requests while scaling")

@@ -64,6 +64,19 @@ def test_hold_rate_config_keys():
             KVTransferConfig.from_json({"kv_connector_extra_config": bad})
 
 
+
+def test_lease_from_vllms_abort_timeout_variable(monkeypatch):
+    monkeypatch.delenv("KVRELAY_NIXL_ABORT_REQUEST_TIMEOUT", raising=False)
+    monkeypatch.delenv("VLLM_NIXL_ABORT_REQUEST_TIMEOUT", raising=False)
+    assert KVTransferConfig.from_json({"kv_role": "kv_producer"}).lease_s == 120.0
+    monkeypatch.setenv("VLLM_NIXL_ABORT_REQUEST_TIMEOUT", "7.5")
+    assert KVTransferConfig.from_json({"kv_role": "kv_producer"}).lease_s == 7.5
+    explicit = {"kv_role": "kv_producer", "kv_connector_extra_config": {"lease_s": 30}}
+    assert KVTransferConfig.from_json(explicit).lease_s == 30.0     # the config file wins
+    monkeypatch.setenv("VLLM_NIXL_ABORT_REQUEST_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match="VLLM_NIXL_ABORT_REQUEST_TIMEOUT"):
+        KVTransferConfig.from_json({"kv_role": "kv_producer"})
+
 @dataclass
 class FakePrefill:
     """Answers every request with one token; do_remote_decode requests get the prefill's
