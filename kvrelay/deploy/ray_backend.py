@@ -12,8 +12,9 @@ view, which detached actors give without a second request path in front of ours.
 `ServerActor` starts `kvrelay serve` (or `kvrelay proxy`) on its node with the plan's
 command — bound to the node's address, its side channel advertised there — and exits when
 the process does, so Ray restarts it (`max_restarts`) and the process with it. Ray picks the
-node from the CPUs the server asks for (its ranks); device pinning is Ray's accounting, not
-the plan's device ids, which name one host's cores.
+node from the CPUs the server asks for (its ranks); the actor pins the server to that many of
+its host's cores (`claim_cores`: Ray counts CPUs, it does not pin; the plan's device ids name
+one host's cores, not the node Ray picks).
 
 The proxy's actor follows the servers: every half second it asks each server actor of the
 deployment (by name, in the deployment's namespace) where it is and whether it is ready and
@@ -32,6 +33,7 @@ draining (the proxy stops routing to it), stopped once it has nothing in flight 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import logging
 import os
@@ -103,6 +105,41 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+def claim_cores(count: int, table: Path | None = None) -> list[int]:
+    """`count` of this host's cores for the calling actor's server, the least claimed first
+    (ties: the lowest id). The claims live in one locked file per host, shared by every
+    actor on it (the nodes of a one-machine Ray cluster too); a claim whose process is gone
+    (an actor killed, or restarted under a new process) is dropped."""
+    import fcntl
+    path = table or Path(tempfile.gettempdir()) / "kvrelay-ray-cores.json"
+    mine = sorted(os.sched_getaffinity(0))
+    with open(path, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        try:
+            claims = {pid: cores for pid, cores in json.loads(f.read() or "{}").items()
+                      if _alive(int(pid))}
+        except (ValueError, AttributeError):            # not ours, or torn: start over
+            claims = {}
+        users = collections.Counter(c for cores in claims.values() for c in cores)
+        chosen = sorted(sorted(mine, key=lambda c: (users[c], c))[:max(count, 1)])
+        claims[str(os.getpid())] = chosen
+        f.seek(0)
+        f.truncate()
+        f.write(json.dumps(claims))
+    return chosen
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 # ------------------------------------------------------------------------------ actors
 
 class ServerActor:
@@ -121,9 +158,11 @@ class ServerActor:
         if role in ("prefill", "decode"):
             child_env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = self.ip
         if cpus and "OMP_NUM_THREADS" not in env:
-            # the CPUs Ray reserved for it (no core ids: Ray accounts, it does not pin), as
-            # the local deploy gives each server its slice of cores
+            # as many of this host's cores as Ray reserved CPUs for it (Ray accounts, it does
+            # not pin), the least shared first — as the local deploy hands a host's cores out
             child_env["OMP_NUM_THREADS"] = str(cpus)
+            if not any(a.startswith("cuda") for a in args):
+                child_env[envs.VISIBLE_DEVICES.name] = ",".join(map(str, claim_cores(cpus)))
         Path(log_dir).mkdir(parents=True, exist_ok=True)
         self.log_path = str(Path(log_dir) / f"{name}.log")
         command = [sys.executable, "-m", "kvrelay.cli", *with_host(args, self.ip)]

@@ -2,7 +2,10 @@
 what an actor inherits, and an address nobody answers at."""
 from __future__ import annotations
 
+import json
+import os
 import socket
+import subprocess
 
 import pytest
 
@@ -64,3 +67,21 @@ def test_an_address_nobody_answers_at_fails_at_once():
         ray_cluster._check_reachable(f"127.0.0.1:{port}")
     ray_cluster._check_reachable("auto")            # Ray's own lookup: not probed here
     ray_cluster._check_reachable("ray://head:10001")
+
+
+def test_deployed_servers_claim_the_least_claimed_cores_of_their_host(tmp_path):
+    """A Ray-placed server is pinned like a locally deployed one: its share of the host's
+    cores, the least claimed first; claims of processes that are gone do not count."""
+    from kvrelay.deploy.ray_backend import claim_cores
+    mine = sorted(os.sched_getaffinity(0))
+    table = tmp_path / "cores.json"
+    gone = subprocess.Popen(["true"])
+    gone.wait()                                            # a pid nobody has any more
+    table.write_text(json.dumps({"1": [mine[0]], str(gone.pid): mine[1:]}))
+    want = [mine[1]] if len(mine) > 1 else mine
+    assert claim_cores(1, table) == want                   # mine[0] is init's; the rest free
+    claims = json.loads(table.read_text())
+    assert claims == {"1": [mine[0]], str(os.getpid()): want}
+    assert claim_cores(len(mine) + 3, table) == mine       # never more than the host has
+    table.write_text("not json")
+    assert claim_cores(1, table) == mine[:1]               # a torn table starts over
