@@ -10,7 +10,14 @@
 #       benchmarks/big_model_serve.sh CKPT GGUF OUT_DIR [LLAMA_SERVER]
 set -euo pipefail
 CKPT=${1:?CKPT}; GGUF=${2:?GGUF}; OUT=${3:?OUT_DIR}
-LLAMA=${4:-/work/peers/llamacpp/build/bin/llama-server}
+# llama-server: the 4th argument, else build_llamacpp.sh's build under $KVRELAY_PEERS_DIR
+# (default: peers/ beside this checkout; see benchmarks/README.md, "Peers")
+PEERS=${KVRELAY_PEERS_DIR:-$(cd "$(dirname "$0")/../.." && pwd)/peers}
+LLAMA=${4:-$PEERS/llamacpp/build/bin/llama-server}
+if [ -f "$GGUF" ] && [ ! -x "$LLAMA" ]; then  # without llama-server only kvrelay runs
+  echo "warning: llama-server not found at $LLAMA (build it with build_llamacpp.sh" \
+    "\$KVRELAY_PEERS_DIR/llamacpp, set KVRELAY_PEERS_DIR or pass LLAMA_SERVER): kvrelay only" >&2
+fi
 PORT=${PORT:-18931}   # must be free: a server already on it would be measured instead
 mkdir -p "$OUT"
 PID=

@@ -20,7 +20,13 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("KVRELAY_BENCH_CACHE", Path(tempfile.gettempdir()) / "kvrelay-bench"))
-VLLM_PYTHON = os.environ.get("VLLM_PYTHON", "/work/vllm-venv/bin/python")
+# Where the peers are installed: PEERS_DIR/vllm (setup_vllm_cpu.sh's venv) and
+# PEERS_DIR/llamacpp (build_llamacpp.sh's tree). Default: `peers/` beside this checkout.
+PEERS_DIR = Path(os.environ.get("KVRELAY_PEERS_DIR", ROOT.parent / "peers"))
+# The scripts that build the peers (setup_vllm_cpu.sh, build_llamacpp.sh, convert_gguf.py).
+# Default: `shared/peers/` beside this checkout, where the team keeps them.
+PEER_SCRIPTS = Path(os.environ.get("KVRELAY_PEER_SCRIPTS", ROOT.parent / "shared" / "peers"))
+VLLM_PYTHON = os.environ.get("VLLM_PYTHON", str(PEERS_DIR / "vllm" / "bin" / "python"))
 THREADS = int(os.environ.get("BENCH_THREADS", "2"))
 
 # -- model configurations ------------------------------------------------------------------

@@ -11,8 +11,8 @@
 // Each pattern runs over 512 MB (DRAM) and over a 256 KiB slice per thread read again and
 // again (L2: the compute rate). Needs AVX512-BF16 (Zen 4, Sapphire Rapids and later).
 //
-//   gcc -O2 -fopenmp benchmarks/fp4_stream_probe.c -o /tmp/fp4_stream_probe
-//   OMP_NUM_THREADS=1 /tmp/fp4_stream_probe; OMP_NUM_THREADS=2 /tmp/fp4_stream_probe
+//   gcc -O2 -fopenmp benchmarks/fp4_stream_probe.c -o fp4_stream_probe
+//   OMP_NUM_THREADS=1 ./fp4_stream_probe; OMP_NUM_THREADS=2 ./fp4_stream_probe
 #define _GNU_SOURCE
 #include <immintrin.h>
 #include <omp.h>

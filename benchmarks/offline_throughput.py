@@ -491,7 +491,8 @@ def run_paired(specs: dict[str, dict[str, Any]], rounds: int, workdir: Path) -> 
     """kvrelay and transformers, both loaded and warm in their own processes, one timed
     pass each per round, back to back (the order alternating by round): each round's ratio
     is taken within seconds, under one state of a shared machine whose speed drifts by
-    2x over minutes (docs/benchmarks.md, "Session 10"). Returns every pass and the ratios."""
+    2x over minutes (docs/benchmarks.md, "How to benchmark here"). Returns every pass and
+    the ratios."""
     workers: dict[str, _PassWorker] = {}
     try:
         for engine, spec in specs.items():

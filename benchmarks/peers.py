@@ -4,7 +4,7 @@
     python benchmarks/peers.py [--models tiny-bf16,tiny-mxfp4,embedded]
         [--peers kvrelay,vllm,llamacpp] [--concurrency 1,8,64] [--rounds 2]
         [--num-prompts 64] [--input-len 200] [--output-len 64]
-        [--vllm /work/peers/vllm] [--llamacpp /work/peers/llamacpp] [--out benchmarks/results]
+        [--vllm DIR] [--llamacpp DIR] [--out benchmarks/results]
         [--baseline SRC_DIR]       # adds peer "kvrelay-base": kvrelay serve from another source
                                    # tree (e.g. `git archive` of main), for before/after in one run
         [--variant NAME:K=V,--FLAG]  # adds peer "kvrelay-NAME": this tree's kvrelay serve with
@@ -12,14 +12,22 @@
                                    # threads:OMP_NUM_THREADS=1 or async:--async-scheduling
     python benchmarks/peers.py --quick          # smoke run: tiny-bf16, 1 round, c=1,8, 16 prompts
 
-Checkpoints (written once into $KVRELAY_BENCH_CACHE, default /tmp/kvrelay-bench):
+Where the peers are (benchmarks/README.md, "Peers"):
+  --vllm DIR      setup_vllm_cpu.sh's venv; default $KVRELAY_PEERS_DIR/vllm
+  --llamacpp DIR  build_llamacpp.sh's tree; default $KVRELAY_PEERS_DIR/llamacpp
+  $KVRELAY_PEERS_DIR    default: `peers/` beside this checkout (../peers from the repo root)
+  $KVRELAY_PEER_SCRIPTS the team's peer scripts (setup_vllm_cpu.sh, build_llamacpp.sh,
+                        convert_gguf.py); default: ../shared/peers from the repo root
+
+Checkpoints (written once into $KVRELAY_BENCH_CACHE, default kvrelay-bench/ in the system's
+temporary directory):
   tiny-bf16   a random gpt-oss (4 layers, hidden 32, 4 heads of 64 — vLLM-CPU's attention
               needs head_dim >= 32 —, 8 experts top-2, sinks, sliding window 128) with
               gpt-oss's o200k tokenizer, bf16: ~13M parameters, most in the 201,088-row
               embedding and LM head — a per-step-overhead benchmark.
   tiny-mxfp4  the same weights with the experts in the official MXFP4 layout.
   embedded    kvrelay's embedded model (SmolLM2-135M as gpt-oss).
-llama.cpp gets a GGUF of each, made with /work/shared/peers/convert_gguf.py (bf16; MXFP4
+llama.cpp gets a GGUF of each, made with $KVRELAY_PEER_SCRIPTS/convert_gguf.py (bf16; MXFP4
 experts stay MXFP4).
 
 Servers (one at a time, 127.0.0.1, a free port, both cores each; stopped by PID, process
@@ -61,11 +69,20 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # tests.factories (checkpoints)
 
-from common import CACHE, ROOT, config_key, cpu_flags, cpu_model, git_sha, log
+from common import (
+    CACHE,
+    PEER_SCRIPTS,
+    PEERS_DIR,
+    ROOT,
+    config_key,
+    cpu_flags,
+    cpu_model,
+    git_sha,
+    log,
+)
 from serve_throughput import Server as _Server  # process-group handling
 from serve_throughput import free_port
 
-PEERS_DIR = Path("/work/shared/peers")
 SERVER_LEN = ["--max-model-len", "4096"]
 TINY: dict[str, Any] = {
     "vocab_size": 201088,
@@ -145,12 +162,20 @@ def gguf(ckpt: Path, llamacpp: Path) -> Path:
     """llama.cpp's GGUF of a checkpoint (cached beside it)."""
     out = CACHE / f"{ckpt.name}.gguf"
     if not out.is_file():
+        script = PEER_SCRIPTS / "convert_gguf.py"
+        if not script.is_file():
+            raise SystemExit(
+                f"{script} not found: llama.cpp needs a GGUF of {ckpt.name}. Set "
+                "KVRELAY_PEER_SCRIPTS to the directory holding the team's peer scripts "
+                "(convert_gguf.py, build_llamacpp.sh, setup_vllm_cpu.sh), or leave llamacpp "
+                "out of --peers."
+            )
         log(f"GGUF: converting {ckpt.name} ...")
         tmp = out.with_suffix(".tmp")
         subprocess.run(
             [
                 sys.executable,
-                str(PEERS_DIR / "convert_gguf.py"),
+                str(script),
                 str(llamacpp / "src"),
                 str(ckpt),
                 "--outfile",
@@ -200,7 +225,8 @@ def find_peers(
                     name,
                     False,
                     note=f"not installed ({exe} missing; run "
-                    f"{PEERS_DIR}/setup_vllm_cpu.sh {vllm_dest})",
+                    f"{PEER_SCRIPTS}/setup_vllm_cpu.sh {vllm_dest}, or point --vllm / "
+                    "KVRELAY_PEERS_DIR at an existing install)",
                 )
                 continue
             version = _run_out(
@@ -219,7 +245,8 @@ def find_peers(
                     name,
                     False,
                     note=f"not installed ({exe} missing; run "
-                    f"{PEERS_DIR}/build_llamacpp.sh {llamacpp_dest})",
+                    f"{PEER_SCRIPTS}/build_llamacpp.sh {llamacpp_dest}, or point --llamacpp "
+                    "/ KVRELAY_PEERS_DIR at an existing build)",
                 )
                 continue
             peers[name] = Peer(name, True, _run_out([str(exe), "--version"]).replace("\n", " "))
@@ -587,8 +614,18 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=200)
     ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("--vllm", type=Path, default=Path("/work/peers/vllm"))
-    ap.add_argument("--llamacpp", type=Path, default=Path("/work/peers/llamacpp"))
+    ap.add_argument(
+        "--vllm",
+        type=Path,
+        default=PEERS_DIR / "vllm",
+        help="vLLM-CPU venv (setup_vllm_cpu.sh DEST); default $KVRELAY_PEERS_DIR/vllm",
+    )
+    ap.add_argument(
+        "--llamacpp",
+        type=Path,
+        default=PEERS_DIR / "llamacpp",
+        help="llama.cpp tree (build_llamacpp.sh DEST); default $KVRELAY_PEERS_DIR/llamacpp",
+    )
     ap.add_argument("--ready-timeout", type=float, default=900)
     ap.add_argument("--cell-timeout", type=float, default=1800)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")

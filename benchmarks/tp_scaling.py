@@ -156,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", choices=sorted(CONFIGS), default="big")
     ap.add_argument("--dtype", default="float32",
-                    help="float32: on this CPU 1.7-3.4x faster than bf16 (docs/benchmarks.md)")
+                    help="float32: on an AVX2-only CPU 1.7-3.4x faster than bf16 "
+                         "(docs/benchmarks.md, Machines)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "tp_scaling.json"))
     args = ap.parse_args(argv)
