@@ -1,5 +1,5 @@
 """A real local Ray cluster for the tests of the Ray backends: three nodes on 127.0.0.1 (a
-head with no CPUs for actors, two nodes of 3 CPUs), one per test module, and a look at the
+head with no CPUs for actors, two nodes of 3 CPUs), one per test run, and a look at the
 Ray actor processes on this machine. Skips its importer when Ray is not installed."""
 from __future__ import annotations
 
@@ -30,10 +30,11 @@ class RayCluster:
         return iter((self.address, self.head_id))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def ray_cluster():
-    """A running three-node cluster (unpacks as (address, head node id)); shut down after
-    the module."""
+    """A running three-node cluster (unpacks as (address, head node id)), one for the whole
+    run (starting one costs seconds; each test leaves no actor behind, and a test that
+    removes a node adds one first, so every test finds a head and two nodes of NODE_CPUS)."""
     from ray.cluster_utils import Cluster
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
     try:

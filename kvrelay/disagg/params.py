@@ -181,7 +181,7 @@ class KVTransferConfig:
         return cls(kv_connector=raw.get("kv_connector", "NixlConnector"), kv_role=role,
                    kv_buffer_device=device, backends=tuple(str(b).upper() for b in backends),
                    kv_load_failure_policy=policy,
-                   lease_s=float(extra.pop("lease_s", None) or envs.KV_LEASE_S.as_float()),
+                   lease_s=float(extra.pop("lease_s", None) or envs.KV_LEASE_S.as_float() or 120.0),
                    load_timeout_s=float(extra.pop("load_timeout_s", 60.0)),
                    hold_share=hold_share, hold_rate=hold_rate, hold_burst=hold_burst,
                    max_connections=int(max_connections), allowed_prefills=allowed,
