@@ -145,7 +145,8 @@ def engine_profile(
 
     from kvrelay.config import EngineArgs
     from kvrelay.engine.core import LLMEngine
-    from kvrelay.engine.core_proc import as_delta, engine_stats
+    from kvrelay.engine.core_stats import engine_stats
+    from kvrelay.engine.messages import as_delta
     from kvrelay.sampling_params import SamplingParams
 
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
@@ -202,11 +203,11 @@ def forward_ab(engine: Any, concurrency: int, rounds: int = 15, calls: int = 20
     """Median time of `model.forward` on one captured decode step in alternating rounds
     (CLOCK: wall, or thread CPU time with --cpu-time) along three paths: the whole step in
     one native call (`DecodeStack`, the default), the fused decode path layer by layer
-    (`DecodeStack.enabled` off), and the separate modules (`DecoderLayer.fused_decode` off
-    as well)."""
-    import torch
+    (the plan's `decode_stack` off), and the separate modules (its `fused_decode` off as
+    well)."""
+    import dataclasses
 
-    from kvrelay.model import gpt_oss
+    import torch
 
     captured: list[tuple[Any, ...]] = []
     model = engine.runner.model
@@ -226,20 +227,20 @@ def forward_ab(engine: Any, concurrency: int, rounds: int = 15, calls: int = 20
     args = captured[-1]  # a decode step (every sequence one token)
     paths = {"stack": (True, True), "layers": (False, True), "separate": (False, False)}
     times: dict[str, list[float]] = {name: [] for name in paths}
+    plan = model.plan
     try:
         with torch.inference_mode():
             for _ in range(rounds):
                 for name, (stack, fused) in paths.items():
-                    gpt_oss.DecodeStack.enabled = stack
-                    gpt_oss.DecoderLayer.fused_decode = fused
+                    model.use_plan(dataclasses.replace(plan, decode_stack=stack,
+                                                       fused_decode=fused))
                     forward(*args)
                     t0 = CLOCK()
                     for _ in range(calls):
                         forward(*args)
                     times[name].append((CLOCK() - t0) / calls / 1e6)
     finally:
-        gpt_oss.DecodeStack.enabled = True
-        gpt_oss.DecoderLayer.fused_decode = True
+        model.use_plan(plan)
     med = {name: statistics.median(t) for name, t in times.items()}
     return {"sequences": int(args[0].shape[0]), "stack_ms": round(med["stack"], 4),
             "fused_ms": round(med["layers"], 4), "separate_ms": round(med["separate"], 4),

@@ -38,6 +38,13 @@ def _state_dir(tmp_path_factory):
     os.environ.setdefault("KVRELAY_STATE_DIR", str(tmp_path_factory.mktemp("kvrelay-state")))
 
 
+def pytest_report_header(config: pytest.Config) -> str:
+    """Which ISA builds of the native kernels this CPU runs (the kernel tests run each of
+    them) and which it cannot, with the features it lacks (those tests skip, saying so)."""
+    from kvrelay.model.kernels import isa
+    return isa.report()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _paged_decode_kernel():
     """Build the native kernels (MoE, paged decode attention) once, before any test starts

@@ -1,10 +1,11 @@
 """What two KV caches must agree on to exchange blocks (disaggregated serving).
 
 Prefill and decode servers exchange this spec in the side-channel handshake
-(`disagg/connector.py`) and compare it field by field, then both TP sizes and a hash of
+(`disagg/handshake.py`) and compare it field by field, then both TP sizes and a hash of
 spec and TP sizes (`pairing_hash`); a mismatch is an error naming the differing fields,
 never garbage. `compat_hash()` and `differences()` are the same checks on two specs held
-in one process.
+in one process. `numerics` names how the KV was computed (model/execution_plan.py), so two
+servers whose execution plans would write different KV bytes for one prompt refuse to pair.
 """
 from __future__ import annotations
 
@@ -27,6 +28,10 @@ class KVCacheSpec:
     sliding_window: int | None
     layout: str = KV_LAYOUT
     version: int = 1
+    # what decides the KV bytes besides the dtype: the matmul precision of half-precision
+    # models (`ExecutionPlan.numerics`, e.g. "kv=bfloat16;matmul=native-bfloat16"); a prefill
+    # and a decode that would compute the same prompt's KV differently do not pair
+    numerics: str = ""
 
     def compat_hash(self) -> str:
         blob = json.dumps(asdict(self), sort_keys=True).encode()

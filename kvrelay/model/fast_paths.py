@@ -1,15 +1,14 @@
 """What this process's CPU fast paths resolved to, for the server's metrics.
 
 Sent once with the engine core's "ready" message and exported as
-`kvrelay:native_kernels_available` / `kvrelay:half_matmul_path`. It sits above the layers
-and the kernels they call, so neither has to know about the other's choice.
+`kvrelay:native_kernels_available` / `kvrelay:half_matmul_path`: this process's
+`ExecutionPlan` (model/execution_plan.py) and the kernels' build state.
 """
 from __future__ import annotations
 
 from typing import Any
 
-from kvrelay.model import kernels
-from kvrelay.model.layers import linear, moe, paged_decode
+from kvrelay.model import execution_plan, kernels
 
 
 def native_paths() -> dict[str, Any]:
@@ -22,11 +21,11 @@ def native_paths() -> dict[str, Any]:
     KVRELAY_ATTENTION_KERNEL=reference / KVRELAY_DENSE_KERNEL=torch turned it off (then
     nothing is built for it). "dense" is the decode-sized matmuls' and norms' kernel."""
     status = kernels.status()
-    moe_on = moe.moe_kernel_mode() != "torch" and status.available
+    plan = execution_plan.current()
     return {
-        "kernels": {"moe": status.isa if moe_on else None,
-                    "paged_decode": status.isa if paged_decode.enabled() else None,
-                    "dense": linear.dense_kernel_isa() if status.available else None},
+        "kernels": {"moe": status.isa if plan.moe_native else None,
+                    "paged_decode": status.isa if plan.attention == "native" else None,
+                    "dense": plan.dense if status.available else None},
         "build": "ready" if status.available else "building" if status.building else "failed",
-        "half_matmul": "native" if linear.half_matmul_choice().native else "fp32",
+        "half_matmul": plan.matmul,
     }

@@ -10,12 +10,16 @@ native pass for decode-sized steps), so a layer returns its MoE output and the r
 stream separately and the next layer (or the final norm) adds them.
 
 Decode-only steps (every token a decode, native kernels built) take `DecoderLayer.decode`
-when `DecoderLayer.fused_decode` is on: the same computation with fewer calls per layer —
+where the model's `ExecutionPlan` says `fused_decode`: the same computation with fewer calls
+per layer —
 RoPE, the KV write and the paged attention in one native call
 (`PagedAttention.rotary_decode`), the router (linear, `route_topk`) and the experts in
 another (`Experts.route_decode`), and no module-call or dispatch wrappers between them.
 Its results are bitwise those of the separate ops (tests/model/test_paged_decode.py,
-tests/model/test_fused_decode_layer.py); the model decides once per step.
+tests/model/test_fused_decode_layer.py); the model decides once per step. Where the plan
+also says `decode_stack`, every layer of such a step runs as one native call (`DecodeStack`)
+for batch sizes at which each layer's ops are all native. Tests and profilers choose the path
+through the plan: `model.use_plan(dataclasses.replace(model.plan, decode_stack=False))`.
 
 Everything per step arrives in `AttentionMetadata` (query/context lengths, block
 tables and slot mappings per KV-cache group). Each layer owns a KV cache tensor
@@ -23,22 +27,22 @@ tables and slot mappings per KV-cache group). Each layer owns a KV cache tensor
 """
 from __future__ import annotations
 
-import functools
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from kvrelay.model import execution_plan
 from kvrelay.model.config import FULL, GptOssConfig
-from kvrelay.model.layers import paged_decode
+from kvrelay.model.execution_plan import ExecutionPlan
 from kvrelay.model.layers.attention import AttentionMetadata, PagedAttention
 from kvrelay.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from kvrelay.model.layers.linear import QKVParallelLinear, RowParallelLinear, linear
-from kvrelay.model.layers.linear import _dense as runs_on_dense_kernel
-from kvrelay.model.layers.moe import MoE
+from kvrelay.model.layers.linear import QKVParallelLinear, RowParallelLinear, runs_on_dense_kernel
+from kvrelay.model.layers.moe import DecodeArgs, Experts, MoE, Router
 from kvrelay.model.layers.norm import RMSNorm
 from kvrelay.model.layers.rotary import RotaryEmbedding
-from kvrelay.model.parallel import Collectives, ParallelContext
+from kvrelay.model.parallel import ParallelContext
 from kvrelay.model.weights import WeightSource
 
 
@@ -52,15 +56,15 @@ def kv_cache_groups(config: GptOssConfig, hybrid: bool) -> tuple[int, ...]:
 
 class Attention(nn.Module):
     def __init__(self, config: GptOssConfig, layer: int, group: int, ctx: ParallelContext,
-                 dtype: torch.dtype, rotary: RotaryEmbedding) -> None:
+                 dtype: torch.dtype, rotary: RotaryEmbedding, plan: ExecutionPlan) -> None:
         super().__init__()
         c = config
         self.qkv = QKVParallelLinear(c.hidden_size, c.head_dim, c.num_attention_heads,
-                                     c.num_key_value_heads, ctx, dtype)
+                                     c.num_key_value_heads, ctx, dtype, plan)
         self.o_proj = RowParallelLinear(c.num_attention_heads * c.head_dim, c.hidden_size, ctx,
-                                        dtype)
+                                        dtype, plan=plan)
         self.attn = PagedAttention(self.qkv.num_heads, self.qkv.num_kv_heads, c.head_dim,
-                                   c.window_of(layer), group, ctx)
+                                   c.window_of(layer), group, ctx, plan)
         self.rotary = rotary
         self.ctx = ctx
 
@@ -79,24 +83,46 @@ class Attention(nn.Module):
         return self.o_proj(out.flatten(1))                     # [T, H]
 
 
-@functools.cache
-def _route_op() -> Any:
-    """`kvrelay_kernels::route_topk` (csrc/fused_decode_op.cpp), resolved once."""
-    return torch.ops.kvrelay_kernels.route_topk.default
+@dataclass(frozen=True, slots=True)
+class DecodeModules:
+    """The modules `DecoderLayer.decode` calls, named, fetched once per plan (an nn.Module
+    attribute lookup costs ~0.5 µs; a layer step makes a dozen). `DecoderLayer.use_plan`
+    fetches them again: replace a layer's submodules before handing the model its plan."""
+
+    ln1: RMSNorm
+    qkv: QKVParallelLinear
+    attn: PagedAttention
+    o_proj: RowParallelLinear
+    ln2: RMSNorm
+    experts: Experts
+    router: Router
+    ctx: ParallelContext
 
 
 class DecoderLayer(nn.Module):
-    fused_decode = True     # decode-only steps through `decode` (see the module docstring)
-
     def __init__(self, config: GptOssConfig, layer: int, group: int, ctx: ParallelContext,
-                 dtype: torch.dtype, rotary: RotaryEmbedding, mxfp4: bool) -> None:
+                 dtype: torch.dtype, rotary: RotaryEmbedding, mxfp4: bool,
+                 plan: ExecutionPlan) -> None:
         super().__init__()
         c = config
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = Attention(c, layer, group, ctx, dtype, rotary)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, plan)
+        self.self_attn = Attention(c, layer, group, ctx, dtype, rotary, plan)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, plan)
         self.mlp = MoE(c.hidden_size, c.intermediate_size, c.num_local_experts,
-                       c.num_experts_per_tok, ctx, dtype, c.swiglu_alpha, c.swiglu_limit, mxfp4)
+                       c.num_experts_per_tok, ctx, dtype, c.swiglu_alpha, c.swiglu_limit, mxfp4,
+                       plan)
+        self.mods = self._fetch()
+
+    def _fetch(self) -> DecodeModules:
+        attn, mlp = self.self_attn, self.mlp
+        return DecodeModules(self.input_layernorm, attn.qkv, attn.attn, attn.o_proj,
+                             self.post_attention_layernorm, mlp.experts, mlp.router, mlp.ctx)
+
+    def use_plan(self, plan: ExecutionPlan) -> None:
+        """Every submodule follows `plan` from the next step on."""
+        m = self.mods = self._fetch()
+        for module in (m.ln1, m.qkv, m.attn, m.o_proj, m.ln2, m.experts, m.router):
+            module.plan = plan
 
     def load(self, src: WeightSource, prefix: str) -> None:
         self.input_layernorm.weight.copy_(src.get(f"{prefix}.input_layernorm.weight"))
@@ -124,128 +150,93 @@ class DecoderLayer(nn.Module):
         ops, RoPE + KV write + attention as one native call, the router (linear, top-k,
         softmax) and the experts as another (`Experts.route_decode`), modules called
         without their wrappers."""
-        ln1, qkv, attn, o_proj, ln2, experts, _ctx, router = self._decode_modules
+        m = self.mods
         if residual is None:
-            residual, x = h, ln1.forward(h)
+            residual, x = h, m.ln1.forward(h)
         else:
-            residual, x = ln1.add_forward(residual, h)
-        qk, v = qkv.qk_v(x)                                    # [T, h + kvh, hd], [T, kvh, hd]
-        out = attn.rotary_decode(qk, v, positions, cos, sin, kv_cache, meta)     # [T, h·hd]
-        residual, x = ln2.add_forward(residual, o_proj.forward(out))
-        return experts.route_decode(x, router, self.route), residual    # all-reduced
-
-    @property
-    def _decode_modules(self) -> tuple[Any, ...]:
-        """The modules `decode` calls, looked up once (an nn.Module attribute lookup costs
-        ~0.5 µs; a layer step makes a dozen). Setting any attribute of the layer drops
-        them (`__setattr__`); replace deeper submodules through the layer, not in place."""
-        mods = self.__dict__.get("_decode_mods")
-        if mods is None:
-            attn, mlp = self.self_attn, self.mlp
-            mods = (self.input_layernorm, attn.qkv, attn.attn, attn.o_proj,
-                    self.post_attention_layernorm, mlp.experts, mlp.ctx, mlp.router)
-            self.__dict__["_decode_mods"] = mods
-        return mods
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        self.__dict__.pop("_decode_mods", None)
-        super().__setattr__(name, value)
-
-    def route(self, x: torch.Tensor, router: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """`router.forward` (moe.Router) with the top-k and softmax in one native call:
-        (weights [T, k] f32, expert ids [T, k] int64), the values the experts read from the
-        eager router."""
-        return _route_op()(linear(x, router.weight, router.bias), router.top_k)
-
-
-# Instance attributes that replace a method `DecoderLayer.decode` calls (a profiler's
-# wrappers, a test's spy): the stack would bypass them, so such layers keep `decode` (as
-# they do when `DecoderLayer.decode` itself is replaced).
-_DECODE_METHODS = ("forward", "add_forward", "qk_v", "rotary_decode", "route_decode", "decode")
-_LAYER_DECODE = DecoderLayer.decode
+            residual, x = m.ln1.add_forward(residual, h)
+        qk, v = m.qkv.qk_v(x)                                  # [T, h + kvh, hd], [T, kvh, hd]
+        out = m.attn.rotary_decode(qk, v, positions, cos, sin, kv_cache, meta)   # [T, h·hd]
+        residual, x = m.ln2.add_forward(residual, m.o_proj.forward(out))
+        return m.experts.route_decode(x, m.router, m.router.route_native), residual
 
 
 class DecodeStack:
     """`DecoderLayer.decode` of every layer as one native call
     (`kvrelay_kernels.DecodeStack`, csrc/decode_stack_op.cpp: the same ops in the same
     order, called from C++, so bitwise the same results), the weights registered once.
-    Used for a batch size where every layer's decode would run natively: one rank, the
-    norms, qkv and o_proj on the native kernels, the router and experts in one call
-    (`Experts.route_decode`), and no method replaced on an instance (`_DECODE_METHODS`).
-    Made again when a layer's modules or an experts' decode plan change (`current`)."""
+    The model makes one where its plan says `decode_stack` and every layer can join (one
+    rank, the experts' decode arguments made: `make`), and runs it for a batch size where
+    every layer's decode would run natively (`usable`). Made again when an experts'
+    decode arguments change (`current`)."""
 
-    enabled = True      # off: DecoderLayer.decode layer by layer (comparisons, profiling)
-
-    def __init__(self, model: GptOssModel) -> None:
-        self.model = model
-        layers = [layer for layer in model.layers if isinstance(layer, DecoderLayer)]
-        self.mods = [layer._decode_modules for layer in layers]
+    def __init__(self, layers: list[DecoderLayer]) -> None:
         self.layers = layers
-        self.plans = [mods[5]._plan() for mods in self.mods]
+        self.mods = [layer.mods for layer in layers]
+        self.args = [m.experts._decode_args() for m in self.mods]
         self.usable: dict[int, bool] = {}
-        self.native: Any = None
-        if len(layers) == len(model.layers) and self._static_ok():
-            self.native = torch.classes.kvrelay_kernels.DecodeStack()
-            for mods, plan in zip(self.mods, self.plans):
-                self._add(mods, plan)
+        self.native = torch.classes.kvrelay_kernels.DecodeStack()
+        for mods, args in zip(self.mods, self.args):
+            self._add(mods, args)
+
+    @classmethod
+    def make(cls, model: GptOssModel) -> DecodeStack | None:
+        """The stack of `model`'s layers, or None where some layer cannot join."""
+        layers = [layer for layer in model.layers if isinstance(layer, DecoderLayer)]
+        if (not model.plan.decode_stack or len(layers) != len(model.layers)
+                or not hasattr(torch.classes.kvrelay_kernels, "DecodeStack")):
+            return None
+        for layer in layers:
+            args = layer.mods.experts._decode_args()
+            if layer.mods.ctx.tp_size != 1 or args.reduce is not None or args.route_op is None:
+                return None
+        return cls(layers)
 
     def current(self) -> bool:
-        return all(layer.__dict__.get("_decode_mods") is mods and
-                   mods[5].__dict__.get("_decode_plan") is plan and plan.current()
-                   for layer, mods, plan in zip(self.layers, self.mods, self.plans))
+        return all(m.experts._decode_args() is args for m, args in zip(self.mods, self.args))
 
     def get(self, h: torch.Tensor) -> Any:
-        if (self.native is None or not DecodeStack.enabled
-                or DecoderLayer.decode is not _LAYER_DECODE):      # replaced: a spy, a profiler
-            return None
+        """The native stack for a batch like h, or None (layer by layer)."""
         usable = self.usable.get(h.shape[0])
         if usable is None:
             usable = self.usable[h.shape[0]] = self._usable(h)
         return self.native if usable else None
 
-    def _static_ok(self) -> bool:
-        if not hasattr(torch.classes.kvrelay_kernels, "DecodeStack"):
-            return False
-        for mods, plan in zip(self.mods, self.plans):
-            o_proj, ctx = mods[3], mods[6]
-            if (ctx.tp_size != 1 or plan.reduce is not None or plan.route_op is None
-                    or type(o_proj.ctx.comm).all_reduce is not Collectives.all_reduce):
-                return False
-            if any(name in m.__dict__ for m in mods[:6] for name in _DECODE_METHODS):
-                return False
-        return True
-
     def _usable(self, h: torch.Tensor) -> bool:
         """Whether every layer's `decode` of a batch like h takes the native ops only."""
-        for ln1, qkv, _attn, o_proj, ln2, experts, _ctx, router in self.mods:
-            out = h.new_empty(h.shape[0], o_proj.weight.shape[1])
-            if (ln1._ops(h) is None or ln2._ops(h) is None
-                    or not runs_on_dense_kernel(h, qkv.weight)
-                    or not runs_on_dense_kernel(out, o_proj.weight)
-                    or not experts._fuses_router(h, router)):
+        for m in self.mods:
+            out = h.new_empty(h.shape[0], m.o_proj.weight.shape[1])
+            if (m.ln1._ops(h) is None or m.ln2._ops(h) is None
+                    or not runs_on_dense_kernel(h, m.qkv.weight, m.qkv.plan)
+                    or not runs_on_dense_kernel(out, m.o_proj.weight, m.o_proj.plan)
+                    or not m.experts._fuses_router(h, m.router)):
                 return False
         return True
 
-    def _add(self, mods: tuple[Any, ...], plan: Any) -> None:
-        ln1, qkv, attn, o_proj, ln2, _experts, _ctx, router = mods
+    def _add(self, m: DecodeModules, args: DecodeArgs) -> None:
         first, gate_up, gate_up_scales, gate_up_bias, down, down_scales, down_bias, alpha, \
-            limit, _isa = plan.args
+            limit, _isa = args.args
         self.native.add_layer(
-            ln1.weight, ln1.eps, ln2.weight, ln2.eps, qkv.weight, qkv.bias, qkv.num_heads,
-            qkv.num_kv_heads, qkv.head_dim, attn.group, attn.sinks, attn.scale,
-            attn.window or 0, o_proj.weight, o_proj.bias, router.weight, router.bias,
-            router.top_k, first, gate_up, gate_up_scales, gate_up_bias, down, down_scales,
-            down_bias, alpha, limit)
+            m.ln1.weight, m.ln1.eps, m.ln2.weight, m.ln2.eps, m.qkv.weight, m.qkv.bias,
+            m.qkv.num_heads, m.qkv.num_kv_heads, m.qkv.head_dim, m.attn.group, m.attn.sinks,
+            m.attn.scale, m.attn.window or 0, m.o_proj.weight, m.o_proj.bias, m.router.weight,
+            m.router.bias, m.router.top_k, first, gate_up, gate_up_scales, gate_up_bias, down,
+            down_scales, down_bias, alpha, limit)
 
 
 class GptOssModel(nn.Module):
-    """The whole network for one rank. `tp_size=1, ep_size=1` is the plain model."""
+    """The whole network for one rank. `tp_size=1, ep_size=1` is the plain model.
+    Owner of its `ExecutionPlan` (this process's by default), which its layers read."""
 
     def __init__(self, config: GptOssConfig, ctx: ParallelContext | None = None,
                  dtype: torch.dtype = torch.bfloat16, mxfp4: bool = False,
-                 hybrid_kv_cache: bool = True, max_positions: int | None = None) -> None:
+                 hybrid_kv_cache: bool = True, max_positions: int | None = None,
+                 plan: ExecutionPlan | None = None) -> None:
         super().__init__()
         self.config, self.dtype, self.mxfp4 = config, dtype, mxfp4
+        self.plan = plan = plan or execution_plan.current()
+        self._stack: DecodeStack | None = None
+        self._stack_made = False        # DecodeStack.make was asked under this plan
         self.ctx = ctx = ctx or ParallelContext()
         self.layer_groups = kv_cache_groups(config, hybrid_kv_cache)
         self.max_positions = max_positions or config.max_position_embeddings
@@ -253,9 +244,9 @@ class GptOssModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx,
                                                    dtype)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, self.layer_groups[i], ctx, dtype, self.rotary, mxfp4)
+            DecoderLayer(config, i, self.layer_groups[i], ctx, dtype, self.rotary, mxfp4, plan)
             for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, plan)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, ctx, dtype)
 
     @property
@@ -291,15 +282,25 @@ class GptOssModel(nn.Module):
             return self.norm(h)
         return self.norm.add_forward(residual, h)[1]
 
+    def use_plan(self, plan: ExecutionPlan) -> None:
+        """Follow `plan` from the next step on (a test's or profiler's choice of paths; the
+        native kernels becoming available, `engine/native_switch.py`)."""
+        self.plan = plan
+        self.norm.plan = plan
+        for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)
+            layer.use_plan(plan)
+        self._stack, self._stack_made = None, False
+
     def fused_step(self, h: torch.Tensor, kv_caches: list[torch.Tensor],
                    meta: AttentionMetadata) -> bool:
-        """Whether this step's layers take `DecoderLayer.decode`: a
-        decode-only step, eager, on the native kernels, one rank (no expert parallelism
-        across replicas), every layer's cache contiguous in the activations' dtype (the
-        caches are allocated alike: the first layer's decides)."""
-        if (not DecoderLayer.fused_decode or meta.num_decodes != h.shape[0]
+        """Whether this step's layers take `DecoderLayer.decode`: the plan's fused decode,
+        a decode-only step, eager, one rank (no expert parallelism across replicas), every
+        layer's cache contiguous in the activations' dtype (the caches are allocated
+        alike: the first layer's decides)."""
+        if (not self.plan.fused_decode or meta.num_decodes != h.shape[0]
                 or self.ctx.expert_group is not None or not self.layers
-                or torch.compiler.is_compiling() or not paged_decode.available(h.device)):
+                or torch.compiler.is_compiling() or h.device.type != "cpu"):
             return False
         first = self.layers[0]
         assert isinstance(first, DecoderLayer)
@@ -308,21 +309,19 @@ class GptOssModel(nn.Module):
         return first.self_attn.attn.fuses_decode(h, kv_caches[0], meta)
 
     def _decode_stack(self, h: torch.Tensor) -> Any:
-        """The layers of this decode-only step as one native call (`DecodeStack`), or None
-        where some layer would not run `DecoderLayer.decode` on native ops alone."""
-        stack = self.__dict__.get("_stack")
-        if stack is None or not stack.current():
-            stack = self.__dict__["_stack"] = DecodeStack(self)
+        """The layers of this decode-only step as one native call (`DecodeStack`), or None:
+        the plan has no stack, or some layer would not run `decode` on native ops alone."""
+        stack = self._stack
+        if stack is None:
+            if self._stack_made:            # some layer cannot join under this plan
+                return None
+            stack = self._stack = DecodeStack.make(self)
+            self._stack_made = True
+            if stack is None:
+                return None
+        elif not stack.current():
+            stack = self._stack = DecodeStack(stack.layers)
         return stack.get(h)
-
-    def forget_kernel_plans(self) -> None:
-        """Drop what was planned from the native kernels' availability — the decode stack,
-        the experts' decode plans — after it changed (a background build finished,
-        `engine/native_switch.py`): the next step plans again."""
-        self.__dict__.pop("_stack", None)
-        for layer in self.layers:
-            assert isinstance(layer, DecoderLayer)
-            layer.mlp.experts.forget_decode_plan()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[T', H] → float32 logits [T', V]."""

@@ -29,6 +29,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from kvrelay.model.config import CheckpointError, GptOssConfig, load_config
+from kvrelay.model.execution_plan import ExecutionPlan
 from kvrelay.model.gpt_oss import DecoderLayer, GptOssModel
 from kvrelay.model.mxfp4 import BLOCK
 from kvrelay.model.parallel import ParallelContext
@@ -236,12 +237,14 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype = torch.bfloat16,
                quantization: str | None = "auto", hf_overrides: dict[str, Any] | None = None,
                ctx: ParallelContext | None = None, device: str | torch.device = "cpu",
                hybrid_kv_cache: bool = True, max_positions: int | None = None,
-               progress: bool = True, config: GptOssConfig | None = None) -> LoadedModel:
+               progress: bool = True, config: GptOssConfig | None = None,
+               plan: ExecutionPlan | None = None) -> LoadedModel:
     """Build the model for one rank and read its shard of the weights.
 
     quantization: "auto" keeps MXFP4 checkpoints packed and dense ones dense; "mxfp4"
     requires MXFP4 experts on disk; None dequantises MXFP4 experts at load.
     config: the checkpoint's parsed config.json when the caller has it (EngineConfig).
+    plan: the model's execution plan (default: this process's, `execution_plan.current()`).
     """
     start = time.perf_counter()
     model_dir = Path(model_dir)
@@ -256,7 +259,7 @@ def load_model(model_dir: str | Path, *, dtype: torch.dtype = torch.bfloat16,
                               f"(*_blocks/*_scales); this checkpoint stores dense experts")
     packed = mxfp4_on_disk and quantization in ("auto", "mxfp4")
     with torch.no_grad():
-        model = GptOssModel(config, ctx, dtype, packed, hybrid_kv_cache, max_positions)
+        model = GptOssModel(config, ctx, dtype, packed, hybrid_kv_cache, max_positions, plan)
         _load_with_progress(model, src, progress)
         model.to(device)
     model.eval()

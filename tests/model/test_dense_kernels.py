@@ -2,18 +2,21 @@
 the PyTorch reference paths, for every ISA build this CPU runs, and their dispatch."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kvrelay.model import kernels
+from kvrelay.model import execution_plan, kernels
 from kvrelay.model.layers import linear as L
 from kvrelay.model.layers import norm as N
+from tests.kernel_isas import isa_params
 
 pytestmark = pytest.mark.skipif(not kernels.status().available,
                                 reason="the native kernels cannot be built here")
 
-ISAS = tuple(torch.ops.kvrelay_kernels.dense_isas()) if kernels.status().available else ()
+ISAS = isa_params("dense")
 # K and N off every vector width (16 fp32 / 32 bf16 lanes, the 8-column work items)
 SHAPES = [(37, 45), (130, 67), (9, 100), (96, 576)]
 
@@ -22,12 +25,10 @@ SHAPES = [(37, 45), (130, 67), (9, 100), (96, 576)]
 def dense_mode(monkeypatch):
     def set_mode(value: str) -> None:
         monkeypatch.setenv("KVRELAY_DENSE_KERNEL", value)
-        for fn in (L.dense_kernel_isa, L._dense_rows, N._native_ops):
-            fn.cache_clear()
+        execution_plan.current.cache_clear()
     yield set_mode
     monkeypatch.delenv("KVRELAY_DENSE_KERNEL", raising=False)
-    for fn in (L.dense_kernel_isa, L._dense_rows, N._native_ops):
-        fn.cache_clear()
+    execution_plan.current.cache_clear()
 
 
 def _operands(m: int, n: int, k: int, dtype: torch.dtype, seed: int):
@@ -193,15 +194,15 @@ def test_linear_dispatches_decode_rows_to_the_kernel(dense_mode):
         pytest.skip("only the generic dense build runs on this CPU")
     x, w, b = _operands(40, 96, 64, torch.bfloat16, seed=3)
     limit = L.DENSE_MAX_ROWS[isa][torch.bfloat16]
-    assert L._dense(x[:1], w) and L._dense(x[:limit], w)
+    assert L.runs_on_dense_kernel(x[:1], w) and L.runs_on_dense_kernel(x[:limit], w)
     # past the row limit only a call within the small-call budget keeps the kernel
     big = torch.zeros(L.DENSE_SMALL_CALL_MACS.get(isa, 0) // limit + 1, 64, dtype=torch.bfloat16)
-    assert L._dense(x[:limit], big) and not L._dense(x[:limit + 1], big)
+    assert L.runs_on_dense_kernel(x[:limit], big) and not L.runs_on_dense_kernel(x[:limit + 1], big)
     # the kernel's result (not torch's) comes back for decode rows
     kernel = torch.ops.kvrelay_kernels.dense_linear(x[:1], w, b, "")
     assert torch.equal(L.linear(x[:1], w, b), kernel)
     dense_mode("torch")
-    assert L.dense_kernel_isa() is None and not L._dense(x[:1], w)
+    assert L.dense_kernel_isa() is None and not L.runs_on_dense_kernel(x[:1], w)
     assert torch.equal(L.linear(x[:1], w, b), F.linear(x[:1], w, b))
 
 
@@ -216,9 +217,9 @@ def test_small_calls_take_the_kernel_at_any_row_count(dense_mode):
     rows = budget // w.numel()
     assert rows > limit
     x, wide = torch.zeros(rows + 1, 128, dtype=torch.bfloat16), torch.zeros(8, L.WIDE_K)
-    assert L._dense(x[:rows], w) and not L._dense(x, w)
-    assert L._dense(torch.zeros(rows, L.WIDE_K), wide)      # however wide, if it is small
-    assert not L._dense(x[:rows].float(), w)                 # dtypes must still agree
+    assert L.runs_on_dense_kernel(x[:rows], w) and not L.runs_on_dense_kernel(x, w)
+    assert L.runs_on_dense_kernel(torch.zeros(rows, L.WIDE_K), wide)   # however wide, if small
+    assert not L.runs_on_dense_kernel(x[:rows].float(), w)              # dtypes must still agree
     # and the kernel's result comes back, equal to torch's to bf16 rounding
     x, w, b = _operands(rows, 256, 128, torch.bfloat16, seed=5)
     kernel = torch.ops.kvrelay_kernels.dense_linear(x, w, b, "")
@@ -235,9 +236,9 @@ def test_wide_matmuls_keep_the_kernel_for_fewer_rows(dense_mode):
     wide = min(limit, L.WIDE_MAX_ROWS)
     w = torch.zeros(1024, L.WIDE_K, dtype=torch.bfloat16)    # past the small-call budget
     x = torch.zeros(limit + 1, L.WIDE_K, dtype=torch.bfloat16)
-    assert L._dense(x[:wide], w) and not L._dense(x[:wide + 1], w)
+    assert L.runs_on_dense_kernel(x[:wide], w) and not L.runs_on_dense_kernel(x[:wide + 1], w)
     narrow = torch.zeros(limit, L.WIDE_K - 1, dtype=torch.bfloat16)
-    assert L._dense(narrow, w[:, :-1])       # below WIDE_K the ISA's own limit holds
+    assert L.runs_on_dense_kernel(narrow, w[:, :-1])       # below WIDE_K the ISA's own limit holds
 
 
 def test_bad_dense_mode_names_the_variable(dense_mode):
@@ -266,7 +267,7 @@ def test_native_norms_match_the_reference(dense_mode, dtype, m, hidden):
     h, normed = norm.add_forward(x, delta)
     assert torch.equal(h, x + delta)          # the residual rounds exactly as torch's add
     torch.testing.assert_close(normed, norm.reference(x + delta), **tol)
-    dense_mode("torch")                       # the reference path computes the same pair
+    norm.plan = dataclasses.replace(norm.plan, dense=None)   # the reference path: same pair
     h_ref, normed_ref = norm.add_forward(x, delta)
     assert torch.equal(h_ref, h) and torch.equal(normed_ref, norm.reference(x + delta))
 

@@ -4,13 +4,18 @@ kernels are not built) against the reference path (gather from the paged cache, 
 
 from __future__ import annotations
 
+import dataclasses
+import sys
+
 import pytest
 import torch
 
-from kvrelay.model import kernels
-from kvrelay.model.layers import attention, paged_decode
+from kvrelay.model import execution_plan
+from kvrelay.model.execution_plan import ExecutionPlan
+from kvrelay.model.layers import paged_decode
 from kvrelay.model.layers.attention import QUERY_PIECE, AttentionMetadata, PagedAttention
 from kvrelay.model.parallel import ParallelContext
+from tests.kernel_isas import isa_params
 from tests.model.test_paged_decode import _step
 
 B, NB = 8, 128
@@ -21,9 +26,19 @@ def fresh_path(request, monkeypatch):
     """Every test runs on both fresh paths: the C++ kernel and SDPA in query pieces."""
     if request.param == "native" and not paged_decode.enabled():
         pytest.skip("the native kernels cannot be built here")
+    plan = execution_plan.current()
     if request.param == "pieces":
-        monkeypatch.setattr(attention.kernel, "available", lambda device: False)
+        plan = dataclasses.replace(plan.without_native(), fresh_prefill=True)
+    monkeypatch.setattr(sys.modules[__name__], "FAST_PLAN", plan)
     return request.param
+
+
+FAST_PLAN = ExecutionPlan.reference()       # the fixture's plan for the fresh path
+
+
+def _plan(fast: bool) -> ExecutionPlan:
+    """The fresh path under test, or the reference (gather) path."""
+    return FAST_PLAN if fast else ExecutionPlan.reference()
 
 
 def _compare(heads: int, kv_heads: int, head_dim: int, window: int | None, q_lens: list[int],
@@ -39,7 +54,7 @@ def _compare(heads: int, kv_heads: int, head_dim: int, window: int | None, q_len
     cache = torch.randn(2, NB, kv_heads, B, head_dim).to(dtype)
     outs = []
     for fast in (False, True):
-        layer.use_kernel = fast
+        layer.plan = _plan(fast)
         meta._plans.clear()
         outs.append(layer(q, k, v, cache.clone(), meta).float())
     torch.testing.assert_close(outs[1], outs[0], rtol=tol, atol=tol)
@@ -86,9 +101,11 @@ def test_a_continued_chunk_keeps_the_reference_path():
     assert meta.fresh_plan() is None
 
 
+@pytest.mark.parametrize("isa", isa_params("prefill"))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_every_isa_build_matches_reference(fresh_path, dtype):
-    """Each prefill ISA build this CPU can run against the reference path: GQA 3, head dim
+def test_every_isa_build_matches_reference(fresh_path, dtype, isa):
+    """Each prefill ISA build of the table (those this CPU cannot run are skipped naming
+    what it lacks) against the reference path: GQA 3, head dim
     20 (not a multiple of the 16-float vectors), a window inside the tiles, block edges,
     q and k strided views of one fused tensor (as the model's qkv split gives them)."""
     if fresh_path != "native":
@@ -102,12 +119,11 @@ def test_every_isa_build_matches_reference(fresh_path, dtype):
     T = sum(lens)
     q, k = torch.randn(T, h + kvh, hd).to(dtype).split([h, kvh], dim=1)
     v = torch.randn(T, kvh, hd).to(dtype)
-    layer.use_kernel = False
+    layer.plan = _plan(False)
     ref = layer(q, k, v, torch.zeros(2, NB, kvh, B, hd, dtype=dtype), meta).float()
     cu = torch.tensor([0, *lens]).cumsum(0)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    for isa in kernels.status().isas:
-        got = torch.ops.kvrelay_kernels.prefill_attention(q, k, v, cu, layer.sinks, layer.scale,
-                                                          window, isa)
-        assert got.dtype == dtype
-        torch.testing.assert_close(got.float(), ref, rtol=tol, atol=tol, msg=isa)
+    got = torch.ops.kvrelay_kernels.prefill_attention(q, k, v, cu, layer.sinks, layer.scale,
+                                                      window, isa)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), ref, rtol=tol, atol=tol, msg=isa)

@@ -2,12 +2,15 @@
 paged attention, one for the router's top-k + softmax) against the separate ops."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from kvrelay.model import gpt_oss
 from kvrelay.model.generate import PagedGreedyLoop, _Seq
 from kvrelay.model.layers import paged_decode
+from kvrelay.model.layers.moe import route_topk_op
 from kvrelay.model.loader import load_model
 from tests.factories import make_hf_model, save_checkpoint
 
@@ -30,7 +33,7 @@ def test_route_topk_matches_topk_then_softmax(dtype, experts, k, tokens):
     # distinct logits in every dtype (ties are the next test's): a permutation, 0.37 apart
     perm = torch.stack([torch.randperm(experts, generator=g) for _ in range(tokens)])
     logits = ((perm - experts / 2) * 0.37).to(dtype)
-    weights, ids = gpt_oss._route_op()(logits, k)
+    weights, ids = route_topk_op()(logits, k)
     ref_w, ref_ids = _reference_route(logits, k)
     assert ids.dtype == torch.int64 and weights.dtype == torch.float32
     assert torch.equal(ids, ref_ids)
@@ -39,14 +42,14 @@ def test_route_topk_matches_topk_then_softmax(dtype, experts, k, tokens):
 
 def test_route_topk_ties_go_to_the_lower_expert_and_k_equals_e():
     logits = torch.tensor([[1.0, 3.0, 3.0, 0.5, 3.0], [0.0, 0.0, 0.0, 0.0, 0.0]])
-    weights, ids = gpt_oss._route_op()(logits, 2)
+    weights, ids = route_topk_op()(logits, 2)
     assert ids.tolist() == [[1, 2], [0, 1]]
     assert weights.tolist() == [[0.5, 0.5], [0.5, 0.5]]
-    weights, ids = gpt_oss._route_op()(logits, 5)
+    weights, ids = route_topk_op()(logits, 5)
     assert ids[0].tolist() == [1, 2, 4, 0, 3]
     torch.testing.assert_close(weights.sum(-1), torch.ones(2))
     with pytest.raises(RuntimeError, match="1 <= k <= E"):
-        gpt_oss._route_op()(logits, 6)
+        route_topk_op()(logits, 6)
 
 
 CONFIGS = {
@@ -65,8 +68,11 @@ def checkpoint(request, tmp_path_factory):
 
 def _decode(model, fused: bool, prompts: list[list[int]], steps: int, num_blocks: int = 64):
     """Prefill the prompts, then `steps` decode steps of every sequence (its own greedy
-    token each time); returns every decode step's logits and the KV caches."""
-    gpt_oss.DecoderLayer.fused_decode = fused
+    token each time); returns every decode step's logits and the KV caches. `fused` False:
+    the separate ops (a plan without the fused decode)."""
+    plan = model.plan
+    if not fused:
+        model.use_plan(dataclasses.replace(plan, fused_decode=False, decode_stack=False))
     try:
         loop = PagedGreedyLoop(model, num_blocks, 4, shuffle_blocks=True, seed=5)
         seqs = [_Seq(list(p)) for p in prompts]      # _Seq appends to its list
@@ -81,7 +87,12 @@ def _decode(model, fused: bool, prompts: list[list[int]], steps: int, num_blocks
             out.append(logits)
         return torch.stack(out), loop.kv_caches
     finally:
-        gpt_oss.DecoderLayer.fused_decode = True
+        if not fused:
+            model.use_plan(plan)
+
+
+def _without_stack(model) -> None:
+    model.use_plan(dataclasses.replace(model.plan, decode_stack=False))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -110,6 +121,7 @@ def test_the_fused_path_is_taken_only_for_decode_only_steps(checkpoint, monkeypa
         return decode(self, h, *args)
 
     monkeypatch.setattr(gpt_oss.DecoderLayer, "decode", counted)
+    _without_stack(model)                  # layer by layer, so each layer's decode is seen
     loop = PagedGreedyLoop(model, 64, 4)
     seqs = [_Seq([1, 2, 3, 4, 5]), _Seq([6, 7, 8])]
     loop.step(seqs, [5, 3])                              # prefill: separate ops
@@ -133,12 +145,14 @@ def test_the_decode_stack_is_bitwise_the_layer_by_layer_decode(checkpoint, dtype
     model = load_model(checkpoint, dtype=dtype, progress=False).model
     g = torch.Generator().manual_seed(num_seqs)
     prompts = [torch.randint(0, 100, (n,), generator=g).tolist() for n in (9, 4, 12)[:num_seqs]]
-    monkeypatch.setattr(gpt_oss.DecodeStack, "enabled", False)
+    full = model.plan
+    assert full.decode_stack
+    _without_stack(model)
     ref, ref_caches = _decode(model, True, prompts, 5)
-    assert model.__dict__["_stack"].usable == {}            # never asked: stack off
-    monkeypatch.setattr(gpt_oss.DecodeStack, "enabled", True)
+    assert model._stack is None                              # never made: stack off
+    model.use_plan(full)
     got, got_caches = _decode(model, True, prompts, 5)
-    assert model.__dict__["_stack"].usable == {num_seqs: True}
+    assert model._stack is not None and model._stack.usable == {num_seqs: True}
     assert torch.equal(got, ref)
     for a, b in zip(got_caches, ref_caches):
         assert torch.equal(a, b)
@@ -153,18 +167,18 @@ def test_the_decode_stack_takes_more_than_the_dense_row_limit_on_a_small_model(c
     model = load_model(checkpoint, dtype=torch.bfloat16, progress=False).model
     isa = linear.dense_kernel_isa()
     n = linear.DENSE_MAX_ROWS.get(isa or "", {}).get(torch.bfloat16, 16) + 4
-    layer = model.layers[0]
-    _ln1, qkv, _attn, o_proj, _ln2, _experts, _ctx, router = layer._decode_modules
-    weights = (qkv.weight, o_proj.weight, router.weight)
+    mods = model.layers[0].mods
+    weights = (mods.qkv.weight, mods.o_proj.weight, mods.router.weight)
     fits = all(n * w.numel() <= linear.DENSE_SMALL_CALL_MACS.get(isa or "", 0) for w in weights)
     g = torch.Generator().manual_seed(n)
     prompts = [torch.randint(0, 100, (int(k),), generator=g).tolist()
                for k in torch.randint(2, 7, (n,), generator=g)]
-    monkeypatch.setattr(gpt_oss.DecodeStack, "enabled", False)
+    full = model.plan
+    _without_stack(model)
     ref, ref_caches = _decode(model, True, prompts, 3, num_blocks=4 * n)
-    monkeypatch.setattr(gpt_oss.DecodeStack, "enabled", True)
+    model.use_plan(full)
     got, got_caches = _decode(model, True, prompts, 3, num_blocks=4 * n)
-    assert model.__dict__["_stack"].usable == {n: fits}
+    assert model._stack is not None and model._stack.usable == {n: fits}
     assert torch.equal(got, ref)
     for a, b in zip(got_caches, ref_caches):
         assert torch.equal(a, b)
@@ -177,11 +191,12 @@ def test_the_decode_stack_follows_reloaded_experts(checkpoint, monkeypatch):
     change equals the layer-by-layer decode's."""
     model = load_model(checkpoint, dtype=torch.float32, progress=False).model
     _decode(model, True, [[3, 1, 4, 1, 5]], 1)
-    stack = model.__dict__["_stack"]
+    stack = model._stack
+    assert stack is not None
     for layer in model.layers:
         layer.mlp.experts.down_bias.add_(0.25)
     got, _ = _decode(model, True, [[3, 1, 4, 1, 5]], 2)
-    assert model.__dict__["_stack"] is not stack
-    monkeypatch.setattr(gpt_oss.DecodeStack, "enabled", False)
+    assert model._stack is not stack
+    _without_stack(model)
     ref, _ = _decode(model, True, [[3, 1, 4, 1, 5]], 2)
     assert torch.equal(got, ref)

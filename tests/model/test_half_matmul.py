@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvrelay.model import execution_plan
 from kvrelay.model.layers import linear as L
 
 
@@ -12,12 +13,11 @@ from kvrelay.model.layers import linear as L
 def mode(monkeypatch):
     def set_mode(value: str) -> None:
         monkeypatch.setenv("KVRELAY_CPU_HALF_MATMUL", value)
-        L.cpu_half_matmul_in_fp32.cache_clear()
+        execution_plan.current.cache_clear()
     monkeypatch.setenv("KVRELAY_DENSE_KERNEL", "torch")   # the torch seam, not the native kernel
-    L.dense_kernel_isa.cache_clear(), L._dense_rows.cache_clear()
+    execution_plan.current.cache_clear()
     yield set_mode
-    L.cpu_half_matmul_in_fp32.cache_clear()
-    L.dense_kernel_isa.cache_clear(), L._dense_rows.cache_clear()
+    execution_plan.current.cache_clear()
 
 
 def _inputs():

@@ -15,6 +15,8 @@ import pytest
 import torch
 
 from kvrelay.model import kernels, mxfp4
+from kvrelay.model.kernels import isa as isa_table
+from tests.kernel_isas import skip_unless_runs
 
 ALPHA, LIMIT = 1.702, 7.0
 
@@ -25,21 +27,14 @@ def isas() -> tuple[str, ...]:
         pytest.skip("no C++ compiler: the native kernels cannot be built here")
     status = kernels.status()
     assert status.available, f"native kernels failed to build: {status.reason}"
-    return tuple(i for i in status.isas if i != "generic") or status.isas
-
-
-def cpu_has(flag: str) -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and flag in line.split() for line in f)
-    except OSError:
-        return False
+    # the SIMD builds (generic MXFP4 is test_moe_kernels.py's), as the table picks them
+    usable = isa_table.variants("moe")
+    return tuple(i for i in usable if i != "generic") or usable
 
 
 @pytest.fixture(scope="module")
 def bf16_isa(isas) -> str:
-    if "avx512_bf16" not in isas:
-        pytest.skip("this CPU has no AVX512-BF16")
+    skip_unless_runs("moe", "avx512_bf16")
     return "avx512_bf16"
 
 
@@ -107,8 +102,7 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, rel: float = 2e-5) -> Non
 
 
 def test_the_bf16_build_is_offered_where_the_cpu_has_avx512_bf16(isas):
-    if not cpu_has("avx512_bf16"):
-        pytest.skip("this CPU has no AVX512-BF16")
+    skip_unless_runs("moe", "avx512_bf16")
     assert kernels.status().isas[0] == "avx512_bf16"
 
 

@@ -12,10 +12,12 @@ import logging
 import pytest
 import torch
 
-from kvrelay.model import fast_paths, kernels, mxfp4
+from kvrelay.model import execution_plan, fast_paths, kernels, mxfp4
+from kvrelay.model.kernels import isa as isa_table
 from kvrelay.model.layers import moe as moe_mod
 from kvrelay.model.layers.moe import Experts
 from kvrelay.model.parallel import ParallelContext
+from tests.kernel_isas import isa_params
 
 ALPHA, LIMIT = 1.702, 7.0
 
@@ -29,7 +31,7 @@ def isas() -> tuple[str, ...]:
         pytest.skip("no C++ compiler: the native kernels cannot be built here")
     status = kernels.status()
     assert status.available, f"native kernels failed to build: {status.reason}"
-    return status.isas
+    return isa_table.variants("moe")    # the table's choice for this CPU (the op must take each)
 
 
 def make_experts(H: int, I: int, E: int, storage: str, seed: int,  # noqa: E741 -- I: shapes
@@ -115,6 +117,17 @@ def test_native_matches_reference_in_fp32(case, isas):
         out = native(ex, x, weights, ids, isa)
         assert out.dtype == torch.float32 and out.shape == (T, H)
         assert_close(out, expected)
+
+
+@pytest.mark.parametrize("variant", isa_params("moe"))
+def test_every_variant_of_the_table_runs_or_says_what_the_cpu_lacks(variant, isas):
+    """The loops above cover the variants this CPU runs; this names the others' skips."""
+    H, I, E, k, T, storage, pool = CASES["mxfp4-hidden96-1token-top4"]  # noqa: E741
+    ex = make_experts(H, I, E, storage, seed=3)
+    weights, ids = routing(T, E, k, seed=T, experts=pool)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(2))
+    assert_close(native(ex, x, weights, ids, variant),
+                 fp32_reference(ex).forward_torch(x, weights, ids))
 
 
 # Token rows per expert: one row, a pair, odd blocks, one full block of 8 and one more.
@@ -232,16 +245,14 @@ def test_bad_shapes_are_reported(isas):
 @pytest.fixture
 def broken_build(monkeypatch):
     """The next `kernels.status()` sees a failing compiler; the real status afterwards."""
-    from kvrelay.model.layers import paged_decode
-
     def fail(directory):
         raise RuntimeError("Error building extension 'kvrelay_kernels'\nno compiler")
     kernels.status.cache_clear()
-    paged_decode.enabled.cache_clear()
+    execution_plan.current.cache_clear()
     monkeypatch.setattr(kernels, "_build", fail)
     yield
     kernels.status.cache_clear()
-    paged_decode.enabled.cache_clear()
+    execution_plan.current.cache_clear()
 
 
 def test_build_failure_falls_back_with_one_warning(broken_build, monkeypatch, caplog):
@@ -259,8 +270,9 @@ def test_build_failure_falls_back_with_one_warning(broken_build, monkeypatch, ca
     assert torch.equal(outs[0], fp32_reference(ex).forward_torch(x, weights, ids)) or \
         (outs[0] - fp32_reference(ex).forward_torch(x, weights, ids)).abs().max() < 1e-5
     monkeypatch.setenv("KVRELAY_MOE_KERNEL", "native")
+    execution_plan.current.cache_clear()
     with pytest.raises(RuntimeError, match=r"KVRELAY_MOE_KERNEL=native.*no compiler"):
-        ex(x, weights, ids)
+        execution_plan.current()
 
 
 def test_no_compiler_is_reported(monkeypatch, tmp_path):
@@ -321,6 +333,8 @@ def test_auto_gives_big_batches_to_torch_gemms_mxfp4_ones_only_at_many_rows(isas
     assert fp4_rows > rows and packed.uses_native_kernel(fp4_rows - 1)
     assert not packed.uses_native_kernel(fp4_rows)
     monkeypatch.setenv("KVRELAY_MOE_KERNEL", "native")          # forced: always the kernel
+    execution_plan.current.cache_clear()
+    dense.plan = packed.plan = execution_plan.current()
     assert dense.uses_native_kernel(rows * 100) and packed.uses_native_kernel(fp4_rows * 100)
 
 
@@ -511,7 +525,7 @@ def test_decode_streams_are_exact_on_any_thread_count(storage, tokens, top_k, is
 
 
 def _route(x: torch.Tensor, router: moe_mod.Router) -> tuple[torch.Tensor, torch.Tensor]:
-    """DecoderLayer.route: the router's linear, then the native top-k + softmax."""
+    """Router.route_native: the router's linear, then the native top-k + softmax."""
     from kvrelay.model.layers.linear import linear
     return torch.ops.kvrelay_kernels.route_topk(linear(x, router.weight, router.bias),
                                                 router.top_k)
@@ -535,8 +549,8 @@ def test_route_decode_is_the_router_then_the_experts_bit_for_bit(storage, tokens
     x = torch.randn(tokens, 224, generator=g).to(dtype)
     for _ in range(2):
         expected = ex.decode(x, *_route(x, router))
-        assert torch.equal(ex.route_decode(x, router, _route), expected)
-        assert ex._plan().fused[tokens]
+        assert torch.equal(ex.route_decode(x, router, router.route_native), expected)
+        assert ex._decode_args().fused[tokens]
         router.weight.mul_(-1.0)                 # other choices; the fused call follows
 
 
@@ -548,9 +562,9 @@ def test_route_decode_falls_back_to_the_separate_calls(monkeypatch):
     router.weight.copy_(torch.randn(5, 40, generator=torch.Generator().manual_seed(0)))
     x = torch.randn(3, 40, generator=torch.Generator().manual_seed(1))
     calls = []
-    route = lambda x, r: calls.append(1) or r(x)         # noqa: E731 -- a counting router
+    route = lambda x: calls.append(1) or router(x)       # noqa: E731 -- a counting router
     assert torch.equal(ex.route_decode(x, router, route), ex.forward_torch(x, *router(x)))
-    assert calls and not ex._plan().fused[3]
+    assert calls and not ex._decode_args().fused[3]
 
 
 def _same_bits_on_one_and_two_threads(threads, ex, x, weights, ids, isas) -> None:

@@ -6,13 +6,16 @@ ranks' experts, MXFP4 weights decoded to bf16 (exactly), and the dispatch from
 `Experts.forward` / `Experts.decode`."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from kvrelay.model import kernels, mxfp4
-from kvrelay.model.layers import linear, moe_tiles
+from kvrelay.model import execution_plan, kernels, mxfp4
+from kvrelay.model.layers import moe_tiles
 from kvrelay.model.layers.moe import Experts
 from kvrelay.model.parallel import ParallelContext
+from tests.kernel_isas import skip_unless_runs
 
 ALPHA, LIMIT = 1.702, 7.0
 
@@ -21,8 +24,8 @@ ALPHA, LIMIT = 1.702, 7.0
 def tiles() -> None:
     if kernels.compiler() is None or not kernels.status().available:
         pytest.skip("the native kernels are not built here")
-    if not moe_tiles.available():
-        pytest.skip("this CPU has no AVX512-BF16")
+    skip_unless_runs("moe_tile", "avx512_bf16")     # the family's only build
+    assert list(torch.ops.kvrelay_kernels.moe_tile_isas()) == ["avx512_bf16"]
 
 
 def reference(x, w, ids, first, gate_up, gate_up_bias, down, down_bias):
@@ -165,12 +168,15 @@ def experts(storage: str, H: int = 64, I: int = 96, E: int = 4) -> Experts:  # n
 
 @pytest.fixture
 def half_matmuls(monkeypatch):
-    """Decide the CPU's half-precision matmuls as `mode` (native | fp32) for one test."""
-    def pin(mode: str) -> None:
+    """Plan the CPU's half-precision matmuls as `mode` (native | fp32) for one test; the
+    experts given follow the new plan."""
+    def pin(mode: str, *experts: Experts) -> None:
         monkeypatch.setenv("KVRELAY_CPU_HALF_MATMUL", mode)
-        linear.cpu_half_matmul_in_fp32.cache_clear()
+        execution_plan.current.cache_clear()
+        for ex in experts:
+            ex.plan = execution_plan.current()
     yield pin
-    linear.cpu_half_matmul_in_fp32.cache_clear()
+    execution_plan.current.cache_clear()
 
 
 @pytest.mark.parametrize("storage", ["bf16", "mxfp4"])
@@ -198,13 +204,15 @@ def test_experts_take_the_tiles_from_enough_rows_per_expert(storage, monkeypatch
     assert not moe_tiles.wants(ex, x[:2], 4)                  # 1 row per expert: not taken
     assert not moe_tiles.wants(ex, x.float(), ids.numel())    # fp32 activations: not taken
     monkeypatch.setenv("KVRELAY_MOE_KERNEL", "native")
+    execution_plan.current.cache_clear()
+    ex.plan = execution_plan.current()
     assert not moe_tiles.wants(ex, x, ids.numel())            # an explicit kernel choice wins
 
 
 def test_no_tiles_for_bf16_experts_where_bf16_measured_slower_than_fp32(monkeypatch,
                                                                         half_matmuls):
     """The tiles are the CPU's bf16 dot products: where its bf16 GEMM lost to fp32 compute
-    at start-up (`linear.cpu_half_matmul_in_fp32`), bf16 experts take torch's fp32 GEMMs
+    (the execution plan's matmul "fp32"), bf16 experts take torch's fp32 GEMMs
     from the rows `linear` upcasts from; MXFP4 experts keep the tiles (their other paths
     decode the weights first)."""
     g = torch.Generator().manual_seed(2)
@@ -213,15 +221,17 @@ def test_no_tiles_for_bf16_experts_where_bf16_measured_slower_than_fp32(monkeypa
     half_matmuls("fp32")
     assert moe_tiles.wants(experts("mxfp4"), x, ids.numel())
     ex = experts("bf16")
-    half_matmuls("native")
+    half_matmuls("native", ex)
     assert moe_tiles.wants(ex, x, ids.numel())
-    half_matmuls("fp32")
+    half_matmuls("fp32", ex)
     assert not moe_tiles.wants(ex, x, ids.numel())          # 32 rows an expert, upcast from 4
     # fewer rows per expert than `linear` upcasts from: torch would run bf16, the tiles stay
-    monkeypatch.setattr(moe_tiles, "upcast_min_rows", lambda: 33)
+    fp32 = ex.plan
+    ex.plan = dataclasses.replace(fp32, upcast_min_rows=33)
     assert moe_tiles.wants(ex, x, ids.numel())
-    monkeypatch.setattr(moe_tiles, "upcast_min_rows", lambda: 32)
+    ex.plan = dataclasses.replace(fp32, upcast_min_rows=32)
     assert not moe_tiles.wants(ex, x, ids.numel())
+    ex.plan = fp32
     calls = []
     real = moe_tiles.forward
     monkeypatch.setattr(moe_tiles, "forward", lambda *a: calls.append(1) or real(*a))

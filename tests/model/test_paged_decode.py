@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
+from kvrelay.model import execution_plan
+from kvrelay.model.execution_plan import ExecutionPlan
 from kvrelay.model.layers import paged_decode
 from kvrelay.model.layers.attention import AttentionMetadata, PagedAttention
 from kvrelay.model.parallel import ParallelContext
+from tests.kernel_isas import isa_params, skip_unless_runs
 
 pytestmark = pytest.mark.skipif(
     not paged_decode.enabled(), reason="the C++ paged decode kernel cannot be built here"
@@ -41,8 +46,13 @@ def _step(
     )
 
 
+def _plan(use_kernel: bool) -> ExecutionPlan:
+    """This process's plan (the native kernels), or the reference plan."""
+    return execution_plan.current() if use_kernel else ExecutionPlan.reference()
+
+
 def _run(layer: PagedAttention, use_kernel: bool, q, k, v, cache, meta) -> torch.Tensor:
-    layer.use_kernel = use_kernel
+    layer.plan = _plan(use_kernel)
     meta._plans.clear()
     return layer(q, k, v, cache.clone(), meta)
 
@@ -123,11 +133,12 @@ def test_native_write_kv_matches_reference_and_skips_padding():
     assert int((got != 0).any(dim=(2, 4)).sum()) == 2 * 4  # 4 slots written, K and V
 
 
+@pytest.mark.parametrize("isa", isa_params("paged_decode"))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_every_isa_build_matches_reference(dtype):
-    """Each ISA build this CPU can run (avx512 / avx2 / generic, dispatched at run time),
-    against the reference path; fp16 caches too."""
-    from kvrelay.model import kernels
+def test_every_isa_build_matches_reference(dtype, isa):
+    """Each ISA build of the table (avx512_bf16 / avx512 / avx2 / generic; those this CPU
+    cannot run are skipped naming what it lacks) against the reference path; fp16 caches
+    too."""
     from kvrelay.model.layers.attention import write_kv
 
     torch.manual_seed(5)
@@ -144,13 +155,10 @@ def test_every_isa_build_matches_reference(dtype):
     written = cache.clone()
     write_kv(written, k, v, meta.slot_mappings[0], B)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    isas = kernels.status().isas
-    assert isas[-1] == "generic"
-    for isa in isas:
-        got = torch.ops.kvrelay_kernels.paged_decode(
-            q, written, meta.block_tables[0], meta.seq_lens, layer.sinks, layer.scale, 12, isa)
-        assert got.dtype == dtype
-        torch.testing.assert_close(got.float(), ref, rtol=tol, atol=tol, msg=isa)
+    got = torch.ops.kvrelay_kernels.paged_decode(
+        q, written, meta.block_tables[0], meta.seq_lens, layer.sinks, layer.scale, 12, isa)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), ref, rtol=tol, atol=tol, msg=isa)
 
 
 @pytest.mark.parametrize("window", [0, 100])
@@ -186,7 +194,7 @@ def test_every_isa_on_the_shapes_the_simd_builds_specialise(dtype, heads, kv_hea
     count, 2 and 8): blocks of 16 with lengths around the block and vector edges, with and
     without a window that starts inside a block (inside the first softmax chunk, or one
     that leaves a chunk short of a whole block), for every ISA this CPU runs."""
-    from kvrelay.model import kernels
+    from kvrelay.model.kernels import isa as isa_table
     from kvrelay.model.layers.attention import write_kv
 
     torch.manual_seed(7)
@@ -204,7 +212,7 @@ def test_every_isa_on_the_shapes_the_simd_builds_specialise(dtype, heads, kv_hea
         layer = PagedAttention(heads, kv_heads, head_dim, window, 0, ParallelContext())
         layer.sinks.normal_(0, 1)
         ref = _run(layer, False, q, k, v, cache, meta).float()
-        for isa in kernels.status().isas:
+        for isa in isa_table.variants("paged_decode"):
             got = torch.ops.kvrelay_kernels.paged_decode(
                 q, written, meta.block_tables[0], meta.seq_lens, layer.sinks, layer.scale,
                 window or 0, isa)
@@ -225,11 +233,9 @@ def test_bf16_build_matches_reference_and_the_fp32_build(heads, kv_heads, head_d
     across chunks, windows starting inside a block (one inside the first chunk's block
     list, one spanning chunks) and sinks: equal to the reference and, up to one bf16
     rounding of the output, to the fp32 "avx512" build."""
-    from kvrelay.model import kernels
     from kvrelay.model.layers.attention import write_kv
 
-    if "avx512_bf16" not in kernels.status().isas:
-        pytest.skip("this CPU has no AVX512-BF16")
+    skip_unless_runs("paged_decode", "avx512_bf16")
     torch.manual_seed(head_dim + B)
     NB = 160
     seq_lens = [1, B - 1, B, B + 1, 17, 2 * B + 15, 3 * B + 16, 150, 261]
@@ -317,10 +323,10 @@ def test_fused_rotary_decode_matches_the_reference_path(num_seqs):
         layer = PagedAttention(9, 3, 64, window or None, 0, ParallelContext())
         layer.sinks.normal_(0, 1)
         ref_cache, got_cache = cache.clone(), cache.clone()
-        layer.use_kernel = False
+        layer.plan = _plan(False)
         ref = _separate_ops(layer, rotary, qk, v, positions, ref_cache, meta)
         assert not layer.fuses_decode(qk, ref_cache, meta)
-        layer.use_kernel = True
+        layer.plan = _plan(True)
         got = layer.rotary_decode(qk, v, positions, rotary.cos, rotary.sin, got_cache, meta)
         torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)
         assert torch.equal(got_cache, ref_cache)
@@ -332,5 +338,5 @@ def test_fused_rotary_decode_is_not_taken_for_mixed_steps_or_other_cache_dtypes(
     assert layer.fuses_decode(qk, cache, meta)
     assert not layer.fuses_decode(qk, cache.float(), meta)           # cache dtype differs
     assert not layer.fuses_decode(qk[:1], cache, meta)               # not every token a decode
-    layer.fuse_decode = False
+    layer.plan = dataclasses.replace(layer.plan, fused_decode=False, decode_stack=False)
     assert not layer.fuses_decode(qk, cache, meta)

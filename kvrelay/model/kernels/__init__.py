@@ -12,7 +12,9 @@ concurrent server processes build it once and later starts only load it.
 
 No `-march=native`: the machine that builds is not always the one that runs (a shared
 cache, a CPU that changes under a VM), so every ISA variant is compiled with its own
-`#pragma GCC target` and the ops pick the best one the running CPU supports.
+target (csrc/isa.h) and the ops pick the best one the running CPU supports, by one rule
+for every family: `isa.py` is the table (`cpu_features()`, each family's variants best
+first), csrc/isa_dispatch.h the same check in C++.
 
 Where the build fails (no compiler, no ninja, headers missing) the model keeps the
 pure-PyTorch paths: `status()` says why, and a single warning is logged; the server
@@ -51,19 +53,14 @@ import torch
 
 from kvrelay import envs
 from kvrelay.model import compile_hints
+from kvrelay.model.kernels import isa
+from kvrelay.model.kernels.isa import cpu_features as cpu_features
 
 logger = logging.getLogger(__name__)
 
 NAME = "kvrelay_kernels"
-CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("moe_op.cpp", "paged_decode_op.cpp", "moe_generic.cpp", "moe_avx2.cpp",
-           "moe_avx512.cpp", "paged_decode_generic.cpp", "paged_decode_avx2.cpp",
-           "paged_decode_avx512.cpp", "dense_op.cpp", "dense_generic.cpp",
-           "dense_avx2.cpp", "dense_avx512.cpp", "dense_avx512_bf16.cpp", "prefill_op.cpp",
-           "prefill_generic.cpp", "prefill_avx2.cpp", "prefill_avx512.cpp",
-           "bitmask_op.cpp", "fused_decode_op.cpp", "argmax_op.cpp", "moe_tile_op.cpp",
-           "moe_tile_avx512_bf16.cpp", "decode_stack_op.cpp", "moe_avx512_bf16.cpp",
-           "paged_decode_avx512_bf16.cpp")
+CSRC = isa.CSRC
+SOURCES = isa.sources()     # every csrc/*.cpp: <family>_op.cpp and <family>_<variant>.cpp
 
 
 def _thread_flags() -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -276,28 +273,34 @@ def _library() -> Path | None:
 def _register_fake() -> None:
     """Shapes for torch.compile / FakeTensor tracing: the op returns x's shape and dtype."""
     @torch.library.register_fake("kvrelay_kernels::moe_experts")
-    def _(x, route_weights, expert_ids, first_expert, gate_up, gate_up_scales, gate_up_bias,
-          down, down_scales, down_bias, alpha, limit, isa):
+    def _(x: torch.Tensor, route_weights: torch.Tensor, expert_ids: torch.Tensor,
+          first_expert: int, gate_up: torch.Tensor, gate_up_scales: torch.Tensor | None,
+          gate_up_bias: torch.Tensor | None, down: torch.Tensor, down_scales: torch.Tensor | None,
+          down_bias: torch.Tensor | None, alpha: float, limit: float, isa: str) -> torch.Tensor:
         return x.new_empty(x.shape)
 
     @torch.library.register_fake("kvrelay_kernels::paged_decode")
-    def _(q, kv_cache, block_table, seq_lens, sinks, scale, window, isa=""):
+    def _(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+          seq_lens: torch.Tensor, sinks: torch.Tensor, scale: float, window: int,
+          isa: str = "") -> torch.Tensor:
         return torch.empty_like(q)
 
     @torch.library.register_fake("kvrelay_kernels::write_kv")
-    def _(kv_cache, k, v, slots):
+    def _(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         return None
 
     @torch.library.register_fake("kvrelay_kernels::dense_linear")
-    def _(x, weight, bias, isa=""):
+    def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+          isa: str = "") -> torch.Tensor:
         return x.new_empty((x.shape[0], weight.shape[0]))
 
     @torch.library.register_fake("kvrelay_kernels::rms_norm")
-    def _(x, weight, eps):
+    def _(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return torch.empty_like(x)
 
     @torch.library.register_fake("kvrelay_kernels::add_rms_norm")
-    def _(x, delta, weight, eps):
+    def _(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+          eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.empty_like(x), torch.empty_like(x)
 
 
@@ -322,6 +325,9 @@ def status() -> KernelStatus:
         return KernelStatus(False, None, (), reason)
     logger.info("native CPU kernels loaded: %s (ISA %s of %s; dense %s)", library, isas[0],
                 ", ".join(isas), dense_isa)
+    if isas != isa.variants("moe"):
+        logger.warning("the kernels' CPU check (%s) disagrees with isa.py's (%s) on this CPU",
+                       ", ".join(isas), ", ".join(isa.variants("moe")))
     return KernelStatus(True, isas[0], isas, "", str(library), dense_isa)
 
 

@@ -40,7 +40,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvrelay import envs
+from kvrelay.model import execution_plan
+from kvrelay.model.execution_plan import ExecutionPlan
 from kvrelay.model.layers import paged_decode as kernel
 from kvrelay.model.parallel import ParallelContext
 
@@ -172,13 +173,8 @@ def _build_fresh_plan(meta: AttentionMetadata) -> _FreshPlan | None:
 @functools.cache
 def _prefill_op() -> Any:
     """`kvrelay_kernels::prefill_attention`, its overload resolved once (needs the native
-    kernels: `paged_decode.available`)."""
+    kernels: `PagedAttention.native`)."""
     return torch.ops.kvrelay_kernels.prefill_attention.default
-
-
-def fresh_prefill_enabled() -> bool:
-    """`KVRELAY_ATTENTION_KERNEL=reference` keeps every prefill on the gather path."""
-    return envs.ATTENTION_KERNEL.raw() != "reference"
 
 
 def _build_plan(meta: AttentionMetadata, group: int, window: int | None,
@@ -264,39 +260,41 @@ def _attend_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
 class PagedAttention(nn.Module):
     """Attention of one layer over its paged KV cache, with learned sinks per head.
 
-    Decodes go through the in-place C++ kernel (`layers/paged_decode.py`) where it is
-    available; a step whose prefill chunks all start at 0 attends them over their own k/v
-    (`_attend_fresh`); other prefill chunks, and decodes without the kernel, take the
-    reference path (gather the visible blocks, SDPA with lse). `use_kernel = False`
-    forces the reference for both."""
-
-    use_kernel = True
-    fuse_decode = True      # decode-only steps: RoPE + KV write + attend in one native call
+    Where the execution plan's `attention` is "native", decodes go through the in-place C++
+    kernel (`layers/paged_decode.py`) and a step whose prefill chunks all start at 0 attends
+    them over their own k/v (`_attend_fresh`); other prefill chunks, and every step under a
+    "reference" plan, take the reference path (gather the visible blocks, SDPA with lse)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
-                 window: int | None, group: int, ctx: ParallelContext) -> None:
+                 window: int | None, group: int, ctx: ParallelContext,
+                 plan: ExecutionPlan | None = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.window, self.group = window, group
         self.scale = head_dim ** -0.5
+        self.plan = plan or execution_plan.current()
         self.sinks = nn.Parameter(torch.zeros(num_heads, dtype=torch.float32), requires_grad=False)
+
+    def native(self, device: torch.device) -> bool:
+        """Whether this layer's plan runs attention on the native kernels here."""
+        return device.type == "cpu" and self.plan.attention == "native"
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q [T, h, hd], k/v [T, kvh, hd] → [T, h, hd]."""
-        native = self.use_kernel and kernel.available(q.device)
+        native = self.native(q.device)
         if native and kv_cache.is_contiguous():
             kernel.write_kv(kv_cache, k, v, meta.slot_mappings[self.group])
         else:
             write_kv(kv_cache, k, v, meta.slot_mappings[self.group], meta.block_size)
         nd = meta.num_decodes
-        in_place = nd > 0 and self.use_kernel and kernel.available(q.device)
+        in_place = nd > 0 and native
         if in_place and nd == q.shape[0]:                  # decode-only step: the kernel alone
             return self._decode_in_place(q, kv_cache, meta)
         out = torch.empty_like(q)
         if in_place:
             out[:nd] = self._decode_in_place(q[:nd], kv_cache, meta)
-        fresh = meta.fresh_plan() if self.use_kernel and fresh_prefill_enabled() else None
+        fresh = meta.fresh_plan() if self.plan.fresh_prefill else None
         if fresh is not None:
             dt = kv_cache.dtype      # the keys the gather path would read: rounded like the cache
             k, v = ((k, v) if k.dtype == dt else (k.to(dt).to(q.dtype), v.to(dt).to(q.dtype)))
@@ -312,10 +310,11 @@ class PagedAttention(nn.Module):
     def fuses_decode(self, x: torch.Tensor, kv_cache: torch.Tensor,
                      meta: AttentionMetadata) -> bool:
         """Whether `rotary_decode` serves this step of activations x ([T, ...]): every
-        token a decode, the native kernels built, the cache contiguous in the activations'
-        dtype, eager (a compiled graph keeps the separate ops, which it fuses itself)."""
-        return (meta.num_decodes == x.shape[0] and self.fuse_decode and self.use_kernel
-                and kernel.available(x.device) and kv_cache.dtype == x.dtype
+        token a decode, the plan's fused decode (native kernels), the cache contiguous in
+        the activations' dtype, eager (a compiled graph keeps the separate ops, which it
+        fuses itself)."""
+        return (meta.num_decodes == x.shape[0] and self.plan.fused_decode
+                and self.native(x.device) and kv_cache.dtype == x.dtype
                 and kv_cache.is_contiguous() and not torch.compiler.is_compiling())
 
     def rotary_decode(self, qk: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
@@ -341,7 +340,7 @@ class PagedAttention(nn.Module):
         """Prefill chunks from position 0 over their own k/v: [t, h, hd] → [t, h, hd].
         The native kernel where it is built (csrc/prefill*: tiles of query rows against
         blocks of keys, only the visible ones); otherwise SDPA in query pieces."""
-        if kernel.available(q.device):
+        if self.native(q.device):
             return _prefill_op()(q, k, v, plan.cu_seqlens, self.sinks, self.scale,
                                  self.window or 0).to(q.dtype)
         if not plan.padded:

@@ -5,31 +5,28 @@
     QKVParallelLinear     one fused column-parallel matmul for q, k and v of this
                           rank's heads (KV heads replicated when tp_size > kv heads)
 
-Every matmul of the model goes through `linear`. Half-precision (bf16/fp16) weights
-are multiplied natively only where the CPU has native bf16 arithmetic (AVX512-BF16 or
-AMX, which oneDNN uses through torch's own bf16 matmul) *and* that measures faster than
-fp32 compute here. Elsewhere — AVX2-only x86, AVX-512 without BF16, and CPUs whose bf16
-path loses to their fp32 one (an AVX512-BF16 Xeon without AMX: 115-137 GFLOP/s in bf16
-against 205-216 in fp32 on 2 cores) — the weights are upcast per matmul and the product
-computed in fp32: weights stay half in memory, results are rounded back to the activation
-dtype, and matmuls of fewer rows than `upcast_min_rows()` keep the half kernel (UPCAST_MIN_ROWS
-where bf16 is emulated, the probe's break-even where it is native but slower). The choice
-is made once per process on the *running* CPU (never from the build machine): its
-features, then a probe GEMM in both precisions (`_probe`, ~60 ms); it is logged and readable with
-`half_matmul_choice()`; `KVRELAY_CPU_HALF_MATMUL=native|fp32|auto` overrides it.
+Every matmul of the model goes through `linear`, under an `ExecutionPlan`
+(model/execution_plan.py) that the layers get at construction. Half-precision (bf16/fp16)
+weights are multiplied natively where the plan's `matmul` is "native"; where it is "fp32"
+the weights are upcast per matmul and the product computed in fp32: weights stay half in
+memory, results are rounded back to the activation dtype, and matmuls of fewer rows than
+the plan's `upcast_min_rows` keep the half kernel. The plan's rule is a function of the
+running CPU's features and KVRELAY_CPU_HALF_MATMUL only (execution_plan.matmul_rule), so a
+prefill and a decode on alike machines compute alike whatever their load at start-up;
+`measure_half_matmul` times both precisions (~60 ms) for a person or a benchmark choosing
+the setting, and decides nothing.
 
 Decode-sized matmuls (a few rows: one per sequence) go to the native skinny-matmul kernel
 (`kvrelay_kernels::dense_linear`, AVX512-BF16 / AVX-512 / AVX2 chosen at run time) where
 it beats torch on this CPU's ISA for that many rows (`DENSE_MAX_ROWS`): torch's bf16 matmul
 of one row pays a fixed ~40-60 µs in oneDNN, several times the time to stream the weights
-of a 576-wide layer. `KVRELAY_DENSE_KERNEL=torch` keeps every matmul on torch (the
-reference the kernel is tested against); traced code (torch.compile) always uses F.linear.
+of a 576-wide layer. The plan's `dense` None (`KVRELAY_DENSE_KERNEL=torch`) keeps every
+matmul on torch (the reference the kernel is tested against); traced code (torch.compile)
+always uses F.linear.
 """
 from __future__ import annotations
 
 import functools
-import logging
-import math
 import time
 from dataclasses import dataclass
 
@@ -37,19 +34,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvrelay import envs
-from kvrelay.model import compile_hints, kernels
+from kvrelay.model import execution_plan
+from kvrelay.model.execution_plan import UPCAST_MIN_ROWS, ExecutionPlan
 from kvrelay.model.parallel import ParallelContext, divide
 from kvrelay.model.weights import WeightSource
 
-logger = logging.getLogger(__name__)
+__all__ = ["UPCAST_MIN_ROWS"]
 
 _HALF = (torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
 class HalfMatmulChoice:
-    """How bf16/fp16 matmuls run on this CPU, and why (for logs and metrics)."""
+    """How bf16/fp16 matmuls run in this process, and why (for logs and metrics)."""
 
     native: bool            # torch's half-precision GEMM (oneDNN) rather than fp32 compute
     cpu_features: tuple[str, ...]   # the native-bf16 features the running CPU reports
@@ -57,51 +54,33 @@ class HalfMatmulChoice:
     upcast_min_rows: int       # fp32 compute: the fewest rows a matmul is upcast from
 
 
-_choice: HalfMatmulChoice | None = None
-
-
 def cpu_bf16_features() -> tuple[str, ...]:
     """Native bf16 arithmetic on the running CPU, as torch's cpuinfo sees it."""
-    probes = (("amx", "_is_amx_tile_supported"), ("avx512_bf16", "_is_avx512_bf16_supported"))
-    return tuple(name for name, fn in probes if getattr(torch.cpu, fn, lambda: False)())
+    return execution_plan.CpuFeatures.detect().bf16_names()
 
 
-def _decide() -> HalfMatmulChoice:
-    mode = envs.CPU_HALF_MATMUL.raw()
-    if mode not in ("auto", "native", "fp32"):
-        raise ValueError(f"{envs.CPU_HALF_MATMUL.shown}: expected auto, native or fp32, got "
-                         f"{mode!r}")
-    features = cpu_bf16_features()
-    if mode != "auto":
-        return HalfMatmulChoice(mode == "native", features,
-                                f"{envs.CPU_HALF_MATMUL.name}={mode}", UPCAST_MIN_ROWS)
-    onednn = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    if not (features and onednn):
-        missing = "oneDNN without bf16 support" if features else "no AVX512-BF16 or AMX on this CPU"
-        return HalfMatmulChoice(False, features, missing, UPCAST_MIN_ROWS)
-    half, fp32, upcast = _probe()
-    flops = 2 * PROBE_ROWS * PROBE_FEATURES * PROBE_FEATURES
-    measured = (f"measured bf16 {flops / half / 1e9:.0f} vs fp32 {flops / fp32 / 1e9:.0f} "
-                f"GFLOP/s on one thread")
-    has = f"this CPU has {'+'.join(features)}"
-    if half <= fp32:
-        return HalfMatmulChoice(True, features, f"{has}; {measured}", UPCAST_MIN_ROWS)
-    # per row fp32 saves (half - fp32) / rows, and the weight's upcast costs `upcast` a call
-    rows = max(UPCAST_MIN_ROWS, math.ceil(upcast * PROBE_ROWS / (half - fp32)))
-    return HalfMatmulChoice(False, features, f"{has}, but its bf16 GEMM is the slower: "
-                            f"{measured}, so from {rows} rows on", rows)
+def half_matmul_choice(plan: ExecutionPlan | None = None) -> HalfMatmulChoice:
+    """The plan's half-precision matmul choice (this process's plan by default)."""
+    plan = plan or execution_plan.current()
+    return HalfMatmulChoice(plan.matmul == "native", plan.cpu.bf16_names(), plan.matmul_reason,
+                            plan.upcast_min_rows)
 
 
-# The probe: a [PROBE_ROWS, F] x [F, F] product in bf16 (oneDNN) and in fp32 on weights
+def cpu_half_matmul_in_fp32() -> bool:
+    """Whether bf16/fp16 matmuls run as fp32 under this process's plan."""
+    return execution_plan.current().half_in_fp32
+
+
+# The measurement: a [PROBE_ROWS, F] x [F, F] product in bf16 (oneDNN) and in fp32 on weights
 # upcast beforehand, and the upcast of the weight alone (which `linear` pays every call),
-# best of PROBE_REPEATS alternated calls each, on one thread: ~60 ms at start-up. With
-# bf16 the slower, a matmul is upcast from the row count where the fp32 GEMM's saving
-# covers the upcast (an AVX512-BF16 Xeon without AMX: ~75 vs ~100 GFLOP/s a core).
+# best of PROBE_REPEATS alternated calls each, on one thread: ~60 ms.
 PROBE_ROWS, PROBE_FEATURES, PROBE_REPEATS = 256, 1024, 5
 
 
-def _probe() -> tuple[float, float, float]:
-    """Seconds of the probe GEMM in bf16, in fp32, and of the weight's upcast."""
+def measure_half_matmul() -> tuple[float, float, float]:
+    """Seconds of the probe GEMM in bf16, in fp32, and of the weight's upcast: a suggestion
+    for KVRELAY_CPU_HALF_MATMUL on this machine, never read by the plan (its numerics must
+    not depend on the load at start-up)."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(PROBE_ROWS, PROBE_FEATURES, generator=g).bfloat16()
     w = torch.randn(PROBE_FEATURES, PROBE_FEATURES, generator=g).bfloat16()
@@ -127,45 +106,15 @@ def _probe() -> tuple[float, float, float]:
     return best[0], best[1], best[2]
 
 
-@functools.cache
-def cpu_half_matmul_in_fp32() -> bool:
-    """Whether bf16/fp16 matmuls on the CPU run as fp32 (see the module docstring).
-    Decided and logged once per process (tests clear the cache to re-decide)."""
-    global _choice
-    _choice = _decide()
-    logger.info("CPU half-precision matmuls: %s (%s)",
-                "native (oneDNN)" if _choice.native else "fp32 compute", _choice.reason)
-    return not _choice.native
+def upcast_min_rows(plan: ExecutionPlan | None = None) -> int:
+    """Where half matmuls run in fp32: the fewest rows a matmul is upcast from."""
+    return (plan or execution_plan.current()).upcast_min_rows
 
 
-def half_matmul_choice() -> HalfMatmulChoice:
-    cpu_half_matmul_in_fp32()
-    assert _choice is not None
-    return _choice
-
-
-@compile_hints.constant_result
-def upcast_min_rows() -> int:
-    """Where half matmuls run in fp32: the fewest rows a matmul is upcast from (a constant
-    to torch.compile, as `_in_fp32_constant` is)."""
-    return half_matmul_choice().upcast_min_rows
-
-
-def upcasts(weight: torch.Tensor) -> bool:
-    return weight.dtype in _HALF and weight.device.type == "cpu" and _in_fp32_constant()
-
-
-@compile_hints.constant_result
-def _in_fp32_constant() -> bool:
-    """`cpu_half_matmul_in_fp32()`, a constant to torch.compile (which traces through the
-    cache into the capability probes, and breaks the graph there)."""
-    return cpu_half_matmul_in_fp32()
-
-
-# Below this many rows a matmul streams its weights (GEMV-like) and torch's half kernel,
-# reading 2 bytes per weight, beats upcasting them (≈10 bytes of traffic per weight):
-# at 1 row the upcast is 2.6–3× slower, from ~4 rows on it wins (2× at 8, 7× at 64).
-UPCAST_MIN_ROWS = 4
+def upcasts(weight: torch.Tensor, plan: ExecutionPlan | None = None) -> bool:
+    """Whether matmuls with this weight compute in fp32 (from `upcast_min_rows` rows)."""
+    return (weight.dtype in _HALF and weight.device.type == "cpu"
+            and (plan or execution_plan.current()).half_in_fp32)
 
 
 # Most rows (per weight dtype) for which the native dense kernel takes a matmul, per dense
@@ -198,28 +147,9 @@ WIDE_MAX_ROWS = 8
 DENSE_SMALL_CALL_MACS: dict[str, int] = {"avx512_bf16": 1 << 21}
 
 
-@functools.cache
 def dense_kernel_isa() -> str | None:
-    """The native dense kernels' ISA variant that decode-sized matmuls and norms use, or
-    None: KVRELAY_DENSE_KERNEL=torch, or the extension did not build (its one warning says
-    why), or only its generic build runs here. Decided once per process."""
-    mode = envs.DENSE_KERNEL.raw()
-    if mode not in ("auto", "torch"):
-        raise ValueError(f"{envs.DENSE_KERNEL.shown}: expected auto or torch, got {mode!r}")
-    if mode == "torch":
-        return None
-    status = kernels.status()
-    return status.dense_isa if status.available and status.dense_isa in DENSE_MAX_ROWS else None
-
-
-@functools.cache
-def _dense_rows() -> dict[torch.dtype, int]:
-    isa = dense_kernel_isa()
-    return DENSE_MAX_ROWS[isa] if isa else {}
-
-
-def _small_call_macs() -> int:
-    return DENSE_SMALL_CALL_MACS.get(dense_kernel_isa() or "", 0)
+    """This process's plan's dense kernel ISA (None: every matmul and norm on torch)."""
+    return execution_plan.current().dense
 
 
 @functools.cache
@@ -228,42 +158,47 @@ def _dense_op() -> torch._ops.OpOverload:
     return torch.ops.kvrelay_kernels.dense_linear.default
 
 
-def _dense(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `linear(x, weight)` runs on the native dense kernel."""
+def runs_on_dense_kernel(x: torch.Tensor, weight: torch.Tensor,
+                         plan: ExecutionPlan | None = None) -> bool:
+    """Whether `linear(x, weight, plan=plan)` runs on the native dense kernel."""
     if torch.compiler.is_compiling() or x.dim() != 2:     # traced code keeps F.linear
         return False
-    limit = _dense_rows().get(weight.dtype, 0)
+    isa = (plan or execution_plan.current()).dense
+    limit = DENSE_MAX_ROWS[isa].get(weight.dtype, 0) if isa else 0
     if not limit or x.dtype != weight.dtype or x.device.type != "cpu":
         return False
     rows = x.shape[0]
     if x.shape[1] >= WIDE_K:
         limit = min(limit, WIDE_MAX_ROWS)
-    return rows > 0 and (rows <= limit or rows * weight.numel() <= _small_call_macs())
+    return rows > 0 and (rows <= limit
+                         or rows * weight.numel() <= DENSE_SMALL_CALL_MACS.get(isa or "", 0))
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear`: on the native dense kernel for decode-sized inputs (see DENSE_MAX_ROWS);
-    in fp32 for half-precision weights where the CPU lacks a fast half GEMM (and the batch
-    is large enough for that to pay, see UPCAST_MIN_ROWS)."""
-    if _dense(x, weight):
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           plan: ExecutionPlan | None = None) -> torch.Tensor:
+    """`F.linear` under `plan` (this process's by default): on the native dense kernel for
+    decode-sized inputs (see DENSE_MAX_ROWS); in fp32 for half-precision weights where the
+    plan computes them so (from `upcast_min_rows` rows, see the module docstring)."""
+    plan = plan or execution_plan.current()
+    if runs_on_dense_kernel(x, weight, plan):
         return _dense_op()(x, weight, bias, "")
-    if not upcasts(weight) or x.numel() < upcast_min_rows() * x.shape[-1]:
+    if not upcasts(weight, plan) or x.numel() < plan.upcast_min_rows * x.shape[-1]:
         return F.linear(x, weight, bias)
     out = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
     return out.to(x.dtype)
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
-    if dtype in _HALF:
-        cpu_half_matmul_in_fp32()      # decide (and log) at model construction, not mid-step
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
 class RowParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, ctx: ParallelContext,
-                 dtype: torch.dtype, bias: bool = True) -> None:
+                 dtype: torch.dtype, bias: bool = True, plan: ExecutionPlan | None = None
+                 ) -> None:
         super().__init__()
         self.ctx = ctx
+        self.plan = plan or execution_plan.current()
         self.in_local = divide(in_features, ctx.tp_size, "input features")
         self.weight = _param(out_features, self.in_local, dtype=dtype)
         self.bias = _param(out_features, dtype=dtype) if bias else None
@@ -276,16 +211,18 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.ctx.tp_rank == 0 else None
-        return self.ctx.comm.all_reduce(linear(x, self.weight, bias))
+        return self.ctx.comm.all_reduce(linear(x, self.weight, bias, self.plan))
 
 
 class QKVParallelLinear(nn.Module):
     """q, k, v projections of this rank's heads, fused into one matmul."""
 
     def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 ctx: ParallelContext, dtype: torch.dtype) -> None:
+                 ctx: ParallelContext, dtype: torch.dtype, plan: ExecutionPlan | None = None
+                 ) -> None:
         super().__init__()
         self.ctx, self.head_dim = ctx, head_dim
+        self.plan = plan or execution_plan.current()
         self.num_heads = divide(num_heads, ctx.tp_size, "num_attention_heads")
         if ctx.tp_size >= num_kv_heads:
             divide(ctx.tp_size, num_kv_heads, "tensor_parallel_size (KV heads replicated)")
@@ -314,7 +251,7 @@ class QKVParallelLinear(nn.Module):
             row += size
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        qkv = linear(x, self.weight, self.bias)                  # [tokens, q + 2 kv]
+        qkv = linear(x, self.weight, self.bias, self.plan)                  # [tokens, q + 2 kv]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         return (q.view(-1, self.num_heads, self.head_dim),        # [tokens, heads, hd]
                 k.view(-1, self.num_kv_heads, self.head_dim),     # [tokens, kv_heads, hd]
@@ -323,7 +260,7 @@ class QKVParallelLinear(nn.Module):
     def qk_v(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(q and k heads side by side [tokens, heads + kv_heads, hd], v [tokens, kv_heads, hd]):
         the layout in which one rotary call rotates q and k together."""
-        qkv = linear(x, self.weight, self.bias)                  # [tokens, q + 2 kv]
+        qkv = linear(x, self.weight, self.bias, self.plan)                  # [tokens, q + 2 kv]
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         return (qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim),
                 v.view(-1, self.num_kv_heads, self.head_dim))

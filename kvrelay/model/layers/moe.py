@@ -5,8 +5,8 @@ Experts: h = x W_guᵀ + b_gu with gate/up interleaved (even rows gate, odd rows
 gate ≤ limit, -limit ≤ up ≤ limit; act = (up + 1) · gate · σ(alpha · gate);
 y = act W_dᵀ + b_d, weighted by the routing weight.
 
-Two implementations of the expert computation, chosen by `KVRELAY_MOE_KERNEL`
-(auto | native | torch, see `moe_kernel_mode`):
+Two implementations of the expert computation, chosen by the execution plan's `moe`
+(KVRELAY_MOE_KERNEL: auto | native | torch):
 - native (`kvrelay.model.kernels`): one C++ call per layer covering every local expert —
   choices counting-sorted by expert, gate_up + swiglu and down + routing weight as two
   parallel sweeps over (expert, row tile), MXFP4 dequantised in registers, fp32
@@ -26,20 +26,21 @@ already `[E, out, in/32, 16]` and stay packed (`MXFP4Tensor`).
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Self
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kvrelay import envs
-from kvrelay.model import kernels
+from kvrelay.model import execution_plan, kernels
+from kvrelay.model.execution_plan import ExecutionPlan
 from kvrelay.model.layers import moe_tiles
 from kvrelay.model.layers.ep_dispatch import moe_across_replicas
-from kvrelay.model.layers.linear import _dense as runs_on_dense_kernel
-from kvrelay.model.layers.linear import linear, upcast_min_rows, upcasts
-from kvrelay.model.layers.moe_mode import moe_kernel_mode
+from kvrelay.model.layers.linear import linear, runs_on_dense_kernel, upcasts
+from kvrelay.model.layers.moe_mode import moe_kernel_mode as moe_kernel_mode  # re-exported
 from kvrelay.model.mxfp4 import BLOCK, MXFP4Tensor
 from kvrelay.model.parallel import Collectives, ParallelContext, divide, shard_range
 from kvrelay.model.weights import WeightSource, padded_slice
@@ -70,27 +71,42 @@ DENSE_TORCH_MIN_WORK = 1 << 22
 MXFP4_TORCH_MIN_ROWS = 256
 
 
+@functools.cache
+def route_topk_op() -> Any:
+    """`kvrelay_kernels::route_topk` (csrc/fused_decode_op.cpp), resolved once."""
+    return torch.ops.kvrelay_kernels.route_topk.default
+
+
 class Router(nn.Module):
-    def __init__(self, hidden: int, num_experts: int, top_k: int, dtype: torch.dtype) -> None:
+    def __init__(self, hidden: int, num_experts: int, top_k: int, dtype: torch.dtype,
+                 plan: ExecutionPlan | None = None) -> None:
         super().__init__()
         self.top_k = top_k
+        self.plan = plan or execution_plan.current()
         self.weight = nn.Parameter(torch.zeros(num_experts, hidden, dtype=dtype),
                                    requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(num_experts, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = linear(x, self.weight, self.bias)                        # [T, E]
+        logits = linear(x, self.weight, self.bias, self.plan)              # [T, E]
         top_logits, top_ids = logits.topk(self.top_k, dim=-1)               # [T, k]
         return torch.softmax(top_logits, dim=-1), top_ids
+
+    def route_native(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` with the top-k and softmax in one native call: (weights [T, k] f32,
+        expert ids [T, k] int64), the values the experts read from `forward`."""
+        return route_topk_op()(linear(x, self.weight, self.bias, self.plan), self.top_k)
 
 
 class Experts(nn.Module):
     """This rank's share of the experts, in the model dtype or packed MXFP4."""
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, ctx: ParallelContext,
-                 dtype: torch.dtype, alpha: float, limit: float, mxfp4: bool) -> None:
+                 dtype: torch.dtype, alpha: float, limit: float, mxfp4: bool,
+                 plan: ExecutionPlan | None = None) -> None:
         super().__init__()
         self.ctx, self.dtype, self.alpha, self.limit, self.mxfp4 = ctx, dtype, alpha, limit, mxfp4
+        self.plan = plan or execution_plan.current()
         self.hidden, self.intermediate = hidden, intermediate
         self.num_local = divide(num_experts, ctx.ep_size, "num_local_experts (expert parallel)")
         self.first_expert = ctx.ep_rank * self.num_local
@@ -107,8 +123,7 @@ class Experts(nn.Module):
         # fp32 copies of half-precision biases for the native kernel, keyed by the
         # source tensor's (data_ptr, version) so a reload refreshes them
         self._bias_f32: dict[str, tuple[tuple[int, int], torch.Tensor]] = {}
-        if moe_kernel_mode() != "torch":
-            kernels.status()    # build/load the kernels at model construction, not mid-request
+        self._args: DecodeArgs | None = None       # `decode`'s arguments, made on first use
         if not mxfp4:
             self.gate_up = nn.Parameter(torch.zeros(E, 2 * I, hidden, dtype=dtype),
                                         requires_grad=False)
@@ -164,9 +179,9 @@ class Experts(nn.Module):
                                               for e in range(self.num_local)]),
                                  requires_grad=False)
 
-    def _apply(self, fn, recurse=True):  # keep packed MXFP4 tensors on the module's device
+    # keep packed MXFP4 tensors on the module's device
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Self:
         super()._apply(fn, recurse)
-        self.__dict__.pop("_decode_plan", None)
         if self.mxfp4 and isinstance(self.gate_up, MXFP4Tensor):
             device = self.gate_up_bias.device
             self.gate_up, self.down = self.gate_up.to(device), self.down.to(device)
@@ -180,71 +195,62 @@ class Experts(nn.Module):
     def _weight(self, w: torch.Tensor | MXFP4Tensor, e: int, dtype: torch.dtype) -> torch.Tensor:
         return w.expert(e, dtype) if isinstance(w, MXFP4Tensor) else w[e].to(dtype)
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        self.__dict__.pop("_decode_plan", None)     # new weights or settings: plan again
-        super().__setattr__(name, value)
-
     # -- compute --------------------------------------------------------------------------
     def decode(self, x: torch.Tensor, weights: torch.Tensor,
                expert_ids: torch.Tensor) -> torch.Tensor:
         """`forward` followed by the MoE all-reduce, for eager decode steps
         (`DecoderLayer.decode`): the same results, with what `forward` works out per call
-        (kernel choice, weight views, fp32 biases) worked out once (`_DecodePlan`) and the
+        (kernel choice, weight views, fp32 biases) worked out once (`DecodeArgs`) and the
         all-reduce skipped where it is the identity (one rank). `weights`/`expert_ids` are
         the router's float32/int64 [T, k] (the kernel checks)."""
-        plan = self._plan()
+        args = self._decode_args()
         choices = expert_ids.numel()
         if moe_tiles.wants(self, x, choices):          # many rows per expert (offline3 hook)
             y = moe_tiles.forward(self, x, weights, expert_ids)
-            return y if plan.reduce is None else plan.reduce(y)
-        native = plan.native.get(choices)
+            return y if args.reduce is None else args.reduce(y)
+        native = args.native.get(choices)
         if native is None:
-            native = plan.native[choices] = self.uses_native_kernel(choices)
+            native = args.native[choices] = self.uses_native_kernel(choices)
         if native:
-            y = plan.op(x if plan.x_native else x.float(), weights, expert_ids, *plan.args)
-            if not plan.x_native:
+            y = args.op(x if args.x_native else x.float(), weights, expert_ids, *args.args)
+            if not args.x_native:
                 y = y.to(x.dtype)
         else:
             y = self.forward_torch(x, weights, expert_ids)
-        return y if plan.reduce is None else plan.reduce(y)
+        return y if args.reduce is None else args.reduce(y)
 
     def route_decode(self, x: torch.Tensor, router: Router,
-                     route: Callable[[torch.Tensor, Router], tuple[torch.Tensor, torch.Tensor]]
+                     route: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
                      ) -> torch.Tensor:
-        """`decode` of the choices `route(x, router)` makes (`DecoderLayer.route`: the
-        router's linear on the dense kernel, then `route_topk`): where both run natively,
+        """`decode` of the choices `route(x)` makes (`Router.route_native`: the router's
+        linear on the dense kernel, then `route_topk`): where both run natively,
         the router and the experts are one native call (`moe_route_experts`, which calls the
         same two ops from C++: bitwise the same result, two Python op dispatches fewer a
         layer); otherwise `route` and `decode`."""
-        plan = self._plan()
-        fused = plan.fused.get(x.shape[0])
+        args = self._decode_args()
+        fused = args.fused.get(x.shape[0])
         if fused is None:
-            fused = plan.fused[x.shape[0]] = self._fuses_router(x, router)
+            fused = args.fused[x.shape[0]] = self._fuses_router(x, router)
         if not fused:
-            return self.decode(x, *route(x, router))
-        y = plan.route_op(x, router.weight, router.bias, router.top_k, *plan.args)
-        return y if plan.reduce is None else plan.reduce(y)
+            return self.decode(x, *route(x))
+        y = args.route_op(x, router.weight, router.bias, router.top_k, *args.args)
+        return y if args.reduce is None else args.reduce(y)
 
     def _fuses_router(self, x: torch.Tensor, router: Router) -> bool:
         """Whether `route_decode` of x's batch size takes the one native call: the kernel
         reads x as it is and is chosen for its choices, and the router's linear is the
-        dense kernel's (what `linear` picks); never where `decode` is replaced on the
-        instance (a profiler's span, a spy: the one call would bypass it)."""
-        plan = self._plan()
-        return (bool(plan.args) and plan.x_native and router.bias.dtype == x.dtype
-                and "decode" not in self.__dict__
+        dense kernel's (what `linear` picks under the router's plan)."""
+        args = self._decode_args()
+        return (bool(args.args) and args.x_native and router.bias.dtype == x.dtype
                 and self.uses_native_kernel(x.shape[0] * router.top_k)
-                and runs_on_dense_kernel(x, router.weight))
+                and runs_on_dense_kernel(x, router.weight, router.plan))
 
-    def _plan(self) -> _DecodePlan:
-        plan = self.__dict__.get("_decode_plan")
-        if plan is None or not plan.current():
-            plan = self.__dict__["_decode_plan"] = _DecodePlan(self)
-        return plan
-
-    def forget_decode_plan(self) -> None:
-        """The kernels' availability changed (`engine/native_switch.py`): plan again."""
-        self.__dict__.pop("_decode_plan", None)
+    def _decode_args(self) -> DecodeArgs:
+        """The decode arguments, made again when what they were made from changed."""
+        args = self._args
+        if args is None or not args.current(self):
+            args = self._args = DecodeArgs(self)
+        return args
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor,
                 expert_ids: torch.Tensor) -> torch.Tensor:
@@ -256,12 +262,12 @@ class Experts(nn.Module):
         return self.forward_torch(x, weights, expert_ids)
 
     def uses_native_kernel(self, choices: int = 1) -> bool:
-        """Native unless KVRELAY_MOE_KERNEL=torch, the weights are not on the CPU, or are
+        """Native unless the plan's moe is "torch", the weights are not on the CPU, or are
         dense and either in a dtype the kernel does not read (fp16) or given enough rows
         (`choices` (token, expert) pairs over all experts) for torch's GEMMs to win
         (`dense_prefers_torch`; 'auto' only), or the extension could not be built ('auto'
         then falls back with the one warning `kernels.status` logs; 'native' is an error)."""
-        mode = moe_kernel_mode()
+        mode = self.plan.moe
         if mode == "torch" or self.gate_up_bias.device.type != "cpu":
             return False
         if not isinstance(self.gate_up, MXFP4Tensor):
@@ -271,7 +277,7 @@ class Experts(nn.Module):
                 return False
         elif mode == "auto" and self.mxfp4_prefers_torch(choices):
             return False
-        available = kernels.kernels_available()
+        available = self.plan.native_kernels
         if not available and mode == "native":
             raise RuntimeError(f"{envs.MOE_KERNEL.shown}=native but the native kernels could "
                                f"not be built: {kernels.status().reason}")
@@ -340,7 +346,7 @@ class Experts(nn.Module):
         fp32 on this CPU (see `layers.linear`), the whole expert computation does.
         """
         out_dtype = x.dtype
-        work_dtype = torch.float32 if upcasts(self.gate_up_bias) else x.dtype
+        work_dtype = torch.float32 if upcasts(self.gate_up_bias, self.plan) else x.dtype
         x = x.to(work_dtype)
         T, k = expert_ids.shape
         local = expert_ids.flatten() - self.first_expert                    # [T*k]
@@ -353,7 +359,7 @@ class Experts(nn.Module):
         x_sorted = x[chosen // k]                                           # [n, H]
         y_sorted = torch.empty_like(x_sorted)
         offset = 0
-        least = upcast_min_rows() if work_dtype != self.dtype else 0   # fewer rows: half
+        least = self.plan.upcast_min_rows if work_dtype != self.dtype else 0   # fewer: half
         for e, n in enumerate(sizes):
             if n:
                 dt = work_dtype if n >= least else self.dtype             # see layers.linear
@@ -375,15 +381,16 @@ class Experts(nn.Module):
         return F.linear(act, self._weight(self.down, e, dt), bias)          # [n, H]
 
 
-class _DecodePlan:
+class DecodeArgs:
     """What `Experts.decode` passes the kernel besides the activations, worked out once:
     the op, the weight views and fp32 biases in the op's argument order, the all-reduce
-    (None when it is the identity), and the kernel choice per choice count. A reload
-    replaces the weights through `Experts.__setattr__` (which drops the plan) or copies
-    into them in place: `current` compares the biases' versions, which the fp32 copies
-    were made from."""
+    (None when it is the identity), and the kernel choice per choice count. Made from the
+    experts' plan, weights, biases and parallel context: `current` says whether those are
+    still the ones it was made from (a reload replaces the weights or copies into the
+    biases in place; a new plan arrives when the kernels become available)."""
 
     def __init__(self, ex: Experts) -> None:
+        self.made_from = (ex.plan, ex.gate_up, ex.down, ex.ctx, ex.dtype)
         self.native: dict[int, bool] = {}
         self.fused: dict[int, bool] = {}       # route_decode's choice per batch size
         self.x_native = ex.dtype in _KERNEL_X_DTYPES     # activations in the model dtype
@@ -395,7 +402,7 @@ class _DecodePlan:
         self.op: Any = None                    # the ops, where the kernels are built
         self.route_op: Any = None
         self.args: tuple = ()
-        if kernels.kernels_available():
+        if ex.plan.native_kernels:
             self.op = torch.ops.kvrelay_kernels.moe_experts.default
             self.route_op = torch.ops.kvrelay_kernels.moe_route_experts.default
             gate_up, down = ex._kernel_weight(ex.gate_up), ex._kernel_weight(ex.down)
@@ -403,19 +410,23 @@ class _DecodePlan:
                          down[0], down[1], ex._f32("down_bias") if ex.add_down_bias else None,
                          ex.alpha, ex.limit, "")
 
-    def current(self) -> bool:
+    def current(self, ex: Experts) -> bool:
         a, b = self.sources
-        return (a._version, b._version) == self.versions
+        return ((a._version, b._version) == self.versions
+                and all(x is y for x, y in zip(self.made_from,
+                                               (ex.plan, ex.gate_up, ex.down, ex.ctx, ex.dtype))))
 
 
 class MoE(nn.Module):
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int,
                  ctx: ParallelContext, dtype: torch.dtype, alpha: float, limit: float,
-                 mxfp4: bool) -> None:
+                 mxfp4: bool, plan: ExecutionPlan | None = None) -> None:
         super().__init__()
         self.ctx = ctx
-        self.router = Router(hidden, num_experts, top_k, dtype)
-        self.experts = Experts(hidden, intermediate, num_experts, ctx, dtype, alpha, limit, mxfp4)
+        plan = plan or execution_plan.current()
+        self.router = Router(hidden, num_experts, top_k, dtype, plan)
+        self.experts = Experts(hidden, intermediate, num_experts, ctx, dtype, alpha, limit, mxfp4,
+                               plan)
 
     def load(self, src: WeightSource, prefix: str) -> None:
         self.router.weight.copy_(src.get(f"{prefix}.router.weight"))

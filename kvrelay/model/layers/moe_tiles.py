@@ -14,9 +14,10 @@ bf16 value) one block of rows at a time.
 
 `Experts.forward` / `Experts.decode` ask `wants` first (a small dispatch hook in
 `layers/moe.py`); the fp32 model, other CPUs, `KVRELAY_MOE_KERNEL=native|torch` and few
-rows per expert keep their paths. So do bf16 experts on CPUs whose bf16 arithmetic
-measured slower than their fp32 at start-up (`linear.cpu_half_matmul_in_fp32`), from the
-rows per expert at which `linear` upcasts (`linear.upcast_min_rows`): the tiles are that
+rows per expert keep their paths (the execution plan's `moe_tiles`). So do bf16 experts
+where the plan computes half matmuls in fp32 (CPUs whose bf16 arithmetic is slower than
+their fp32), from the rows per expert at which `linear` upcasts (the plan's
+`upcast_min_rows`): the tiles are that
 bf16 arithmetic, and below those rows torch's GEMMs would run in bf16 too. On such a
 CPU (an AVX512-BF16 Xeon without AMX) the embedded model's 200-token prefill spent
 455-549 ms in the tiles, 350 in the fp32 streaming kernel and 238-282 in torch's fp32
@@ -26,17 +27,14 @@ measured 3.5-4.8k tok/s without the tiles against 4.4-5.0k with them.
 """
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from kvrelay.model import kernels
-from kvrelay.model.layers.linear import cpu_half_matmul_in_fp32, upcast_min_rows
-from kvrelay.model.layers.moe_mode import moe_kernel_mode
 from kvrelay.model.mxfp4 import MXFP4Tensor
 
 if TYPE_CHECKING:
+    from kvrelay.model.execution_plan import ExecutionPlan
     from kvrelay.model.parallel import ParallelContext
 
 
@@ -46,6 +44,8 @@ class TileExperts(Protocol):
 
     @property
     def ctx(self) -> ParallelContext: ...
+    @property
+    def plan(self) -> ExecutionPlan: ...
     @property
     def gate_up(self) -> torch.Tensor | MXFP4Tensor: ...
     @property
@@ -80,14 +80,6 @@ class TileExperts(Protocol):
 TILE_MIN_ROWS = 10
 
 
-@functools.cache
-def available() -> bool:
-    """Whether the extension is built and this CPU has AVX512-BF16."""
-    if not kernels.kernels_available():
-        return False
-    return bool(torch.ops.kvrelay_kernels.moe_tile_isas())
-
-
 def wants(ex: TileExperts, x: torch.Tensor, choices: int) -> bool:
     """Whether `ex` runs this call of `choices` (token, expert) pairs on the tiles."""
     if x.dtype != torch.bfloat16 or x.device.type != "cpu" or torch.compiler.is_compiling():
@@ -98,11 +90,10 @@ def wants(ex: TileExperts, x: torch.Tensor, choices: int) -> bool:
     rows = choices / (ex.num_local * ex.ctx.ep_size)
     if rows < TILE_MIN_ROWS:
         return False
-    if not isinstance(w, MXFP4Tensor) and cpu_half_matmul_in_fp32() \
-            and rows >= upcast_min_rows():
+    plan = ex.plan
+    if not isinstance(w, MXFP4Tensor) and plan.half_in_fp32 and rows >= plan.upcast_min_rows:
         return False            # bf16 weights: torch's fp32 GEMMs, from where they pay
-    return moe_kernel_mode() == "auto" and ex.hidden % 2 == 0 and ex.i_local % 2 == 0 \
-        and available()
+    return plan.moe_tiles and ex.hidden % 2 == 0 and ex.i_local % 2 == 0
 
 
 def forward(ex: TileExperts, x: torch.Tensor, weights: torch.Tensor,

@@ -15,7 +15,8 @@ The C++ lives with the other native kernels (`kvrelay/model/kernels/csrc/paged_d
 and is built, cached and dispatched to the running CPU's ISA by `kvrelay.model.kernels`;
 this module is its Python face. Where the extension cannot be built the caller keeps the
 pure-PyTorch reference path (`layers/attention.py`), with the one warning
-`kernels.status()` logs. `KVRELAY_ATTENTION_KERNEL=reference` forces the reference path.
+`kernels.status()` logs. `KVRELAY_ATTENTION_KERNEL=reference` forces the reference path
+(the execution plan's `attention`, which `layers/attention.py` reads).
 """
 from __future__ import annotations
 
@@ -23,27 +24,13 @@ import functools
 
 import torch
 
-from kvrelay import envs
-from kvrelay.model import compile_hints, kernels
+from kvrelay.model import execution_plan
 
 
-@functools.cache
 def enabled() -> bool:
-    """Whether decodes use the native kernel: not forced off and the extension built.
-    Decided once per process (tests clear the cache to re-decide)."""
-    if envs.ATTENTION_KERNEL.raw() == "reference":
-        return False
-    return kernels.status().available
-
-
-def available(device: torch.device) -> bool:
-    return device.type == "cpu" and _enabled_constant()
-
-
-@compile_hints.constant_result
-def _enabled_constant() -> bool:
-    """`enabled()`, which torch.compile takes as a constant (it traces through caches)."""
-    return enabled()
+    """Whether this process's execution plan runs decodes on the native kernel (not forced
+    off, the extension built); the model's layers read their own plan."""
+    return execution_plan.current().attention == "native"
 
 
 def decode(

@@ -17,6 +17,8 @@
 #include <string>
 #include <vector>
 
+#include "isa.h"
+#include "isa_dispatch.h"
 #include "parallel.h"
 
 namespace kvrelay {
@@ -69,47 +71,38 @@ using ArgmaxFn = int64_t (*)(const float*, int64_t);
 
 #if defined(__x86_64__) || defined(__i386__)
 #if defined(__clang__)
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")))
+__attribute__((target(KVRELAY_ISA_AVX512)))
 #else
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,prefer-vector-width=512")))
+__attribute__((target(KVRELAY_ISA_AVX512 ",prefer-vector-width=512")))
 #endif
 int64_t argmax_avx512(const float* x, int64_t V) { return row_argmax(x, V); }
 
-__attribute__((target("avx2,fma"))) int64_t argmax_avx2(const float* x, int64_t V) {
+__attribute__((target(KVRELAY_ISA_AVX2))) int64_t argmax_avx2(const float* x, int64_t V) {
   return row_argmax(x, V);
 }
 #endif
 
 int64_t argmax_generic(const float* x, int64_t V) { return row_argmax(x, V); }
 
-struct ArgmaxIsa {
-  const char* name;
-  ArgmaxFn fn;
-};
+template <ArgmaxFn fn>
+bool build(ArgmaxFn* out) {
+  *out = fn;
+  return true;
+}
 
-const std::vector<ArgmaxIsa>& isas() {                    // best first
-  static const std::vector<ArgmaxIsa> all = [] {
-    std::vector<ArgmaxIsa> k;
+const Variants<ArgmaxFn>& isas() {                       // best first
+  static const Variants<ArgmaxFn> all = [] {
+    Variants<ArgmaxFn> v("argmax_rows");
 #if defined(__x86_64__) || defined(__i386__)
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
-      k.push_back({"avx512", argmax_avx512});
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
-      k.push_back({"avx2", argmax_avx2});
+    v.add(Isa::kAvx512, &build<argmax_avx512>).add(Isa::kAvx2, &build<argmax_avx2>);
 #endif
-    k.push_back({"generic", argmax_generic});
-    return k;
+    v.add(Isa::kGeneric, &build<argmax_generic>);
+    return v;
   }();
   return all;
 }
 
-ArgmaxFn pick(const std::string& isa) {
-  if (isa.empty()) return isas().front().fn;
-  for (const ArgmaxIsa& k : isas())
-    if (isa == k.name) return k.fn;
-  TORCH_CHECK(false, "argmax_rows: ISA '", isa, "' is not supported on this CPU");
-}
+ArgmaxFn pick(const std::string& isa) { return isas().pick(isa); }
 
 at::Tensor argmax_rows(const at::Tensor& logits, const std::string& isa) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat &&
@@ -128,11 +121,7 @@ at::Tensor argmax_rows(const at::Tensor& logits, const std::string& isa) {
   return out;
 }
 
-std::vector<std::string> argmax_isas() {
-  std::vector<std::string> names;
-  for (const ArgmaxIsa& k : isas()) names.emplace_back(k.name);
-  return names;
-}
+std::vector<std::string> argmax_isas() { return isas().names(); }
 
 }  // namespace
 }  // namespace kvrelay

@@ -18,6 +18,8 @@
 #include <tuple>
 #include <vector>
 
+#include "isa.h"
+#include "isa_dispatch.h"
 #include "parallel.h"
 
 namespace kvrelay {
@@ -27,13 +29,13 @@ namespace bitmask_generic {
 
 #if defined(__x86_64__) || defined(__i386__)
 #pragma GCC push_options
-#pragma GCC target("avx2,fma,popcnt")
+KVRELAY_TARGET(KVRELAY_ISA_AVX2)
 namespace bitmask_avx2 {
 #include "bitmask_impl.h"
 }  // namespace bitmask_avx2
 #pragma GCC pop_options
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma,popcnt")
+KVRELAY_TARGET(KVRELAY_ISA_AVX512)
 namespace bitmask_avx512 {
 #include "bitmask_impl.h"
 }  // namespace bitmask_avx512
@@ -53,28 +55,31 @@ struct BitmaskKernels {
   RowTopkFn row_topk;
 };
 
-const BitmaskKernels& pick(const std::string& isa) {
-  static const std::vector<BitmaskKernels> all = [] {  // best first
-    std::vector<BitmaskKernels> k;
+const Variants<BitmaskKernels>& variants() {  // best first
+  static const Variants<BitmaskKernels> all = [] {
+    Variants<BitmaskKernels> v("grammar_rows");
 #if defined(__x86_64__) || defined(__i386__)
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl"))
-      k.push_back({"avx512", bitmask_avx512::masked_argmax, bitmask_avx512::mask_row,
-                   bitmask_avx512::row_topk});
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
-      k.push_back({"avx2", bitmask_avx2::masked_argmax, bitmask_avx2::mask_row,
-                   bitmask_avx2::row_topk});
+    v.add(Isa::kAvx512, [](BitmaskKernels* k) {
+      *k = {"avx512", bitmask_avx512::masked_argmax, bitmask_avx512::mask_row,
+            bitmask_avx512::row_topk};
+      return true;
+    });
+    v.add(Isa::kAvx2, [](BitmaskKernels* k) {
+      *k = {"avx2", bitmask_avx2::masked_argmax, bitmask_avx2::mask_row, bitmask_avx2::row_topk};
+      return true;
+    });
 #endif
-    k.push_back({"generic", bitmask_generic::masked_argmax, bitmask_generic::mask_row,
-                   bitmask_generic::row_topk});
-    return k;
+    v.add(Isa::kGeneric, [](BitmaskKernels* k) {
+      *k = {"generic", bitmask_generic::masked_argmax, bitmask_generic::mask_row,
+            bitmask_generic::row_topk};
+      return true;
+    });
+    return v;
   }();
-  if (isa.empty()) return all.front();
-  for (const BitmaskKernels& k : all)
-    if (isa == k.name) return k;
-  TORCH_CHECK(false, "grammar_rows: ISA '", isa, "' is not supported on this CPU");
+  return all;
 }
+
+const BitmaskKernels& pick(const std::string& isa) { return variants().pick(isa); }
 
 constexpr int64_t kIds = -1, kMasked = -2, kNone = -3;
 
@@ -181,17 +186,7 @@ std::tuple<at::Tensor, at::Tensor> topk_rows(const at::Tensor& logits, const at:
   return {values, ids};
 }
 
-std::vector<std::string> grammar_isas() {
-  std::vector<std::string> names;
-  for (const char* n : {"avx512", "avx2", "generic"}) {
-    try {
-      pick(n);
-      names.emplace_back(n);
-    } catch (const c10::Error&) {
-    }
-  }
-  return names;
-}
+std::vector<std::string> grammar_isas() { return variants().names(); }
 
 }  // namespace
 }  // namespace kvrelay

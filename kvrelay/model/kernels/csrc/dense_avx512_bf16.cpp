@@ -6,16 +6,13 @@
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,sse4.1")
+
+#include "isa.h"
+KVRELAY_TARGET(KVRELAY_ISA_AVX512_BF16)
 
 namespace {
 
-inline uint16_t to_bf16(float f) {  // round to nearest even, NaN kept quiet
-  uint32_t u;
-  __builtin_memcpy(&u, &f, 4);
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return uint16_t((u >> 16) | 0x40);
-  return uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
+#include "simd_avx512.h"
 
 // The weights stream from DRAM. Measured here (Zen 5, one thread, one input row): reading
 // one weight row after the other — a single sequential stream, the pattern the hardware
@@ -41,25 +38,14 @@ inline __mmask32 tail_mask(int64_t left) {  // the first min(left, 32) lanes
   return left >= 32 ? ~__mmask32(0) : __mmask32((uint32_t(1) << left) - 1);
 }
 
-// The sums of four accumulators, [Σa, Σb, Σc, Σd]: one reduction tree for all four
-// (a third of the instructions of four separate horizontal sums).
-inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
-  const __m256 a8 = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
-  const __m256 b8 = _mm256_add_ps(_mm512_castps512_ps256(b), _mm512_extractf32x8_ps(b, 1));
-  const __m256 c8 = _mm256_add_ps(_mm512_castps512_ps256(c), _mm512_extractf32x8_ps(c, 1));
-  const __m256 d8 = _mm256_add_ps(_mm512_castps512_ps256(d), _mm512_extractf32x8_ps(d, 1));
-  const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a8, b8), _mm256_hadd_ps(c8, d8));
-  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
-}
-
 inline void store(const kvrelay::DenseProblem& p, int64_t m, int64_t n, float v) {
   if (p.bias) v += p.bias[n];
   const int64_t i = m * p.N + n;
   if (p.y_format == kvrelay::kDenseF32) static_cast<float*>(p.y)[i] = v;
-  else static_cast<uint16_t*>(p.y)[i] = to_bf16(v);
+  else static_cast<uint16_t*>(p.y)[i] = f32_to_bf16(v);
 }
 
-// y[m, n : n + 4] = v (+ bias): one vector store; bf16 rounded as `to_bf16` does, lane-wise.
+// y[m, n : n + 4] = v (+ bias): one vector store; bf16 rounded as `f32_to_bf16` does, lane-wise.
 inline void store4(const kvrelay::DenseProblem& p, int64_t m, int64_t n, __m128 v) {
   if (p.bias) v = _mm_add_ps(v, _mm_loadu_ps(p.bias + n));
   const int64_t i = m * p.N + n;
@@ -156,7 +142,7 @@ inline void tile(const kvrelay::DenseProblem& p, int64_t n, int64_t m0, const ch
   if constexpr (NR % 4 == 0) {
     for (int m = 0; m < MR; ++m)
       for (int r = 0; r < NR; r += 4)
-        store4(p, m0 + m, n + r, sum4(acc[r][m], acc[r + 1][m], acc[r + 2][m], acc[r + 3][m]));
+        store4(p, m0 + m, n + r, sum4x16(acc[r][m], acc[r + 1][m], acc[r + 2][m], acc[r + 3][m]));
   } else {
     for (int r = 0; r < NR; ++r)
       for (int m = 0; m < MR; ++m) store(p, m0 + m, n + r, _mm512_reduce_add_ps(acc[r][m]));

@@ -3,17 +3,14 @@
 
 namespace {
 
+#include "simd_generic.h"
+
 struct V {
   static constexpr int W = 1, MR = 4;
   using T = float;
   static T zero() { return 0.0f; }
   static T load(const float* p) { return *p; }
-  static T load_bf16(const uint16_t* p) {
-    const uint32_t u = uint32_t(*p) << 16;
-    float f;
-    __builtin_memcpy(&f, &u, 4);
-    return f;
-  }
+  static T load_bf16(const uint16_t* p) { return bf16_to_f32(*p); }
   static T fma(T a, T b, T c) { return a * b + c; }
   static T add(T a, T b) { return a + b; }
   static float hsum(T a) { return a; }

@@ -1,5 +1,6 @@
 // The FMA dense kernel, written once against a small vector abstraction and compiled once
-// per ISA. Include inside an anonymous namespace after defining `struct V`:
+// per ISA. Include inside an anonymous namespace after defining `struct V` (and including
+// the build's simd_*.h: bf16_to_f32, f32_to_bf16):
 //
 //   V::W  float lanes     V::MR  x rows per pass (accumulators: NR·MR ≤ what the ISA holds)
 //   zero() load(const float*) load_bf16(const uint16_t*) fma(a, b, c) = a·b + c
@@ -13,19 +14,6 @@
 
 using VT = V::T;
 
-inline float dense_bits_to_float(uint32_t u) {
-  float f;
-  __builtin_memcpy(&f, &u, 4);
-  return f;
-}
-
-inline uint16_t dense_float_to_bf16(float f) {  // round to nearest even, NaN kept quiet
-  uint32_t u;
-  __builtin_memcpy(&u, &f, 4);
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return uint16_t((u >> 16) | 0x40);
-  return uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
 struct DenseF32W {
   static VT load(const void* w, int64_t i) { return V::load(static_cast<const float*>(w) + i); }
   static float scalar(const void* w, int64_t i) { return static_cast<const float*>(w)[i]; }
@@ -36,14 +24,14 @@ struct DenseBF16W {
     return V::load_bf16(static_cast<const uint16_t*>(w) + i);
   }
   static float scalar(const void* w, int64_t i) {
-    return dense_bits_to_float(uint32_t(static_cast<const uint16_t*>(w)[i]) << 16);
+    return bf16_to_f32(static_cast<const uint16_t*>(w)[i]);
   }
 };
 
 inline void dense_store(const kvrelay::DenseProblem& p, int64_t m, int64_t n, float v) {
   if (p.bias) v += p.bias[n];
   if (p.y_format == kvrelay::kDenseF32) static_cast<float*>(p.y)[m * p.N + n] = v;
-  else static_cast<uint16_t*>(p.y)[m * p.N + n] = dense_float_to_bf16(v);
+  else static_cast<uint16_t*>(p.y)[m * p.N + n] = f32_to_bf16(v);
 }
 
 // Bytes ahead in the (contiguous, DRAM-streamed) weights that each step prefetches, one

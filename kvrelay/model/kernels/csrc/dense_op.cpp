@@ -24,62 +24,32 @@
 #include <vector>
 
 #include "dense.h"
+#include "isa_dispatch.h"
 #include "parallel.h"
 
 namespace kvrelay {
 namespace {
 
-std::vector<DenseKernels> supported_dense() {  // best first
-  std::vector<DenseKernels> isas;
-  DenseKernels k{};
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_cpu_init();
-  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-  if (avx512 && dense_avx512(&k)) {
-    DenseKernels bf16 = k;
-    if (__builtin_cpu_supports("avx512bf16") && dense_avx512_bf16(&bf16)) isas.push_back(bf16);
-    isas.push_back(k);
-  }
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && dense_avx2(&k))
-    isas.push_back(k);
-#endif
-  dense_generic(&k);
-  isas.push_back(k);
-  return isas;
-}
+// "avx512_bf16": the "avx512" kernels with the bf16 pair products (dense_avx512_bf16.cpp)
+bool dense_bf16_pairs(DenseKernels* out) { return dense_avx512(out) && dense_avx512_bf16(out); }
 
-const std::vector<DenseKernels>& dense_isas() {
-  static const std::vector<DenseKernels> all = supported_dense();
+const Variants<DenseKernels>& dense_isas() {  // best first
+  static const Variants<DenseKernels> all = [] {
+    Variants<DenseKernels> v("kvrelay dense kernels");
+    v.add(Isa::kAvx512Bf16, &dense_bf16_pairs)
+        .add(Isa::kAvx512, &dense_avx512)
+        .add(Isa::kAvx2, &dense_avx2)
+        .add(Isa::kGeneric, &dense_generic);
+    return v;
+  }();
   return all;
 }
 
-const DenseKernels& pick_dense(const std::string& name) {
-  if (name.empty()) return dense_isas().front();
-  for (const DenseKernels& k : dense_isas())
-    if (name == k.name) return k;
-  TORCH_CHECK(false, "kvrelay dense kernels: ISA '", name, "' is not supported on this CPU");
-}
+const DenseKernels& pick_dense(const std::string& name) { return dense_isas().pick(name); }
 
-std::vector<std::string> dense_isa_names() {
-  std::vector<std::string> names;
-  for (const DenseKernels& k : dense_isas()) names.emplace_back(k.name);
-  return names;
-}
+std::vector<std::string> dense_isa_names() { return dense_isas().names(); }
 
-inline float bf16_to_float(uint16_t b) {
-  const uint32_t u = uint32_t(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-inline uint16_t float_to_bf16(float f) {  // round to nearest even, NaN kept quiet
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return uint16_t((u >> 16) | 0x40);
-  return uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
+#include "simd_generic.h"   // bf16_to_f32, f32_to_bf16
 
 bool is_half(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16; }
 
@@ -94,7 +64,7 @@ const float* as_f32(const at::Tensor& t, std::vector<float>& buf) {
   if (!is_half(t)) return t.data_ptr<float>();
   const auto* src = reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
   buf.resize(t.numel());
-  for (int64_t i = 0; i < t.numel(); ++i) buf[i] = bf16_to_float(src[i]);
+  for (int64_t i = 0; i < t.numel(); ++i) buf[i] = bf16_to_f32(src[i]);
   return buf.data();
 }
 
@@ -188,7 +158,7 @@ void norm_row(const float* h, const float* weight, int64_t H, double eps, Out* o
   const float inv = 1.0f / std::sqrt(ss / float(H) + float(eps));
   for (int64_t i = 0; i < H; ++i) {
     const float v = weight[i] * (h[i] * inv);
-    if constexpr (sizeof(Out) == 2) out[i] = float_to_bf16(v);
+    if constexpr (sizeof(Out) == 2) out[i] = f32_to_bf16(v);
     else out[i] = v;
   }
 }
@@ -216,11 +186,11 @@ void norm_rows(const at::Tensor& x, const at::Tensor* delta, const at::Tensor& w
             reinterpret_cast<const uint16_t*>(delta->data_ptr<at::BFloat16>()) + m * H;
         auto* ss = reinterpret_cast<uint16_t*>(sum->data_ptr<at::BFloat16>()) + m * H;
         for (int64_t i = 0; i < H; ++i) {
-          ss[i] = float_to_bf16(bf16_to_float(xs[i]) + bf16_to_float(ds[i]));
-          row[i] = bf16_to_float(ss[i]);
+          ss[i] = f32_to_bf16(bf16_to_f32(xs[i]) + bf16_to_f32(ds[i]));
+          row[i] = bf16_to_f32(ss[i]);
         }
       } else {
-        for (int64_t i = 0; i < H; ++i) row[i] = bf16_to_float(xs[i]);
+        for (int64_t i = 0; i < H; ++i) row[i] = bf16_to_f32(xs[i]);
       }
       norm_row(row.data(), w, H, eps,
                reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) + m * H);

@@ -4,9 +4,13 @@
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
-#pragma GCC target("avx2,fma,f16c")
+
+#include "isa.h"
+KVRELAY_TARGET(KVRELAY_ISA_AVX2)
 
 namespace {
+
+#include "simd_avx2.h"
 
 struct V {
   static constexpr int W = 8, NB = 4, kChains = 8, kChainsFp4 = 4;
@@ -19,21 +23,12 @@ struct V {
   using T = __m256;
   static T zero() { return _mm256_setzero_ps(); }
   static T load(const float* p) { return _mm256_loadu_ps(p); }
-  static T load_bf16(const uint16_t* p) {
-    const __m128i bf16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    const __m256i wide = _mm256_cvtepu16_epi32(bf16);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-  }
+  static T load_bf16(const uint16_t* p) { return load_bf16x8(p); }
   static T set1(float v) { return _mm256_set1_ps(v); }
   static T mul(T a, T b) { return _mm256_mul_ps(a, b); }
   static T add(T a, T b) { return _mm256_add_ps(a, b); }
   static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
-  static float hsum(T a) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-  }
+  static float hsum(T a) { return hsum8(a); }
   static void fp4x2(const uint8_t* codes, T* out) {
     const __m128i lut = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
     const __m128i low4 = _mm_set1_epi8(0x0F);

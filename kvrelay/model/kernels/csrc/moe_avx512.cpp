@@ -7,10 +7,10 @@
 // Auto-vectorised loops (the paged decode kernel) in 256-bit vectors, as GCC's own tuning
 // for AVX-512 CPUs does; the MoE intrinsics stay 512-bit. Measured 4-9% faster on decode
 // shapes (Zen 4) than 512-bit; clang does not take the option in a target pragma.
-#if defined(__clang__)
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
-#else
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,prefer-vector-width=256")
+#include "isa.h"
+KVRELAY_TARGET(KVRELAY_ISA_AVX512)
+#if !defined(__clang__)
+#pragma GCC target("prefer-vector-width=256")
 #endif
 
 namespace {

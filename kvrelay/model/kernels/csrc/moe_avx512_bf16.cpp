@@ -17,11 +17,10 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #include <string.h>
-#if defined(__clang__)
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")
-#else
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c," \
-                   "prefer-vector-width=256")
+#include "isa.h"
+KVRELAY_TARGET(KVRELAY_ISA_AVX512_BF16)
+#if !defined(__clang__)
+#pragma GCC target("prefer-vector-width=256")
 #endif
 
 namespace {

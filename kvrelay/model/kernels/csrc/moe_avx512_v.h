@@ -3,6 +3,8 @@
 // (the code is compiled once per build, with that build's instructions).
 #pragma once
 
+#include "simd_avx512.h"
+
 struct V512 {
   static constexpr int W = 16, NB = 8, kChains = 8, kChainsFp4 = 8;
   // MXFP4 weight rows per x load (moe_impl.h; 2 at 8 token rows, for the registers).
@@ -14,16 +16,12 @@ struct V512 {
   using T = __m512;
   static T zero() { return _mm512_setzero_ps(); }
   static T load(const float* p) { return _mm512_loadu_ps(p); }
-  static T load_bf16(const uint16_t* p) {
-    const __m256i bf16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    const __m512i wide = _mm512_cvtepu16_epi32(bf16);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-  }
+  static T load_bf16(const uint16_t* p) { return load_bf16x16(p); }
   static T set1(float v) { return _mm512_set1_ps(v); }
   static T mul(T a, T b) { return _mm512_mul_ps(a, b); }
   static T add(T a, T b) { return _mm512_add_ps(a, b); }
   static T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
-  static float hsum(T a) { return _mm512_reduce_add_ps(a); }
+  static float hsum(T a) { return hsum16(a); }
   // vpermps looks up the 16-entry table with the low 4 bits of each dword: the code
   // bytes widened to dwords index the low nibbles directly, shifted by 4 the high ones.
   static void fp4x2(const uint8_t* codes, T* out) {

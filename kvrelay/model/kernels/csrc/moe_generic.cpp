@@ -4,6 +4,8 @@
 
 namespace {
 
+#include "simd_generic.h"
+
 struct V {
   static constexpr int W = 1, NB = 4, kChains = 4, kChainsFp4 = 4;
   static constexpr int kRowBlock = 1;   // MXFP4 weight rows per x load (moe_impl.h)
@@ -11,12 +13,7 @@ struct V {
   using T = float;
   static T zero() { return 0.0f; }
   static T load(const float* p) { return *p; }
-  static T load_bf16(const uint16_t* p) {
-    const uint32_t u = uint32_t(*p) << 16;
-    float f;
-    __builtin_memcpy(&f, &u, 4);
-    return f;
-  }
+  static T load_bf16(const uint16_t* p) { return bf16_to_f32(*p); }
   static T set1(float v) { return v; }
   static T mul(T a, T b) { return a * b; }
   static T add(T a, T b) { return a + b; }

@@ -35,8 +35,6 @@ inline float bits_to_float(uint32_t u) {
   return f;
 }
 
-inline float bf16_scalar(uint16_t b) { return bits_to_float(uint32_t(b) << 16); }
-
 struct F32Row {
   const float* p;
   VT load(int64_t k) const { return V::load(p + k); }
@@ -47,7 +45,7 @@ struct F32Row {
 struct BF16Row {
   const uint16_t* p;
   VT load(int64_t k) const { return V::load_bf16(p + k); }
-  float scalar(int64_t k) const { return bf16_scalar(p[k]); }
+  float scalar(int64_t k) const { return bf16_to_f32(p[k]); }
   const char* bytes(int64_t k) const { return reinterpret_cast<const char*>(p + k); }
 };
 

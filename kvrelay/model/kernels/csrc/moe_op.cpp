@@ -22,6 +22,7 @@
 #include <tuple>
 #include <vector>
 
+#include "isa_dispatch.h"
 #include "moe.h"
 #include "moe_args.h"
 #include "parallel.h"
@@ -29,38 +30,20 @@
 namespace kvrelay {
 namespace {
 
-std::vector<IsaKernels> supported_isas() {  // best first
-  std::vector<IsaKernels> isas;
-  IsaKernels k{};
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-      __builtin_cpu_supports("avx512bf16") && avx512_bf16_kernels(&k))
-    isas.push_back(k);
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-      avx512_kernels(&k))
-    isas.push_back(k);
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && avx2_kernels(&k))
-    isas.push_back(k);
-#endif
-  generic_kernels(&k);
-  isas.push_back(k);
-  return isas;
-}
-
-const std::vector<IsaKernels>& isas() {
-  static const std::vector<IsaKernels> all = supported_isas();
+// The MoE and paged decode builds (moe.h: one IsaKernels per variant), best first.
+const Variants<IsaKernels>& isas() {
+  static const Variants<IsaKernels> all = [] {
+    Variants<IsaKernels> v("kvrelay kernels");
+    v.add(Isa::kAvx512Bf16, &avx512_bf16_kernels)
+        .add(Isa::kAvx512, &avx512_kernels)
+        .add(Isa::kAvx2, &avx2_kernels)
+        .add(Isa::kGeneric, &generic_kernels);
+    return v;
+  }();
   return all;
 }
 
-const IsaKernels& pick(const std::string& name) {
-  if (name.empty()) return isas().front();
-  for (const IsaKernels& k : isas())
-    if (name == k.name) return k;
-  TORCH_CHECK(false, "kvrelay kernels: ISA '", name, "' is not supported on this CPU");
-}
+const IsaKernels& pick(const std::string& name) { return isas().pick(name); }
 
 }  // namespace
 
@@ -68,11 +51,7 @@ const IsaKernels& isa_kernels(const char* name) { return pick(name ? name : "");
 
 namespace {
 
-std::vector<std::string> isa_names() {
-  std::vector<std::string> names;
-  for (const IsaKernels& k : isas()) names.emplace_back(k.name);
-  return names;
-}
+std::vector<std::string> isa_names() { return isas().names(); }
 
 // Work items: (row tile, token chunk) of each active expert, the costliest first. Tiles
 // shrink until every thread has several items to take when few experts are active

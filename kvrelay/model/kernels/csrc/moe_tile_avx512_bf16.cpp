@@ -7,25 +7,13 @@
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,sse4.1")
+
+#include "isa.h"
+KVRELAY_TARGET(KVRELAY_ISA_AVX512_BF16)
 
 namespace {
 
-#include "paged_decode_exp.h"
-
-inline uint16_t to_bf16(float f) {  // round to nearest even, NaN kept quiet
-  uint32_t u;
-  __builtin_memcpy(&u, &f, 4);
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return uint16_t((u >> 16) | 0x40);
-  return uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
-inline float bf16_f32(uint16_t b) {
-  const uint32_t u = uint32_t(b) << 16;
-  float f;
-  __builtin_memcpy(&f, &u, 4);
-  return f;
-}
+#include "simd_avx512.h"   // f32_to_bf16, bf16_to_f32, exp_neg
 
 // The e2m1 values of an MXFP4 code nibble (moe_impl.h's table, undoubled).
 constexpr float kFp4[16] = {0.0f, 0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
@@ -173,12 +161,12 @@ void gate_up_items(const kvrelay::TileProblem& p, const kvrelay::TileItem* items
           // three bf16 parts summing to the f32 value exactly: each remainder is exact
           // in f32 and has at most 8 significant bits left for the next part
           const float a = (up + 1.0f) * gate * sig;
-          const uint16_t hi = to_bf16(a);
-          const float r1 = a - bf16_f32(hi);
-          const uint16_t mid = to_bf16(r1);
+          const uint16_t hi = f32_to_bf16(a);
+          const float r1 = a - bf16_to_f32(hi);
+          const uint16_t mid = f32_to_bf16(r1);
           dst[t * 2] = hi;
           dst[plane + t * 2] = mid;
-          dst[2 * plane + t * 2] = to_bf16(r1 - bf16_f32(mid));
+          dst[2 * plane + t * 2] = f32_to_bf16(r1 - bf16_to_f32(mid));
         }
       }
     });

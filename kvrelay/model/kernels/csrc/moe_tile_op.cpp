@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "isa_dispatch.h"
 #include "moe_args.h"
 #include "moe_tile.h"
 #include "parallel.h"
@@ -27,25 +28,21 @@
 namespace kvrelay {
 namespace {
 
-const TileKernels* tile_kernels() {
-  static const TileKernels* chosen = [] () -> const TileKernels* {
-    static TileKernels k{};
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-        __builtin_cpu_supports("avx512bf16") && tile_avx512_bf16(&k))
-      return &k;
-#endif
-    return nullptr;
+// One variant, no fallback: the op exists for the bf16 pair products.
+const Variants<TileKernels>& variants() {
+  static const Variants<TileKernels> all = [] {
+    Variants<TileKernels> v("moe_tiles");
+    v.add(Isa::kAvx512Bf16, &tile_avx512_bf16);
+    return v;
   }();
-  return chosen;
+  return all;
 }
 
-std::vector<std::string> moe_tile_isas() {
-  const TileKernels* k = tile_kernels();
-  return k ? std::vector<std::string>{k->name} : std::vector<std::string>{};
+const TileKernels* tile_kernels() {
+  return variants().empty() ? nullptr : &variants().pick("");
 }
+
+std::vector<std::string> moe_tile_isas() { return variants().names(); }
 
 // bf16 [E, rows, cols], or MXFP4 codes [E, rows, cols/32, 16] + scales [E, rows, cols/32].
 TileWeights weights(const at::Tensor& w, const c10::optional<at::Tensor>& scales,

@@ -5,9 +5,13 @@
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
-#pragma GCC target("avx2,fma,f16c")
+
+#include "isa.h"
+KVRELAY_TARGET(KVRELAY_ISA_AVX2)
 
 namespace {
+
+#include "simd_avx2.h"
 
 struct P {
   static constexpr int W = 8;
@@ -21,18 +25,8 @@ struct P {
   static T mul(T a, T b) { return _mm256_mul_ps(a, b); }
   static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
   static T max(T a, T b) { return _mm256_max_ps(a, b); }
-  static float hsum(T a) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-  }
-  static float hmax(T a) {
-    __m128 s = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_max_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-  }
+  static float hsum(T a) { return hsum8(a); }
+  static float hmax(T a) { return hmax8(a); }
   static __m256i lanes(int n) {   // all-ones in the first n lanes
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
   }
@@ -48,27 +42,9 @@ struct P {
     __builtin_memcpy(tmp, p, sizeof(uint16_t) * n);
     return _mm_loadu_si128(reinterpret_cast<const __m128i*>(tmp));
   }
-  static T load_bf16(const uint16_t* p, int n) {   // bf16 → f32: the bits shifted up 16
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(load_u16(p, n)), 16));
-  }
+  static T load_bf16(const uint16_t* p, int n) { return bf16x8_to_f32(load_u16(p, n)); }
   static T load_f16(const uint16_t* p, int n) { return _mm256_cvtph_ps(load_u16(p, n)); }
-  // e^x for x <= 0 (the polynomial of paged_decode_generic.cpp's exp_neg, on 8 lanes)
-  static T exp_neg(T x) {
-    x = _mm256_max_ps(x, set1(-87.f));
-    const T n = _mm256_round_ps(_mm256_mul_ps(x, set1(1.44269504088896341f)),
-                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const T r = fma(n, set1(2.12194440e-4f), _mm256_fnmadd_ps(n, set1(0.693359375f), x));
-    T q = set1(1.9875691500e-4f);
-    q = fma(q, r, set1(1.3981999507e-3f));
-    q = fma(q, r, set1(8.3334519073e-3f));
-    q = fma(q, r, set1(4.1665795894e-2f));
-    q = fma(q, r, set1(1.6666665459e-1f));
-    q = fma(q, r, set1(5.0000001201e-1f));
-    q = fma(mul(q, r), r, add(r, set1(1.f)));
-    const __m256i bits = _mm256_slli_epi32(
-        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return mul(q, _mm256_castsi256_ps(bits));
-  }
+  static T exp_neg(T x) { return exp_neg8(x); }   // e^x for x <= 0
   // lane j = the sum of a[j]'s 8 lanes: pairwise horizontal adds, then the 128-bit halves
   static T transpose_sum(const T* a) {
     const T h0 = _mm256_hadd_ps(a[0], a[1]), h1 = _mm256_hadd_ps(a[2], a[3]);

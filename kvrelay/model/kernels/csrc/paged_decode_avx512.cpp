@@ -1,11 +1,13 @@
-// AVX-512 build of the paged decode kernel (F + BW + VL + DQ, the set moe_op.cpp checks
-// before choosing "avx512"): 16 floats per vector. See paged_decode_simd.h.
+// AVX-512 build of the paged decode kernel (F + BW + DQ + VL: isa.h): 16 floats per
+// vector. See paged_decode_simd.h.
 #include "paged_decode.h"
 #include "paged_decode_prefetch.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
+
+#include "isa.h"
+KVRELAY_TARGET(KVRELAY_ISA_AVX512)
 
 namespace {
 

@@ -43,12 +43,13 @@
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")
+
+#include "isa.h"
+KVRELAY_TARGET(KVRELAY_ISA_AVX512_BF16)
 
 namespace {
 
-#include "paged_decode_avx512_p.h"
-#include "paged_decode_exp.h"   // exp_neg: the scalar e^x (rescales, the sink)
+#include "paged_decode_avx512_p.h"   // and simd_avx512.h: the scalar exp_neg (rescales, the sink)
 
 using T = __m512;
 

@@ -1,7 +1,9 @@
 // The AVX-512 vector type P of the paged decode kernels (16 floats; the operations
 // paged_decode_simd.h lists), shared by paged_decode_avx512.cpp and
 // paged_decode_avx512_bf16.cpp. Included inside their anonymous namespace, after their
-// `#pragma GCC target`; no include guard for that reason.
+// KVRELAY_TARGET line; no include guard for that reason.
+
+#include "simd_avx512.h"
 
 struct P {
   static constexpr int W = 16;
@@ -18,34 +20,17 @@ struct P {
   static T mul(T a, T b) { return _mm512_mul_ps(a, b); }
   static T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
   static T max(T a, T b) { return _mm512_max_ps(a, b); }
-  static float hsum(T a) { return _mm512_reduce_add_ps(a); }
-  static float hmax(T a) { return _mm512_reduce_max_ps(a); }
+  static float hsum(T a) { return hsum16(a); }
+  static float hmax(T a) { return hmax16(a); }
   static T first(T x, int n, float fill) { return _mm512_mask_blend_ps(lanes(n), set1(fill), x); }
   static T load_f32(const float* p, int n) { return _mm512_maskz_loadu_ps(lanes(n), p); }
-  static T load_bf16(const uint16_t* p, int n) {   // bf16 → f32: the bits shifted up 16
-    const __m256i h = _mm256_maskz_loadu_epi16(lanes(n), p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  static T load_bf16(const uint16_t* p, int n) {
+    return bf16x16_to_f32(_mm256_maskz_loadu_epi16(lanes(n), p));
   }
   static T load_f16(const uint16_t* p, int n) {
     return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes(n), p));
   }
-  // e^x for x <= 0 (the polynomial of paged_decode_generic.cpp's exp_neg, on 16 lanes)
-  static T exp_neg(T x) {
-    x = _mm512_max_ps(x, set1(-87.f));
-    const T n = _mm512_roundscale_ps(_mm512_mul_ps(x, set1(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const T r = fma(n, set1(2.12194440e-4f), _mm512_fnmadd_ps(n, set1(0.693359375f), x));
-    T q = set1(1.9875691500e-4f);
-    q = fma(q, r, set1(1.3981999507e-3f));
-    q = fma(q, r, set1(8.3334519073e-3f));
-    q = fma(q, r, set1(4.1665795894e-2f));
-    q = fma(q, r, set1(1.6666665459e-1f));
-    q = fma(q, r, set1(5.0000001201e-1f));
-    q = fma(mul(q, r), r, add(r, set1(1.f)));
-    const __m512i bits = _mm512_slli_epi32(
-        _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return mul(q, _mm512_castsi512_ps(bits));
-  }
+  static T exp_neg(T x) { return exp_neg16(x); }   // e^x for x <= 0
   // lane j = the sum of a[j]'s 16 lanes: halves, quarters, pairs and single lanes folded
   // in four rounds (15 adds for 16 sums). The rounds leave the sum of input m in lane
   // 4·(m % 4) + m / 4, so the inputs are taken in that order.

@@ -13,7 +13,7 @@
 
 namespace {
 
-#include "paged_decode_exp.h"   // exp_neg
+#include "simd_generic.h"   // bf16_to_f32, exp_neg
 
 // n elements of the cache at element offset `at` as f32
 inline void kv_to_f32(const kvrelay::DecodeProblem& p, int64_t at, int64_t n, float* dst) {
@@ -21,10 +21,7 @@ inline void kv_to_f32(const kvrelay::DecodeProblem& p, int64_t at, int64_t n, fl
     __builtin_memcpy(dst, static_cast<const float*>(p.kv) + at, sizeof(float) * n);
   } else if (p.format == kvrelay::kKvBF16) {
     const uint16_t* src = static_cast<const uint16_t*>(p.kv) + at;
-    for (int64_t i = 0; i < n; ++i) {
-      const uint32_t u = uint32_t(src[i]) << 16;
-      __builtin_memcpy(dst + i, &u, 4);
-    }
+    for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_f32(src[i]);
   } else {
     const _Float16* src = static_cast<const _Float16*>(p.kv) + at;
     for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);

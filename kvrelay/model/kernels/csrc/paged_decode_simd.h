@@ -26,7 +26,7 @@
 
 constexpr int kHeadTile = P::W == 16 ? 8 : 4;   // accumulators in registers in P·V
 
-#include "paged_decode_exp.h"   // exp_neg: the scalar e^x (rescales, the sink)
+#include "simd_generic.h"   // exp_neg: the scalar e^x (rescales, the sink)
 
 // rows [0, n) of `src` (row stride D) → dst (row stride Dp, zeros after D); `load(ptr,
 // k)` reads k <= W elements as f32

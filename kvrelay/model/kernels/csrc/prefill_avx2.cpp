@@ -2,7 +2,8 @@
 #include "prefill.h"
 
 #if defined(__x86_64__) || defined(__i386__)
-#pragma GCC target("avx2,fma,f16c")
+#include "isa.h"
+KVRELAY_TARGET(KVRELAY_ISA_AVX2)
 
 namespace {
 #include "prefill_impl.h"

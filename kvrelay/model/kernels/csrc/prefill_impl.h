@@ -18,7 +18,7 @@ typedef float vf16u __attribute__((vector_size(64), aligned(4)));
 inline vf16 ld16(const float* p) { return *reinterpret_cast<const vf16u*>(p); }
 inline void st16(float* p, vf16 x) { *reinterpret_cast<vf16u*>(p) = x; }
 
-#include "paged_decode_exp.h"   // exp_neg
+#include "simd_generic.h"   // bf16_to_f32, exp_neg
 
 constexpr int64_t KB = kvrelay::kPrefillKeys;
 
@@ -30,12 +30,7 @@ inline void row_to_f32(int32_t format, const void* src, int64_t at, int64_t n, f
     for (int64_t i = 0; i < n; ++i) dst[i] = s[i] * mul;
   } else if (format == kvrelay::kPrefillBF16) {
     const uint16_t* s = static_cast<const uint16_t*>(src) + at;
-    for (int64_t i = 0; i < n; ++i) {
-      const uint32_t u = uint32_t(s[i]) << 16;
-      float f;
-      __builtin_memcpy(&f, &u, 4);
-      dst[i] = f * mul;
-    }
+    for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_f32(s[i]) * mul;
   } else {
     const _Float16* s = static_cast<const _Float16*>(src) + at;
     for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(s[i]) * mul;

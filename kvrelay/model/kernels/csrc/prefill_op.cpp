@@ -12,36 +12,30 @@
 #include <string>
 #include <vector>
 
+#include "isa_dispatch.h"
 #include "parallel.h"
 #include "prefill.h"
 
 namespace kvrelay {
 namespace {
 
-struct PrefillIsa {
-  std::string name;
-  PrefillFn fn;
-};
-
-PrefillIsa pick(const std::string& name) {
-  PrefillFn fn = nullptr;
-#if defined(__x86_64__) || defined(__i386__)
-  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-#else
-  const bool avx512 = false, avx2 = false;
-#endif
-  // The MoE/decode ISA list (isas()) names "avx512_bf16" builds; prefill has none of its
-  // own, so that name runs the AVX-512 build (the CPU check still applies).
-  const bool avx512_name = name == "avx512" || name == "avx512_bf16";
-  if ((name.empty() || avx512_name) && avx512 && prefill_avx512(&fn)) return {"avx512", fn};
-  if ((name.empty() || name == "avx2") && avx2 && prefill_avx2(&fn)) return {"avx2", fn};
-  TORCH_CHECK(name.empty() || name == "generic", "prefill_attention: ISA ", name,
-              " is not available on this CPU");
-  prefill_generic(&fn);
-  return {"generic", fn};
+const Variants<PrefillFn>& variants() {  // best first
+  static const Variants<PrefillFn> all = [] {
+    Variants<PrefillFn> v("prefill_attention");
+    v.add(Isa::kAvx512, &prefill_avx512).add(Isa::kAvx2, &prefill_avx2)
+        .add(Isa::kGeneric, &prefill_generic);
+    return v;
+  }();
+  return all;
 }
+
+// The MoE/decode ISA list (isas()) names "avx512_bf16" builds; prefill has none of its
+// own, so that name runs the AVX-512 build (whose CPU check is the same rule's).
+PrefillFn pick(const std::string& name) {
+  return variants().pick(name == "avx512_bf16" && cpu_runs(Isa::kAvx512Bf16) ? "avx512" : name);
+}
+
+std::vector<std::string> prefill_isas() { return variants().names(); }
 
 template <class T>
 float to_f32(T x) { return static_cast<float>(x); }
@@ -155,7 +149,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   else keys_values_f32<at::Half>(kf, vf, p.ld_kt, Dp, kt, vf32);
   p.kt = kt;
   p.vf = vf32;
-  const PrefillFn fn = pick(isa).fn;
+  const PrefillFn fn = pick(isa);
   const int64_t n = static_cast<int64_t>(items.size());
   const int64_t threads = threads_for(macs, n);
   parallel_items(n, threads, 1, [&](int64_t begin, int64_t end) {
@@ -171,6 +165,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
 TORCH_LIBRARY_FRAGMENT(kvrelay_kernels, m) {
   m.def("prefill_attention(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, Tensor sinks, "
         "float scale, int window, str isa=\"\") -> Tensor");
+  m.def("prefill_isas() -> str[]", &kvrelay::prefill_isas);
 }
 
 TORCH_LIBRARY_IMPL(kvrelay_kernels, CPU, m) {
