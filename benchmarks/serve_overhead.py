@@ -354,6 +354,7 @@ def fake_core(args: Any, conn: Any, log_level: int = 0) -> None:
     """The engine core's protocol without a model: Ready, then per step (a sleep) one
     StepOutputs with one token for every running request, shaped by the real core's
     `_deltas`; stops on Shutdown."""
+    from kvrelay.engine.codec import TO_ENGINE, MessagePipe
     from kvrelay.engine.core_proc import _deltas
     from kvrelay.engine.messages import (
         AbortRequests,
@@ -365,6 +366,7 @@ def fake_core(args: Any, conn: Any, log_level: int = 0) -> None:
         StepOutputs,
     )
     from kvrelay.engine.outputs import CompletionOutput, RequestOutput
+    conn = MessagePipe(conn, TO_ENGINE)          # the engine core's end, in the codec
     step_s = float(os.environ["FAKE_STEP_S"])
     conn.send(Ready(EngineInfo(512, "fake", os.getpid(), 49152), EngineStats()))
     running: dict[str, tuple[list[int], int, list[int]]] = {}

@@ -31,6 +31,7 @@ from kvrelay.cli_flags import (
 
 if TYPE_CHECKING:
     from kvrelay.config import EngineArgs
+    from kvrelay.server.launch import HTTPOptions
     from kvrelay.server.tools import AgentOptions
 
 
@@ -179,7 +180,7 @@ def _serve(args: argparse.Namespace) -> int:
     # every engine value checked before a process starts
     config = EngineConfig.from_args(engine_args)
     if engine_args.headless:
-        from kvrelay.engine.dp_remote import run_headless
+        from kvrelay.engine.dp_headless import run_headless
         return run_headless(config.args)
     if "ray" in (engine_args.distributed_executor_backend, engine_args.data_parallel_backend):
         from kvrelay.distributed.ray_cluster import connect
@@ -214,7 +215,7 @@ def preflight(args: argparse.Namespace) -> tuple[EngineArgs, AgentOptions]:
     return engine_args, agent
 
 
-def http_options(args: argparse.Namespace):
+def http_options(args: argparse.Namespace) -> HTTPOptions:
     """The HTTP side's flags (ValueError names the flag)."""
     from kvrelay.server.admission import AdmissionLimits
     from kvrelay.server.launch import HTTPOptions
@@ -241,7 +242,10 @@ def agent_options(args: argparse.Namespace) -> AgentOptions:
                         responses_store_path=responses_store_path(args),
                         tool_servers=parse_tool_servers(args.tool_server),
                         tool_server_timeout_s=args.tool_server_timeout,
-                        tool_server_max_calls=args.tool_server_max_calls)
+                        tool_server_max_calls=args.tool_server_max_calls,
+                        tool_server_max_output_bytes=(
+                            args.tool_server_max_output_bytes
+                            or envs.TOOL_SERVER_MAX_OUTPUT_BYTES.as_int() or 0))
 
 
 def responses_store_path(args: argparse.Namespace) -> str | None:

@@ -232,6 +232,10 @@ SERVE_FLAGS: tuple[FlagGroup, ...] = (
         _F(("--tool-server-max-calls",), "MCP calls one response may make (a request's "
                                          "max_tool_calls may lower it)", default=16, type=int,
            metavar="N"),
+        _F(("--tool-server-max-output-bytes",), "bytes of one MCP tool result fed back to the "
+                                                "model (longer: cut, the cut said); an answer "
+                                                "over 16x that + 1 MiB is not read", type=int,
+           metavar="BYTES", default_note="$KVRELAY_TOOL_SERVER_MAX_OUTPUT_BYTES, else 65536"),
         _F(("--logits-processors",), "factories f(params, prompt_ids) -> logits processor, "
                                      "applied to every request", default=[], nargs="+",
            metavar="MODULE:ATTR", default_note="none"),

@@ -154,7 +154,7 @@ def parse_id_list(text: str) -> list[int]:
     return ids
 
 
-# -- the Responses API store (kvrelay/server/responses.py)
+# -- the Responses API store (kvrelay/server/response_store.py, response_sqlite.py)
 RESPONSES_STORE = EnvVar("KVRELAY_ENABLE_RESPONSES_API_STORE", "VLLM_ENABLE_RESPONSES_API_STORE",
                          "1", "0: /v1/responses keeps nothing (no store, previous_response_id or "
                          "GET); on by default here (vLLM's default is off)")
@@ -167,6 +167,10 @@ RESPONSES_STORE_MAX_BYTES = EnvVar("KVRELAY_RESPONSES_STORE_MAX_BYTES", None, st
 RESPONSES_STORE_MAX_ENTRY_BYTES = EnvVar("KVRELAY_RESPONSES_STORE_MAX_ENTRY_BYTES", None,
                                          str(16 << 20), "bytes one stored response may take; a "
                                          "larger one is answered but not kept")
+TOOL_SERVER_MAX_OUTPUT_BYTES = EnvVar(
+    "KVRELAY_TOOL_SERVER_MAX_OUTPUT_BYTES", None, str(64 << 10),
+    "bytes of one MCP tool result fed back to the model in /v1/responses (longer: cut, the "
+    "cut said in the text); --tool-server-max-output-bytes wins")
 STATE_DIR = EnvVar("KVRELAY_STATE_DIR", None, None,
                    "where kvrelay serve keeps state across restarts (the responses store, "
                    "--responses-store sqlite); --state-dir wins (default "

@@ -1,6 +1,7 @@
-"""Length-prefixed JSON frames: the one framing of every kvrelay TCP link (the KV side
-channel, the TCP KV transport, the KV-secret handshake, the data-parallel head ⇄ headless
-node link).
+"""Length-prefixed JSON frames: the framing of kvrelay's KV-plane TCP links (the KV side
+channel, the TCP KV transport, the KV-secret handshake). Engine messages — the API ⇄ engine
+core pipe and the data-parallel head ⇄ headless node link — use the msgpack codec of
+`engine/codec.py` instead.
 
 A frame is a 4-byte big-endian length, then that many bytes of UTF-8 JSON encoding an
 object. Nothing is unpickled. A reader refuses a frame over its limit without reading the

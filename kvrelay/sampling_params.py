@@ -120,7 +120,7 @@ def _finite(x: float) -> bool:
 
 
 def _clamped_bias(bias: dict | None) -> dict[int, float] | None:
-    """Keys as ints (JSON frames carry them as strings); values clamped to ±100."""
+    """Keys as ints (JSON and msgpack maps may carry them as strings); values clamped to ±100."""
     if not bias:
         return None
     out = {}

@@ -89,60 +89,91 @@ async def send(client: httpx.AsyncClient, url: str, opts: RequestOptions, req: S
     result = RequestResult(prompt_len=req.prompt_len)
     start = time.perf_counter()
     result.start_time = start - t0
-    usage: dict[str, Any] | None = None
-    last = start
-    texts: list[str] = []
+    stream = _StreamReader(result, start, t0)
     try:
         async with client.stream("POST", url, json=opts.body(req)) as resp:
             if resp.status_code != 200:
                 result.error = _error_text(resp, await resp.aread())
                 result.latency = time.perf_counter() - start
                 return result
-            parser = SSEParser()
-            async for piece in resp.aiter_text():
-                now = time.perf_counter()
-                for data in parser.feed(piece):
-                    if data.strip() == "[DONE]":
-                        continue
-                    chunk = json.loads(data)
-                    if "error" in chunk and not chunk.get("choices"):
-                        err = chunk["error"]
-                        raise RuntimeError(err.get("message", str(err)) if isinstance(err, dict)
-                                           else str(err))
-                    if chunk.get("usage"):
-                        usage = chunk["usage"]
-                    text = chunk_text(chunk)
-                    if not text:
-                        continue
-                    if not texts:
-                        result.ttft = now - start
-                    else:
-                        result.itl.append(now - last)
-                    last = now
-                    texts.append(text)
-                    result.chunk_times.append(now - t0)
-            for data in parser.flush():
-                if data.strip() != "[DONE]" and (chunk := json.loads(data)).get("usage"):
-                    usage = chunk["usage"]
+            await stream.read(resp)
         result.latency = time.perf_counter() - start
     except (httpx.HTTPError, OSError, ValueError, RuntimeError) as e:
         result.latency = time.perf_counter() - start
         result.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
         return result
-    result.generated_text = "".join(texts)
-    if not texts:
-        result.error = "the stream carried no generated text"
+    return stream.finish(count_tokens)
+
+
+class _StreamReader:
+    """One SSE stream read into its RequestResult: the times of its text chunks (ttft, itl,
+    chunk_times), the text of each and the last usage the server sent."""
+
+    def __init__(self, result: RequestResult, start: float, t0: float) -> None:
+        self.result = result
+        self.start = start                  # the request's perf_counter start
+        self.t0 = t0                        # the benchmark's
+        self.last = start                   # the previous text chunk's arrival
+        self.texts: list[str] = []
+        self.usage: dict[str, Any] | None = None
+
+    async def read(self, resp: httpx.Response) -> None:
+        """Every event to the end of the stream; RuntimeError on an error event, ValueError
+        on a malformed chunk."""
+        parser = SSEParser()
+        async for piece in resp.aiter_text():
+            now = time.perf_counter()
+            for data in parser.feed(piece):
+                self._event(data, now)
+        for data in parser.flush():
+            if data.strip() != "[DONE]" and (chunk := json.loads(data)).get("usage"):
+                self.usage = chunk["usage"]
+
+    def _event(self, data: str, now: float) -> None:
+        if data.strip() == "[DONE]":
+            return
+        chunk = json.loads(data)
+        _raise_error_event(chunk)
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+        text = chunk_text(chunk)
+        if text:
+            self._text(text, now)
+
+    def _text(self, text: str, now: float) -> None:
+        if not self.texts:
+            self.result.ttft = now - self.start
+        else:
+            self.result.itl.append(now - self.last)
+        self.last = now
+        self.texts.append(text)
+        self.result.chunk_times.append(now - self.t0)
+
+    def finish(self, count_tokens: Callable[[str], int] | None) -> RequestResult:
+        """The result of a stream read to its end: failed when it carried no text; the
+        output length from the usage, else counted, else one token per text chunk."""
+        result, usage = self.result, self.usage
+        result.generated_text = "".join(self.texts)
+        if not self.texts:
+            result.error = "the stream carried no generated text"
+            return result
+        result.success = True
+        if usage and usage.get("completion_tokens") is not None:
+            result.output_len = int(usage["completion_tokens"])
+        elif count_tokens is not None:
+            result.output_len = count_tokens(result.generated_text)
+        else:
+            result.output_len = len(self.texts)
+        if usage and usage.get("prompt_tokens") is not None:
+            result.prompt_len = int(usage["prompt_tokens"])
         return result
-    result.success = True
-    if usage and usage.get("completion_tokens") is not None:
-        result.output_len = int(usage["completion_tokens"])
-    elif count_tokens is not None:
-        result.output_len = count_tokens(result.generated_text)
-    else:
-        result.output_len = len(texts)
-    if usage and usage.get("prompt_tokens") is not None:
-        result.prompt_len = int(usage["prompt_tokens"])
-    return result
+
+
+def _raise_error_event(chunk: dict[str, Any]) -> None:
+    """An error event (an `error` and no choices) ends the stream: RuntimeError, its message."""
+    if "error" in chunk and not chunk.get("choices"):
+        err = chunk["error"]
+        raise RuntimeError(err.get("message", str(err)) if isinstance(err, dict) else str(err))
 
 
 async def list_models(client: httpx.AsyncClient, base_url: str) -> list[dict[str, Any]]:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvrelay import envs
-from kvrelay.deploy.plan import KV_SECRET_ENV, Plan, ProxyPlan
+from kvrelay.deploy.layout import KV_SECRET_ENV, Plan, ProxyPlan
 
 logger = logging.getLogger(__name__)
 READY_LINE = "Application startup complete"

@@ -29,13 +29,15 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NoReturn
+from types import FrameType
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from kvrelay import envs
 from kvrelay.cli_flags import HelpFormatter
 from kvrelay.deploy import k8s
-from kvrelay.deploy.plan import (
+from kvrelay.deploy.layout import (
     KV_SECRET_ENV,
     Plan,
     describe_layout,
@@ -54,6 +56,9 @@ from kvrelay.deploy.topology import (
     ports_from_flags,
     topology_from_settings,
 )
+
+if TYPE_CHECKING:
+    from kvrelay.deploy.launcher import Deployment
 
 PROG = "kvrelay deploy"
 logger = logging.getLogger("kvrelay.deploy")
@@ -286,7 +291,7 @@ def _ray_command(command: str, argv: list[str]) -> int:
     return _one_line(lambda: ray_backend.scale(plan_from_settings, args, _say))
 
 
-def _one_line(run) -> int:
+def _one_line(run: Callable[[], int]) -> int:
     """Ray commands: a cluster that cannot be joined (or a bad layout) is one line, exit 1."""
     try:
         return run()
@@ -333,7 +338,7 @@ def launch(plan: Plan, args: argparse.Namespace) -> int:
     return rc
 
 
-def _run(plan: Plan, args: argparse.Namespace, deployment, stop: threading.Event,
+def _run(plan: Plan, args: argparse.Namespace, deployment: Deployment, stop: threading.Event,
          timeout: float) -> int:
     """Start, await, validate, then wait for a signal (0) or a component's death (1)."""
     t0 = time.monotonic()
@@ -364,8 +369,8 @@ def _run(plan: Plan, args: argparse.Namespace, deployment, stop: threading.Event
     return 1
 
 
-def _install_handlers(stop: threading.Event, deployment) -> dict[int, Any]:
-    def handler(signum: int, _frame) -> None:
+def _install_handlers(stop: threading.Event, deployment: Deployment) -> dict[int, Any]:
+    def handler(signum: int, _frame: FrameType | None) -> None:
         if stop.is_set():
             deployment.force.set()          # a second Ctrl-C: no more waiting for drains
         stop.set()
@@ -426,7 +431,7 @@ def _print_summary(plan: Plan, log_dir: Path) -> None:
          f"{log_dir}")
 
 
-def _print_endpoints(plan: Plan, deployment, seconds: float) -> None:
+def _print_endpoints(plan: Plan, deployment: Deployment, seconds: float) -> None:
     logs = {c.name: c.log_path for c in deployment.components}
     _say(f"ready in {seconds:.1f}s")
     if plan.proxy:

@@ -45,11 +45,12 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from kvrelay import envs
-from kvrelay.deploy.plan import KV_SECRET_ENV, Plan, ServerPlan
+from kvrelay.deploy.layout import KV_SECRET_ENV, Plan, ServerPlan
 
 logger = logging.getLogger(__name__)
 
@@ -332,7 +333,8 @@ def start_servers(ray: Any, plan: Plan, servers: list[ServerPlan], ns: str, secr
     return out
 
 
-def await_ready(ray: Any, handles: list[Any], timeout_s: float, say) -> list[dict[str, Any]]:
+def await_ready(ray: Any, handles: list[Any], timeout_s: float,
+                say: Callable[[str], None]) -> list[dict[str, Any]]:
     """Every handle's status once all are ready; TimeoutError naming those that are not."""
     deadline = time.monotonic() + timeout_s
     last = 0.0
@@ -354,7 +356,8 @@ def await_ready(ray: Any, handles: list[Any], timeout_s: float, say) -> list[dic
         time.sleep(0.25)
 
 
-def up(plan: Plan, args: argparse.Namespace, settings: dict[str, Any], say) -> int:
+def up(plan: Plan, args: argparse.Namespace, settings: dict[str, Any],
+       say: Callable[[str], None]) -> int:
     """Place the topology and its proxy; return once the proxy answers (deploy exits; the
     actors live on: `kvrelay deploy --down` stops them)."""
     if not plan.proxy:
@@ -433,7 +436,8 @@ def _actor_names(ray: Any, ns: str) -> list[str]:
                   if a["namespace"] == ns)
 
 
-def _deployment(name: str, address: str | None, say) -> tuple[Any, str, list[str]]:
+def _deployment(name: str, address: str | None,
+                say: Callable[[str], None]) -> tuple[Any, str, list[str]]:
     """(ray, namespace, actor names) of deployment `name`; no names: it says so."""
     ray = _connect(address)
     ns = namespace(name)
@@ -443,7 +447,7 @@ def _deployment(name: str, address: str | None, say) -> tuple[Any, str, list[str
     return ray, ns, names
 
 
-def down(name: str, address: str | None, say) -> int:
+def down(name: str, address: str | None, say: Callable[[str], None]) -> int:
     ray, ns, names = _deployment(name, address, say)
     if not names:
         return 0
@@ -459,7 +463,8 @@ def down(name: str, address: str | None, say) -> int:
     return 0
 
 
-def status(name: str, address: str | None, say, out=sys.stdout) -> int:
+def status(name: str, address: str | None, say: Callable[[str], None],
+           out: TextIO = sys.stdout) -> int:
     ray, ns, names = _deployment(name, address, say)
     if not names:
         return 1
@@ -472,7 +477,8 @@ def status(name: str, address: str | None, say, out=sys.stdout) -> int:
     return 0 if all(s["ready"] for s in states) else 1
 
 
-def scale(plan_for, args: argparse.Namespace, say) -> int:
+def scale(plan_for: Callable[[dict[str, Any]], Plan], args: argparse.Namespace,
+          say: Callable[[str], None]) -> int:
     """Add servers of a role (placed, then joined by the proxy when ready) or drain the
     highest-numbered ones away."""
     ray = _connect(args.ray_address)
@@ -509,7 +515,7 @@ def scale(plan_for, args: argparse.Namespace, say) -> int:
     return 0
 
 
-def _drain_and_stop(ray: Any, name: str, ns: str, proxy_url: str, say,
+def _drain_and_stop(ray: Any, name: str, ns: str, proxy_url: str, say: Callable[[str], None],
                     timeout_s: float = 300) -> None:
     """Drain: the proxy stops routing to it and lets go of it once nothing it routed there is
     in flight (a prefill: until its decodes have pulled the KV); then the server's own

@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from kvrelay import envs
+from kvrelay.disagg.params import KVParamsError
 from kvrelay.framing import FrameError, recv_frame, send_frame
 
 logger = logging.getLogger(__name__)
@@ -62,6 +63,8 @@ VERSION = 2  # 2: role-separated keys; endpoints and identities under the proofs
 _NONCE_BYTES = 32
 MAX_IDENTITY = 256  # characters of an identity or a host in the hello
 PARAMS_MAC_KEY = "remote_mac"  # kvrelay's extra key in kv_transfer_params
+# addresses a listener may bind but a peer cannot dial (kvrelay proxy substitutes them)
+WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]", "*"})
 
 Endpoint = tuple[str, int]  # (host, port) as dialed / as advertised
 
@@ -259,6 +262,38 @@ def params_mac(secret: bytes, *, remote_engine_id: Any, remote_host: Any, remote
 def params_mac_matches(given: Any, expected: str) -> bool:
     """Constant-time comparison of a presented `remote_mac` with the expected one."""
     return _same(given, expected)
+
+
+def check_params(params: Any, prompt_ids: Sequence[int], secret: bytes | None,
+                 allowed: frozenset[tuple[str, int]] | None) -> None:
+    """A decode's check of do_remote_prefill params (`KVConnector.verify_params`):
+    KVParamsError unless their side channel is in `allowed` (when given) and, with a
+    secret, `remote_mac` is the MAC over exactly these params and this prompt."""
+    host, port = params.remote_host, params.remote_port
+    if allowed is not None and (host, port) not in allowed:
+        raise KVParamsError(
+            f"kv_transfer_params.remote_host/remote_port {endpoint_str((host, port))[:300]} "
+            f"is not a prefill this decode server may load from (kv_connector_extra_config."
+            f"allowed_prefills)")
+    if secret is None:
+        return
+    if params.remote_mac is None:
+        raise KVParamsError(
+            "kv_transfer_params.remote_mac is missing: this decode server has a KV secret "
+            "and loads KV only with the kv_transfer_params a prefill server of its "
+            "topology returned, unchanged")
+    expected = params_mac(
+        secret, remote_engine_id=params.remote_engine_id, remote_host=host,
+        remote_port=port, remote_request_id=params.remote_request_id,
+        tp_size=params.tp_size, remote_capability=params.remote_capability,
+        remote_block_ids=params.remote_block_ids, prompt_ids=prompt_ids)
+    if not params_mac_matches(params.remote_mac, expected):
+        raise KVParamsError(
+            "kv_transfer_params.remote_mac does not match: the kv_transfer_params were "
+            "changed after the prefill server returned them, belong to another prompt, or "
+            "come from a server without this topology's KV secret")
+    if host.strip() in WILDCARD_HOSTS:    # never signed by a kvrelay prefill with a secret
+        raise KVParamsError(f"kv_transfer_params.remote_host {host!r} cannot be dialed")
 
 
 _warned: set[str] = set()

@@ -1,10 +1,11 @@
 """The engine's side of disaggregated serving (the KV-connector seam's user).
 
 Owner of: the side-channel listener (prefill), the peers handshaken so far (decode), the
-in-flight KV loads and their per-rank completion (decode), the held requests' leases and
-read-done counts (prefill), and rank 0's `KVWorker`. Ranks 1..N-1 have their own
-`KVWorker` (kvrelay/disagg/worker.py); this class sends them `KVWork` through the engine
-(`take_work`, shipped with the next step) and hears back through `RankLink.kv_events`.
+in-flight KV loads and their per-rank completion (decode), the held requests (prefill,
+through its `HeldRequests`: grants, leases, read-done counts), and rank 0's `KVWorker`.
+Ranks 1..N-1 have their own `KVWorker` (kvrelay/disagg/worker.py); this class sends them
+`KVWork` through the engine (`take_work`, shipped with the next step) and hears back
+through `RankLink.kv_events`.
 
     prefill (kv_producer, TP a)                   decode (kv_consumer, TP b = m·a)
     ───────────────────────────                   ────────────────────────────────
@@ -18,12 +19,6 @@ read-done counts (prefill), and rank 0's `KVWorker`. Ranks 1..N-1 have their own
         release held blocks                         last prompt token, decode
     lease expiry → release held blocks
 
-Block maths (block size B, prompt length P, decode prefix hit of h tokens): decode
-needs the KV of tokens [0, P-1) (it recomputes token P-1). Of group g it reads the
-logical blocks [max(h/B, first_g), (P-2)//B] where first_g = 0 for full attention and
-(P-1-W+1)//B for a sliding window W; the prefill keeps exactly those (it only
-releases blocks below the window of its own last chunk).
-
 With a KV secret (docs/security.md, "KV plane"): the prefill signs the kv_transfer_params
 it hands out (`remote_mac`, over every field and the prompt) and proves itself on its side
 channel as its engine id at its advertised address; a decode loads only params whose MAC
@@ -31,16 +26,14 @@ it verified (`verify_params`, before anything is dialed), dials exactly the sign
 address, and reads only the blocks the prefill answers its claim with. A claim the
 prefill refuses, or blocks it did not issue, are the client's mistake (`ClaimRefused`:
 HTTP 400); a transfer that breaks is a 502.
+
+The handshake's messages and checks are handshake.py; the prefill's holds (grants, leases,
+read notices) holds.py; which blocks a decode pulls and one load's progress loads.py.
 """
 from __future__ import annotations
 
-import base64
-import collections
 import concurrent.futures
-import hashlib
 import logging
-import secrets
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -48,16 +41,17 @@ from typing import Any, Protocol
 
 from kvrelay import envs
 from kvrelay.disagg.auth import (
-    endpoint_str,
+    WILDCARD_HOSTS,
+    check_params,
     load_secret,
     params_mac,
-    params_mac_matches,
     warn_if_exposed,
 )
-from kvrelay.disagg.capability import REFUSED, capability_matches, notify_message, parse_notify
-from kvrelay.disagg.framed_server import warn_limited
-from kvrelay.disagg.layout import tp_mismatch
-from kvrelay.disagg.params import KVParamsError, KVTransferConfig
+from kvrelay.disagg.capability import REFUSED, notify_message
+from kvrelay.disagg.handshake import Engine, HandshakeError, accept, answer, hello
+from kvrelay.disagg.holds import HeldRequests, HoldRefused
+from kvrelay.disagg.loads import Load, needed_blocks
+from kvrelay.disagg.params import KVTransferConfig
 from kvrelay.disagg.side_channel import (
     SideChannelError,
     SideChannelRefused,
@@ -77,36 +71,16 @@ from kvrelay.disagg.worker import (
 )
 from kvrelay.kv_cache.spec import KVCacheSpec
 
+__all__ = ["ClaimRefused", "HandshakeError", "HoldRefused", "KVConnector", "RankLink",
+           "TransferStats"]          # the errors: what its callers catch
+
 logger = logging.getLogger(__name__)
-
-HANDSHAKE_VERSION = 2       # 2: every rank's transport metadata, TP sizes, pairing hash
-# addresses a listener may bind but a peer cannot dial (kvrelay proxy substitutes them)
-WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]", "*"})
-
-
-class HandshakeError(RuntimeError):
-    pass
-
-
-class HoldRefused(RuntimeError):
-    """Holding a finished request's blocks for a decode would exceed the hold share."""
-
 
 class ClaimRefused(HandshakeError):
     """The prefill refused the decode's claim (unknown request, wrong or used capability,
     released or expired hold), or issued other blocks than the params name: the
     kv_transfer_params are not this request's to load. A client's mistake (HTTP 400),
     unlike a transfer that broke (502)."""
-
-
-
-@dataclass
-class _Grant:
-    """What the prefill issued for one held request: the capability a decode must present
-    and the blocks it may read. A grant is claimed (read) once."""
-    capability: str
-    block_ids: list[list[int]]
-    claimed: bool = False
 
 
 class RankLink(Protocol):
@@ -123,17 +97,6 @@ class RankLink(Protocol):
 
 
 @dataclass
-class _Load:
-    request_id: str
-    started: float
-    waiting: set[int]                  # ranks whose read has not finished
-    nbytes: int = 0
-    error: str | None = None
-    # rank → (read started, read took, report seen), seconds relative to `started`
-    ranks: dict[int, tuple[float, float, float]] = field(default_factory=dict)
-
-
-@dataclass
 class TransferStats:
     transfers: int = 0
     failed: int = 0
@@ -144,12 +107,6 @@ class TransferStats:
     transport_fallbacks: int = 0
     leases_expired: int = 0
     read_done_notices: int = 0
-
-
-def pairing_hash(spec: dict[str, Any], prefill_tp: int, decode_tp: int) -> str:
-    """The handshake's compatibility hash: the KV-cache spec and both TP sizes."""
-    blob = repr((sorted(spec.items()), prefill_tp, decode_tp)).encode()
-    return hashlib.sha256(blob).hexdigest()
 
 
 @dataclass
@@ -189,22 +146,21 @@ class KVConnector:
         self.stats.transport_fallbacks += int(self.local.fell_back)
         self.num_blocks = self.local.num_blocks
         self.peers: dict[str, PeerInfo] = {}
-        self.loads: dict[str, _Load] = {}
-        self.leases: dict[str, float] = {}
-        self.notices: collections.Counter[str] = collections.Counter()
-        self.grants: dict[str, _Grant] = {}              # prefill: per held request
-        self.held_blocks: collections.Counter[int] = collections.Counter()
-        self._grant_lock = threading.Lock()              # the side channel's threads read grants
+        self.loads: dict[str, Load] = {}
+        self.held = HeldRequests(self.num_blocks)                           # prefill
         self.outbox = KVWork()                 # for ranks 1..N-1: cancels ride with the next step
         self.server: SideChannelServer | None = None
         self.advertised: tuple[str, int] | None = None
-        # filled by the side channel thread
-        self._released: collections.deque[str] = collections.deque()
         self._notifier = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="kvrelay-kv-release")
         self._pending_events: list[tuple] = []
         if self.config.is_producer:
             self._listen()
+
+    @property
+    def me(self) -> Engine:
+        """This engine in a handshake."""
+        return Engine(self.engine_id, self.spec, self.tp_size)
 
     # -- prefill side -------------------------------------------------------------------
     def _listen(self) -> None:
@@ -237,46 +193,13 @@ class KVConnector:
     def _handle(self, message: dict[str, Any]) -> dict[str, Any]:
         kind = message.get("type")
         if kind == "release":                          # decode needed none of the blocks
-            self._grant(message, claim=False)
-            self._released.append(message["request_id"])
+            self.held.release(message)
             return {"ok": True}
         if kind == "claim":                            # decode is about to read
-            return {"ok": True, "block_ids": self._grant(message, claim=True).block_ids}
+            return {"ok": True, "block_ids": self.held.grant(message, claim=True).block_ids}
         if kind != "handshake":
             return {"ok": False, "error": f"unknown message type {message.get('type')!r}"}
-        if message.get("version") != HANDSHAKE_VERSION:
-            return {"ok": False,
-                    "error": f"handshake version {message.get('version')} != {HANDSHAKE_VERSION} "
-                             f"(prefill and decode run different kvrelay versions)"}
-        theirs = message.get("spec") or {}
-        problems = _spec_differences(self.spec, theirs, "prefill", "decode")
-        decode_tp = message.get("tp_size")
-        tp_problem = tp_mismatch(self.tp_size, decode_tp) if isinstance(decode_tp, int) else \
-            f"decode sent tp_size {decode_tp!r}"
-        if tp_problem:
-            problems.append(tp_problem)
-        if problems or not isinstance(decode_tp, int):    # (an int when there is no problem)
-            logger.error("refused a KV handshake from %s: incompatible KV cache (%s)",
-                         message.get("engine_id"), "; ".join(problems))
-            return {"ok": False, "error": "incompatible KV cache: " + "; ".join(problems)}
-        return {"ok": True, "engine_id": self.engine_id, "spec": self.spec.__dict__,
-                "tp_size": self.tp_size, "num_blocks": self.num_blocks,
-                "ranks": [_encode(md) for md in self.rank_metadata],
-                "compat_hash": pairing_hash(self.spec.__dict__, self.tp_size, decode_tp)}
-
-    def _grant(self, message: dict[str, Any], claim: bool) -> _Grant:
-        """The live grant `message` names with its capability (side-channel thread);
-        SideChannelError with nothing but REFUSED otherwise. A grant is claimed once."""
-        request_id, capability = message.get("request_id"), message.get("capability")
-        with self._grant_lock:
-            grant = self.grants.get(request_id) if isinstance(request_id, str) else None
-            valid = grant is not None and capability_matches(capability, grant.capability)
-            if grant is None or not valid or (claim and grant.claimed):
-                warn_limited("KV side channel: refused a %s for request %.100r: %s",
-                             message.get("type"), request_id, REFUSED)
-                raise SideChannelError(REFUSED)
-            grant.claimed = grant.claimed or claim
-            return grant
+        return answer(self.me, self.num_blocks, self.rank_metadata, message)
 
     def hold(self, request_id: str, block_ids: list[list[int]],
              prompt_ids: Sequence[int]) -> dict[str, Any]:
@@ -285,30 +208,18 @@ class KVConnector:
         them, `block_ids` (exactly as the caller returns them) and the prompt's token ids.
         HoldRefused when the blocks held for decodes would exceed `hold_share` of the
         pool (the caller frees them)."""
-        blocks = {b for ids in block_ids for b in ids if b}
-        with self._grant_lock:
-            new = sum(1 for b in blocks if b not in self.held_blocks)
-            limit = int(self.config.hold_share * self.num_blocks)
-            if len(self.held_blocks) + new > limit:
-                raise HoldRefused(
-                    f"KV hold refused: {len(self.held_blocks)} of this prefill server's "
-                    f"{self.num_blocks} KV blocks are already held for decode servers and this "
-                    f"request needs {new} more (at most {limit}: kv_connector_extra_config."
-                    f"hold_share {self.config.hold_share:g}); retry later")
-            grant = _Grant(secrets.token_urlsafe(32), [list(ids) for ids in block_ids])
-            self.grants[request_id] = grant
-            self.held_blocks.update(blocks)
+        grant, blocks = self.held.issue(request_id, block_ids, self.config.hold_share)
         # every rank's TCP transport checks reads against the grant: rank 0 now, the others
         # at once (a KV-only broadcast) so the grant is there before a decode can read.
         # NIXL ranks only need to know that reads are expected (to drive their transport's
         # progress): the grant rides with the next step.
-        work = KVWork(grants=[ReadGrant(request_id, grant.capability, frozenset(blocks))])
+        work = KVWork(grants=[ReadGrant(request_id, grant.capability, blocks)])
         self.local.apply(work)
         if self.link is not None and self.transport.name == "tcp":
             self.link.send_kv(work)
         elif self.link is not None:
             self.outbox.grants.extend(work.grants)
-        self.leases[request_id] = time.monotonic() + self.config.lease_s
+        self.held.start_lease(request_id, self.config.lease_s)
         host, port = self.advertised or ("127.0.0.1", 0)
         where: dict[str, Any] = {
             "remote_engine_id": self.engine_id, "remote_host": host, "remote_port": port,
@@ -322,53 +233,25 @@ class KVConnector:
     def holds(self, request_id: str, capability: object) -> bool:
         """Is `request_id` held with this capability (compared in constant time)? The
         explicit free (`POST /v1/kv_transfer/free`) frees nothing otherwise."""
-        with self._grant_lock:
-            grant = self.grants.get(request_id)
-            return grant is not None and capability_matches(capability, grant.capability)
+        return self.held.holds(request_id, capability)
 
     def released(self, request_id: str) -> None:
-        self.leases.pop(request_id, None)
-        self.notices.pop(request_id, None)
-        with self._grant_lock:
-            grant = self.grants.pop(request_id, None)
-            if grant is not None:
-                self.held_blocks.subtract({b for ids in grant.block_ids for b in ids if b})
-                self.held_blocks += collections.Counter()        # drop zero counts
-        if grant is not None:
+        if self.held.drop(request_id):
             self.local.apply(KVWork(revokes=[request_id]))
             if self.link is not None:
                 self.outbox.revokes.append(request_id)          # with the next step
 
     def read_done(self) -> list[str]:
         """Held requests every decode rank finished reading (or that decode released)."""
-        done = []
         raw = list(self.local.notifications())
         for notices in self._events("notify"):
             raw.extend(notices)
-        for note in raw:
-            parsed = parse_notify(note)
-            with self._grant_lock:
-                grant = self.grants.get(parsed[0]) if parsed else None
-            if grant is None or parsed is None:
-                continue                  # malformed, or released already (lease, explicit free)
-            request_id, needed, capability = parsed
-            if not capability_matches(capability, grant.capability):
-                warn_limited("ignored a KV read-done notice for %.100r with a wrong capability",
-                             request_id)
-                continue
-            self.notices[request_id] += 1
-            if self.notices[request_id] == needed:
-                done.append(request_id)
-        while self._released:
-            request_id = self._released.popleft()
-            if request_id in self.leases and request_id not in done:
-                done.append(request_id)
+        done = self.held.read_done(raw)
         self.stats.read_done_notices += len(done)
         return done
 
     def expired(self) -> list[str]:
-        now = time.monotonic()
-        gone = [r for r, deadline in self.leases.items() if deadline <= now]
+        gone = self.held.expired()
         self.stats.leases_expired += len(gone)
         return gone
 
@@ -381,32 +264,7 @@ class KVConnector:
         topology made over exactly these params and this prompt (compared in constant
         time). So with a secret a decode never dials an address a client chose, and never
         loads a prefill's KV for another prompt than the one it was computed for."""
-        host, port = params.remote_host, params.remote_port
-        allowed = self.config.allowed_prefills
-        if allowed is not None and (host, port) not in allowed:
-            raise KVParamsError(
-                f"kv_transfer_params.remote_host/remote_port {endpoint_str((host, port))[:300]} "
-                f"is not a prefill this decode server may load from (kv_connector_extra_config."
-                f"allowed_prefills)")
-        if self.secret is None:
-            return
-        if params.remote_mac is None:
-            raise KVParamsError(
-                "kv_transfer_params.remote_mac is missing: this decode server has a KV secret "
-                "and loads KV only with the kv_transfer_params a prefill server of its "
-                "topology returned, unchanged")
-        expected = params_mac(
-            self.secret, remote_engine_id=params.remote_engine_id, remote_host=host,
-            remote_port=port, remote_request_id=params.remote_request_id,
-            tp_size=params.tp_size, remote_capability=params.remote_capability,
-            remote_block_ids=params.remote_block_ids, prompt_ids=prompt_ids)
-        if not params_mac_matches(params.remote_mac, expected):
-            raise KVParamsError(
-                "kv_transfer_params.remote_mac does not match: the kv_transfer_params were "
-                "changed after the prefill server returned them, belong to another prompt, or "
-                "come from a server without this topology's KV secret")
-        if host.strip() in WILDCARD_HOSTS:    # never signed by a kvrelay prefill with a secret
-            raise KVParamsError(f"kv_transfer_params.remote_host {host!r} cannot be dialed")
+        check_params(params, prompt_ids, self.secret, self.config.allowed_prefills)
 
     def _call(self, host: str, port: int, message: dict[str, Any], expect_id: str | None,
               timeout: float = 10.0) -> dict[str, Any]:
@@ -417,34 +275,13 @@ class KVConnector:
     def peer(self, engine_id: str, host: str, port: int) -> PeerInfo:
         if engine_id in self.peers:
             return self.peers[engine_id]
-        reply = self._call(host, port, {"type": "handshake", "version": HANDSHAKE_VERSION,
-                                        "engine_id": self.engine_id, "spec": self.spec.__dict__,
-                                        "tp_size": self.tp_size}, engine_id)
+        reply = self._call(host, port, hello(self.me), engine_id)
         self.stats.handshakes += 1
-        if not reply.get("ok"):
+        try:
+            peer = accept(self.me, engine_id, host, port, reply)
+        except HandshakeError:
             self.stats.handshake_errors += 1
-            raise HandshakeError(f"prefill engine at {host}:{port} refused the handshake: "
-                                 f"{reply.get('error')}")
-        problems = _spec_differences(self.spec, reply.get("spec") or {}, "decode", "prefill")
-        prefill_tp = reply.get("tp_size")
-        tp_problem = tp_mismatch(prefill_tp, self.tp_size) if isinstance(prefill_tp, int) else \
-            f"prefill sent tp_size {prefill_tp!r}"
-        if tp_problem:
-            problems.append(tp_problem)
-        ranks = reply.get("ranks")
-        if not problems and (not isinstance(ranks, list) or len(ranks) != prefill_tp):
-            problems.append(f"prefill sent transport metadata for {len(ranks or [])} of its "
-                            f"{prefill_tp} ranks")
-        if not problems and isinstance(prefill_tp, int) and (
-                reply.get("compat_hash")
-                != pairing_hash(self.spec.__dict__, prefill_tp, self.tp_size)):
-            problems.append("compatibility hash differs (KV cache spec serialised differently)")
-        # (with no problem, prefill_tp is an int and ranks a list: checked above)
-        if problems or not isinstance(prefill_tp, int) or not isinstance(ranks, list):
-            self.stats.handshake_errors += 1
-            raise HandshakeError("incompatible KV cache: " + "; ".join(problems))
-        peer = PeerInfo(engine_id, prefill_tp, int(reply["num_blocks"]),
-                        tuple(_decode(md) for md in ranks))
+            raise
         self.local.apply(KVWork(peers=[peer]))
         if engine_id in self.local.peer_errors:
             raise HandshakeError(self.local.peer_errors[engine_id])
@@ -452,7 +289,7 @@ class KVConnector:
             self.outbox.peers.append(peer)
         self.peers[engine_id] = peer
         logger.info("KV handshake with %s at %s:%d done (transport %s, prefill TP %d, "
-                    "decode TP %d)", engine_id, host, port, self.transport.name, prefill_tp,
+                    "decode TP %d)", engine_id, host, port, self.transport.name, peer.tp_size,
                     self.tp_size)
         return peer
 
@@ -477,12 +314,12 @@ class KVConnector:
                                        tuple(local_tables[g][i] for i in blocks)))
         if not pulls:         # our own prefix cache had it all: tell the prefill to free its copy
             self.release_remote(params)
-            self.loads[request_id] = _Load(request_id, time.monotonic(), set())
+            self.loads[request_id] = Load(request_id, time.monotonic(), set())
             return
         self.claim(params)
         note = notify_message(params.remote_request_id, self.tp_size, params.remote_capability)
         order = PullOrder(request_id, peer.engine_id, note, tuple(pulls))
-        self.loads[request_id] = _Load(request_id, time.monotonic(), set(range(self.tp_size)))
+        self.loads[request_id] = Load(request_id, time.monotonic(), set(range(self.tp_size)))
         if self.link is not None:
             # ranks ≥ 1 get the order at once (with any queued peers/cancels), before rank 0
             # builds its own read: waiting for rank 0's read setup, or for the next step,
@@ -554,14 +391,8 @@ class KVConnector:
         events: list[LoadEvent] = self.local.poll() + self._events("load")
         for e in events:
             load = self.loads.get(e.request_id)
-            if load is None or e.rank not in load.waiting:
-                continue                                  # cancelled or failed meanwhile
-            load.waiting.discard(e.rank)
-            load.nbytes += e.nbytes
-            load.ranks[e.rank] = (e.started - load.started, e.seconds,
-                                  time.monotonic() - load.started)
-            if e.error is not None and load.error is None:
-                load.error = e.error
+            if load is not None:
+                load.record(e, time.monotonic())
         finished = []
         now = time.monotonic()
         for request_id, load in list(self.loads.items()):
@@ -606,44 +437,10 @@ class KVConnector:
 
     @property
     def busy(self) -> bool:
-        return bool(self.loads or self.leases or self.outbox)
+        return bool(self.loads or self.held.leases or self.outbox)
 
     def close(self) -> None:
         if self.server is not None:
             self.server.close()
         self._notifier.shutdown(wait=False)
         self.local.close()
-
-
-def needed_blocks(window: int | None, hit_tokens: int, prompt_len: int, block_size: int) -> range:
-    """Logical blocks decode must pull for tokens [hit, P-1) (see the module docstring)."""
-    if prompt_len <= 1:
-        return range(0)
-    first = 0 if window is None else max(prompt_len - 1 - window + 1, 0) // block_size
-    last = (prompt_len - 2) // block_size
-    return range(max(hit_tokens // block_size, first), last + 1)
-
-
-def _spec_differences(mine: KVCacheSpec, theirs: dict[str, Any], me: str, them: str) -> list[str]:
-    """What differs, phrased the same on both sides: "block_size: prefill 4, decode 8"."""
-    fields = mine.__dict__
-
-    def say(key: str, a: Any, b: Any) -> str:
-        pair = {me: a, them: b}
-        return f"{key}: prefill {pair['prefill']!r}, decode {pair['decode']!r}"
-
-    diffs = [say(k, fields[k], theirs.get(k))
-             for k in fields if k != "model" and fields[k] != theirs.get(k)]
-    if fields["model"].split(":")[-1] != str(theirs.get("model", "")).split(":")[-1]:
-        diffs.insert(0, say("model config", fields["model"], theirs.get("model")))
-    return diffs
-
-
-def _encode(metadata: dict[str, Any]) -> dict[str, Any]:
-    return {k: {"__b64__": base64.b64encode(v).decode()} if isinstance(v, bytes) else v
-            for k, v in metadata.items()}
-
-
-def _decode(metadata: dict[str, Any]) -> dict[str, Any]:
-    return {k: base64.b64decode(v["__b64__"]) if isinstance(v, dict) and "__b64__" in v else v
-            for k, v in metadata.items()}

@@ -37,6 +37,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -74,7 +75,7 @@ PUMP_LINGER_S = 0.05
 _tamed = False
 
 
-def _import_api():
+def _import_api() -> ModuleType:
     """`nixl._api`, imported with its logging side effects undone: NIXL's import logs INFO
     lines to stdout and sets the process-wide `logging.raiseExceptions = False`. Here its
     logger goes to stderr at WARNING (unless NIXL_LOG_LEVEL is set) and the flag is restored."""
@@ -150,7 +151,7 @@ def nixl_import_error() -> str | None:
     return None
 
 
-def _nixl_api():
+def _nixl_api() -> ModuleType:
     try:
         return _import_api()
     except Exception as e:

@@ -20,6 +20,7 @@ import logging
 import socket
 import struct
 from collections.abc import Callable
+from typing import Any
 
 from kvrelay import envs
 from kvrelay.disagg.auth import AuthError, client_authenticate
@@ -160,7 +161,7 @@ class SideChannelServer:
         """(host peers should dial, port): the endpoint this server proves itself for."""
         return self._listener.endpoint
 
-    def _serve(self, conn: socket.socket, peer) -> None:
+    def _serve(self, conn: socket.socket, peer: Any) -> None:
         for msg in self._listener.requests(conn, peer):
             reply = self._dispatch(msg)
             try:
@@ -187,7 +188,7 @@ class SideChannelServer:
     def __enter__(self) -> SideChannelServer:
         return self.start()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
@@ -264,7 +265,7 @@ class SideChannelClient:
     def __enter__(self) -> SideChannelClient:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 

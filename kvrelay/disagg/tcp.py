@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TypeGuard
+from typing import Any, TypeGuard
 
 import torch
 
@@ -186,7 +186,7 @@ class TcpTransport(KVTransport[TcpReadHandle]):
 
     # -- serving reads (producer side) ------------------------------------------------
 
-    def _serve(self, conn: socket.socket, peer) -> None:
+    def _serve(self, conn: socket.socket, peer: Any) -> None:
         try:
             for msg in self._server.requests(conn, peer):
                 conn.settimeout(self.timeout)
@@ -229,7 +229,7 @@ class TcpTransport(KVTransport[TcpReadHandle]):
             self._notifs.append(note)
 
     @staticmethod
-    def _check_notify(b64) -> bytes:
+    def _check_notify(b64: Any) -> bytes:   # a JSON value, checked here
         try:
             note = base64.b64decode(b64, validate=True)
         except (binascii.Error, TypeError, ValueError):
@@ -255,7 +255,7 @@ class TcpTransport(KVTransport[TcpReadHandle]):
                 views, staged = [], 0
         _send_views(conn, views)
 
-    def _check_request(self, descs) -> list[tuple[int, int, int]]:
+    def _check_request(self, descs: object) -> list[tuple[int, int, int]]:
         if not self._regions:
             raise TransferError("this side has not registered any KV tensors yet")
         if not isinstance(descs, list):

@@ -24,7 +24,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Generic, Self, TypeVar
 
 import torch
 
@@ -140,10 +140,10 @@ class KVTransport(ABC, Generic[H]):
                                     f"{timeout:.0f}s")
             time.sleep(interval)
 
-    def __enter__(self):
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
@@ -174,7 +174,7 @@ def tensor_regions(tensors: Sequence[torch.Tensor]) -> list[Region]:
     return out
 
 
-def _is_int(x) -> bool:
+def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 

@@ -26,7 +26,7 @@ from dataclasses import replace
 from typing import Any
 
 from kvrelay.distributed import ray_cluster
-from kvrelay.distributed.executor import (
+from kvrelay.distributed.tp_workers import (
     MultiprocExecutor,
     RankSpec,
     RunnerFactory,

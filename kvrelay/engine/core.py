@@ -24,21 +24,11 @@ own owner, built here from the `EngineConfig`:
     (with experts across data-parallel replicas, engine/lockstep.py calls the two
     halves itself, exchanging token counts in between)
 
-Failure isolation: one request must not take the engine down. `add_request`
-validates everything against the model (vocabulary, lengths, logprobs) and adds all
-of a request's sequences or none. Inside a step, the phases that depend on one
-request's own parameters — the forward when it runs in this process, sampling
-(logits processors, logit_bias, top-k, logprobs), prompt logprobs, detokenising and
-stop strings, output assembly — attribute a failure to the request that caused it
-(`_fail_request`: its sequences are aborted, its blocks freed, its client gets an
-error output with status 500) and the step goes on for the others. Scheduling and
-KV-cache bookkeeping are shared state: an exception there, or a KV pool that fails
-its integrity check after a request was failed, still ends the engine.
+Failure isolation (one request must not take the engine down): `failures.py`.
 """
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
 import logging
 from dataclasses import replace
@@ -50,20 +40,11 @@ import torch
 from kvrelay.config import EngineArgs, EngineConfig
 from kvrelay.engine import step_io
 from kvrelay.engine.async_steps import AsyncSteps
-from kvrelay.engine.executor import (
-    dummy_step,
-    kv_groups,
-    make_executor,
-    resolve_device,
-    warmup,
-)
+from kvrelay.engine.executor import dummy_step, kv_groups, make_executor, resolve_device, warmup
+from kvrelay.engine.failures import RequestFailures
+from kvrelay.engine.intake import check_request, load_processor_factory
 from kvrelay.engine.kv_transfer import KVTransferGlue
-from kvrelay.engine.output_processor import (
-    OutputProcessor,
-    ParentRequest,
-    error_output,
-    fan_out,
-)
+from kvrelay.engine.output_processor import OutputProcessor, ParentRequest, fan_out
 from kvrelay.engine.outputs import RequestOutput
 from kvrelay.engine.request import Request
 from kvrelay.engine.runner import StepInput, kv_bytes_per_block
@@ -75,12 +56,7 @@ from kvrelay.kv_cache.spec import KVCacheSpec
 from kvrelay.kv_events.publisher import make_publisher
 from kvrelay.kv_events.wire import GroupSpec
 from kvrelay.model.tokenizer import CheckpointTokenizer, load_tokenizer
-from kvrelay.sampling_params import (
-    SamplingParams,
-    SamplingParamsError,
-    check_token_ids,
-    validate_for_model,
-)
+from kvrelay.sampling_params import SamplingParams
 from kvrelay.spec_decode.ngram import NgramProposer
 from kvrelay.spec_decode.stats import SpecDecodeStats
 from kvrelay.structured.manager import StructuredOutputs
@@ -123,10 +99,12 @@ class LLMEngine:
         self.eos_token_ids = self._eos_ids()
         self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size,
                                             self.eos_token_ids)
-        self.processor_factories = [_load_object(name) for name in self.args.logits_processors]
+        self.processor_factories = [load_processor_factory(name)
+                                    for name in self.args.logits_processors]
         self.output = OutputProcessor(self.tokenizer, self.scheduler, self._fail_request,
                                       self.transfer.hold)
-        self._failures: list[RequestOutput] = []        # requests failed during this step
+        self.failures = RequestFailures(self.output, self.scheduler, self.transfer, self.kv,
+                                        self.abort_request)
         self.num_steps = self.num_dummy_steps = 0
         warmup(self.executor, self.runner.num_groups, config)
         self.transfer.start(self.kv_cache_spec(), self.runner.kv_tensors,
@@ -190,7 +168,8 @@ class LLMEngine:
         return KVCacheSpec(f"{self.model_dir.name}:{fingerprint}",
                            str(self.model.dtype).removeprefix("torch."), self.args.block_size,
                            c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
-                           hybrid=len(self.kv.groups) > 1, sliding_window=c.sliding_window)
+                           hybrid=len(self.kv.groups) > 1, sliding_window=c.sliding_window,
+                           numerics=self.model.plan.numerics(str(self.model.dtype)))
 
     def shutdown(self) -> None:
         if self.pipeline is not None:
@@ -225,7 +204,8 @@ class LLMEngine:
             raise ValueError(f"duplicate request id {request_id!r}")
         text, ids = ((prompt, self._encode(prompt)) if isinstance(prompt, str)
                      else (None, list(prompt)))
-        self._check_params(params, ids)
+        check_request(params, ids, self.model_config.vocab_size, self.args.max_logprobs,
+                      self.max_model_len)
         transfer = self.transfer.check(kv_transfer_params, ids)
         grammar = self.structured.matcher(params)       # ValueError: a bad schema / regex
         made = [p for p in (f(params, ids) for f in self.processor_factories) if p is not None]
@@ -251,21 +231,6 @@ class LLMEngine:
         if self.tokenizer is None:
             raise ValueError("this checkpoint has no tokenizer.json; pass token ids")
         return self.tokenizer.encode(text)
-
-    def _check_params(self, params: SamplingParams, ids: list[int]) -> None:
-        """Everything about a request that could fail later in a step, checked now."""
-        if not ids:
-            raise SamplingParamsError("the prompt is empty", "prompt")
-        vocab = self.model_config.vocab_size
-        check_token_ids(ids, vocab, "prompt")
-        validate_for_model(params, vocab, self.args.max_logprobs)
-        if len(ids) >= self.max_model_len:
-            raise SamplingParamsError(f"the prompt has {len(ids)} tokens; max_model_len is "
-                                      f"{self.max_model_len}", "prompt")
-        if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
-            raise SamplingParamsError(f"prompt ({len(ids)} tokens) + max_tokens "
-                                      f"({params.max_tokens}) exceeds max_model_len "
-                                      f"{self.max_model_len}", "max_tokens")
 
     def abort_request(self, request_id: str) -> None:
         parent = self.output.pop(request_id)
@@ -346,7 +311,7 @@ class LLMEngine:
         self._count_drafts(plan, sampled)
         finished = self.scheduler.update(plan.out, sampled)
         self.num_steps += 1
-        self._fail_broken_grammars(finished)
+        self.failures.fail_broken_grammars(finished)
 
     def _count_drafts(self, plan: StepPlan, sampled: dict[str, list[int]]) -> None:
         """The spec_decode metrics: each verified draft and how much of it was accepted
@@ -358,61 +323,19 @@ class LLMEngine:
             if chunk.drafts and tokens:
                 self.spec_stats.record(len(chunk.drafts), len(tokens) - 1)
 
-    def _fail_broken_grammars(self, finished: list[Request]) -> None:
-        """A sequence whose grammar failed (a token it refused, a limit llguidance hit
-        computing a mask: `GrammarMatcher.failed`) was stopped by the scheduler; its
-        request ends with an error (500), never with text that breaks its constraint."""
-        for req in finished:
-            if (req.grammar is not None and req.grammar.failed is not None
-                    and self.output.parent_of(req.request_id) is not None):
-                reason = f"structured output failed: {req.grammar.failed}"
-                self._fail_request(req, RuntimeError(reason), "structured output", reason)
-
     def step_outputs(self, plan: StepPlan) -> list[RequestOutput]:
         """Detokenizing (stop strings end requests here) and the step's outputs."""
         return (self.output.outputs(plan.out) + self.output.failed_outputs(plan.failed)
-                + self._take_failures())
+                + self.failures.take())
 
     def _fail_request(self, req: Request, error: BaseException, where: str,
                       message: str | None = None) -> None:
-        """Fail the client request `req` belongs to (all of its n sequences): abort them,
-        free their blocks, and queue an error output (`message`, else one naming `where`
-        and `error`); the engine keeps serving the rest."""
-        parent = self.output.parent_of(req.request_id)
-        logger.error("request %s failed in %s: %s: %s", req.request_id, where,
-                     type(error).__name__, error, exc_info=error)
-        if parent is None:
-            self.scheduler.abort(req.request_id)
-            return
-        self.abort_request(parent.request_id)
-        for child in parent.children:
-            self.transfer.release(child)             # finished prefill: its held blocks
-        self.output.forget(parent)
-        self._failures.append(error_output(parent, message or f"the request failed in {where}: "
-                                                              f"{type(error).__name__}: {error}"))
-
-    def _take_failures(self) -> list[RequestOutput]:
-        """This step's failed requests' outputs. Failing them freed blocks mid-step: the
-        KV pool must still be consistent, otherwise the failure was not theirs alone."""
-        failures, self._failures = self._failures, []
-        if failures:
-            self.kv.check_integrity()
-        return failures
+        """Fail the client request `req` belongs to (`RequestFailures.fail`)."""
+        self.failures.fail(req, error, where, message)
 
     # -- introspection ----------------------------------------------------------------------
     def assert_no_leaks(self) -> None:
         self.kv.assert_no_leaks()
-
-
-def _load_object(name: str) -> Any:
-    """"package.module:attr" → the object (for --logits-processors)."""
-    module, _, attr = name.partition(":")
-    if not attr:
-        raise ValueError(f"--logits-processors: {name!r} is not of the form module:attr")
-    try:
-        return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"--logits-processors: cannot load {name!r} ({e})") from None
 
 
 def _maybe_tokenizer(model_dir: Path) -> CheckpointTokenizer | None:

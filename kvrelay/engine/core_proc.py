@@ -10,8 +10,9 @@ come back as that request's final output with `error` set (see
 `LLMEngine._fail_request`); `Fatal` is kept for what breaks shared state (a scheduler
 or KV-cache exception, a failed KV pool integrity check) and ends the engine.
 
-Messages are small picklable dataclasses over a `multiprocessing` pipe; outputs carry
-only what changed in the step (new token ids, new text, new logprobs), never tensors.
+Messages are msgspec Structs over a `multiprocessing` pipe, in the one codec of
+`engine/codec.py` (`MessagePipe`); outputs carry only what changed in the step (new token
+ids, new text, new logprobs), never tensors.
 The loop blocks on the pipe when idle and only polls it between steps when busy, so the
 step loop never waits on HTTP.
 """
@@ -22,7 +23,6 @@ import ctypes
 import gc
 import logging
 import os
-import pickle
 import select
 import signal
 import time
@@ -30,10 +30,12 @@ import traceback
 from contextlib import nullcontext
 from dataclasses import replace
 from multiprocessing.connection import Connection
-from typing import IO, Any, Protocol
+from typing import IO, Any
 
 from kvrelay import envs
 from kvrelay.config import EngineArgs
+from kvrelay.engine.codec import TO_ENGINE, CodecError, MessagePipe
+from kvrelay.engine.core_stats import CoreEngine, engine_stats
 from kvrelay.engine.lockstep import run_lockstep
 from kvrelay.engine.messages import (
     AbortRequests,
@@ -55,81 +57,11 @@ from kvrelay.engine.outputs import RequestOutput
 logger = logging.getLogger(__name__)
 
 
-class CoreEngine(Protocol):
-    """What this loop (and `lockstep.py`) needs of `LLMEngine`."""
-
-    kv: Any
-    scheduler: Any
-    num_steps: int
-    num_dummy_steps: int
-
-    @property
-    def connector(self) -> Any: ...
-    @property
-    def expert_world(self) -> Any: ...
-    @property
-    def transfer_busy(self) -> bool: ...
-
-    def has_unfinished_requests(self) -> bool: ...
-    def add_request(self, request_id: str, prompt: Any, params: Any,
-                    kv_transfer_params: dict | None = None) -> Any: ...
-    def abort_request(self, request_id: str) -> None: ...
-    def free_remote(self, request_id: str, capability: str) -> bool: ...
-    def step(self) -> list[RequestOutput]: ...
-    def plan_step(self) -> Any: ...
-    def run_planned(self, plan: Any, counts: tuple[int, ...]) -> list[RequestOutput]: ...
-    def shutdown(self) -> None: ...
+CorePipe = MessagePipe[ToEngine]       # the core's end of its pipe to the API process
 
 
-def engine_stats(engine: CoreEngine) -> EngineStats:
-    kv, sched = engine.kv, engine.scheduler
-    return EngineStats(
-        num_requests_running=len(sched.running),
-        num_requests_waiting=len(sched.waiting),
-        kv_cache_usage_perc=kv.pool.usage,
-        blocks_free=kv.pool.num_free,
-        blocks_used=kv.pool.num_used,
-        blocks_total=kv.pool.num_blocks - 1,
-        prefix_cache_queries=kv.stats.queries,
-        prefix_cache_hits=kv.stats.hits,
-        num_preemptions=sched.num_preemptions,
-        num_steps=engine.num_steps,
-        dp_dummy_steps=engine.num_dummy_steps,
-        **transfer_stats(engine),
-        **spec_decode_stats(engine),
-    )
-
-
-def spec_decode_stats(engine: CoreEngine) -> dict[str, Any]:
-    """The `spec_decode_*` fields of `EngineStats` (none without --speculative-config;
-    `LLMEngine.spec_stats`, which stand-in engines need not have)."""
-    s = getattr(engine, "spec_stats", None)
-    if s is None:
-        return {}
-    return {"spec_decode_num_drafts": s.num_drafts,
-            "spec_decode_num_draft_tokens": s.num_draft_tokens,
-            "spec_decode_num_accepted_tokens": s.num_accepted_tokens,
-            "spec_decode_accepted_per_pos": tuple(s.accepted_per_pos)}
-
-
-def transfer_stats(engine: CoreEngine) -> dict[str, Any]:
-    """The `kv_*` fields of `EngineStats` (none without a KV connector)."""
-    c = engine.connector
-    if c is None:
-        return {}
-    held = sum(engine.kv.num_blocks_held(r) for r in engine.scheduler.held)
-    s = c.stats
-    return {"kv_transfers": s.transfers, "kv_transfer_failures": s.failed,
-            "kv_transfer_bytes": s.bytes, "kv_transfer_seconds": s.seconds,
-            "kv_handshakes": s.handshakes, "kv_handshake_errors": s.handshake_errors,
-            "kv_transport_fallbacks": s.transport_fallbacks,
-            "kv_blocks_held_for_remote": held,
-            "kv_requests_held_for_remote": len(engine.scheduler.held),
-            "kv_leases_expired": s.leases_expired, "kv_read_done_notices": s.read_done_notices,
-            "kv_loads_in_flight": len(c.loads)}
-
-
-def run_engine_core(args: EngineArgs, conn: Connection, log_level: int = logging.INFO) -> None:
+def run_engine_core(args: EngineArgs, end: Connection, log_level: int = logging.INFO) -> None:
+    conn = MessagePipe(end, TO_ENGINE)
     logging.basicConfig(level=log_level, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)          # the API process decides when to stop
     try:
@@ -224,7 +156,7 @@ class _Switching:
     def idle_wait(self) -> float | None:
         return self.switch.idle_wait()
 
-    def between_steps(self, engine: Any, conn: Connection) -> None:
+    def between_steps(self, engine: Any, conn: CorePipe) -> None:
         if not self.switch.pending:
             return
         pipeline = engine.pipeline
@@ -237,12 +169,12 @@ class _Switching:
         conn.send(Ready(self.info, engine_stats(engine)))
 
 
-def _loop(engine: CoreEngine, conn: Connection, switching: _Switching | None = None) -> None:
+def _loop(engine: CoreEngine, conn: CorePipe, switching: _Switching | None = None) -> None:
     with _step_trace() as trace:
         _run(engine, conn, trace, switching)
 
 
-def _run(engine: CoreEngine, conn: Connection, trace: IO[str] | None,
+def _run(engine: CoreEngine, conn: CorePipe, trace: IO[str] | None,
          switching: _Switching | None = None) -> None:
     last_stats: EngineStats | None = None
     last_sent = time.monotonic()
@@ -268,6 +200,9 @@ def _run(engine: CoreEngine, conn: Connection, trace: IO[str] | None,
             try:
                 message = conn.recv()
             except EOFError:
+                return
+            except CodecError as e:
+                conn.send(Fatal(f"the engine core received no engine message: {e}"))
                 return
             if isinstance(message, Shutdown):
                 return
@@ -297,10 +232,7 @@ def _run(engine: CoreEngine, conn: Connection, trace: IO[str] | None,
             if outputs or (stats != last_stats and (not engine.has_unfinished_requests()
                                                     or stepped - last_sent > STATS_EVERY_S)):
                 last_sent = stepped
-                # plain pickle (Connection.send's ForkingPickler copies the copyreg dispatch
-                # table per message); the API's Connection.recv unpickles it the same
-                conn.send_bytes(pickle.dumps(StepOutputs(_deltas(outputs, announced), stats),
-                                             pickle.HIGHEST_PROTOCOL))
+                conn.send(StepOutputs(_deltas(outputs, announced), stats))
                 last_stats = stats
             if trace is not None:
                 trace.write(f"{started:.6f} {stepped:.6f} {time.monotonic():.6f} "
@@ -318,7 +250,7 @@ def _deltas(outputs: list[RequestOutput], announced: set[str]) -> list[RequestOu
     return deltas
 
 
-def handle(engine: CoreEngine, conn: Connection, message: ToEngine) -> None:
+def handle(engine: CoreEngine, conn: CorePipe, message: ToEngine) -> None:
     """One message from the API process (`Shutdown` and `Wake` are the loops' own)."""
     if isinstance(message, AddRequest):
         _add(engine, conn, message)
@@ -331,7 +263,7 @@ def handle(engine: CoreEngine, conn: Connection, message: ToEngine) -> None:
         conn.send(StepOutputs([], engine_stats(engine)))
 
 
-def _add(engine: CoreEngine, conn: Connection, message: AddRequest) -> None:
+def _add(engine: CoreEngine, conn: CorePipe, message: AddRequest) -> None:
     """add_request is all-or-nothing, so a refused or failed add touches no one else."""
     request_id = message.request_id
     try:
@@ -344,7 +276,7 @@ def _add(engine: CoreEngine, conn: Connection, message: AddRequest) -> None:
         conn.send(RequestRefused(request_id, why, 500, None))
 
 
-def _control(engine: CoreEngine, conn: Connection, message: ToEngine) -> None:
+def _control(engine: CoreEngine, conn: CorePipe, message: ToEngine) -> None:
     if isinstance(message, FreeRemote):
         freed = engine.free_remote(message.request_id, message.capability)
         conn.send(Freed(message.token, freed))

@@ -29,7 +29,8 @@ from collections.abc import AsyncGenerator
 from dataclasses import replace
 
 from kvrelay.config import EngineArgs
-from kvrelay.engine.async_client import AsyncEngine, CoreClient
+from kvrelay.engine.async_client import AsyncEngine
+from kvrelay.engine.core_client import CoreClient
 from kvrelay.engine.dp_placement import replica_args
 from kvrelay.engine.dp_ray import RayReplicas
 from kvrelay.engine.dp_remote import HeadListener, RemoteReplica

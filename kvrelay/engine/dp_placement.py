@@ -1,5 +1,5 @@
 """Where a data-parallel replica runs on its node: its engine arguments and device slice.
-Used by the head (`data_parallel.py`) and by headless nodes (`dp_remote.py`) alike."""
+Used by the head (`data_parallel.py`) and by headless nodes (`dp_headless.py`) alike."""
 from __future__ import annotations
 
 from dataclasses import replace

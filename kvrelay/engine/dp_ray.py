@@ -3,7 +3,7 @@
 
 The head (the API server's node) runs replicas [0, local) as always (one by default under
 Ray) and listens for the others exactly as it does for hand-started `--headless` nodes
-(`engine/dp_remote.py`: the same Hello / Welcome handshake, the same frames). What Ray
+(`engine/dp_link.py`: the same Hello / Welcome handshake, the same frames). What Ray
 adds is who starts them and where: one actor per remote replica, all in one placement
 group (SPREAD: replicas on different nodes where the cluster allows), each actor running
 `run_headless` for its one rank — which starts the replica's engine core (its tensor-
@@ -32,7 +32,7 @@ class ReplicaActor:
     """One data-parallel replica in a Ray worker process (made remote at run time)."""
 
     def run(self, args: EngineArgs) -> int:
-        from kvrelay.engine.dp_remote import run_headless
+        from kvrelay.engine.dp_headless import run_headless
         logging.basicConfig(level=logging.INFO,
                             format=f"(dp rank {args.data_parallel_start_rank}) %(message)s")
         return run_headless(args, signals=False)

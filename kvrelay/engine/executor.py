@@ -23,7 +23,7 @@ import torch
 
 from kvrelay import envs
 from kvrelay.config import EngineConfig
-from kvrelay.distributed.executor import MultiprocExecutor, RankSpec, free_port
+from kvrelay.distributed.tp_workers import MultiprocExecutor, RankSpec, free_port
 from kvrelay.engine.runner import ModelRunner, StepInput
 from kvrelay.kv_cache.manager import KVCacheGroup
 from kvrelay.model.loader import LoadedModel, load_model

@@ -27,7 +27,8 @@ from kvrelay.disagg.connector import ClaimRefused, HoldRefused, KVConnector
 from kvrelay.disagg.params import KVParamsError, KVTransferConfig, KVTransferParams
 from kvrelay.engine.outputs import RequestOutput
 from kvrelay.engine.request import Request
-from kvrelay.engine.scheduler import Scheduler, SchedulerOutput
+from kvrelay.engine.scheduler import Scheduler
+from kvrelay.engine.scheduler_output import SchedulerOutput
 from kvrelay.kv_cache.manager import KVCacheManager
 from kvrelay.kv_cache.spec import KVCacheSpec
 

@@ -16,6 +16,7 @@ from kvrelay.engine.outputs import RequestOutput
 from kvrelay.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from kvrelay.model.tokenizer import CheckpointTokenizer
     from kvrelay.server.chat_types import Rendered
 
 Prompt = str | list[int] | dict[str, Any]
@@ -47,7 +48,7 @@ class LLM:
         requests hold KV blocks."""
         return self.engine.reset_prefix_cache()
 
-    def get_tokenizer(self):
+    def get_tokenizer(self) -> CheckpointTokenizer | None:
         return self.engine.tokenizer
 
     def generate(self, prompts: Prompt | Sequence[Prompt],

@@ -27,10 +27,10 @@ import logging
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from typing import Any
 
-from kvrelay.engine.messages import Fatal, Shutdown, StepOutputs, Wake, as_delta
+from kvrelay.engine.codec import MessagePipe
+from kvrelay.engine.messages import Fatal, Shutdown, StepOutputs, ToEngine, Wake, as_delta
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class RoundRow:
 class _Pipe:
     """Drains the API pipe; owner of the wave number this replica has seen."""
 
-    def __init__(self, engine: Any, conn: Connection, handle: Callable) -> None:
+    def __init__(self, engine: Any, conn: MessagePipe[ToEngine], handle: Callable) -> None:
         self.engine, self.conn, self.handle = engine, conn, handle
         self.seen = 0
         self.closed = False
@@ -80,7 +80,8 @@ class _Pipe:
                 self.handle(self.engine, self.conn, message)
 
 
-def run_lockstep(engine: Any, conn: Connection, handle: Callable, stats_of: Callable) -> None:
+def run_lockstep(engine: Any, conn: MessagePipe[ToEngine], handle: Callable,
+                 stats_of: Callable) -> None:
     from kvrelay.distributed.collectives import ReplicaSync  # torch: the core process only
     sync = ReplicaSync(engine.expert_world)
     pipe = _Pipe(engine, conn, handle)

@@ -7,9 +7,11 @@
       ...
       between two steps (no forward in flight), `due`: the build has finished
       → `apply`: every decision made from kernels.status() is forgotten (the module caches
-        in `_CACHED_DECISIONS`, the model's decode plans), status() is asked again (it loads
-        the library, or logs the failure's one warning), two warm-up steps into the null
-        block; the engine core sends the new `native_paths()` with a second Ready
+        in `_CACHED_DECISIONS`, the process's execution plan among them), status() is asked
+        again (it loads the library, or logs the failure's one warning), the model gets the
+        new plan (`GptOssModel.use_plan`: the same numerics, the kernels' paths), two
+        warm-up steps into the null block; the engine core sends the new `native_paths()`
+        with a second Ready
 
 The reference paths and the kernels compute the same values up to float32 summation order
 (tests/model/test_moe_kernels.py, test_paged_decode.py, test_dense_kernels.py and
@@ -31,8 +33,7 @@ from kvrelay import envs
 from kvrelay.config import EngineArgs
 from kvrelay.engine import sampler
 from kvrelay.engine.executor import warmup_steps
-from kvrelay.model import kernels
-from kvrelay.model.layers import linear, moe_tiles, norm, paged_decode
+from kvrelay.model import execution_plan, kernels
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +42,7 @@ IDLE_POLL_S = 0.5       # while the build runs, an idle engine core looks this o
 # Every cached decision read from kernels.status(), forgotten together when it changes (a
 # new one belongs here: tests/engine/test_native_switch.py finds them in the source).
 _CACHED_DECISIONS: tuple[Any, ...] = (      # functools.cache'd functions
-    kernels.status, paged_decode.enabled, linear.dense_kernel_isa, linear._dense_rows,
-    norm._native_ops, moe_tiles.available, sampler._argmax_op)
+    kernels.status, execution_plan.current, sampler._argmax_op)
 
 
 def why_wait(args: EngineArgs) -> str | None:
@@ -105,8 +105,12 @@ class NativeSwitch:
         started = time.perf_counter()
         for decision in _CACHED_DECISIONS:
             decision.cache_clear()
-        model.forget_kernel_plans()
         status = kernels.status()           # loads the library, or logs why not (once)
+        plan = execution_plan.current()
+        if plan.numerics(str(model.dtype)) != model.plan.numerics(str(model.dtype)):
+            raise RuntimeError(f"the execution plan's numerics changed at the switch to the "
+                               f"native kernels: {model.plan.describe()} → {plan.describe()}")
+        model.use_plan(plan)
         if not status.available:
             return False
         for step in warmup_steps(num_groups, block_size):

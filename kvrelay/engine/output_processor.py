@@ -12,14 +12,19 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from kvrelay.disagg.params import KVTransferParams
 from kvrelay.engine.detokenizer import PROMPT_CONTEXT, IncrementalDetokenizer
 from kvrelay.engine.outputs import CompletionOutput, RequestOutput
 from kvrelay.engine.request import Request, Status
-from kvrelay.engine.scheduler import Scheduler, SchedulerOutput
+from kvrelay.engine.scheduler import Scheduler
+from kvrelay.engine.scheduler_output import SchedulerOutput
 from kvrelay.model.tokenizer import CheckpointTokenizer
 from kvrelay.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvrelay.structured.backend import GrammarMatcher
 
 # (request, error, where) — fail the request alone; (output, first child) — a finished
 # prefill's blocks held for a decode server (`KVTransferGlue.hold`)
@@ -38,7 +43,7 @@ class ParentRequest:
 
 
 def fan_out(request_id: str, ids: list[int], params: SamplingParams, eos: tuple[int, ...],
-            transfer: KVTransferParams | None, grammar) -> list[Request]:
+            transfer: KVTransferParams | None, grammar: GrammarMatcher | None) -> list[Request]:
     """n sequences: ids `i_<id>` (just `<id>` when n = 1), seeds seed + i; the first
     carries the KV transfer, the others fork from it."""
     children: list[Request] = []

@@ -1,38 +1,17 @@
-"""What the engine returns, shaped like vLLM's `RequestOutput`."""
+"""What the engine returns, shaped like vLLM's `RequestOutput`.
+
+msgspec Structs (`array_like`: a field-value array on the wire, no field names), so every
+step's engine→API message (`engine/messages.py`, `engine/codec.py`) is encoded and decoded
+in C. Mutable: the API side accumulates deltas into them (`CoreClient._accumulate`).
+`gc=False`: they hold only strings, numbers and lists of those, never a cycle."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
-from operator import attrgetter
-from typing import Any
+import msgspec
 
 from kvrelay.engine.request import Logprob
 
 
-class PicklesAsTuple:
-    """A dataclass pickled as its class and its field values in order, not a field-name
-    dict per object: every step's engine→API message is made of these, and a one-token
-    delta then takes a third of the bytes and unpickles ~30 % faster."""
-
-    __slots__ = ()
-
-    def __reduce__(self) -> tuple[type, tuple[Any, ...]]:
-        return type(self), _values(type(self))(self)
-
-
-_GETTERS: dict[type, attrgetter] = {}
-
-
-def _values(cls: type) -> attrgetter:
-    """The getter of a dataclass's field values (a tuple: every user has several fields),
-    in the order its __init__ takes them."""
-    getter = _GETTERS.get(cls)
-    if getter is None:
-        getter = _GETTERS[cls] = attrgetter(*(f.name for f in fields(cls)))
-    return getter
-
-
-@dataclass
-class CompletionOutput(PicklesAsTuple):
+class CompletionOutput(msgspec.Struct, array_like=True, gc=False):
     index: int
     text: str
     token_ids: list[int]
@@ -41,7 +20,7 @@ class CompletionOutput(PicklesAsTuple):
     logprobs: list[dict[int, Logprob]] | None = None
     # what this output adds to the previous one of the same request (for streaming)
     delta_text: str = ""
-    delta_token_ids: list[int] = field(default_factory=list)
+    delta_token_ids: list[int] = msgspec.field(default_factory=list)
     delta_logprobs: list[dict[int, Logprob]] | None = None
 
     @property
@@ -49,12 +28,11 @@ class CompletionOutput(PicklesAsTuple):
         return self.finish_reason is not None
 
 
-@dataclass
-class RequestOutput(PicklesAsTuple):
+class RequestOutput(msgspec.Struct, array_like=True, gc=False):
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    outputs: list[CompletionOutput] = field(default_factory=list)
+    outputs: list[CompletionOutput] = msgspec.field(default_factory=list)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int = 0
     finished: bool = False

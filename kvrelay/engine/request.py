@@ -5,6 +5,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from kvrelay.disagg.params import KVTransferParams
 from kvrelay.sampling_params import SamplingParams
 
@@ -27,8 +29,9 @@ class Status(enum.Enum):
         return self in (Status.FINISHED_STOPPED, Status.FINISHED_LENGTH, Status.FINISHED_ABORTED)
 
 
-@dataclass
-class Logprob:
+class Logprob(msgspec.Struct, array_like=True, gc=False):
+    """One token's log-probability and rank (crosses to the API process in outputs)."""
+
     token_id: int
     logprob: float
     rank: int

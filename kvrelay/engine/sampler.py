@@ -38,7 +38,7 @@ class SamplerOutput:
 
 
 @functools.cache
-def _argmax_op():
+def _argmax_op() -> torch._ops.OpOverload | None:
     """`kvrelay_kernels::argmax_rows`, resolved once; None without the native kernels."""
     return torch.ops.kvrelay_kernels.argmax_rows.default if kernels.kernels_available() else None
 

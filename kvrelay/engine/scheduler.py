@@ -30,100 +30,27 @@ max_model_len) is left out; one that N may end (EOS, stop ids, stop strings, a
 grammar) is planned anyway and its N+1 token dropped. Nothing in flight is preempted:
 a request without room waits for a plan made after its step has landed.
 
-Speculative decoding (`drafter`, kvrelay/spec_decode/): a running decode also gets the
-draft tokens the drafter proposes for it, as many as the budget, its max_tokens and
-max_model_len leave room for, and blocks for their slots (no preemption for drafts: without
-blocks it is a plain decode). Its chunk computes [last token, d1 … dK]; `update` keeps the
-accepted drafts as computed (their KV is right) and releases the blocks past the request's
-tokens. The slots of rejected drafts hold stale KV at positions >= num_computed_tokens,
-which attention never reads (it stops at the context length) and the next chunk there
-overwrites; prefix-cache hashes only ever cover computed, hence accepted, tokens.
-
-    positions   p    p+1  p+2  p+3      the chunk: start p, the last token t and 3 drafts
-    computes    t    d1   d2   d3       (the row at q predicts the token at q + 1)
-    drawn       d1   d2   x             d1, d2 accepted; x ≠ d3: the target's own token
-    after       t    d1   d2   x        computed through p+2; the next chunk starts at p+3
-                                        with x, over the stale K/V of d3
+Speculative decoding (`drafter`): a running decode also gets draft tokens
+(`engine/scheduler_output.py` draws a speculative chunk).
 """
 from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from kvrelay.engine.request import Request, Status
+from kvrelay.engine.scheduler_output import (
+    Drafter,
+    KVLoad,
+    ScheduledChunk,
+    SchedulerConfig,
+    SchedulerOutput,
+    chunk_order,
+)
+from kvrelay.engine.stop_rules import check_stop, draft_room, ends_with_next_token
 from kvrelay.kv_cache.manager import KVCacheManager
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_batched_tokens: int = 8192
-    max_num_seqs: int = 256
-    max_model_len: int = 8192
-    # False: a waiting prompt is split only when it could not fit whole in a step
-    chunked_prefill: bool = True
-
-    def __post_init__(self) -> None:
-        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-
-
-@dataclass
-class ScheduledChunk:
-    request: Request
-    start: int                  # first token position computed this step
-    num_tokens: int             # tokens computed this step
-    # async scheduling: a decode of the token the step in flight samples (not known yet)
-    pending: bool = False
-    # speculative decoding: draft tokens after the last known one, verified by this step
-    # (counted in num_tokens: the chunk computes 1 + len(drafts) positions)
-    drafts: list[int] = field(default_factory=list)
-
-    @property
-    def completes(self) -> bool:
-        """Whether this chunk reaches the last known token (so a token is sampled)."""
-        return self.pending or self.start + self.num_tokens - len(self.drafts) \
-            == self.request.num_tokens
-
-    @property
-    def is_decode(self) -> bool:
-        """One known token (and its drafts, if any): attended as decodes, one row each."""
-        return self.num_tokens - len(self.drafts) == 1
-
-
-# (request, most drafts it may get) -> draft tokens (kvrelay/spec_decode/ngram.py)
-Drafter = Callable[[Request, int], list[int]]
-
-
-def _chunk_order(chunk: ScheduledChunk) -> int:
-    """Decodes 0, chunks continuing a prefix 1, prompt chunks from position 0 2."""
-    return 0 if chunk.is_decode else 1 if chunk.start else 2
-
-
-@dataclass
-class KVLoad:
-    """Decode side: pull the prompt's KV for tokens [hit_tokens, prompt_len - 1)."""
-    request: Request
-    hit_tokens: int
-
-
-@dataclass
-class SchedulerOutput:
-    chunks: list[ScheduledChunk] = field(default_factory=list)
-    preempted: list[str] = field(default_factory=list)
-    loads: list[KVLoad] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.chunks
 
 
 class Scheduler:
@@ -203,7 +130,7 @@ class Scheduler:
             if prev is not None:
                 computed = prev.start + prev.num_tokens
                 if prev.completes:
-                    if self._ends_with_next_token(req):
+                    if ends_with_next_token(req, self.config.max_model_len):
                         continue                      # its token in flight is its last
                     tokens, pending = tokens + 1, True
             n = min(tokens - computed, budget)
@@ -223,34 +150,19 @@ class Scheduler:
         blocks; None otherwise (the caller schedules a plain chunk)."""
         if self.drafter is None or n != 1:
             return None
-        room = min(budget - 1, self._draft_room(req))
+        room = min(budget - 1, draft_room(req, self.config.max_model_len))
         drafts = self.drafter(req, room) if room > 0 else []
         start = req.num_computed_tokens
         if not drafts or not self.kv.allocate(req.request_id, start, start + 1 + len(drafts)):
             return None
         return ScheduledChunk(req, start, 1 + len(drafts), drafts=drafts)
 
-    def _draft_room(self, req: Request) -> int:
-        """Drafts worth verifying: all accepted plus the target's own token must fit in
-        max_tokens and max_model_len (a longer draft computes rows that cannot be kept)."""
-        p = req.params
-        room = self.config.max_model_len - req.num_tokens - 1
-        if p.max_tokens is not None:
-            room = min(room, p.max_tokens - len(req.output_token_ids) - 1)
-        return room
-
-    def _ends_with_next_token(self, req: Request) -> bool:
-        """Whether the token being sampled for `req` finishes it by length."""
-        p = req.params
-        return ((p.max_tokens is not None and len(req.output_token_ids) + 1 >= p.max_tokens)
-                or req.num_tokens + 1 >= self.config.max_model_len)
-
     @staticmethod
     def _ordered(out: SchedulerOutput) -> SchedulerOutput:
         # decodes (one new token) first: the runner attends them as one batch; then the
         # chunks that continue a prefix, then those from position 0, which attention
         # computes over their own keys when they close the step (layers/attention.py)
-        out.chunks.sort(key=_chunk_order)
+        out.chunks.sort(key=chunk_order)
         return out
 
     def _allocate_or_preempt(self, req: Request, n: int, out: SchedulerOutput) -> bool:
@@ -393,7 +305,7 @@ class Scheduler:
         status = None
         for token in tokens:
             req.append_token(token)
-            status = self._check_stop(req, token)
+            status = check_stop(req, token, self.config.max_model_len)
             if status is not None:
                 break
         del req.output_logprobs[len(req.output_token_ids):]
@@ -403,22 +315,6 @@ class Scheduler:
         if chunk.drafts and status is None:
             self.kv.shrink(req.request_id, req.num_tokens)   # the rejected drafts' blocks
         return status
-
-    def _check_stop(self, req: Request, token: int) -> Status | None:
-        p = req.params
-        num_out = len(req.output_token_ids)
-        if num_out >= p.min_tokens:
-            if token in (p.stop_token_ids or ()):
-                req.stop_reason = token
-                return Status.FINISHED_STOPPED
-            if not p.ignore_eos and token in req.eos_token_ids:
-                return Status.FINISHED_STOPPED
-        if req.grammar is not None and (req.grammar.terminated or req.grammar.failed):
-            return Status.FINISHED_STOPPED               # the grammar is complete (or broken)
-        if (p.max_tokens is not None and num_out >= p.max_tokens) \
-                or req.num_tokens >= self.config.max_model_len:
-            return Status.FINISHED_LENGTH
-        return None
 
     def finish_stopped(self, req: Request, stop_reason: str, keep: int | None = None) -> None:
         """Finish a request on a stop string (detected on detokenised text). `keep`: its

@@ -32,7 +32,7 @@ import torch
 from kvrelay.engine.request import Logprob, Request
 from kvrelay.engine.runner import StepInput
 from kvrelay.engine.sampler import Sampler, top_logprobs
-from kvrelay.engine.scheduler import ScheduledChunk, SchedulerOutput
+from kvrelay.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from kvrelay.kv_cache.manager import KVCacheManager
 from kvrelay.spec_decode.verify import verify
 

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import uuid
@@ -170,9 +171,8 @@ async def relay_completion(state: ProxyState, request: Request, path: str) -> Re
                      request_id, answer.backend.name, answer.seconds,
                      kv.get("remote_request_id"), kv.get("remote_host"), kv.get("remote_port"))
         payload = client_body.payload({"kv_transfer_params": kv})
-    response = await _decode(state, request, path, payload, bool(client_body.get("stream")),
-                             headers,
-                             prefilled, request_id, route)
+    decode = _DecodeCall(state, request, path, headers, prefilled, request_id)
+    response = await decode.run(payload, route, bool(client_body.get("stream")))
     if isinstance(response, RelayStream):
         return response              # counted when the stream ends (a client that leaves: 499)
     return _finish(state, path, response)
@@ -241,68 +241,93 @@ def _describe_choice(choice: Choice, key: PromptKey | None) -> str:
     return f"{first.name} ({choice.decision}{blocks}, load {first.in_flight})"
 
 
-async def _decode(state: ProxyState, request: Request, path: str,
-                  payload: Payload, stream: bool,
-                  headers: dict[str, str], prefilled: Prefilled | None, request_id: str,
-                  route: Route) -> Response:
-    def free() -> None:
-        if prefilled is not None:
-            state.spawn(send_free(state, prefilled, headers, request_id))
+@dataclass(frozen=True)
+class _DecodeCall:
+    """One request's decode leg, from opening it to its end. Its end settles the prefill's
+    hold: a decode that finished (it pulled the KV) lets the prefill server go; any other
+    end, or a leg that never opened, sends the prefill a free notice."""
 
-    try:
-        leg = await unless_disconnected(
-            request.receive,
-            open_decode(state, path, payload, headers, request_id, route.decode.order))
-    except ClientGone:
-        free()
-        return client_closed(request_id, "before decode answered")
-    except Exception as e:              # a proxy bug: the prefill still lets go (free notice)
-        free()
-        return _decode_failed(e, request_id, path)
-    except BaseException:               # cancelled: the same, then the cancellation goes on
-        free()
-        raise
-    if isinstance(leg, Response):
-        free()
+    state: ProxyState
+    request: Request
+    path: str
+    headers: dict[str, str]
+    prefilled: Prefilled | None
+    request_id: str
+
+    async def run(self, payload: Payload, route: Route, stream: bool) -> Response:
+        leg = await self._open(payload, route)
+        if isinstance(leg, Response):
+            return leg
+        if leg.response.is_success:
+            self.state.record(route.key, leg.backend)   # it holds the prompt now (pulled/computed)
+        if leg.response.is_success and stream:
+            return self._relay_stream(leg)
+        return await self._read_whole(leg)
+
+    async def _open(self, payload: Payload, route: Route) -> DecodeLeg | Response:
+        try:
+            leg = await unless_disconnected(
+                self.request.receive,
+                open_decode(self.state, self.path, payload, self.headers, self.request_id,
+                            route.decode.order))
+        except ClientGone:
+            self._free()
+            return client_closed(self.request_id, "before decode answered")
+        except Exception as e:              # a proxy bug: the prefill still lets go (free notice)
+            self._free()
+            return _decode_failed(e, self.request_id, self.path)
+        except BaseException:               # cancelled: the same, then the cancellation goes on
+            self._free()
+            raise
+        if isinstance(leg, Response):
+            self._free()
         return leg
-    if leg.response.is_success:
-        state.record(route.key, leg.backend)   # it holds the prompt now, pulled or computed
 
-    def end(outcome: str) -> None:
-        seconds = time.monotonic() - leg.started
-        state.release(leg.backend)
-        state.metrics.decode_latency.labels(leg.backend.name).observe(seconds)
-        logger.debug("request %s: decode on %s: %s after %.3fs", request_id, leg.backend.name,
-                     outcome, seconds)
-        if outcome != "done":
-            free()
-        elif prefilled is not None:          # the decode pulled its KV: the prefill is free
-            state.let_go(prefilled.backend)
-
-    def end_stream(outcome: str) -> None:
-        end(outcome)
-        if outcome == "disconnected":
-            client_closed(request_id, "mid-stream")
-        status = CLIENT_CLOSED if outcome == "disconnected" else leg.response.status_code
-        state.metrics.requests.labels(path, str(status)).inc()
-
-    if leg.response.is_success and stream:
-        if path != responses.PATH:
-            return RelayStream(leg, request_id, end_stream)
+    def _relay_stream(self, leg: DecodeLeg) -> RelayStream:
+        """Counted in `requests` when the stream ends; a Responses stream's id is remembered
+        as stored on this decode server."""
+        if self.path != responses.PATH:
+            return RelayStream(leg, self.request_id, functools.partial(self._end_stream, leg))
         sniffer = responses.StreamSniffer()
 
         def end_responses_stream(outcome: str) -> None:
             if outcome == "done" and sniffer.response_id:
-                state.homes.remember(sniffer.response_id, leg.backend)
-            end_stream(outcome)
+                self.state.homes.remember(sniffer.response_id, leg.backend)
+            self._end_stream(leg, outcome)
 
-        return RelayStream(leg, request_id, end_responses_stream, sniffer)
-    response = await decode_whole(request, leg, request_id, end)
-    if path == responses.PATH and response.status_code == 200:
-        response_id = responses.id_from_json(bytes(response.body))
-        if response_id:
-            state.homes.remember(response_id, leg.backend)
-    return response
+        return RelayStream(leg, self.request_id, end_responses_stream, sniffer)
+
+    async def _read_whole(self, leg: DecodeLeg) -> Response:
+        response = await decode_whole(self.request, leg, self.request_id,
+                                      functools.partial(self._end, leg))
+        if self.path == responses.PATH and response.status_code == 200:
+            response_id = responses.id_from_json(bytes(response.body))
+            if response_id:
+                self.state.homes.remember(response_id, leg.backend)
+        return response
+
+    def _end(self, leg: DecodeLeg, outcome: str) -> None:
+        seconds = time.monotonic() - leg.started
+        self.state.release(leg.backend)
+        self.state.metrics.decode_latency.labels(leg.backend.name).observe(seconds)
+        logger.debug("request %s: decode on %s: %s after %.3fs", self.request_id,
+                     leg.backend.name, outcome, seconds)
+        if outcome != "done":
+            self._free()
+        elif self.prefilled is not None:     # the decode pulled its KV: the prefill is free
+            self.state.let_go(self.prefilled.backend)
+
+    def _end_stream(self, leg: DecodeLeg, outcome: str) -> None:
+        self._end(leg, outcome)
+        if outcome == "disconnected":
+            client_closed(self.request_id, "mid-stream")
+        status = CLIENT_CLOSED if outcome == "disconnected" else leg.response.status_code
+        self.state.metrics.requests.labels(self.path, str(status)).inc()
+
+    def _free(self) -> None:
+        if self.prefilled is not None:
+            self.state.spawn(send_free(self.state, self.prefilled, self.headers,
+                                       self.request_id))
 
 
 def _decode_failed(e: Exception, request_id: str, path: str) -> Response:

@@ -36,7 +36,7 @@ from kvrelay.cli_flags import HelpFormatter
 from kvrelay.malloc import one_arena, return_large_buffers_to_the_os
 from kvrelay.proxy import policy
 from kvrelay.proxy.backend_set import BackendsFile, BackendsFileError
-from kvrelay.proxy.kv_events import EventSource, KVEventsRouting, tcp_endpoint
+from kvrelay.proxy.kv_events_feed import EventSource, KVEventsRouting, tcp_endpoint
 from kvrelay.proxy.policy import DisaggPolicy, RoutingSettings
 from kvrelay.proxy.routing import EndpointError, expand_endpoints
 

@@ -43,7 +43,7 @@ from kvrelay.proxy.prefix import (
 from kvrelay.proxy.routing import Backend
 
 if TYPE_CHECKING:
-    from kvrelay.proxy.kv_events import KVEventsRouting
+    from kvrelay.proxy.kv_events_feed import KVEventsRouting
 
 ROUTING_POLICIES = ("cache_aware", "round_robin", "least_loaded")
 DISAGG_POLICIES = ("always", "auto", "never")

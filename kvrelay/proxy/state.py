@@ -35,14 +35,14 @@ from kvrelay import http_auth
 from kvrelay.proxy import responses, scrape
 from kvrelay.proxy.answers import describe, error_response
 from kvrelay.proxy.backend_set import BackendsFile, BackendSpec, diff
-from kvrelay.proxy.kv_events import EventSource, tcp_endpoint
+from kvrelay.proxy.kv_events_feed import EventSource, tcp_endpoint
 from kvrelay.proxy.metrics import ProxyMetrics
 from kvrelay.proxy.policy import Choice, Router, RoutingSettings, hit_correction
 from kvrelay.proxy.prefix import Hasher, PromptKey
 from kvrelay.proxy.routing import Backend
 
 if TYPE_CHECKING:
-    from kvrelay.proxy.kv_events import KVEventsFeed
+    from kvrelay.proxy.kv_events_feed import KVEventsFeed
 
 logger = logging.getLogger("kvrelay.proxy")
 

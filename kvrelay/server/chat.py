@@ -140,7 +140,7 @@ def make_chat_renderer(tokenizer: CheckpointTokenizer | None,
 
 def _check_calls(calls: Any) -> None:
     """An assistant message's earlier `tool_calls`, shaped as OpenAI's (the harmony renderer
-    checks the same in kvrelay/harmony.py): a 400 naming the entry, never a 500."""
+    checks the same in kvrelay/harmony/render.py): a 400 naming the entry, never a 500."""
     if calls is None:
         return
     if not isinstance(calls, list):

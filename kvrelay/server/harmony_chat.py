@@ -10,6 +10,7 @@ its first call when the request says `parallel_tool_calls: false`.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, Literal
@@ -45,16 +46,21 @@ def is_function_call(delta: harmony.Delta) -> bool:
     return delta.call_name is not None
 
 
-DeltaKind = Literal["reasoning", "call", "content"]
+DeltaKind = Literal["reasoning", "call", "builtin", "content"]
 
 
 def delta_kind(delta: harmony.Delta, tools: ToolSpec) -> DeltaKind:
     """Where a delta's text goes: a call of a client function (when the request's calls are
-    returned) → the call's arguments; the analysis channel → reasoning; anything else
-    (final, preambles, other channels, built-in tools' calls, calls under tool_choice none,
-    malformed output) → content, so no text the model wrote is lost."""
+    returned) → the call's arguments; a call of a built-in tool the request enabled
+    (`tools.builtin`: browser, python) → that call's arguments (`builtin`); the analysis
+    channel → reasoning; anything else (final, preambles, other channels, built-in tools'
+    calls not enabled, calls under tool_choice none, malformed output) → content, so no text
+    the model wrote is lost."""
     if tools.parse_calls and is_function_call(delta):
         return "call"
+    builtin = delta.builtin_call
+    if builtin is not None and builtin.split(".")[0] in tools.builtin:
+        return "builtin"
     if delta.channel == "analysis":
         return "reasoning"
     return "content"
@@ -86,6 +92,8 @@ class _HarmonyStream:
             if kind == "call":
                 out.append(self._call_delta(d))
                 continue
+            if kind == "builtin":       # chat runs no built-in tools: their calls are text
+                kind = "content"
             self._texts[kind].append(d.text)
             if kind == "reasoning":
                 out.append({"reasoning": d.text, "reasoning_content": d.text})
@@ -201,10 +209,12 @@ async def one_call_per_turn(gen: AsyncIterator[RequestOutput]
 
 
 def render_harmony(body: ChatCompletionRequest, tools: ToolSpec) -> list[int]:
-    """The harmony prompt of a chat request; ValueError on bad messages."""
+    """The harmony prompt of a chat request (with `tools.builtin`'s built-in tools in the
+    system message); ValueError on bad messages."""
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
     return harmony.render_chat(messages, body.reasoning_effort,
-                               [t.as_chat_tool() for t in tools.offered] or None)
+                               [t.as_chat_tool() for t in tools.offered] or None,
+                               builtin=tools.builtin)
 
 
 def _texts(body: ChatCompletionRequest) -> list[str]:
@@ -235,8 +245,13 @@ class HarmonyChat:
         self.facts = facts if facts is not None else tokenizer_facts(tokenizer)
         harmony.get_encoding()                      # fail at startup, not on the first request
 
-    def render(self, body: ChatCompletionRequest, limit: int = 0) -> Rendered:
+    def render(self, body: ChatCompletionRequest, limit: int = 0,
+               builtin: frozenset[str] = frozenset()) -> Rendered:
+        """`builtin`: gpt-oss's built-in tools (browser, python) the system message
+        describes (the Responses API's MCP tool servers; chat has none)."""
         tools = request_tools(body)
+        if builtin:
+            tools = dataclasses.replace(tools, builtin=builtin)
         self._check(body, limit)
         try:
             ids = render_harmony(body, tools)

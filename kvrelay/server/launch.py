@@ -11,11 +11,13 @@ import asyncio
 import contextlib
 import json
 import logging
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import uvicorn
+from fastapi import FastAPI
 
 from kvrelay import envs
 from kvrelay.config import EngineConfig
@@ -55,15 +57,11 @@ class _DrainingServer(uvicorn.Server):
     """uvicorn re-raises SIGINT/SIGTERM after its graceful shutdown, which would end the
     process "killed by signal"; a drained shutdown is a clean exit, so we swallow them."""
 
-    def capture_signals(self):
-        manager = super().capture_signals()
-
-        @contextlib.contextmanager
-        def without_reraise():
-            with manager:
-                yield
-                self._captured_signals.clear()
-        return without_reraise()
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        with super().capture_signals():
+            yield
+            self._captured_signals.clear()
 
 
 def sampling_defaults(model_dir: Path) -> dict[str, Any]:
@@ -132,7 +130,7 @@ def serve(config: EngineConfig, host: str, port: int, api_key: str | None,
     outcome = {"rc": 0}
 
     @contextlib.asynccontextmanager
-    async def lifespan(_app):
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         engine.start()
         tasks = [asyncio.create_task(_await_ready(engine, state, server, outcome)),
                  asyncio.create_task(_watchdog(engine, server, outcome))]

@@ -7,7 +7,7 @@
     the run, a task on the event loop:
       first output from the engine   → stored `in_progress`
       the engine finished            → stored `completed` / `incomplete` (as a foreground
-                                       response: responses._finish)
+                                       response: responses.finish_response)
       the engine failed              → stored `failed` (`error`, the output so far)
       POST /v1/responses/{id}/cancel → the task is cancelled, which closes the engine request
                                        (abort: its KV blocks are freed) → stored `cancelled`
@@ -36,19 +36,12 @@ from typing import Any
 from kvrelay.engine.outputs import RequestOutput
 from kvrelay.server import serving
 from kvrelay.server.harmony_chat import HarmonyChat
+from kvrelay.server.mcp.loop import McpLoop
 from kvrelay.server.protocol import OpenAIError
+from kvrelay.server.response_output import Decoder, OutputBuilder
+from kvrelay.server.response_request import Prepared, ResponsesRequest, output_messages
 from kvrelay.server.response_store import ResponseStore, StoredResponse
-from kvrelay.server.responses import (
-    ResponsesRequest,
-    _Decoder,
-    _event,
-    _finish,
-    _OutputBuilder,
-    _Prepared,
-    _response,
-    _usage,
-    output_messages,
-)
+from kvrelay.server.responses import finish_response, response_object, response_usage, sse_event
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +83,7 @@ class EventLog:
         return self.first + len(self.events)
 
     def append(self, payload: dict[str, Any]) -> None:
-        text = _event(self.next, payload)
+        text = sse_event(self.next, payload)
         self.events.append(text)
         self.bytes += len(text)
         while self.bytes > self.max_bytes and len(self.events) > 1:
@@ -121,7 +114,7 @@ class EventLog:
             wake = self._wake
             while seq < self.next:
                 if seq < self.first:           # this reader fell behind the bound
-                    yield _event(seq, {"type": "error", "code": "events_dropped", "param": None,
+                    yield sse_event(seq, {"type": "error", "code": "events_dropped", "param": None,
                                        "message": f"the events up to {self.first - 1} are no "
                                                   "longer kept; GET the response instead"})
                     return
@@ -135,7 +128,7 @@ class EventLog:
 @dataclass
 class _Run:
     """One background response while it runs."""
-    prepared: _Prepared
+    prepared: Prepared
     log: EventLog | None                # streamed: its events
     timing: serving._Timing             # TTFT / ITL / e2e into the metrics
     task: asyncio.Task | None = None
@@ -191,11 +184,13 @@ class BackgroundResponses:
     def __len__(self) -> int:
         return len(self._runs)
 
-    def start(self, p: _Prepared, generate: Callable[[], AsyncIterator[RequestOutput]]
+    def start(self, p: Prepared, generate: Callable[[], AsyncIterator[RequestOutput] | None]
               ) -> dict[str, Any]:
         """Store `p` as queued, then start it in the engine (`generate()`: a full queue is
-        a 503 now, and nothing stays stored) and in a task; the queued response."""
-        queued = _response(p, "queued", [], None, True)
+        a 503 now, and nothing stays stored) and in a task; the queued response. A request
+        with MCP tools (`p.mcp`) runs the tool loop (kvrelay/server/mcp/loop.py) in the task;
+        its `generate()` is None when the loop makes its first engine request itself."""
+        queued = response_object(p, "queued", [], None, True)
         if not self.store.put(StoredResponse(queued, p.messages, p.owner)):
             raise OpenAIError("the request is larger than the responses store keeps, so it "
                               "cannot run in the background", param="background")
@@ -209,7 +204,8 @@ class BackgroundResponses:
         run.emit([{"type": "response.created", "response": queued},
                   {"type": "response.queued", "response": queued}])
         self._runs[p.response_id] = run
-        run.task = asyncio.get_running_loop().create_task(self._drive(run, gen),
+        drive = self._drive(run, gen) if p.mcp is None else self._drive_loop(run, gen)
+        run.task = asyncio.get_running_loop().create_task(drive,
                                                           name=f"background {p.response_id}")
         return queued
 
@@ -243,15 +239,16 @@ class BackgroundResponses:
 
     # -- the run
 
-    async def _drive(self, run: _Run, gen: AsyncIterator[RequestOutput]) -> None:
+    async def _drive(self, run: _Run, gen: AsyncIterator[RequestOutput] | None) -> None:
+        assert gen is not None          # only the MCP loop starts without one
         run.running = True
         p = run.prepared
-        decoder = _Decoder(isinstance(self.state.chat, HarmonyChat), _OutputBuilder(p.tools))
+        decoder = Decoder(isinstance(self.state.chat, HarmonyChat), OutputBuilder(p.tools))
         try:
             if run.cancel_requested:            # cancelled before the task began
                 raise asyncio.CancelledError
             final = await self._generate(run, gen, decoder)
-            response = _finish(self.state, self.store, p, decoder, final)
+            response = finish_response(self.state, self.store, p, decoder, final)
             if response["store"] is False:      # too large to keep: say so where it is polled
                 self._keep(p, {**response, "output": [], "status": "failed", "error": NOT_KEPT},
                            p.messages)
@@ -274,8 +271,46 @@ class BackgroundResponses:
         finally:
             self._ended(run)
 
+    async def _drive_loop(self, run: _Run, gen: AsyncIterator[RequestOutput] | None) -> None:
+        """A background response with MCP tools: the tool loop in this task, its events
+        into the log. Cancelled mid-loop — generating, or while a call is in flight (the MCP
+        session is closed, the call abandoned) — it is stored `cancelled` with the items so
+        far, those not finished `incomplete`."""
+        run.running = True
+        p = run.prepared
+        loop = McpLoop(self.state, self.store, p)
+        try:
+            if run.cancel_requested:            # cancelled before the task began
+                raise asyncio.CancelledError
+            async for event in loop.run(gen):
+                if not run.started:
+                    self._started(run)
+                run.emit([event])
+            response, messages = loop.finish(True)
+            self._keep(p, response, messages)
+            kind = "completed" if response["status"] == "completed" else "incomplete"
+            run.emit([{"type": f"response.{kind}", "response": response}])
+        except asyncio.CancelledError:
+            error = None if run.cancel_requested else {
+                "code": "server_error", "message": "the server stopped before this background "
+                                                   "response finished"}
+            run.emit(loop.stop())
+            self._keep(p, *loop.finish(True, "cancelled" if run.cancel_requested else "failed",
+                                       error))
+            raise
+        except Exception as e:                  # the engine's errors, a later round's 503
+            if not isinstance(e, (OpenAIError, RuntimeError)):
+                logger.error("background response %s failed", p.response_id, exc_info=e)
+            run.emit(loop.stop())
+            response, messages = loop.finish(True, "failed", {
+                "code": "server_error", "message": str(e) or type(e).__name__})
+            self._keep(p, response, messages)
+            run.emit([{"type": "response.failed", "response": response}])
+        finally:
+            self._ended(run)
+
     async def _generate(self, run: _Run, gen: AsyncIterator[RequestOutput],
-                        decoder: _Decoder) -> RequestOutput:
+                        decoder: Decoder) -> RequestOutput:
         """The engine's outputs into the decoder (and the log) until the final one."""
         p = run.prepared
         final = None
@@ -299,11 +334,11 @@ class BackgroundResponses:
         """The first output: the response is in progress."""
         run.started = True
         p = run.prepared
-        response = _response(p, "in_progress", [], None, True)
+        response = response_object(p, "in_progress", [], None, True)
         self._keep(p, response, p.messages)
         run.emit([{"type": "response.in_progress", "response": response}])
 
-    def _stop(self, run: _Run, decoder: _Decoder, status: str,
+    def _stop(self, run: _Run, decoder: Decoder, status: str,
               error: dict[str, Any] | None) -> dict[str, Any]:
         """A run that ends before the engine finished: its items closed as incomplete, the
         response stored with the output and usage so far."""
@@ -311,12 +346,12 @@ class BackgroundResponses:
         decoder.close()
         output = decoder.builder.finish(True)
         run.emit(decoder.builder.take_events())
-        usage = _usage(p, run.tokens, decoder.reasoning_tokens, run.cached)
-        response = {**_response(p, status, output, usage, True), "error": error}
+        usage = response_usage(p, run.tokens, decoder.reasoning_tokens, run.cached)
+        response = {**response_object(p, status, output, usage, True), "error": error}
         self._keep(p, response, p.messages + output_messages(output))
         return response
 
-    def _keep(self, p: _Prepared, response: dict[str, Any],
+    def _keep(self, p: Prepared, response: dict[str, Any],
               messages: list[dict[str, Any]]) -> None:
         if not self.store.put(StoredResponse(response, messages, p.owner)):
             self.store.put(StoredResponse({**response, "output": [], "status": "failed",

@@ -50,6 +50,9 @@ class AgentOptions:
     tool_servers: tuple[ToolServer, ...] = ()
     tool_server_timeout_s: float = 30.0
     tool_server_max_calls: int = 16
+    # bytes of one MCP tool result fed back to the model (longer: cut, the cut said in the
+    # text); an answer far larger than that is not read at all (mcp/client.py)
+    tool_server_max_output_bytes: int = 64 << 10
 
     def __post_init__(self) -> None:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
@@ -75,6 +78,9 @@ class AgentOptions:
         if self.tool_server_max_calls < 1:
             raise ValueError(f"--tool-server-max-calls: expected >= 1, got "
                              f"{self.tool_server_max_calls}")
+        if self.tool_server_max_output_bytes < 256:
+            raise ValueError(f"--tool-server-max-output-bytes: expected >= 256, got "
+                             f"{self.tool_server_max_output_bytes}")
 
     @property
     def auto_tools(self) -> bool:
@@ -121,10 +127,13 @@ class ToolChoice:
 @dataclass(frozen=True)
 class ToolSpec:
     """A request's tools with its choice; `offered` are the tools the prompt shows.
-    `parallel`: `parallel_tool_calls` (default true); false → at most one call an answer."""
+    `parallel`: `parallel_tool_calls` (default true); false → at most one call an answer.
+    `builtin`: gpt-oss's built-in tools (`browser`, `python`) the prompt describes and whose
+    calls the server runs (Responses with MCP tool servers: kvrelay/server/mcp/)."""
     tools: tuple[FunctionTool, ...] = ()
     choice: ToolChoice = field(default_factory=ToolChoice)
     parallel: bool = True
+    builtin: frozenset[str] = frozenset()
 
     def limit(self, calls: list[ToolCallOut]) -> list[ToolCallOut]:
         """`calls` as the answer may hold them: the first only under parallel_tool_calls

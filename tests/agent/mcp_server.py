@@ -1,6 +1,10 @@
-"""A small MCP server for the MCP tests, written with the `mcp` SDK (MCPServer, FastMCP's name
-in mcp 2): `add(a, b)`, `echo(text)`, `slow(seconds)` (answers after sleeping) and
-`fail(text)` (always raises), over streamable HTTP on 127.0.0.1.
+"""Small MCP servers for the MCP tests, written with the `mcp` SDK (MCPServer, FastMCP's name
+in mcp 2), over streamable HTTP on 127.0.0.1:
+- `build()` ("calc"): `add(a, b)`, `echo(text)`, `slow(seconds)` (answers after sleeping)
+  and `fail(text)` (always raises);
+- `build_builtin()` ("builtin"): gpt-oss's browser as `search(query, topn)`, `open(id)`,
+  `find(pattern)` (canned pages; `search("flood:N")` answers N bytes, a hostile server),
+  and `python(code)` (evaluates one expression: no sandbox, tests only; "sleep:S" sleeps).
 
 - `McpThread(port)`: served by uvicorn in a thread of the test process (the in-process
   tests, which start no process);
@@ -17,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import uvicorn
@@ -52,6 +57,37 @@ def build(name: str = "calc") -> MCPServer:
     return mcp
 
 
+def build_builtin() -> MCPServer:
+    mcp: MCPServer = MCPServer("builtin", log_level="WARNING")
+
+    @mcp.tool()
+    def search(query: str, topn: int = 10) -> str:
+        """Search the web."""
+        if query.startswith("flood:"):
+            return "x" * int(query[6:])
+        return f"[0] Result for {query}: the sky is blue (https://example.com/sky)"
+
+    @mcp.tool()
+    def open(id: int | str = -1, cursor: int = -1) -> str:
+        """Open a page."""
+        return f"page {id}: the sky is blue because of Rayleigh scattering"
+
+    @mcp.tool()
+    def find(pattern: str, cursor: int = -1) -> str:
+        """Find a pattern on the page."""
+        return f"found {pattern!r} at L3"
+
+    @mcp.tool()
+    async def python(code: str) -> str:
+        """Run Python code."""
+        if code.startswith("sleep:"):
+            await asyncio.sleep(float(code[6:]))
+            return "slept"
+        return repr(eval(code, {"__builtins__": {}}))
+
+    return mcp
+
+
 def _wait_listening(port: int, alive, timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -67,10 +103,10 @@ def _wait_listening(port: int, alive, timeout: float = 30) -> None:
 class McpThread:
     """The test server in a thread (uvicorn, lifespan on: it starts the session manager)."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, make: Callable[[], MCPServer] = build) -> None:
         self.port = port
         self.url = f"http://127.0.0.1:{port}/mcp"
-        app = build().streamable_http_app()
+        app = make().streamable_http_app()
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
                                                     log_level="warning", lifespan="on"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)

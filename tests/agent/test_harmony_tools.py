@@ -24,7 +24,8 @@ from kvrelay.harmony import get_encoding
 from kvrelay.server.chat import finish_reason
 from kvrelay.server.harmony_chat import HarmonyChat
 from kvrelay.server.protocol import ChatCompletionRequest, OpenAIError
-from kvrelay.server.responses import _Decoder, _OutputBuilder, input_messages
+from kvrelay.server.response_output import Decoder, OutputBuilder
+from kvrelay.server.response_request import input_messages
 from kvrelay.server.tools import tool_spec
 from tests.harmony_factories import scripted_harmony_answer, scripted_tool_call
 
@@ -170,7 +171,8 @@ def test_responses_items_render_like_the_equal_chat(enc, chat):
 
 
 @pytest.mark.parametrize("items, match", [
-    ([{"type": "web_search_call", "id": "x"}], r"input\[0\]: unsupported input item type"),
+    ([{"type": "file_search_call", "id": "x"}], r"input\[0\]: unsupported input item type"),
+    ([{"type": "builtin_call", "id": "x"}], r"input\[0\]: unsupported input item type"),
     ([{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}],
      r"input\[0\]\.content\[0\]: unsupported content part type 'input_image'"),
     ([{"role": "robot", "content": "x"}], r"input\[0\]\.role"),
@@ -266,7 +268,7 @@ def test_plain_answer_has_no_tool_calls(chat):
 def test_scripted_calls_become_response_items_and_events(enc, name):
     from openai.types.responses import ResponseOutputItem, ResponseStreamEvent
     tokens, calls, reasoning, _ = _scripts(enc)[name]
-    decoder = _Decoder(True, _OutputBuilder(tool_spec(TOOLS, None)))
+    decoder = Decoder(True, OutputBuilder(tool_spec(TOOLS, None)))
     events = []
     for t in tokens:
         decoder.feed([t], "")

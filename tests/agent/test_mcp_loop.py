@@ -2,7 +2,8 @@
 (tests/agent/fakes.py) and a real MCP server (tests/agent/mcp_server.py, in a thread): the
 full loop (list → the model calls add → mcp_call with its output → the model answers with
 it), streamed and not, the allowlist's 400s, a timeout, the MCP server's errors, a server
-that is down, the bound on calls, and a forced call (tool_choice type mcp)."""
+that is down, the bound on calls, and a forced call (tool_choice type mcp). Approvals,
+background runs, the output cap and the built-in tools: test_mcp_more.py."""
 from __future__ import annotations
 
 import json
@@ -127,19 +128,14 @@ def test_the_allowlist(mcp_url):
         err = error({**CALC, "server_url": url})
         assert err["param"] == "tools[0].server_url" and "--tool-server" in err["message"]
     assert "labelled 'other'" in error({**CALC, "server_label": "other"})["message"]
-    for approval in (None, "always", {"always": {"tool_names": ["add"]}}):
-        tool = {k: v for k, v in CALC.items() if k != "require_approval"}
-        if approval is not None:
-            tool["require_approval"] = approval
-        assert error(tool)["param"] == "tools[0].require_approval"
+    for approval in ("sometimes", {"always": 5}, {"later": {}}):
+        err = error({**CALC, "require_approval": approval})
+        assert err["param"].startswith("tools[0].require_approval")
     assert "connector" in error({**CALC, "connector_id": "connector_gmail"})["message"]
     # the same name from an MCP server and the request's functions
     r = http.post("/v1/responses", json={"model": MODEL, "input": "x", "tools": [
         CALC, {"type": "function", "name": "add", "parameters": {"type": "object"}}]})
     assert r.status_code == 400 and "'add'" in r.json()["error"]["message"]
-    r = http.post("/v1/responses", json={"model": MODEL, "input": "x", "tools": [CALC],
-                                         "background": True})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "background"
     # a server without --tool-server refuses every MCP entry
     _, bare = openai_client(make_state(_model("add", "{}"), True, AgentOptions()))
     r = bare.post("/v1/responses", json={"model": MODEL, "input": "x", "tools": [CALC]})

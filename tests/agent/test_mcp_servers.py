@@ -50,11 +50,20 @@ def test_entries_resolve_to_allowed_servers_only():
     read_only = resolve({**base, "server_label": "calc", "allowed_tools": {"read_only": True}},
                         "tools[0]", ALLOWED)
     assert read_only.allows("get", {"readOnlyHint": True}) and not read_only.allows("set", {})
+    # require_approval: "always" when left out (OpenAI's default), per tool with filters
+    asks = resolve({k: v for k, v in base.items() if k != "require_approval"}
+                   | {"server_label": "calc"}, "tools[0]", ALLOWED)
+    assert asks.asks("add", None) and not by_label.asks("add", None)
+    mixed = resolve({**base, "server_label": "calc", "require_approval": {
+        "always": {"tool_names": ["rm"]}, "never": {"read_only": True}}}, "tools[0]", ALLOWED)
+    assert mixed.asks("rm", {"readOnlyHint": True}) and mixed.asks("set", {})
+    assert not mixed.asks("get", {"readOnlyHint": True})
     for entry in ({**base, "server_url": "http://10.0.0.5:9000/other"},
                   {**base, "server_url": "http://10.0.0.6:9000/tools"},
                   {**base},                                          # no URL, no such label
                   {**base, "server_label": "a.b"},
-                  {**base, "server_label": "calc", "require_approval": "always"},
+                  {**base, "server_label": "calc", "require_approval": "sometimes"},
+                  {**base, "server_label": "calc", "require_approval": {"always": "add"}},
                   {**base, "server_label": "calc", "allowed_tools": "add"},
                   {**base, "server_label": "calc", "headers": {"X": 1}}):
         with pytest.raises(OpenAIError) as e:
@@ -62,3 +71,18 @@ def test_entries_resolve_to_allowed_servers_only():
         assert e.value.status == 400 and e.value.param.startswith("tools[0]")
     with pytest.raises(OpenAIError, match="--tool-server"):
         resolve({**base, "server_url": "http://127.0.0.1:8001/mcp"}, "tools[0]", ())
+
+
+def test_the_output_cap_flag_and_variable(monkeypatch):
+    from kvrelay.cli import agent_options, build_parser
+    monkeypatch.delenv("KVRELAY_TOOL_SERVER_MAX_OUTPUT_BYTES", raising=False)
+
+    def cap(*flags: str) -> int:
+        return agent_options(build_parser().parse_args(["serve", *flags])) \
+            .tool_server_max_output_bytes
+    assert cap() == 64 << 10
+    assert cap("--tool-server-max-output-bytes", "4096") == 4096
+    monkeypatch.setenv("KVRELAY_TOOL_SERVER_MAX_OUTPUT_BYTES", "8192")
+    assert cap() == 8192 and cap("--tool-server-max-output-bytes", "4096") == 4096
+    with pytest.raises(ValueError, match="--tool-server-max-output-bytes"):
+        cap("--tool-server-max-output-bytes", "10")

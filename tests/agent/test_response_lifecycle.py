@@ -1,4 +1,4 @@
-"""The Responses API's lifecycle in-process (server/response_routes.py,
+"""The Responses API's lifecycle in-process (server/routes/responses.py,
 response_background.py), over the real app with a scripted engine that can be held, failed
 and watched for aborts, driven through the openai client where it has the call: background
 responses polled (queued → in_progress → completed), cancelled mid-way (the engine request
@@ -24,8 +24,8 @@ from kvrelay.harmony import get_encoding
 from kvrelay.server import response_background
 from kvrelay.server.api import build_app
 from kvrelay.server.response_background import BackgroundResponses, EventLog
+from kvrelay.server.response_request import ResponsesRequest, prepare
 from kvrelay.server.response_store import MemoryResponseStore, StoreLimits
-from kvrelay.server.responses import ResponsesRequest, _prepare
 from kvrelay.server.tools import AgentOptions
 from tests.agent.fakes import MODEL, ScriptedEngine, make_state
 from tests.agent.test_agent_api import _decode
@@ -179,7 +179,7 @@ def test_a_cancel_before_the_run_begins_never_reaches_the_engine():
     state = make_state(engine, True)
     store = MemoryResponseStore(StoreLimits())
     background = BackgroundResponses(state, store)
-    p = _prepare(state, store, ResponsesRequest(model=MODEL, input="Hi", background=True), "")
+    p = prepare(state, store, ResponsesRequest(model=MODEL, input="Hi", background=True), "")
 
     async def run() -> None:
         background.start(p, lambda: engine.generate(p.response_id, p.rendered.prompt_ids,

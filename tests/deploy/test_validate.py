@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from kvrelay.deploy.validate import (
+from kvrelay.deploy.validate import ValidateOptions, main, run_checks
+from kvrelay.deploy.validate_answers import (
     EMBEDDED_DIR_STEM,
     EMBEDDED_MODEL_NAME,
     TUTORIAL_PROMPT,
-    ValidateOptions,
     implausible,
-    main,
-    run_checks,
 )
 from tests.deploy.fakes import FakeServer, Script
 
@@ -229,7 +227,7 @@ def test_expect_names_the_word_for_any_model(fake, capsys):
 def test_the_embedded_models_directory_is_recognised_under_any_served_name(tmp_path):
     """The directory `kvrelay serve` builds the embedded model into (its `root`) names the
     model, whatever --served-model-name says; another directory does not."""
-    from kvrelay.deploy.validate import known_model
+    from kvrelay.deploy.validate_answers import known_model
     from kvrelay.model import embedded
     root = str(tmp_path / embedded.CACHE_SUBDIR)
     assert known_model([{"id": "openai/gpt-oss-120b", "root": root}],

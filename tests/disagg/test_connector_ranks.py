@@ -99,10 +99,10 @@ def test_load_waits_for_every_rank_and_prefill_for_every_notice(pair):
     # rank 0's notice reached the prefill; the second decode rank's is still missing
     deadline = time.monotonic() + 5
     done = []
-    while not prefill.notices and time.monotonic() < deadline:
+    while not prefill.held.notices and time.monotonic() < deadline:
         done += prefill.read_done()
         time.sleep(0.01)
-    assert done == [] and prefill.notices["r1"] == 1
+    assert done == [] and prefill.held.notices["r1"] == 1
     # the other decode rank read from the same prefill rank: its notice arrives there too
     prefill.transport._notifs.append(f"r1:2:{p.remote_capability}".encode())
     assert prefill.read_done() == ["r1"]

@@ -379,7 +379,7 @@ def test_forged_release_and_notice_free_nothing(pair):
         b"A",
         b"A:1:" + a.remote_capability.encode()[:-1],
     ]
-    assert prefill.read_done() == [] and "A" in prefill.grants
+    assert prefill.read_done() == [] and "A" in prefill.held.grants
     call(prefill, {"type": "release", "request_id": "A", "capability": a.remote_capability})
     assert prefill.read_done() == ["A"]
 
@@ -412,12 +412,12 @@ def test_holds_are_bounded_by_the_hold_share(pair):
     issued(prefill, "A", [1, 2, 3])
     with pytest.raises(HoldRefused, match="hold_share"):
         issued(prefill, "B", [4, 5, 6])
-    assert "B" not in prefill.grants and len(prefill.held_blocks) == 3 <= limit
+    assert "B" not in prefill.held.grants and len(prefill.held.blocks) == 3 <= limit
     issued(prefill, "C", [2, 3, 4])  # shared prefix blocks count once
-    assert len(prefill.held_blocks) == 4
+    assert len(prefill.held.blocks) == 4
     prefill.released("A")
     prefill.released("C")
-    assert len(prefill.held_blocks) == 0
+    assert len(prefill.held.blocks) == 0
     issued(prefill, "B", [4, 5, 6])
 
 

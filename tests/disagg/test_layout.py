@@ -8,7 +8,8 @@ import time
 import pytest
 import torch
 
-from kvrelay.disagg.connector import notify_message, pairing_hash, parse_notify
+from kvrelay.disagg.capability import notify_message, parse_notify
+from kvrelay.disagg.handshake import pairing_hash
 from kvrelay.disagg.layout import (
     HeadRange,
     HeadSlice,

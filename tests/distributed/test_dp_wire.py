@@ -1,25 +1,28 @@
-"""The head ⇄ headless wire format: JSON frames that round-trip every engine message,
-and the hello checks that name what differs."""
+"""The head ⇄ headless wire format: msgpack frames (engine/codec.py) that round-trip every
+engine message, and the hello checks that name what differs."""
 from __future__ import annotations
 
 import asyncio
 import socket
 import threading
-from dataclasses import asdict
 
+import msgspec
 import pytest
 
 from kvrelay.engine.client import EngineDeadError
-from kvrelay.engine.dp_remote import (
+from kvrelay.engine.codec import CodecError
+from kvrelay.engine.dp_link import (
     VERSION,
-    FrameError,
-    RemoteReplica,
     check_hello,
     decode,
     encode,
+    from_node,
+    handshake,
     recv_frame,
     send_frame,
+    to_node,
 )
+from kvrelay.engine.dp_remote import RemoteReplica
 from kvrelay.engine.messages import (
     AbortRequests,
     AddRequest,
@@ -41,6 +44,7 @@ from kvrelay.engine.messages import (
 )
 from kvrelay.engine.outputs import CompletionOutput, RequestOutput
 from kvrelay.engine.request import Logprob
+from kvrelay.framing import FrameError
 from kvrelay.sampling_params import SamplingParams
 
 LAYOUT = Layout(data_parallel_size=4, tensor_parallel_size=2, enable_expert_parallel=True,
@@ -52,7 +56,7 @@ def roundtrip(message: Message, replica: int = 3) -> Message:
     with a, b:
         send_frame(a, encode(message, replica))
         frame = recv_frame(b)
-    assert frame["replica"] == replica
+    assert msgspec.msgpack.decode(frame)[0] == replica
     return decode(frame)
 
 
@@ -97,12 +101,23 @@ def test_logits_processors_never_travel():
         encode(AddRequest("r", [1], params, None), 1)
 
 
+def test_each_side_takes_only_its_direction():
+    assert to_node(encode(Wake(2), 3)) == (3, Wake(2))
+    assert from_node(encode(Freed(1, True), 2)) == (2, Freed(1, True))
+    with pytest.raises(CodecError):
+        to_node(encode(Fatal("x"), 3))                  # the head never sends a core's message
+    with pytest.raises(CodecError):
+        from_node(encode(Shutdown(), 3))
+    with pytest.raises(CodecError):
+        handshake(encode(Shutdown(), 3))                # a handshake frame has no replica
+
+
 def test_malformed_frames_are_refused():
     a, b = socket.socketpair()
     with a, b:
         a.sendall(b"\x00\x00\x00\x03[1]")
-        with pytest.raises(FrameError, match="must hold a JSON object"):
-            recv_frame(b)
+        with pytest.raises(CodecError, match="malformed"):
+            decode(recv_frame(b))
         a.sendall(b"\xff\xff\xff\xff")
         with pytest.raises(FrameError, match="exceeds"):
             recv_frame(b)
@@ -110,10 +125,9 @@ def test_malformed_frames_are_refused():
 
 def hello(**changes):
     """A hello as it arrives: a frame through the codec."""
-    layout = asdict(LAYOUT) | changes.pop("layout", {})
-    frame = {"type": "hello", "version": VERSION, "layout": layout, "start_rank": 2,
-             "local_size": 2} | changes
-    return decode(frame)
+    layout = msgspec.structs.replace(LAYOUT, **changes.pop("layout", {}))
+    return handshake(encode(Hello(**({"version": VERSION, "layout": layout, "start_rank": 2,
+                                       "local_size": 2} | changes))))
 
 
 def test_hello_gives_the_node_its_ranks():
@@ -145,7 +159,7 @@ class FakeNode:
         self.replica: RemoteReplica | None = None
         self.sent: list[Message] = []
 
-    def send(self, frame: dict) -> None:
+    def send(self, frame: bytes) -> None:
         message = decode(frame)
         self.sent.append(message)
         if isinstance(message, FreeRemote):
@@ -177,7 +191,10 @@ def test_a_remote_replica_answers_frees_and_fails_its_streams_when_lost():
 
 
 def test_a_malformed_or_foreign_first_frame_is_refused():
-    with pytest.raises(ValueError, match="malformed 'hello'"):
-        decode({"type": "hello", "version": VERSION, "start_rank": 2})
-    with pytest.raises(ValueError, match="expected a version 2 hello, got 'welcome'"):
+    short_hello = msgspec.msgpack.encode([None, ["hello", VERSION, None, 2]])
+    with pytest.raises(ValueError, match="malformed engine message"):
+        handshake(short_hello)
+    with pytest.raises(ValueError, match="malformed engine message"):
+        handshake(b'{"type": "hello", "version": 2}')      # a version 2 node's JSON frame
+    with pytest.raises(ValueError, match="expected a version 3 hello, got 'welcome'"):
         check_hello(Welcome(None), LAYOUT, set(), head_local=2)

@@ -9,7 +9,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from kvrelay.distributed import executor
+from kvrelay.distributed import tp_workers
 
 
 class _Joined(Exception):
@@ -25,9 +25,9 @@ def test_tp_group_outlives_idle_periods(monkeypatch):
         raise _Joined                                   # stop before loading a model
 
     monkeypatch.setattr(dist, "init_process_group", joining)
-    spec = executor.RankSpec(**{f.name: None for f in dataclasses.fields(executor.RankSpec)})
+    spec = tp_workers.RankSpec(**{f.name: None for f in dataclasses.fields(tp_workers.RankSpec)})
     spec = dataclasses.replace(spec, tp_size=2, init_method="tcp://127.0.0.1:1", cpu_slices=())
     with pytest.raises(_Joined):
-        executor._setup_rank(spec, 1)
+        tp_workers._setup_rank(spec, 1)
     assert seen["world_size"] == 2 and seen["rank"] == 1
     assert seen["timeout"] >= timedelta(days=7)

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from kvrelay import LLM, SamplingParams
-from kvrelay.disagg.connector import needed_blocks
+from kvrelay.disagg.loads import needed_blocks
 from tests.e2e.disagg import prefill_then_decode, start, wait_metric
 from tests.factories import greedy_mismatch
 from tests.processes import stop_all

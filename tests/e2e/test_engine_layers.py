@@ -6,7 +6,7 @@ import sys
 
 
 def test_the_tp_executor_imports_no_engine_module():
-    code = ("import sys, kvrelay.distributed.executor; "
+    code = ("import sys, kvrelay.distributed.tp_workers; "
             "print(sorted(m for m in sys.modules if m.startswith('kvrelay.engine')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -15,7 +15,8 @@ import pytest
 
 pytest.importorskip("zmq")
 
-from kvrelay.proxy.kv_events import KVEventSubscriber, prefix_keys
+from kvrelay.proxy.kv_events import KVEventSubscriber
+from kvrelay.proxy.kv_view import prefix_keys
 from tests.engine.conftest import tiny  # noqa: F401  (the tiny checkpoint fixture)
 from tests.processes import Server, free_port
 

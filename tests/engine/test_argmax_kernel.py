@@ -10,14 +10,15 @@ from kvrelay.engine.request import Request
 from kvrelay.engine.sampler import Sampler, argmax_rows, greedy_tokens
 from kvrelay.model import kernels
 from kvrelay.sampling_params import SamplingParams
+from tests.kernel_isas import isa_params
 
 pytestmark = pytest.mark.skipif(not kernels.kernels_available(),
                                 reason="the native kernels are not built here")
 INF, NAN = float("inf"), float("nan")
 
 
-def _isas() -> list[str]:
-    return list(torch.ops.kvrelay_kernels.argmax_isas())
+def _isas() -> list:
+    return isa_params("argmax")
 
 
 def _native(x: torch.Tensor, isa: str) -> list[int]:

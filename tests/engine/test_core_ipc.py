@@ -1,5 +1,5 @@
-"""The engine core ⇄ API process hop: one message per step for the whole batch, read by
-the API's event loop itself (no reader thread)."""
+"""The engine core ⇄ API process hop: one message per step for the whole batch, in the
+msgpack codec of engine/codec.py, read by the API's event loop itself (no reader thread)."""
 
 from __future__ import annotations
 
@@ -11,14 +11,17 @@ import signal
 import struct
 import threading
 import time
-from dataclasses import fields, replace
 from types import SimpleNamespace
 from typing import Any
+
+import pytest
+from msgspec.structs import fields, replace
 
 from kvrelay import SamplingParams
 from kvrelay.config import EngineArgs
 from kvrelay.engine import core_proc
 from kvrelay.engine.async_client import AsyncEngine
+from kvrelay.engine.codec import FROM_ENGINE, TO_ENGINE, MessagePipe, encode
 from kvrelay.engine.messages import (
     EngineInfo,
     EngineStats,
@@ -60,10 +63,16 @@ class _BatchEngine:
         return outs
 
 
+def _pipes() -> tuple[MessagePipe, MessagePipe]:
+    """Both ends of an API ⇄ core pipe, each decoding what may arrive there."""
+    api, core = mp.Pipe()
+    return MessagePipe(api, FROM_ENGINE), MessagePipe(core, TO_ENGINE)
+
+
 def test_core_sends_one_message_per_step_with_the_whole_batch(tmp_path, monkeypatch):
     trace = tmp_path / "steps.txt"
     monkeypatch.setenv("KVRELAY_STEP_TRACE", str(trace))
-    api, core = mp.Pipe()
+    api, core = _pipes()
     engine = _BatchEngine(n=5, steps=4)
     loop = threading.Thread(target=core_proc._loop, args=(engine, core))
     loop.start()
@@ -97,7 +106,7 @@ class _QuietEngine(_BatchEngine):
 
 
 def _quiet_messages(steps: int) -> list[StepOutputs]:
-    api, core = mp.Pipe()
+    api, core = _pipes()
     loop = threading.Thread(target=core_proc._loop, args=(_QuietEngine(1, steps), core))
     loop.start()
     try:
@@ -145,7 +154,7 @@ def _stats(steps: int) -> EngineStats:
 def test_api_reads_the_core_pipe_in_its_event_loop():
     async def scenario() -> tuple[list[Any], int, str | None]:
         engine = AsyncEngine(EngineArgs())
-        core = engine.process._args[1]                     # the core's end of the pipe
+        core = MessagePipe(engine.process._args[1], TO_ENGINE)   # the core's end of the pipe
         engine.process = _NoProcess()                      # type: ignore[assignment]
         threads = threading.active_count()
         engine.start()
@@ -201,18 +210,30 @@ def test_delta_drops_only_the_cumulative_fields():
         "delta_token_ids", "delta_logprobs"}
 
 
-def test_step_message_pickles_as_field_tuples():
+def test_step_message_is_field_values_in_the_codec():
     stats = EngineStats(num_requests_running=2, kv_cache_usage_perc=0.25, num_steps=9,
                         kv_transfers=4, kv_transfer_seconds=0.5)
     message = StepOutputs([as_delta(_full_output()), as_delta(_full_output(), first=False)],
                           stats)
-    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    assert pickle.loads(data) == message
+    data = encode(message)
+    assert FROM_ENGINE.decode(data) == message
     assert b"num_requests_running" not in data and b"delta_token_ids" not in data
     one_token = StepOutputs([as_delta(RequestOutput("cmpl-0123456789abcdef-0", None, [], [
         CompletionOutput(0, "", [], delta_text=" the", delta_token_ids=[1996])]), False)],
         EngineStats(num_requests_running=1, num_steps=100))
-    assert len(pickle.dumps(one_token, protocol=pickle.HIGHEST_PROTOCOL)) < 400  # was ~1,050
+    assert len(encode(one_token)) < 200                   # pickled dataclasses: ~1,050
+
+
+def test_messages_of_the_wrong_direction_are_refused():
+    from kvrelay.engine.codec import CodecError
+    from kvrelay.engine.messages import AddRequest, Fatal
+    assert TO_ENGINE.decode(encode(Shutdown())) == Shutdown()
+    with pytest.raises(CodecError, match="malformed engine message"):
+        TO_ENGINE.decode(encode(Fatal("x")))
+    with pytest.raises(CodecError):
+        FROM_ENGINE.decode(encode(AddRequest("r", [1], SamplingParams())))
+    with pytest.raises(CodecError):
+        FROM_ENGINE.decode(b"\x80\x03not msgpack")
 
 
 def test_a_step_message_larger_than_the_socket_buffer_arrives_whole():
@@ -221,7 +242,7 @@ def test_a_step_message_larger_than_the_socket_buffer_arrives_whole():
     rest instead of failing the engine (a 64-stream step once did: "engine process exited")."""
     async def scenario() -> tuple[int, str | None]:
         engine = AsyncEngine(EngineArgs())
-        core = engine.process._args[1]
+        core = MessagePipe(engine.process._args[1], TO_ENGINE)
         engine.process = _NoProcess()                      # type: ignore[assignment]
         engine.start()
         os.set_blocking(engine._conn.fileno(), False)
@@ -231,10 +252,10 @@ def test_a_step_message_larger_than_the_socket_buffer_arrives_whole():
         first = asyncio.ensure_future(gen.__anext__())
         await asyncio.sleep(0.05)
         rid = core.recv().request_id
-        big = list(range(400_000))                         # ~2 MB pickled, > the buffer
+        big = list(range(400_000))                         # ~1.2 MB encoded, > the buffer
         c = CompletionOutput(0, "", [], "length", delta_text="t", delta_token_ids=big)
-        payload = pickle.dumps(StepOutputs([RequestOutput(rid, None, [1, 2], [c],
-                                                          finished=True)], _stats(1)))
+        payload = encode(StepOutputs([RequestOutput(rid, None, [1, 2], [c], finished=True)],
+                                     _stats(1)))
         wire = struct.pack("!i", len(payload)) + payload   # multiprocessing's framing
 
         def send_in_two_parts() -> None:                   # the core writing a big message

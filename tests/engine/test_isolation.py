@@ -147,7 +147,7 @@ def test_vllm_sampling_edges(make_llm):
 
 def test_engine_errors_keep_status_and_param_across_nodes():
     """A refusal from a replica on a headless node reaches the API with its field."""
-    from kvrelay.engine.dp_remote import decode, encode
+    from kvrelay.engine.dp_link import decode, encode
     from kvrelay.engine.messages import RequestRefused
     for message in (RequestRefused("r1", "stop_token_ids out of range", 400, "stop_token_ids"),
                     RequestRefused("r2", "the engine could not add the request", 500, None)):

@@ -11,11 +11,12 @@ import torch
 
 from kvrelay import SamplingParams
 from kvrelay.config import EngineArgs
-from kvrelay.engine.messages import EngineStats, from_wire, to_wire
+from kvrelay.engine.codec import FROM_ENGINE, encode
+from kvrelay.engine.messages import EngineStats
 from kvrelay.engine.request import Request
 from kvrelay.engine.scheduler import SchedulerOutput
 from kvrelay.kv_cache.hashing import hash_block
-from kvrelay.model.layers.attention import PagedAttention
+from kvrelay.model import execution_plan
 from kvrelay.spec_decode.config import SpeculativeConfig
 from kvrelay.spec_decode.ngram import NgramIndex, NgramProposer
 from tests.engine.sched_driver import BLOCK, FakeForward, make_scheduler, next_token, reference
@@ -272,7 +273,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 @pytest.mark.parametrize("kernel", [True, False])
 def test_greedy_is_token_identical_to_spec_off_and_transformers(tiny, make_llm, monkeypatch,
                                                                 hybrid, kernel):
-    monkeypatch.setattr(PagedAttention, "use_kernel", kernel)
+    if not kernel:                     # every op on its reference path (numerics unchanged)
+        plan = execution_plan.current().without_native()
+        monkeypatch.setattr(execution_plan, "current", lambda: plan)
     args = dict(disable_hybrid_kv_cache_manager=not hybrid)
     off = make_llm(**args).generate(PROMPTS, GREEDY)
     llm = make_llm(speculative_config=NGRAM, **args)
@@ -390,7 +393,7 @@ def test_engine_stats_carry_the_counters_over_the_wire_and_add_up():
                     spec_decode_num_accepted_tokens=4, spec_decode_accepted_per_pos=(2, 1, 1))
     b = EngineStats(spec_decode_num_drafts=1, spec_decode_num_draft_tokens=3,
                     spec_decode_num_accepted_tokens=1, spec_decode_accepted_per_pos=(1, 0, 0))
-    assert from_wire(to_wire(_outputs(a))).stats == a
+    assert FROM_ENGINE.decode(encode(_outputs(a))).stats == a
     total = EngineStats.total([a, b])
     assert total.spec_decode_accepted_per_pos == (3, 1, 1)
     assert total.spec_decode_num_accepted_tokens == 5

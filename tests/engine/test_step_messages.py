@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import pickle
 
 import torch
 
 from kvrelay import SamplingParams
-from kvrelay.engine.async_client import AsyncEngine, _Stream
+from kvrelay.engine.codec import encode
+from kvrelay.engine.core_client import CoreClient, _Stream
 from kvrelay.engine.core_proc import _deltas
 from kvrelay.engine.request import Request
 from kvrelay.engine.sampler import Sampler
@@ -28,11 +28,11 @@ def test_prompt_travels_once_and_the_client_still_sees_it(make_llm):
     assert first.prompt_token_ids == prompt
     assert all(m.prompt_token_ids == [] and m.prompt is None for m in later)
     # a later message does not carry the 100-token prompt
-    assert len(pickle.dumps(later[0])) < len(pickle.dumps(first)) - 150
+    assert len(encode(later[0])) < len(encode(first)) - 100
     tokens = [t for m in messages for t in m.outputs[0].delta_token_ids]
     stream = _Stream(asyncio.Queue())
     for m in messages:
-        acc = AsyncEngine._accumulate(stream, m)
+        acc = CoreClient._accumulate(stream, m)
     assert acc.prompt_token_ids == prompt and acc.finished
     assert acc.outputs[0].token_ids == tokens and len(tokens) == 6
 

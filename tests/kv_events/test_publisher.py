@@ -20,7 +20,8 @@ from kvrelay.kv_events.wire import (  # noqa: E402
     decode_batch,
     external_hash,
 )
-from kvrelay.proxy.kv_events import KVEventSubscriber, prefix_keys  # noqa: E402
+from kvrelay.proxy.kv_events import KVEventSubscriber  # noqa: E402
+from kvrelay.proxy.kv_view import prefix_keys  # noqa: E402
 from tests.processes import free_port  # noqa: E402
 
 B = 2

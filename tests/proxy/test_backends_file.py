@@ -29,7 +29,7 @@ from kvrelay.proxy import legs
 from kvrelay.proxy import state as proxy_state
 from kvrelay.proxy.app import build_app
 from kvrelay.proxy.backend_set import BackendsFile, BackendsFileError, BackendSpec, diff, parse
-from kvrelay.proxy.kv_events import KVEventsRouting
+from kvrelay.proxy.kv_events_feed import KVEventsRouting
 from kvrelay.proxy.main import main
 from kvrelay.proxy.policy import RoutingSettings
 from kvrelay.proxy.prefix import Hasher

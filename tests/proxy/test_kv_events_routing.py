@@ -20,7 +20,8 @@ from kvrelay.kv_events.publisher import ZmqEventPublisher  # noqa: E402
 from kvrelay.kv_events.wire import GroupSpec, WireFormat  # noqa: E402
 from kvrelay.proxy import main as proxy_main  # noqa: E402
 from kvrelay.proxy.body import parse_body  # noqa: E402
-from kvrelay.proxy.kv_events import EventSource, KVEventsFeed, prefix_keys  # noqa: E402
+from kvrelay.proxy.kv_events_feed import EventSource, KVEventsFeed  # noqa: E402
+from kvrelay.proxy.kv_view import prefix_keys  # noqa: E402
 from kvrelay.proxy.policy import Router  # noqa: E402
 from kvrelay.proxy.prefix import Hasher  # noqa: E402
 from kvrelay.proxy.routing import Backend, EndpointError  # noqa: E402

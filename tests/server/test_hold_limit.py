@@ -12,7 +12,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from kvrelay.disagg.params import KVTransferConfig
-from kvrelay.engine.async_client import KVHoldRefused
+from kvrelay.engine.client import KVHoldRefused
 from kvrelay.engine.outputs import CompletionOutput, RequestOutput
 from kvrelay.server.api import ServerState, build_app
 from kvrelay.server.chat import TemplateChat

@@ -13,9 +13,11 @@ import torch
 
 from kvrelay.engine.sampler import Sampler
 from kvrelay.model import kernels
+from kvrelay.model.kernels import isa as isa_table
 from kvrelay.sampling_params import SamplingParams
 from kvrelay.structured import masks
 from kvrelay.structured.masks import MASK_ONLY, PLAIN_GREEDY, SAMPLED
+from tests.kernel_isas import isa_params
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +26,16 @@ def isas() -> list[str]:
         pytest.skip("no C++ compiler: the native kernels cannot be built here")
     status = kernels.status()
     assert status.available, f"native kernels failed to build: {status.reason}"
-    return list(torch.ops.kvrelay_kernels.grammar_isas())
+    return list(isa_table.variants("bitmask"))     # the table's choice (the op must take each)
+
+
+@pytest.mark.parametrize("variant", isa_params("bitmask"))
+def test_every_variant_of_the_table_runs_or_says_what_the_cpu_lacks(variant, isas):
+    """The loops below cover the variants this CPU runs; this names the others' skips."""
+    rng = np.random.default_rng(7)
+    bitmask = _bitmask(rng, ["few", "dense", "one"], 1000)
+    logits = torch.randn(3, 1000, generator=torch.Generator().manual_seed(7))
+    _compare(logits, bitmask, [SAMPLED, PLAIN_GREEDY, MASK_ONLY], variant)
 
 
 def _bitmask(rng: np.random.Generator, kinds: list[str], vocab: int) -> np.ndarray:

@@ -5,7 +5,7 @@ import socket
 
 import pytest
 
-from kvrelay.engine.dp_remote import decode, encode, recv_frame, send_frame
+from kvrelay.engine.dp_link import decode, encode, recv_frame, send_frame
 from kvrelay.engine.messages import AddRequest
 from kvrelay.sampling_params import SamplingParams
 from kvrelay.structured.params import FunctionSpec, StructuredOutputsParams, ToolCallConstraint

@@ -1,8 +1,7 @@
 """/metrics exports no series that can only ever read 0 (issue 13: ignored inputs)."""
 from __future__ import annotations
 
-from dataclasses import fields
-
+from msgspec.structs import fields
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvrelay.engine.messages import EngineStats

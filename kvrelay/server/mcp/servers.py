@@ -9,8 +9,14 @@ HTTP endpoint `http://host:port/mcp`) or a URL (`http://host:port/path`):
 A request's `{"type": "mcp", "server_label": L, "server_url": U, ...}` names one of them —
 by its URL (compared after normalising scheme, host, port and path), or, without a URL, by
 the entry's LABEL. Anything else is a 400: the server never connects to a URL a client
-made up (server-side request forgery). `require_approval` must be "never" (kvrelay has no
-approval flow); `connector_id` / `tunnel_id` (OpenAI's hosted connectors) are refused.
+made up (server-side request forgery). `require_approval` is OpenAI's: "always" (the
+default), "never", or `{"always": FILTER, "never": FILTER}` (FILTER: `{"tool_names": [...],
+"read_only": bool}`); `connector_id` / `tunnel_id` (OpenAI's hosted connectors) are refused.
+
+gpt-oss's built-in tools are served by the entries labelled `browser` and `python`
+(`--tool-server browser=127.0.0.1:8001,python=127.0.0.1:8002`): a request's
+`{"type": "web_search_preview"}` (or `web_search`) uses the first, `{"type":
+"code_interpreter"}` the second (`resolve_builtin`).
 """
 from __future__ import annotations
 
@@ -85,6 +91,23 @@ def parse_tool_servers(text: str | None) -> tuple[ToolServer, ...]:
 
 
 @dataclass(frozen=True)
+class ToolFilter:
+    """OpenAI's tool filter (`allowed_tools`, `require_approval.always` / `.never`): the tools
+    named (None: all) and, with `read_only`, only those annotated `readOnlyHint`."""
+    tool_names: frozenset[str] | None = None
+    read_only: bool = False
+
+    def matches(self, name: str, annotations: Mapping[str, Any] | None) -> bool:
+        if self.tool_names is not None and name not in self.tool_names:
+            return False
+        return not self.read_only or bool((annotations or {}).get("readOnlyHint"))
+
+
+ASK_ALL = (ToolFilter(), None)                 # require_approval "always" (OpenAI's default)
+ASK_NONE = (None, ToolFilter())                # require_approval "never"
+
+
+@dataclass(frozen=True)
 class McpServerRef:
     """One `{"type": "mcp"}` entry of a request, resolved to an allowed server."""
     label: str                                 # the request's server_label
@@ -93,11 +116,19 @@ class McpServerRef:
     headers: dict[str, str] = field(default_factory=dict)
     tool_names: frozenset[str] | None = None   # allowed_tools (None: all)
     read_only: bool = False                    # allowed_tools.read_only: readOnlyHint tools
+    # require_approval: (always, never) filters; a tool neither matches is asked about
+    approval: tuple[ToolFilter | None, ToolFilter | None] = ASK_NONE
 
     def allows(self, name: str, annotations: Mapping[str, Any] | None) -> bool:
-        if self.tool_names is not None and name not in self.tool_names:
-            return False
-        return not self.read_only or bool((annotations or {}).get("readOnlyHint"))
+        return ToolFilter(self.tool_names, self.read_only).matches(name, annotations)
+
+    def asks(self, name: str, annotations: Mapping[str, Any] | None) -> bool:
+        """Whether a call of `name` waits for the client's approval (an
+        `mcp_approval_request` item) instead of being made."""
+        always, never = self.approval
+        if always is not None and always.matches(name, annotations):
+            return True
+        return never is None or not never.matches(name, annotations)
 
     def as_response_tool(self) -> dict[str, Any]:
         """The entry as a response echoes it: its headers and token are not repeated."""
@@ -119,12 +150,37 @@ def resolve(raw: Mapping[str, Any], where: str, allowed: tuple[ToolServer, ...])
         if raw.get(unsupported) is not None:
             raise OpenAIError(f"{where}.{unsupported}: OpenAI's hosted connectors are not "
                               f"available here; name a server of --tool-server", param=where)
-    _check_approval(raw.get("require_approval"), where)
+    approval = _approval(raw.get("require_approval", "always"), where)
     if not allowed:
         raise OpenAIError(f"{where}: this server connects to no MCP servers (its operator "
                           f"lists them with --tool-server)", param=where)
     url = _allowed_url(raw, label, where, allowed)
-    return McpServerRef(label, url, raw, _headers(raw, where), *_allowed_tools(raw, where))
+    names, read_only = _allowed_tools(raw, where)
+    return McpServerRef(label, url, raw, _headers(raw, where), names, read_only, approval)
+
+
+# a request's built-in tool types → the harmony namespace and the --tool-server label
+BUILTIN_TYPES = {"web_search_preview": "browser", "web_search": "browser",
+                 "code_interpreter": "python"}
+
+
+def builtin_namespace(tool: Any) -> str | None:
+    """`browser` / `python` for a request's built-in tool entry, else None."""
+    return BUILTIN_TYPES.get(str(tool.get("type"))) if isinstance(tool, Mapping) else None
+
+
+def resolve_builtin(raw: Mapping[str, Any], where: str,
+                    allowed: tuple[ToolServer, ...]) -> McpServerRef:
+    """A request's `{"type": "web_search_preview"}` / `{"type": "code_interpreter"}` → the
+    `--tool-server` entry labelled `browser` / `python`; 400 when there is none (kvrelay
+    ships no search engine or sandbox of its own)."""
+    namespace = BUILTIN_TYPES[str(raw["type"])]
+    for server in allowed:
+        if server.label == namespace:
+            return McpServerRef(namespace, server.url, raw)
+    raise OpenAIError(f"{where}: {raw['type']!r} runs gpt-oss's built-in {namespace} tool on "
+                      f"the MCP server of the --tool-server entry labelled {namespace!r}, and "
+                      f"this server has none", param=where)
 
 
 def _allowed_url(raw: Mapping[str, Any], label: str, where: str,
@@ -148,17 +204,37 @@ def _allowed_url(raw: Mapping[str, Any], label: str, where: str,
                       f"operator listed", param=f"{where}.server_url")
 
 
-def _check_approval(value: Any, where: str) -> None:
-    """Only "never" (or {"never": {...}} with nothing under "always"): kvrelay calls the
-    tools without asking, so a request that expects approvals must not run."""
+def _approval(value: Any, where: str) -> tuple[ToolFilter | None, ToolFilter | None]:
+    """`require_approval` → its (always, never) filters: "always", "never", or
+    `{"always": FILTER, "never": FILTER}` (either may be left out)."""
+    if value == "always":
+        return ASK_ALL
     if value == "never":
-        return
-    if isinstance(value, Mapping) and not value.get("always") and set(value) <= {"always",
-                                                                                 "never"}:
-        return
-    raise OpenAIError(f"{where}.require_approval: only 'never' is supported (kvrelay runs MCP "
-                      f"calls without an approval step; OpenAI's default is to ask), got "
-                      f"{value!r}", param=f"{where}.require_approval")
+        return ASK_NONE
+    if isinstance(value, Mapping) and set(value) <= {"always", "never"}:
+        out = []
+        for key in ("always", "never"):
+            f = value.get(key)
+            out.append(None if f is None else _filter(f, f"{where}.require_approval.{key}"))
+        return out[0], out[1]
+    raise OpenAIError(f"{where}.require_approval: expected 'always', 'never' or "
+                      f"{{'always': {{...}}, 'never': {{...}}}}, got {value!r}",
+                      param=f"{where}.require_approval")
+
+
+def _filter(value: Any, where: str) -> ToolFilter:
+    """A tool filter: a list of names, or `{"tool_names": [...], "read_only": bool}`."""
+    if isinstance(value, list) and all(isinstance(n, str) for n in value):
+        return ToolFilter(frozenset(value))
+    if isinstance(value, Mapping) and set(value) <= {"tool_names", "read_only"}:
+        names = value.get("tool_names")
+        read_only = value.get("read_only")
+        names_ok = names is None or (isinstance(names, list)
+                                     and all(isinstance(n, str) for n in names))
+        if names_ok and isinstance(read_only, (bool, type(None))):
+            return ToolFilter(None if names is None else frozenset(names), bool(read_only))
+    raise OpenAIError(f"{where}: expected a list of tool names or {{'tool_names': [...], "
+                      f"'read_only': bool}}", param=where)
 
 
 def _headers(raw: Mapping[str, Any], where: str) -> dict[str, str]:
@@ -179,14 +255,5 @@ def _allowed_tools(raw: Mapping[str, Any], where: str) -> tuple[frozenset[str] |
     value = raw.get("allowed_tools")
     if value is None:
         return None, False
-    if isinstance(value, list) and all(isinstance(n, str) for n in value):
-        return frozenset(value), False
-    if isinstance(value, Mapping):
-        names = value.get("tool_names")
-        read_only = value.get("read_only")
-        names_ok = names is None or (isinstance(names, list)
-                                     and all(isinstance(n, str) for n in names))
-        if names_ok and isinstance(read_only, (bool, type(None))):
-            return (None if names is None else frozenset(names)), bool(read_only)
-    raise OpenAIError(f"{where}.allowed_tools: expected a list of tool names or "
-                      f"{{'tool_names': [...], 'read_only': bool}}", param=where)
+    f = _filter(value, f"{where}.allowed_tools")
+    return f.tool_names, f.read_only

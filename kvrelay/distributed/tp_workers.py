@@ -25,9 +25,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
+
+if TYPE_CHECKING:
+    from kvrelay.model.loader import LoadedModel
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +77,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _setup_rank(spec: RankSpec, rank: int):
+def _setup_rank(spec: RankSpec, rank: int) -> LoadedModel:
     """Pin CPU cores, join the process group, build and load this rank's shard."""
     import torch.distributed as dist
 
