@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from kvrelay.engine.llm import LLM
+    from kvrelay.llm import LLM
     from kvrelay.sampling_params import SamplingParams
 
     t0 = time.perf_counter()

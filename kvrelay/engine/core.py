@@ -12,7 +12,7 @@ own owner, built here from the `EngineConfig`:
     kv_events/           --kv-events-config: the prefix cache's changes, published once
                          per step (a thread in this process; never blocks the step)
     spec_decode/         --speculative-config: n-gram drafts the scheduler adds to decodes,
-                         verified in the step's sampling (step_io → spec_decode.verify)
+                         verified in the step's sampling (step_io → spec_verify)
 
     add_request ─▶ fan_out ─▶ Scheduler.waiting
     step() = run_planned(plan_step()):

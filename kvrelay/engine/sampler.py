@@ -12,7 +12,7 @@ Sampling uses the exponential race (argmax of p / Exp(1) noise), so a row's draw
 depends only on that row's noise: a seeded request draws its noise from its own
 generator and produces the same tokens whatever else is in the batch.
 
-`ahead` (speculative decoding, kvrelay/spec_decode/verify.py): row i is sampled as if
+`ahead` (speculative decoding, kvrelay/engine/spec_verify.py): row i is sampled as if
 `ahead[i]` (draft tokens) had been appended to its request's output — what the logits
 processors see and what min_tokens counts — without touching the request.
 """

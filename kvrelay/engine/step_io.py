@@ -14,7 +14,7 @@ A speculative chunk (a decode with K draft tokens, kvrelay/spec_decode/) enters 
 as K + 1 decode rows — the paged decode kernels' one-query-per-row path, each row's
 context one position longer than the previous one's, all sharing the request's block
 table (every row's K/V is written before any row attends) — and all K + 1 are sampling
-rows, verified by `spec_decode.verify`:
+rows, verified by `engine/spec_verify.py`:
 
     chunk start p, tokens t d1 d2:  rows (token, position, context)  (t, p, p+1)
                                                                       (d1, p+1, p+2)
@@ -33,8 +33,8 @@ from kvrelay.engine.request import Logprob, Request
 from kvrelay.engine.runner import StepInput
 from kvrelay.engine.sampler import Sampler, top_logprobs
 from kvrelay.engine.scheduler_output import ScheduledChunk, SchedulerOutput
+from kvrelay.engine.spec_verify import verify
 from kvrelay.kv_cache.manager import KVCacheManager
-from kvrelay.spec_decode.verify import verify
 
 logger = logging.getLogger(__name__)
 
@@ -216,7 +216,7 @@ def draw(out: SchedulerOutput, logits: torch.Tensor, sampler: Sampler,
 def _draw_verified(d: Draw, logits: torch.Tensor, sampler: Sampler, reqs: list[Request],
                    rows: list[int], drafts: list[list[int]]) -> Draw:
     """`draw`'s tokens for a step with speculative chunks: each request's accepted drafts
-    and the target's own token (`spec_decode.verify`), with a logprob entry per token."""
+    and the target's own token (`engine/spec_verify.py`), with a logprob entry per token."""
     with torch.inference_mode():
         v = verify(sampler, logits, reqs, rows, drafts)
     d.errors += [(reqs[i], err, "sampling") for i, err in v.errors.items()]

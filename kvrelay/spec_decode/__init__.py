@@ -1,3 +1,4 @@
 """Speculative decoding (`--speculative-config`): n-gram drafts verified by the target
-model in one forward. config.py (the flag, torch-free), ngram.py (the proposer, torch-free),
-verify.py (accepting drafts row by row with the engine's sampler). docs/speculative.md."""
+model in one forward. config.py (the flag), ngram.py (the proposer), stats.py (the
+counters) — all torch-free; the verification (accepting drafts row by row with the
+engine's sampler) is the engine's: engine/spec_verify.py. docs/speculative.md."""

@@ -22,12 +22,20 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from kvrelay.spec_decode.config import SpeculativeConfig
 
-if TYPE_CHECKING:
-    from kvrelay.engine.request import Request
+
+class Drafted(Protocol):
+    """What the proposer reads of a request (the engine's `Request`)."""
+
+    @property
+    def grammar(self) -> object | None: ...
+    @property
+    def remote_decode(self) -> bool: ...
+    @property
+    def all_token_ids(self) -> Sequence[int]: ...
 
 SCAN = 64                   # candidate occurrences extended per lookup (most recent first)
 
@@ -101,10 +109,10 @@ class NgramProposer:
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
-        self._indexes: weakref.WeakKeyDictionary[Request, NgramIndex] = \
+        self._indexes: weakref.WeakKeyDictionary[Drafted, NgramIndex] = \
             weakref.WeakKeyDictionary()
 
-    def propose(self, req: Request, room: int) -> list[int]:
+    def propose(self, req: Drafted, room: int) -> list[int]:
         """At most min(K, room) draft tokens to follow `req`'s tokens."""
         k = min(self.config.num_speculative_tokens, room)
         if k <= 0 or req.grammar is not None or req.remote_decode:

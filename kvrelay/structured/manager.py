@@ -6,15 +6,23 @@ sees one pays nothing.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from kvrelay import envs
 from kvrelay.structured.params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from kvrelay.model.tokenizer import CheckpointTokenizer
-    from kvrelay.sampling_params import SamplingParams
     from kvrelay.structured.backend import GrammarBackend, GrammarMatcher
+
+
+class Constrainable(Protocol):
+    """What a matcher is made from (the engine's `SamplingParams`)."""
+
+    @property
+    def structured_outputs(self) -> StructuredOutputsParams | None: ...
+    @property
+    def max_tokens(self) -> int | None: ...
 
 
 # reasoning effort → the analysis budget, as a multiple of KVRELAY_STRUCTURED_ANALYSIS_BUDGET
@@ -72,7 +80,7 @@ class StructuredOutputs:
                                            self.eos_token_ids)
         return self._backend
 
-    def matcher(self, params: SamplingParams) -> GrammarMatcher | None:
+    def matcher(self, params: Constrainable) -> GrammarMatcher | None:
         """A matcher at the start of the output for `params`' constraint (None without
         one); ValueError naming the problem when it does not compile."""
         p = params.structured_outputs

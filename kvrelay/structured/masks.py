@@ -17,15 +17,30 @@ without the extension.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from kvrelay.engine.request import Request
     from kvrelay.structured.backend import GrammarMatcher
+
+
+class _Params(Protocol):
+    @property
+    def logits_processors(self) -> Sequence[object]: ...
+
+
+class Constrained(Protocol):
+    """What the masks read of a request (the engine's `Request`): its matcher and whether
+    it has logits processors."""
+
+    @property
+    def grammar(self) -> GrammarMatcher | None: ...
+    @property
+    def params(self) -> _Params: ...
 
 
 _NEG_INF = torch.tensor(float("-inf"))
@@ -34,7 +49,7 @@ _NEG_INF = torch.tensor(float("-inf"))
 SPARSE_WORDS = 256
 
 
-def _constrained(requests: list[Request]) -> list[tuple[int, GrammarMatcher]]:
+def _constrained(requests: Sequence[Constrained]) -> list[tuple[int, GrammarMatcher]]:
     return [(i, r.grammar) for i, r in enumerate(requests)
             if r.grammar is not None and r.grammar.failed is None]
 
@@ -61,7 +76,8 @@ class TokenMasks:
         self.native: bool | None = None  # the native row kernel: None = where available
         self.speculate = True            # plain greedy rows: try the unmasked argmax first
 
-    def start(self, requests: list[Request], plain_greedy: frozenset[int] = frozenset()) -> None:
+    def start(self, requests: Sequence[Constrained],
+              plain_greedy: frozenset[int] = frozenset()) -> None:
         """Before the forward: begin filling the masks of `requests` (the step's sampling
         rows, in the sampler's order) that have a grammar. Plain greedy rows are left to
         `apply`, which needs a mask only for those whose unmasked argmax is not allowed."""
@@ -76,7 +92,7 @@ class TokenMasks:
         filling = frozenset(i for i, _ in rows)
         self._pending = (key, filling, self._pool.submit(_fill, rows, len(requests), True))
 
-    def apply(self, logits: torch.Tensor, requests: list[Request],
+    def apply(self, logits: torch.Tensor, requests: Sequence[Constrained],
               plain_greedy: frozenset[int] = frozenset(),
               ) -> tuple[torch.Tensor, dict[int, torch.Tensor], dict[int, int]]:
         """logits [N, V] of `requests` → (logits, sparse, chosen). Dense rows come back with
@@ -175,7 +191,7 @@ class TokenMasks:
 SAMPLED, PLAIN_GREEDY, MASK_ONLY = 0, 1, 2
 
 
-def _mode(i: int, request: Request, plain_greedy: frozenset[int]) -> int:
+def _mode(i: int, request: Constrained, plain_greedy: frozenset[int]) -> int:
     if i in plain_greedy:
         return PLAIN_GREEDY
     return MASK_ONLY if request.params.logits_processors else SAMPLED

@@ -62,7 +62,7 @@ def test_bad_input_is_a_value_error_naming_it(make_llm):
 
 
 def test_harmony_stop_ids_are_added_to_a_copy_of_the_params():
-    from kvrelay.engine.llm import _with_chat_stops
+    from kvrelay.llm import _with_chat_stops
     params = SamplingParams(temperature=0, stop_token_ids=[7])
     rendered = Rendered([1, 2, 3], stop_token_ids=[200002, 200012, 7])
     merged = _with_chat_stops(params, rendered)

@@ -1,5 +1,5 @@
 """Speculative decoding keeps the sampled law: the tokens drawn while verifying drafts are
-distributed as without drafts (kvrelay/spec_decode/verify.py). Chi-square tests on fixed
+distributed as without drafts (kvrelay/engine/spec_verify.py). Chi-square tests on fixed
 seeds (deterministic, so never flaky), against the exact processed distribution and
 against the engine with speculation off."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from kvrelay import SamplingParams
 from kvrelay.engine.request import Request
 from kvrelay.engine.sampler import Sampler
-from kvrelay.spec_decode.verify import verify
+from kvrelay.engine.spec_verify import verify
 from tests.engine.test_spec_decode import NGRAM, PROMPTS
 
 # three rows of logits over 6 tokens: row j is the target's law after j accepted drafts
