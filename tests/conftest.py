@@ -31,6 +31,20 @@ def _quiet_transformers():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _fresh_execution_plan() -> Iterator[None]:
+    """Every test starts from this process's execution plan as its environment says now
+    (tests set KVRELAY_* kernel variables before building models), not one an earlier
+    test's environment left cached."""
+    plan = sys.modules.get("kvrelay.model.execution_plan")
+    if plan is not None:
+        plan.current.cache_clear()
+    yield
+    plan = sys.modules.get("kvrelay.model.execution_plan")
+    if plan is not None:
+        plan.current.cache_clear()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _state_dir(tmp_path_factory):
     """The servers tests start keep their responses store (`kvrelay serve`'s default: SQLite

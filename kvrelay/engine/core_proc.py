@@ -28,9 +28,10 @@ import signal
 import time
 import traceback
 from contextlib import nullcontext
-from dataclasses import replace
 from multiprocessing.connection import Connection
 from typing import IO, Any
+
+from msgspec.structs import replace
 
 from kvrelay import envs
 from kvrelay.config import EngineArgs

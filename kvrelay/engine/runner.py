@@ -205,6 +205,7 @@ class ModelRunner:
         except Exception as e:  # noqa: BLE001 -- stay correct: this step and later ones eager
             logger.warning("a compiled decode step failed (%s: %s); running eagerly from now on",
                            type(e).__name__, _first_line(e))
+            logger.debug("the compiled step's failure", exc_info=True)
             self._compiled, self.decode_buckets = None, ()
             return self.execute(step)
         self.compiled_steps += 1

@@ -247,7 +247,7 @@ class GptOssModel(nn.Module):
             DecoderLayer(config, i, self.layer_groups[i], ctx, dtype, self.rotary, mxfp4, plan)
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, plan)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, ctx, dtype)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, ctx, dtype, plan)
 
     @property
     def num_kv_heads_local(self) -> int:
@@ -286,7 +286,7 @@ class GptOssModel(nn.Module):
         """Follow `plan` from the next step on (a test's or profiler's choice of paths; the
         native kernels becoming available, `engine/native_switch.py`)."""
         self.plan = plan
-        self.norm.plan = plan
+        self.norm.plan = self.lm_head.plan = plan
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer)
             layer.use_plan(plan)

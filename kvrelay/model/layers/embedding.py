@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvrelay.model.execution_plan import ExecutionPlan
 from kvrelay.model.layers.linear import linear
 from kvrelay.model.parallel import ParallelContext, shard_range
 from kvrelay.model.weights import WeightSource, padded_slice
@@ -39,8 +40,13 @@ class VocabParallelEmbedding(_VocabShard):
 
 
 class ParallelLMHead(_VocabShard):
+    def __init__(self, vocab: int, hidden: int, ctx: ParallelContext, dtype: torch.dtype,
+                 plan: ExecutionPlan) -> None:
+        super().__init__(vocab, hidden, ctx, dtype)
+        self.plan = plan                     # its matmul follows the model's plan (use_plan)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = linear(hidden, self.weight)                              # [tokens, V/tp]
+        logits = linear(hidden, self.weight, None, self.plan)             # [tokens, V/tp]
         if self.ctx.tp_size == 1:
             return logits
         return self.ctx.comm.all_gather(logits, dim=-1)[:, : self.vocab]
