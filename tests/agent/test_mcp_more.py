@@ -134,6 +134,13 @@ def test_declined_unknown_and_filtered_approvals(urls):
     assert "answered already" in refused({"previous_response_id": asked.id, "tools": [CALC],
                                           "input": [answer, answer]})["message"]
     assert refused({"previous_response_id": asked.id, "input": [answer]})["param"] == "input[0]"
+    # another client cannot approve (and so run) a call the owner's response asked about
+    calls_before = len(engine.requests)
+    other = http.post("/v1/responses", headers={"Authorization": "Bearer someone-else"},
+                      json={"model": MODEL, "previous_response_id": asked.id, "tools": [CALC],
+                            "input": [answer]})
+    assert other.status_code in (400, 404) and "error" in other.json(), other.text
+    assert len(engine.requests) == calls_before                   # nothing ran for them
     # the approval request may come back in the input instead of previous_response_id
     out = client.responses.create(model=MODEL, tools=[CALC], input=[
         {"role": "user", "content": "1 + 1?"}, asked.output[-1].model_dump(), answer])
