@@ -49,7 +49,9 @@ Server choice and whether to disaggregate at all are `policy.py`'s (`_route`), o
 table of `prefix.py`. `POST /v1/responses` takes the same legs (its prefill body is
 `responses.py`'s); a `previous_response_id` follow-up, GET (its query too: a resumed stream
 is relayed as SSE), DELETE and cancel go to the decode server that stored the response
-(`responses.ResponseHomes`, learned from relayed answers).
+(`responses.ResponseHomes`, learned from relayed answers); a body that approves an MCP call
+goes straight to decode (`responses.approves_a_call`: its first prompt holds the call's
+result, which only the decode makes).
 Every error the proxy itself returns is an OpenAI error body.
 
 Rooms: this file is the app and one request's path (`relay_completion`); the body is
@@ -218,6 +220,8 @@ def _route(state: ProxyState, path: str, client_body: ClientBody, request_id: st
         if home is not None:
             decode = Choice([home], "stored_response")
         direct, why = True, "continues a stored response"
+    elif path == responses.PATH and responses.approves_a_call(client_body.raw, client_body.fields):
+        direct, why = True, "approves an MCP call (made on the decode, its result in the prompt)"
     prefill = None if direct else state.prefill_router.choose(key)
     m = state.metrics.decisions
     m.labels("disagg", "direct_to_decode" if direct else "prefill_then_decode").inc()

@@ -9,7 +9,10 @@ go there too.
 
 The prefill leg of a request without `previous_response_id` is the client's body with
 `max_output_tokens: 1`, `stream: false`, `store: false` (nothing kept on the prefill) and
-the usual `kv_transfer_params`; see `prefill_body`.
+the usual `kv_transfer_params`; see `prefill_body`. A request that approves an MCP call
+(`approves_a_call`) has no prefill leg either: the decode server makes the call first and
+its first prompt holds the result, so the prefill's KV of the body's prompt would be read
+by nobody.
 """
 from __future__ import annotations
 
@@ -63,6 +66,28 @@ def prefill_edit(body: Mapping[str, Any]) -> tuple[dict[str, Any], tuple[str, ..
 def prefill_body(body: Mapping[str, Any]) -> dict[str, Any]:
     """A Responses body as the prefill server gets it (`prefill_edit` applied)."""
     return edited(body, *prefill_edit(body))
+
+
+APPROVAL_RESPONSE = b'"mcp_approval_response"'
+
+
+def approves_a_call(raw: bytes | bytearray, body: Mapping[str, Any]) -> bool:
+    """Whether the input holds an `mcp_approval_response` with `approve: true`. The server
+    makes an approved call before the first round and renders that round's prompt with the
+    call's result in it, a prompt the prefill cannot make (it calls nothing): a prefill
+    leg would compute KV that no decode reads, held until the prefill's lease. `raw`: the
+    whole body, searched first (fast), so other bodies' inputs are not walked."""
+    if APPROVAL_RESPONSE not in raw:
+        return False
+    items = body.get("input")
+    if not rawjson.is_array(items):
+        return False
+    for item in rawjson.elements(items):
+        fields = rawjson.members(item) if rawjson.is_object(item) else None
+        if fields is not None and fields.get("type") == "mcp_approval_response" \
+                and fields.get("approve") is True:
+            return True
+    return False
 
 
 def key_body(body: Mapping[str, Any]) -> dict[str, Any]:

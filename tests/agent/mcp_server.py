@@ -4,7 +4,9 @@ in mcp 2), over streamable HTTP on 127.0.0.1:
   and `fail(text)` (always raises);
 - `build_builtin()` ("builtin"): gpt-oss's browser as `search(query, topn)`, `open(id)`,
   `find(pattern)` (canned pages; `search("flood:N")` answers N bytes, a hostile server),
-  and `python(code)` (evaluates one expression: no sandbox, tests only; "sleep:S" sleeps).
+  and `python(code)` (evaluates one expression: no sandbox, tests only; "sleep:S" sleeps);
+- `build_weather(seen)` ("weather"): `get_weather(city)` answers "sunny" and appends its
+  arguments to `seen` (the call the scripted gpt-oss of tests/agent/scripted.py makes);
 
 - `McpThread(port)`: served by uvicorn in a thread of the test process (the in-process
   tests, which start no process);
@@ -23,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import uvicorn
 from mcp.server.mcpserver import MCPServer
@@ -84,6 +87,18 @@ def build_builtin() -> MCPServer:
             await asyncio.sleep(float(code[6:]))
             return "slept"
         return repr(eval(code, {"__builtins__": {}}))
+
+    return mcp
+
+
+def build_weather(seen: list[dict[str, Any]]) -> MCPServer:
+    mcp: MCPServer = MCPServer("weather", log_level="WARNING")
+
+    @mcp.tool()
+    def get_weather(city: str) -> str:
+        """Weather now in a city."""
+        seen.append({"city": city})
+        return "sunny"
 
     return mcp
 

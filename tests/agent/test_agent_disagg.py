@@ -1,17 +1,21 @@
 """Function calling through `kvrelay proxy` in 1P1D (prefill + decode with vLLM's tool flags,
 the scripted engine of tests/agent/scripted.py on the tiny o200k checkpoint): the openai
 client's tool calls, streamed and not, the tool-result turn, an Agents SDK agent through
-the Chat Completions model class, and the Responses API (create, stream, previous_response_id,
-GET and DELETE) through the proxy."""
+the Chat Completions model class, the Responses API (create, stream, previous_response_id,
+GET and DELETE) and MCP tools (the server's tool loop against a real MCP server, approvals
+answered with previous_response_id and statelessly; no KV left held on either server)
+through the proxy."""
 from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import openai
 import pytest
 
+from kvrelay.proxy.responses import prefill_body
 from tests.agent.conftest import (
     AGENT_FLAGS,
     ANSWER,
@@ -20,6 +24,7 @@ from tests.agent.conftest import (
     WEATHER_SCHEMA,
     agent_scripts,
 )
+from tests.agent.mcp_server import McpThread, build_weather
 from tests.e2e.disagg import start
 from tests.processes import KvrelayProcess, free_port
 
@@ -27,11 +32,25 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 
 
 @pytest.fixture(scope="module")
-def cluster(o200k_checkpoint, tmp_path_factory):
-    """(proxy base url, prefill server, decode server)."""
+def weather():
+    """An MCP server (in a thread of this process) serving `get_weather`, the tool the
+    scripted model calls: (its URL, the arguments of every call it received)."""
+    seen: list[dict] = []
+    server = McpThread(free_port(), lambda: build_weather(seen)).start()
+    try:
+        yield server.url, seen
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(o200k_checkpoint, tmp_path_factory, weather):
+    """(proxy base url, prefill server, decode server); both servers have the MCP server of
+    `weather` on --tool-server."""
     logs = tmp_path_factory.mktemp("agent-1p1d")
     flags = ["--max-model-len", "1024", "--served-model-name", MODEL, *AGENT_FLAGS,
-             "--logits-processors", "tests.agent.scripted:agent_script"]
+             "--logits-processors", "tests.agent.scripted:agent_script",
+             "--tool-server", f"weather={weather[0]}"]
     env = {"KVRELAY_AGENT_SCRIPTS": json.dumps(agent_scripts())}
     prefill = start(str(o200k_checkpoint), "kv_producer", logs / "prefill.log", flags=flags,
                     env=env)
@@ -170,3 +189,140 @@ def test_background_resume_and_cancel_through_the_proxy(cluster):
     assert _events(resumed.text) == first[3:]
     cancelled = httpx.post(f"{url}/responses/{rid}/cancel", timeout=60)
     assert cancelled.status_code == 200 and cancelled.json()["status"] == "completed"
+
+
+# ------------------------------------------------------------------ MCP tools
+
+HELD, BLOCKS = "kvrelay:kv_requests_held_for_remote", "kvrelay:kv_blocks_used"
+
+
+def _mcp_tool(url: str, approval: str) -> dict:
+    return {"type": "mcp", "server_label": "weather", "server_url": url,
+            "require_approval": approval}
+
+
+def _kv_held(server, timeout: float = 10) -> tuple[float, float]:
+    """(requests held for a decode, KV blocks used) once both are 0, or after `timeout`
+    seconds (far below the prefill's 120 s lease: a hold nobody reads stays)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = server.metrics()
+        if (m.get(HELD, 0), m[BLOCKS]) == (0, 0) or time.monotonic() > deadline:
+            return m.get(HELD, 0), m[BLOCKS]
+        time.sleep(0.2)
+
+
+def _nothing_held(prefill, decode) -> None:
+    assert _kv_held(prefill) == (0, 0) and _kv_held(decode) == (0, 0)
+
+
+def test_mcp_tool_loop_through_the_proxy(cluster, weather):
+    """require_approval "never": the prefill computes the first round's prompt (both servers
+    list the tools), the decode pulls it, the model calls get_weather, the decode calls the
+    MCP server and the model answers with its result; streamed, the MCP events come through."""
+    url, prefill, decode = cluster
+    mcp_url, seen = weather
+    client = openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=60)
+    tools = [_mcp_tool(mcp_url, "never")]
+    before = prefill.metrics()[PROMPT_TOKENS], decode.metrics()[KV_PULLS], len(seen)
+    out = client.responses.create(model=MODEL, input="Weather in Paris?", tools=tools)
+    assert out.status == "completed"
+    assert [it.type for it in out.output] == ["mcp_list_tools", "reasoning", "mcp_call",
+                                              "reasoning", "message"]
+    listed, call = out.output[0], out.output[2]
+    assert listed.error is None and [t.name for t in listed.tools] == ["get_weather"]
+    assert (call.server_label, call.name, call.arguments, call.output, call.error) == (
+        "weather", "get_weather", CALL_ARGS, "sunny", None)
+    assert out.output_text == ANSWER
+    assert seen[before[2]:] == [{"city": "Paris"}]          # called once, by the decode
+    # the first round's prompt was the prefill's, pulled by the decode; the second (after
+    # the call) the decode's own
+    assert 0 < prefill.metrics()[PROMPT_TOKENS] - before[0] < out.usage.input_tokens
+    assert decode.metrics()[KV_PULLS] == before[1] + 1
+
+    with client.responses.stream(model=MODEL, input="Weather in Paris?", tools=tools) as stream:
+        kinds = [event.type for event in stream]
+        streamed = stream.get_final_response()
+    assert kinds.index("response.mcp_list_tools.completed") < \
+        kinds.index("response.mcp_call.in_progress") < kinds.index("response.mcp_call.completed")
+    assert streamed.output_text == ANSWER and seen[before[2]:] == [{"city": "Paris"}] * 2
+    assert decode.metrics()[KV_PULLS] == before[1] + 2
+    _nothing_held(prefill, decode)
+
+
+def test_mcp_approval_through_the_proxy(cluster, weather):
+    """require_approval "always": the response ends with an mcp_approval_request and nothing
+    is called; approved with previous_response_id (to the decode that stored it) the call is
+    made and answered. Approved statelessly (the request item in the input, store false),
+    the decode makes the call before its first round, whose prompt then holds the result:
+    the prefill is not asked (its KV would be read by nobody and held until its lease)."""
+    url, prefill, decode = cluster
+    mcp_url, seen = weather
+    client = openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=60)
+    tools = [_mcp_tool(mcp_url, "always")]
+    called = len(seen)
+    asked = client.responses.create(model=MODEL, input="Weather in Paris?", tools=tools)
+    assert asked.status == "completed"
+    assert [it.type for it in asked.output] == ["mcp_list_tools", "reasoning",
+                                                "mcp_approval_request"]
+    request = asked.output[-1]
+    assert (request.server_label, request.name, request.arguments) == (
+        "weather", "get_weather", CALL_ARGS)
+    assert len(seen) == called                              # asked: not called
+
+    prefilled = prefill.metrics()[PROMPT_TOKENS]
+    approval = {"type": "mcp_approval_response", "approve": True,
+                "approval_request_id": request.id}
+    done = client.responses.create(model=MODEL, previous_response_id=asked.id, tools=tools,
+                                   input=[approval])
+    assert [it.type for it in done.output] == ["mcp_list_tools", "mcp_call", "reasoning",
+                                               "message"]
+    call = done.output[1]
+    assert (call.approval_request_id, call.name, call.arguments, call.output, call.status) == (
+        request.id, "get_weather", CALL_ARGS, "sunny", "completed")
+    assert done.output_text == ANSWER and seen[called:] == [{"city": "Paris"}]
+
+    history = [{"role": "user", "content": "Weather in Paris?"},
+               *(it.model_dump(exclude_none=True) for it in asked.output)]
+    stateless = client.responses.create(model=MODEL, input=[*history, approval], tools=tools,
+                                        store=False)
+    assert [it.type for it in stateless.output] == ["mcp_list_tools", "mcp_call", "reasoning",
+                                                    "message"]
+    assert stateless.output[1].output == "sunny" and stateless.output_text == ANSWER
+    assert seen[called:] == [{"city": "Paris"}] * 2
+    _nothing_held(prefill, decode)
+    assert prefill.metrics()[PROMPT_TOKENS] == prefilled     # neither answer was prefilled
+
+
+def test_a_prefilled_approval_answer_is_read_at_once(cluster, weather):
+    """A proxy that sends every request through a prefill (vLLM's toy proxy; its two legs by
+    hand here, with kvrelay proxy's prefill body): the decode of an approval answer makes
+    the call before its first round, whose prompt is then not the prefilled one; it reads
+    the prefill's KV at once all the same, so the prefill holds nothing after the response
+    (before: held until its lease)."""
+    url, prefill, decode = cluster
+    mcp_url, seen = weather
+    client = openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=60)
+    tools = [_mcp_tool(mcp_url, "always")]
+    asked = client.responses.create(model=MODEL, input="Weather in Paris?", tools=tools,
+                                    store=False)
+    body = {"model": MODEL, "tools": tools, "store": False, "input": [
+        {"role": "user", "content": "Weather in Paris?"},
+        *(it.model_dump(exclude_none=True) for it in asked.output),
+        {"type": "mcp_approval_response", "approve": True,
+         "approval_request_id": asked.output[-1].id}]}
+    called, pulls = len(seen), decode.metrics()[KV_PULLS]
+    first = httpx.post(f"{prefill.url}/v1/responses", json=prefill_body(body), timeout=60)
+    assert first.status_code == 200, first.text
+    kv = first.json()["kv_transfer_params"]
+    assert kv["do_remote_prefill"] and seen[called:] == []        # the prefill calls nothing
+    assert prefill.metrics()[HELD] == 1
+    done = httpx.post(f"{decode.url}/v1/responses", json={**body, "kv_transfer_params": kv},
+                      timeout=60)
+    assert done.status_code == 200, done.text
+    out = done.json()
+    assert [it["type"] for it in out["output"]] == ["mcp_list_tools", "mcp_call", "reasoning",
+                                                    "message"]
+    assert out["output"][1]["output"] == "sunny" and seen[called:] == [{"city": "Paris"}]
+    assert decode.metrics()[KV_PULLS] == pulls + 1                # the prefill's KV, read
+    _nothing_held(prefill, decode)

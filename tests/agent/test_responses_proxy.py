@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+from kvrelay import rawjson
 from kvrelay.proxy import responses
 from kvrelay.proxy.routing import PREFILL_KV_TRANSFER_PARAMS, Backend
 
@@ -70,3 +71,28 @@ def test_key_body_keys_the_prompt():
         {"role": "user", "content": items[0]["content"]}, items[1]]
     longer = hasher.key(responses.PATH, responses.key_body(request))
     assert longer.hashes[:1] != key.hashes[:1]    # the instructions come first
+
+
+def test_approves_a_call():
+    """A body approving an MCP call skips the prefill (its first prompt holds the call's
+    result); declined approvals, other bodies and a type named in text do not."""
+    from kvrelay.proxy.body import parse_body
+
+    def approves(body: dict) -> bool:
+        raw = json.dumps(body).encode()
+        return responses.approves_a_call(raw, parse_body(raw).fields)
+
+    answer = {"type": "mcp_approval_response", "approval_request_id": "mcpr_1", "approve": True}
+    asked = {"type": "mcp_approval_request", "id": "mcpr_1", "server_label": "calc",
+             "name": "add", "arguments": "{}"}
+    assert approves({"model": "m", "input": [answer], "previous_response_id": "resp_1"})
+    assert approves({"model": "m", "input": [{"role": "user", "content": "x"}, asked, answer]})
+    assert not approves({"model": "m", "input": [asked, {**answer, "approve": False}]})
+    assert not approves({"model": "m", "input": "say mcp_approval_response"})
+    assert not approves({"model": "m", "input": [{"role": "user",
+                                                  "content": '"mcp_approval_response"'}]})
+    long = [{"role": "user", "content": "x" * 70_000}]         # input left raw (RawJSON)
+    raw = json.dumps({"model": "m", "input": long}).encode()
+    assert isinstance(parse_body(raw).fields["input"], rawjson.RawJSON)
+    assert approves({"model": "m", "input": [*long, asked, answer]})
+    assert not approves({"model": "m", "input": [*long, asked]})

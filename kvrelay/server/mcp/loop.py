@@ -26,18 +26,23 @@ every round (each is a model call: its prompt, cached tokens, output and reasoni
 A tool's result reaches the model cut at --tool-server-max-output-bytes (mcp/client.py).
 `McpLoop.stop` ends a loop that was cancelled (a background response): the round's items
 closed `incomplete`, a call in flight abandoned (its session closed) and `incomplete`.
+Disaggregated, round 1 of a decode leg uses the prefill's KV (`first_round`); when approved
+calls come first, that KV is not round 1's prompt and is read at once instead
+(`McpLoop._read_prefilled_kv`; `kvrelay proxy` sends such a request to no prefill).
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import json
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvrelay.engine.client import EngineDeadError, EngineError, KVTransferFailed
 from kvrelay.engine.outputs import RequestOutput
+from kvrelay.sampling_params import SamplingParams
 from kvrelay.server import serving
 from kvrelay.server.harmony_chat import HarmonyChat, calls_limited
 from kvrelay.server.mcp.client import CallOutcome, call_tool
@@ -51,6 +56,7 @@ from kvrelay.server.responses import response_object, sse_event
 from kvrelay.server.tools import ToolChoice
 
 STREAM_ERRORS = (EngineError, EngineDeadError, KVTransferFailed)
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -229,12 +235,19 @@ class McpLoop:
                   ) -> AsyncIterator[dict[str, Any]]:
         """The response's events (without sequence numbers), round after round. `gen`: the
         first round's engine request (None: rendered here, after the approved calls)."""
-        for i, item in enumerate(self.mcp.list_items):
-            for e in _list_events(i, item):
+        read = self._read_prefilled_kv() if gen is None else None
+        try:
+            for i, item in enumerate(self.mcp.list_items):
+                for e in _list_events(i, item):
+                    yield e
+                self.items.append(item)
+            async for e in self._approved():
                 yield e
-            self.items.append(item)
-        async for e in self._approved():
-            yield e
+            if read is not None:
+                await asyncio.wait([read])     # its blocks can serve the first round's prefix
+        finally:
+            if read is not None:
+                read.cancel()                  # (finished by now, unless the loop was stopped)
         rendered_len, tools = len(self.p.rendered.prompt_ids), self.p.tools
         for round_no in range(self.mcp.max_calls + 1):
             if gen is None:
@@ -333,6 +346,32 @@ class McpLoop:
                 decoder.close()
                 timing.finished(len(out.prompt_token_ids or []), [o.finish_reason])
             yield r.events(decoder.builder.take_events()), out
+
+    def _read_prefilled_kv(self) -> asyncio.Task[None] | None:
+        """A decode leg whose first round comes after approved calls: that round's prompt
+        holds their results, so the prefill's KV of the request's own prompt (which a proxy
+        that sends every request through a prefill has it compute; `kvrelay proxy` sends
+        such a request straight to decode) is not that round's. It is read anyway, at once,
+        by a one-token engine request whose output is dropped: the prefill lets its blocks
+        go now, not at its lease, and they stay in this server's prefix cache, where the
+        first round finds the prompt they share. A failure is only logged: the loop goes on
+        as without them. None when there is nothing to read."""
+        raw = self.p.body.kv_transfer_params
+        kv = serving.kv_transfer_params(raw)
+        if kv is None or not kv.do_remote_prefill:
+            return None
+        engine, request_id = self.state.engine, f"{self.p.response_id}-kv"
+        prompt, params = self.p.rendered.prompt_ids, SamplingParams(max_tokens=1,
+                                                                    temperature=0.0)
+
+        async def read() -> None:
+            try:
+                async for _ in engine.generate(request_id, prompt, params, raw):
+                    pass
+            except (OpenAIError, RuntimeError) as e:
+                logger.warning("response %s: the prefilled KV of its prompt could not be read "
+                               "(the prefill frees it at its lease): %s", self.p.response_id, e)
+        return asyncio.ensure_future(read())
 
     async def _approved(self) -> AsyncIterator[dict[str, Any]]:
         """The calls the input approved (mcp_approval_response, approve true), made first."""
