@@ -17,6 +17,7 @@ import os
 import resource
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
@@ -31,7 +32,7 @@ from kvrelay.cli_flags import (
 
 if TYPE_CHECKING:
     from kvrelay.config import EngineArgs
-    from kvrelay.server.launch import HTTPOptions
+    from kvrelay.server.options import HTTPOptions
     from kvrelay.server.tools import AgentOptions
 
 
@@ -169,65 +170,77 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+@dataclass(frozen=True)
+class ServeConfig:
+    """`kvrelay serve`'s flags, typed: made once, by `_serve`, from the command line, and
+    all that `_launch` starts from. Each part checks its own flags as it is made
+    (ValueError naming the flag); this checks that MODEL is a checkpoint (a directory, or a
+    repo id in the HF cache, with a valid config.json). All of it before torch, the server
+    or a port: a bad flag or path is one line within a second."""
+
+    engine: EngineArgs          # the engine's flags (their JSON ones checked: engine_args)
+    agent: AgentOptions         # tool calling, reasoning, the Responses store, MCP servers
+    http: HTTPOptions           # where the API listens, its key, the admission bounds
+
+    def __post_init__(self) -> None:
+        if self.engine.model is not None:   # the embedded model is built later, on first use
+            from kvrelay.model.config import load_config
+            from kvrelay.model.locate import locate_checkpoint
+            load_config(locate_checkpoint(self.engine.model, self.engine.download_dir),
+                        self.engine.hf_overrides)
+
+
 def _serve(args: argparse.Namespace) -> int:
-    engine_args, agent = preflight(args)        # bad flags and paths: one line, before torch
-    if not args.headless:                   # a taken port: one line now, not after the model loads
+    """The flags become one ServeConfig here, and only here; then `_launch` runs it."""
+    from kvrelay.server.options import HTTPOptions
+    config = ServeConfig(engine=engine_args(args), agent=agent_options(args),
+                         http=HTTPOptions(host=args.host, port=args.port, api_key=args.api_key,
+                                          max_queued_requests=args.max_queued_requests,
+                                          max_seqs_per_request=args.max_seqs_per_request,
+                                          forwarded_allow_ips=args.forwarded_allow_ips))
+    return _launch(config)
+
+
+def _launch(config: ServeConfig) -> int:
+    """This node's data-parallel replicas for a head (--headless), else the API server with
+    its replicas (here, on headless nodes, or placed by Ray); the exit code."""
+    args, http = config.engine, config.http
+    if not args.headless:                 # a taken port: one line now, not after the model loads
         from kvrelay.ports import check_serve_ports
-        check_serve_ports(args)
+        check_serve_ports(http.host, http.port, args)
     from kvrelay.config import EngineConfig
-    from kvrelay.server.launch import serve
-    http = http_options(args)
-    # every engine value checked before a process starts
-    config = EngineConfig.from_args(engine_args)
-    if engine_args.headless:
+    engine = EngineConfig.from_args(args)       # every engine value, before a process starts
+    if args.headless:
         from kvrelay.engine.dp_headless import run_headless
-        return run_headless(config.args)
-    if "ray" in (engine_args.distributed_executor_backend, engine_args.data_parallel_backend):
+        return run_headless(engine.args)
+    if args.ray_replicas:
         from kvrelay.distributed.ray_cluster import connect
-        connect(engine_args.ray_address)   # no cluster: one line now, not after the model loads
-    return serve(config, args.host, args.port, args.api_key, agent, http)
+        connect(args.ray_address)          # no cluster: one line now, not after the model loads
+    from kvrelay.server.launch import serve
+    return serve(engine, http, config.agent)
 
 
-def preflight(args: argparse.Namespace) -> tuple[EngineArgs, AgentOptions]:
-    """What can be checked of serve's flags without torch, the server or the model: the
-    engine arguments, `--additional-config`, `--kv-transfer-config`, `--kv-events-config`,
-    the tool and admission flags, and that MODEL is a checkpoint (a directory, or a repo id
-    in the HF cache, with a valid config.json). Returns (EngineArgs, AgentOptions);
-    ValueError / OSError name the flag or the path."""
+def engine_args(args: argparse.Namespace) -> EngineArgs:
+    """The engine's flags, with what EngineConfig will parse of them checked now, without
+    torch: `--additional-config` (and `--quantization none` against its neuron_config),
+    `--kv-transfer-config`, `--kv-events-config` (ValueError names the flag)."""
     from kvrelay.config import EngineArgs, NeuronConfig
     from kvrelay.disagg.params import KVTransferConfig
     from kvrelay.kv_events.config import KVEventsConfig
-    from kvrelay.server.admission import AdmissionLimits
-    engine_args = EngineArgs(**{name: getattr(args, name) for name in SERVE_ENGINE_FLAGS})
-    neuron = NeuronConfig.from_additional_config(engine_args.additional_config)
-    if engine_args.quantization == "none" and neuron.quantization is not None:
+    engine = EngineArgs(**{name: getattr(args, name) for name in SERVE_ENGINE_FLAGS})
+    neuron = NeuronConfig.from_additional_config(engine.additional_config)
+    if engine.quantization == "none" and neuron.quantization is not None:
         raise ValueError(f"--quantization none contradicts --additional-config's "
                          f"neuron_config.quantization {neuron.quantization!r}")
-    KVTransferConfig.from_json(engine_args.kv_transfer_config)
-    KVEventsConfig.from_json(engine_args.kv_events_config)
-    agent = agent_options(args)
-    AdmissionLimits(1, args.max_queued_requests, args.max_seqs_per_request)
-    if engine_args.model is not None:          # the embedded model is built later, on first use
-        from kvrelay.model.config import load_config
-        from kvrelay.model.locate import locate_checkpoint
-        load_config(locate_checkpoint(engine_args.model, engine_args.download_dir),
-                    engine_args.hf_overrides)
-    return engine_args, agent
-
-
-def http_options(args: argparse.Namespace) -> HTTPOptions:
-    """The HTTP side's flags (ValueError names the flag)."""
-    from kvrelay.server.admission import AdmissionLimits
-    from kvrelay.server.launch import HTTPOptions
-    AdmissionLimits(1, args.max_queued_requests, args.max_seqs_per_request)     # checks them
-    return HTTPOptions(args.max_queued_requests, args.max_seqs_per_request,
-                       args.forwarded_allow_ips)
+    KVTransferConfig.from_json(engine.kv_transfer_config)
+    KVEventsConfig.from_json(engine.kv_events_config)
+    return engine
 
 
 def agent_options(args: argparse.Namespace) -> AgentOptions:
     """The tool-calling flags and the Responses store size (ValueError names the flag)."""
     from kvrelay import envs
-    from kvrelay.server.mcp.servers import parse_tool_servers
+    from kvrelay.server.options import parse_tool_servers
     from kvrelay.server.tools import AgentOptions
     store = envs.RESPONSES_STORE.raw() not in ("0", "false", "False")
     return AgentOptions(enable_auto_tool_choice=args.enable_auto_tool_choice,

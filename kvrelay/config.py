@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvrelay.model.config import GptOssConfig, load_config
+from kvrelay.model.locate import resolve_model_dir
 from kvrelay.spec_decode.config import SpeculativeConfig
 
 if TYPE_CHECKING:
@@ -329,16 +330,6 @@ class ExpertLayout:
                         self.dp if self.across else 1)
 
 
-def resolve_model_dir(model: str | None, download_dir: str | None = None) -> Path:
-    """The checkpoint directory of --model: a local directory, a Hugging Face repo id in
-    the HF cache, or (no model) the embedded model, built on first use."""
-    if model is None:
-        from kvrelay.model.embedded import embedded_model_dir
-        return embedded_model_dir()
-    from kvrelay.model.loader import resolve_model_path
-    return resolve_model_path(model, download_dir)
-
-
 def served_names(args: EngineArgs) -> tuple[str, ...]:
     """--served-model-name, else the --model as given, else the embedded model's name."""
     names = args.served_model_name
@@ -392,6 +383,8 @@ class EngineConfig:
         from kvrelay.disagg.params import KVTransferConfig
         from kvrelay.kv_events.config import KVEventsConfig
         neuron = NeuronConfig.from_additional_config(args.additional_config)
+        quantization = _quantization(args.quantization, neuron.quantization)
+        names = served_names(args)
         kv_transfer = KVTransferConfig.from_json(args.kv_transfer_config)
         kv_events = KVEventsConfig.from_json(args.kv_events_config)
         model_dir = resolve_model_dir(args.model, args.download_dir)
@@ -402,14 +395,14 @@ class EngineConfig:
             model_dir=model_dir,
             model=model,
             dtype=dtype,
-            quantization=_quantization(args.quantization, neuron.quantization),
+            quantization=quantization,
             max_model_len=args.max_model_len or model.max_position_embeddings,
             max_num_batched_tokens=args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
             experts=ExpertLayout.of(args.tensor_parallel_size, args.data_parallel_size,
                                     args.enable_expert_parallel, neuron.ep_degree),
             neuron=neuron,
             kv_transfer=kv_transfer,
-            served_names=served_names(args),
+            served_names=names,
             kv_events=kv_events,
             speculative=SpeculativeConfig.from_json(args.speculative_config),
         )

@@ -2,10 +2,13 @@
 line within a second instead of an error after the model has loaded."""
 from __future__ import annotations
 
-import argparse
 import socket
+from typing import TYPE_CHECKING
 
 from kvrelay import envs
+
+if TYPE_CHECKING:
+    from kvrelay.config import EngineArgs
 
 
 def unavailable(host: str, port: int) -> str | None:
@@ -23,25 +26,25 @@ def unavailable(host: str, port: int) -> str | None:
     return None
 
 
-def serve_ports(args: argparse.Namespace) -> list[tuple[str, str, int]]:
-    """(what, host, port) `kvrelay serve` will listen on: HTTP, and for a KV producer
-    (kv_producer / kv_both) the side channel of each local data-parallel replica."""
-    claims = [("HTTP", args.host, args.port)]
-    kv = args.kv_transfer_config or {}
+def serve_ports(host: str, port: int, engine: EngineArgs) -> list[tuple[str, str, int]]:
+    """(what, host, port) `kvrelay serve` will listen on: HTTP at host:port, and for a KV
+    producer (kv_producer / kv_both) the side channel of each local data-parallel replica."""
+    claims = [("HTTP", host, port)]
+    kv = engine.kv_transfer_config or {}
     if kv and kv.get("kv_role", "kv_both") in ("kv_producer", "kv_both"):
         base = envs.SIDE_CHANNEL_PORT.as_int() or 0
-        host = envs.SIDE_CHANNEL_HOST.raw() or "127.0.0.1"
-        local = args.data_parallel_size_local or args.data_parallel_size
-        first = args.data_parallel_start_rank
-        claims += [(f"KV side channel ({envs.SIDE_CHANNEL_PORT.shown})", host, base + first + r)
+        side = envs.SIDE_CHANNEL_HOST.raw() or "127.0.0.1"
+        local = engine.data_parallel_size_local or engine.data_parallel_size
+        first = engine.data_parallel_start_rank
+        claims += [(f"KV side channel ({envs.SIDE_CHANNEL_PORT.shown})", side, base + first + r)
                    for r in range(local)] if base else []
     return claims
 
 
-def check_serve_ports(args: argparse.Namespace) -> None:
+def check_serve_ports(host: str, port: int, engine: EngineArgs) -> None:
     """OSError naming the first port `kvrelay serve` cannot listen on."""
-    for what, host, port in serve_ports(args):
-        reason = unavailable(host, port)
+    for what, where, number in serve_ports(host, port, engine):
+        reason = unavailable(where, number)
         if reason:
-            raise OSError(f"cannot listen on {host}:{port} ({what}): {reason}; stop what uses "
-                          f"it or choose another port")
+            raise OSError(f"cannot listen on {where}:{number} ({what}): {reason}; stop what "
+                          f"uses it or choose another port")

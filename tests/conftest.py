@@ -6,7 +6,8 @@ import multiprocessing.process
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -50,6 +51,25 @@ def _state_dir(tmp_path_factory):
     """The servers tests start keep their responses store (`kvrelay serve`'s default: SQLite
     under the state directory) in the session's temporary directory, not the user's."""
     os.environ.setdefault("KVRELAY_STATE_DIR", str(tmp_path_factory.mktemp("kvrelay-state")))
+
+
+@pytest.fixture()
+def serve_config(monkeypatch: pytest.MonkeyPatch) -> Callable[..., Any]:
+    """`serve_config(*argv)`: the ServeConfig `kvrelay serve ARGV` would launch — every flag
+    checked as the command checks it (ValueError naming the flag), nothing started."""
+    from kvrelay import cli
+    launched: list[cli.ServeConfig] = []
+
+    def launch(config: cli.ServeConfig) -> int:
+        launched.append(config)
+        return 0
+
+    monkeypatch.setattr(cli, "_launch", launch)
+
+    def make(*argv: str) -> cli.ServeConfig:
+        assert cli._serve(cli.build_parser().parse_args(["serve", *argv])) == 0
+        return launched.pop()
+    return make
 
 
 def pytest_report_header(config: pytest.Config) -> str:

@@ -19,13 +19,13 @@ from __future__ import annotations
 import hashlib
 import socket
 import struct
-from pathlib import Path
 
 from kvrelay.config import EngineArgs
 from kvrelay.engine import codec
 from kvrelay.engine.codec import Decoder
 from kvrelay.engine.messages import FromEngine, Handshake, Hello, Layout, Message, ToEngine
 from kvrelay.framing import OversizedFrame, recv_exact
+from kvrelay.model.locate import resolve_model_dir
 
 VERSION = 3           # 3: msgpack frames of the codec (2: JSON frames)
 MAX_FRAME = 64 << 20
@@ -83,16 +83,8 @@ def decode(body: bytes) -> Message:
 
 
 # -- the layout both sides must agree on -------------------------------------------------------
-def _model_dir(args: EngineArgs) -> Path:
-    if args.model is None:
-        from kvrelay.model.embedded import embedded_model_dir
-        return embedded_model_dir()
-    from kvrelay.model.loader import resolve_model_path
-    return resolve_model_path(args.model, args.download_dir)
-
-
 def layout_of(args: EngineArgs) -> Layout:
-    raw = (_model_dir(args) / "config.json").read_bytes()
+    raw = (resolve_model_dir(args.model, args.download_dir) / "config.json").read_bytes()
     return Layout(data_parallel_size=args.data_parallel_size,
                   tensor_parallel_size=args.tensor_parallel_size,
                   enable_expert_parallel=args.enable_expert_parallel,

@@ -1,9 +1,9 @@
-"""Where a `--model` is, found without torch: a local directory, or a Hugging Face repo id
-in the HF cache layout (`<cache>/models--org--name/snapshots/<rev>/config.json`). Never
-downloads.
+"""Where a `--model` is, found without torch: a local directory, a Hugging Face repo id
+in the HF cache layout (`<cache>/models--org--name/snapshots/<rev>/config.json`), or (no
+model) the embedded model. Never downloads.
 
 `kvrelay serve` calls it before its heavy imports, so a wrong path is one line within a
-second; the loader's `resolve_model_path` is this function.
+second; the loader's `resolve_model_path` is `locate_checkpoint`.
 """
 from __future__ import annotations
 
@@ -36,3 +36,12 @@ def locate_checkpoint(model: str, download_dir: str | None = None) -> Path:
     raise CheckpointError(
         f"model {model!r} is not a local directory and was not found in {cache} "
         f"(offline: no download is attempted; pass a checkpoint directory or --download-dir)")
+
+
+def resolve_model_dir(model: str | None, download_dir: str | None = None) -> Path:
+    """The checkpoint directory of --model: `locate_checkpoint`'s, or (no model) the embedded
+    model's, built on first use."""
+    if model is None:
+        from kvrelay.model.embedded import embedded_model_dir
+        return embedded_model_dir()
+    return locate_checkpoint(model, download_dir)

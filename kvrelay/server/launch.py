@@ -12,7 +12,6 @@ import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,18 +24,13 @@ from kvrelay.engine.async_client import AsyncEngine
 from kvrelay.engine.client import EngineClient
 from kvrelay.malloc import return_large_buffers_to_the_os
 from kvrelay.model.tokenizer import load_tokenizer
-from kvrelay.server.admission import (
-    DEFAULT_MAX_QUEUED_REQUESTS,
-    DEFAULT_MAX_SEQS_PER_REQUEST,
-    Admission,
-    AdmissionLimits,
-    AdmittedEngine,
-)
+from kvrelay.server.admission import Admission, AdmittedEngine
 from kvrelay.server.api import ServerState, build_app
 from kvrelay.server.chat import make_chat_renderer
 from kvrelay.server.grammar_check import configure as configure_grammar_checks
 from kvrelay.server.hold_limit import HoldRateLimiter
 from kvrelay.server.metrics import ServerMetrics
+from kvrelay.server.options import HTTPOptions
 from kvrelay.server.prompt_tokens import tokenizer_facts
 from kvrelay.server.tools import AgentOptions
 
@@ -82,14 +76,6 @@ def hold_limiter(config: EngineConfig) -> HoldRateLimiter | None:
     return HoldRateLimiter(kv.hold_rate, kv.hold_burst)
 
 
-@dataclass(frozen=True)
-class HTTPOptions:
-    """The serve flags of the HTTP side (not the engine's)."""
-    max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
-    max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST
-    forwarded_allow_ips: str | None = None     # None: X-Forwarded-For / -Proto not trusted
-
-
 def uvicorn_proxy_options(forwarded_allow_ips: str | None) -> dict[str, Any]:
     """uvicorn trusts X-Forwarded-For/-Proto from 127.0.0.1 unless told otherwise, so any
     local process could choose the client address we log and rate-bound by. Trusted only
@@ -99,12 +85,10 @@ def uvicorn_proxy_options(forwarded_allow_ips: str | None) -> dict[str, Any]:
     return {"proxy_headers": True, "forwarded_allow_ips": forwarded_allow_ips}
 
 
-def serve(config: EngineConfig, host: str, port: int, api_key: str | None,
-          agent: AgentOptions | None = None, http_options: HTTPOptions | None = None) -> int:
+def serve(config: EngineConfig, http: HTTPOptions, agent: AgentOptions | None = None) -> int:
+    """Serve `config`'s engine over HTTP as `http` says, until stopped; the exit code."""
     model_dir, names, args = config.model_dir, list(config.served_names), config.args
-    opts = http_options or HTTPOptions()
-    limits = AdmissionLimits(args.max_num_seqs * args.data_parallel_size,
-                             opts.max_queued_requests, opts.max_seqs_per_request)
+    limits = http.limits(args.max_num_seqs * args.data_parallel_size)
     tokenizer = load_tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
     configure_grammar_checks(model_dir if tokenizer is not None else None)  # its worker starts
     timeout = envs.EXECUTE_MODEL_TIMEOUT_S.as_float()
@@ -120,7 +104,7 @@ def serve(config: EngineConfig, host: str, port: int, api_key: str | None,
     return_large_buffers_to_the_os()       # a large body's buffers do not stay resident
     # max_model_len 0 until the engine is ready: /health and every /v1 route answer 503 till then
     state = ServerState(engine=engine, tokenizer=tokenizer, served_names=names, max_model_len=0,
-                       max_logprobs=args.max_logprobs, api_key=api_key,
+                       max_logprobs=args.max_logprobs, api_key=http.api_key,
                        defaults=sampling_defaults(model_dir), token_facts=facts,
                        chat=make_chat_renderer(tokenizer, facts), agent=agent or AgentOptions())
     state.metrics = ServerMetrics(lambda: engine.stats, names[0], lambda: engine.info,
@@ -143,12 +127,13 @@ def serve(config: EngineConfig, host: str, port: int, api_key: str | None,
             engine.shutdown()
 
     app.router.lifespan_context = lifespan
-    http = uvicorn.Config(app, host=host, port=port, log_level="info",
-                          timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-                          **uvicorn_proxy_options(opts.forwarded_allow_ips))
-    server = _DrainingServer(http)
+    listen = uvicorn.Config(app, host=http.host, port=http.port, log_level="info",
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+                            **uvicorn_proxy_options(http.forwarded_allow_ips))
+    server = _DrainingServer(listen)
     logging.getLogger("uvicorn.error").addFilter(_HideEarlyReadyLine())
-    logger.info("serving %s as %s on http://%s:%d", model_dir, ", ".join(names), host, port)
+    logger.info("serving %s as %s on http://%s:%d", model_dir, ", ".join(names), http.host,
+                http.port)
     server.run()
     return outcome["rc"]
 

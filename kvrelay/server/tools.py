@@ -24,7 +24,7 @@ from kvrelay.server.protocol import OpenAIError
 from kvrelay.structured import limits
 
 if TYPE_CHECKING:
-    from kvrelay.server.mcp.servers import ToolServer
+    from kvrelay.server.options import ToolServer
 
 TOOL_CALL_PARSERS = ("openai",)          # gpt-oss's harmony calls (vLLM's name)
 REASONING_PARSERS = ("openai_gptoss",)   # gpt-oss's analysis channel (vLLM's name)
@@ -45,7 +45,7 @@ class AgentOptions:
     responses_owner_header: str | None = None        # who owns a stored response (else the key)
     responses_store_path: str | None = None          # SQLite file of the store; None: memory
     # MCP tools in /v1/responses (kvrelay/server/mcp/): the servers a request may use
-    # (--tool-server: mcp.servers.ToolServer entries), each operation's timeout, and the
+    # (--tool-server: options.ToolServer entries), each operation's timeout, and the
     # MCP calls one response may make
     tool_servers: tuple[ToolServer, ...] = ()
     tool_server_timeout_s: float = 30.0

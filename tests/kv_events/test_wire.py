@@ -193,17 +193,15 @@ def test_malformed_batches_are_wire_errors(payload):
         decode_batch(payload)
 
 
-def test_the_serve_flag_reaches_the_engine_args_and_is_checked_before_the_model(tmp_path):
+def test_the_serve_flag_reaches_the_engine_args_and_is_checked_before_the_model(tmp_path,
+                                                                             serve_config):
     import json
 
-    from kvrelay import cli
     from tests.factories import TINY
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_oss"} | TINY))
     raw = '{"enable_kv_cache_events": true, "topic": "kv@pod@m"}'
-    args = cli.build_parser().parse_args(["serve", str(tmp_path), "--kv-events-config", raw])
-    engine_args, _ = cli.preflight(args)
+    engine_args = serve_config(str(tmp_path), "--kv-events-config", raw).engine
     assert engine_args.kv_events_config == {"enable_kv_cache_events": True, "topic": "kv@pod@m"}
-    bad = cli.build_parser().parse_args(["serve", str(tmp_path), "--kv-events-config",
-                                         '{"enable_kv_cache_events": true, "topc": "x"}'])
     with pytest.raises(ValueError, match="--kv-events-config: unknown key 'topc'"):
-        cli.preflight(bad)
+        serve_config(str(tmp_path), "--kv-events-config",
+                     '{"enable_kv_cache_events": true, "topc": "x"}')

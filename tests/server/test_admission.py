@@ -225,19 +225,21 @@ def test_a_full_queue_is_503_with_retry_after_for_every_endpoint():
 
 # -- the flags ------------------------------------------------------------------------------
 
-def test_serve_flags_defaults_and_one_line_errors():
-    from kvrelay.cli import build_parser, http_options
+def test_serve_flags_defaults_and_one_line_errors(serve_config):
     from kvrelay.server.admission import DEFAULT_MAX_QUEUED_REQUESTS, DEFAULT_MAX_SEQS_PER_REQUEST
     from kvrelay.server.launch import uvicorn_proxy_options
-    opts = http_options(build_parser().parse_args(["serve"]))
+    from kvrelay.server.options import HTTPOptions
+    opts = serve_config().http
+    assert opts == HTTPOptions()                   # the flags' defaults are the options' own
     assert (opts.max_queued_requests, opts.max_seqs_per_request, opts.forwarded_allow_ips) == (
         DEFAULT_MAX_QUEUED_REQUESTS, DEFAULT_MAX_SEQS_PER_REQUEST, None)
+    assert opts.limits(running=8).capacity == 8 + DEFAULT_MAX_QUEUED_REQUESTS
     assert uvicorn_proxy_options(None) == {"proxy_headers": False}     # uvicorn's default: True
     assert uvicorn_proxy_options("10.0.0.1,10.0.0.2") == {
         "proxy_headers": True, "forwarded_allow_ips": "10.0.0.1,10.0.0.2"}
     for flag in ("--max-queued-requests", "--max-seqs-per-request"):
         with pytest.raises(ValueError, match=flag):
-            http_options(build_parser().parse_args(["serve", flag, "-1"]))
+            serve_config(flag, "-1")
 
 
 def test_proxy_trusts_no_forwarded_headers_unless_told():

@@ -1,7 +1,8 @@
 """`kvrelay serve`'s checks before its heavy imports (issue 30): a bad path, a bad
 --kv-transfer-config / --additional-config or a bad tool flag is one `ValueError` naming it,
-from `cli.preflight`, which needs neither torch nor the server (that the command exits
-within a second without importing torch: tests/e2e/test_cli_fast_errors.py). A model id
+raised while the flags become one `cli.ServeConfig`, which needs neither torch nor the server
+(that the command exits within a second without importing torch:
+tests/e2e/test_cli_fast_errors.py). A model id
 that is not a local directory is looked up in the HF cache, as the loader does. And
 `--quantization none` is accepted, meaning what it means for `kvrelay generate`: MXFP4
 experts dequantised at load."""
@@ -28,17 +29,15 @@ def ckpt(tmp_path: Path) -> Path:
     return tmp_path / "ckpt"
 
 
-def preflight(*argv: str):
-    return cli.preflight(cli.build_parser().parse_args(["serve", *argv]))
-
-
-def test_a_good_command_passes_and_gives_the_engine_args(ckpt):
-    engine_args, agent = preflight(str(ckpt), "--max-num-seqs", "8", "--kv-transfer-config",
-                                   '{"kv_role": "kv_consumer"}', "--tool-call-parser", "openai")
-    assert engine_args.model == str(ckpt) and engine_args.max_num_seqs == 8
-    assert engine_args.kv_transfer_config == {"kv_role": "kv_consumer"}
-    assert agent.tool_call_parser == "openai"
-    assert preflight()[0].model is None            # the embedded model: built later, not here
+def test_a_good_command_passes_and_gives_the_engine_args(ckpt, serve_config):
+    config = serve_config(str(ckpt), "--max-num-seqs", "8", "--kv-transfer-config",
+                          '{"kv_role": "kv_consumer"}', "--tool-call-parser", "openai",
+                          "--port", "8123", "--api-key", "k")
+    assert config.engine.model == str(ckpt) and config.engine.max_num_seqs == 8
+    assert config.engine.kv_transfer_config == {"kv_role": "kv_consumer"}
+    assert config.agent.tool_call_parser == "openai"
+    assert (config.http.host, config.http.port, config.http.api_key) == ("127.0.0.1", 8123, "k")
+    assert serve_config().engine.model is None     # the embedded model: built later, not here
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -57,32 +56,32 @@ def test_a_good_command_passes_and_gives_the_engine_args(ckpt):
     (["--max-num-seqs", "0"], "max_num_seqs must be at least 1, got 0"),
     (["-dp", "2", "-dpl", "3"], "--data-parallel-size-local 3 must be between 1 and"),
 ])
-def test_bad_flags_are_one_line_errors(argv, message):
+def test_bad_flags_are_one_line_errors(argv, message, serve_config):
     with pytest.raises(ValueError) as e:
-        preflight(*argv)
+        serve_config(*argv)
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
-def test_model_paths_are_checked_with_their_config(ckpt, tmp_path):
+def test_model_paths_are_checked_with_their_config(ckpt, tmp_path, serve_config):
     (tmp_path / "empty").mkdir()
     with pytest.raises(CheckpointError, match=r"config\.json: not found"):
-        preflight(str(tmp_path / "empty"))
+        serve_config(str(tmp_path / "empty"))
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "config.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="invalid JSON"):
-        preflight(str(tmp_path / "bad"))
+        serve_config(str(tmp_path / "bad"))
     with pytest.raises(CheckpointError, match="is a file; expected a checkpoint directory"):
-        preflight(str(ckpt / "config.json"))
+        serve_config(str(ckpt / "config.json"))
     with pytest.raises(ValueError, match="model_type"):
-        preflight(str(ckpt), "--hf-overrides", '{"model_type": "llama"}')
+        serve_config(str(ckpt), "--hf-overrides", '{"model_type": "llama"}')
 
 
-def test_a_repo_id_is_found_in_the_hf_cache(ckpt, tmp_path):
+def test_a_repo_id_is_found_in_the_hf_cache(ckpt, tmp_path, serve_config):
     cache = tmp_path / "hub"
     snapshot = cache / "models--org--tiny" / "snapshots" / "abc123"
     snapshot.mkdir(parents=True)
     (snapshot / "config.json").write_text(json.dumps(CONFIG))
-    engine_args, _ = preflight("org/tiny", "--download-dir", str(cache))
+    engine_args = serve_config("org/tiny", "--download-dir", str(cache)).engine
     assert engine_args.model == "org/tiny"                 # served under the name given
     assert locate_checkpoint("org/tiny", str(cache)) == snapshot
     assert locate_checkpoint(str(ckpt), None) == ckpt == locate_checkpoint(f"{ckpt}/", str(cache))
@@ -104,8 +103,8 @@ def test_serve_main_prints_one_line_and_exits_1(capsys):
     (["--quantization", "none"], "none", None),        # dequantise MXFP4 experts at load
 ])
 def test_serve_quantization_none_dequantises_as_generate_does(ckpt, flag, engine_value,
-                                                                loaded_as):
-    engine_args, _ = preflight(str(ckpt), *flag)
+                                                                loaded_as, serve_config):
+    engine_args = serve_config(str(ckpt), *flag).engine
     assert engine_args.quantization == engine_value
     assert EngineConfig.from_args(engine_args).quantization == loaded_as
     # `kvrelay generate --quantization X` hands LLM the same value, hence the same config
@@ -116,3 +115,22 @@ def test_serve_quantization_none_dequantises_as_generate_does(ckpt, flag, engine
 def test_serve_refuses_an_unknown_quantization():
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["serve", "--quantization", "fp8"])
+
+
+def test_serve_claims_its_http_port_and_a_producers_side_channels(monkeypatch):
+    """What `kvrelay serve` checks is free before anything slow: HTTP, and for a KV producer
+    the side channel of each replica this node runs (from --data-parallel-start-rank)."""
+    from kvrelay.config import EngineArgs
+    from kvrelay.ports import serve_ports
+    for name in ("VLLM_NIXL_SIDE_CHANNEL_PORT", "VLLM_NIXL_SIDE_CHANNEL_HOST"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("KVRELAY_NIXL_SIDE_CHANNEL_PORT", "5600")
+    monkeypatch.setenv("KVRELAY_NIXL_SIDE_CHANNEL_HOST", "10.0.0.2")
+    side = "KV side channel (VLLM_NIXL_SIDE_CHANNEL_PORT (or KVRELAY_NIXL_SIDE_CHANNEL_PORT))"
+    assert serve_ports("0.0.0.0", 8000, EngineArgs()) == [("HTTP", "0.0.0.0", 8000)]
+    consumer = EngineArgs(kv_transfer_config={"kv_role": "kv_consumer"})
+    assert serve_ports("127.0.0.1", 8001, consumer) == [("HTTP", "127.0.0.1", 8001)]
+    node = EngineArgs(kv_transfer_config={"kv_role": "kv_producer"}, data_parallel_size=4,
+                      data_parallel_size_local=2, data_parallel_start_rank=2, headless=True)
+    assert serve_ports("127.0.0.1", 8002, node) == [
+        ("HTTP", "127.0.0.1", 8002), (side, "10.0.0.2", 5602), (side, "10.0.0.2", 5603)]

@@ -1,10 +1,7 @@
-"""Which MCP servers a request may use: the operator's allowlist, and a request's entries.
+"""Which MCP servers a request may use: a request's entries against the operator's allowlist.
 
-`--tool-server` (vLLM's flag) lists the MCP servers this server may connect to, comma-
-separated; each entry is `[LABEL=]ADDRESS`, ADDRESS either `host:port` (its streamable
-HTTP endpoint `http://host:port/mcp`) or a URL (`http://host:port/path`):
-
-    --tool-server calc=127.0.0.1:8001,http://10.0.0.5:9000/mcp
+`--tool-server` (vLLM's flag) lists the MCP servers this server may connect to; its entries
+(`ToolServer`) are parsed with the other serve flags, in `server/options.py`.
 
 A request's `{"type": "mcp", "server_label": L, "server_url": U, ...}` names one of them —
 by its URL (compared after normalising scheme, host, port and path), or, without a URL, by
@@ -20,74 +17,13 @@ gpt-oss's built-in tools are served by the entries labelled `browser` and `pytho
 """
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
 
+from kvrelay.server.options import LABEL, ToolServer, normalise_url
+from kvrelay.server.options import parse_tool_servers as parse_tool_servers  # re-exported
 from kvrelay.server.protocol import OpenAIError
-
-DEFAULT_PATH = "/mcp"          # the streamable HTTP endpoint of an entry given as host:port
-_LABEL = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-
-
-@dataclass(frozen=True)
-class ToolServer:
-    """One `--tool-server` entry: its label (may be None) and normalised URL."""
-    label: str | None
-    url: str
-
-
-def normalise_url(text: str) -> str:
-    """`http(s)://host[:port][/path]` in one spelling (lower-case scheme and host, the
-    default port dropped, an empty path → /mcp, no trailing slash); ValueError otherwise."""
-    parts = urlsplit(text.strip())
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"expected http(s)://host:port[/path] or host:port, got {text!r}")
-    if parts.username or parts.password or parts.query or parts.fragment:
-        raise ValueError(f"a tool server URL has no user, query or fragment: {text!r}")
-    try:
-        port = parts.port
-    except ValueError:
-        raise ValueError(f"bad port in {text!r}") from None
-    host = parts.hostname.lower()
-    if ":" in host:
-        host = f"[{host}]"                   # IPv6
-    default = 443 if parts.scheme == "https" else 80
-    netloc = host if port in (None, default) else f"{host}:{port}"
-    path = parts.path.rstrip("/") or DEFAULT_PATH
-    return f"{parts.scheme}://{netloc}{path}"
-
-
-def parse_tool_servers(text: str | None) -> tuple[ToolServer, ...]:
-    """`--tool-server`'s value → its entries (ValueError naming the flag and the entry)."""
-    if not text:
-        return ()
-    out: list[ToolServer] = []
-    for raw in text.split(","):
-        entry = raw.strip()
-        if not entry:
-            continue
-        if entry == "demo":
-            raise ValueError("--tool-server demo: kvrelay has no demo tools; list MCP servers "
-                             "as [LABEL=]host:port or [LABEL=]http://host:port/path")
-        label, address = entry.split("=", 1) if "=" in entry.split("://")[0] else ("", entry)
-        if label and not _LABEL.match(label):
-            raise ValueError(f"--tool-server {entry!r}: a label is 1-64 letters, digits, '_' "
-                             f"or '-'")
-        if "://" not in address:
-            address = f"http://{address}"
-        try:
-            url = normalise_url(address)
-        except ValueError as e:
-            raise ValueError(f"--tool-server {entry!r}: {e}") from None
-        out.append(ToolServer(label or None, url))
-    labels = [s.label for s in out if s.label]
-    dupes = sorted({x for x in labels if labels.count(x) > 1})
-    if dupes:
-        raise ValueError(f"--tool-server: label(s) {dupes} given twice")
-    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -143,7 +79,7 @@ def is_mcp(tool: Any) -> bool:
 def resolve(raw: Mapping[str, Any], where: str, allowed: tuple[ToolServer, ...]) -> McpServerRef:
     """A request's `{"type": "mcp"}` entry → the server it may use; 400 otherwise."""
     label = raw.get("server_label")
-    if not isinstance(label, str) or not _LABEL.match(label):
+    if not isinstance(label, str) or not LABEL.match(label):
         raise OpenAIError(f"{where}.server_label: expected 1-64 letters, digits, '_' or '-', "
                           f"got {label!r}", param=where)
     for unsupported in ("connector_id", "tunnel_id"):
