@@ -29,8 +29,8 @@ from kvrelay.engine.dp_link import (
     encode,
     handshake,
     layout_of,
-    recv_frame,
-    send_frame,
+    recv_message,
+    send_message,
     to_node,
 )
 from kvrelay.engine.dp_placement import replica_args
@@ -65,9 +65,9 @@ def run_headless(args: EngineArgs, signals: bool = True) -> int:
     timeout = envs.ENGINE_READY_TIMEOUT_S.as_float() or 600.0
     sock = connect_to_head(args, timeout)
     sock.settimeout(60)
-    send_frame(sock, encode(Hello(VERSION, layout_of(args), args.data_parallel_start_rank,
+    send_message(sock, encode(Hello(VERSION, layout_of(args), args.data_parallel_start_rank,
                                         args.local_replicas)))
-    answer = handshake(recv_frame(sock))
+    answer = handshake(recv_message(sock))
     if not isinstance(answer, Welcome):
         sock.close()
         why = answer.error if isinstance(answer, Reject) else f"answered {answer.tag!r}"
@@ -134,7 +134,7 @@ class _Relay:
                 return
             try:
                 with self.send_lock:
-                    send_frame(self.sock, encode(message, rank))
+                    send_message(self.sock, encode(message, rank))
             except OSError:
                 return
             if isinstance(message, Fatal):
@@ -155,7 +155,7 @@ class _Relay:
         """Head → engine cores, until every replica is told to shut down. OSError or
         ValueError (CodecError, FrameError): the link is lost or broken."""
         while len(self.shut) < len(self.cores):
-            target, message = to_node(recv_frame(self.sock))    # CodecError: a ValueError
+            target, message = to_node(recv_message(self.sock))    # CodecError: a ValueError
             if target not in self.cores:
                 raise FrameError(f"message for replica {target!r}, which this node does not "
                                  f"run")

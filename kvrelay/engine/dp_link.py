@@ -42,14 +42,14 @@ def encode(message: Message, replica: int | None = None) -> bytes:
     return codec.encode((replica, message))
 
 
-def send_frame(sock: socket.socket, body: bytes) -> None:
+def send_message(sock: socket.socket, body: bytes) -> None:
     if len(body) > MAX_FRAME:
         raise OversizedFrame(f"message of {len(body)} bytes exceeds the {MAX_FRAME}-byte "
                              f"frame limit")
     sock.sendall(_HEADER.pack(len(body)) + body)
 
 
-def recv_frame(sock: socket.socket) -> bytes:
+def recv_message(sock: socket.socket) -> bytes:
     """One frame's body; ConnectionError when the peer closed the link."""
     head = recv_exact(sock, _HEADER.size)
     if head is None:

@@ -31,8 +31,8 @@ from kvrelay.engine.dp_link import (
     from_node,
     handshake,
     layout_of,
-    recv_frame,
-    send_frame,
+    recv_message,
+    send_message,
 )
 from kvrelay.engine.messages import Fatal, Reject, Shutdown, ToEngine, Welcome
 
@@ -52,13 +52,13 @@ class RemoteNode:
         if self.closed:
             raise ConnectionError("the headless node is gone")
         with self.lock:
-            send_frame(self.sock, body)
+            send_message(self.sock, body)
 
     def _reader(self) -> None:
         why = "the headless node closed the connection"
         try:
             while True:
-                rank, message = from_node(recv_frame(self.sock))   # CodecError: a ValueError
+                rank, message = from_node(recv_message(self.sock))   # CodecError: a ValueError
                 replica = self.replicas.get(rank)
                 if replica is not None:
                     replica.receive(message)
@@ -132,18 +132,18 @@ class HeadListener:
     def _welcome(self, conn: socket.socket, peer: tuple) -> None:
         conn.settimeout(30)
         try:
-            hello = handshake(recv_frame(conn))
+            hello = handshake(recv_message(conn))
             ranks = check_hello(hello, self.layout, self.claimed, self.args.local_replicas)
         except (OSError, ValueError) as e:
             logger.error("refused a headless node at %s:%d: %s", peer[0], peer[1], e)
             try:
-                send_frame(conn, encode(Reject(str(e))))
+                send_message(conn, encode(Reject(str(e))))
             except OSError:
                 pass
             conn.close()
             return
         self.claimed |= set(ranks)
-        send_frame(conn, encode(Welcome(self.args.data_parallel_master_port)))
+        send_message(conn, encode(Welcome(self.args.data_parallel_master_port)))
         conn.settimeout(None)
         node = RemoteNode(conn, {r: self.remote[r] for r in ranks})
         for r in ranks:

@@ -18,8 +18,8 @@ from kvrelay.engine.dp_link import (
     encode,
     from_node,
     handshake,
-    recv_frame,
-    send_frame,
+    recv_message,
+    send_message,
     to_node,
 )
 from kvrelay.engine.dp_remote import RemoteReplica
@@ -54,8 +54,8 @@ LAYOUT = Layout(data_parallel_size=4, tensor_parallel_size=2, enable_expert_para
 def roundtrip(message: Message, replica: int = 3) -> Message:
     a, b = socket.socketpair()
     with a, b:
-        send_frame(a, encode(message, replica))
-        frame = recv_frame(b)
+        send_message(a, encode(message, replica))
+        frame = recv_message(b)
     assert msgspec.msgpack.decode(frame)[0] == replica
     return decode(frame)
 
@@ -117,10 +117,10 @@ def test_malformed_frames_are_refused():
     with a, b:
         a.sendall(b"\x00\x00\x00\x03[1]")
         with pytest.raises(CodecError, match="malformed"):
-            decode(recv_frame(b))
+            decode(recv_message(b))
         a.sendall(b"\xff\xff\xff\xff")
         with pytest.raises(FrameError, match="exceeds"):
-            recv_frame(b)
+            recv_message(b)
 
 
 def hello(**changes):

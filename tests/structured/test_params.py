@@ -5,7 +5,7 @@ import socket
 
 import pytest
 
-from kvrelay.engine.dp_link import decode, encode, recv_frame, send_frame
+from kvrelay.engine.dp_link import decode, encode, recv_message, send_message
 from kvrelay.engine.messages import AddRequest
 from kvrelay.sampling_params import SamplingParams
 from kvrelay.structured.params import FunctionSpec, StructuredOutputsParams, ToolCallConstraint
@@ -31,6 +31,6 @@ def test_headless_wire_round_trips_the_constraint():
         tool_call=tools, harmony=True, analysis_budget=7))
     a, b = socket.socketpair()
     with a, b:
-        send_frame(a, encode(AddRequest("r1", [1, 2], params, None), 0))
-        got = decode(recv_frame(b)).params
+        send_message(a, encode(AddRequest("r1", [1, 2], params, None), 0))
+        got = decode(recv_message(b)).params
     assert got == params and got.structured_outputs.tool_call.functions[0].name == "get"
