@@ -57,7 +57,8 @@ logger = logging.getLogger(__name__)
 PROG = "kvrelay deploy"
 NAMESPACE_PREFIX = "kvrelay-deploy-"
 PROXY = "proxy"
-POLL_S = 0.5
+POLL_S = 0.5          # the proxy actor's look at its servers once all are ready
+FAST_POLL_S = 0.1     # ... while one is not (and deploy's own waits)
 STOP_GRACE_S = 35.0
 MAX_RESTARTS = 20
 IDLE_S = 1.0                 # a drained server idle this long is stopped
@@ -246,14 +247,19 @@ class ProxyActor(ServerActor):
         return self.settings, self.env
 
     def _follow(self) -> None:
+        """Write the backends file anew whenever the servers' states change: every
+        FAST_POLL_S while some server is not ready yet (bring-up, a restart, a scale step),
+        else every POLL_S."""
         while not self.stopping:
             try:
-                self._write_backends()
+                settled = self._write_backends()
             except Exception as e:                  # a server actor restarting: next round
                 logger.debug("backends: %s", e)
-            time.sleep(POLL_S)
+                settled = False
+            time.sleep(POLL_S if settled else FAST_POLL_S)
 
-    def _write_backends(self) -> None:
+    def _write_backends(self) -> bool:
+        """The file anew if the ready servers changed; whether every server answered ready."""
         import ray
         refs = [server_handle(n, self.ns).status.remote(False) for n in server_names(self.ns)]
         answered, _ = ray.wait(refs, num_returns=len(refs), timeout=5) if refs else ([], [])
@@ -269,6 +275,7 @@ class ProxyActor(ServerActor):
                 out[st["role"]].append({"id": st["name"], "url": st["url"]})
         if out != self.written:
             self._write(out)
+        return len(states) == len(refs) and all(st["ready"] for st in states)
 
     def _write(self, backends: dict[str, Any]) -> None:
         tmp = self.backends_path + ".tmp"
@@ -305,7 +312,7 @@ def call(ray: Any, method: Any, *args: Any, timeout_s: float = 90) -> Any:
 
 def _connect(address: str | None) -> Any:
     from kvrelay.distributed.ray_cluster import connect
-    return connect(address)
+    return connect(address, log_to_driver=False)     # the servers log to files on their nodes
 
 
 def _server_env(plan: Plan, server: ServerPlan, secret: str) -> dict[str, str]:
@@ -353,7 +360,7 @@ def await_ready(ray: Any, handles: list[Any], timeout_s: float,
             say("waiting for " + ", ".join(f"{s['name']} on {s['ip']}" for s in states
                                             if not s["ready"]))
             last = time.monotonic()
-        time.sleep(0.25)
+        time.sleep(FAST_POLL_S)
 
 
 def up(plan: Plan, args: argparse.Namespace, settings: dict[str, Any],
@@ -427,7 +434,7 @@ def await_backends(proxy_url: str, prefill: int, decode: int, timeout_s: float) 
         if time.monotonic() > deadline:
             raise TimeoutError(f"the proxy has {got} active backends after {timeout_s:.0f}s, "
                                f"expected {prefill} prefill and {decode} decode")
-        time.sleep(0.5)
+        time.sleep(FAST_POLL_S)
 
 
 def _actor_names(ray: Any, ns: str) -> list[str]:

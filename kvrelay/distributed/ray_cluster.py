@@ -38,8 +38,10 @@ def require_ray() -> Any:
     return ray
 
 
-def connect(address: str | None) -> Any:
-    """Join the cluster (once per process); ConnectionError names the address tried."""
+def connect(address: str | None, log_to_driver: bool = True) -> Any:
+    """Join the cluster (once per process); ConnectionError names the address tried.
+    `log_to_driver=False`: the actors' output is not streamed to this process (`kvrelay
+    deploy`, whose servers log to files: Ray's log monitor costs CPU beside them)."""
     ray = require_ray()
     if ray.is_initialized():
         return ray
@@ -47,7 +49,7 @@ def connect(address: str | None) -> Any:
     try:
         _check_reachable(target)             # ray.init retries a dead address for minutes
         ray.init(address=target, namespace=NAMESPACE, logging_level=logging.WARNING,
-                 configure_logging=False)
+                 configure_logging=False, log_to_driver=log_to_driver)
     except (ConnectionError, RuntimeError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConnectionError(

@@ -33,7 +33,8 @@ from urllib.parse import urlsplit
 
 logger = logging.getLogger("kvrelay.proxy")
 
-POLL_S = 0.5                       # how often the file's (mtime_ns, size, inode) is looked at
+POLL_S = 0.1                       # how often the file's (mtime_ns, size, inode) is looked at
+#                                    (a stat: a server that gets ready is routed to within 0.1 s)
 ROLES = ("prefill", "decode")
 ENTRY_KEYS = {"id", "url", "kv_events_port", "kv_events_replay_port"}
 MAX_ID_CHARS = 200
