@@ -106,6 +106,9 @@ class LLMEngine:
         self.failures = RequestFailures(self.output, self.scheduler, self.transfer, self.kv,
                                         self.abort_request)
         self.num_steps = self.num_dummy_steps = 0
+        # the last step ran no forward: every unfinished request waits (for its remote KV,
+        # a grammar, blocks): the core loop then waits a little instead of spinning
+        self.last_step_idle = False
         warmup(self.executor, self.runner.num_groups, config)
         self.transfer.start(self.kv_cache_spec(), self.runner.kv_tensors,
                             self.args.tensor_parallel_size, self.executor.link,
@@ -276,6 +279,7 @@ class LLMEngine:
         (`dp_token_counts`: every replica's tokens this step) every replica runs a forward
         when any has tokens — this one a dummy token (output discarded) if it has none —
         so the MoE collectives line up."""
+        self.last_step_idle = plan.step is None and not plan.failed
         if plan.step is None and not (dp_token_counts and max(dp_token_counts)):
             if plan.kv_work is not None:
                 self.executor.send_kv(plan.kv_work)      # no step follows to carry it

@@ -143,6 +143,7 @@ def _step_trace() -> IO[str] | nullcontext[None]:
     return open(path, "a", buffering=1) if path else nullcontext()
 
 
+IDLE_STEP_WAIT_S = 0.001  # after a step with nothing to run while requests wait
 STATS_EVERY_S = 0.1        # while steps run without outputs (a long prefill), stats this often
 
 
@@ -197,6 +198,11 @@ def _run(engine: CoreEngine, conn: CorePipe, trace: IO[str] | None,
             # idle: sleep until a message (or poll transfers/leases every 10 ms, or a
             # background kernel build)
             conn.poll(0.01 if engine.transfer_busy else idle_wait())
+        elif engine.last_step_idle:
+            # every request waits (its remote KV loading, mostly): poll again in a
+            # millisecond, or at once on a message, rather than spin a core that a prefill
+            # server beside this one may share
+            conn.poll(IDLE_STEP_WAIT_S)
         while waiting.poll(0):
             try:
                 message = conn.recv()

@@ -16,6 +16,7 @@ class CoreEngine(Protocol):
     scheduler: Any
     num_steps: int
     num_dummy_steps: int
+    last_step_idle: bool           # the last step ran no forward (every request waits)
 
     @property
     def connector(self) -> Any: ...

@@ -40,6 +40,7 @@ class _BatchEngine:
     connector = None
     expert_world = None
     transfer_busy = False
+    last_step_idle = False
 
     def __init__(self, n: int, steps: int) -> None:
         self.tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(n)}
