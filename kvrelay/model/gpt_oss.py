@@ -39,7 +39,7 @@ from kvrelay.model.execution_plan import ExecutionPlan
 from kvrelay.model.layers.attention import AttentionMetadata, PagedAttention
 from kvrelay.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kvrelay.model.layers.linear import QKVParallelLinear, RowParallelLinear, runs_on_dense_kernel
-from kvrelay.model.layers.moe import DecodeArgs, Experts, MoE, Router
+from kvrelay.model.layers.moe import ExpertPaths, Experts, MoE, Router
 from kvrelay.model.layers.norm import RMSNorm
 from kvrelay.model.layers.rotary import RotaryEmbedding
 from kvrelay.model.parallel import ParallelContext
@@ -166,18 +166,18 @@ class DecodeStack:
     (`kvrelay_kernels.DecodeStack`, csrc/decode_stack_op.cpp: the same ops in the same
     order, called from C++, so bitwise the same results), the weights registered once.
     The model makes one where its plan says `decode_stack` and every layer can join (one
-    rank, the experts' decode arguments made: `make`), and runs it for a batch size where
-    every layer's decode would run natively (`usable`). Made again when an experts'
-    decode arguments change (`current`)."""
+    rank, the kernels built: `make`), and runs it for a batch size where every layer's
+    decode would run natively (`usable`). Made again when an experts' paths (their kernel
+    arguments) are made again (`current`)."""
 
     def __init__(self, layers: list[DecoderLayer]) -> None:
         self.layers = layers
         self.mods = [layer.mods for layer in layers]
-        self.args = [m.experts._decode_args() for m in self.mods]
+        self.paths = [m.experts.paths() for m in self.mods]
         self.usable: dict[int, bool] = {}
         self.native = torch.classes.kvrelay_kernels.DecodeStack()
-        for mods, args in zip(self.mods, self.args):
-            self._add(mods, args)
+        for mods, paths in zip(self.mods, self.paths):
+            self._add(mods, paths)
 
     @classmethod
     def make(cls, model: GptOssModel) -> DecodeStack | None:
@@ -187,13 +187,13 @@ class DecodeStack:
                 or not hasattr(torch.classes.kvrelay_kernels, "DecodeStack")):
             return None
         for layer in layers:
-            args = layer.mods.experts._decode_args()
-            if layer.mods.ctx.tp_size != 1 or args.reduce is not None or args.route_op is None:
+            paths = layer.mods.experts.paths()
+            if layer.mods.ctx.tp_size != 1 or paths.reduce is not None or paths.route_op is None:
                 return None
         return cls(layers)
 
     def current(self) -> bool:
-        return all(m.experts._decode_args() is args for m, args in zip(self.mods, self.args))
+        return all(m.experts.paths() is paths for m, paths in zip(self.mods, self.paths))
 
     def get(self, h: torch.Tensor) -> Any:
         """The native stack for a batch like h, or None (layer by layer)."""
@@ -209,13 +209,13 @@ class DecodeStack:
             if (m.ln1._ops(h) is None or m.ln2._ops(h) is None
                     or not runs_on_dense_kernel(h, m.qkv.weight, m.qkv.plan)
                     or not runs_on_dense_kernel(out, m.o_proj.weight, m.o_proj.plan)
-                    or not m.experts._fuses_router(h, m.router)):
+                    or not m.experts.fuses_router(h, m.router)):
                 return False
         return True
 
-    def _add(self, m: DecodeModules, args: DecodeArgs) -> None:
+    def _add(self, m: DecodeModules, paths: ExpertPaths) -> None:
         first, gate_up, gate_up_scales, gate_up_bias, down, down_scales, down_bias, alpha, \
-            limit, _isa = args.args
+            limit, _isa = paths.op_args
         self.native.add_layer(
             m.ln1.weight, m.ln1.eps, m.ln2.weight, m.ln2.eps, m.qkv.weight, m.qkv.bias,
             m.qkv.num_heads, m.qkv.num_kv_heads, m.qkv.head_dim, m.attn.group, m.attn.sinks,

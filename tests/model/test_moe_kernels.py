@@ -7,6 +7,7 @@ and expert- and tensor-parallel shards (MXFP4 rows zero-padded to whole blocks).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -578,3 +579,40 @@ def _same_bits_on_one_and_two_threads(threads, ex, x, weights, ids, isas) -> Non
         two = native(ex, x, weights, ids, isa)
         assert torch.equal(one, two), isa
         assert_close(two, expected)
+
+
+# -- the one chooser: `ExpertPaths` ----------------------------------------------------------
+def test_forward_and_decode_share_one_choice_per_batch_size(isas, monkeypatch):
+    """`ExpertPaths.choose` decides each choice count once for `forward` and `decode`
+    alike; setting the plan or the weights, or moving the module, makes the paths again."""
+    ex = make_experts(64, 96, 4, "mxfp4", seed=2)
+    weights, ids = routing(4, 4, 2, seed=3)
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(4))
+    calls = []
+    real = moe_mod.ExpertPaths.choose
+    monkeypatch.setattr(moe_mod.ExpertPaths, "choose",
+                        staticmethod(lambda *a, **kw: calls.append(a[2]) or real(*a, **kw)))
+    first = ex(x, weights, ids)
+    assert torch.equal(ex.decode(x, weights, ids), first) and calls == [8]
+    ex(x[:1], weights[:1], ids[:1])
+    assert calls == [8, 2]
+    ex.plan = dataclasses.replace(ex.plan, moe="torch")       # a new plan: decided again
+    assert torch.equal(ex(x, weights, ids), ex.forward_torch(x, weights, ids))
+    assert calls == [8, 2, 8]
+    ex.down = random_mxfp4(4, 64, 96, torch.Generator().manual_seed(5))     # new weights
+    ex.decode(x, weights, ids)
+    ex.to("cpu")                                               # moved (`_apply`)
+    ex(x, weights, ids)
+    assert calls == [8, 2, 8, 8, 8]
+
+
+def test_the_paths_hold_no_reference_to_their_experts(isas):
+    """A dropped layer is freed at once (no reference cycle through its paths)."""
+    import weakref
+    ex = make_experts(40, 56, 5, "bf16", seed=1)
+    weights, ids = routing(3, 5, 2, seed=1)
+    ex.decode(torch.randn(3, 40).bfloat16(), weights, ids)
+    assert ex._paths is not None
+    alive = weakref.ref(ex)
+    del ex
+    assert alive() is None

@@ -5,14 +5,19 @@ Experts: h = x W_guᵀ + b_gu with gate/up interleaved (even rows gate, odd rows
 gate ≤ limit, -limit ≤ up ≤ limit; act = (up + 1) · gate · σ(alpha · gate);
 y = act W_dᵀ + b_d, weighted by the routing weight.
 
-Two implementations of the expert computation, chosen by the execution plan's `moe`
-(KVRELAY_MOE_KERNEL: auto | native | torch):
-- native (`kvrelay.model.kernels`): one C++ call per layer covering every local expert —
+Three implementations of the expert computation; `ExpertPaths.choose` picks one per call
+from the execution plan's `moe` (KVRELAY_MOE_KERNEL: auto | native | torch), the weights
+and the rows per expert, and nothing else does:
+- kernel (`kvrelay.model.kernels`): one C++ call per layer covering every local expert —
   choices counting-sorted by expert, gate_up + swiglu and down + routing weight as two
   parallel sweeps over (expert, row tile), MXFP4 dequantised in registers, fp32
   accumulation throughout;
-- torch (the reference it is tested against): tokens grouped by expert (argsort of the
-  flattened (token, k) choices + bincount) and one matmul per *active* expert.
+- tiles (`moe_tiles.py`): the same computation as AVX512-BF16 tiles, for bf16 models at
+  many rows per expert;
+- torch (the reference the others are tested against): tokens grouped by expert (argsort
+  of the flattened (token, k) choices + bincount) and one matmul per *active* expert.
+Decode-only steps add one variant of the kernel: the router and the experts as one native
+call (`Experts.route_decode`), bitwise the router then the kernel.
 
 Sharding: a rank holds experts [e0, e1) (expert parallel, `ep_size` ways) and, of
 each, the intermediate rows [i0, i1) (tensor parallel, zero-padded to whole MXFP4
@@ -28,7 +33,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, Self
+from typing import Any, Literal, Self
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +49,8 @@ from kvrelay.model.layers.moe_mode import moe_kernel_mode as moe_kernel_mode  # 
 from kvrelay.model.mxfp4 import BLOCK, MXFP4Tensor
 from kvrelay.model.parallel import Collectives, ParallelContext, divide, shard_range
 from kvrelay.model.weights import WeightSource, padded_slice
+
+ExpertPath = Literal["kernel", "tiles", "torch"]
 
 _NATIVE_DENSE_DTYPES = (torch.float32, torch.bfloat16)   # and MXFP4, whatever the model dtype
 _KERNEL_X_DTYPES = (torch.float32, torch.bfloat16)       # activations the kernel reads as given
@@ -69,6 +76,15 @@ DENSE_TORCH_MIN_WORK = 1 << 22
 # (`benchmarks/moe_kernels.py --tokens`, one thread, AVX512-BF16, CPU time): hidden 128,
 # 8 experts top-2, 4096 tokens (1024 rows per expert): kernel 22.8 ms, torch 15 ms.
 MXFP4_TORCH_MIN_ROWS = 256
+# Token rows per expert from which the tiles (moe_tiles.py) take over. An expert's rows are
+# padded to 16 (one vector of token rows), so below that the tiles cost as much as 16 rows.
+# Measured (one thread, CPU time per layer call, AVX512-BF16 Zen 4 VM under load; tiles /
+# the path taken before): tiny config (hidden = intermediate = 128, 8 experts, top-2) at
+# 6 / 8 / 10 / 12 / 16 / 256 / 1024 rows per expert, bf16 107/89, 105/112, 117/136, 121/165,
+# 142/272, 1572/3373, 8658/17365 us, MXFP4 114/97, 114/118, 127/150, 137/200, 147/226,
+# 1565/3847, 6867/15359 us; the embedded model's shape (576/1536, 2 experts, top-1) at
+# 4 / 8 / 16 rows 1243/390, 1015/986, 1377/1551 us.
+TILE_MIN_ROWS = 10
 
 
 @functools.cache
@@ -98,13 +114,26 @@ class Router(nn.Module):
         return route_topk_op()(linear(x, self.weight, self.bias, self.plan), self.top_k)
 
 
+# Set anew, these change which path a call takes or what it passes the kernels: the
+# experts' paths are made again on next use (`Experts.__setattr__`).
+_PATH_FACTS = frozenset(("plan", "ctx", "dtype", "gate_up", "down", "gate_up_bias", "down_bias"))
+# What `kernels.moe_experts` takes besides x, the routing weights and the expert ids (see
+# `Experts.kernel_args`); the raw ops take the same values flattened (`ExpertPaths.op_args`).
+KernelArgs = tuple[int, tuple[torch.Tensor, torch.Tensor | None], torch.Tensor,
+                   tuple[torch.Tensor, torch.Tensor | None], torch.Tensor | None, float, float]
+
+
 class Experts(nn.Module):
-    """This rank's share of the experts, in the model dtype or packed MXFP4."""
+    """This rank's share of the experts, in the model dtype or packed MXFP4. Owner of its
+    `ExpertPaths` (which implementation computes a call, and the kernels' arguments), made
+    from what the layer holds on first use and dropped when any of it is set anew
+    (`_PATH_FACTS`, `_apply`)."""
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, ctx: ParallelContext,
                  dtype: torch.dtype, alpha: float, limit: float, mxfp4: bool,
                  plan: ExecutionPlan | None = None) -> None:
         super().__init__()
+        self._paths: ExpertPaths | None = None      # `paths`, made on first use
         self.ctx, self.dtype, self.alpha, self.limit, self.mxfp4 = ctx, dtype, alpha, limit, mxfp4
         self.plan = plan or execution_plan.current()
         self.hidden, self.intermediate = hidden, intermediate
@@ -120,14 +149,15 @@ class Experts(nn.Module):
         self.down_bias = nn.Parameter(torch.zeros(E, hidden, dtype=dtype), requires_grad=False)
         self.gate_up: torch.Tensor | MXFP4Tensor
         self.down: torch.Tensor | MXFP4Tensor
-        # fp32 copies of half-precision biases for the native kernel, keyed by the
-        # source tensor's (data_ptr, version) so a reload refreshes them
-        self._bias_f32: dict[str, tuple[tuple[int, int], torch.Tensor]] = {}
-        self._args: DecodeArgs | None = None       # `decode`'s arguments, made on first use
         if not mxfp4:
             self.gate_up = nn.Parameter(torch.zeros(E, 2 * I, hidden, dtype=dtype),
                                         requires_grad=False)
             self.down = nn.Parameter(torch.zeros(E, hidden, I, dtype=dtype), requires_grad=False)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        if name in _PATH_FACTS:
+            self._paths = None          # made again from the new value on next use
 
     # -- loading -------------------------------------------------------------------------
     def load(self, src: WeightSource, prefix: str) -> None:
@@ -185,6 +215,7 @@ class Experts(nn.Module):
         if self.mxfp4 and isinstance(self.gate_up, MXFP4Tensor):
             device = self.gate_up_bias.device
             self.gate_up, self.down = self.gate_up.to(device), self.down.to(device)
+        self._paths = None          # the parameters' data moved or changed dtype in place
         return self
 
     def nbytes(self) -> int:
@@ -196,120 +227,74 @@ class Experts(nn.Module):
         return w.expert(e, dtype) if isinstance(w, MXFP4Tensor) else w[e].to(dtype)
 
     # -- compute --------------------------------------------------------------------------
+    def paths(self) -> ExpertPaths:
+        """This layer's `ExpertPaths`, made again where a bias was copied into in place since
+        (a reload: no setter sees it, the biases' versions do)."""
+        paths = self._paths
+        if paths is None or not paths.current():
+            paths = self._paths = ExpertPaths(self)
+        return paths
+
+    _decode_args = paths        # the paths' name while only `decode` kept them (tests use it)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor,
+                expert_ids: torch.Tensor) -> torch.Tensor:
+        """x [T, H], weights/expert_ids [T, k] → this rank's partial output [T, H], on the
+        path `ExpertPaths.choose` picks."""
+        if torch.compiler.is_compiling():
+            return self._traced(x, weights, expert_ids)
+        return self.paths().run(self, x, weights, expert_ids)
+
     def decode(self, x: torch.Tensor, weights: torch.Tensor,
                expert_ids: torch.Tensor) -> torch.Tensor:
         """`forward` followed by the MoE all-reduce, for eager decode steps
-        (`DecoderLayer.decode`): the same results, with what `forward` works out per call
-        (kernel choice, weight views, fp32 biases) worked out once (`DecodeArgs`) and the
-        all-reduce skipped where it is the identity (one rank). `weights`/`expert_ids` are
-        the router's float32/int64 [T, k] (the kernel checks)."""
-        args = self._decode_args()
-        choices = expert_ids.numel()
-        if moe_tiles.wants(self, x, choices):          # many rows per expert (offline3 hook)
-            y = moe_tiles.forward(self, x, weights, expert_ids)
-            return y if args.reduce is None else args.reduce(y)
-        native = args.native.get(choices)
-        if native is None:
-            native = args.native[choices] = self.uses_native_kernel(choices)
-        if native:
-            y = args.op(x if args.x_native else x.float(), weights, expert_ids, *args.args)
-            if not args.x_native:
-                y = y.to(x.dtype)
-        else:
-            y = self.forward_torch(x, weights, expert_ids)
-        return y if args.reduce is None else args.reduce(y)
+        (`DecoderLayer.decode`): the same path and results, the all-reduce skipped where it
+        is the identity (one rank). `weights`/`expert_ids` are the router's float32/int64
+        [T, k] (`Router.route_native`)."""
+        paths = self.paths()
+        y = paths.run(self, x, weights, expert_ids)
+        return y if paths.reduce is None else paths.reduce(y)
 
     def route_decode(self, x: torch.Tensor, router: Router,
                      route: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
                      ) -> torch.Tensor:
         """`decode` of the choices `route(x)` makes (`Router.route_native`: the router's
-        linear on the dense kernel, then `route_topk`): where both run natively,
-        the router and the experts are one native call (`moe_route_experts`, which calls the
-        same two ops from C++: bitwise the same result, two Python op dispatches fewer a
-        layer); otherwise `route` and `decode`."""
-        args = self._decode_args()
-        fused = args.fused.get(x.shape[0])
-        if fused is None:
-            fused = args.fused[x.shape[0]] = self._fuses_router(x, router)
-        if not fused:
-            return self.decode(x, *route(x))
-        y = args.route_op(x, router.weight, router.bias, router.top_k, *args.args)
-        return y if args.reduce is None else args.reduce(y)
+        linear on the dense kernel, then `route_topk`): where `ExpertPaths.fuses_router`
+        says so, the router and the experts are one native call (`moe_route_experts`, which
+        calls the same two ops from C++: bitwise the same result, two Python op dispatches
+        fewer a layer); otherwise `route` and `decode`."""
+        paths = self.paths()
+        if paths.fuses_router(self, x, router):
+            y = paths.route_op(x, router.weight, router.bias, router.top_k, *paths.op_args)
+        else:
+            y = paths.run(self, x, *route(x))
+        return y if paths.reduce is None else paths.reduce(y)
 
-    def _fuses_router(self, x: torch.Tensor, router: Router) -> bool:
-        """Whether `route_decode` of x's batch size takes the one native call: the kernel
-        reads x as it is and is chosen for its choices, and the router's linear is the
-        dense kernel's (what `linear` picks under the router's plan)."""
-        args = self._decode_args()
-        return (bool(args.args) and args.x_native and router.bias.dtype == x.dtype
-                and self.uses_native_kernel(x.shape[0] * router.top_k)
-                and runs_on_dense_kernel(x, router.weight, router.plan))
-
-    def _decode_args(self) -> DecodeArgs:
-        """The decode arguments, made again when what they were made from changed."""
-        args = self._args
-        if args is None or not args.current(self):
-            args = self._args = DecodeArgs(self)
-        return args
-
-    def forward(self, x: torch.Tensor, weights: torch.Tensor,
-                expert_ids: torch.Tensor) -> torch.Tensor:
-        """x [T, H], weights/expert_ids [T, k] → this rank's partial output [T, H]."""
-        if moe_tiles.wants(self, x, expert_ids.numel()):   # offline3 hook (moe_tiles.py)
-            return moe_tiles.forward(self, x, weights, expert_ids)
-        if self.uses_native_kernel(expert_ids.numel()):
-            return self.forward_native(x, weights, expert_ids)
-        return self.forward_torch(x, weights, expert_ids)
+    def fuses_router(self, x: torch.Tensor, router: Router) -> bool:
+        """Whether `route_decode` of a batch like x takes the one native call."""
+        return self.paths().fuses_router(self, x, router)
 
     def uses_native_kernel(self, choices: int = 1) -> bool:
-        """Native unless the plan's moe is "torch", the weights are not on the CPU, or are
-        dense and either in a dtype the kernel does not read (fp16) or given enough rows
-        (`choices` (token, expert) pairs over all experts) for torch's GEMMs to win
-        (`dense_prefers_torch`; 'auto' only), or the extension could not be built ('auto'
-        then falls back with the one warning `kernels.status` logs; 'native' is an error)."""
-        mode = self.plan.moe
-        if mode == "torch" or self.gate_up_bias.device.type != "cpu":
-            return False
-        if not isinstance(self.gate_up, MXFP4Tensor):
-            if self.dtype not in _NATIVE_DENSE_DTYPES:
-                return False
-            if mode == "auto" and self.dense_prefers_torch(choices):
-                return False
-        elif mode == "auto" and self.mxfp4_prefers_torch(choices):
-            return False
-        available = self.plan.native_kernels
-        if not available and mode == "native":
-            raise RuntimeError(f"{envs.MOE_KERNEL.shown}=native but the native kernels could "
-                               f"not be built: {kernels.status().reason}")
-        return available
+        """Whether `choices` (token, expert) pairs go to the kernel rather than torch's GEMMs
+        (`ExpertPaths.kernel_takes`; the tiles, where they run, take many rows first)."""
+        return ExpertPaths.kernel_takes(self, choices, torch.compiler.is_compiling())
 
-    def dense_prefers_torch(self, choices: int) -> bool:
-        """Whether `choices` (token, expert) pairs give torch's GEMMs the edge over the
-        kernel on these dense experts (see DENSE_TORCH_MIN_ROWS / _WORK)."""
-        rows_per_expert = choices / (self.num_local * self.ctx.ep_size)
-        return (rows_per_expert >= DENSE_TORCH_MIN_ROWS
-                and rows_per_expert * self.hidden * self.i_local >= DENSE_TORCH_MIN_WORK)
+    def _traced(self, x: torch.Tensor, weights: torch.Tensor,
+                expert_ids: torch.Tensor) -> torch.Tensor:
+        """`forward` while torch.compile traces: `ExpertPaths.choose` as traced code sees it
+        (never the tiles; MXFP4 never torch's GEMMs), the kernel's arguments computed in the
+        graph. Nothing cached is read, so the graph's guards hold as the caches change."""
+        if ExpertPaths.choose(self, x, expert_ids.numel(), compiling=True) == "kernel":
+            return ExpertPaths.kernel(x, weights, expert_ids, self.kernel_args())
+        return self.forward_torch(x, weights, expert_ids)
 
-    def mxfp4_prefers_torch(self, choices: int) -> bool:
-        """Whether `choices` (token, expert) pairs are enough rows per expert for the
-        dequantise-then-GEMM path to beat the kernel on MXFP4 experts (never while
-        torch.compile traces: the torch path's per-expert loop breaks the graph)."""
-        if torch.compiler.is_compiling():
-            return False
-        return choices / (self.num_local * self.ctx.ep_size) >= MXFP4_TORCH_MIN_ROWS
-
-    def forward_native(self, x: torch.Tensor, weights: torch.Tensor,
-                       expert_ids: torch.Tensor) -> torch.Tensor:
-        """The whole expert computation as one kernel call, in fp32 whatever the dtype
-        (the kernel widens fp32/bf16 activations itself and rounds its result to theirs)."""
-        xk = x.contiguous() if x.dtype in _KERNEL_X_DTYPES else x.float().contiguous()
-        y = kernels.moe_experts(
-            xk, weights.float().contiguous(), expert_ids.long().contiguous(),
-            self.first_expert, self._kernel_weight(self.gate_up), self._f32("gate_up_bias"),
-            self._kernel_weight(self.down),
-            self._f32("down_bias") if self.add_down_bias else None,
-            self.alpha, self.limit)                                           # [T, H]
-        return y.to(x.dtype)
+    def kernel_args(self) -> KernelArgs:
+        """What `kernels.moe_experts` takes besides the activations and choices: the first
+        local expert, the weights (and MXFP4 scales), the biases in float32 (the down bias
+        only on the first intermediate shard), alpha and limit."""
+        return (self.first_expert, self._kernel_weight(self.gate_up), self._f32("gate_up_bias"),
+                self._kernel_weight(self.down),
+                self._f32("down_bias") if self.add_down_bias else None, self.alpha, self.limit)
 
     @staticmethod
     def _kernel_weight(w: torch.Tensor | MXFP4Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -318,17 +303,9 @@ class Experts(nn.Module):
         return w.detach().contiguous(), None
 
     def _f32(self, name: str) -> torch.Tensor:
+        """A bias as the kernels read it: float32 (a copy of a half-precision one)."""
         bias = getattr(self, name).detach()
-        if bias.dtype == torch.float32:
-            return bias
-        if torch.compiler.is_compiling():      # traced: computed in the graph (or frozen)
-            return bias.float()
-        key = (bias.data_ptr(), bias._version)
-        cached = self._bias_f32.get(name)
-        if cached is None or cached[0] != key:
-            cached = (key, bias.float().contiguous())
-            self._bias_f32[name] = cached
-        return cached[1]
+        return bias if bias.dtype == torch.float32 else bias.float().contiguous()
 
     def forward_torch(self, x: torch.Tensor, weights: torch.Tensor,
                       expert_ids: torch.Tensor) -> torch.Tensor:
@@ -381,40 +358,145 @@ class Experts(nn.Module):
         return F.linear(act, self._weight(self.down, e, dt), bias)          # [n, H]
 
 
-class DecodeArgs:
-    """What `Experts.decode` passes the kernel besides the activations, worked out once:
-    the op, the weight views and fp32 biases in the op's argument order, the all-reduce
-    (None when it is the identity), and the kernel choice per choice count. Made from the
-    experts' plan, weights, biases and parallel context: `current` says whether those are
-    still the ones it was made from (a reload replaces the weights or copies into the
-    biases in place; a new plan arrives when the kernels become available)."""
+class ExpertPaths:
+    """Which implementation computes a call of one `Experts`, decided here and nowhere
+    else, and what the kernels take besides the activations, worked out once. Made by
+    `Experts.paths` from the layer's plan, weights, biases, parallel context and dtype;
+    made again when one of them changes (set anew, the module moved, a bias copied into).
+
+    The rule (`choose`), by the rows each expert gets on average,
+    rows = choices / (local experts × ep_size), choices = T·k (token, expert) pairs:
+
+        tiles   (`tiles_take`) bf16 activations on the CPU, bf16 or MXFP4 weights, the
+                plan's `moe_tiles`, even hidden and intermediate sizes, rows ≥ TILE_MIN_ROWS;
+                not bf16 weights from the plan's `upcast_min_rows` rows where it computes
+                half matmuls in fp32 (torch's fp32 GEMMs pay there); never while traced
+        kernel  (`kernel_takes`) the plan's moe is not "torch", the weights on the CPU and
+                MXFP4 or fp32/bf16, the kernels built; under "auto" not from the rows where
+                torch's GEMMs win: dense rows ≥ DENSE_TORCH_MIN_ROWS with rows · hidden ·
+                intermediate ≥ DENSE_TORCH_MIN_WORK, MXFP4 rows ≥ MXFP4_TORCH_MIN_ROWS (not
+                while traced: the per-expert loop breaks the graph)
+        torch   the rest (`Experts.forward_torch`, the reference)
+
+    `run` computes a call on its path, the choice kept per choice count (activations in the
+    layer's dtype; eager code only). `fuses_router` says per batch size whether
+    `route_decode` runs the router and the kernel as one call: where the kernel rule takes
+    the batch's choices (the fused op is the streaming kernel's, so it reads that rule only,
+    also at rows the tiles take on their own), the kernel reads x as it is and the router's
+    linear runs on the dense kernel. The experts pass themselves to the methods that read
+    them: the paths hold no reference back (no cycle keeps a dropped model alive)."""
 
     def __init__(self, ex: Experts) -> None:
-        self.made_from = (ex.plan, ex.gate_up, ex.down, ex.ctx, ex.dtype)
-        self.native: dict[int, bool] = {}
-        self.fused: dict[int, bool] = {}       # route_decode's choice per batch size
+        self.dtype = ex.dtype
         self.x_native = ex.dtype in _KERNEL_X_DTYPES     # activations in the model dtype
-        self.sources = (ex.gate_up_bias.detach(), ex.down_bias.detach())   # share versions
-        self.versions = tuple(b._version for b in self.sources)
+        self.chosen: dict[int, ExpertPath] = {}          # per choice count, x in self.dtype
+        self.fused: dict[int, bool] = {}                 # route_decode's choice per batch size
+        self._biases = (ex.gate_up_bias.detach(), ex.down_bias.detach())   # share versions
+        self._versions = tuple(b._version for b in self._biases)
         comm = ex.ctx.comm
         trivial = type(comm).all_reduce is Collectives.all_reduce
         self.reduce = None if trivial else comm.all_reduce
-        self.op: Any = None                    # the ops, where the kernels are built
-        self.route_op: Any = None
-        self.args: tuple = ()
+        self.route_op: Any = None                        # the ops, where the kernels are built
+        self.args: tuple[Any, ...] = ()                  # `kernels.moe_experts`'s (KernelArgs)
+        self.op_args: tuple[Any, ...] = ()               # the same, in the raw ops' order
         if ex.plan.native_kernels:
-            self.op = torch.ops.kvrelay_kernels.moe_experts.default
             self.route_op = torch.ops.kvrelay_kernels.moe_route_experts.default
-            gate_up, down = ex._kernel_weight(ex.gate_up), ex._kernel_weight(ex.down)
-            self.args = (ex.first_expert, gate_up[0], gate_up[1], ex._f32("gate_up_bias"),
-                         down[0], down[1], ex._f32("down_bias") if ex.add_down_bias else None,
-                         ex.alpha, ex.limit, "")
+            args = self.args = ex.kernel_args()
+            first, gate_up, gate_up_bias, down, down_bias, alpha, limit = args
+            self.op_args = (first, *gate_up, gate_up_bias, *down, down_bias, alpha, limit, "")
 
-    def current(self, ex: Experts) -> bool:
-        a, b = self.sources
-        return ((a._version, b._version) == self.versions
-                and all(x is y for x, y in zip(self.made_from,
-                                               (ex.plan, ex.gate_up, ex.down, ex.ctx, ex.dtype))))
+    def current(self) -> bool:
+        """Whether the biases still hold what the fp32 copies were made from."""
+        gate_up_bias, down_bias = self._biases
+        return (gate_up_bias._version == self._versions[0]
+                and down_bias._version == self._versions[1])
+
+    # -- the rule ---------------------------------------------------------------------------
+    @staticmethod
+    def choose(ex: Experts, x: torch.Tensor, choices: int, compiling: bool) -> ExpertPath:
+        """The path of `ex`'s call of `choices` pairs on activations like x."""
+        if ExpertPaths.tiles_take(ex, x, choices, compiling):
+            return "tiles"
+        return "kernel" if ExpertPaths.kernel_takes(ex, choices, compiling) else "torch"
+
+    @staticmethod
+    def tiles_take(ex: Experts, x: torch.Tensor, choices: int, compiling: bool) -> bool:
+        """The tiles rule (the class docstring)."""
+        if compiling or x.dtype != torch.bfloat16 or x.device.type != "cpu":
+            return False
+        rows = choices / (ex.num_local * ex.ctx.ep_size)
+        if rows < TILE_MIN_ROWS:
+            return False
+        w, plan = ex.gate_up, ex.plan
+        if isinstance(w, torch.Tensor):          # dense weights
+            if w.dtype != torch.bfloat16:
+                return False
+            if plan.half_in_fp32 and rows >= plan.upcast_min_rows:
+                return False                     # torch's fp32 GEMMs pay from here
+        return plan.moe_tiles and ex.hidden % 2 == 0 and ex.i_local % 2 == 0
+
+    @staticmethod
+    def kernel_takes(ex: Experts, choices: int, compiling: bool) -> bool:
+        """The kernel rule (the class docstring). KVRELAY_MOE_KERNEL=native without the
+        kernels is an error; "auto" falls back with the one warning `kernels.status` logs."""
+        plan = ex.plan
+        if plan.moe == "torch" or ex.gate_up_bias.device.type != "cpu":
+            return False
+        rows = choices / (ex.num_local * ex.ctx.ep_size)
+        auto = plan.moe == "auto"
+        if not isinstance(ex.gate_up, MXFP4Tensor):
+            if ex.dtype not in _NATIVE_DENSE_DTYPES:
+                return False
+            if (auto and rows >= DENSE_TORCH_MIN_ROWS
+                    and rows * ex.hidden * ex.i_local >= DENSE_TORCH_MIN_WORK):
+                return False
+        elif auto and not compiling and rows >= MXFP4_TORCH_MIN_ROWS:
+            return False
+        if not plan.native_kernels and plan.moe == "native":
+            raise RuntimeError(f"{envs.MOE_KERNEL.shown}=native but the native kernels could "
+                               f"not be built: {kernels.status().reason}")
+        return plan.native_kernels
+
+    # -- the paths --------------------------------------------------------------------------
+    def run(self, ex: Experts, x: torch.Tensor, weights: torch.Tensor,
+            expert_ids: torch.Tensor) -> torch.Tensor:
+        """`ex`'s partial output [T, H] for x [T, H], weights/expert_ids [T, k]."""
+        choices = expert_ids.numel()
+        path = self.chosen.get(choices) if x.dtype is self.dtype else None
+        if path is None:
+            path = self.choose(ex, x, choices, compiling=False)
+            if x.dtype is self.dtype:
+                self.chosen[choices] = path
+        if path == "kernel":
+            return self.kernel(x, weights, expert_ids, self.args)
+        if path == "tiles":
+            return moe_tiles.forward(x, weights, expert_ids, self.op_args)
+        return ex.forward_torch(x, weights, expert_ids)
+
+    @staticmethod
+    def kernel(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor,
+               args: tuple[Any, ...]) -> torch.Tensor:
+        """The whole expert computation as one `kernels.moe_experts` call, in fp32 whatever
+        the dtype: fp32/bf16 activations as given (the kernel widens them and rounds its
+        result to theirs), others widened here and the result rounded back."""
+        native = x.dtype in _KERNEL_X_DTYPES
+        if weights.dtype != torch.float32:         # `Router.forward`'s, in the model dtype
+            weights = weights.float()
+        if expert_ids.dtype != torch.int64:
+            expert_ids = expert_ids.long()
+        y = kernels.moe_experts((x if native else x.float()).contiguous(), weights.contiguous(),
+                                expert_ids.contiguous(), *args)               # [T, H]
+        return y if native else y.to(x.dtype)
+
+    def fuses_router(self, ex: Experts, x: torch.Tensor, router: Router) -> bool:
+        """Whether `ex.route_decode` of a batch like x takes the one native call."""
+        fused = self.fused.get(x.shape[0])
+        if fused is None:
+            fused = self.fused[x.shape[0]] = (
+                bool(self.op_args) and self.x_native and router.bias.dtype == x.dtype
+                and self.kernel_takes(ex, x.shape[0] * router.top_k, compiling=False)
+                and runs_on_dense_kernel(x, router.weight, router.plan))
+        return fused
 
 
 class MoE(nn.Module):
