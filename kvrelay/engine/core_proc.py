@@ -27,6 +27,7 @@ import select
 import signal
 import time
 import traceback
+from collections.abc import Callable
 from contextlib import nullcontext
 from multiprocessing.connection import Connection
 from typing import IO, Any
@@ -171,6 +172,17 @@ class _Switching:
         conn.send(Ready(self.info, engine_stats(engine)))
 
 
+def _wait(engine: CoreEngine, conn: CorePipe, idle_wait: Callable[[], float | None]) -> None:
+    """Before the messages and the next step: idle, sleep until a message (or poll
+    transfers/leases every 10 ms, or a background kernel build); when every request waits
+    (its remote KV loading, mostly: the last step ran nothing), a millisecond or until a
+    message, rather than spin a core that a prefill server beside this one may share."""
+    if not engine.has_unfinished_requests():
+        conn.poll(0.01 if engine.transfer_busy else idle_wait())
+    elif engine.last_step_idle:
+        conn.poll(IDLE_STEP_WAIT_S)
+
+
 def _loop(engine: CoreEngine, conn: CorePipe, switching: _Switching | None = None) -> None:
     with _step_trace() as trace:
         _run(engine, conn, trace, switching)
@@ -194,15 +206,7 @@ def _run(engine: CoreEngine, conn: CorePipe, trace: IO[str] | None,
                                 f"{type(e).__name__}: {e}"))
                 logger.error(traceback.format_exc())
                 return
-        if not engine.has_unfinished_requests():
-            # idle: sleep until a message (or poll transfers/leases every 10 ms, or a
-            # background kernel build)
-            conn.poll(0.01 if engine.transfer_busy else idle_wait())
-        elif engine.last_step_idle:
-            # every request waits (its remote KV loading, mostly): poll again in a
-            # millisecond, or at once on a message, rather than spin a core that a prefill
-            # server beside this one may share
-            conn.poll(IDLE_STEP_WAIT_S)
+        _wait(engine, conn, idle_wait)
         while waiting.poll(0):
             try:
                 message = conn.recv()
