@@ -106,6 +106,35 @@ class _QuietEngine(_BatchEngine):
         return []
 
 
+class _WaitingEngine(_BatchEngine):
+    """Requests that all wait (their remote KV loading): every step runs nothing."""
+
+    def step(self) -> list[RequestOutput]:
+        self.num_steps += 1
+        self.last_step_idle = True
+        return []
+
+
+def test_the_core_waits_between_steps_while_every_request_waits():
+    """A decode whose requests all wait for remote KV steps about once a millisecond (waiting
+    on the pipe in between), not back to back: spinning took a core from a prefill server
+    pinned beside it, which then could not answer the decode's transport for seconds."""
+    api, core = _pipes()
+    engine = _WaitingEngine(n=1, steps=10**9)
+    loop = threading.Thread(target=core_proc._loop, args=(engine, core))
+    loop.start()
+    try:
+        time.sleep(0.3)
+        steps = engine.num_steps
+        api.send(Shutdown())
+        loop.join(10)
+        assert not loop.is_alive()
+    finally:
+        api.close()
+        core.close()
+    assert 10 <= steps <= 0.3 / core_proc.IDLE_STEP_WAIT_S + 50, steps   # spinning: > 10^4
+
+
 def _quiet_messages(steps: int) -> list[StepOutputs]:
     api, core = _pipes()
     loop = threading.Thread(target=core_proc._loop, args=(_QuietEngine(1, steps), core))
