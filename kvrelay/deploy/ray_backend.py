@@ -57,7 +57,8 @@ logger = logging.getLogger(__name__)
 PROG = "kvrelay deploy"
 NAMESPACE_PREFIX = "kvrelay-deploy-"
 PROXY = "proxy"
-POLL_S = 0.5          # the proxy actor's look at its servers once all are ready
+POLL_S = 2.0          # the proxy actor's look at its servers once all are ready (each look
+#                       is a /health call per server: fewer while they serve)
 FAST_POLL_S = 0.1     # ... while one is not (and deploy's own waits)
 STOP_GRACE_S = 35.0
 MAX_RESTARTS = 20
@@ -200,7 +201,7 @@ class ServerActor:
 
     def status(self, load: bool = True) -> dict[str, Any]:
         """Where it runs and whether it is ready; with `load`, its counters too (the proxy's
-        follower leaves them out: it asks twice a second)."""
+        follower leaves them out: it asks every POLL_S, FAST_POLL_S while one is not ready)."""
         health, _ = _http_json(f"{self.url}/health")
         _, metrics = _http_json(f"{self.url}/metrics") if health == 200 and load else (0, "")
         return {"name": self.name, "role": self.role, "node": self.node, "ip": self.ip,
