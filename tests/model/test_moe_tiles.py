@@ -13,9 +13,14 @@ import torch
 
 from kvrelay.model import execution_plan, kernels, mxfp4
 from kvrelay.model.layers import moe_tiles
-from kvrelay.model.layers.moe import Experts
+from kvrelay.model.layers.moe import ExpertPaths, Experts
 from kvrelay.model.parallel import ParallelContext
 from tests.kernel_isas import skip_unless_runs
+
+
+def _tiles_take(ex: Experts, x: torch.Tensor, choices: int) -> bool:
+    """Whether `ex` runs a call of `choices` (token, expert) pairs on x on the tiles."""
+    return ExpertPaths.tiles_take(ex, x, choices, False)
 
 ALPHA, LIMIT = 1.702, 7.0
 
@@ -201,12 +206,12 @@ def test_experts_take_the_tiles_from_enough_rows_per_expert(storage, monkeypatch
         [t.expert(e, torch.bfloat16) for e in range(ex.num_local)]) for t in (ex.gate_up, ex.down)]
     assert_bf16_close(y, reference(x, w, ids, 0, dense[0], ex.gate_up_bias.float(), dense[1],
                                    ex.down_bias.float()))
-    assert not moe_tiles.wants(ex, x[:2], 4)                  # 1 row per expert: not taken
-    assert not moe_tiles.wants(ex, x.float(), ids.numel())    # fp32 activations: not taken
+    assert not _tiles_take(ex, x[:2], 4)                  # 1 row per expert: not taken
+    assert not _tiles_take(ex, x.float(), ids.numel())    # fp32 activations: not taken
     monkeypatch.setenv("KVRELAY_MOE_KERNEL", "native")
     execution_plan.current.cache_clear()
     ex.plan = execution_plan.current()
-    assert not moe_tiles.wants(ex, x, ids.numel())            # an explicit kernel choice wins
+    assert not _tiles_take(ex, x, ids.numel())            # an explicit kernel choice wins
 
 
 def test_no_tiles_for_bf16_experts_where_bf16_measured_slower_than_fp32(monkeypatch,
@@ -219,18 +224,18 @@ def test_no_tiles_for_bf16_experts_where_bf16_measured_slower_than_fp32(monkeypa
     x = torch.randn(64, 64, generator=g).bfloat16()
     w, ids = routing(64, 4, 2, g)
     half_matmuls("fp32")
-    assert moe_tiles.wants(experts("mxfp4"), x, ids.numel())
+    assert _tiles_take(experts("mxfp4"), x, ids.numel())
     ex = experts("bf16")
     half_matmuls("native", ex)
-    assert moe_tiles.wants(ex, x, ids.numel())
+    assert _tiles_take(ex, x, ids.numel())
     half_matmuls("fp32", ex)
-    assert not moe_tiles.wants(ex, x, ids.numel())          # 32 rows an expert, upcast from 4
+    assert not _tiles_take(ex, x, ids.numel())          # 32 rows an expert, upcast from 4
     # fewer rows per expert than `linear` upcasts from: torch would run bf16, the tiles stay
     fp32 = ex.plan
     ex.plan = dataclasses.replace(fp32, upcast_min_rows=33)
-    assert moe_tiles.wants(ex, x, ids.numel())
+    assert _tiles_take(ex, x, ids.numel())
     ex.plan = dataclasses.replace(fp32, upcast_min_rows=32)
-    assert not moe_tiles.wants(ex, x, ids.numel())
+    assert not _tiles_take(ex, x, ids.numel())
     ex.plan = fp32
     calls = []
     real = moe_tiles.forward

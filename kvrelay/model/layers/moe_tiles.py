@@ -27,18 +27,9 @@ measured 3.5-4.8k tok/s without the tiles against 4.4-5.0k with them.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from kvrelay.model.layers.moe import Experts
-
-
-def wants(ex: Experts, x: torch.Tensor, choices: int) -> bool:
-    """Whether `ex` runs a call of `choices` (token, expert) pairs on x on the tiles."""
-    from kvrelay.model.layers.moe import ExpertPaths  # here: moe.py imports this module
-    return ExpertPaths.tiles_take(ex, x, choices, torch.compiler.is_compiling())
 
 
 def forward(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor,
