@@ -105,7 +105,8 @@ def children(pid: int) -> list[int]:
             cmd = (d / "cmdline").read_bytes()
         except OSError:
             continue
-        if int(f[1]) == pid and b"resource_tracker" not in cmd:
+        if (int(f[1]) == pid and b"resource_tracker" not in cmd
+                and b"compile_check" not in cmd):          # the grammar-check worker
             found.append(int(d.name))
     return found
 

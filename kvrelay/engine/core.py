@@ -289,6 +289,7 @@ class LLMEngine:
         step.dp_token_counts = tuple(dp_token_counts) if dp_token_counts else None
         step.kv_work = plan.kv_work       # ranks ≥ 1 start their KV reads before computing
         self.prepare_sampling(plan)
+        step.greedy = plan.step is not None and step_io.greedy_only(plan, self.sampler)
         logits = self.forward(plan, step)
         if plan.step is None:
             self.num_dummy_steps += 1

@@ -41,6 +41,7 @@ from kvrelay.model import compile_hints, kernels
 from kvrelay.model.gpt_oss import GptOssModel
 from kvrelay.model.layers import moe, paged_decode
 from kvrelay.model.layers.attention import AttentionMetadata
+from kvrelay.model.layers.linear import runs_on_dense_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,10 @@ logger = logging.getLogger(__name__)
 # kernels without Python; max-autotune picks Inductor's C++ GEMM templates, which skip
 # oneDNN's ~13 µs per call on tiny bf16 matmuls (eager 1.05 ms → 0.17 ms of CPU per step)
 COMPILE_OPTIONS: dict[str, Any] = {"freezing": True, "cpp_wrapper": True, "max_autotune": True}
+
+# An LM head weight this large takes every thread even in a step small enough for one
+# (`ModelRunner.head_threads`): the dense kernel's own rule wakes a thread per 4 MiB streamed.
+HEAD_SPLIT_BYTES = 4 << 20
 
 
 @dataclass
@@ -63,6 +68,9 @@ class StepInput:
     dp_token_counts: tuple[int, ...] | None = None  # EP across DP: every replica's tokens this step
     kv_work: Any = None                      # disaggregation: KV reads for ranks ≥ 1 to start
                                              # before this step (kvrelay/disagg/worker.KVWork)
+    greedy: bool = False                     # every logits row is a plain greedy sample
+                                             # (step_io.greedy_only): `execute` may return the
+                                             # token ids instead of the logits
 
 
 def kv_tensor_index(layer_groups: tuple[int, ...]) -> tuple[list[int], int]:
@@ -101,6 +109,12 @@ class ModelRunner:
         self.single_thread_macs = (envs.SINGLE_THREAD_STEP_MACS.as_float() or 0.0
                                    if self.device.type == "cpu" else 0.0)
         self.token_macs, self.row_macs = step_macs(model)
+        # ... but the LM head of a small step on every thread where it streams a large weight
+        # on the dense kernel: one parallel region a step (its split is its own rule's),
+        # whose results do not depend on the thread count; a small model's c=1 step is
+        # mostly that stream (the tiny o200k model: 12.9 MB of 14 MB read per token)
+        self.head_threads = (self.single_thread_macs > 0 and self.max_threads > 1
+                             and model.lm_head.weight.nbytes >= HEAD_SPLIT_BYTES)
         self.table_width = -(-model.max_positions // block_size)   # blocks of the longest sequence
         self.decode_buckets = compile_buckets(model, self.device)
         self._compiled: Callable[..., torch.Tensor] | None = None
@@ -169,7 +183,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> torch.Tensor:
-        """Runs the step; returns float32 logits [len(logits_rows), V] on the CPU."""
+        """Runs the step; returns float32 logits [len(logits_rows), V] on the CPU — or, for
+        a `greedy` step where the LM head gives them directly, the rows' greedy token ids
+        (int64 [len(logits_rows)]: `GptOssModel.compute_logits`)."""
         bucket = self._bucket(step)
         if bucket:
             return self._execute_compiled(step, bucket)
@@ -180,9 +196,13 @@ class ModelRunner:
             assert group is not None          # set whenever dp_token_counts is
             group.begin_step(step.dp_token_counts)
         hidden = self.model(ids, positions, self.kv_caches, meta)             # [T, H]
-        if step.logits_rows == list(range(hidden.shape[0])):   # every row, in order (decodes)
-            return self.model.compute_logits(hidden).cpu()
-        return self.model.compute_logits(hidden[_ints(step.logits_rows, self.device)]).cpu()
+        if step.logits_rows != list(range(hidden.shape[0])):   # not every row in order (decodes)
+            hidden = hidden[_ints(step.logits_rows, self.device)]
+        if (self.head_threads and torch.get_num_threads() < self.max_threads
+                and runs_on_dense_kernel(hidden, self.model.lm_head.weight,
+                                         self.model.lm_head.plan)):
+            torch.set_num_threads(self.max_threads)    # until the next step's _set_threads
+        return self.model.compute_logits(hidden, step.greedy).cpu()
 
 
     # -- compiled decode steps ------------------------------------------------------------------

@@ -151,6 +151,16 @@ def forward(executor: Any, out: SchedulerOutput, step: StepInput, kv: KVCacheMan
         return torch.cat(parts) if parts else torch.empty(0)
 
 
+def greedy_only(plan: StepPlan, sampler: Sampler) -> bool:
+    """Whether every logits row of the planned step is the sampling row of a plain greedy
+    request (`Sampler.plain_greedy`: no logprobs, processors, bans or grammar) and nothing
+    else: no prompt-logprob rows, no draft rows, no row of a request not sampled. Such a step
+    needs only each row's argmax (`StepInput.greedy`)."""
+    assert plan.step is not None and plan.sampling is not None
+    return (len(plan.step.logits_rows) == len(plan.sampling)
+            and all(sampler.plain_greedy(r) for r in plan.sampling))
+
+
 def sampling_requests(out: SchedulerOutput) -> list[Request]:
     """The requests that sample this step, in `sample`'s row order: those whose chunk
     completes, unless they finished since it was planned (async scheduling)."""
@@ -195,6 +205,11 @@ def draw(out: SchedulerOutput, logits: torch.Tensor, sampler: Sampler,
                 drafts.append(chunk.drafts)
             row += 1 + len(chunk.drafts)
     if not reqs:
+        return d
+    if logits.dtype == torch.int64:       # a greedy step's token ids (StepInput.greedy)
+        ids = logits.tolist()
+        for req, row in zip(reqs, sample_rows):
+            d.tokens[req.request_id] = [ids[row]]
         return d
     if any(drafts):
         return _draw_verified(d, logits, sampler, reqs, sample_rows, drafts)

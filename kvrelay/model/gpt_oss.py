@@ -323,9 +323,16 @@ class GptOssModel(nn.Module):
             stack = self._stack = DecodeStack(stack.layers)
         return stack.get(h)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[T', H] → float32 logits [T', V]."""
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, greedy: bool = False) -> torch.Tensor:
+        """[T', H] → float32 logits [T', V]. `greedy` (every row is sampled greedily and
+        nothing else is read from it): int64 token ids [T'] instead where the LM head can
+        give them without the logits (`ParallelLMHead.greedy`), the same ids the sampler
+        would pick."""
+        if greedy:
+            tokens = self.lm_head.greedy(hidden)
+            if tokens is not None:
+                return tokens
+        return self.lm_head.logits(hidden)
 
     def weight_bytes(self) -> int:
         """Bytes of weights resident for this rank (packed MXFP4 counted as packed)."""

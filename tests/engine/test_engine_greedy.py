@@ -109,3 +109,33 @@ def test_compiled_decode_matches_transformers(tiny, make_llm, monkeypatch):
     check_against_reference(tiny[1], prompts, llm.generate(prompts, GREEDY))
     assert runner.compiled_steps >= GREEDY.max_tokens
     assert runner.decode_buckets == (4,)            # no compiled step failed
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_greedy_steps_take_token_ids_and_the_same_tokens(make_llm, monkeypatch, dtype):
+    """A step whose rows all sample plain greedily (StepInput.greedy) gets each row's
+    token id from the LM head instead of its logits: the tokens are those the sampler picks
+    from the logits, one sequence or many."""
+    from kvrelay.engine import step_io
+    # no prefix caching: the second round's prompts then compute as the first round's did
+    llm = make_llm(dtype=dtype, max_num_seqs=8, enable_prefix_caching=False)
+    runner = llm.engine.runner
+    kinds: list[torch.dtype] = []
+    execute = runner.execute
+
+    def spy(step):
+        out = execute(step)
+        kinds.append(out.dtype)
+        return out
+
+    monkeypatch.setattr(runner, "execute", spy)
+    prompts = _prompts()
+    ids = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+    ids += [o.outputs[0].token_ids for o in llm.generate(prompts[:1], GREEDY)]
+    assert torch.int64 in kinds                        # the greedy form ran
+    monkeypatch.setattr(step_io, "greedy_only", lambda plan, sampler: False)
+    kinds.clear()
+    logits = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+    logits += [o.outputs[0].token_ids for o in llm.generate(prompts[:1], GREEDY)]
+    assert torch.int64 not in kinds
+    assert ids == logits

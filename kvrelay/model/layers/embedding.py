@@ -6,12 +6,15 @@ computes its vocab slice of the logits and all-gathers them.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kvrelay.model.execution_plan import ExecutionPlan
-from kvrelay.model.layers.linear import linear
+from kvrelay.model.layers.linear import fp32_product, linear, runs_on_dense_kernel
+from kvrelay.model.layers.ordered import OrderedProduct
 from kvrelay.model.parallel import ParallelContext, shard_range
 from kvrelay.model.weights import WeightSource, padded_slice
 
@@ -44,9 +47,43 @@ class ParallelLMHead(_VocabShard):
                  plan: ExecutionPlan) -> None:
         super().__init__(vocab, hidden, ctx, dtype)
         self.plan = plan                     # its matmul follows the model's plan (use_plan)
+        self.ordered: OrderedProduct | None = None     # made on the first `logits`
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = linear(hidden, self.weight, None, self.plan)             # [tokens, V/tp]
         if self.ctx.tp_size == 1:
             return logits
         return self.ctx.comm.all_gather(logits, dim=-1)[:, : self.vocab]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [tokens, V]: `self(hidden).float()`, bit for bit; where that is
+        torch's fp32 GEMM on one rank, from the ordered kernel once it was seen to give
+        the same bits (layers/ordered.py): no per-step upcast of the weight, one pass
+        over the output."""
+        if self.ctx.tp_size == 1 and fp32_product(hidden, self.weight, self.plan):
+            if self.ordered is None:
+                self.ordered = OrderedProduct(self.weight)
+            logits = self.ordered(hidden, self.plan)
+            if logits is not None:
+                return logits
+        return self(hidden).float()
+
+    def greedy(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """`argmax_rows(self.logits(hidden))` (int64 [tokens]) without the logits, where a
+        native kernel computes the logits and can fold their argmax as it makes them: one
+        row on the dense kernel (`dense_linear_argmax`), or rows on the ordered kernel
+        once checked (layers/ordered.py); None otherwise (the caller takes the logits)."""
+        if self.ctx.tp_size != 1 or torch.compiler.is_compiling():
+            return None
+        if hidden.shape[0] == 1 and runs_on_dense_kernel(hidden, self.weight, self.plan):
+            op = _linear_argmax()
+            return op(hidden, self.weight, "") if op is not None else None
+        if self.ordered is None or not fp32_product(hidden, self.weight, self.plan):
+            return None
+        return self.ordered.argmax(hidden, self.plan)
+
+
+@functools.cache
+def _linear_argmax() -> torch._ops.OpOverload | None:
+    ops = torch.ops.kvrelay_kernels
+    return ops.dense_linear_argmax.default if hasattr(ops, "dense_linear_argmax") else None

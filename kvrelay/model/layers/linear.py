@@ -23,6 +23,10 @@ of one row pays a fixed ~40-60 µs in oneDNN, several times the time to stream t
 of a 576-wide layer. The plan's `dense` None (`KVRELAY_DENSE_KERNEL=torch`) keeps every
 matmul on torch (the reference the kernel is tested against); traced code (torch.compile)
 always uses F.linear.
+
+Where a product is torch's fp32 GEMM (`fp32_product`) of a shallow weight, the projections
+(and the LM head, layers/embedding.py) take it from the ordered kernel once it was seen to
+give the same bits (layers/ordered.py): no upcast per call, one native call.
 """
 from __future__ import annotations
 
@@ -36,6 +40,7 @@ from torch import nn
 
 from kvrelay.model import execution_plan
 from kvrelay.model.execution_plan import UPCAST_MIN_ROWS, ExecutionPlan
+from kvrelay.model.layers.ordered import OrderedProduct
 from kvrelay.model.parallel import ParallelContext, divide
 from kvrelay.model.weights import WeightSource
 
@@ -188,6 +193,41 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out.to(x.dtype)
 
 
+def fp32_product(x: torch.Tensor, weight: torch.Tensor, plan: ExecutionPlan) -> bool:
+    """Whether `linear(x, weight, bias, plan)` is `F.linear(x.float(), weight.float(),
+    bias.float())` rounded to x's dtype (bf16 or float32): torch's fp32 GEMM, not a native
+    kernel or a half-precision one."""
+    if (x.dim() != 2 or x.device.type != "cpu" or weight.device.type != "cpu"
+            or torch.compiler.is_compiling()):
+        return False
+    if runs_on_dense_kernel(x, weight, plan):
+        return False
+    if x.dtype == weight.dtype == torch.float32:
+        return True
+    return (x.dtype == weight.dtype == torch.bfloat16 and upcasts(weight, plan)
+            and x.numel() >= plan.upcast_min_rows * x.shape[-1])
+
+
+# Most rows a projection asks the ordered kernel for: decode-sized steps (a prefill's rows
+# keep torch's GEMM, which is as fast there).
+ORDERED_MAX_ROWS = 64
+
+
+def _ordered_linear(module: QKVParallelLinear | RowParallelLinear, x: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+    """`linear(x, module.weight, bias, module.plan)`, bit for bit; on the ordered kernel
+    where it was checked to give torch's fp32 GEMM's bits (layers/ordered.py)."""
+    weight, plan = module.weight, module.plan
+    if fp32_product(x, weight, plan):
+        ordered = module.ordered
+        if ordered is None or ordered.bias is not bias:
+            ordered = module.ordered = OrderedProduct(weight, bias, ORDERED_MAX_ROWS)
+        y = ordered(x, plan)
+        if y is not None:
+            return y.to(x.dtype)                      # rounded to x's dtype already: exact
+    return linear(x, weight, bias, plan)
+
+
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
@@ -202,6 +242,7 @@ class RowParallelLinear(nn.Module):
         self.in_local = divide(in_features, ctx.tp_size, "input features")
         self.weight = _param(out_features, self.in_local, dtype=dtype)
         self.bias = _param(out_features, dtype=dtype) if bias else None
+        self.ordered: OrderedProduct | None = None
 
     def load(self, src: WeightSource, prefix: str) -> None:
         start = self.ctx.tp_rank * self.in_local
@@ -211,7 +252,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.ctx.tp_rank == 0 else None
-        return self.ctx.comm.all_reduce(linear(x, self.weight, bias, self.plan))
+        return self.ctx.comm.all_reduce(_ordered_linear(self, x, bias))
 
 
 class QKVParallelLinear(nn.Module):
@@ -236,6 +277,7 @@ class QKVParallelLinear(nn.Module):
         out = self.q_size + 2 * self.kv_size
         self.weight = _param(out, hidden, dtype=dtype)
         self.bias = _param(out, dtype=dtype)
+        self.ordered: OrderedProduct | None = None
 
     def load(self, src: WeightSource, prefix: str) -> None:
         q0 = self.ctx.tp_rank * self.q_size
@@ -251,7 +293,7 @@ class QKVParallelLinear(nn.Module):
             row += size
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        qkv = linear(x, self.weight, self.bias, self.plan)                  # [tokens, q + 2 kv]
+        qkv = _ordered_linear(self, x, self.bias)                           # [tokens, q + 2 kv]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         return (q.view(-1, self.num_heads, self.head_dim),        # [tokens, heads, hd]
                 k.view(-1, self.num_kv_heads, self.head_dim),     # [tokens, kv_heads, hd]
@@ -260,7 +302,7 @@ class QKVParallelLinear(nn.Module):
     def qk_v(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(q and k heads side by side [tokens, heads + kv_heads, hd], v [tokens, kv_heads, hd]):
         the layout in which one rotary call rotates q and k together."""
-        qkv = linear(x, self.weight, self.bias, self.plan)                  # [tokens, q + 2 kv]
+        qkv = _ordered_linear(self, x, self.bias)                           # [tokens, q + 2 kv]
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         return (qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim),
                 v.view(-1, self.num_kv_heads, self.head_dim))

@@ -20,6 +20,19 @@ struct V {
   static T load(const float* p) { return _mm512_loadu_ps(p); }
   static T load_bf16(const uint16_t* p) { return load_bf16x16(p); }
   static T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
+  static T fused(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }  // one rounding
+  static T set1(float a) { return _mm512_set1_ps(a); }
+  static void store(float* p, T a) { _mm512_storeu_ps(p, a); }
+  // each lane rounded to bf16 and widened back, as f32_to_bf16 then bf16_to_f32
+  static T round_bf16(T a) {
+    const __m512i u = _mm512_castps_si512(a), high = _mm512_set1_epi32(int(0xFFFF0000u));
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i near = _mm512_and_si512(
+        _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), high);
+    const __m512i quiet = _mm512_or_si512(_mm512_and_si512(u, high), _mm512_set1_epi32(0x400000));
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q), _mm512_castsi512_ps(near),
+                                _mm512_castsi512_ps(quiet));
+  }
   static T add(T a, T b) { return _mm512_add_ps(a, b); }
   static float hsum(T a) { return hsum16(a); }
   static void sum4(T a, T b, T c, T d, float* out) { _mm_storeu_ps(out, sum4x16(a, b, c, d)); }
@@ -30,7 +43,7 @@ struct V {
 }  // namespace
 
 bool kvrelay::dense_avx512(DenseKernels* out) {
-  *out = DenseKernels{"avx512", &dense_fma, nullptr};
+  *out = DenseKernels{"avx512", &dense_fma, nullptr, &dense_ordered, &dense_ordered_argmax};
   return true;
 }
 

@@ -12,6 +12,10 @@ struct V {
   static T load(const float* p) { return *p; }
   static T load_bf16(const uint16_t* p) { return bf16_to_f32(*p); }
   static T fma(T a, T b, T c) { return a * b + c; }
+  static T fused(T a, T b, T c) { return __builtin_fmaf(a, b, c); }  // one rounding
+  static T set1(float a) { return a; }
+  static void store(float* p, T a) { *p = a; }
+  static T round_bf16(T a) { return bf16_to_f32(f32_to_bf16(a)); }
   static T add(T a, T b) { return a + b; }
   static float hsum(T a) { return a; }
   static void sum4(T a, T b, T c, T d, float* out) {
@@ -24,6 +28,6 @@ struct V {
 }  // namespace
 
 bool kvrelay::dense_generic(DenseKernels* out) {
-  *out = DenseKernels{"generic", &dense_fma, nullptr};
+  *out = DenseKernels{"generic", &dense_fma, nullptr, &dense_ordered, &dense_ordered_argmax};
   return true;
 }

@@ -10,6 +10,10 @@
 // One x row (decode at concurrency 1) streams the weights row by row (dense_stream). More
 // rows take passes that keep NR weight rows × MR x rows of accumulators in registers: each
 // weight vector loaded is used MR times, each x vector NR times.
+//
+// The ordered product (dense.h, `dense_ordered`) also needs: fused(a, b, c) = a·b + c
+// rounded once (a true FMA in every build), set1(float) (broadcast), store(float*, T) and
+// round_bf16(a) (every lane as bf16_to_f32(f32_to_bf16(lane))).
 #pragma once
 
 using VT = V::T;
@@ -134,4 +138,161 @@ inline void dense_range(const kvrelay::DenseProblem& p, int64_t n0, int64_t n1) 
 void dense_fma(const kvrelay::DenseProblem& p, int64_t n0, int64_t n1) {
   if (p.w_format == kvrelay::kDenseF32) dense_range<DenseF32W>(p, n0, n1);
   else dense_range<DenseBF16W>(p, n0, n1);
+}
+
+// -- the ordered product (dense.h) ------------------------------------------------------------
+// Rows of x per pass over a block: their accumulators (one vector of W output lanes each) stay
+// in registers beside the block's weight vector and the broadcast x value; every output is
+// the chain fused(x[m, k], w[n, k], acc) for k = 0 .. K-1 from 0, whatever the tile.
+constexpr int kOrderedRows = 8;
+
+// Rows [m0, m0 + MR) of lanes [lane0, lane0 + W) of block b, stored at dst (row stride ld,
+// dst at the block's lane 0): lanes at or past N are skipped, or set to -inf where `pad` (a
+// scratch block, whose padding must never win an argmax).
+template <int MR>
+inline void ordered_store(const kvrelay::OrderedProblem& p, int64_t b, int64_t lane0,
+                          int64_t m0, VT* acc, float* dst, int64_t ld, bool pad) {
+  if (p.round_bf16)
+    for (int m = 0; m < MR; ++m) acc[m] = V::round_bf16(acc[m]);
+  const int64_t valid = p.N - (b * kvrelay::kOrderedLanes + lane0);
+  if (valid >= V::W) {
+    for (int m = 0; m < MR; ++m) V::store(dst + (m0 + m) * ld + lane0, acc[m]);
+    return;
+  }
+  float out[V::W];                          // the last block: only its rows below N
+  for (int m = 0; m < MR; ++m) {
+    V::store(out, acc[m]);
+    float* row = dst + (m0 + m) * ld + lane0;
+    for (int64_t i = 0; i < V::W; ++i) {
+      if (i < valid) row[i] = out[i];
+      else if (pad) row[i] = -__builtin_inff();
+    }
+  }
+}
+
+template <int MR, class WL>
+inline void ordered_tile(const kvrelay::OrderedProblem& p, int64_t b, int64_t lane0,
+                         int64_t m0, float* dst, int64_t ld, bool pad) {
+  const int64_t K = p.K;
+  const float* x = p.x + m0 * K;
+  const int64_t base = b * K * kvrelay::kOrderedLanes + lane0;
+  VT acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = V::zero();
+  for (int64_t k = 0; k < K; ++k) {
+    const VT w = WL::load(p.w, base + k * kvrelay::kOrderedLanes);
+    for (int m = 0; m < MR; ++m) acc[m] = V::fused(V::set1(x[m * K + k]), w, acc[m]);
+  }
+  ordered_store<MR>(p, b, lane0, m0, acc, dst, ld, pad);
+}
+
+// The same with a bias and/or k blocks (dense.h): the running sum beside each block's chain.
+template <int MR, class WL>
+inline void ordered_tile_blocked(const kvrelay::OrderedProblem& p, int64_t b, int64_t lane0,
+                                 int64_t m0, float* dst, int64_t ld, bool pad) {
+  const int64_t K = p.K;
+  const float* x = p.x + m0 * K;
+  const int64_t base = b * K * kvrelay::kOrderedLanes + lane0;
+  VT sum[MR];
+  const bool bias = p.bias != nullptr;
+  for (int m = 0; m < MR; ++m)
+    sum[m] = bias ? V::load(p.bias + b * kvrelay::kOrderedLanes + lane0) : V::zero();
+  for (int64_t k0 = 0; k0 < K; k0 += p.kc) {
+    const int64_t k1 = k0 + p.kc < K ? k0 + p.kc : K;
+    VT acc[MR];
+    for (int m = 0; m < MR; ++m) acc[m] = V::zero();
+    for (int64_t k = k0; k < k1; ++k) {
+      const VT w = WL::load(p.w, base + k * kvrelay::kOrderedLanes);
+      for (int m = 0; m < MR; ++m) acc[m] = V::fused(V::set1(x[m * K + k]), w, acc[m]);
+    }
+    for (int m = 0; m < MR; ++m) sum[m] = (k0 == 0 && !bias) ? acc[m] : V::add(sum[m], acc[m]);
+  }
+  ordered_store<MR>(p, b, lane0, m0, sum, dst, ld, pad);
+}
+
+// Every row of block b into dst (row stride ld), MR rows per pass: the block's weights stay
+// in L1 between the passes.
+template <class WL>
+inline void ordered_block(const kvrelay::OrderedProblem& p, int64_t b, float* dst, int64_t ld,
+                          bool pad) {
+  const bool blocked = p.bias != nullptr || p.kc < p.K;
+  for (int64_t lane0 = 0; lane0 < kvrelay::kOrderedLanes; lane0 += V::W) {
+    int64_t m = 0;
+    if (blocked) {                          // half the rows per pass: sums beside the chains
+      for (; m + 4 <= p.M; m += 4) ordered_tile_blocked<4, WL>(p, b, lane0, m, dst, ld, pad);
+      if (p.M - m >= 2) ordered_tile_blocked<2, WL>(p, b, lane0, m, dst, ld, pad), m += 2;
+      if (p.M - m >= 1) ordered_tile_blocked<1, WL>(p, b, lane0, m, dst, ld, pad);
+      continue;
+    }
+    for (; m + kOrderedRows <= p.M; m += kOrderedRows)
+      ordered_tile<kOrderedRows, WL>(p, b, lane0, m, dst, ld, pad);
+    if (p.M - m >= 4) ordered_tile<4, WL>(p, b, lane0, m, dst, ld, pad), m += 4;
+    if (p.M - m >= 2) ordered_tile<2, WL>(p, b, lane0, m, dst, ld, pad), m += 2;
+    if (p.M - m >= 1) ordered_tile<1, WL>(p, b, lane0, m, dst, ld, pad);
+  }
+}
+
+template <class WL>
+inline void ordered_range(const kvrelay::OrderedProblem& p, int64_t b0, int64_t b1) {
+  for (int64_t b = b0; b < b1; ++b)
+    ordered_block<WL>(p, b, p.y + b * kvrelay::kOrderedLanes, p.N, false);
+}
+
+void dense_ordered(const kvrelay::OrderedProblem& p, int64_t b0, int64_t b1) {
+  if (p.w_format == kvrelay::kDenseF32) ordered_range<DenseF32W>(p, b0, b1);
+  else ordered_range<DenseBF16W>(p, b0, b1);
+}
+
+// The greedy form: each block's outputs into the scratch, then folded into per-lane bests as
+// argmax_op.cpp folds a row (strict > keeps a lane's first occurrence; lanes' ties go to the
+// smallest index), NaNs noted by their first index.
+template <class WL>
+inline void ordered_argmax_range(const kvrelay::OrderedProblem& p, int64_t b0, int64_t b1,
+                                 const kvrelay::OrderedArgmax& a) {
+  constexpr int64_t L = kvrelay::kOrderedLanes;
+  for (int64_t i = 0; i < p.M * L; ++i) a.best[i] = -__builtin_inff(), a.at[i] = -1;
+  for (int64_t m = 0; m < p.M; ++m) a.nan[m] = -1;
+  for (int64_t b = b0; b < b1; ++b) {
+    ordered_block<WL>(p, b, a.scratch, L, true);
+    const int32_t bb = static_cast<int32_t>(b);
+    for (int64_t m = 0; m < p.M; ++m) {
+      const float* v = a.scratch + m * L;
+      float* best = a.best + m * L;
+      int32_t* at = a.at + m * L;
+      int nan = 0;
+#pragma omp simd reduction(| : nan)
+      for (int64_t i = 0; i < L; ++i) {
+        const float x = v[i], cur = best[i];
+        const bool better = x > cur;
+        const int32_t keep = -static_cast<int32_t>(better);   // all ones where x is better
+        best[i] = better ? x : cur;
+        at[i] = (bb & keep) | (at[i] & ~keep);
+        nan |= x != x;
+      }
+      if (nan && a.nan[m] < 0)
+        for (int64_t i = 0; i < L; ++i)
+          if (v[i] != v[i]) {
+            a.nan[m] = b * L + i;
+            break;
+          }
+    }
+  }
+  for (int64_t m = 0; m < p.M; ++m) {
+    float value = -__builtin_inff();
+    int64_t index = -1;
+    for (int64_t i = 0; i < L; ++i) {
+      const int32_t blk = a.at[m * L + i];
+      if (blk < 0) continue;
+      const int64_t t = int64_t(blk) * L + i;
+      const float v = a.best[m * L + i];
+      if (v > value || (v == value && t < index)) value = v, index = t;
+    }
+    a.value[m] = value;
+    a.index[m] = index;
+  }
+}
+
+void dense_ordered_argmax(const kvrelay::OrderedProblem& p, int64_t b0, int64_t b1,
+                          const kvrelay::OrderedArgmax& a) {
+  if (p.w_format == kvrelay::kDenseF32) ordered_argmax_range<DenseF32W>(p, b0, b1, a);
+  else ordered_argmax_range<DenseBF16W>(p, b0, b1, a);
 }

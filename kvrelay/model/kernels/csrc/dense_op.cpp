@@ -6,6 +6,13 @@
 //   kvrelay_kernels::rms_norm(x [M, H], weight [H] f32, eps) -> y [M, H]
 //   kvrelay_kernels::add_rms_norm(x, delta, weight, eps) -> (x + delta, rms_norm(x + delta))
 //       the residual add and the next norm in one pass over the row.
+//   kvrelay_kernels::dense_ordered_linear(x [M, K] f32, packed, N, round_bf16, bias?, kc)
+//       -> y [M, N] f32
+//   kvrelay_kernels::dense_ordered_argmax(x, packed, N, round_bf16) -> int64 [M]
+//       F.linear in fp32 with one fixed summation order per output (dense.h), for
+//       layers/ordered.py; the second returns each row's argmax instead of the row.
+//   kvrelay_kernels::dense_linear_argmax(x [1, K], weight [N, K]) -> int64 [1]
+//       argmax_rows(dense_linear(x, weight).float()) without writing the row (greedy decode).
 //
 // Both compute exactly what the PyTorch reference paths (layers/linear.py, layers/norm.py)
 // compute, up to fp32 summation order: inputs are widened to fp32, results rounded to the
@@ -19,6 +26,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
+#include <memory>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -95,6 +104,28 @@ constexpr int64_t kStreamMaxRows = 4;
 constexpr int64_t kStreamItemsPerThread = 2;
 constexpr int64_t kStreamSplitMinBytes = int64_t(256) << 10;
 
+// How dense_linear spreads N output columns over the threads: `items` blocks of kRowBlock
+// columns, `chunk` items per claim, `threads` threads (see the constants above).
+struct DenseSplit {
+  int64_t items, threads, chunk;
+};
+
+DenseSplit dense_split(int64_t M, int64_t N, int64_t K, int64_t element_size) {
+  const int64_t items = (N + kRowBlock - 1) / kRowBlock;
+  const int64_t bytes = N * K * element_size;
+  const bool streamed = M <= kStreamMaxRows && bytes >= kStreamSplitMinBytes;
+  const int64_t threads = std::min<int64_t>(
+      {int64_t(at::get_num_threads()), items,
+       std::max<int64_t>({int64_t(1), bytes / kMinWeightBytesPerThread,
+                          M * N * K / kMinMacsPerThread, streamed ? int64_t(2) : int64_t(1)})});
+  const int64_t row_bytes = std::max<int64_t>(1, kRowBlock * K * element_size);
+  int64_t chunk = std::max<int64_t>(1, kChunkBytes / row_bytes);
+  if (threads > 1 && bytes < threads * kChunkBytes * kStreamItemsPerThread)
+    chunk = std::max<int64_t>(1, (items + kStreamItemsPerThread * threads - 1) /
+                                     (kStreamItemsPerThread * threads));
+  return {items, threads, chunk};
+}
+
 at::Tensor dense_linear(const at::Tensor& x_in, const at::Tensor& weight,
                         const c10::optional<at::Tensor>& bias_in, const std::string& isa) {
   check_float(x_in, "dense_linear x");
@@ -130,23 +161,220 @@ at::Tensor dense_linear(const at::Tensor& x_in, const at::Tensor& weight,
   p.y_format = is_half(y) ? kDenseBF16 : kDenseF32;
   if (M == 0 || N == 0) return y;
   const DenseFn fn = bf16_dot ? kernels.bf16_dot : kernels.fma;
-
-  const int64_t items = (N + kRowBlock - 1) / kRowBlock;
-  const int64_t bytes = N * K * int64_t(weight.element_size());
-  const bool streamed = M <= kStreamMaxRows && bytes >= kStreamSplitMinBytes;
-  const int64_t threads = std::min<int64_t>(
-      {int64_t(at::get_num_threads()), items,
-       std::max<int64_t>({int64_t(1), bytes / kMinWeightBytesPerThread,
-                          M * N * K / kMinMacsPerThread, streamed ? int64_t(2) : int64_t(1)})});
-  const int64_t row_bytes = std::max<int64_t>(1, kRowBlock * K * int64_t(weight.element_size()));
-  int64_t chunk = std::max<int64_t>(1, kChunkBytes / row_bytes);
-  if (threads > 1 && bytes < threads * kChunkBytes * kStreamItemsPerThread)
-    chunk = std::max<int64_t>(1, (items + kStreamItemsPerThread * threads - 1) /
-                                     (kStreamItemsPerThread * threads));
-  parallel_items(items, threads, chunk, [&](int64_t begin, int64_t end) {
+  const DenseSplit s = dense_split(M, N, K, weight.element_size());
+  parallel_items(s.items, s.threads, s.chunk, [&](int64_t begin, int64_t end) {
     fn(p, begin * kRowBlock, std::min(N, end * kRowBlock));
   });
   return y;
+}
+
+// A row's argmax as argmax_rows answers it (the first maximal index, the first NaN, -1 where
+// every value is -inf) over y[0, n) of one work item, its indices offset by `first`: 16 lanes,
+// each keeping its best and the block it came from (strict > keeps a lane's first occurrence,
+// the lanes' ties go to the smallest index), as argmax_op.cpp folds a row.
+struct RowBest {
+  float value = -std::numeric_limits<float>::infinity();
+  int64_t index = -1, nan = -1;
+};
+
+template <class T>
+RowBest fold_argmax(const T* y, int64_t n, int64_t first) {
+  constexpr int kLanes = 16;
+  float best[kLanes];
+  int32_t at[kLanes];
+  for (int i = 0; i < kLanes; ++i) best[i] = -std::numeric_limits<float>::infinity(), at[i] = -1;
+  RowBest r;
+  int nan = 0;
+  const int64_t full = n / kLanes;
+  for (int64_t j = 0; j < full; ++j) {
+    const T* ys = y + kLanes * j;
+    const int32_t jj = static_cast<int32_t>(j);
+#pragma omp simd reduction(| : nan)
+    for (int i = 0; i < kLanes; ++i) {
+      float v;
+      if constexpr (sizeof(T) == 2) v = bf16_to_f32(ys[i]);
+      else v = ys[i];
+      const bool better = v > best[i];
+      const int32_t keep = -static_cast<int32_t>(better);
+      best[i] = better ? v : best[i];
+      at[i] = (jj & keep) | (at[i] & ~keep);
+      nan |= v != v;
+    }
+  }
+  auto value = [&](int64_t t) -> float {
+    if constexpr (sizeof(T) == 2) return bf16_to_f32(y[t]);
+    else return y[t];
+  };
+  for (int64_t t = kLanes * full; t < n; ++t) {        // the partial last block
+    const float v = value(t);
+    const int i = static_cast<int>(t - kLanes * full);
+    nan |= v != v;
+    if (v > best[i]) best[i] = v, at[i] = static_cast<int32_t>(full);
+  }
+  if (nan) {
+    for (int64_t t = 0; t < n; ++t)
+      if (value(t) != value(t)) {
+        r.nan = first + t;
+        break;
+      }
+  }
+  for (int i = 0; i < kLanes; ++i) {
+    if (at[i] < 0) continue;
+    const int64_t t = int64_t(kLanes) * at[i] + i;
+    if (best[i] > r.value || (best[i] == r.value && first + t < r.index))
+      r.value = best[i], r.index = first + t;
+  }
+  return r;
+}
+
+// argmax_rows(dense_linear(x, weight, None).float()) for one row x (int64 [1]), without the
+// row: each work item computes its columns exactly as dense_linear does (a column's sum
+// depends only on K) into a scratch of its own and folds them while they are in cache.
+at::Tensor dense_linear_argmax(const at::Tensor& x_in, const at::Tensor& weight,
+                               const std::string& isa) {
+  check_float(x_in, "dense_linear_argmax x");
+  check_float(weight, "dense_linear_argmax weight");
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(0) == 1 && weight.dim() == 2 &&
+                  weight.size(1) == x_in.size(1) && weight.is_contiguous() &&
+                  weight.size(0) >= 1,
+              "dense_linear_argmax: expected x [1, K] and a contiguous weight [N >= 1, K]");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t K = x.size(1), N = weight.size(0);
+  const DenseKernels& kernels = pick_dense(isa);
+  DenseProblem p{};
+  p.M = 1;
+  p.K = K;
+  p.w_format = is_half(weight) ? kDenseBF16 : kDenseF32;
+  std::vector<float> x_buf;
+  const bool bf16_dot = kernels.bf16_dot && is_half(weight) && is_half(x);
+  if (bf16_dot) {
+    p.x_bf16 = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  } else {
+    p.x = as_f32(x, x_buf);
+  }
+  p.y_format = is_half(x) ? kDenseBF16 : kDenseF32;
+  const DenseFn fn = bf16_dot ? kernels.bf16_dot : kernels.fma;
+  const DenseSplit s = dense_split(1, N, K, weight.element_size());
+  const int64_t claims = (s.items + s.chunk - 1) / s.chunk;
+  std::vector<RowBest> found(claims);   // one thread: one claim of everything, the rest empty
+  const char* w = static_cast<const char*>(weight.data_ptr());
+  const int64_t row_bytes = K * int64_t(weight.element_size());
+  parallel_items(s.items, s.threads, s.chunk, [&](int64_t begin, int64_t end) {
+    const int64_t n0 = begin * kRowBlock, n1 = std::min(N, end * kRowBlock);
+    std::unique_ptr<float[]> out(new float[n1 - n0]);  // y in its format (bf16: half used)
+    DenseProblem q = p;
+    q.w = w + n0 * row_bytes;
+    q.N = n1 - n0;
+    q.y = out.get();
+    fn(q, 0, n1 - n0);
+    found[begin / s.chunk] =
+        p.y_format == kDenseBF16
+            ? fold_argmax(reinterpret_cast<const uint16_t*>(out.get()), n1 - n0, n0)
+            : fold_argmax(out.get(), n1 - n0, n0);
+  });
+  RowBest r;
+  for (const RowBest& f : found) {                   // in index order: ties keep the first
+    if (f.nan >= 0 && r.nan < 0) r.nan = f.nan;
+    if (f.index >= 0 && (r.index < 0 || f.value > r.value)) r.value = f.value, r.index = f.index;
+  }
+  at::Tensor token = at::empty({1}, x.options().dtype(at::kLong));
+  token.data_ptr<int64_t>()[0] = r.nan >= 0 ? r.nan : r.index < 0 ? 0 : r.index;
+  return token;
+}
+
+// The ordered product's ops (dense.h `OrderedProblem`): the weight packed by 16 rows k-major
+// ([ceil(N/16), K, 16], fp32 or bf16; layers/ordered.py packs it). Whole blocks per work item
+// of ~64 KiB of weights, so results do not depend on the thread count, and a late partner
+// thread leaves little for the other.
+struct OrderedCall {
+  OrderedProblem p;
+  int64_t blocks, chunk, threads;
+};
+
+OrderedCall ordered_call(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                         bool round_bf16, const c10::optional<at::Tensor>& bias, int64_t kc,
+                         const char* op) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu() &&
+                  x.is_contiguous(), op, ": x must be a contiguous CPU float32 [M, K]");
+  check_float(packed, op);
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kOrderedLanes && packed.is_contiguous(),
+              op, ": packed must be a contiguous [blocks, K, 16]");
+  const int64_t M = x.size(0), K = x.size(1), blocks = packed.size(0);
+  TORCH_CHECK(packed.size(1) == K, op, ": x has ", K, " features, the packed weight ",
+              packed.size(1));
+  TORCH_CHECK(N >= 0 && (N + kOrderedLanes - 1) / kOrderedLanes == blocks, op, ": ", blocks,
+              " blocks of 16 rows do not hold N = ", N);
+  const int64_t block_bytes = std::max<int64_t>(1, K * kOrderedLanes * packed.element_size());
+  const int64_t chunk = std::max<int64_t>(1, (int64_t(64) << 10) / block_bytes);
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                    bias->dim() == 1 && bias->size(0) == blocks * kOrderedLanes,
+                op, ": bias must be a contiguous float32 [blocks · 16]");
+    b = bias->data_ptr<float>();
+  }
+  TORCH_CHECK(kc >= 0, op, ": kc must be >= 0 (0: K)");
+  OrderedProblem p{x.data_ptr<float>(), packed.data_ptr(),
+                   is_half(packed) ? kDenseBF16 : kDenseF32, nullptr, M, N, K,
+                   round_bf16 ? 1 : 0, b, kc == 0 || kc > K ? std::max<int64_t>(K, 1) : kc};
+  return {p, blocks, chunk, threads_for(M * N * K, (blocks + chunk - 1) / chunk)};
+}
+
+// y = x · Wᵀ (+ bias), each output one FMA chain in k order per block of kc (0: K), the
+// blocks added in order after the bias (dense.h), rounded to bf16 and widened back where
+// round_bf16.
+at::Tensor dense_ordered_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t N,
+                                bool round_bf16, const c10::optional<at::Tensor>& bias,
+                                int64_t kc, const std::string& isa) {
+  const at::Tensor x = x_in.contiguous();
+  OrderedCall c = ordered_call(x, packed, N, round_bf16, bias, kc, "dense_ordered_linear");
+  const DenseKernels& kernels = pick_dense(isa);
+  at::Tensor y = at::empty({c.p.M, N}, x.options());
+  if (c.p.M == 0 || N == 0) return y;
+  c.p.y = y.data_ptr<float>();
+  parallel_items(c.blocks, c.threads, c.chunk, [&](int64_t begin, int64_t end) {
+    kernels.ordered(c.p, begin, end);
+  });
+  return y;
+}
+
+// argmax_rows(dense_ordered_linear(...)) without the outputs: int64 [M], argmax_rows' answer
+// for every row (the first maximal index, a row's first NaN, 0 for a row of -inf). Each
+// work item folds its blocks; the items' results are combined in index order.
+at::Tensor dense_ordered_argmax(const at::Tensor& x_in, const at::Tensor& packed, int64_t N,
+                                bool round_bf16, const std::string& isa) {
+  const at::Tensor x = x_in.contiguous();
+  OrderedCall c = ordered_call(x, packed, N, round_bf16, c10::nullopt, 0,
+                               "dense_ordered_argmax");
+  TORCH_CHECK(N >= 1, "dense_ordered_argmax: an empty row has no argmax");
+  const DenseKernels& kernels = pick_dense(isa);
+  const int64_t M = c.p.M, items = (c.blocks + c.chunk - 1) / c.chunk;
+  at::Tensor tokens = at::empty({M}, x.options().dtype(at::kLong));
+  if (M == 0) return tokens;
+  // one thread folds every block as one item; the items no call filled stay empty (-1)
+  std::vector<float> value(items * M);
+  std::vector<int64_t> index(items * M, -1), nan(items * M, -1);
+  parallel_items(c.blocks, c.threads, c.chunk, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(2 * M * kOrderedLanes);
+    std::vector<int32_t> at(M * kOrderedLanes);
+    const int64_t item = begin / c.chunk;
+    const OrderedArgmax a{value.data() + item * M, index.data() + item * M,
+                          nan.data() + item * M, scratch.data(),
+                          scratch.data() + M * kOrderedLanes, at.data()};
+    kernels.ordered_argmax(c.p, begin, end, a);
+  });
+  int64_t* out = tokens.data_ptr<int64_t>();
+  for (int64_t m = 0; m < M; ++m) {
+    int64_t token = -1, first_nan = -1;
+    float best = -std::numeric_limits<float>::infinity();
+    for (int64_t i = 0; i < items; ++i) {           // in index order: ties keep the first
+      const int64_t at = i * M + m;
+      if (nan[at] >= 0 && first_nan < 0) first_nan = nan[at];
+      if (index[at] >= 0 && (token < 0 || value[at] > best)) best = value[at], token = index[at];
+    }
+    out[m] = first_nan >= 0 ? first_nan : token < 0 ? 0 : token;
+  }
+  return tokens;
 }
 
 // out row = weight · x̂, x̂ = x / sqrt(mean(x²) + eps); sum[i] = x row as fp32 (already added)
@@ -232,12 +460,20 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
 TORCH_LIBRARY_FRAGMENT(kvrelay_kernels, m) {
   m.def("dense_isas() -> str[]", &kvrelay::dense_isa_names);
   m.def("dense_linear(Tensor x, Tensor weight, Tensor? bias, str isa=\"\") -> Tensor");
+  m.def("dense_ordered_linear(Tensor x, Tensor packed, int N, bool round_bf16, "
+        "Tensor? bias=None, int kc=0, str isa=\"\") -> Tensor");
+  m.def("dense_ordered_argmax(Tensor x, Tensor packed, int N, bool round_bf16, "
+        "str isa=\"\") -> Tensor");
+  m.def("dense_linear_argmax(Tensor x, Tensor weight, str isa=\"\") -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(kvrelay_kernels, CPU, m) {
   m.impl("dense_linear", &kvrelay::dense_linear);
+  m.impl("dense_ordered_linear", &kvrelay::dense_ordered_linear);
+  m.impl("dense_ordered_argmax", &kvrelay::dense_ordered_argmax);
+  m.impl("dense_linear_argmax", &kvrelay::dense_linear_argmax);
   m.impl("rms_norm", &kvrelay::rms_norm);
   m.impl("add_rms_norm", &kvrelay::add_rms_norm);
 }
