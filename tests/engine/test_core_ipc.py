@@ -11,6 +11,8 @@ import signal
 import struct
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any
 
@@ -106,6 +108,23 @@ class _QuietEngine(_BatchEngine):
         return []
 
 
+@contextmanager
+def _core_loop(engine: _BatchEngine) -> Iterator[MessagePipe]:
+    """`core_proc._loop` for `engine` on a thread; yields the API's end of the pipe, then
+    shuts the loop down (it must stop within 10 s) and closes both ends."""
+    api, core = _pipes()
+    loop = threading.Thread(target=core_proc._loop, args=(engine, core))
+    loop.start()
+    try:
+        yield api
+        api.send(Shutdown())
+        loop.join(10)
+        assert not loop.is_alive()
+    finally:
+        api.close()
+        core.close()
+
+
 class _WaitingEngine(_BatchEngine):
     """Requests that all wait (their remote KV loading): every step runs nothing."""
 
@@ -119,36 +138,18 @@ def test_the_core_waits_between_steps_while_every_request_waits():
     """A decode whose requests all wait for remote KV steps about once a millisecond (waiting
     on the pipe in between), not back to back: spinning took a core from a prefill server
     pinned beside it, which then could not answer the decode's transport for seconds."""
-    api, core = _pipes()
     engine = _WaitingEngine(n=1, steps=10**9)
-    loop = threading.Thread(target=core_proc._loop, args=(engine, core))
-    loop.start()
-    try:
+    with _core_loop(engine):
         time.sleep(0.3)
         steps = engine.num_steps
-        api.send(Shutdown())
-        loop.join(10)
-        assert not loop.is_alive()
-    finally:
-        api.close()
-        core.close()
     assert 10 <= steps <= 0.3 / core_proc.IDLE_STEP_WAIT_S + 50, steps   # spinning: > 10^4
 
 
 def _quiet_messages(steps: int) -> list[StepOutputs]:
-    api, core = _pipes()
-    loop = threading.Thread(target=core_proc._loop, args=(_QuietEngine(1, steps), core))
-    loop.start()
-    try:
+    with _core_loop(_QuietEngine(1, steps)) as api:
         messages = [api.recv()]
         while api.poll(0.3):
             messages.append(api.recv())
-        api.send(Shutdown())
-        loop.join(10)
-        assert not loop.is_alive()
-    finally:
-        api.close()
-        core.close()
     return messages
 
 
