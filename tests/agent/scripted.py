@@ -3,9 +3,11 @@ when it has tools and no tool result yet, and answers once a tool result is in t
 
 $KVRELAY_AGENT_SCRIPTS holds {"call": [token ids], "answer": [token ids]}; the script is
 chosen from the prompt's tokens, so an agent loop (call → tool result → answer) runs
-deterministically through the real engine on a random-weight model."""
+deterministically through the real engine on a random-weight model. A prompt holding the
+word UNSCRIPTED (after a space) is left to the random model itself."""
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import os
@@ -27,7 +29,23 @@ def choose(prompt_ids: list[int]) -> str:
     return "answer"
 
 
+FREE = " UNSCRIPTED"
+
+
+@functools.cache
+def _free_ids() -> tuple[int, ...]:
+    from kvrelay.harmony import get_encoding
+    return tuple(get_encoding().encode(FREE))
+
+
+def _contains(ids: list[int], sub: tuple[int, ...]) -> bool:
+    n = len(sub)
+    return any(tuple(ids[i:i + n]) == sub for i in range(len(ids) - n + 1))
+
+
 def agent_script(params, prompt_ids):
+    if _contains(list(prompt_ids), _free_ids()):
+        return None
     scripts = json.loads(os.environ.get("KVRELAY_AGENT_SCRIPTS", "{}"))
     script = scripts.get(choose(list(prompt_ids)))
     if not script:

@@ -326,3 +326,69 @@ def test_a_prefilled_approval_answer_is_read_at_once(cluster, weather):
     assert out["output"][1]["output"] == "sunny" and seen[called:] == [{"city": "Paris"}]
     assert decode.metrics()[KV_PULLS] == pulls + 1                # the prefill's KV, read
     _nothing_held(prefill, decode)
+
+
+# ------------------------------------------------ the random model, and a decode restart
+
+def test_random_sampling_through_the_proxy_never_breaks_the_answer(cluster):
+    """The random-weight model at temperature 1 (UNSCRIPTED: no script forces it) through
+    the proxy, chat and Responses, streamed and not, with and without tools: every answer a
+    200 that the openai client's types accept, ending with a finish reason / final status
+    (issue 29's parser item, through 1P1D; the in-process fuzz is test_harmony_fuzz.py)."""
+    url, prefill, decode = cluster
+    client = openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=60)
+    for seed in range(4):
+        for tools in (None, TOOLS):
+            extra = {"tools": tools} if tools else {}
+            chat = client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": f"Tell me UNSCRIPTED {seed}"}],
+                temperature=1.0, seed=seed, max_tokens=24, **extra)
+            assert chat.choices[0].finish_reason in ("stop", "length", "tool_calls")
+            chunks = list(client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": f"Say UNSCRIPTED {seed}"}],
+                temperature=1.0, seed=seed, max_tokens=24, stream=True, **extra))
+            assert chunks[-1].choices[0].finish_reason in ("stop", "length", "tool_calls")
+            rtools = [{"type": "function", **t["function"]} for t in tools] if tools else []
+            resp = client.responses.create(model=MODEL, input=f"Write UNSCRIPTED {seed}",
+                                           temperature=1.0, max_output_tokens=24, tools=rtools,
+                                           store=False)
+            assert resp.status in ("completed", "incomplete")
+            with client.responses.stream(model=MODEL, input=f"Note UNSCRIPTED {seed}",
+                                         temperature=1.0, max_output_tokens=24, tools=rtools,
+                                         store=False) as stream:
+                kinds = [event.type for event in stream]
+            assert kinds[0] == "response.created"
+            assert kinds[-1] in ("response.completed", "response.incomplete")
+    _nothing_held(prefill, decode)
+
+
+def test_a_stored_response_survives_a_decode_restart_through_the_proxy(cluster, tmp_path):
+    """The Responses store (SQLite, one file per port) through the proxy: a response stored
+    on the decode server is still there, and still continues a conversation, after that
+    server is stopped and started again on its port. (Last in this module: it restarts the
+    module's decode server.)"""
+    url, _, decode = cluster
+    client = openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=60)
+    first = client.responses.create(model=MODEL, input="Hello?")
+    assert first.status == "completed" and first.output_text == ANSWER
+    decode.stop()
+    env = {"KVRELAY_AGENT_SCRIPTS": json.dumps(agent_scripts()), "UCX_NET_DEVICES": "lo",
+           "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
+    again = KvrelayProcess(list(decode.proc.args[3:]), tmp_path / "decode-again.log", env)
+    try:
+        again.wait_for_line("Application startup complete", 180)
+        deadline = time.monotonic() + 30           # the proxy's health probe sees it back
+        while True:                                # (the same key: the store is per owner)
+            try:
+                got = client.responses.retrieve(first.id)
+                break
+            except openai.APIStatusError as e:     # 502/503 while the proxy sees it down
+                assert e.status_code != 404 and time.monotonic() < deadline, e
+            time.sleep(0.5)
+        assert got.id == first.id and got.output_text == ANSWER
+        follow = client.responses.create(model=MODEL, input="And now?",
+                                         previous_response_id=first.id)
+        assert follow.previous_response_id == first.id and follow.output_text == ANSWER
+        assert follow.usage.input_tokens > first.usage.input_tokens   # the history was in it
+    finally:
+        again.stop()
