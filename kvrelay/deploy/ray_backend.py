@@ -16,10 +16,14 @@ node from the CPUs the server asks for (its ranks); the actor pins the server to
 its host's cores (`claim_cores`: Ray counts CPUs, it does not pin; the plan's device ids name
 one host's cores, not the node Ray picks).
 
-The proxy's actor follows the servers: every half second it asks each server actor of the
-deployment (by name, in the deployment's namespace) where it is and whether it is ready and
-not draining, and rewrites the proxy's `--backends-file` (atomically) when that changes — a
-restarted server on another node, a server added or drained — so no port is typed by hand.
+The proxy's actor follows the servers: it asks each server actor of the deployment (by name,
+in the deployment's namespace) where it is and whether it is ready and not draining, and
+rewrites the proxy's `--backends-file` (atomically) when that changes — a restarted server on
+another node, a server added or drained — so no port is typed by hand. While some server is
+not ready it does not ask again and again: it waits on those servers' `wait_ready` calls,
+each answered by the server's actor the moment its own look (local HTTP, WATCH_S) first sees
+the server answer — as does `deploy` itself. Bring-up thus costs a few Ray calls per server,
+not a stream of them on the cores the servers are starting on.
 
 The KV secret is generated here and reaches each actor in its creation arguments (Ray keeps
 them to restart it; a runtime_env would cost a fresh worker process per actor), and the
@@ -59,8 +63,12 @@ NAMESPACE_PREFIX = "kvrelay-deploy-"
 PROXY = "proxy"
 POLL_S = 2.0          # the proxy actor's look at its servers once all are ready (each look
 #                       is a /health call per server: fewer while they serve)
-FAST_POLL_S = 0.5     # ... while one is not (each look is Ray calls and HTTP: faster looks
-#                       slowed the servers' own start on 2 cores: ready 20.9-29.2 s at 0.1 s)
+FAST_POLL_S = 0.5     # the shortest round of the follower while one is not (it waits on
+#                       `wait_ready` calls; a server that was ready and is not cannot spin it)
+WATCH_S = 0.1         # a server actor's look at its own server until it first answers: a
+#                       local HTTP connect, no Ray call (Ray calls on the cores the servers
+#                       start on slowed their start: ready 20.9-29.2 s at 0.1 s Ray polls)
+WAIT_S = 15.0         # a `wait_ready` call returns after this at the latest (who is waiting)
 STOP_GRACE_S = 35.0
 MAX_RESTARTS = 20
 IDLE_S = 1.0                 # a drained server idle this long is stopped
@@ -158,6 +166,8 @@ class ServerActor:
         self.node = ray.get_runtime_context().get_node_id()
         self.draining = False
         self.stopping = False
+        self.started = time.time()
+        self.ready = threading.Event()       # the server answered /health once
         child_env = {k: v for k, v in os.environ.items() if k not in _NOT_SHIPPED} | env
         if role in ("prefill", "decode"):
             child_env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = self.ip
@@ -178,6 +188,22 @@ class ServerActor:
         if not started:
             raise RuntimeError(f"{name}: could not start {command[:4]}")
         self.proc: subprocess.Popen = started[0]
+        threading.Thread(target=self._watch, daemon=True, name="kvrelay-ready").start()
+
+    def _watch(self) -> None:
+        """Look at the server every WATCH_S until it first answers /health (bring-up only:
+        afterwards `status` calls see its health)."""
+        while not self.stopping and self.proc.poll() is None:
+            if _http_json(f"{self.url}/health", timeout=1.0)[0] == 200:
+                self.ready.set()
+                return
+            time.sleep(WATCH_S)
+
+    def wait_ready(self, timeout_s: float = WAIT_S) -> dict[str, Any]:
+        """Its status once the server first answered /health, or after `timeout_s`: one call
+        that returns when there is news, instead of a poll per look."""
+        self.ready.wait(timeout_s)
+        return self.status(load=False)
 
     def _run(self, command: list[str], env: dict[str, str], started: list[Any],
              ready: threading.Event) -> None:
@@ -206,7 +232,7 @@ class ServerActor:
         health, _ = _http_json(f"{self.url}/health")
         _, metrics = _http_json(f"{self.url}/metrics") if health == 200 and load else (0, "")
         return {"name": self.name, "role": self.role, "node": self.node, "ip": self.ip,
-                "url": self.url, "pid": self.proc.pid,
+                "url": self.url, "pid": self.proc.pid, "started": self.started,
                 "ready": health == 200, "draining": self.draining,
                 "running": _metric(metrics, "vllm:num_requests_running"),
                 "waiting": _metric(metrics, "vllm:num_requests_waiting"),
@@ -249,35 +275,48 @@ class ProxyActor(ServerActor):
         return self.settings, self.env
 
     def _follow(self) -> None:
-        """Write the backends file anew whenever the servers' states change: every
-        FAST_POLL_S while some server is not ready yet (bring-up, a restart, a scale step),
-        else every POLL_S."""
+        """Write the backends file anew whenever the servers' states change: every POLL_S
+        while all are ready; while some are not (bring-up, a restart, a scale step), as soon
+        as one of them is (their `wait_ready`), at most every FAST_POLL_S."""
         while not self.stopping:
+            t0 = time.monotonic()
             try:
-                settled = self._write_backends()
+                waiting = self._write_backends()
+                if waiting:
+                    self._await_one(waiting)
             except Exception as e:                  # a server actor restarting: next round
                 logger.debug("backends: %s", e)
-                settled = False
-            time.sleep(POLL_S if settled else FAST_POLL_S)
+                waiting = ["?"]
+            pause = POLL_S if not waiting else FAST_POLL_S - (time.monotonic() - t0)
+            if pause > 0:
+                time.sleep(pause)
 
-    def _write_backends(self) -> bool:
-        """The file anew if the ready servers changed; whether every server answered ready."""
+    def _await_one(self, names: list[str]) -> None:
+        """Until one of these servers is ready (or POLL_S passed)."""
         import ray
-        refs = [server_handle(n, self.ns).status.remote(False) for n in server_names(self.ns)]
+        refs = [server_handle(n, self.ns).wait_ready.remote(POLL_S) for n in names]
+        ray.wait(refs, num_returns=1, timeout=POLL_S + 1)
+
+    def _write_backends(self) -> list[str]:
+        """The file anew if the ready servers changed; the servers not (known to be) ready."""
+        import ray
+        names = server_names(self.ns)
+        refs = [server_handle(n, self.ns).status.remote(False) for n in names]
         answered, _ = ray.wait(refs, num_returns=len(refs), timeout=5) if refs else ([], [])
-        states = []
+        states = {}
         for ref in answered:        # an actor Ray is restarting is left out until it is back
             try:
-                states.append(ray.get(ref))
+                st = ray.get(ref)
+                states[st["name"]] = st
             except Exception as e:
                 logger.debug("backends: %s", e)
         out: dict[str, Any] = {"prefill": [], "decode": []}
-        for st in sorted(states, key=lambda s: s["name"]):
+        for st in sorted(states.values(), key=lambda s: s["name"]):
             if st["role"] in out and st["ready"] and not st["draining"]:
                 out[st["role"]].append({"id": st["name"], "url": st["url"]})
         if out != self.written:
             self._write(out)
-        return len(states) == len(refs) and all(st["ready"] for st in states)
+        return [n for n in names if n not in states or not states[n]["ready"]]
 
     def _write(self, backends: dict[str, Any]) -> None:
         tmp = self.backends_path + ".tmp"
@@ -324,10 +363,11 @@ def _server_env(plan: Plan, server: ServerPlan, secret: str) -> dict[str, str]:
 
 def _place(ray: Any, cls: type, name: str, ns: str, cpus: int, *args: Any) -> Any:
     """A detached named actor (it outlives `deploy`), spread over the nodes, restarted by
-    Ray when it dies; a few concurrent calls (status while it stops)."""
+    Ray when it dies; a few concurrent calls (status while it stops or while `deploy` and the
+    proxy's follower wait on `wait_ready`)."""
     return ray.remote(cls).options(
         name=name, namespace=ns, lifetime="detached", max_restarts=MAX_RESTARTS,
-        max_task_retries=0, num_cpus=cpus, max_concurrency=4,
+        max_task_retries=0, num_cpus=cpus, max_concurrency=8,
         scheduling_strategy="SPREAD").remote(*args)
 
 
@@ -342,27 +382,47 @@ def start_servers(ray: Any, plan: Plan, servers: list[ServerPlan], ns: str, secr
     return out
 
 
+def await_actors(ray: Any, handles: list[Any], timeout_s: float) -> None:
+    """Until every actor has been created (its server process started) or `timeout_s`."""
+    ray.wait([h.__ray_ready__.remote() for h in handles], num_returns=len(handles),
+             timeout=timeout_s)
+
+
 def await_ready(ray: Any, handles: list[Any], timeout_s: float,
                 say: Callable[[str], None]) -> list[dict[str, Any]]:
-    """Every handle's status once all are ready; TimeoutError naming those that are not."""
+    """Every handle's status once all are ready (in order); TimeoutError naming those that
+    are not. One `wait_ready` call per server at a time, answered when it is ready or after
+    WAIT_S (then it says who is still starting and asks again)."""
     deadline = time.monotonic() + timeout_s
-    last = 0.0
-    while True:
-        try:
-            states = ray.get([h.status.remote() for h in handles], timeout=30)
-        except Exception as e:                   # an actor restarting after a failed start
-            states = []
-            logger.debug("status: %s", e)
-        if states and all(s["ready"] for s in states):
-            return states
-        if time.monotonic() > deadline:
-            waiting = [s["name"] for s in states if not s["ready"]] or ["(no answer)"]
+    states: dict[int, dict[str, Any]] = {}
+    pending = {h.wait_ready.remote(WAIT_S): i for i, h in enumerate(handles)}
+    last: dict[int, dict[str, Any]] = {}
+    said = time.monotonic()
+    while pending:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            waiting = [last[i]["name"] if i in last else f"server {i}" for i in pending.values()]
             raise TimeoutError(f"not ready after {timeout_s:.0f}s: {', '.join(waiting)}")
-        if time.monotonic() - last > 15:
-            say("waiting for " + ", ".join(f"{s['name']} on {s['ip']}" for s in states
-                                            if not s["ready"]))
-            last = time.monotonic()
-        time.sleep(0.25)
+        done, _ = ray.wait(list(pending), num_returns=1, timeout=min(left, WAIT_S + 5))
+        for ref in done:
+            i = pending.pop(ref)
+            try:
+                st = ray.get(ref)
+            except Exception as e:               # an actor restarting after a failed start
+                logger.debug("wait_ready: %s", e)
+                time.sleep(0.5)
+                st = None
+            if st is not None and st["ready"]:
+                states[i] = st
+                continue
+            if st is not None:
+                last[i] = st
+            pending[handles[i].wait_ready.remote(WAIT_S)] = i
+        if pending and time.monotonic() - said >= WAIT_S:
+            say("waiting for " + ", ".join(f"{last[i]['name']} on {last[i]['ip']}"
+                                            for i in pending.values() if i in last))
+            said = time.monotonic()
+    return [states[i] for i in range(len(handles))]
 
 
 def up(plan: Plan, args: argparse.Namespace, settings: dict[str, Any],
@@ -380,7 +440,7 @@ def up(plan: Plan, args: argparse.Namespace, settings: dict[str, Any],
         say(f"error: deployment {args.name!r} already runs on this cluster ({len(existing)} "
             f"actors); `kvrelay deploy --down --name {args.name}` first, or choose --name")
         return 1
-    t0 = time.monotonic()
+    t0, wall0 = time.monotonic(), time.time()
     log_dir = str(args.log_dir or Path(tempfile.gettempdir()) / f"kvrelay-deploy-{args.name}")
     secret = secrets.token_hex(32)
     handles = start_servers(ray, plan, list(plan.servers), ns, secret, log_dir)
@@ -388,8 +448,11 @@ def up(plan: Plan, args: argparse.Namespace, settings: dict[str, Any],
         f"their environment (not shown); logs on each node in {log_dir}")
     timeout = float(args.engine_ready_timeout or envs.ENGINE_READY_TIMEOUT_S.as_float() or 600)
     try:
-        # the proxy at once, beside the servers: it answers 503 until its backends file lists
-        # them, and lists each as soon as it is ready
+        # the proxy once the servers' actors exist (their processes are starting): its
+        # actor's start (a Python worker importing Ray) then does not delay theirs, and it
+        # is up long before they are — it answers 503 until its backends file lists them,
+        # and lists each as soon as it is ready
+        await_actors(ray, handles, 60)
         proxy_env = {KV_SECRET_ENV: secret} | dict(plan.exports)
         proxy = _place(ray, ProxyActor, PROXY, ns, 1, proxy_command(plan), plan.proxy.port,
                        proxy_env, log_dir, ns, settings)
@@ -401,7 +464,9 @@ def up(plan: Plan, args: argparse.Namespace, settings: dict[str, Any],
         say(f"error: {e}; stopping what was placed")
         down(args.name, args.ray_address, say)
         return 1
-    say(f"ready in {time.monotonic() - t0:.1f}s (servers ready at {ready_s:.1f}s)")
+    started = max(s["started"] for s in states) - wall0
+    say(f"ready in {time.monotonic() - t0:.1f}s (Ray had started the servers' processes at "
+        f"{started:.1f}s; they were ready at {ready_s:.1f}s)")
     for s in states + [proxy_state]:
         say(f"  {s['name']:<10} {s['url']}  node {s['node'][:8]}  (log {s['log']})")
     say(f"OpenAI base URL: {proxy_state['url']}/v1 (model {plan.served_name}). "
@@ -436,7 +501,7 @@ def await_backends(proxy_url: str, prefill: int, decode: int, timeout_s: float) 
         if time.monotonic() > deadline:
             raise TimeoutError(f"the proxy has {got} active backends after {timeout_s:.0f}s, "
                                f"expected {prefill} prefill and {decode} decode")
-        time.sleep(FAST_POLL_S)
+        time.sleep(0.1)                 # an HTTP GET: the servers are up by now
 
 
 def _actor_names(ray: Any, ns: str) -> list[str]:
