@@ -42,7 +42,7 @@ without the queue for a core on a loaded machine) for each ISA build and thread 
 --overhead: the per-call cost of one decode step's experts call outside the kernel, on a
 shape whose kernel time is ~0 ("peers": hidden 32), one thread: the eager decode path's
 call before session 6's experts2 (`Experts.forward` + the MoE all-reduce, activations
-cast to fp32 and back) against `Experts.decode` (arguments worked out once, bf16 given to
+cast to fp32 and back) against `Experts.forward` (arguments worked out once, bf16 given to
 the kernel as it is), and the bare op with the same arguments. Best main-thread CPU µs
 per call over rounds of 2,000 calls, alternating.
 """
@@ -343,7 +343,7 @@ def run_overhead(name: str, tokens: list[int], rounds: int) -> list[dict]:
             op = torch.ops.kvrelay_kernels.moe_experts.default
             calls = {
                 "forward + all_reduce": (_forward_all_reduce, (ex, x, weights, ids)),
-                "decode": (ex.decode, (x, weights, ids)),
+                "decode": (ex.forward, (x, weights, ids)),
                 "bare op": (op, (x, weights, ids, *args)),
             }
             best = {label: float("inf") for label in calls}

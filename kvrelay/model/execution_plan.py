@@ -30,7 +30,7 @@ What the plan decides, and the one rule for each:
     moe              KVRELAY_MOE_KERNEL: "auto" (the kernel, torch's GEMMs past the row
                      thresholds of layers/moe.py), "native" or "torch"; `moe_tiles`: the
                      AVX512-BF16 tiles may take many rows per expert (auto only).
-    fused_decode     decode-only steps take `DecoderLayer.decode` (native attention only);
+    fused_decode     decode-only steps take the layers' fused ops (`FusedDecode`, native attention)
     decode_stack     and all layers as one native call where every layer's ops are native.
     compiled_decode  KVRELAY_COMPILE_DECODE's batch sizes (the runner compiles them).
 

@@ -9,17 +9,18 @@ Each residual add is done by the norm that reads its result (`RMSNorm.add_forwar
 native pass for decode-sized steps), so a layer returns its MoE output and the residual
 stream separately and the next layer (or the final norm) adds them.
 
-Decode-only steps (every token a decode, native kernels built) take `DecoderLayer.decode`
-where the model's `ExecutionPlan` says `fused_decode`: the same computation with fewer calls
-per layer —
-RoPE, the KV write and the paged attention in one native call
-(`PagedAttention.rotary_decode`), the router (linear, `route_topk`) and the experts in
-another (`Experts.route_decode`), and no module-call or dispatch wrappers between them.
-Its results are bitwise those of the separate ops (tests/model/test_paged_decode.py,
-tests/model/test_fused_decode_layer.py); the model decides once per step. Where the plan
-also says `decode_stack`, every layer of such a step runs as one native call (`DecodeStack`)
-for batch sizes at which each layer's ops are all native. Tests and profilers choose the path
-through the plan: `model.use_plan(dataclasses.replace(model.plan, decode_stack=False))`.
+A layer has one step, `DecoderLayer.forward`, the same math for every step. The model
+decides once per step whether it is decode-only with the fused native ops
+(`GptOssModel.fused_step`: the plan's `fused_decode`, every token a decode, eager, one
+replica) and hands the layers that choice (`FusedDecode`, or None); the two submodules
+that have a fused op pick it from there: RoPE, the KV write and the paged attention as one
+native call (`PagedAttention.rope_attend`), the router (linear, `route_topk`) and the
+experts as another (`Experts.route_forward`). Their results are bitwise the separate ops'
+(tests/model/test_paged_decode.py, tests/model/test_fused_decode_layer.py). Where the plan
+also says `decode_stack`, such a step runs that same per-layer path for every layer from
+C++ (`DecodeStack`), at batch sizes where each layer's ops are all native. Tests and
+profilers choose through the plan: `model.use_plan(dataclasses.replace(model.plan,
+decode_stack=False))`.
 
 Everything per step arrives in `AttentionMetadata` (query/context lengths, block
 tables and slot mappings per KV-cache group). Each layer owns a KV cache tensor
@@ -36,7 +37,7 @@ from torch import nn
 from kvrelay.model import execution_plan
 from kvrelay.model.config import FULL, GptOssConfig
 from kvrelay.model.execution_plan import ExecutionPlan
-from kvrelay.model.layers.attention import AttentionMetadata, PagedAttention
+from kvrelay.model.layers.attention import AttentionMetadata, FusedDecode, PagedAttention
 from kvrelay.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kvrelay.model.layers.linear import QKVParallelLinear, RowParallelLinear, runs_on_dense_kernel
 from kvrelay.model.layers.moe import ExpertPaths, Experts, MoE, Router
@@ -55,6 +56,9 @@ def kv_cache_groups(config: GptOssConfig, hybrid: bool) -> tuple[int, ...]:
 
 
 class Attention(nn.Module):
+    """The attention block's modules and their loading; its math is `DecoderLayer.forward`'s
+    (qkv, `PagedAttention.rope_attend`, o_proj)."""
+
     def __init__(self, config: GptOssConfig, layer: int, group: int, ctx: ParallelContext,
                  dtype: torch.dtype, rotary: RotaryEmbedding, plan: ExecutionPlan) -> None:
         super().__init__()
@@ -74,23 +78,16 @@ class Attention(nn.Module):
         h0 = self.ctx.tp_rank * self.qkv.num_heads
         self.attn.sinks.copy_(src.get(f"{prefix}.sinks", 0, h0, h0 + self.qkv.num_heads))
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        qk, v = self.qkv.qk_v(x)                               # [T, h + kvh, hd], [T, kvh, hd]
-        q, k = self.rotary.rotate(positions, qk).split(       # one rotary call for q and k
-            [self.qkv.num_heads, self.qkv.num_kv_heads], dim=1)
-        out = self.attn(q, k, v, kv_cache, meta)               # [T, h, hd]
-        return self.o_proj(out.flatten(1))                     # [T, H]
-
 
 @dataclass(frozen=True, slots=True)
-class DecodeModules:
-    """The modules `DecoderLayer.decode` calls, named, fetched once per plan (an nn.Module
+class LayerModules:
+    """The modules `DecoderLayer.forward` calls, named, fetched once per plan (an nn.Module
     attribute lookup costs ~0.5 µs; a layer step makes a dozen). `DecoderLayer.use_plan`
     fetches them again: replace a layer's submodules before handing the model its plan."""
 
     ln1: RMSNorm
     qkv: QKVParallelLinear
+    rotary: RotaryEmbedding
     attn: PagedAttention
     o_proj: RowParallelLinear
     ln2: RMSNorm
@@ -100,6 +97,13 @@ class DecodeModules:
 
 
 class DecoderLayer(nn.Module):
+    """One attention + MoE layer with one step (`forward`) for every kind of step. A
+    decode-only step differs only in how two groups of ops are dispatched (RoPE + KV write
+    + attention, router + experts), not in the math, so the model makes that choice once
+    per step and hands it in (`FusedDecode`), and the submodule that owns each group picks
+    its native call from it: the layer's math is written once, and a new fused op changes
+    one submodule, not a second copy of the layer."""
+
     def __init__(self, config: GptOssConfig, layer: int, group: int, ctx: ParallelContext,
                  dtype: torch.dtype, rotary: RotaryEmbedding, mxfp4: bool,
                  plan: ExecutionPlan) -> None:
@@ -113,16 +117,18 @@ class DecoderLayer(nn.Module):
                        plan)
         self.mods = self._fetch()
 
-    def _fetch(self) -> DecodeModules:
+    def _fetch(self) -> LayerModules:
         attn, mlp = self.self_attn, self.mlp
-        return DecodeModules(self.input_layernorm, attn.qkv, attn.attn, attn.o_proj,
-                             self.post_attention_layernorm, mlp.experts, mlp.router, mlp.ctx)
+        return LayerModules(self.input_layernorm, attn.qkv, attn.rotary, attn.attn,
+                            attn.o_proj, self.post_attention_layernorm, mlp.experts,
+                            mlp.router, mlp.ctx)
 
     def use_plan(self, plan: ExecutionPlan) -> None:
         """Every submodule follows `plan` from the next step on."""
         m = self.mods = self._fetch()
-        for module in (m.ln1, m.qkv, m.attn, m.o_proj, m.ln2, m.experts, m.router):
+        for module in (m.ln1, m.qkv, m.attn, m.o_proj, m.ln2, m.router):
             module.plan = plan
+        m.experts.use_plan(plan)
 
     def load(self, src: WeightSource, prefix: str) -> None:
         self.input_layernorm.weight.copy_(src.get(f"{prefix}.input_layernorm.weight"))
@@ -131,44 +137,38 @@ class DecoderLayer(nn.Module):
         self.mlp.load(src, f"{prefix}.mlp")
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: torch.Tensor, meta: AttentionMetadata, fused: FusedDecode | None = None,
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(mlp output, residual stream before it): the residual add of each block is done
-        by the norm that follows it (one fused pass), the last one by the model's norm."""
-        if residual is None:
-            residual, x = h, self.input_layernorm(h)
-        else:
-            residual, x = self.input_layernorm.add_forward(residual, h)
-        residual, x = self.post_attention_layernorm.add_forward(
-            residual, self.self_attn(x, positions, kv_cache, meta))
-        return self.mlp(x), residual
-
-    def decode(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-               kv_cache: torch.Tensor, meta: AttentionMetadata, cos: torch.Tensor,
-               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`forward` for a decode-only step (`GptOssModel.fused_step` said yes): the same
-        ops, RoPE + KV write + attention as one native call, the router (linear, top-k,
-        softmax) and the experts as another (`Experts.route_decode`), modules called
-        without their wrappers."""
+        """(mlp output, residual stream before it) of one step: the residual add of each
+        block is done by the norm that follows it (one fused pass), the last one by the
+        model's norm. `fused`: the model's choice for a decode-only step, which the
+        attention and the experts read to take their fused native calls (the same math,
+        bitwise). The modules are called through `mods` and `.forward`: no nn.Module lookup
+        or call wrapper on a path that runs every layer of every step."""
         m = self.mods
         if residual is None:
-            residual, x = h, m.ln1.forward(h)
+            residual, x = h, m.ln1.forward(h)                                   # [T, H]
         else:
-            residual, x = m.ln1.add_forward(residual, h)
+            residual, x = m.ln1.add_forward(residual, h)                        # [T, H]
         qk, v = m.qkv.qk_v(x)                                  # [T, h + kvh, hd], [T, kvh, hd]
-        out = m.attn.rotary_decode(qk, v, positions, cos, sin, kv_cache, meta)   # [T, h·hd]
-        residual, x = m.ln2.add_forward(residual, m.o_proj.forward(out))
-        return m.experts.route_decode(x, m.router, m.router.route_native), residual
+        out = m.attn.rope_attend(qk, v, positions, m.rotary, kv_cache, meta, fused)  # [T, h·hd]
+        residual, x = m.ln2.add_forward(residual, m.o_proj.forward(out))         # [T, H]
+        return m.experts.route_forward(x, m.router, fused), residual            # [T, H]
 
 
 class DecodeStack:
-    """`DecoderLayer.decode` of every layer as one native call
-    (`kvrelay_kernels.DecodeStack`, csrc/decode_stack_op.cpp: the same ops in the same
-    order, called from C++, so bitwise the same results), the weights registered once.
-    The model makes one where its plan says `decode_stack` and every layer can join (one
-    rank, the kernels built: `make`), and runs it for a batch size where every layer's
-    decode would run natively (`usable`). Made again when an experts' paths (their kernel
-    arguments) are made again (`current`)."""
+    """The layers' one path for a fused decode-only step (`DecoderLayer.forward` given a
+    `FusedDecode`), every layer run from C++ in one native call
+    (`kvrelay_kernels.DecodeStack`, csrc/decode_stack_op.cpp: the same ops with the same
+    arguments in the same order, so bitwise the same results; tests/model/
+    test_fused_decode_layer.py compares whole steps). Not a second path but the first one's
+    executor: what goes is the Python between the ops (~6 op dispatches and the module calls
+    of each layer; one sequence on tests' tiny bf16 model, 2 layers, AVX2, one thread:
+    ~155 µs a step against ~270 µs layer by layer). The weights are registered once. The
+    model makes one where its plan says `decode_stack` and every layer can join (one rank,
+    the kernels built: `make`), and runs it for a batch size where every layer's fused step
+    would take the native ops only (`usable`). Made again when an experts' paths (their
+    kernel arguments) are made again (`current`)."""
 
     def __init__(self, layers: list[DecoderLayer]) -> None:
         self.layers = layers
@@ -203,17 +203,20 @@ class DecodeStack:
         return self.native if usable else None
 
     def _usable(self, h: torch.Tensor) -> bool:
-        """Whether every layer's `decode` of a batch like h takes the native ops only."""
-        for m in self.mods:
-            out = h.new_empty(h.shape[0], m.o_proj.weight.shape[1])
-            if (m.ln1._ops(h) is None or m.ln2._ops(h) is None
-                    or not runs_on_dense_kernel(h, m.qkv.weight, m.qkv.plan)
-                    or not runs_on_dense_kernel(out, m.o_proj.weight, m.o_proj.plan)
-                    or not m.experts.fuses_router(h, m.router)):
-                return False
-        return True
+        """Whether every layer's fused step of a batch like h takes the native ops only."""
+        return all(m.ln1._ops(h) is not None and m.ln2._ops(h) is not None
+                   and self._projections_native(m, h) and m.experts.fuses_router(h, m.router)
+                   for m in self.mods)
 
-    def _add(self, m: DecodeModules, paths: ExpertPaths) -> None:
+    @staticmethod
+    def _projections_native(m: LayerModules, h: torch.Tensor) -> bool:
+        """Whether the layer's qkv and o_proj of a batch like h run on the dense kernel
+        (the condition the stack's C++ assumes: it calls `dense_linear` for both)."""
+        out = h.new_empty(h.shape[0], m.o_proj.weight.shape[1])        # o_proj's input
+        return (runs_on_dense_kernel(h, m.qkv.weight, m.qkv.plan)
+                and runs_on_dense_kernel(out, m.o_proj.weight, m.o_proj.plan))
+
+    def _add(self, m: LayerModules, paths: ExpertPaths) -> None:
         first, gate_up, gate_up_scales, gate_up_bias, down, down_scales, down_bias, alpha, \
             limit, _isa = paths.op_args
         self.native.add_layer(
@@ -265,19 +268,14 @@ class GptOssModel(nn.Module):
         """input_ids, positions [T] → final hidden states [T, H] (normed)."""
         h = self.embed_tokens(input_ids)                       # [T, H]
         residual: torch.Tensor | None = None
-        if self.fused_step(h, kv_caches, meta):
-            cos, sin = self.rotary.tables()
-            stack = self._decode_stack(h)
-            if stack is not None:
-                h, residual = stack.run(h, positions, cos, sin, kv_caches, meta.slot_mappings,
-                                        meta.block_tables, meta.seq_lens)
-            else:
-                for layer, kv_cache in zip(self.layers, kv_caches):
-                    assert isinstance(layer, DecoderLayer)
-                    h, residual = layer.decode(h, residual, positions, kv_cache, meta, cos, sin)
+        fused = self.fused_step(h, kv_caches, meta)
+        if fused is not None and (stack := self._decode_stack(h)) is not None:
+            # the layers' fused path, run from C++
+            h, residual = stack.run(h, positions, fused.cos, fused.sin, kv_caches,
+                                    meta.slot_mappings, meta.block_tables, meta.seq_lens)
         else:
-            for layer, kv_cache in zip(self.layers, kv_caches):
-                h, residual = layer(h, residual, positions, kv_cache, meta)
+            for layer, kv_cache in zip(self.layers, kv_caches):      # `.forward`: no hooks
+                h, residual = layer.forward(h, residual, positions, kv_cache, meta, fused)
         if residual is None:
             return self.norm(h)
         return self.norm.add_forward(residual, h)[1]
@@ -293,24 +291,27 @@ class GptOssModel(nn.Module):
         self._stack, self._stack_made = None, False
 
     def fused_step(self, h: torch.Tensor, kv_caches: list[torch.Tensor],
-                   meta: AttentionMetadata) -> bool:
-        """Whether this step's layers take `DecoderLayer.decode`: the plan's fused decode,
-        a decode-only step, eager, one rank (no expert parallelism across replicas), every
-        layer's cache contiguous in the activations' dtype (the caches are allocated
-        alike: the first layer's decides)."""
+                   meta: AttentionMetadata) -> FusedDecode | None:
+        """This step's choice for its layers: a `FusedDecode` where they take their fused
+        native ops (the plan's fused decode, a decode-only step, eager, one replica's
+        experts, every layer's cache contiguous in the activations' dtype: the caches are
+        allocated alike, the first layer's decides), None for the general ops. Made once
+        per step, here only."""
         if (not self.plan.fused_decode or meta.num_decodes != h.shape[0]
                 or self.ctx.expert_group is not None or not self.layers
                 or torch.compiler.is_compiling() or h.device.type != "cpu"):
-            return False
+            return None
         first = self.layers[0]
         assert isinstance(first, DecoderLayer)
-        if self.rotary.tables()[0].dtype != torch.float32:   # e.g. after a model.bfloat16()
-            return False
-        return first.self_attn.attn.fuses_decode(h, kv_caches[0], meta)
+        cos, sin = self.rotary.tables()
+        if cos.dtype != torch.float32 or not first.mods.attn.fuses_decode(h, kv_caches[0], meta):
+            return None                                   # (e.g. after a model.bfloat16())
+        return FusedDecode(cos, sin)
 
     def _decode_stack(self, h: torch.Tensor) -> Any:
-        """The layers of this decode-only step as one native call (`DecodeStack`), or None:
-        the plan has no stack, or some layer would not run `decode` on native ops alone."""
+        """The layers of this fused decode-only step as one native call (`DecodeStack`),
+        or None: the plan has no stack, or some layer's fused step would not run on native
+        ops alone."""
         stack = self._stack
         if stack is None:
             if self._stack_made:            # some layer cannot join under this plan

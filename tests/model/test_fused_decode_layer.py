@@ -1,5 +1,6 @@
-"""The fused decode layer path (`DecoderLayer.decode`: one native call for RoPE + KV write +
-paged attention, one for the router's top-k + softmax) against the separate ops."""
+"""The fused decode-only step (`DecoderLayer.forward` handed a `FusedDecode`: one native call
+for RoPE + KV write + paged attention, one for the router and the experts) against the
+separate ops, and the same step run from C++ (`DecodeStack`) against it."""
 from __future__ import annotations
 
 import dataclasses
@@ -112,16 +113,19 @@ def test_fused_decode_steps_are_bitwise_the_separate_ops(checkpoint, dtype, num_
 
 
 def test_the_fused_path_is_taken_only_for_decode_only_steps(checkpoint, monkeypatch):
+    """The model hands its layers a `FusedDecode` for decode-only steps only (and the
+    attention then takes its fused call: `rope_attend` with it)."""
     model = load_model(checkpoint, dtype=torch.float32, progress=False).model
     calls: list[int] = []
-    decode = gpt_oss.DecoderLayer.decode
+    forward = gpt_oss.DecoderLayer.forward
 
-    def counted(self, h, *args):
-        calls.append(h.shape[0])
-        return decode(self, h, *args)
+    def counted(self, h, residual, positions, kv_cache, meta, fused=None):
+        if fused is not None:
+            calls.append(h.shape[0])
+        return forward(self, h, residual, positions, kv_cache, meta, fused)
 
-    monkeypatch.setattr(gpt_oss.DecoderLayer, "decode", counted)
-    _without_stack(model)                  # layer by layer, so each layer's decode is seen
+    monkeypatch.setattr(gpt_oss.DecoderLayer, "forward", counted)
+    _without_stack(model)                  # layer by layer, so each layer's step is seen
     loop = PagedGreedyLoop(model, 64, 4)
     seqs = [_Seq([1, 2, 3, 4, 5]), _Seq([6, 7, 8])]
     loop.step(seqs, [5, 3])                              # prefill: separate ops
@@ -141,7 +145,7 @@ def test_the_fused_path_is_taken_only_for_decode_only_steps(checkpoint, monkeypa
 def test_the_decode_stack_is_bitwise_the_layer_by_layer_decode(checkpoint, dtype, num_seqs,
                                                                monkeypatch):
     """Every layer in one native call (`DecodeStack`) gives exactly the logits and KV caches
-    of `DecoderLayer.decode` layer by layer, and is what decode-only steps take."""
+    of the fused `DecoderLayer.forward` layer by layer, and is what decode-only steps take."""
     model = load_model(checkpoint, dtype=dtype, progress=False).model
     g = torch.Generator().manual_seed(num_seqs)
     prompts = [torch.randint(0, 100, (n,), generator=g).tolist() for n in (9, 4, 12)[:num_seqs]]
@@ -200,3 +204,19 @@ def test_the_decode_stack_follows_reloaded_experts(checkpoint, monkeypatch):
     _without_stack(model)
     ref, _ = _decode(model, True, [[3, 1, 4, 1, 5]], 2)
     assert torch.equal(got, ref)
+
+
+def test_a_new_plan_reaches_every_layers_experts(checkpoint, monkeypatch):
+    """`model.use_plan` makes each layer's expert paths again (`Experts.use_plan`): a plan
+    with moe "torch" sends the next decode step's experts to the reference path."""
+    from kvrelay.model.layers.moe import Experts
+    model = load_model(checkpoint, dtype=torch.float32, progress=False).model
+    calls: list[int] = []
+    reference = Experts.forward_torch
+    monkeypatch.setattr(Experts, "forward_torch",
+                        lambda self, x, *a: calls.append(x.shape[0]) or reference(self, x, *a))
+    _decode(model, True, [[3, 1, 4, 1, 5]], 1)
+    assert calls == []                                    # the kernel: few rows per expert
+    model.use_plan(dataclasses.replace(model.plan, moe="torch", moe_tiles=False))
+    _decode(model, True, [[3, 1, 4, 1, 5]], 1)
+    assert calls == [5] * len(model.layers) + [1] * len(model.layers)

@@ -16,11 +16,14 @@ import torch
 from kvrelay.model import execution_plan, fast_paths, kernels, mxfp4
 from kvrelay.model.kernels import isa as isa_table
 from kvrelay.model.layers import moe as moe_mod
+from kvrelay.model.layers.attention import FusedDecode
 from kvrelay.model.layers.moe import Experts
 from kvrelay.model.parallel import ParallelContext
 from tests.kernel_isas import isa_params
 
 ALPHA, LIMIT = 1.702, 7.0
+# a decode-only step's choice of the fused ops (the experts read none of its tables)
+FUSED = FusedDecode(torch.empty(0), torch.empty(0))
 
 
 @pytest.fixture(scope="session")
@@ -46,6 +49,7 @@ def make_experts(H: int, I: int, E: int, storage: str, seed: int,  # noqa: E741 
     if storage == "mxfp4":
         ex.gate_up = random_mxfp4(ex.num_local, 2 * I, H, g)
         ex.down = random_mxfp4(ex.num_local, H, I, g)
+        ex.invalidate()
     else:
         ex.gate_up.copy_(torch.randn(ex.gate_up.shape, generator=g) * 0.3)
         ex.down.copy_(torch.randn(ex.down.shape, generator=g) * 0.3)
@@ -210,6 +214,7 @@ def shard(full: Experts, ctx: ParallelContext) -> Experts:
     G = mxfp4.BLOCK
     ex.gate_up = cut(full.gate_up, 1, 2 * i0, 2 * i1, 2 * il)
     ex.down = cut(full.down, 2, i0 // G, -(-i1 // G), il // G)
+    ex.invalidate()
     return ex
 
 
@@ -315,6 +320,7 @@ def test_dense_fp16_experts_keep_the_torch_path_mxfp4_ones_do_not(isas, monkeypa
     packed = Experts(32, 32, 2, ParallelContext(), torch.float16, ALPHA, LIMIT, True)
     g = torch.Generator().manual_seed(0)
     packed.gate_up, packed.down = random_mxfp4(2, 64, 32, g), random_mxfp4(2, 32, 32, g)
+    packed.invalidate()
     assert packed.uses_native_kernel()
     weights, ids = routing(3, 2, 1, seed=0)
     out = packed(torch.randn(3, 32).half(), weights.half(), ids)
@@ -335,7 +341,8 @@ def test_auto_gives_big_batches_to_torch_gemms_mxfp4_ones_only_at_many_rows(isas
     assert not packed.uses_native_kernel(fp4_rows)
     monkeypatch.setenv("KVRELAY_MOE_KERNEL", "native")          # forced: always the kernel
     execution_plan.current.cache_clear()
-    dense.plan = packed.plan = execution_plan.current()
+    dense.use_plan(execution_plan.current())
+    packed.use_plan(execution_plan.current())
     assert dense.uses_native_kernel(rows * 100) and packed.uses_native_kernel(fp4_rows * 100)
 
 
@@ -424,6 +431,7 @@ def decode_experts(case: str) -> tuple[Experts, torch.Tensor, torch.Tensor, torc
     ex = make_experts(H, I, E, storage.split("-")[0], seed=len(case))
     if storage == "mxfp4":                       # packed experts in a bf16 model
         ex.dtype = torch.bfloat16
+        ex.invalidate()
     weights, ids = routing(T, E, k, seed=T)
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(3)).to(ex.dtype)
     return ex, x, weights, ids
@@ -431,16 +439,14 @@ def decode_experts(case: str) -> tuple[Experts, torch.Tensor, torch.Tensor, torc
 
 @pytest.mark.parametrize("case", list(DECODE_CASES))
 def test_decode_is_the_kernel_path_bit_for_bit(case, isas, monkeypatch):
-    """`Experts.decode` (plan made once, activations passed to the kernel in their dtype)
-    gives exactly what `forward` gave before: the kernel on x.float(), rounded to x's
-    dtype; and what `forward` gives now."""
+    """Decode-sized `forward` calls (paths made once, activations passed to the kernel in
+    their dtype) give exactly the kernel on x.float(), rounded to x's dtype."""
     monkeypatch.setenv("KVRELAY_MOE_KERNEL", "native")
     ex, x, weights, ids = decode_experts(case)
     before = native(ex, x, weights, ids, "").to(x.dtype)
-    for _ in range(2):                           # the second call runs on the cached plan
-        out = ex.decode(x, weights, ids)
+    for _ in range(2):                           # the second call runs on the cached paths
+        out = ex(x, weights, ids)
         assert out.dtype == x.dtype and torch.equal(out, before)
-    assert torch.equal(ex(x, weights, ids), before)
 
 
 def test_bf16_activations_round_like_a_cast_after_the_fp32_kernel(isas):
@@ -458,23 +464,27 @@ def test_bf16_activations_round_like_a_cast_after_the_fp32_kernel(isas):
 
 
 def test_decode_plan_follows_reloaded_weights(isas, monkeypatch):
-    """Biases copied in place (a reload) and weights replaced (MXFP4 load) both reach the
-    kernel: the plan is made again, never stale."""
+    """Biases copied in place (a reload: their versions tell) and weights replaced then
+    `invalidate`d (MXFP4 load) both reach the kernel: the paths are made again, never
+    stale."""
     monkeypatch.setenv("KVRELAY_MOE_KERNEL", "native")
     ex, x, weights, ids = decode_experts("bf16-1token-top1")
-    ex.decode(x, weights, ids)
+    ex(x, weights, ids)
     ex.down_bias.add_(1.0)
-    assert torch.equal(ex.decode(x, weights, ids), native(ex, x, weights, ids, "").bfloat16())
+    assert torch.equal(ex(x, weights, ids), native(ex, x, weights, ids, "").bfloat16())
     packed = make_experts(96, 64, 4, "mxfp4", seed=2)
     weights, ids = routing(3, 4, 2, seed=2)
     x = torch.randn(3, 96)
-    packed.decode(x, weights, ids)
+    before = packed(x, weights, ids)
     packed.gate_up = random_mxfp4(4, 128, 96, torch.Generator().manual_seed(7))
-    assert torch.equal(packed.decode(x, weights, ids), native(packed, x, weights, ids, ""))
+    packed.invalidate()
+    after = native(packed, x, weights, ids, "")
+    assert torch.equal(packed(x, weights, ids), after) and not torch.equal(after, before)
 
 
-def test_decode_all_reduces_only_across_ranks(isas, monkeypatch):
-    """One rank: the all-reduce (an identity) is skipped; a real group gets the partial."""
+def test_fused_route_forward_all_reduces_only_across_ranks(isas, monkeypatch):
+    """One rank: the fused step's all-reduce (an identity) is skipped; a real group gets the
+    partial, on the fused and the general ops alike."""
     from kvrelay.model.parallel import Collectives
 
     class Doubling(Collectives):
@@ -482,17 +492,24 @@ def test_decode_all_reduces_only_across_ranks(isas, monkeypatch):
             return x * 2
 
     monkeypatch.setenv("KVRELAY_MOE_KERNEL", "native")
-    ex, x, weights, ids = decode_experts("fp32-16tokens-top2")
-    alone = ex.decode(x, weights, ids)
+    ex, x, _, _ = decode_experts("fp32-16tokens-top2")
+    router = moe_mod.Router(40, 5, 2, torch.float32)
+    router.weight.copy_(torch.randn(5, 40, generator=torch.Generator().manual_seed(0)))
+    alone = ex.route_forward(x, router, FUSED)
+    assert torch.equal(ex.route_forward(x, router), alone)
+    assert ex.paths().reduce is None
     ex.ctx = ParallelContext(comm=Doubling())
-    assert torch.equal(ex.decode(x, weights, ids), alone * 2)
+    ex.invalidate()
+    assert torch.equal(ex.route_forward(x, router, FUSED), alone * 2)
+    assert torch.equal(ex.route_forward(x, router), alone * 2)
 
 
 def test_decode_follows_the_torch_choice(monkeypatch):
-    """KVRELAY_MOE_KERNEL=torch: decode runs the reference path, never the kernel."""
+    """KVRELAY_MOE_KERNEL=torch: decode-sized calls run the reference path, never the
+    kernel."""
     monkeypatch.setenv("KVRELAY_MOE_KERNEL", "torch")
     ex, x, weights, ids = decode_experts("fp32-16tokens-top2")
-    assert torch.equal(ex.decode(x, weights, ids), ex.forward_torch(x, weights, ids))
+    assert torch.equal(ex(x, weights, ids), ex.forward_torch(x, weights, ids))
 
 
 def test_working_memory_reuse_keeps_results(isas):
@@ -534,38 +551,41 @@ def _route(x: torch.Tensor, router: moe_mod.Router) -> tuple[torch.Tensor, torch
 
 @pytest.mark.parametrize("storage", ["bf16", "fp32", "mxfp4"])
 @pytest.mark.parametrize("tokens, top_k", [(1, 1), (3, 2), (4, 4)])
-def test_route_decode_is_the_router_then_the_experts_bit_for_bit(storage, tokens, top_k, isas,
-                                                                 monkeypatch):
-    """`Experts.route_decode` (router linear + top-k + experts in one native call) gives
-    exactly the separate router and `decode`, takes the one call, and reads the router's
-    weights as they are now (no stale copy)."""
+def test_fused_route_forward_is_the_router_then_the_experts_bit_for_bit(storage, tokens, top_k,
+                                                                        isas, monkeypatch):
+    """A fused step's `Experts.route_forward` (router linear + top-k + experts in one native
+    call) gives exactly the separate router and experts, takes the one call, and reads the
+    router's weights as they are now (no stale copy)."""
     monkeypatch.setenv("KVRELAY_MOE_KERNEL", "native")
     ex = make_experts(224, 160, 6, storage, seed=tokens)
     dtype = torch.float32 if storage == "fp32" else torch.bfloat16
     ex.dtype = dtype
+    ex.invalidate()
     g = torch.Generator().manual_seed(top_k)
     router = moe_mod.Router(224, 6, top_k, dtype)
     router.weight.copy_(torch.randn(6, 224, generator=g))
     router.bias.copy_(torch.randn(6, generator=g))
     x = torch.randn(tokens, 224, generator=g).to(dtype)
     for _ in range(2):
-        expected = ex.decode(x, *_route(x, router))
-        assert torch.equal(ex.route_decode(x, router, router.route_native), expected)
-        assert ex._decode_args().fused[tokens]
+        expected = ex(x, *_route(x, router))
+        assert torch.equal(ex.route_forward(x, router, FUSED), expected)
+        assert ex.paths().fused[tokens]
         router.weight.mul_(-1.0)                 # other choices; the fused call follows
 
 
-def test_route_decode_falls_back_to_the_separate_calls(monkeypatch):
-    """Where the experts take the torch path the router runs as before, then `decode`."""
+def test_fused_route_forward_falls_back_to_the_separate_calls(isas, monkeypatch):
+    """Where the experts take the torch path a fused step's router runs on its own
+    (`Router.route_native`), then the experts."""
     monkeypatch.setenv("KVRELAY_MOE_KERNEL", "torch")
     ex = make_experts(40, 56, 5, "fp32", seed=1)
     router = moe_mod.Router(40, 5, 2, torch.float32)
     router.weight.copy_(torch.randn(5, 40, generator=torch.Generator().manual_seed(0)))
     x = torch.randn(3, 40, generator=torch.Generator().manual_seed(1))
     calls = []
-    route = lambda x: calls.append(1) or router(x)       # noqa: E731 -- a counting router
-    assert torch.equal(ex.route_decode(x, router, route), ex.forward_torch(x, *router(x)))
-    assert calls and not ex._decode_args().fused[3]
+    route = router.route_native
+    monkeypatch.setattr(router, "route_native", lambda x: calls.append(1) or route(x))
+    assert torch.equal(ex.route_forward(x, router, FUSED), ex.forward_torch(x, *router(x)))
+    assert calls and not ex.paths().fused[3]
 
 
 def _same_bits_on_one_and_two_threads(threads, ex, x, weights, ids, isas) -> None:
@@ -582,9 +602,9 @@ def _same_bits_on_one_and_two_threads(threads, ex, x, weights, ids, isas) -> Non
 
 
 # -- the one chooser: `ExpertPaths` ----------------------------------------------------------
-def test_forward_and_decode_share_one_choice_per_batch_size(isas, monkeypatch):
-    """`ExpertPaths.choose` decides each choice count once for `forward` and `decode`
-    alike; setting the plan or the weights, or moving the module, makes the paths again."""
+def test_one_choice_per_batch_size_until_the_paths_are_made_again(isas, monkeypatch):
+    """`ExpertPaths.choose` decides each choice count once; a new plan (`use_plan`), new
+    weights (`invalidate`) or moving the module (`_apply`) makes the paths again."""
     ex = make_experts(64, 96, 4, "mxfp4", seed=2)
     weights, ids = routing(4, 4, 2, seed=3)
     x = torch.randn(4, 64, generator=torch.Generator().manual_seed(4))
@@ -593,14 +613,15 @@ def test_forward_and_decode_share_one_choice_per_batch_size(isas, monkeypatch):
     monkeypatch.setattr(moe_mod.ExpertPaths, "choose",
                         staticmethod(lambda *a, **kw: calls.append(a[2]) or real(*a, **kw)))
     first = ex(x, weights, ids)
-    assert torch.equal(ex.decode(x, weights, ids), first) and calls == [8]
+    assert torch.equal(ex(x, weights, ids), first) and calls == [8]
     ex(x[:1], weights[:1], ids[:1])
     assert calls == [8, 2]
-    ex.plan = dataclasses.replace(ex.plan, moe="torch")       # a new plan: decided again
+    ex.use_plan(dataclasses.replace(ex.plan, moe="torch"))    # a new plan: decided again
     assert torch.equal(ex(x, weights, ids), ex.forward_torch(x, weights, ids))
     assert calls == [8, 2, 8]
     ex.down = random_mxfp4(4, 64, 96, torch.Generator().manual_seed(5))     # new weights
-    ex.decode(x, weights, ids)
+    ex.invalidate()
+    ex(x, weights, ids)
     ex.to("cpu")                                               # moved (`_apply`)
     ex(x, weights, ids)
     assert calls == [8, 2, 8, 8, 8]
@@ -611,7 +632,7 @@ def test_the_paths_hold_no_reference_to_their_experts(isas):
     import weakref
     ex = make_experts(40, 56, 5, "bf16", seed=1)
     weights, ids = routing(3, 5, 2, seed=1)
-    ex.decode(torch.randn(3, 40).bfloat16(), weights, ids)
+    ex(torch.randn(3, 40).bfloat16(), weights, ids)
     assert ex._paths is not None
     alive = weakref.ref(ex)
     del ex

@@ -165,6 +165,7 @@ def experts(storage: str, H: int = 64, I: int = 96, E: int = 4) -> Experts:  # n
             torch.randint(0, 256, (E, r, c // 32, 16), dtype=torch.uint8, generator=g),
             torch.randint(120, 128, (E, r, c // 32), dtype=torch.uint8, generator=g))
             for r, c in ((2 * I, H), (H, I)))
+        ex.invalidate()
     else:
         ex.gate_up.copy_(torch.randn(ex.gate_up.shape, generator=g) * 0.2)
         ex.down.copy_(torch.randn(ex.down.shape, generator=g) * 0.2)
@@ -179,7 +180,7 @@ def half_matmuls(monkeypatch):
         monkeypatch.setenv("KVRELAY_CPU_HALF_MATMUL", mode)
         execution_plan.current.cache_clear()
         for ex in experts:
-            ex.plan = execution_plan.current()
+            ex.use_plan(execution_plan.current())
     yield pin
     execution_plan.current.cache_clear()
 
@@ -196,7 +197,7 @@ def test_experts_take_the_tiles_from_enough_rows_per_expert(storage, monkeypatch
     real = moe_tiles.forward
     monkeypatch.setattr(moe_tiles, "forward", lambda *a: calls.append(1) or real(*a))
     y = ex.forward(x, w, ids)
-    assert calls and torch.equal(ex.decode(x, w, ids), y)     # decode: the same op
+    assert calls and torch.equal(ex(x, w, ids), y)            # the kept choice: the same op
     assert len(calls) == 2
     # the bf16 torch path (the reference, bf16 matmul outputs and swiglu) agrees up to its
     # own roundings; the kernel's fp32 reference up to the summation order
@@ -210,7 +211,7 @@ def test_experts_take_the_tiles_from_enough_rows_per_expert(storage, monkeypatch
     assert not _tiles_take(ex, x.float(), ids.numel())    # fp32 activations: not taken
     monkeypatch.setenv("KVRELAY_MOE_KERNEL", "native")
     execution_plan.current.cache_clear()
-    ex.plan = execution_plan.current()
+    ex.use_plan(execution_plan.current())
     assert not _tiles_take(ex, x, ids.numel())            # an explicit kernel choice wins
 
 
@@ -232,11 +233,11 @@ def test_no_tiles_for_bf16_experts_where_bf16_measured_slower_than_fp32(monkeypa
     assert not _tiles_take(ex, x, ids.numel())          # 32 rows an expert, upcast from 4
     # fewer rows per expert than `linear` upcasts from: torch would run bf16, the tiles stay
     fp32 = ex.plan
-    ex.plan = dataclasses.replace(fp32, upcast_min_rows=33)
+    ex.use_plan(dataclasses.replace(fp32, upcast_min_rows=33))
     assert _tiles_take(ex, x, ids.numel())
-    ex.plan = dataclasses.replace(fp32, upcast_min_rows=32)
+    ex.use_plan(dataclasses.replace(fp32, upcast_min_rows=32))
     assert not _tiles_take(ex, x, ids.numel())
-    ex.plan = fp32
+    ex.use_plan(fp32)
     calls = []
     real = moe_tiles.forward
     monkeypatch.setattr(moe_tiles, "forward", lambda *a: calls.append(1) or real(*a))

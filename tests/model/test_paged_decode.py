@@ -10,7 +10,7 @@ import torch
 from kvrelay.model import execution_plan
 from kvrelay.model.execution_plan import ExecutionPlan
 from kvrelay.model.layers import paged_decode
-from kvrelay.model.layers.attention import AttentionMetadata, PagedAttention
+from kvrelay.model.layers.attention import AttentionMetadata, FusedDecode, PagedAttention
 from kvrelay.model.parallel import ParallelContext
 from tests.kernel_isas import isa_params, skip_unless_runs
 
@@ -281,7 +281,8 @@ def _rotary_case(heads, kv_heads, head_dim, seq_lens, dtype, B=8, NB=64, seed=0)
 
 
 def _separate_ops(layer, rotary, qk, v, positions, cache, meta):
-    """The eager path of gpt_oss.Attention: one rotary call, then the layer's forward."""
+    """The general path of `PagedAttention.rope_attend`: one rotary call, then the layer's
+    forward."""
     meta._plans.clear()
     q, k = rotary.rotate(positions, qk).split([layer.num_heads, layer.num_kv_heads], dim=1)
     return layer(q, k, v, cache, meta).flatten(1)
@@ -305,10 +306,15 @@ def test_fused_rotary_decode_is_bitwise_the_separate_ops(dtype, heads, kv_heads,
     ref_cache, got_cache = cache.clone(), cache.clone()
     ref = _separate_ops(layer, rotary, qk, v, positions, ref_cache, meta)
     assert layer.fuses_decode(qk, got_cache, meta)
-    got = layer.rotary_decode(qk, v, positions, rotary.cos, rotary.sin, got_cache, meta)
+    got = layer.rope_attend(qk, v, positions, rotary, got_cache, meta,
+                            FusedDecode(rotary.cos, rotary.sin))
     assert got.dtype == dtype and got.shape == (len(seq_lens), heads * head_dim)
     assert torch.equal(got, ref)
     assert torch.equal(got_cache, ref_cache)
+    meta._plans.clear()
+    general_cache = cache.clone()                 # no `FusedDecode`: the separate ops
+    general = layer.rope_attend(qk, v, positions, rotary, general_cache, meta, None)
+    assert torch.equal(general, ref) and torch.equal(general_cache, ref_cache)
 
 
 @pytest.mark.parametrize("num_seqs", [1, 16, 40])
@@ -327,7 +333,8 @@ def test_fused_rotary_decode_matches_the_reference_path(num_seqs):
         ref = _separate_ops(layer, rotary, qk, v, positions, ref_cache, meta)
         assert not layer.fuses_decode(qk, ref_cache, meta)
         layer.plan = _plan(True)
-        got = layer.rotary_decode(qk, v, positions, rotary.cos, rotary.sin, got_cache, meta)
+        got = layer.rope_attend(qk, v, positions, rotary, got_cache, meta,
+                                FusedDecode(rotary.cos, rotary.sin))
         torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)
         assert torch.equal(got_cache, ref_cache)
 

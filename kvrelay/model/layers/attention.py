@@ -43,6 +43,7 @@ from torch import nn
 from kvrelay.model import execution_plan
 from kvrelay.model.execution_plan import ExecutionPlan
 from kvrelay.model.layers import paged_decode as kernel
+from kvrelay.model.layers.rotary import RotaryEmbedding
 from kvrelay.model.parallel import ParallelContext
 
 
@@ -82,6 +83,19 @@ class AttentionMetadata:
         if key not in self._plans:
             self._plans[key] = _build_plan(self, group, window, part)
         return self._plans[key]  # type: ignore[return-value]
+
+
+@dataclass(frozen=True, slots=True)
+class FusedDecode:
+    """The model's choice for one decode-only step (`GptOssModel.fused_step`), handed to
+    every layer: their attention rotates, writes K/V and attends in one native call
+    (`PagedAttention.rope_attend`), their MoE routes and runs the experts in another
+    (`Experts.route_forward`). Bitwise the general ops, which serve every step where the
+    model hands None instead. Carries what the fused calls read besides the layer's inputs:
+    the whole RoPE tables (the kernel gathers and rounds the step's rows itself)."""
+
+    cos: torch.Tensor          # [max_positions, hd/2] float32, scaled
+    sin: torch.Tensor          # [max_positions, hd/2] float32, scaled
 
 
 @dataclass
@@ -309,23 +323,28 @@ class PagedAttention(nn.Module):
 
     def fuses_decode(self, x: torch.Tensor, kv_cache: torch.Tensor,
                      meta: AttentionMetadata) -> bool:
-        """Whether `rotary_decode` serves this step of activations x ([T, ...]): every
-        token a decode, the plan's fused decode (native kernels), the cache contiguous in
-        the activations' dtype, eager (a compiled graph keeps the separate ops, which it
-        fuses itself)."""
+        """Whether `rope_attend` may take its one native call for this step of activations x
+        ([T, ...]): every token a decode, the plan's fused decode (native kernels), the cache
+        contiguous in the activations' dtype, eager (a compiled graph keeps the separate
+        ops, which it fuses itself)."""
         return (meta.num_decodes == x.shape[0] and self.plan.fused_decode
                 and self.native(x.device) and kv_cache.dtype == x.dtype
                 and kv_cache.is_contiguous() and not torch.compiler.is_compiling())
 
-    def rotary_decode(self, qk: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                      cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
-                      meta: AttentionMetadata) -> torch.Tensor:
-        """A decode-only step (`fuses_decode`) in one native call: RoPE of the q and k heads
-        (qk [T, h + kvh, hd]), the K/V write and the in-place decode → [T, h·hd], bitwise
-        what rotate + `forward` give."""
-        return kernel.rotary_decode(qk, v, positions, cos, sin, kv_cache,
-                                    meta.slot_mappings[self.group], meta.block_tables[self.group],
-                                    meta.seq_lens, self.sinks, self.scale, self.window or 0)
+    def rope_attend(self, qk: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                    rotary: RotaryEmbedding, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                    fused: FusedDecode | None) -> torch.Tensor:
+        """RoPE of the q and k heads (qk [T, h + kvh, hd]), the K/V write and attention of
+        one step → [T, h·hd]. `fused` (a decode-only step, `fuses_decode`): all three in one
+        native call, bitwise the separate ops (`rotary.rotate`, then `forward`) that serve
+        every other step."""
+        if fused is not None:
+            return kernel.rotary_decode(qk, v, positions, fused.cos, fused.sin, kv_cache,
+                                        meta.slot_mappings[self.group],
+                                        meta.block_tables[self.group], meta.seq_lens,
+                                        self.sinks, self.scale, self.window or 0)
+        q, k = rotary.rotate(positions, qk).split([self.num_heads, self.num_kv_heads], dim=1)
+        return self.forward(q, k, v, kv_cache, meta).flatten(1)     # [T, h, hd] → [T, h·hd]
 
     def _decode_in_place(self, q: torch.Tensor, kv_cache: torch.Tensor,
                          meta: AttentionMetadata) -> torch.Tensor:

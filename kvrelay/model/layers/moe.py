@@ -16,8 +16,9 @@ and the rows per expert, and nothing else does:
   many rows per expert;
 - torch (the reference the others are tested against): tokens grouped by expert (argsort
   of the flattened (token, k) choices + bincount) and one matmul per *active* expert.
-Decode-only steps add one variant of the kernel: the router and the experts as one native
-call (`Experts.route_decode`), bitwise the router then the kernel.
+Decode-only steps the model hands a `FusedDecode` add one variant of the kernel: the router
+and the experts as one native call (`Experts.route_forward`), bitwise the router then the
+kernel.
 
 Sharding: a rank holds experts [e0, e1) (expert parallel, `ep_size` ways) and, of
 each, the intermediate rows [i0, i1) (tensor parallel, zero-padded to whole MXFP4
@@ -43,6 +44,7 @@ from kvrelay import envs
 from kvrelay.model import execution_plan, kernels
 from kvrelay.model.execution_plan import ExecutionPlan
 from kvrelay.model.layers import moe_tiles
+from kvrelay.model.layers.attention import FusedDecode
 from kvrelay.model.layers.ep_dispatch import moe_across_replicas
 from kvrelay.model.layers.linear import linear, runs_on_dense_kernel, upcasts
 from kvrelay.model.layers.moe_mode import moe_kernel_mode as moe_kernel_mode  # re-exported
@@ -114,9 +116,6 @@ class Router(nn.Module):
         return route_topk_op()(linear(x, self.weight, self.bias, self.plan), self.top_k)
 
 
-# Set anew, these change which path a call takes or what it passes the kernels: the
-# experts' paths are made again on next use (`Experts.__setattr__`).
-_PATH_FACTS = frozenset(("plan", "ctx", "dtype", "gate_up", "down", "gate_up_bias", "down_bias"))
 # What `kernels.moe_experts` takes besides x, the routing weights and the expert ids (see
 # `Experts.kernel_args`); the raw ops take the same values flattened (`ExpertPaths.op_args`).
 KernelArgs = tuple[int, tuple[torch.Tensor, torch.Tensor | None], torch.Tensor,
@@ -126,8 +125,9 @@ KernelArgs = tuple[int, tuple[torch.Tensor, torch.Tensor | None], torch.Tensor,
 class Experts(nn.Module):
     """This rank's share of the experts, in the model dtype or packed MXFP4. Owner of its
     `ExpertPaths` (which implementation computes a call, and the kernels' arguments), made
-    from what the layer holds on first use and dropped when any of it is set anew
-    (`_PATH_FACTS`, `_apply`)."""
+    from what the layer holds on first use. Whoever sets one of those facts anew — the
+    plan, ctx, dtype, the weights or biases — calls `invalidate` (`load`, `use_plan` and
+    `_apply` do); a bias copied into in place is caught by its version counter."""
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, ctx: ParallelContext,
                  dtype: torch.dtype, alpha: float, limit: float, mxfp4: bool,
@@ -154,10 +154,14 @@ class Experts(nn.Module):
                                         requires_grad=False)
             self.down = nn.Parameter(torch.zeros(E, hidden, I, dtype=dtype), requires_grad=False)
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        super().__setattr__(name, value)
-        if name in _PATH_FACTS:
-            self._paths = None          # made again from the new value on next use
+    def invalidate(self) -> None:
+        """Drop the paths: they are made again from what the layer holds on next use."""
+        self._paths = None
+
+    def use_plan(self, plan: ExecutionPlan) -> None:
+        """Follow `plan` from the next call on."""
+        self.plan = plan
+        self.invalidate()
 
     # -- loading -------------------------------------------------------------------------
     def load(self, src: WeightSource, prefix: str) -> None:
@@ -170,6 +174,7 @@ class Experts(nn.Module):
             self._load_mxfp4(src, prefix, rows)
         else:
             self._load_dense(src, prefix, rows)
+        self.invalidate()                   # new weights, perhaps new tensors
 
     def _local_slice(self, src: WeightSource, name: str, dim: int, start: int, stop: int,
                      length: int) -> torch.Tensor:
@@ -215,7 +220,7 @@ class Experts(nn.Module):
         if self.mxfp4 and isinstance(self.gate_up, MXFP4Tensor):
             device = self.gate_up_bias.device
             self.gate_up, self.down = self.gate_up.to(device), self.down.to(device)
-        self._paths = None          # the parameters' data moved or changed dtype in place
+        self.invalidate()           # the parameters' data moved or changed dtype in place
         return self
 
     def nbytes(self) -> int:
@@ -235,8 +240,6 @@ class Experts(nn.Module):
             paths = self._paths = ExpertPaths(self)
         return paths
 
-    _decode_args = paths        # the paths' name while only `decode` kept them (tests use it)
-
     def forward(self, x: torch.Tensor, weights: torch.Tensor,
                 expert_ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], weights/expert_ids [T, k] → this rank's partial output [T, H], on the
@@ -245,33 +248,32 @@ class Experts(nn.Module):
             return self._traced(x, weights, expert_ids)
         return self.paths().run(self, x, weights, expert_ids)
 
-    def decode(self, x: torch.Tensor, weights: torch.Tensor,
-               expert_ids: torch.Tensor) -> torch.Tensor:
-        """`forward` followed by the MoE all-reduce, for eager decode steps
-        (`DecoderLayer.decode`): the same path and results, the all-reduce skipped where it
-        is the identity (one rank). `weights`/`expert_ids` are the router's float32/int64
-        [T, k] (`Router.route_native`)."""
-        paths = self.paths()
-        y = paths.run(self, x, weights, expert_ids)
-        return y if paths.reduce is None else paths.reduce(y)
-
-    def route_decode(self, x: torch.Tensor, router: Router,
-                     route: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-                     ) -> torch.Tensor:
-        """`decode` of the choices `route(x)` makes (`Router.route_native`: the router's
-        linear on the dense kernel, then `route_topk`): where `ExpertPaths.fuses_router`
-        says so, the router and the experts are one native call (`moe_route_experts`, which
-        calls the same two ops from C++: bitwise the same result, two Python op dispatches
-        fewer a layer); otherwise `route` and `decode`."""
-        paths = self.paths()
-        if paths.fuses_router(self, x, router):
-            y = paths.route_op(x, router.weight, router.bias, router.top_k, *paths.op_args)
-        else:
-            y = paths.run(self, x, *route(x))
-        return y if paths.reduce is None else paths.reduce(y)
+    def route_forward(self, x: torch.Tensor, router: Router,
+                      fused: FusedDecode | None = None) -> torch.Tensor:
+        """The MoE block of one step: `router`'s choices for x [T, H], this rank's experts
+        on them, the partial outputs all-reduced → [T, H]. `fused` (a decode-only step,
+        `GptOssModel.fused_step`): where `ExpertPaths.fuses_router` says so, the router and
+        the experts are one native call (`moe_route_experts`, which calls the router's
+        linear on the dense kernel, `route_topk` and the expert kernel from C++: bitwise
+        those ops, two Python op dispatches fewer a layer), otherwise `Router.route_native`
+        then `forward`'s path; the all-reduce skipped where it is the identity (one rank).
+        Without it the general ops: `router`, `forward` and the all-reduce, or the tokens
+        of every replica where the experts span them."""
+        if fused is not None:
+            paths = self.paths()
+            if paths.fuses_router(self, x, router):
+                y = paths.route_op(x, router.weight, router.bias, router.top_k, *paths.op_args)
+            else:
+                y = paths.run(self, x, *router.route_native(x))
+            return y if paths.reduce is None else paths.reduce(y)
+        if self.ctx.expert_group is not None:      # experts span every DP replica's ranks
+            return moe_across_replicas(router, self, x, self.ctx)
+        weights, expert_ids = router(x)
+        return self.ctx.comm.all_reduce(self(x, weights, expert_ids))
 
     def fuses_router(self, x: torch.Tensor, router: Router) -> bool:
-        """Whether `route_decode` of a batch like x takes the one native call."""
+        """Whether `route_forward` of a fused step of a batch like x takes the one native
+        call."""
         return self.paths().fuses_router(self, x, router)
 
     def uses_native_kernel(self, choices: int = 1) -> bool:
@@ -362,7 +364,8 @@ class ExpertPaths:
     """Which implementation computes a call of one `Experts`, decided here and nowhere
     else, and what the kernels take besides the activations, worked out once. Made by
     `Experts.paths` from the layer's plan, weights, biases, parallel context and dtype;
-    made again when one of them changes (set anew, the module moved, a bias copied into).
+    made again when one of them changes (`Experts.invalidate`: set anew, the module moved;
+    `current`: a bias copied into).
 
     The rule (`choose`), by the rows each expert gets on average,
     rows = choices / (local experts × ep_size), choices = T·k (token, expert) pairs:
@@ -379,18 +382,18 @@ class ExpertPaths:
         torch   the rest (`Experts.forward_torch`, the reference)
 
     `run` computes a call on its path, the choice kept per choice count (activations in the
-    layer's dtype; eager code only). `fuses_router` says per batch size whether
-    `route_decode` runs the router and the kernel as one call: where the kernel rule takes
-    the batch's choices (the fused op is the streaming kernel's, so it reads that rule only,
-    also at rows the tiles take on their own), the kernel reads x as it is and the router's
-    linear runs on the dense kernel. The experts pass themselves to the methods that read
+    layer's dtype; eager code only). `fuses_router` says per batch size whether a fused
+    step's `route_forward` runs the router and the kernel as one call: where the kernel rule
+    takes the batch's choices (the fused op is the streaming kernel's, so it reads that rule
+    only, also at rows the tiles take on their own), the kernel reads x as it is and the
+    router's linear runs on the dense kernel. The experts pass themselves to the methods that read
     them: the paths hold no reference back (no cycle keeps a dropped model alive)."""
 
     def __init__(self, ex: Experts) -> None:
         self.dtype = ex.dtype
         self.x_native = ex.dtype in _KERNEL_X_DTYPES     # activations in the model dtype
         self.chosen: dict[int, ExpertPath] = {}          # per choice count, x in self.dtype
-        self.fused: dict[int, bool] = {}                 # route_decode's choice per batch size
+        self.fused: dict[int, bool] = {}                 # `fuses_router` per batch size
         self._biases = (ex.gate_up_bias.detach(), ex.down_bias.detach())   # share versions
         self._versions = tuple(b._version for b in self._biases)
         comm = ex.ctx.comm
@@ -489,7 +492,8 @@ class ExpertPaths:
         return y if native else y.to(x.dtype)
 
     def fuses_router(self, ex: Experts, x: torch.Tensor, router: Router) -> bool:
-        """Whether `ex.route_decode` of a batch like x takes the one native call."""
+        """Whether `ex.route_forward` of a fused step of a batch like x takes the one
+        native call (the router is the layer's: its plan changes with the experts')."""
         fused = self.fused.get(x.shape[0])
         if fused is None:
             fused = self.fused[x.shape[0]] = (
@@ -500,6 +504,9 @@ class ExpertPaths:
 
 
 class MoE(nn.Module):
+    """The router and this rank's experts of one layer; their step is
+    `Experts.route_forward` (which `DecoderLayer.forward` calls with the step's choice)."""
+
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int,
                  ctx: ParallelContext, dtype: torch.dtype, alpha: float, limit: float,
                  mxfp4: bool, plan: ExecutionPlan | None = None) -> None:
@@ -516,7 +523,5 @@ class MoE(nn.Module):
         self.experts.load(src, f"{prefix}.experts")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.ctx.expert_group is not None:      # experts span every DP replica's ranks
-            return moe_across_replicas(self.router, self.experts, x, self.ctx)
-        weights, expert_ids = self.router(x)
-        return self.ctx.comm.all_reduce(self.experts(x, weights, expert_ids))
+        """x [T, H] → the MoE output [T, H], on the general ops."""
+        return self.experts.route_forward(x, self.router)

@@ -77,7 +77,7 @@ class RotaryEmbedding(nn.Module):
 
     def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) [max_positions, hd/2] float32, scaled: the native fused decode
-        (`PagedAttention.rotary_decode`) gathers and rounds the rows itself."""
+        (`PagedAttention.rope_attend`) gathers and rounds the rows itself."""
         cos, sin = self.cos, self.sin
         assert isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)     # buffers
         return cos, sin
