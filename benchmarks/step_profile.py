@@ -106,17 +106,40 @@ LAYER_PARTS = {
 OPTIONAL_PARTS = {
     ("input_layernorm", "add_forward"): "fwd.norms",
     ("post_attention_layernorm", "add_forward"): "fwd.norms",
-    ("self_attn.attn", "rotary_decode"): "fwd.rotary+attention (fused, decode-only steps)",
-    ("", "route"): "fwd.router",  # the fused decode path's router (linear + native top-k)
-    ("mlp.experts", "decode"): "fwd.experts",  # the fused decode path's experts + all-reduce
+    # a layer's one step (DecoderLayer.forward): RoPE + KV write + attention, fused or not
+    ("self_attn.attn", "rope_attend"): "fwd.rotary+attention",
+    # ... and the router + experts (+ all-reduce), fused or not
+    ("mlp.experts", "route_forward"): "fwd.router+experts",
+    # older trees' fused decode path
+    ("self_attn.attn", "rotary_decode"): "fwd.rotary+attention",
+    ("mlp.experts", "decode"): "fwd.router+experts",
 }
+PART_DEPTH = [0]      # a part inside another part (rotate inside rope_attend) is not counted
+
+
+def _part(name: str, fn: Callable) -> Callable:
+    """`_timed` for the forward's parts: only the outermost part running is counted, so a
+    part that calls others (the layer's rope_attend calls rotate and the attention on a
+    step that is not fused) is timed once."""
+    timed = _timed(name, fn)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if PART_DEPTH[0]:
+            return fn(*args, **kwargs)
+        PART_DEPTH[0] += 1
+        try:
+            return timed(*args, **kwargs)
+        finally:
+            PART_DEPTH[0] -= 1
+
+    return wrapper
 
 
 def instrument_parts(model: Any) -> None:
     def wrap(module: Any, name: str, method: str = "forward") -> None:
         if not hasattr(module, method):  # an older tree (comparison runs): its forward
             method = "forward"
-        setattr(module, method, _timed(name, getattr(module, method)))
+        setattr(module, method, _part(name, getattr(module, method)))
 
     wrap(model.embed_tokens, "fwd.embedding")
     wrap(model.norm, "fwd.norms")
