@@ -5,7 +5,11 @@ and off, on a workload that copies spans of its prompt and on one with no repeti
 Run by hand (not a pytest test), from the kvrelay venv:
 
     python benchmarks/spec_decode.py [--quick] [--rounds 5] [--out FILE]
-        [--spec '{"method": "ngram", "num_speculative_tokens": 3, ...}']
+        [--spec '{"method": "ngram", "num_speculative_tokens": 3, ...}'] [--draft-self]
+
+--draft-self: the draft-model method with the benchmark's own checkpoint as its draft (K
+from --spec, default 3): every draft is accepted, so it shows what a perfect draft of the
+target's own cost gains — an upper bound on acceptance, a worst case on draft cost.
 
 The model is the tiny bf16 checkpoint of benchmarks/common.py (random gpt-oss, vocab
 2048, 4 layers). Two engines (`LLM`, one with the speculative config, one without) live
@@ -112,6 +116,8 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=4, help="requests per workload and round")
     ap.add_argument("--spec", type=json.loads, default=DEFAULT_SPEC,
                     help=f"the speculative config (default: {json.dumps(DEFAULT_SPEC)})")
+    ap.add_argument("--draft-self", action="store_true",
+                    help="draft model = the benchmark's checkpoint itself (K from --spec)")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--wait", type=float, default=300,
                     help="seconds to wait at most for other processes to quieten first")
@@ -123,11 +129,13 @@ def main() -> int:
     cfg = (QUICK_CONFIGS if args.quick else CONFIGS)["tiny"]
     path = build_checkpoint("tiny", cfg)
     common = dict(dtype="bfloat16", max_model_len=1024, enable_prefix_caching=False)
+    spec = ({"model": str(path), "num_speculative_tokens": args.spec["num_speculative_tokens"]}
+            if args.draft_self else args.spec)
     engines = {"off": LLM(str(path), **common),
-               "on": LLM(str(path), speculative_config=args.spec, **common)}
+               "on": LLM(str(path), speculative_config=spec, **common)}
     loads = workloads(engines["off"], args.requests, args.quick)
     result: dict[str, Any] = {"benchmark": "spec_decode", "machine": machine_info(),
-                              "model": f"tiny bf16 ({path.name})", "spec": args.spec,
+                              "model": f"tiny bf16 ({path.name})", "spec": spec,
                               "rounds": args.rounds, "requests": args.requests,
                               "quiet": wait_for_quiet(args.wait)}
     for name, (prompts, params) in loads.items():

@@ -266,8 +266,10 @@ SERVE_FLAGS: tuple[FlagGroup, ...] = (
         _F(("--speculative-config",), "speculative decoding: {\"method\": \"ngram\", "
                                       "\"num_speculative_tokens\": K, \"prompt_lookup_max\": "
                                       "N, \"prompt_lookup_min\": M}: drafts copied from an "
-                                      "earlier match of the last tokens, verified in one "
-                                      "forward (docs/speculative.md)",
+                                      "earlier match of the last tokens; or {\"model\": "
+                                      "DRAFT_DIR, \"num_speculative_tokens\": K}: a draft "
+                                      "model's greedy tokens; verified in one forward "
+                                      "(docs/speculative.md)",
            type=json_object, metavar="JSON", default_note="none: off"),
         _F(("--kv-events-config",), "vLLM's KV cache events for external routers (llm-d, "
                                     "Dynamo): {\"enable_kv_cache_events\": true, "

@@ -13,6 +13,7 @@ directory and the layout check import what they need when called.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -390,6 +391,9 @@ class EngineConfig:
         model_dir = resolve_model_dir(args.model, args.download_dir)
         model = load_config(model_dir, args.hf_overrides)
         dtype = args.dtype if args.dtype != "auto" else _checkpoint_dtype(model)
+        speculative = SpeculativeConfig.from_json(args.speculative_config)
+        if speculative is not None and speculative.model is not None:
+            _check_draft(speculative.model, model_dir, model, args.tensor_parallel_size)
         return cls(
             args=replace(args, model=str(model_dir)),
             model_dir=model_dir,
@@ -404,7 +408,7 @@ class EngineConfig:
             kv_transfer=kv_transfer,
             served_names=names,
             kv_events=kv_events,
-            speculative=SpeculativeConfig.from_json(args.speculative_config),
+            speculative=speculative,
         )
 
     @property
@@ -444,6 +448,31 @@ class EngineConfig:
             notes.append(f"--kv-transfer-config: kv_buffer_device {device!r} ignored: KV blocks "
                          f"are transferred from the engine's {device_type} memory")
         return notes
+
+
+def _check_draft(draft_dir: str, model_dir: Path, model: GptOssConfig, tp: int) -> None:
+    """--speculative-config's draft model against the target (one line each): it runs beside
+    a one-rank target, and its token ids must mean the target's — the same vocab size and,
+    where both checkpoints have one, the same tokenizer vocabulary."""
+    flag = "--speculative-config"
+    if tp > 1:
+        raise ValueError(f"{flag}: a draft model with --tensor-parallel-size {tp} is not "
+                         f"supported yet (the draft runs beside a one-rank target)")
+    draft = load_config(Path(draft_dir))
+    if draft.vocab_size != model.vocab_size:
+        raise ValueError(f"{flag}: draft model {draft_dir!r} has vocab_size {draft.vocab_size}, "
+                         f"the target {model.vocab_size}: a draft must share the target's "
+                         f"tokenizer")
+    mine, theirs = model_dir / "tokenizer.json", Path(draft_dir) / "tokenizer.json"
+    if mine.is_file() and theirs.is_file() and _vocab(mine) != _vocab(theirs):
+        raise ValueError(f"{flag}: draft model {draft_dir!r} has another tokenizer than the "
+                         f"target's: a draft must share the target's tokenizer")
+
+
+def _vocab(tokenizer_json: Path) -> tuple[Any, Any]:
+    """What maps token ids to text in a tokenizer.json (its model's vocab, added tokens)."""
+    raw = json.loads(tokenizer_json.read_text())
+    return raw.get("model", {}).get("vocab"), raw.get("added_tokens")
 
 
 def _quantization(flag: str | None, neuron: str | None) -> str | None:

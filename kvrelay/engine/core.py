@@ -11,8 +11,8 @@ own owner, built here from the `EngineConfig`:
     kv_transfer.py       disaggregation: the KV connector and its checks
     kv_events/           --kv-events-config: the prefix cache's changes, published once
                          per step (a thread in this process; never blocks the step)
-    spec_decode/         --speculative-config: n-gram drafts the scheduler adds to decodes,
-                         verified in the step's sampling (step_io → spec_verify)
+    spec_decode/         --speculative-config: drafts (n-gram, or draft_proposer.py's draft
+                         model) added to decodes, verified in the sampling (spec_verify)
 
     add_request ─▶ fan_out ─▶ Scheduler.waiting
     step() = run_planned(plan_step()):
@@ -40,6 +40,7 @@ import torch
 from kvrelay.config import EngineArgs, EngineConfig
 from kvrelay.engine import step_io
 from kvrelay.engine.async_steps import AsyncSteps
+from kvrelay.engine.draft_proposer import describe_proposer, make_proposer
 from kvrelay.engine.executor import dummy_step, kv_groups, make_executor, resolve_device, warmup
 from kvrelay.engine.failures import RequestFailures
 from kvrelay.engine.intake import check_request, load_processor_factory
@@ -57,7 +58,6 @@ from kvrelay.kv_events.publisher import make_publisher
 from kvrelay.kv_events.wire import GroupSpec
 from kvrelay.model.tokenizer import CheckpointTokenizer, load_tokenizer
 from kvrelay.sampling_params import SamplingParams
-from kvrelay.spec_decode.ngram import NgramProposer
 from kvrelay.spec_decode.stats import SpecDecodeStats
 from kvrelay.structured.manager import StructuredOutputs
 
@@ -86,8 +86,9 @@ class LLMEngine:
                                  enable_kv_cache_events=self.kv_events is not None)
         self.runner = self.executor.start_runner(num_blocks)
         spec = config.speculative
-        # --speculative-config: the scheduler asks the proposer for each decode's drafts
-        self.proposer = NgramProposer(spec) if spec is not None else None
+        # --speculative-config: the scheduler asks the proposer for each decode's drafts;
+        # a draft model's are made for all decodes at once before each schedule (plan_step)
+        self.draft, self.proposer = make_proposer(config, self.device)
         self.spec_stats = (SpecDecodeStats(accepted_per_pos=[0] * spec.num_speculative_tokens)
                            if spec is not None else None)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_batched_tokens,
@@ -96,7 +97,8 @@ class LLMEngine:
         self.transfer = KVTransferGlue(config.kv_transfer, self.scheduler, self.kv,
                                        self.args.block_size)
         self.sampler = Sampler(all_greedy=config.neuron.all_greedy)
-        self.eos_token_ids = self._eos_ids()
+        self.eos_token_ids = ((self.tokenizer.eos_token_ids if self.tokenizer else ())
+                              or self.model_config.eos_token_id)
         self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size,
                                             self.eos_token_ids)
         self.processor_factories = [load_processor_factory(name)
@@ -139,11 +141,6 @@ class LLMEngine:
         return self.output.child_parent
 
     # -- setup helpers --------------------------------------------------------------------
-    def _eos_ids(self) -> tuple[int, ...]:
-        if self.tokenizer and self.tokenizer.eos_token_ids:
-            return self.tokenizer.eos_token_ids
-        return self.model_config.eos_token_id
-
     def _log_inputs(self) -> None:
         neuron = self.config.neuron
         if self.pipeline is not None:
@@ -154,11 +151,8 @@ class LLMEngine:
                         "graphs): steps are not padded", self.device.type)
         for note in self.config.ignored_inputs(self.device.type):
             logger.warning("%s", note)
-        if self.proposer is not None:
-            spec = self.proposer.config
-            logger.info("speculative decoding: n-gram drafts of up to %d tokens (lookup %d..%d "
-                        "tokens)", spec.num_speculative_tokens, spec.prompt_lookup_min,
-                        spec.prompt_lookup_max)
+        if self.config.speculative is not None:
+            logger.info("%s", describe_proposer(self.config.speculative, self.draft))
         if self.kv_events is not None and not self.args.enable_prefix_caching:
             logger.warning("--kv-events-config: prefix caching is off "
                            "(--no-enable-prefix-caching), so no block is ever cached and no "
@@ -240,6 +234,8 @@ class LLMEngine:
         for child in parent.children if parent else []:
             self.scheduler.abort(child.request_id)
             self.transfer.cancel(child)
+        if self.draft is not None:
+            self.draft.release_finished()
 
     def has_unfinished_requests(self) -> bool:
         """Requests to run, or (async scheduling) a step whose outputs are still to come."""
@@ -262,6 +258,8 @@ class LLMEngine:
         """The first half of a step: KV polls, schedule, KV loads, the model's input.
         `ahead`: the step still computing (async scheduling, `Scheduler.schedule`)."""
         failed = self.transfer.poll()
+        if self.draft is not None and ahead is None:
+            self.draft.prepare(self.scheduler.running)    # every decode's drafts, batched
         out = self.scheduler.schedule(ahead.out if ahead is not None else None)
         failed += self.transfer.start_loads(out)
         step = None if out.is_empty else step_io.step_input(out, self.kv, self.runner.num_groups)
@@ -310,7 +308,10 @@ class LLMEngine:
     def finish_step(self, plan: StepPlan, sampled: dict[str, list[int]]) -> list[RequestOutput]:
         """After sampling: the scheduler advances, and the outputs of the step."""
         self.update_step(plan, sampled)
-        return self.step_outputs(plan)
+        outputs = self.step_outputs(plan)
+        if self.draft is not None:
+            self.draft.release_finished()       # stop strings finish requests in step_outputs
+        return outputs
 
     def update_step(self, plan: StepPlan, sampled: dict[str, list[int]]) -> None:
         self._count_drafts(plan, sampled)
@@ -341,6 +342,8 @@ class LLMEngine:
     # -- introspection ----------------------------------------------------------------------
     def assert_no_leaks(self) -> None:
         self.kv.assert_no_leaks()
+        if self.draft is not None:
+            self.draft.assert_no_leaks()
 
 
 def _maybe_tokenizer(model_dir: Path) -> CheckpointTokenizer | None:

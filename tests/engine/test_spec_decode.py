@@ -1,7 +1,8 @@
 """Speculative decoding (--speculative-config, kvrelay/spec_decode/): the config, the
 n-gram proposer, the scheduler's drafts and blocks (a fake model), and the engine on the
 tiny checkpoint — greedy output token-identical to spec off and to transformers, stops,
-logprobs, seeds, prefix caching, grammars. The sampled law: tests/engine/test_spec_decode_law.py."""
+logprobs, seeds, prefix caching, grammars. The sampled law: tests/engine/test_spec_decode_law.py;
+the draft-model method: tests/engine/test_spec_decode_draft.py."""
 from __future__ import annotations
 
 import random
@@ -41,7 +42,8 @@ def test_config_follows_vllms_rules():
 
 
 @pytest.mark.parametrize("raw, words", [
-    ({"model": "/ckpt/draft", "num_speculative_tokens": 4}, "draft model"),
+    ({"model": "/ckpt/draft", "num_speculative_tokens": 4}, "no config.json"),
+    ({"method": "draft_model", "num_speculative_tokens": 4}, "does not go with"),
     ({"method": "eagle", "num_speculative_tokens": 4}, "'eagle' is not supported"),
     ({"method": "ngram"}, "num_speculative_tokens is required"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "positive integer"),
@@ -56,14 +58,14 @@ def test_config_errors_are_one_line_naming_what_is_supported(raw, words):
     message = str(e.value)
     assert words in message and "\n" not in message
     assert message.startswith("--speculative-config")
-    if "draft" in words or "eagle" in words:
-        assert '"method": "ngram"' in message
+    if "eagle" in words or "go with" in words:
+        assert '"method": "ngram"' in message and '"model": DRAFT' in message
 
 
 def test_engine_args_refuse_async_scheduling_with_speculation():
     with pytest.raises(ValueError, match="--async-scheduling"):
         EngineArgs(speculative_config=NGRAM, async_scheduling=True)
-    with pytest.raises(ValueError, match="draft model"):
+    with pytest.raises(ValueError, match="draft model 'x': not a checkpoint"):
         EngineArgs(speculative_config={"model": "x", "num_speculative_tokens": 1})
 
 
@@ -359,12 +361,16 @@ def test_seeded_sampling_is_reproducible_and_the_same_as_spec_off(make_llm):
     assert llm.engine.spec_stats.num_accepted_tokens > 0
 
 
-def test_grammar_requests_run_without_drafts_beside_speculating_ones(bytes_ckpt):  # noqa: F811
-    """Structured outputs need a byte-level vocabulary (tests/structured/conftest.py)."""
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_grammar_requests_run_without_drafts_beside_speculating_ones(bytes_ckpt,  # noqa: F811
+                                                                     method):
+    """Structured outputs need a byte-level vocabulary (tests/structured/conftest.py); the
+    draft model is the checkpoint itself."""
     from kvrelay import LLM
     from kvrelay.structured.params import StructuredOutputsParams
+    spec = NGRAM if method == "ngram" else {"model": str(bytes_ckpt), "num_speculative_tokens": 3}
     llm = LLM(str(bytes_ckpt), dtype="float32", max_model_len=128, block_size=4,
-              speculative_config=NGRAM)
+              speculative_config=spec)
     proposed: dict[str, list[int]] = {}
     propose = llm.engine.proposer.propose
 
