@@ -39,9 +39,16 @@ from kvrelay.model.config import FULL, GptOssConfig
 from kvrelay.model.execution_plan import ExecutionPlan
 from kvrelay.model.layers.attention import AttentionMetadata, FusedDecode, PagedAttention
 from kvrelay.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from kvrelay.model.layers.linear import QKVParallelLinear, RowParallelLinear, runs_on_dense_kernel
+from kvrelay.model.layers.linear import (
+    STACK_DENSE,
+    STACK_ORDERED,
+    QKVParallelLinear,
+    RowParallelLinear,
+    stack_form,
+)
 from kvrelay.model.layers.moe import ExpertPaths, Experts, MoE, Router
 from kvrelay.model.layers.norm import RMSNorm
+from kvrelay.model.layers.ordered import OrderedProduct
 from kvrelay.model.layers.rotary import RotaryEmbedding
 from kvrelay.model.parallel import ParallelContext
 from kvrelay.model.weights import WeightSource
@@ -167,14 +174,20 @@ class DecodeStack:
     ~155 µs a step against ~270 µs layer by layer). The weights are registered once. The
     model makes one where its plan says `decode_stack` and every layer can join (one rank,
     the kernels built: `make`), and runs it for a batch size where every layer's fused step
-    would take the native ops only (`usable`). Made again when an experts' paths (their
-    kernel arguments) are made again (`current`)."""
+    would take the native ops only (`usable`), each projection in the form the Python path
+    computes it for that batch on that many threads (`linear.stack_form`: the dense kernel,
+    the ordered kernel where checked equal to torch's fp32 GEMM, or that GEMM; told to the
+    C++ per batch size and thread count). Made again when an experts' paths (their kernel
+    arguments) are made again, or a projection's registered packed copy is no longer its
+    weight's (`current`)."""
 
     def __init__(self, layers: list[DecoderLayer]) -> None:
         self.layers = layers
         self.mods = [layer.mods for layer in layers]
         self.paths = [m.experts.paths() for m in self.mods]
-        self.usable: dict[int, bool] = {}
+        self.usable: dict[tuple[int, int], bool] = {}     # per (rows, threads)
+        # (layer, product) -> (its ordered product, the packed copy registered for it)
+        self.registered: dict[tuple[int, int], tuple[OrderedProduct, torch.Tensor]] = {}
         self.native = torch.classes.kvrelay_kernels.DecodeStack()
         for mods, paths in zip(self.mods, self.paths):
             self._add(mods, paths)
@@ -193,28 +206,62 @@ class DecodeStack:
         return cls(layers)
 
     def current(self) -> bool:
-        return all(m.experts.paths() is paths for m, paths in zip(self.mods, self.paths))
+        """Whether the experts' kernel arguments and the registered packed weights are
+        those of the layers as they are now."""
+        return (all(m.experts.paths() is paths for m, paths in zip(self.mods, self.paths))
+                and all(o.holds(packed) for o, packed in self.registered.values()))
 
     def get(self, h: torch.Tensor) -> Any:
         """The native stack for a batch like h, or None (layer by layer)."""
-        usable = self.usable.get(h.shape[0])
+        key = (h.shape[0], torch.get_num_threads())
+        usable = self.usable.get(key)
         if usable is None:
-            usable = self.usable[h.shape[0]] = self._usable(h)
+            usable = self.usable[key] = self._usable(h)
         return self.native if usable else None
 
     def _usable(self, h: torch.Tensor) -> bool:
-        """Whether every layer's fused step of a batch like h takes the native ops only."""
-        return all(m.ln1._ops(h) is not None and m.ln2._ops(h) is not None
-                   and self._projections_native(m, h) and m.experts.fuses_router(h, m.router)
-                   for m in self.mods)
+        """Whether every layer's fused step of a batch like h takes the native ops only; if
+        so the C++ is told how to compute each layer's products for such a batch on this
+        many threads (`set_forms`)."""
+        forms: list[int] = []
+        for i, m in enumerate(self.mods):
+            layer = self._forms(i, m, h)
+            if layer is None:
+                return False
+            forms += layer
+        self.native.set_forms(h.shape[0], torch.get_num_threads(), forms)
+        return True
+
+    def _forms(self, i: int, m: LayerModules, h: torch.Tensor) -> list[int] | None:
+        """How layer i computes its qkv, o_proj and router for a batch like h
+        (`stack_form`: what its fused step computes, bit for bit), or None where some op of
+        that step would not be native. Registers the packed weights an ordered form reads."""
+        out = h.new_empty(h.shape[0], m.o_proj.weight.shape[1])        # o_proj's input
+        qkv, o_proj = m.qkv.stack_form(h), m.o_proj.stack_form(out)
+        router = stack_form(h, m.router.weight, m.router.plan)
+        if (m.ln1._ops(h) is None or m.ln2._ops(h) is None or qkv is None or o_proj is None
+                or router is None or not self._experts_native(m, h, router)):
+            return None
+        projections: tuple[QKVParallelLinear | RowParallelLinear, ...] = (m.qkv, m.o_proj)
+        for which, (proj, form) in enumerate(zip(projections, (qkv, o_proj))):
+            if form == STACK_ORDERED and (i, which) not in self.registered:
+                operands = proj.ordered_operands()
+                assert operands is not None and proj.ordered is not None   # it was checked
+                self.native.set_ordered(i, which, *operands)
+                self.registered[(i, which)] = (proj.ordered, operands[0])
+        return [qkv, o_proj, router]
 
     @staticmethod
-    def _projections_native(m: LayerModules, h: torch.Tensor) -> bool:
-        """Whether the layer's qkv and o_proj of a batch like h run on the dense kernel
-        (the condition the stack's C++ assumes: it calls `dense_linear` for both)."""
-        out = h.new_empty(h.shape[0], m.o_proj.weight.shape[1])        # o_proj's input
-        return (runs_on_dense_kernel(h, m.qkv.weight, m.qkv.plan)
-                and runs_on_dense_kernel(out, m.o_proj.weight, m.o_proj.plan))
+    def _experts_native(m: LayerModules, h: torch.Tensor, router_form: int) -> bool:
+        """Whether `route_forward` of a fused step of a batch like h runs the experts'
+        kernel: as one call with a router on the dense kernel (`fuses_router`), after a
+        router of another form (`Router.route_native`, then the kernel path)."""
+        if router_form == STACK_DENSE:
+            return m.experts.fuses_router(h, m.router)
+        paths = m.experts.paths()
+        return (bool(paths.op_args) and paths.x_native
+                and ExpertPaths.choose(m.experts, h, h.shape[0] * m.router.top_k,
+                                       compiling=False) == "kernel")
 
     def _add(self, m: LayerModules, paths: ExpertPaths) -> None:
         first, gate_up, gate_up_scales, gate_up_bias, down, down_scales, down_bias, alpha, \

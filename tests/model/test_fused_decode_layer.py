@@ -156,7 +156,8 @@ def test_the_decode_stack_is_bitwise_the_layer_by_layer_decode(checkpoint, dtype
     assert model._stack is None                              # never made: stack off
     model.use_plan(full)
     got, got_caches = _decode(model, True, prompts, 5)
-    assert model._stack is not None and model._stack.usable == {num_seqs: True}
+    assert model._stack is not None
+    assert model._stack.usable == {(num_seqs, torch.get_num_threads()): True}
     assert torch.equal(got, ref)
     for a, b in zip(got_caches, ref_caches):
         assert torch.equal(a, b)
@@ -165,8 +166,10 @@ def test_the_decode_stack_is_bitwise_the_layer_by_layer_decode(checkpoint, dtype
 def test_the_decode_stack_takes_more_than_the_dense_row_limit_on_a_small_model(checkpoint,
                                                                             monkeypatch):
     """Past DENSE_MAX_ROWS sequences a small model's decode steps stay one native call where
-    every projection is within the dense kernel's small-call budget (linear.py), bitwise
-    the layer-by-layer decode; where no budget applies they go layer by layer."""
+    every projection is within the dense kernel's small-call budget (linear.py) or is
+    torch's fp32 GEMM (a plan that upcasts half matmuls: the stack computes them as `linear`
+    does, tests/model/test_decode_stack_forms.py), bitwise the layer-by-layer decode; where
+    neither holds they go layer by layer."""
     from kvrelay.model.layers import linear
     model = load_model(checkpoint, dtype=torch.bfloat16, progress=False).model
     isa = linear.dense_kernel_isa()
@@ -182,7 +185,8 @@ def test_the_decode_stack_takes_more_than_the_dense_row_limit_on_a_small_model(c
     ref, ref_caches = _decode(model, True, prompts, 3, num_blocks=4 * n)
     model.use_plan(full)
     got, got_caches = _decode(model, True, prompts, 3, num_blocks=4 * n)
-    assert model._stack is not None and model._stack.usable == {n: fits}
+    assert model._stack is not None
+    assert model._stack.usable == {(n, torch.get_num_threads()): fits or full.half_in_fp32}
     assert torch.equal(got, ref)
     for a, b in zip(got_caches, ref_caches):
         assert torch.equal(a, b)

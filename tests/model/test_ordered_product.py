@@ -16,6 +16,7 @@ from kvrelay.model import execution_plan, kernels
 from kvrelay.model.layers import ordered
 from kvrelay.model.layers.embedding import ParallelLMHead
 from kvrelay.model.layers.linear import fp32_product, linear
+from kvrelay.model.layers.ordered import MAX_K, OrderedProduct
 from kvrelay.model.parallel import ParallelContext
 from tests.kernel_isas import isa_params
 
@@ -107,6 +108,26 @@ def test_k_blocks_and_bias_are_added_in_order(isa, with_bias, m, n, k, kc):
     assert torch.equal(_bits(got), _bits(_blocked_chains(x, w.float(), b, kc)))
     assert ordered.block_size(256) == 128 and ordered.block_size(576) == 192
     assert ordered.block_size(32) == 32
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_a_bf16_x_gives_the_rounded_outputs_in_bf16(isa, with_bias):
+    """A projection's bf16 input goes in as it is: the kernel widens it, and its bf16
+    outputs are the float32 form's rounded ones (`.to(torch.bfloat16)` of them, bit for bit);
+    the greedy form reads it alike."""
+    g = torch.Generator().manual_seed(5)
+    m, n, k, kc = 7, 37, 24, 12
+    x = torch.randn(m, k, generator=g).bfloat16()
+    packed = ordered.pack(torch.randn(n, k, generator=g).bfloat16())
+    bias = torch.randn(packed.shape[0] * 16, generator=g) if with_bias else None
+    got = OPS.dense_ordered_linear(x, packed, n, False, bias, kc, isa=isa)
+    want = OPS.dense_ordered_linear(x.float(), packed, n, True, bias, kc, isa=isa)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, want.bfloat16()) and torch.equal(got.float(), want)
+    if not with_bias:
+        assert torch.equal(OPS.dense_ordered_argmax(x, packed, n, True, isa),
+                           OPS.dense_ordered_argmax(x.float(), packed, n, True, isa))
 
 
 def _tied_operands(m: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -274,6 +295,46 @@ def test_projections_give_the_reference_bits_whichever_path_runs(dtype):
                     assert torch.equal(o_proj(h), linear(h, o_proj.weight, o_proj.bias, plan))
     finally:
         torch.set_num_threads(before)
+
+
+def test_checked_decides_the_verdict_a_first_call_would():
+    """`checked` (the decode stack's question, asked before any real input) agrees with the
+    verdict a first real call decides, per row count and thread count."""
+    plan = execution_plan.current()
+    g = torch.Generator().manual_seed(4)
+    w, b = torch.randn(96, 40, generator=g).bfloat16(), torch.randn(96, generator=g).bfloat16()
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for m in (1, 5, 8, 9, 16):
+                asked, called = OrderedProduct(w, b), OrderedProduct(w, b)
+                x = torch.randn(m, 40, generator=g).bfloat16()
+                called.linear(x, plan)
+                key = (m, threads, plan)
+                assert asked.checked(m, plan) == called.verdicts.get(key, False)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_operands_are_held_until_the_weight_changes():
+    plan = execution_plan.current()
+    w = torch.randn(40, 16).bfloat16()
+    product = OrderedProduct(w, torch.zeros(40).bfloat16())
+    operands = product.operands(plan)
+    if plan.dense is None:
+        assert operands is None
+        return
+    assert operands is not None
+    packed, packed_bias, kc = operands
+    assert packed.shape == (3, 16, 16) and packed_bias is not None and kc == 16
+    assert product.holds(packed) and product.operands(plan)[0] is packed
+    w.mul_(2)
+    assert not product.holds(packed)                       # changed, not packed again yet
+    again = product.operands(plan)[0]
+    assert again is not packed and product.holds(again) and not product.holds(packed)
+    assert torch.equal(again, ordered.pack(w))
+    assert OrderedProduct(torch.randn(4, MAX_K + 1)).operands(plan) is None   # too deep
 
 
 def test_a_weight_changed_in_place_is_packed_and_checked_again():

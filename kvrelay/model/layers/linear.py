@@ -26,7 +26,10 @@ always uses F.linear.
 
 Where a product is torch's fp32 GEMM (`fp32_product`) of a shallow weight, the projections
 (and the LM head, layers/embedding.py) take it from the ordered kernel once it was seen to
-give the same bits (layers/ordered.py): no upcast per call, one native call.
+give the same bits (layers/ordered.py): no upcast per call, one native call. The decode stack
+(gpt_oss.py `DecodeStack`) computes every product of a step in the form the Python path
+would (`stack_form`): the dense kernel, the ordered kernel where checked, or torch's fp32
+GEMM, so a step of more rows than the dense kernel takes still runs as one native call.
 """
 from __future__ import annotations
 
@@ -40,7 +43,7 @@ from torch import nn
 
 from kvrelay.model import execution_plan
 from kvrelay.model.execution_plan import UPCAST_MIN_ROWS, ExecutionPlan
-from kvrelay.model.layers.ordered import OrderedProduct
+from kvrelay.model.layers.ordered import Operands, OrderedProduct
 from kvrelay.model.parallel import ParallelContext, divide
 from kvrelay.model.weights import WeightSource
 
@@ -213,19 +216,48 @@ def fp32_product(x: torch.Tensor, weight: torch.Tensor, plan: ExecutionPlan) -> 
 ORDERED_MAX_ROWS = 64
 
 
+def _ordered(module: QKVParallelLinear | RowParallelLinear,
+             bias: torch.Tensor | None) -> OrderedProduct:
+    """The module's ordered product of its weight and `bias` (made on first use)."""
+    ordered = module.ordered
+    if ordered is None or ordered.bias is not bias:
+        ordered = module.ordered = OrderedProduct(module.weight, bias, ORDERED_MAX_ROWS)
+    return ordered
+
+
 def _ordered_linear(module: QKVParallelLinear | RowParallelLinear, x: torch.Tensor,
                     bias: torch.Tensor | None) -> torch.Tensor:
     """`linear(x, module.weight, bias, module.plan)`, bit for bit; on the ordered kernel
     where it was checked to give torch's fp32 GEMM's bits (layers/ordered.py)."""
     weight, plan = module.weight, module.plan
     if fp32_product(x, weight, plan):
-        ordered = module.ordered
-        if ordered is None or ordered.bias is not bias:
-            ordered = module.ordered = OrderedProduct(weight, bias, ORDERED_MAX_ROWS)
-        y = ordered(x, plan)
+        y = _ordered(module, bias).linear(x, plan)
         if y is not None:
-            return y.to(x.dtype)                      # rounded to x's dtype already: exact
+            return y                                  # in x's dtype, rounded once: exact
     return linear(x, weight, bias, plan)
+
+
+# How the native decode stack (csrc/decode_stack_op.cpp `DecodeStack.set_forms`) computes a
+# product of a batch, each the very computation the Python path makes for it:
+STACK_DENSE = 0     # the dense kernel (`runs_on_dense_kernel`)
+STACK_ORDERED = 1   # the ordered kernel, checked equal to torch's fp32 GEMM for the batch
+STACK_FP32 = 2      # torch's fp32 GEMM on upcast operands (`fp32_product`)
+
+
+def stack_form(x: torch.Tensor, weight: torch.Tensor, plan: ExecutionPlan,
+               ordered: OrderedProduct | None = None) -> int | None:
+    """How the decode stack computes `linear(x, weight, bias, plan)` — or, given the module's
+    `ordered` product, `_ordered_linear` — for a batch like x, bit for bit: STACK_*, or None
+    where neither native form is what the Python path computes (torch's half-precision GEMM,
+    traced code). The ordered product's verdict for the batch is decided here where it has
+    none yet (`OrderedProduct.checked`)."""
+    if runs_on_dense_kernel(x, weight, plan):
+        return STACK_DENSE
+    if not fp32_product(x, weight, plan):
+        return None
+    if ordered is not None and ordered.checked(x.shape[0], plan):
+        return STACK_ORDERED
+    return STACK_FP32
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -251,8 +283,19 @@ class RowParallelLinear(nn.Module):
             self.bias.copy_(src.get(f"{prefix}.bias"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = self.bias if self.ctx.tp_rank == 0 else None
-        return self.ctx.comm.all_reduce(_ordered_linear(self, x, bias))
+        return self.ctx.comm.all_reduce(_ordered_linear(self, x, self._rank_bias()))
+
+    def _rank_bias(self) -> torch.Tensor | None:
+        return self.bias if self.ctx.tp_rank == 0 else None
+
+    def stack_form(self, x: torch.Tensor) -> int | None:
+        """`stack_form` of this rank's product (before the all-reduce) of a batch like x."""
+        return stack_form(x, self.weight, self.plan, _ordered(self, self._rank_bias()))
+
+    def ordered_operands(self) -> Operands | None:
+        """The ordered kernel's operands for this rank's product (`OrderedProduct.operands`):
+        what the decode stack registers for STACK_ORDERED."""
+        return _ordered(self, self._rank_bias()).operands(self.plan)
 
 
 class QKVParallelLinear(nn.Module):
@@ -291,6 +334,15 @@ class QKVParallelLinear(nn.Module):
             self.bias[row:row + size].copy_(src.get(f"{prefix}.{name}.bias", 0, start,
                                                     start + size))
             row += size
+
+    def stack_form(self, x: torch.Tensor) -> int | None:
+        """`stack_form` of the fused projection of a batch like x."""
+        return stack_form(x, self.weight, self.plan, _ordered(self, self.bias))
+
+    def ordered_operands(self) -> Operands | None:
+        """The ordered kernel's operands for the fused projection (`OrderedProduct.operands`):
+        what the decode stack registers for STACK_ORDERED."""
+        return _ordered(self, self.bias).operands(self.plan)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         qkv = _ordered_linear(self, x, self.bias)                           # [tokens, q + 2 kv]

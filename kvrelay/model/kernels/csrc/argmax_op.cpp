@@ -4,10 +4,9 @@
 // orders NaN above everything), 0 for a row of -inf.
 //
 // torch.argmax over a 201k vocabulary runs at ~5 GB/s on one thread (9 ms for 64 rows
-// here); this is one pass per row over 32 interleaved lanes (each lane keeps its best value
-// and the block it came from; strict > keeps a lane's first occurrence, the lanes' ties go
-// to the smallest index), auto-vectorised, ~25 GB/s. One body, compiled per ISA with GCC's
-// function target attributes and chosen at run time, as the other ops choose theirs.
+// here); this is one pass per row over 32 interleaved lanes (dense_argmax.h's fold, which
+// the dense ops' greedy forms share), auto-vectorised, ~25 GB/s. One body, compiled per ISA
+// with GCC's function target attributes and chosen at run time, as the other ops choose theirs.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
@@ -24,46 +23,25 @@
 namespace kvrelay {
 namespace {
 
+#include "dense_argmax.h"
+
 constexpr int kLanes = 32;
 
-// Inlined into each ISA's wrapper below (a callee's ISA may be a subset of its caller's),
-// so the lane loop is vectorised for that wrapper's target.
-__attribute__((always_inline)) inline int64_t row_argmax(const float* x, int64_t V) {
+// Inlined into each ISA's wrapper below, with the fold's steps (dense_argmax.h says why).
+KVRELAY_ALWAYS_INLINE int64_t row_argmax(const float* x, int64_t V) {
   float best[kLanes];
   int32_t at[kLanes];
-  for (int i = 0; i < kLanes; ++i) best[i] = -__builtin_inff(), at[i] = -1;
-  int nan = 0;
+  argmax_lanes_reset<kLanes>(best, at);
+  bool nan = false;
   const int64_t full = V / kLanes;
-  for (int64_t j = 0; j < full; ++j) {
-    const float* xs = x + kLanes * j;
-    const int32_t jj = static_cast<int32_t>(j);
-#pragma omp simd reduction(| : nan)
-    for (int i = 0; i < kLanes; ++i) {
-      const float v = xs[i], b = best[i];
-      const bool better = v > b;
-      const int32_t keep = -static_cast<int32_t>(better);   // all ones where v is better
-      best[i] = better ? v : b;
-      at[i] = (jj & keep) | (at[i] & ~keep);   // a select GCC would turn into masked stores
-      nan |= v != v;
-    }
-  }
-  for (int64_t t = kLanes * full; t < V; ++t) {          // the partial last block
-    const float v = x[t];
-    const int i = static_cast<int>(t - kLanes * full);
-    nan |= v != v;
-    if (v > best[i]) best[i] = v, at[i] = static_cast<int32_t>(full);
-  }
-  if (nan) {
-    for (int64_t t = 0; t < V; ++t)
-      if (x[t] != x[t]) return t;
-  }
+  for (int64_t j = 0; j < full; ++j)
+    nan |= argmax_lanes_step<kLanes>(best, at, static_cast<int32_t>(j), ArgmaxF32{x + kLanes * j});
+  nan |= argmax_lanes_tail<kLanes>(best, at, static_cast<int32_t>(full), V - kLanes * full,
+                                   ArgmaxF32{x + kLanes * full});   // the partial last block
+  if (nan) return argmax_first_nan(V, ArgmaxF32{x});
+  float value = -__builtin_inff();
   int64_t token = -1;
-  float m = -__builtin_inff();
-  for (int i = 0; i < kLanes; ++i) {
-    if (at[i] < 0) continue;
-    const int64_t t = int64_t(kLanes) * at[i] + i;
-    if (best[i] > m || (best[i] == m && t < token)) m = best[i], token = t;
-  }
+  argmax_lanes_best<kLanes>(best, at, &value, &token);
   return token < 0 ? 0 : token;                          // every value -inf: the first
 }
 

@@ -16,6 +16,8 @@
 // round_bf16(a) (every lane as bf16_to_f32(f32_to_bf16(lane))).
 #pragma once
 
+#include "dense_argmax.h"   // the first-maximum argmax fold
+
 using VT = V::T;
 
 struct DenseF32W {
@@ -141,10 +143,19 @@ void dense_fma(const kvrelay::DenseProblem& p, int64_t n0, int64_t n1) {
 }
 
 // -- the ordered product (dense.h) ------------------------------------------------------------
-// Rows of x per pass over a block: their accumulators (one vector of W output lanes each) stay
-// in registers beside the block's weight vector and the broadcast x value; every output is
-// the chain fused(x[m, k], w[n, k], acc) for k = 0 .. K-1 from 0, whatever the tile.
-constexpr int kOrderedRows = 8;
+// A pass over a block takes all its 16 output lanes (kOrderedGroups vectors of W) for a few rows
+// of x: one accumulator per (lane vector, row) stays in registers beside the block's weight
+// vectors of the step and one broadcast x value, which every lane vector of its row reuses.
+// Eight chains in flight cover the FMA latency at two a cycle (AVX2: 4 rows of 2 vectors. The
+// LM head's shape, 201k x 32, on one Zen 3 core against 8 rows of one vector, each vector's
+// pass broadcasting x again: 1.3-1.4x at 1-16 rows writing the outputs, 1.05-1.15x at 8-16
+// rows folding their argmax, 1.3x at 1-4; the same bits). With k blocks
+// (`ordered_tile_blocked`) a running sum sits beside each chain, so fewer rows. Every output
+// is the chain fused(x[m, k], w[n, k], acc) for k = 0 .. K-1 from 0 (per k block), whatever
+// the tile.
+constexpr int kOrderedGroups = int(kvrelay::kOrderedLanes) / V::W;
+constexpr int kOrderedRows = kOrderedGroups >= 8 ? 1 : 8 / kOrderedGroups;   // AVX2 4, AVX-512 8
+constexpr int kBlockedRows = kOrderedGroups == 1 ? 4 : kOrderedGroups == 2 ? 3 : 1;
 
 // Rows [m0, m0 + MR) of lanes [lane0, lane0 + W) of block b, stored at dst (row stride ld,
 // dst at the block's lane 0): lanes at or past N are skipped, or set to -inf where `pad` (a
@@ -170,65 +181,89 @@ inline void ordered_store(const kvrelay::OrderedProblem& p, int64_t b, int64_t l
   }
 }
 
+// Rows [m0, m0 + MR) of block b into dst (row stride ld, dst at the block's lane 0), without k
+// blocks: y = chain (+ the bias after it, as b + chain_0 of one k block).
 template <int MR, class WL>
-inline void ordered_tile(const kvrelay::OrderedProblem& p, int64_t b, int64_t lane0,
-                         int64_t m0, float* dst, int64_t ld, bool pad) {
+inline void ordered_tile(const kvrelay::OrderedProblem& p, int64_t b, int64_t m0, float* dst,
+                         int64_t ld, bool pad) {
+  constexpr int G = kOrderedGroups;
+  constexpr int64_t L = kvrelay::kOrderedLanes;
   const int64_t K = p.K;
   const float* x = p.x + m0 * K;
-  const int64_t base = b * K * kvrelay::kOrderedLanes + lane0;
-  VT acc[MR];
-  for (int m = 0; m < MR; ++m) acc[m] = V::zero();
+  const int64_t base = b * K * L;
+  VT acc[G][MR];
+  for (int g = 0; g < G; ++g)
+    for (int m = 0; m < MR; ++m) acc[g][m] = V::zero();
   for (int64_t k = 0; k < K; ++k) {
-    const VT w = WL::load(p.w, base + k * kvrelay::kOrderedLanes);
-    for (int m = 0; m < MR; ++m) acc[m] = V::fused(V::set1(x[m * K + k]), w, acc[m]);
+    VT w[G];
+    for (int g = 0; g < G; ++g) w[g] = WL::load(p.w, base + k * L + g * V::W);
+    for (int m = 0; m < MR; ++m) {
+      const VT xb = V::set1(x[m * K + k]);
+      for (int g = 0; g < G; ++g) acc[g][m] = V::fused(xb, w[g], acc[g][m]);
+    }
   }
-  ordered_store<MR>(p, b, lane0, m0, acc, dst, ld, pad);
+  for (int g = 0; g < G; ++g) {
+    if (p.bias) {
+      const VT bias = V::load(p.bias + b * L + g * V::W);
+      for (int m = 0; m < MR; ++m) acc[g][m] = V::add(bias, acc[g][m]);
+    }
+    ordered_store<MR>(p, b, g * V::W, m0, acc[g], dst, ld, pad);
+  }
 }
 
-// The same with a bias and/or k blocks (dense.h): the running sum beside each block's chain.
+// The same with k blocks (dense.h): the running sum (from the bias, where there is one) beside
+// each block's chain.
 template <int MR, class WL>
-inline void ordered_tile_blocked(const kvrelay::OrderedProblem& p, int64_t b, int64_t lane0,
-                                 int64_t m0, float* dst, int64_t ld, bool pad) {
+inline void ordered_tile_blocked(const kvrelay::OrderedProblem& p, int64_t b, int64_t m0,
+                                 float* dst, int64_t ld, bool pad) {
+  constexpr int G = kOrderedGroups;
+  constexpr int64_t L = kvrelay::kOrderedLanes;
   const int64_t K = p.K;
   const float* x = p.x + m0 * K;
-  const int64_t base = b * K * kvrelay::kOrderedLanes + lane0;
-  VT sum[MR];
+  const int64_t base = b * K * L;
+  VT sum[G][MR];
   const bool bias = p.bias != nullptr;
-  for (int m = 0; m < MR; ++m)
-    sum[m] = bias ? V::load(p.bias + b * kvrelay::kOrderedLanes + lane0) : V::zero();
+  for (int g = 0; g < G; ++g)
+    for (int m = 0; m < MR; ++m) sum[g][m] = bias ? V::load(p.bias + b * L + g * V::W) : V::zero();
   for (int64_t k0 = 0; k0 < K; k0 += p.kc) {
     const int64_t k1 = k0 + p.kc < K ? k0 + p.kc : K;
-    VT acc[MR];
-    for (int m = 0; m < MR; ++m) acc[m] = V::zero();
+    VT acc[G][MR];
+    for (int g = 0; g < G; ++g)
+      for (int m = 0; m < MR; ++m) acc[g][m] = V::zero();
     for (int64_t k = k0; k < k1; ++k) {
-      const VT w = WL::load(p.w, base + k * kvrelay::kOrderedLanes);
-      for (int m = 0; m < MR; ++m) acc[m] = V::fused(V::set1(x[m * K + k]), w, acc[m]);
+      VT w[G];
+      for (int g = 0; g < G; ++g) w[g] = WL::load(p.w, base + k * L + g * V::W);
+      for (int m = 0; m < MR; ++m) {
+        const VT xb = V::set1(x[m * K + k]);
+        for (int g = 0; g < G; ++g) acc[g][m] = V::fused(xb, w[g], acc[g][m]);
+      }
     }
-    for (int m = 0; m < MR; ++m) sum[m] = (k0 == 0 && !bias) ? acc[m] : V::add(sum[m], acc[m]);
+    for (int g = 0; g < G; ++g)
+      for (int m = 0; m < MR; ++m)
+        sum[g][m] = (k0 == 0 && !bias) ? acc[g][m] : V::add(sum[g][m], acc[g][m]);
   }
-  ordered_store<MR>(p, b, lane0, m0, sum, dst, ld, pad);
+  for (int g = 0; g < G; ++g) ordered_store<MR>(p, b, g * V::W, m0, sum[g], dst, ld, pad);
 }
 
-// Every row of block b into dst (row stride ld), MR rows per pass: the block's weights stay
+// Every row of block b into dst (row stride ld), a few rows per pass: the block's weights stay
 // in L1 between the passes.
 template <class WL>
 inline void ordered_block(const kvrelay::OrderedProblem& p, int64_t b, float* dst, int64_t ld,
                           bool pad) {
-  const bool blocked = p.bias != nullptr || p.kc < p.K;
-  for (int64_t lane0 = 0; lane0 < kvrelay::kOrderedLanes; lane0 += V::W) {
-    int64_t m = 0;
-    if (blocked) {                          // half the rows per pass: sums beside the chains
-      for (; m + 4 <= p.M; m += 4) ordered_tile_blocked<4, WL>(p, b, lane0, m, dst, ld, pad);
-      if (p.M - m >= 2) ordered_tile_blocked<2, WL>(p, b, lane0, m, dst, ld, pad), m += 2;
-      if (p.M - m >= 1) ordered_tile_blocked<1, WL>(p, b, lane0, m, dst, ld, pad);
-      continue;
-    }
-    for (; m + kOrderedRows <= p.M; m += kOrderedRows)
-      ordered_tile<kOrderedRows, WL>(p, b, lane0, m, dst, ld, pad);
-    if (p.M - m >= 4) ordered_tile<4, WL>(p, b, lane0, m, dst, ld, pad), m += 4;
-    if (p.M - m >= 2) ordered_tile<2, WL>(p, b, lane0, m, dst, ld, pad), m += 2;
-    if (p.M - m >= 1) ordered_tile<1, WL>(p, b, lane0, m, dst, ld, pad);
+  int64_t m = 0;
+  if (p.kc < p.K) {
+    for (; m + kBlockedRows <= p.M; m += kBlockedRows)
+      ordered_tile_blocked<kBlockedRows, WL>(p, b, m, dst, ld, pad);
+    if (kBlockedRows > 2 && p.M - m >= 2)
+      ordered_tile_blocked<2, WL>(p, b, m, dst, ld, pad), m += 2;
+    if (kBlockedRows > 1 && p.M - m >= 1) ordered_tile_blocked<1, WL>(p, b, m, dst, ld, pad);
+    return;
   }
+  for (; m + kOrderedRows <= p.M; m += kOrderedRows)
+    ordered_tile<kOrderedRows, WL>(p, b, m, dst, ld, pad);
+  if (kOrderedRows > 4 && p.M - m >= 4) ordered_tile<4, WL>(p, b, m, dst, ld, pad), m += 4;
+  if (kOrderedRows > 2 && p.M - m >= 2) ordered_tile<2, WL>(p, b, m, dst, ld, pad), m += 2;
+  if (kOrderedRows > 1 && p.M - m >= 1) ordered_tile<1, WL>(p, b, m, dst, ld, pad);
 }
 
 template <class WL>
@@ -242,52 +277,28 @@ void dense_ordered(const kvrelay::OrderedProblem& p, int64_t b0, int64_t b1) {
   else ordered_range<DenseBF16W>(p, b0, b1);
 }
 
-// The greedy form: each block's outputs into the scratch, then folded into per-lane bests as
-// argmax_op.cpp folds a row (strict > keeps a lane's first occurrence; lanes' ties go to the
-// smallest index), NaNs noted by their first index.
+// The greedy form: each block's outputs into the scratch, then folded into the row's lanes
+// as argmax_rows folds a row (dense_argmax.h: one lane per output of the block), NaNs noted
+// by their first index.
 template <class WL>
 inline void ordered_argmax_range(const kvrelay::OrderedProblem& p, int64_t b0, int64_t b1,
                                  const kvrelay::OrderedArgmax& a) {
   constexpr int64_t L = kvrelay::kOrderedLanes;
-  for (int64_t i = 0; i < p.M * L; ++i) a.best[i] = -__builtin_inff(), a.at[i] = -1;
+  for (int64_t m = 0; m < p.M; ++m) argmax_lanes_reset<L>(a.best + m * L, a.at + m * L);
   for (int64_t m = 0; m < p.M; ++m) a.nan[m] = -1;
   for (int64_t b = b0; b < b1; ++b) {
     ordered_block<WL>(p, b, a.scratch, L, true);
-    const int32_t bb = static_cast<int32_t>(b);
     for (int64_t m = 0; m < p.M; ++m) {
-      const float* v = a.scratch + m * L;
-      float* best = a.best + m * L;
-      int32_t* at = a.at + m * L;
-      int nan = 0;
-#pragma omp simd reduction(| : nan)
-      for (int64_t i = 0; i < L; ++i) {
-        const float x = v[i], cur = best[i];
-        const bool better = x > cur;
-        const int32_t keep = -static_cast<int32_t>(better);   // all ones where x is better
-        best[i] = better ? x : cur;
-        at[i] = (bb & keep) | (at[i] & ~keep);
-        nan |= x != x;
-      }
-      if (nan && a.nan[m] < 0)
-        for (int64_t i = 0; i < L; ++i)
-          if (v[i] != v[i]) {
-            a.nan[m] = b * L + i;
-            break;
-          }
+      const ArgmaxF32 v{a.scratch + m * L};
+      const bool nan = argmax_lanes_step<L>(a.best + m * L, a.at + m * L,
+                                            static_cast<int32_t>(b), v);
+      if (nan && a.nan[m] < 0) a.nan[m] = b * L + argmax_first_nan(L, v);
     }
   }
   for (int64_t m = 0; m < p.M; ++m) {
-    float value = -__builtin_inff();
-    int64_t index = -1;
-    for (int64_t i = 0; i < L; ++i) {
-      const int32_t blk = a.at[m * L + i];
-      if (blk < 0) continue;
-      const int64_t t = int64_t(blk) * L + i;
-      const float v = a.best[m * L + i];
-      if (v > value || (v == value && t < index)) value = v, index = t;
-    }
-    a.value[m] = value;
-    a.index[m] = index;
+    a.value[m] = -__builtin_inff();
+    a.index[m] = -1;
+    argmax_lanes_best<L>(a.best + m * L, a.at + m * L, a.value + m, a.index + m);
   }
 }
 

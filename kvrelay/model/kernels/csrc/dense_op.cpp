@@ -6,11 +6,12 @@
 //   kvrelay_kernels::rms_norm(x [M, H], weight [H] f32, eps) -> y [M, H]
 //   kvrelay_kernels::add_rms_norm(x, delta, weight, eps) -> (x + delta, rms_norm(x + delta))
 //       the residual add and the next norm in one pass over the row.
-//   kvrelay_kernels::dense_ordered_linear(x [M, K] f32, packed, N, round_bf16, bias?, kc)
-//       -> y [M, N] f32
+//   kvrelay_kernels::dense_ordered_linear(x [M, K], packed, N, round_bf16, bias?, kc)
+//       -> y [M, N] in x's dtype (f32 or bf16)
 //   kvrelay_kernels::dense_ordered_argmax(x, packed, N, round_bf16) -> int64 [M]
 //       F.linear in fp32 with one fixed summation order per output (dense.h), for
-//       layers/ordered.py; the second returns each row's argmax instead of the row.
+//       layers/ordered.py (x widened to fp32); the second returns each row's argmax
+//       instead of the row.
 //   kvrelay_kernels::dense_linear_argmax(x [1, K], weight [N, K]) -> int64 [1]
 //       argmax_rows(dense_linear(x, weight).float()) without writing the row (greedy decode).
 //
@@ -59,6 +60,7 @@ const DenseKernels& pick_dense(const std::string& name) { return dense_isas().pi
 std::vector<std::string> dense_isa_names() { return dense_isas().names(); }
 
 #include "simd_generic.h"   // bf16_to_f32, f32_to_bf16
+#include "dense_argmax.h"   // the first-maximum argmax fold
 
 bool is_half(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16; }
 
@@ -169,12 +171,21 @@ at::Tensor dense_linear(const at::Tensor& x_in, const at::Tensor& weight,
 }
 
 // A row's argmax as argmax_rows answers it (the first maximal index, the first NaN, -1 where
-// every value is -inf) over y[0, n) of one work item, its indices offset by `first`: 16 lanes,
-// each keeping its best and the block it came from (strict > keeps a lane's first occurrence,
-// the lanes' ties go to the smallest index), as argmax_op.cpp folds a row.
+// every value is -inf) over y[0, n) of one work item, its indices offset by `first`: the fold
+// of dense_argmax.h over 16 lanes.
 struct RowBest {
   float value = -std::numeric_limits<float>::infinity();
   int64_t index = -1, nan = -1;
+};
+
+// y's values as float32 (bf16 widened), for the fold
+template <class T>
+struct Widened {
+  const T* p;
+  KVRELAY_ALWAYS_INLINE float operator()(int64_t i) const {
+    if constexpr (sizeof(T) == 2) return bf16_to_f32(p[i]);
+    else return p[i];
+  }
 };
 
 template <class T>
@@ -182,48 +193,19 @@ RowBest fold_argmax(const T* y, int64_t n, int64_t first) {
   constexpr int kLanes = 16;
   float best[kLanes];
   int32_t at[kLanes];
-  for (int i = 0; i < kLanes; ++i) best[i] = -std::numeric_limits<float>::infinity(), at[i] = -1;
-  RowBest r;
-  int nan = 0;
+  argmax_lanes_reset<kLanes>(best, at);
+  bool nan = false;
   const int64_t full = n / kLanes;
-  for (int64_t j = 0; j < full; ++j) {
-    const T* ys = y + kLanes * j;
-    const int32_t jj = static_cast<int32_t>(j);
-#pragma omp simd reduction(| : nan)
-    for (int i = 0; i < kLanes; ++i) {
-      float v;
-      if constexpr (sizeof(T) == 2) v = bf16_to_f32(ys[i]);
-      else v = ys[i];
-      const bool better = v > best[i];
-      const int32_t keep = -static_cast<int32_t>(better);
-      best[i] = better ? v : best[i];
-      at[i] = (jj & keep) | (at[i] & ~keep);
-      nan |= v != v;
-    }
-  }
-  auto value = [&](int64_t t) -> float {
-    if constexpr (sizeof(T) == 2) return bf16_to_f32(y[t]);
-    else return y[t];
-  };
-  for (int64_t t = kLanes * full; t < n; ++t) {        // the partial last block
-    const float v = value(t);
-    const int i = static_cast<int>(t - kLanes * full);
-    nan |= v != v;
-    if (v > best[i]) best[i] = v, at[i] = static_cast<int32_t>(full);
-  }
-  if (nan) {
-    for (int64_t t = 0; t < n; ++t)
-      if (value(t) != value(t)) {
-        r.nan = first + t;
-        break;
-      }
-  }
-  for (int i = 0; i < kLanes; ++i) {
-    if (at[i] < 0) continue;
-    const int64_t t = int64_t(kLanes) * at[i] + i;
-    if (best[i] > r.value || (best[i] == r.value && first + t < r.index))
-      r.value = best[i], r.index = first + t;
-  }
+  for (int64_t j = 0; j < full; ++j)
+    nan |= argmax_lanes_step<kLanes>(best, at, static_cast<int32_t>(j),
+                                     Widened<T>{y + kLanes * j});
+  nan |= argmax_lanes_tail<kLanes>(best, at, static_cast<int32_t>(full), n - kLanes * full,
+                                   Widened<T>{y + kLanes * full});   // the partial last block
+  RowBest r;
+  if (nan) r.nan = first + argmax_first_nan(n, Widened<T>{y});
+  int64_t t = -1;
+  argmax_lanes_best<kLanes>(best, at, &r.value, &t);
+  if (t >= 0) r.index = first + t;
   return r;
 }
 
@@ -289,13 +271,14 @@ at::Tensor dense_linear_argmax(const at::Tensor& x_in, const at::Tensor& weight,
 struct OrderedCall {
   OrderedProblem p;
   int64_t blocks, chunk, threads;
+  std::vector<float> x_buf;   // a bf16 x widened
 };
 
 OrderedCall ordered_call(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                          bool round_bf16, const c10::optional<at::Tensor>& bias, int64_t kc,
                          const char* op) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu() &&
-                  x.is_contiguous(), op, ": x must be a contiguous CPU float32 [M, K]");
+  check_float(x, op);
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), op, ": x must be a contiguous [M, K]");
   check_float(packed, op);
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kOrderedLanes && packed.is_contiguous(),
               op, ": packed must be a contiguous [blocks, K, 16]");
@@ -314,27 +297,42 @@ OrderedCall ordered_call(const at::Tensor& x, const at::Tensor& packed, int64_t 
     b = bias->data_ptr<float>();
   }
   TORCH_CHECK(kc >= 0, op, ": kc must be >= 0 (0: K)");
-  OrderedProblem p{x.data_ptr<float>(), packed.data_ptr(),
-                   is_half(packed) ? kDenseBF16 : kDenseF32, nullptr, M, N, K,
-                   round_bf16 ? 1 : 0, b, kc == 0 || kc > K ? std::max<int64_t>(K, 1) : kc};
-  return {p, blocks, chunk, threads_for(M * N * K, (blocks + chunk - 1) / chunk)};
+  OrderedCall c{OrderedProblem{nullptr, packed.data_ptr(),
+                               is_half(packed) ? kDenseBF16 : kDenseF32, nullptr, M, N, K,
+                               round_bf16 ? 1 : 0, b,
+                               kc == 0 || kc > K ? std::max<int64_t>(K, 1) : kc},
+                blocks, chunk, threads_for(M * N * K, (blocks + chunk - 1) / chunk), {}};
+  c.p.x = as_f32(x, c.x_buf);
+  return c;
 }
 
 // y = x · Wᵀ (+ bias), each output one FMA chain in k order per block of kc (0: K), the
-// blocks added in order after the bias (dense.h), rounded to bf16 and widened back where
-// round_bf16.
+// blocks added in order after the bias (dense.h), in x's dtype: float32 rounded to bf16 and
+// widened back where round_bf16 (the LM head's logits), bf16 rounded once (a projection's
+// output; round_bf16 is implied).
 at::Tensor dense_ordered_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t N,
                                 bool round_bf16, const c10::optional<at::Tensor>& bias,
                                 int64_t kc, const std::string& isa) {
   const at::Tensor x = x_in.contiguous();
-  OrderedCall c = ordered_call(x, packed, N, round_bf16, bias, kc, "dense_ordered_linear");
+  const bool half = is_half(x);
+  OrderedCall c = ordered_call(x, packed, N, round_bf16 || half, bias, kc,
+                               "dense_ordered_linear");
   const DenseKernels& kernels = pick_dense(isa);
   at::Tensor y = at::empty({c.p.M, N}, x.options());
   if (c.p.M == 0 || N == 0) return y;
-  c.p.y = y.data_ptr<float>();
+  std::vector<float> rounded(half ? c.p.M * N : 0);   // bf16 y: the rounded values first
+  c.p.y = half ? rounded.data() : y.data_ptr<float>();
   parallel_items(c.blocks, c.threads, c.chunk, [&](int64_t begin, int64_t end) {
     kernels.ordered(c.p, begin, end);
   });
+  if (half) {                    // already bf16 values: their upper halves, exactly
+    auto* out = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+    for (int64_t i = 0; i < c.p.M * N; ++i) {
+      uint32_t u;
+      std::memcpy(&u, &rounded[i], 4);
+      out[i] = uint16_t(u >> 16);
+    }
+  }
   return y;
 }
 

@@ -269,7 +269,7 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& route_weights,
   return out;
 }
 
-// The router and the experts of a decode step in one call (DecoderLayer.decode): logits =
+// The router and the experts of a decode step in one call (DecoderLayer.forward given a FusedDecode): logits =
 // dense_linear(x, router_weight, router_bias), (weights, ids) = route_topk(logits, k), then
 // moe_experts. The two are called through the dispatcher, the very ops the separate path
 // calls from Python, so the results are bitwise the same; what goes is two Python-side op
