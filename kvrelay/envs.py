@@ -110,6 +110,12 @@ DENSE_KERNEL = EnvVar("KVRELAY_DENSE_KERNEL", None, "auto",
                       "on first use, for the row counts where they beat torch on this CPU's "
                       "ISA; PyTorch otherwise) or 'torch' (always the PyTorch reference)")
 
+SCREENED_HEAD = EnvVar("KVRELAY_SCREENED_HEAD", None, "auto",
+                       "greedy decode steps on CPU: 'auto' (the LM head's tokens from an int8 "
+                       "copy screened with a rigorous bound, only the candidates computed "
+                       "exactly: the same tokens, about half the bytes read; where the dense "
+                       "kernels run) or 'off' (always the exact LM head)")
+
 COMPILE_DECODE = EnvVar(
     "KVRELAY_COMPILE_DECODE", None, None,
     "CPU, one rank: padded batch sizes (e.g. '1,2,4,8') whose decode-only steps run the forward "

@@ -153,6 +153,7 @@ E2E_FIXTURES = {
 SLOW_PATHS = (
     "tests/model/test_embedded.py",                       # the 135M embedded model vs transformers
     "tests/kv_events/test_engine_events.py",              # two tiny engines publishing KV events
+    "tests/engine/test_screened_greedy.py",               # 4 x 520 greedy tokens, o200k vocabulary
     # Inductor compiles (its own helper subprocesses included): 15-120 s
     "tests/engine/test_engine_greedy.py::test_compiled_decode_matches_transformers",
     "tests/structured/test_engine.py::test_harmony_turn_constrained_from_the_first_token",

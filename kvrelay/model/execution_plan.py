@@ -33,6 +33,9 @@ What the plan decides, and the one rule for each:
     fused_decode     decode-only steps take the layers' fused ops (`FusedDecode`, native attention)
     decode_stack     and all layers as one native call where every layer's ops are native.
     compiled_decode  KVRELAY_COMPILE_DECODE's batch sizes (the runner compiles them).
+    screened_head    greedy steps take the LM head's tokens from its int8 copy, screened
+                     (layers/screened.py: the same tokens, half the bytes) wherever the dense
+                     kernels run; KVRELAY_SCREENED_HEAD=off keeps the exact head alone.
 
 `numerics(dtype)` is the part that changes the KV bytes a step writes (KV dtype, matmul
 precision); it goes into the KV-cache spec prefill and decode compare at their handshake.
@@ -59,6 +62,7 @@ MATMUL_MODES = ("auto", "native", "fp32")
 ATTENTION_MODES = ("auto", "reference")
 DENSE_MODES = ("auto", "torch")
 MOE_MODES = ("auto", "native", "torch")
+SCREENED_HEAD_MODES = ("auto", "off")
 # The dense kernels' ISA variants that are dispatch targets (linear.DENSE_MAX_ROWS has a row
 # limit for each); the generic build is a tested fallback only.
 DENSE_ISAS = ("avx512_bf16", "avx512", "avx2")
@@ -128,9 +132,12 @@ class PlanConfig:
     dense: str = "auto"
     moe: str = "auto"
     compiled_decode: tuple[int, ...] = ()
+    screened_head: str = "auto"
 
     def __post_init__(self) -> None:
         for value, allowed, var in ((self.half_matmul, MATMUL_MODES, envs.CPU_HALF_MATMUL),
+                                    (self.screened_head, SCREENED_HEAD_MODES,
+                                     envs.SCREENED_HEAD),
                                     (self.attention, ATTENTION_MODES, envs.ATTENTION_KERNEL),
                                     (self.dense, DENSE_MODES, envs.DENSE_KERNEL),
                                     (self.moe, MOE_MODES, envs.MOE_KERNEL)):
@@ -145,7 +152,7 @@ class PlanConfig:
     def from_env(cls) -> PlanConfig:
         return cls(envs.CPU_HALF_MATMUL.raw() or "auto", envs.ATTENTION_KERNEL.raw() or "auto",
                    envs.DENSE_KERNEL.raw() or "auto", envs.MOE_KERNEL.raw() or "auto",
-                   _sizes(envs.COMPILE_DECODE.raw()))
+                   _sizes(envs.COMPILE_DECODE.raw()), envs.SCREENED_HEAD.raw() or "auto")
 
 
 def _sizes(raw: str | None) -> tuple[int, ...]:
@@ -190,6 +197,7 @@ class ExecutionPlan:
     fused_decode: bool
     decode_stack: bool
     compiled_decode: tuple[int, ...] = ()
+    screened_head: bool = False
 
     def __post_init__(self) -> None:
         if self.fused_decode and self.attention != "native":
@@ -213,7 +221,7 @@ class ExecutionPlan:
         return cls(cpu, kernels, matmul, why, UPCAST_MIN_ROWS, attention,
                    config.attention == "auto", dense, moe,
                    moe == "auto" and native and kernels.moe_tiles, fused, fused,
-                   config.compiled_decode)
+                   config.compiled_decode, dense is not None and config.screened_head == "auto")
 
     @classmethod
     def detect(cls) -> ExecutionPlan:
@@ -257,13 +265,14 @@ class ExecutionPlan:
                 f"attention {self.attention}; dense {self.dense or 'torch'}; moe {self.moe}"
                 f"{' + bf16 tiles' if self.moe_tiles else ''}; decode "
                 f"{'stack' if self.decode_stack else 'fused' if self.fused_decode else 'layers'}"
-                f"; compiled decode {list(self.compiled_decode) or 'off'}")
+                f"; compiled decode {list(self.compiled_decode) or 'off'}"
+                f"; greedy head {'screened' if self.screened_head else 'exact'}")
 
     def without_native(self) -> ExecutionPlan:
         """This plan with every native kernel off (numerics unchanged)."""
         return dataclasses.replace(self, kernels=KernelFacts(), attention="reference",
                                    dense=None, moe_tiles=False, fused_decode=False,
-                                   decode_stack=False)
+                                   decode_stack=False, screened_head=False)
 
 
 @functools.cache

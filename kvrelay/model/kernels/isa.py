@@ -67,6 +67,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("argmax", ("avx512", "avx2", "generic"), "argmax_isas", ("argmax_rows",)),
     Family("bitmask", ("avx512", "avx2", "generic"), "grammar_isas",
            ("grammar_rows", "topk_rows")),
+    # the screened greedy LM head (layers/screened.py): int16 pair products
+    Family("screen", ("avx512", "avx2", "generic"), "screen_isas",
+           ("screen_argmax", "screen_bounds")),
     # bf16 pair products only: no fallback build (layers/moe_tiles.py keeps moe_experts)
     Family("moe_tile", ("avx512_bf16",), "moe_tile_isas", ("moe_tiles",)),
 )}

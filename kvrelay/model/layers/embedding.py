@@ -15,6 +15,7 @@ from torch import nn
 from kvrelay.model.execution_plan import ExecutionPlan
 from kvrelay.model.layers.linear import fp32_product, linear, runs_on_dense_kernel
 from kvrelay.model.layers.ordered import OrderedProduct
+from kvrelay.model.layers.screened import ScreenedHead, exact_mode
 from kvrelay.model.parallel import ParallelContext, shard_range
 from kvrelay.model.weights import WeightSource, padded_slice
 
@@ -48,6 +49,7 @@ class ParallelLMHead(_VocabShard):
         super().__init__(vocab, hidden, ctx, dtype)
         self.plan = plan                     # its matmul follows the model's plan (use_plan)
         self.ordered: OrderedProduct | None = None     # made on the first `logits`
+        self.screen: ScreenedHead | None = None        # made on the first screened `greedy`
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = linear(hidden, self.weight, None, self.plan)             # [tokens, V/tp]
@@ -72,15 +74,32 @@ class ParallelLMHead(_VocabShard):
         """`argmax_rows(self.logits(hidden))` (int64 [tokens]) without the logits, where a
         native kernel computes the logits and can fold their argmax as it makes them: one
         row on the dense kernel (`dense_linear_argmax`), or rows on the ordered kernel
-        once checked (layers/ordered.py); None otherwise (the caller takes the logits)."""
+        once checked (layers/ordered.py); None otherwise (the caller takes the logits).
+        Where the plan screens the head (`plan.screened_head`), the same ids from its int8
+        copy first (layers/screened.py)."""
         if self.ctx.tp_size != 1 or torch.compiler.is_compiling():
             return None
+        tokens = self._screened(hidden)
+        if tokens is not None:
+            return tokens
         if hidden.shape[0] == 1 and runs_on_dense_kernel(hidden, self.weight, self.plan):
             op = _linear_argmax()
             return op(hidden, self.weight, "") if op is not None else None
         if self.ordered is None or not fp32_product(hidden, self.weight, self.plan):
             return None
         return self.ordered.argmax(hidden, self.plan)
+
+    def _screened(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The greedy ids from the screened int8 copy, where the plan screens the head and
+        the screen can reproduce the exact path here; None otherwise."""
+        if not self.plan.screened_head:
+            return None
+        mode = exact_mode(hidden, self.weight, self.plan)
+        if mode is None:
+            return None
+        if self.screen is None:
+            self.screen = ScreenedHead(self.weight)
+        return self.screen.argmax(hidden, mode, self.plan, self.logits)
 
 
 @functools.cache

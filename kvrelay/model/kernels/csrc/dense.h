@@ -74,6 +74,10 @@ struct DenseKernels {
   OrderedArgmaxFn ordered_argmax;  // its greedy form
 };
 
+// The kernels dense_op.cpp's ops run for `isa` ("": the best this CPU runs), for other ops
+// that must compute exactly as they do (screen_op.cpp); an error where the CPU lacks it.
+const DenseKernels& dense_kernels(const char* isa);
+
 bool dense_generic(DenseKernels* out);
 bool dense_avx2(DenseKernels* out);       // false where not compiled (non-x86)
 bool dense_avx512(DenseKernels* out);

@@ -453,6 +453,9 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
 }
 
 }  // namespace
+
+const DenseKernels& dense_kernels(const char* isa) { return pick_dense(isa); }
+
 }  // namespace kvrelay
 
 TORCH_LIBRARY_FRAGMENT(kvrelay_kernels, m) {
