@@ -68,7 +68,7 @@ def topology(args: argparse.Namespace) -> list[str]:
 
 def local_run(args: argparse.Namespace, out_dir: Path) -> dict:
     say("local deploy: starting")
-    t0 = time.monotonic()
+    t0, started = time.monotonic(), time.strftime("%H:%M:%S")   # wall clock: the servers' logs
     proc = subprocess.Popen(KVRELAY + ["deploy", *topology(args), "--no-validate",
                                        "--log-dir", str(out_dir / "local-logs")],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -85,13 +85,14 @@ def local_run(args: argparse.Namespace, out_dir: Path) -> dict:
         os.killpg(proc.pid, signal.SIGINT)
         proc.wait(120)
     return {"ready_s": ready, "output_throughput": result["output_throughput"],
-            "median_ttft_ms": result["median_ttft_ms"], "median_tpot_ms": result["median_tpot_ms"]}
+            "median_ttft_ms": result["median_ttft_ms"], "median_tpot_ms": result["median_tpot_ms"],
+            "started": started}
 
 
 def ray_run(args: argparse.Namespace, address: str, out_dir: Path) -> dict:
     common = ["--name", "bench", "--ray-address", address]
     say("Ray deploy: placing")
-    t0 = time.monotonic()
+    t0, started = time.monotonic(), time.strftime("%H:%M:%S")
     up = subprocess.run(KVRELAY + ["deploy", "--backend", "ray", *common, *topology(args),
                                    "--log-dir", str(out_dir / "ray-logs")],
                         capture_output=True, text=True)
@@ -108,9 +109,11 @@ def ray_run(args: argparse.Namespace, address: str, out_dir: Path) -> dict:
         say(f"Ray deploy: scale steps {scale}")
     finally:
         subprocess.run(KVRELAY + ["deploy", "--down", *common], capture_output=True)
+    said = [ln for ln in up.stdout.splitlines() if "ready in" in ln or "placed" in ln]
     return {"ready_s": ready, "output_throughput": result["output_throughput"],
             "median_ttft_ms": result["median_ttft_ms"],
-            "median_tpot_ms": result["median_tpot_ms"], **back, "scale": scale}
+            "median_tpot_ms": result["median_tpot_ms"], **back, "scale": scale,
+            "deploy_said": said, "started": started}  # said: its phases
 
 
 def serve_pid(port: int) -> int:
