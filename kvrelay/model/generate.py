@@ -90,3 +90,19 @@ class PagedGreedyLoop:
             logits = self.step([seq], [1])
         self.free.extend(seq.blocks)
         return out
+
+    def decode_batch(self, prompts: list[list[int]], steps: int) -> torch.Tensor:
+        """Prefill every prompt in one step, then `steps` decode-only steps of them all (each
+        sequence fed its own greedy token): every decode step's logits, [steps, B, V] —
+        batched decode steps as the engine runs them (tests compare paths on these)."""
+        seqs = [_Seq(list(p)) for p in prompts]
+        logits = self.step(seqs, [len(p) for p in prompts])
+        last = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1
+        out = []
+        for _ in range(steps):
+            for seq, row in zip(seqs, logits[last]):
+                seq.tokens.append(int(row.argmax()))
+            logits = self.step(seqs, [1] * len(seqs))
+            last = torch.arange(len(seqs))
+            out.append(logits)
+        return torch.stack(out)

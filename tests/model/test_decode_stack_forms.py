@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from kvrelay.model.generate import PagedGreedyLoop, _Seq
+from kvrelay.model.generate import PagedGreedyLoop
 from kvrelay.model.layers import linear, paged_decode
 from kvrelay.model.layers.ordered import OrderedProduct
 from kvrelay.model.loader import load_model
@@ -33,17 +33,7 @@ def _decode(model, prompts: list[list[int]], steps: int) -> tuple[torch.Tensor, 
     """Prefill, then `steps` decode steps of every sequence (its own greedy token each
     time): every decode step's logits and the KV caches."""
     loop = PagedGreedyLoop(model, 8 * len(prompts), 4, shuffle_blocks=True, seed=3)
-    seqs = [_Seq(list(p)) for p in prompts]
-    logits = loop.step(seqs, [len(p) for p in prompts])
-    last = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1
-    out = []
-    for _ in range(steps):
-        for s, row in zip(seqs, logits[last]):
-            s.tokens.append(int(row.argmax()))
-        logits = loop.step(seqs, [1] * len(seqs))
-        last = torch.arange(len(seqs))
-        out.append(logits)
-    return torch.stack(out), loop.kv_caches
+    return loop.decode_batch(prompts, steps), loop.kv_caches
 
 
 def _prompts(n: int) -> list[list[int]]:

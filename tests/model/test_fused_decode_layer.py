@@ -76,17 +76,7 @@ def _decode(model, fused: bool, prompts: list[list[int]], steps: int, num_blocks
         model.use_plan(dataclasses.replace(plan, fused_decode=False, decode_stack=False))
     try:
         loop = PagedGreedyLoop(model, num_blocks, 4, shuffle_blocks=True, seed=5)
-        seqs = [_Seq(list(p)) for p in prompts]      # _Seq appends to its list
-        logits = loop.step(seqs, [len(p) for p in prompts])
-        last = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1
-        out = []
-        for _ in range(steps):
-            for s, row in zip(seqs, logits[last]):
-                s.tokens.append(int(row.argmax()))
-            logits = loop.step(seqs, [1] * len(seqs))
-            last = torch.arange(len(seqs))
-            out.append(logits)
-        return torch.stack(out), loop.kv_caches
+        return loop.decode_batch(prompts, steps), loop.kv_caches
     finally:
         if not fused:
             model.use_plan(plan)
