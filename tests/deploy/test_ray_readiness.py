@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from kvrelay.deploy import ray_backend
+from kvrelay.deploy import ray_actors, ray_backend
 
 
 class Ref:
@@ -96,9 +96,9 @@ def test_the_follower_lists_ready_servers_and_waits_on_the_others(tmp_path, monk
 
     fake = FakeRay()
     monkeypatch.setitem(__import__("sys").modules, "ray", fake)
-    monkeypatch.setattr(ray_backend, "server_names", lambda ns: sorted(servers))
-    monkeypatch.setattr(ray_backend, "server_handle", lambda name, ns: Server(name))
-    proxy = ray_backend.ProxyActor.__new__(ray_backend.ProxyActor)
+    monkeypatch.setattr(ray_actors, "server_names", lambda ns: sorted(servers))
+    monkeypatch.setattr(ray_actors, "server_handle", lambda name, ns: Server(name))
+    proxy = ray_actors.ProxyActor.__new__(ray_actors.ProxyActor)
     proxy.ns, proxy.written = "ns", None
     proxy.backends_path = str(tmp_path / "backends.json")
 
@@ -116,11 +116,11 @@ def test_the_follower_lists_ready_servers_and_waits_on_the_others(tmp_path, monk
 
 
 def test_wait_ready_returns_when_the_server_first_answers(monkeypatch):
-    actor = ray_backend.ServerActor.__new__(ray_backend.ServerActor)
+    actor = ray_actors.ServerActor.__new__(ray_actors.ServerActor)
     actor.ready = threading.Event()
     answers = iter([(503, ""), (0, ""), (200, "")])
-    monkeypatch.setattr(ray_backend, "_http_json", lambda url, timeout=2.0: next(answers))
-    monkeypatch.setattr(ray_backend.time, "sleep", lambda s: None)
+    monkeypatch.setattr(ray_actors, "http_json", lambda url, timeout=2.0: next(answers))
+    monkeypatch.setattr(ray_actors.time, "sleep", lambda s: None)
     actor.stopping, actor.ip, actor.port = False, "127.0.0.1", 1
 
     class Running:

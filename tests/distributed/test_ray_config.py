@@ -72,7 +72,7 @@ def test_an_address_nobody_answers_at_fails_at_once():
 def test_deployed_servers_claim_the_least_claimed_cores_of_their_host(tmp_path):
     """A Ray-placed server is pinned like a locally deployed one: its share of the host's
     cores, the least claimed first; claims of processes that are gone do not count."""
-    from kvrelay.deploy.ray_backend import claim_cores
+    from kvrelay.deploy.ray_actors import claim_cores
     mine = sorted(os.sched_getaffinity(0))
     table = tmp_path / "cores.json"
     gone = subprocess.Popen(["true"])

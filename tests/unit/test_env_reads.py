@@ -22,7 +22,7 @@ LIBRARY_DEFAULTS = {
     "model/o200k.py": "TIKTOKEN_ENCODINGS_BASE for openai-harmony",
     "deploy/launcher.py": "copies the environment for the processes it starts",
     "distributed/ray_cluster.py": "copies kvrelay's variables into a Ray actor's runtime_env",
-    "deploy/ray_backend.py": "a server actor hands its environment to the server it starts",
+    "deploy/ray_actors.py": "a server actor hands its environment to the server it starts",
     "envs.py": "the one reader",
 }
 
