@@ -10,7 +10,7 @@ sends SIGTERM to each group (the proxy first; servers drain in-flight requests),
 to whatever is left of each group after the grace period. Nothing is found by name: only
 the PIDs started here are signalled.
 
-While the processes come up, each one's step (`STEPS`: starting, building the embedded model,
+While the processes come up, each one's step (`log_steps.STEPS`: starting, building the model,
 loading the weights, warming up, ready …) is read from its log: a line when a process moves
 to another step, and every STATUS_EVERY_S a line with where each one is.
 """
@@ -25,35 +25,19 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvrelay import envs
 from kvrelay.deploy.layout import KV_SECRET_ENV, Plan, ProxyPlan
+from kvrelay.deploy.log_steps import LogSteps
 
 logger = logging.getLogger(__name__)
-READY_LINE = "Application startup complete"
 STOP_GRACE_S = 35.0          # kvrelay serve drains in-flight requests for up to 30 s
 TAIL_LINES = 25
 RESTART_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
 STABLE_S = 60.0              # a process up this long has its backoff reset
 STATUS_EVERY_S = 15.0        # bring-up: a line with every process's step this often
-# A starting process's step: the furthest of these its log shows (in the order they happen;
-# "starting" before any: Python's imports). The texts are kvrelay serve's and uvicorn's log
-# lines; a step a log never shows (the proxy, a small checkpoint without a weights bar) is
-# skipped, and one logged out of order (a background kernel build) never moves a step back.
-STARTING = "starting"
-READY_STEP = "ready"
-STEPS = (
-    ("Waiting for application startup", "starting up"),
-    ("building the embedded model", "building the embedded model"),
-    ("building the native kernels", "building the native kernels"),
-    ("Loading weights", "loading the weights"),
-    ("kvrelay.model.loader: loaded", "allocating the KV cache"),
-    ("KV cache: ", "warming up"),
-    (READY_LINE, READY_STEP),
-)
-_LONGEST_STEP = max(len(text) for text, _ in STEPS)
 
 
 class DeployFailure(RuntimeError):
@@ -73,9 +57,10 @@ class Component:
     log_offset: int = 0            # where this run's output starts in the log (restarts append)
     started_at: float = 0.0
     restarts: int = 0
-    step: str = STARTING           # what its log says it is doing (STEPS)
-    scanned: int = 0               # log bytes read for the step so far
-    step_index: int = -1
+    steps: LogSteps = field(init=False)   # what this run's log says it is doing
+
+    def __post_init__(self) -> None:
+        self.steps = LogSteps(self.log_path)
 
     def start(self) -> None:
         mode = "ab" if self.proc is not None else "wb"
@@ -87,7 +72,7 @@ class Component:
                                          env=self.env, start_new_session=True)
         self.is_ready = False
         self.started_at = time.monotonic()
-        self.step, self.step_index, self.scanned = STARTING, -1, self.log_offset
+        self.steps = LogSteps(self.log_path, self.log_offset)
 
     @property
     def pid(self) -> int:
@@ -97,28 +82,19 @@ class Component:
     def poll(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
 
+    @property
+    def step(self) -> str:
+        return self.steps.step
+
     def check_ready(self) -> bool:
         if not self.is_ready:
-            self.update_step()
-            self.is_ready = self.step == READY_STEP
+            self.steps.update()
+            self.is_ready = self.steps.ready
         return self.is_ready
 
     def update_step(self) -> bool:
         """Read the log written since the last call; True when the step changed."""
-        back = min(_LONGEST_STEP, self.scanned - self.log_offset)   # a line cut in two
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(self.scanned - back)
-                new = f.read()
-        except OSError:
-            return False
-        self.scanned += len(new) - back
-        text = new.decode(errors="replace")
-        found = max((i for i, (line, _) in enumerate(STEPS) if line in text), default=-1)
-        if found <= self.step_index:
-            return False
-        self.step_index, self.step = found, STEPS[found][1]
-        return True
+        return self.steps.update()
 
     def log_text(self, offset: int = 0) -> str:
         try:

@@ -15,9 +15,12 @@ in the deployment's namespace) where it is and whether it is ready and not drain
 rewrites the proxy's `--backends-file` (atomically) when that changes — a restarted server on
 another node, a server added or drained — so no port is typed by hand. While some server is
 not ready it does not ask again and again: it waits on those servers' `wait_ready` calls,
-each answered by the server's actor the moment its own look (local HTTP, WATCH_S) first sees
-the server answer — as does `deploy` itself. Bring-up thus costs a few Ray calls per server,
-not a stream of them on the cores the servers are starting on.
+each answered by the server's actor the moment it sees its server ready — as does `deploy`
+itself, which also hears each step a server reaches (loading the weights, warming up …), as
+the local deploy says them. A server actor learns both from the server's log (the local
+launcher's `log_steps`), and asks the server over HTTP once, when its log says it is ready:
+bring-up costs a few Ray calls per server and no requests to the servers while they start
+on the same cores.
 """
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from kvrelay import envs
+from kvrelay.deploy.log_steps import READY_STEP, STARTING, LogSteps
 
 logger = logging.getLogger(__name__)
 
@@ -44,9 +48,9 @@ POLL_S = 2.0          # the proxy actor's look at its servers once all are ready
 #                       is a /health call per server: fewer while they serve)
 FAST_POLL_S = 0.5     # the shortest round of the follower while one is not (it waits on
 #                       `wait_ready` calls; a server that was ready and is not cannot spin it)
-WATCH_S = 0.1         # a server actor's look at its own server until it first answers: a
-#                       local HTTP connect, no Ray call (Ray calls on the cores the servers
-#                       start on slowed their start: ready 20.9-29.2 s at 0.1 s Ray polls)
+WATCH_S = 0.1         # a server actor's look at its server's log until the server is ready
+#                       (no Ray call, no HTTP: Ray calls on the cores the servers start on
+#                       slowed their start, ready 20.9-29.2 s at 0.1 s Ray polls)
 WAIT_S = 15.0         # a `wait_ready` call returns after this at the latest (who is waiting)
 STOP_GRACE_S = 35.0
 # environment a server must not inherit from the machine that ran `deploy`
@@ -141,6 +145,8 @@ class ServerActor:
         self.stopping = False
         self.started = time.time()
         self.ready = threading.Event()       # the server answered /health once
+        self.step = STARTING                  # what its log says it is doing (log_steps)
+        self.changed = threading.Condition()  # `step` or `ready` changed
         child_env = {k: v for k, v in os.environ.items() if k not in NOT_SHIPPED} | env
         if role in ("prefill", "decode"):
             child_env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = self.ip
@@ -161,21 +167,37 @@ class ServerActor:
         if not started:
             raise RuntimeError(f"{name}: could not start {command[:4]}")
         self.proc: subprocess.Popen = started[0]
+        self.log_offset: int = started[1]
         threading.Thread(target=self._watch, daemon=True, name="kvrelay-ready").start()
 
     def _watch(self) -> None:
-        """Look at the server every WATCH_S until it first answers /health (bring-up only:
-        afterwards `status` calls see its health)."""
+        """Follow the server's steps in its log every WATCH_S until it is ready; then (and
+        only then) ask /health — every WATCH_S until it answers, as a proxy does once it has
+        servers (bring-up only: afterwards `status` calls see its health)."""
+        steps = LogSteps(Path(self.log_path), self.log_offset)
         while not self.stopping and self.proc.poll() is None:
-            if http_json(f"{self.url}/health", timeout=1.0)[0] == 200:
-                self.ready.set()
+            if not steps.ready and steps.update():
+                self._note(step=steps.step)
+            if steps.ready and http_json(f"{self.url}/health", timeout=1.0)[0] == 200:
+                self._note(ready=True)
                 return
             time.sleep(WATCH_S)
 
-    def wait_ready(self, timeout_s: float = WAIT_S) -> dict[str, Any]:
-        """Its status once the server first answered /health, or after `timeout_s`: one call
-        that returns when there is news, instead of a poll per look."""
-        self.ready.wait(timeout_s)
+    def _note(self, step: str | None = None, ready: bool = False) -> None:
+        with self.changed:
+            if step is not None:
+                self.step = step
+            if ready:
+                self.ready.set()
+            self.changed.notify_all()
+
+    def wait_ready(self, timeout_s: float = WAIT_S, step: str | None = None) -> dict[str, Any]:
+        """Its status once the server is ready — or, given the `step` the caller last saw,
+        once it moves on from that step — or after `timeout_s`: one call that returns when
+        there is news, instead of a poll per look."""
+        with self.changed:
+            self.changed.wait_for(lambda: self.ready.is_set() or
+                                  (step is not None and self.step != step), timeout_s)
         return self.status(load=False)
 
     def _run(self, command: list[str], env: dict[str, str], started: list[Any],
@@ -184,11 +206,11 @@ class ServerActor:
         the server's parent-death signal is tied to the thread that started it (Ray may end
         the threads that run an actor's calls)."""
         try:
-            with open(self.log_path, "ab") as log:
+            with open(self.log_path, "ab") as log:       # a restart appends: this run's part
                 proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, env=env,
                                         start_new_session=True, preexec_fn=_die_with_parent)
-            started.append(proc)
+                started.extend((proc, log.tell()))
         finally:
             ready.set()
         proc.wait()
@@ -202,11 +224,13 @@ class ServerActor:
     def status(self, load: bool = True) -> dict[str, Any]:
         """Where it runs and whether it is ready; with `load`, its counters too (the proxy's
         follower leaves them out: it asks every POLL_S, FAST_POLL_S while one is not ready)."""
-        health, _ = http_json(f"{self.url}/health")
+        # not asked before it was ready once: while it starts, its log says where it is
+        health = http_json(f"{self.url}/health")[0] if self.ready.is_set() else 0
         _, metrics = http_json(f"{self.url}/metrics") if health == 200 and load else (0, "")
         return {"name": self.name, "role": self.role, "node": self.node, "ip": self.ip,
                 "url": self.url, "pid": self.proc.pid, "started": self.started,
                 "ready": health == 200, "draining": self.draining,
+                "step": self.step if health != 200 else READY_STEP,
                 "running": metric(metrics, "vllm:num_requests_running"),
                 "waiting": metric(metrics, "vllm:num_requests_waiting"),
                 "kv_blocks": metric(metrics, "kvrelay:kv_blocks_used"),

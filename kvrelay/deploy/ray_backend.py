@@ -32,6 +32,7 @@ from typing import Any, TextIO
 
 from kvrelay import envs
 from kvrelay.deploy.layout import KV_SECRET_ENV, Plan, ServerPlan
+from kvrelay.deploy.log_steps import STARTING
 from kvrelay.deploy.ray_actors import (
     NOT_SHIPPED,
     PROXY,
@@ -113,12 +114,14 @@ def await_actors(ray: Any, handles: list[Any], timeout_s: float) -> None:
 def await_ready(ray: Any, handles: list[Any], timeout_s: float,
                 say: Callable[[str], None]) -> list[dict[str, Any]]:
     """Every handle's status once all are ready (in order); TimeoutError naming those that
-    are not. One `wait_ready` call per server at a time, answered when it is ready or after
-    WAIT_S (then it says who is still starting and asks again)."""
-    deadline = time.monotonic() + timeout_s
+    are not. One `wait_ready` call per server at a time, answered when the server moves to
+    another step (said as the local deploy says it), when it is ready, or after WAIT_S
+    (then a line says where each one is, and it asks again)."""
+    t0 = time.monotonic()
+    deadline = t0 + timeout_s
     states: dict[int, dict[str, Any]] = {}
-    pending = {h.wait_ready.remote(WAIT_S): i for i, h in enumerate(handles)}
     last: dict[int, dict[str, Any]] = {}
+    pending = {h.wait_ready.remote(WAIT_S, STARTING): i for i, h in enumerate(handles)}
     said = time.monotonic()
     while pending:
         left = deadline - time.monotonic()
@@ -134,15 +137,18 @@ def await_ready(ray: Any, handles: list[Any], timeout_s: float,
                 logger.debug("wait_ready: %s", e)
                 time.sleep(0.5)
                 st = None
-            if st is not None and st["ready"]:
-                states[i] = st
-                continue
             if st is not None:
+                if st.get("step") and st.get("step") != last.get(i, {}).get("step"):
+                    say(f"{st['name']}: {st['step']} ({time.time() - st['started']:.1f}s)")
                 last[i] = st
-            pending[handles[i].wait_ready.remote(WAIT_S)] = i
+                if st["ready"]:
+                    states[i] = st
+                    continue
+            step = last[i].get("step", STARTING) if i in last else STARTING
+            pending[handles[i].wait_ready.remote(WAIT_S, step)] = i
         if pending and time.monotonic() - said >= WAIT_S:
-            say("waiting for " + ", ".join(f"{last[i]['name']} on {last[i]['ip']}"
-                                            for i in pending.values() if i in last))
+            say(f"waiting {time.monotonic() - t0:.0f}s: " + ", ".join(
+                f"{st['name']} {st.get('step') or 'starting'}" for st in last.values()))
             said = time.monotonic()
     return [states[i] for i in range(len(handles))]
 

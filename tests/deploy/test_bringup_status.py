@@ -58,7 +58,7 @@ def test_a_line_written_in_two_pieces_is_found_and_steps_never_go_back(tmp_path)
 
 def test_status_line_names_every_process_and_its_step(tmp_path):
     a, b = component(tmp_path, "decode-0"), component(tmp_path, "prefill-0")
-    a.step = "warming up"
+    a.steps.step = "warming up"
     assert status_line([a, b], 30.4) == "waiting 30s: decode-0 warming up, prefill-0 starting"
 
 

@@ -67,6 +67,25 @@ def test_await_ready_waits_on_one_call_per_server_and_rides_out_a_restart(monkey
     assert b.wait_ready.calls == 4                # one call per answer, the failed one too
 
 
+def test_await_ready_says_each_step_once_and_passes_back_the_step_it_saw(monkeypatch):
+    def at(step: str) -> dict[str, Any]:
+        return state("decode-0", step == "ready") | {"step": step, "started": 0.0}
+    seen: list[Any] = []
+
+    class Steps(Method):
+        def remote(self, *args: Any) -> Ref:
+            seen.append(args[1])                 # the step the caller last saw
+            return super().remote(*args)
+    h = Handle("decode-0", [])
+    h.wait_ready = Steps([at("loading the weights"), at("loading the weights"),
+                          at("warming up"), at("ready")])
+    said: list[str] = []
+    ray_backend.await_ready(FakeRay(), [h], 60, said.append)
+    assert [line.split(" (")[0] for line in said] == [
+        "decode-0: loading the weights", "decode-0: warming up", "decode-0: ready"]
+    assert seen == ["starting", "loading the weights", "loading the weights", "warming up"]
+
+
 def test_await_ready_names_who_is_not_ready_at_the_deadline(monkeypatch):
     monkeypatch.setattr(ray_backend.time, "sleep", lambda s: None)
     clock = iter(range(0, 10_000, 7))
@@ -115,17 +134,53 @@ def test_the_follower_lists_ready_servers_and_waits_on_the_others(tmp_path, monk
         == ["prefill-0", "prefill-1"]
 
 
-def test_wait_ready_returns_when_the_server_first_answers(monkeypatch):
-    actor = ray_actors.ServerActor.__new__(ray_actors.ServerActor)
-    actor.ready = threading.Event()
-    answers = iter([(503, ""), (0, ""), (200, "")])
-    monkeypatch.setattr(ray_actors, "http_json", lambda url, timeout=2.0: next(answers))
-    monkeypatch.setattr(ray_actors.time, "sleep", lambda s: None)
-    actor.stopping, actor.ip, actor.port = False, "127.0.0.1", 1
+class Running:
+    pid = 1
 
-    class Running:
-        def poll(self) -> None:
-            return None
+    def poll(self) -> None:
+        return None
+
+
+def watching_actor(tmp_path, monkeypatch, answers: list[int]) -> tuple[Any, list[str]]:
+    """A ServerActor (no Ray, no process) whose server writes `tmp_path/s.log` and answers
+    /health with `answers`, one per ask; the asks are recorded."""
+    actor = ray_actors.ServerActor.__new__(ray_actors.ServerActor)
+    actor.ready, actor.changed = threading.Event(), threading.Condition()
+    actor.step, actor.stopping, actor.draining = ray_actors.STARTING, False, False
+    actor.name, actor.role, actor.node, actor.ip, actor.port = "p", "prefill", "n", "127.0.0.1", 1
+    actor.started = 0.0
+    actor.log_path = str(tmp_path / "s.log")
+    (tmp_path / "s.log").write_text("an earlier run's lines: Application startup complete\n")
+    actor.log_offset = (tmp_path / "s.log").stat().st_size
     actor.proc = Running()          # type: ignore[assignment]
-    actor._watch()
-    assert actor.ready.is_set()
+    asked: list[str] = []
+
+    def http(url: str, timeout: float = 2.0) -> tuple[int, str]:
+        asked.append(url)
+        return (answers.pop(0) if answers else 200), ""
+    monkeypatch.setattr(ray_actors, "http_json", http)
+    monkeypatch.setattr(ray_actors, "WATCH_S", 0.01)
+    return actor, asked
+
+
+def test_the_actor_follows_the_log_and_asks_the_server_only_once_it_says_ready(
+        tmp_path, monkeypatch):
+    actor, asked = watching_actor(tmp_path, monkeypatch, [503, 200])
+    watcher = threading.Thread(target=actor._watch)
+    watcher.start()
+    try:
+        st = actor.wait_ready(0.3, ray_actors.STARTING)
+        assert not st["ready"] and st["step"] == "starting" and asked == []  # this run: nothing
+        with open(actor.log_path, "a") as f:
+            f.write("INFO:     Waiting for application startup.\nLoading weights: 3/32\n")
+        st = actor.wait_ready(5.0, "starting")          # returns on the news, not the timeout
+        assert st["step"] == "loading the weights" and not st["ready"] and asked == []
+        with open(actor.log_path, "a") as f:
+            f.write("INFO:     Application startup complete.\n")
+        st = actor.wait_ready(5.0)
+        assert st["ready"] and st["step"] == "ready"
+    finally:
+        actor.stopping = True
+        watcher.join(5)
+    # /health: 503 then 200 (the watch), then once for the status the last call returned
+    assert len(asked) == 3 and all(u.endswith("/health") for u in asked)
