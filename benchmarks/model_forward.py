@@ -26,8 +26,8 @@ What it does, in one run:
    `model(input_ids, use_cache=True[, cache=...])`; both return logits for every fed
    token. The decode context is a KV cache filled with random values (attention cost
    does not depend on the values), so no long prefill is needed to set it up.
-3. Profiles kvrelay's batch-64 decode step (a per-module wall-time breakdown by forward
-   hooks, and torch.profiler's top operators).
+3. Profiles kvrelay's batch-64 decode step (a wall-time breakdown per part of the forward,
+   each part's method wrapped on its instance, and torch.profiler's top operators).
 4. Checks kvrelay against transformers in fp32 on a 64-token prompt (bf16 logits of
    these random weights are too chaotic to compare).
 5. Prints a table and writes JSON with the machine, versions, config and all samples.
@@ -397,34 +397,84 @@ def run_decode(runners: dict[str, Any], batch: int, context: int, vocab: int,
 
 # -- profiling --------------------------------------------------------------------------------
 
+# The forward's parts, by attribute path (in a decoder layer, or "" for the model) and method.
+# `DecoderLayer.forward` calls its submodules' methods directly (`.forward`, `qk_v`,
+# `rope_attend`, `add_forward`, `route_forward`), which forward hooks never see, so each
+# method is wrapped on its instance, as step_profile.py --parts does. A part running inside
+# another (`rotate` and the attention inside an unfused `rope_attend`) is not counted again.
+LAYER_PARTS = {
+    ("input_layernorm", "forward"): "rmsnorm (+ residual add)",
+    ("input_layernorm", "add_forward"): "rmsnorm (+ residual add)",
+    ("self_attn.qkv", "qk_v"): "attn: qkv proj",
+    ("self_attn.attn", "rope_attend"): "attn: rotary + paged attention (+KV write)",
+    ("self_attn.o_proj", "forward"): "attn: o proj",
+    ("post_attention_layernorm", "add_forward"): "rmsnorm (+ residual add)",
+    ("mlp.experts", "route_forward"): "moe: router + experts",
+}
+MODEL_PARTS = {
+    ("embed_tokens", "forward"): "embedding",
+    ("norm", "forward"): "rmsnorm (+ residual add)",
+    ("norm", "add_forward"): "rmsnorm (+ residual add)",
+    ("lm_head", "logits"): "lm_head (all fed tokens)",
+}
+TOTAL = "model forward (total)"
+
+
+class PartTimer:
+    """Wall time per named part, summed over calls: methods wrapped on their instances
+    (`wrap`; an instance attribute shadows the class's method, for `module(x)` and
+    `module.forward(x)` alike) until `restore` deletes the wrappers again."""
+
+    def __init__(self) -> None:
+        self.acc: dict[str, float] = defaultdict(float)
+        self.depth = 0                    # parts running now (only the outermost is counted)
+        self.wrapped: dict[tuple[int, str], tuple[torch.nn.Module, str]] = {}
+
+    def wrap(self, module: torch.nn.Module, method: str, name: str, part: bool = True) -> None:
+        """Time `module.method` as `name`; `part=False`: always (a total around parts)."""
+        if not hasattr(module, method) or (id(module), method) in self.wrapped:
+            return
+        fn, nested = getattr(module, method), int(part)
+
+        def timed_call(*args: Any, **kwargs: Any) -> Any:
+            if part and self.depth:
+                return fn(*args, **kwargs)
+            self.depth += nested
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.acc[name] += time.perf_counter() - t0
+                self.depth -= nested
+        setattr(module, method, timed_call)
+        self.wrapped[(id(module), method)] = (module, method)
+
+    def wrap_model(self, model: torch.nn.Module) -> None:
+        self.wrap(model, "forward", TOTAL, part=False)
+        for (path, method), name in MODEL_PARTS.items():
+            self.wrap(model.get_submodule(path), method, name)
+        for layer in model.layers:
+            for (path, method), name in LAYER_PARTS.items():
+                self.wrap(layer.get_submodule(path), method, name)
+
+    def restore(self) -> None:
+        for module, method in self.wrapped.values():
+            delattr(module, method)
+        self.wrapped.clear()
+
+
 def module_breakdown(runner: KvrelayRunner, batch: int, context: int, vocab: int,
                      steps: int) -> dict[str, Any]:
-    """Wall time per kind of module (forward pre/post hooks) over `steps` decode steps."""
+    """Wall time per part of the forward (`PartTimer`) over `steps` decode steps. The
+    layers run one by one here: the plan's `decode_stack` (all layers in one native call,
+    which has no parts to time) is off for the breakdown, so its step_ms can exceed the
+    timed rounds' where the stack runs."""
+    import dataclasses
+
     from kvrelay.model import mxfp4 as mx
-    from kvrelay.model.gpt_oss import GptOssModel
-    from kvrelay.model.layers.attention import PagedAttention
-    from kvrelay.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-    from kvrelay.model.layers.linear import QKVParallelLinear, RowParallelLinear
-    from kvrelay.model.layers.moe import Experts, Router
-    from kvrelay.model.layers.norm import RMSNorm
-    from kvrelay.model.layers.rotary import RotaryEmbedding
-    kinds = {QKVParallelLinear: "attn: qkv proj", RowParallelLinear: "attn: o proj",
-             RotaryEmbedding: "attn: rotary", PagedAttention: "attn: paged attention (+KV write)",
-             Router: "moe: router", Experts: "moe: experts", RMSNorm: "rmsnorm",
-             ParallelLMHead: "lm_head (all fed tokens)", VocabParallelEmbedding: "embedding",
-             GptOssModel: "model forward (total)"}
-    acc: dict[str, float] = defaultdict(float)
-    start: dict[int, float] = {}
-    handles = []
-    for m in runner.model.modules():
-        kind = kinds.get(type(m))
-        if kind is None:
-            continue
-        handles.append(m.register_forward_pre_hook(
-            lambda mod, args: start.__setitem__(id(mod), time.perf_counter())))
-        handles.append(m.register_forward_hook(
-            lambda mod, args, out, kind=kind: acc.__setitem__(
-                kind, acc[kind] + time.perf_counter() - start[id(mod)])))
+    model = runner.model
+    plan = model.plan
+    parts = PartTimer()
     orig_expert = mx.MXFP4Tensor.expert
 
     def timed_expert(self, e, dtype):
@@ -432,32 +482,34 @@ def module_breakdown(runner: KvrelayRunner, batch: int, context: int, vocab: int
         try:
             return orig_expert(self, e, dtype)
         finally:
-            acc["moe: experts > MXFP4 dequantise"] += time.perf_counter() - t0
-    mx.MXFP4Tensor.expert = timed_expert
+            parts.acc["moe: router + experts > MXFP4 dequantise"] += time.perf_counter() - t0
     state = runner.decode_setup(batch, context, vocab, steps + 2)
+    model.use_plan(dataclasses.replace(plan, decode_stack=False))
+    parts.wrap_model(model)
+    mx.MXFP4Tensor.expert = timed_expert
     try:
         runner.decode_step(state)                           # warm-up
-        acc.clear()
+        parts.acc.clear()
         total = 0.0
         for _ in range(steps):
             total += timed(lambda: runner.decode_step(state))
     finally:
         mx.MXFP4Tensor.expert = orig_expert
-        for h in handles:
-            h.remove()
+        parts.restore()
+        model.use_plan(plan)
         runner.decode_teardown(state)
-    per_step = {k: v / steps * 1e3 for k, v in acc.items()}
+    per_step = {k: v / steps * 1e3 for k, v in parts.acc.items()}
     step_ms = total / steps * 1e3
-    model_ms = per_step.get("model forward (total)", 0.0)
+    model_ms = per_step.pop(TOTAL, 0.0)
     head_ms = per_step.get("lm_head (all fed tokens)", 0.0)
-    inner = sum(v for k, v in per_step.items() if k != "model forward (total)" and ">" not in k)
-    per_step["other inside model (residual adds, glue)"] = model_ms - (inner - head_ms)
+    inner = sum(v for k, v in per_step.items() if ">" not in k) - head_ms
+    per_step["other inside model (Python glue)"] = model_ms - inner
     per_step["outside model (PagedGreedyLoop metadata, logits .float())"] = (
         step_ms - model_ms - head_ms)
-    rows = sorted(((k, v) for k, v in per_step.items() if k != "model forward (total)"),
-                  key=lambda kv: -kv[1])
-    return {"step_ms": step_ms, "modules_ms": {k: round(v, 2) for k, v in rows},
-                "modules_pct": {k: round(100 * v / step_ms, 1) for k, v in rows}}
+    rows = sorted(per_step.items(), key=lambda kv: -kv[1])
+    return {"step_ms": step_ms, "decode_stack_off": plan.decode_stack,
+            "modules_ms": {k: round(v, 2) for k, v in rows},
+            "modules_pct": {k: round(100 * v / step_ms, 1) for k, v in rows}}
 
 
 def op_profile(runner: KvrelayRunner, batch: int, context: int, vocab: int,

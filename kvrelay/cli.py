@@ -202,22 +202,30 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _launch(config: ServeConfig) -> int:
-    """This node's data-parallel replicas for a head (--headless), else the API server with
-    its replicas (here, on headless nodes, or placed by Ray); the exit code."""
+    """The API server with its replicas (here, on headless nodes, or placed by Ray), else
+    (--headless) this node's data-parallel replicas for a head; the exit code. Each is one
+    call into the module that owns it, with every engine value resolved before."""
     args, http = config.engine, config.http
-    if not args.headless:                 # a taken port: one line now, not after the model loads
-        from kvrelay.ports import check_serve_ports
-        check_serve_ports(http.host, http.port, args)
+    if not args.headless:
+        _check_server_can_start(args, http)
     from kvrelay.config import EngineConfig
     engine = EngineConfig.from_args(args)       # every engine value, before a process starts
-    if args.headless:
-        from kvrelay.engine.dp_headless import run_headless
-        return run_headless(engine.args)
+    if not args.headless:
+        from kvrelay.server.launch import serve
+        return serve(engine, http, config.agent)
+    from kvrelay.engine.dp_headless import run_headless
+    return run_headless(engine.args)
+
+
+def _check_server_can_start(args: EngineArgs, http: HTTPOptions) -> None:
+    """What the API server needs of this machine, asked before anything slow starts: its
+    ports free (OSError) and, where Ray places ranks or replicas, a cluster to join
+    (ConnectionError). One line now, not an error after the model loads."""
+    from kvrelay.ports import check_serve_ports
+    check_serve_ports(http.host, http.port, args)
     if args.ray_replicas:
         from kvrelay.distributed.ray_cluster import connect
-        connect(args.ray_address)          # no cluster: one line now, not after the model loads
-    from kvrelay.server.launch import serve
-    return serve(engine, http, config.agent)
+        connect(args.ray_address)
 
 
 def engine_args(args: argparse.Namespace) -> EngineArgs:

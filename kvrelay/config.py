@@ -1,8 +1,10 @@
 """Engine arguments (the `serve` flags with underscores), their validation and resolution.
 
-    EngineArgs     what users pass (`LLM(model, **engine_args)` or the CLI), as given
+    EngineArgs     what users pass (`LLM(model, **engine_args)` or the CLI), as given,
+                   each flag checked (and `--speculative-config` kept parsed: `speculative`)
     EngineConfig   what every entry point reads: the arguments resolved once against
-                   the checkpoint (model directory, parsed config.json, dtype,
+                   the checkpoint (model directory, parsed config.json and a draft
+                   model's, checked against each other, dtype,
                    max_model_len, expert-parallel layout, KV budget, quantization,
                    `NeuronConfig`, `KVTransferConfig`), frozen and validated
     ExpertLayout   the one EP-width rule (`kvrelay serve`, the engine, `kvrelay deploy`)
@@ -197,8 +199,10 @@ class EngineArgs:
     distributed_executor_backend: str = "mp"
     data_parallel_backend: str = "mp"
     ray_address: str | None = None          # the cluster to join; else RAY_ADDRESS, "auto"
-    # vLLM's --speculative-config: n-gram drafts verified in one forward (kvrelay/spec_decode/)
+    # vLLM's --speculative-config: n-gram or draft-model drafts verified in one forward
+    # (kvrelay/spec_decode/); `speculative` is it parsed, once, with the other flags
     speculative_config: dict[str, Any] | None = None
+    speculative: SpeculativeConfig | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -222,9 +226,21 @@ class EngineArgs:
         if self.async_scheduling and self.experts_across_replicas:
             raise ValueError("--async-scheduling does not support --enable-expert-parallel "
                              "across data-parallel replicas yet")
-        if SpeculativeConfig.from_json(self.speculative_config) and self.async_scheduling:
+        self.speculative = SpeculativeConfig.from_json(self.speculative_config)
+        self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        """--speculative-config against the other flags (its draft against the target's
+        checkpoint: `EngineConfig`)."""
+        if self.speculative is None:
+            return
+        if self.async_scheduling:
             raise ValueError("--speculative-config does not support --async-scheduling yet "
                              "(drafts need the previous step's token)")
+        if self.speculative.model is not None and self.tensor_parallel_size > 1:
+            raise ValueError(f"--speculative-config: a draft model with --tensor-parallel-size "
+                             f"{self.tensor_parallel_size} is not supported yet (the draft "
+                             f"runs beside a one-rank target)")
 
     def _check_data_parallel(self) -> None:
         if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
@@ -281,7 +297,7 @@ class EngineArgs:
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
-        known = {f.name for f in fields(cls)}
+        known = {f.name for f in fields(cls) if f.init}
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise TypeError(f"unknown engine argument {unknown[0]!r}")
@@ -367,6 +383,7 @@ class EngineConfig:
     served_names: tuple[str, ...]
     kv_events: KVEventsConfig | None = None  # --kv-events-config (None: unset)
     speculative: SpeculativeConfig | None = None   # --speculative-config (None: unset)
+    draft: GptOssConfig | None = None        # its draft model's config.json, read once
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES[1:]:
@@ -377,6 +394,7 @@ class EngineConfig:
                                  self.args.enable_expert_parallel)
         self.neuron.check_buckets(self.max_num_batched_tokens, self.args.max_num_seqs)
         self.experts.validate(self.model)
+        self._check_draft()
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> EngineConfig:
@@ -390,10 +408,9 @@ class EngineConfig:
         kv_events = KVEventsConfig.from_json(args.kv_events_config)
         model_dir = resolve_model_dir(args.model, args.download_dir)
         model = load_config(model_dir, args.hf_overrides)
+        draft_dir = args.speculative.model if args.speculative is not None else None
+        draft = load_config(Path(draft_dir)) if draft_dir is not None else None
         dtype = args.dtype if args.dtype != "auto" else _checkpoint_dtype(model)
-        speculative = SpeculativeConfig.from_json(args.speculative_config)
-        if speculative is not None and speculative.model is not None:
-            _check_draft(speculative.model, model_dir, model, args.tensor_parallel_size)
         return cls(
             args=replace(args, model=str(model_dir)),
             model_dir=model_dir,
@@ -408,8 +425,27 @@ class EngineConfig:
             kv_transfer=kv_transfer,
             served_names=names,
             kv_events=kv_events,
-            speculative=speculative,
+            speculative=args.speculative,
+            draft=draft,
         )
+
+    def _check_draft(self) -> None:
+        """--speculative-config's draft model against the target (one line each): its token
+        ids must mean the target's — the same vocab size and, where both checkpoints have
+        one, the same tokenizer vocabulary."""
+        spec, draft = self.speculative, self.draft
+        if spec is None or spec.model is None or draft is None:
+            return
+        draft_dir = spec.model
+        if draft.vocab_size != self.model.vocab_size:
+            raise ValueError(f"--speculative-config: draft model {draft_dir!r} has vocab_size "
+                             f"{draft.vocab_size}, the target {self.model.vocab_size}: a draft "
+                             f"must share the target's tokenizer")
+        mine, theirs = self.model_dir / "tokenizer.json", Path(draft_dir) / "tokenizer.json"
+        if mine.is_file() and theirs.is_file() and _vocab(mine) != _vocab(theirs):
+            raise ValueError(f"--speculative-config: draft model {draft_dir!r} has another "
+                             f"tokenizer than the target's: a draft must share the target's "
+                             f"tokenizer")
 
     @property
     def blocks_per_sequence(self) -> int:
@@ -448,25 +484,6 @@ class EngineConfig:
             notes.append(f"--kv-transfer-config: kv_buffer_device {device!r} ignored: KV blocks "
                          f"are transferred from the engine's {device_type} memory")
         return notes
-
-
-def _check_draft(draft_dir: str, model_dir: Path, model: GptOssConfig, tp: int) -> None:
-    """--speculative-config's draft model against the target (one line each): it runs beside
-    a one-rank target, and its token ids must mean the target's — the same vocab size and,
-    where both checkpoints have one, the same tokenizer vocabulary."""
-    flag = "--speculative-config"
-    if tp > 1:
-        raise ValueError(f"{flag}: a draft model with --tensor-parallel-size {tp} is not "
-                         f"supported yet (the draft runs beside a one-rank target)")
-    draft = load_config(Path(draft_dir))
-    if draft.vocab_size != model.vocab_size:
-        raise ValueError(f"{flag}: draft model {draft_dir!r} has vocab_size {draft.vocab_size}, "
-                         f"the target {model.vocab_size}: a draft must share the target's "
-                         f"tokenizer")
-    mine, theirs = model_dir / "tokenizer.json", Path(draft_dir) / "tokenizer.json"
-    if mine.is_file() and theirs.is_file() and _vocab(mine) != _vocab(theirs):
-        raise ValueError(f"{flag}: draft model {draft_dir!r} has another tokenizer than the "
-                         f"target's: a draft must share the target's tokenizer")
 
 
 def _vocab(tokenizer_json: Path) -> tuple[Any, Any]:

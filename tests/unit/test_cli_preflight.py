@@ -9,6 +9,7 @@ experts dequantised at load."""
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 
 import pytest
@@ -134,3 +135,19 @@ def test_serve_claims_its_http_port_and_a_producers_side_channels(monkeypatch):
                       data_parallel_size_local=2, data_parallel_start_rank=2, headless=True)
     assert serve_ports("127.0.0.1", 8002, node) == [
         ("HTTP", "127.0.0.1", 8002), (side, "10.0.0.2", 5602), (side, "10.0.0.2", 5603)]
+
+
+def test_a_server_asks_for_its_ray_cluster_before_resolving_the_engine(ckpt, capsys):
+    """No Ray cluster at --ray-address is one line, asked with the ports before the engine
+    config is resolved: the layout below (TP 3 does not divide the 4 attention heads) would
+    be refused by the resolution, but is not reached."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        nobody = s.getsockname()[1]              # closed again: nobody listens there
+    argv = ["serve", str(ckpt), "--port", "0", "-tp", "3", "--distributed-executor-backend",
+            "ray", "--ray-address", f"127.0.0.1:{nobody}"]
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith("kvrelay serve: error: cannot join a Ray cluster at "
+                          f"'127.0.0.1:{nobody}'")
