@@ -11,6 +11,8 @@
                                    # extra environment and flags (repeatable), e.g.
                                    # threads:OMP_NUM_THREADS=1 or async:--async-scheduling
     python benchmarks/peers.py --quick          # smoke run: tiny-bf16, 1 round, c=1,8, 16 prompts
+    python benchmarks/peers.py --kvrelay-isa avx2   # kvrelay's kernels capped at AVX2 (or
+                                   # generic, ...): another CPU's kernels measured on this one
 
 Where the peers are (benchmarks/README.md, "Peers"):
   --vllm DIR      setup_vllm_cpu.sh's venv; default $KVRELAY_PEERS_DIR/vllm
@@ -43,6 +45,12 @@ tokenizer, `--ignore-eos`, greedy, seed 0) at each concurrency. Rounds alternate
 Besides throughput, every cell records the CPU seconds per output token of the server's
 processes (kvrelay: the API process and the engine core apart) and of the client, which
 a loaded machine distorts far less than wall time.
+
+--kvrelay-isa ISA sets KVRELAY_CPU_ISA for every kvrelay server (kvrelay-base included: a tree
+older than the variable ignores it); peers.json records it beside this CPU's own best ISA
+("kvrelay_isa": {"hardware", "forced"}). torch's and oneDNN's own kernels in those servers
+are capped alike (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA, unless already set); the other
+peers keep this CPU's (an AVX2-only llama.cpp: `ISA=avx2 build_llamacpp.sh`).
 
 A peer that is not installed (or cannot serve a model: vLLM's MXFP4 needs AMX) is skipped with
 a note in the results. Everything lands in --out: peers.json (machine, CPU flags, versions,
@@ -83,7 +91,13 @@ from common import (
 from serve_throughput import Server as _Server  # process-group handling
 from serve_throughput import free_port
 
+from kvrelay.model.kernels import isa
+
 SERVER_LEN = ["--max-model-len", "4096"]
+# --kvrelay-isa -> (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA): torch's dispatch and oneDNN's
+# capped at the same instruction sets as kvrelay's kernels ("native": none capped)
+TORCH_CAPS = {"generic": ("default", "SSE41"), "avx2": ("avx2", "AVX2"),
+              "avx512": ("avx512", "AVX512_CORE"), "avx512_bf16": ("avx512", "AVX512_CORE_BF16")}
 TINY: dict[str, Any] = {
     "vocab_size": 201088,
     "hidden_size": 32,
@@ -288,6 +302,12 @@ class PeerServer(_Server):
         if peer == "kvrelay-base":
             env["PYTHONPATH"] = str(a.baseline)
         variant = a.variants.get(peer.removeprefix("kvrelay-"), Variant({}, []))
+        if peer.startswith("kvrelay") and a.kvrelay_isa:
+            env["KVRELAY_CPU_ISA"] = a.kvrelay_isa
+            if a.kvrelay_isa in TORCH_CAPS:   # torch's and oneDNN's kernels capped alike
+                aten, onednn = TORCH_CAPS[a.kvrelay_isa]
+                env.setdefault("ATEN_CPU_CAPABILITY", aten)
+                env.setdefault("ONEDNN_MAX_CPU_ISA", onednn)
         env |= variant.env
         # the same serve flags for kvrelay and vLLM (same names, same meaning)
         serve = [str(ckpt), *host, "--served-model-name", "bench", "--dtype", "bfloat16",
@@ -484,12 +504,21 @@ def workload_line(args: dict[str, Any]) -> str:
     )
 
 
+def _isa_line(kvrelay_isa: dict[str, Any]) -> str:
+    hardware, forced = kvrelay_isa.get("hardware", "?"), kvrelay_isa.get("forced")
+    if forced is None:
+        return f"{hardware} (this CPU's best)"
+    return f"{forced}, forced by KVRELAY_CPU_ISA (this CPU: {hardware})"
+
+
 def markdown(result: dict[str, Any], summary: dict, peers: list[str]) -> str:
     flags = " ".join(result["machine"]["cpu_flags"])
     lines = [
         f"# Peers side by side ({result['started']} – {result['finished']} UTC)",
         "",
         f"CPU: {result['machine']['cpu']}, {result['machine']['cores']} cores; flags: {flags}",
+        "",
+        f"kvrelay's kernel ISA: {_isa_line(result.get('kvrelay_isa', {}))}",
         "",
         "Versions: "
         + "; ".join(
@@ -640,7 +669,18 @@ def main() -> None:
     ap.add_argument(
         "--quick", action="store_true", help="smoke run: tiny-bf16, 1 round, c=1,8, 16 prompts"
     )
+    ap.add_argument(
+        "--kvrelay-isa",
+        choices=isa.CAP_VALUES,
+        help="KVRELAY_CPU_ISA for the kvrelay servers: their kernels capped at this ISA variant",
+    )
     a = ap.parse_args()
+    try:  # a variant this CPU cannot run: said now, not by every server at start-up
+        # without the flag the servers inherit this environment's KVRELAY_CPU_ISA, if any
+        forced_isa = (isa.parse_cap(a.kvrelay_isa, isa.hardware_features()) if a.kvrelay_isa
+                      else isa.cap())
+    except ValueError as e:
+        raise SystemExit(f"peers.py: {e}") from None
     # `kill PID` unwinds like Ctrl-C: every server is stopped by its finally block
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if a.quick:
@@ -671,6 +711,8 @@ def main() -> None:
             "torch": torch.__version__,
             "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         },
+        # the kvrelay servers' kernel ISA: this CPU's best, and the cap they ran under
+        "kvrelay_isa": {"hardware": isa.top(isa.hardware_features()), "forced": forced_isa},
         "args": {
             "models": models,
             "concurrency": a.concurrency,

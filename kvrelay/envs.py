@@ -116,6 +116,13 @@ SCREENED_HEAD = EnvVar("KVRELAY_SCREENED_HEAD", None, "auto",
                        "exactly: the same tokens, about half the bytes read; where the dense "
                        "kernels run) or 'off' (always the exact LM head)")
 
+CPU_ISA = EnvVar("KVRELAY_CPU_ISA", None, "native",
+                 "the best ISA variant the native CPU kernels may use: 'native' (this CPU's "
+                 "best), or a cap at 'generic', 'avx2', 'avx512' or 'avx512_bf16' (every kernel "
+                 "family then takes its best variant not above it, and the plan's CPU-keyed "
+                 "choices follow), to measure a lesser CPU's kernels on this one; a variant "
+                 "this CPU cannot run is an error at start-up")
+
 COMPILE_DECODE = EnvVar(
     "KVRELAY_COMPILE_DECODE", None, None,
     "CPU, one rank: padded batch sizes (e.g. '1,2,4,8') whose decode-only steps run the forward "

@@ -119,6 +119,7 @@ E2E_PATHS = (
     "tests/distributed/test_ray_backend.py",
     "tests/distributed/test_tensor_parallel.py",
     "tests/distributed/test_worker_death.py",
+    "tests/engine/test_cpu_isa_generic.py",
     "tests/engine/test_spec_decode_e2e.py",
     "tests/model/test_loader_memory.py",
     "tests/proxy/test_backends_file.py::test_a_proxy_process_follows_the_file",

@@ -39,7 +39,7 @@ import torch
 from kvrelay import envs
 from kvrelay.model import compile_hints, kernels
 from kvrelay.model.gpt_oss import GptOssModel
-from kvrelay.model.layers import moe, paged_decode
+from kvrelay.model.layers import moe, paged_decode, screened
 from kvrelay.model.layers.attention import AttentionMetadata
 from kvrelay.model.layers.linear import runs_on_dense_kernel
 
@@ -198,11 +198,40 @@ class ModelRunner:
         hidden = self.model(ids, positions, self.kv_caches, meta)             # [T, H]
         if step.logits_rows != list(range(hidden.shape[0])):   # not every row in order (decodes)
             hidden = hidden[_ints(step.logits_rows, self.device)]
+        self._head_threads(hidden)
+        return self.model.compute_logits(hidden, step.greedy).cpu()
+
+    def _head_threads(self, hidden: torch.Tensor) -> None:
+        """Every thread for a large LM head on the dense kernel (`head_threads`)."""
         if (self.head_threads and torch.get_num_threads() < self.max_threads
                 and runs_on_dense_kernel(hidden, self.model.lm_head.weight,
                                          self.model.lm_head.plan)):
             torch.set_num_threads(self.max_threads)    # until the next step's _set_threads
-        return self.model.compute_logits(hidden, step.greedy).cpu()
+
+    @torch.inference_mode()         # as `execute`
+    def warm_greedy_head(self, max_rows: int) -> int:
+        """The LM head's greedy path once per greedy decode step of 1..max_rows rows (at most
+        the screen's MAX_ROWS), at the thread count `execute` gives that step's head: the
+        screened head's int8 copy and per-key bit checks (layers/screened.py) then happen in
+        warm-up, not in the first requests' steps — for the keys whose check is cheap
+        (`screened.warmed_ahead`). Only where the plan screens the head; returns the row
+        counts warmed."""
+        head = self.model.lm_head
+        if not head.plan.screened_head or self.model.ctx.tp_size != 1 \
+                or self.device.type != "cpu":
+            return 0
+        g = torch.Generator().manual_seed(0)
+        warmed = 0
+        for rows in range(1, min(max_rows, screened.MAX_ROWS) + 1):
+            hidden = torch.randn(rows, head.weight.shape[1], generator=g)     # [rows, H]
+            hidden = hidden.to(self.model.dtype)
+            if not screened.warmed_ahead(hidden, head.weight, head.plan):
+                continue
+            self._set_threads(rows, rows)              # a decode step: one token per row
+            self._head_threads(hidden)
+            self.model.compute_logits(hidden, greedy=True)
+            warmed += 1
+        return warmed
 
 
     # -- compiled decode steps ------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """The execution plan: every fast-path choice of the model, named once per process.
 
-    CpuFeatures.detect()   the running CPU (torch's cpuinfo; never the build machine's)
+    CpuFeatures.detect()   the running CPU (torch's cpuinfo; never the build machine's), as
+                           KVRELAY_CPU_ISA caps it (kernels/isa.py)
     KernelFacts.detect()   what the native kernels package loaded (`kernels.status()`)
     PlanConfig.from_env()  the KVRELAY_* kernel variables (envs.py), validated
             │
@@ -37,8 +38,18 @@ What the plan decides, and the one rule for each:
                      (layers/screened.py: the same tokens, half the bytes) wherever the dense
                      kernels run; KVRELAY_SCREENED_HEAD=off keeps the exact head alone.
 
+    KVRELAY_CPU_ISA  caps the kernels' ISA (kernels/isa.py: every family's variant, in C++ and
+                     here) and the CPU features the rules above read: a cap below AVX-512
+                     hides AVX-512, AVX512-BF16 and AMX from `matmul`, so a forced run makes
+                     the choices a CPU of that ISA would. `cpu.hardware_isa` is the CPU's own
+                     best, `cpu.forced_isa` the cap (None: native).
+
 `numerics(dtype)` is the part that changes the KV bytes a step writes (KV dtype, matmul
 precision); it goes into the KV-cache spec prefill and decode compare at their handshake.
+The kernels' ISA is not part of it, forced or not: the native kernels are not the reference
+paths' bits either (a server switches to them mid-run, `engine/native_switch.py`, with its
+numerics unchanged), and servers on different CPU kinds pair; what a cap changes in the
+numerics it changes through `matmul`.
 Tests and profilers opt out through the plan (`ExecutionPlan.reference()`,
 `dataclasses.replace(plan, decode_stack=False)` then `model.use_plan(plan)`).
 """
@@ -51,6 +62,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kvrelay import envs
+from kvrelay.model.kernels import isa
 
 logger = logging.getLogger(__name__)
 
@@ -74,25 +86,43 @@ UPCAST_MIN_ROWS = 4
 
 @dataclass(frozen=True)
 class CpuFeatures:
-    """The running CPU's features that a choice depends on."""
+    """The running CPU's features that a choice depends on, as KVRELAY_CPU_ISA caps them."""
 
     avx2: bool = False
     avx512: bool = False
     avx512_bf16: bool = False
     amx: bool = False
     onednn_bf16: bool = False     # torch's oneDNN has a bf16 GEMM here
+    hardware_isa: str = "generic"     # the table's best variant this CPU runs (kernels/isa.py)
+    forced_isa: str | None = None     # KVRELAY_CPU_ISA's cap; None: native
 
     @classmethod
     def detect(cls) -> CpuFeatures:
+        """torch's view of the CPU, each feature kept only where the cap allows it (AMX is in
+        no variant: any cap hides it). ValueError for a cap this CPU cannot run."""
         import torch
 
-        def has(name: str) -> bool:
-            return bool(getattr(torch.cpu, name, lambda: False)())
+        forced = isa.cap()
+        allowed = isa.cpu_features()
+
+        def has(name: str, needs: frozenset[str] | None) -> bool:
+            within = forced is None or (needs is not None and needs <= allowed)
+            return within and bool(getattr(torch.cpu, name, lambda: False)())
 
         onednn = torch.backends.mkldnn.is_available() and bool(
             torch.ops.mkldnn._is_mkldnn_bf16_supported())
-        return cls(has("_is_avx2_supported"), has("_is_avx512_supported"),
-                   has("_is_avx512_bf16_supported"), has("_is_amx_tile_supported"), onednn)
+        table = isa.ISA_FEATURES
+        return cls(has("_is_avx2_supported", table["avx2"]),
+                   has("_is_avx512_supported", table["avx512"]),
+                   has("_is_avx512_bf16_supported", table["avx512_bf16"]),
+                   has("_is_amx_tile_supported", None), onednn,
+                   isa.top(isa.hardware_features()), forced)
+
+    def isa_note(self) -> str:
+        """The log's words on a cap, e.g. ' (forced by KVRELAY_CPU_ISA; this CPU: avx2)'."""
+        if self.forced_isa is None:
+            return ""
+        return f" (forced by {envs.CPU_ISA.name}; this CPU: {self.hardware_isa})"
 
     def bf16_names(self) -> tuple[str, ...]:
         """The native-bf16 features present, for messages."""
@@ -261,6 +291,9 @@ class ExecutionPlan:
         """One line for the log."""
         kernels = ("ready, ISA " + str(self.kernels.isa) if self.kernels.available
                    else "building" if self.kernels.building else "unavailable")
+        if self.cpu.forced_isa is not None and not self.kernels.available:
+            kernels += f", ISA {self.cpu.forced_isa}"
+        kernels += self.cpu.isa_note()
         return (f"half matmuls {self.matmul} ({self.matmul_reason}); kernels {kernels}; "
                 f"attention {self.attention}; dense {self.dense or 'torch'}; moe {self.moe}"
                 f"{' + bf16 tiles' if self.moe_tiles else ''}; decode "

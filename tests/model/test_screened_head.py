@@ -364,3 +364,20 @@ def test_the_screen_takes_only_what_it_can_reproduce():
     native = dataclasses.replace(no_dense, matmul="native")   # torch's half GEMM: not ours
     assert screened.exact_mode(torch.zeros(12, 8).bfloat16(), w, native) is None
     assert screened.exact_mode(torch.zeros(12, 8), w.float(), no_dense) == screened.ORDERED
+
+
+def test_the_warm_up_checks_ahead_where_the_exact_path_is_native():
+    """`warmed_ahead`: the dense kernel's keys and the ordered product's (a shallow weight)
+    are checked in warm-up; torch's upcast GEMM of a wide weight is left to first use."""
+    plan = dataclasses.replace(_screening_plan(), matmul="fp32")
+    no_dense = dataclasses.replace(plan, dense=None)          # many rows: torch's fp32 GEMM
+    shallow = torch.zeros(100, ordered.MAX_K // 8).bfloat16()
+    wide = torch.zeros(100, ordered.MAX_K + 44).bfloat16()
+
+    def x(rows: int, k: int) -> torch.Tensor:
+        return torch.zeros(rows, k).bfloat16()
+
+    assert screened.warmed_ahead(x(1, wide.shape[1]), wide, plan)               # dense kernel
+    assert screened.warmed_ahead(x(12, shallow.shape[1]), shallow, no_dense)    # ordered
+    assert not screened.warmed_ahead(x(12, wide.shape[1]), wide, no_dense)      # torch's GEMM
+    assert not screened.warmed_ahead(x(17, shallow.shape[1]), shallow, plan)    # no screen

@@ -14,7 +14,7 @@ No `-march=native`: the machine that builds is not always the one that runs (a s
 cache, a CPU that changes under a VM), so every ISA variant is compiled with its own
 target (csrc/isa.h) and the ops pick the best one the running CPU supports, by one rule
 for every family: `isa.py` is the table (`cpu_features()`, each family's variants best
-first), csrc/isa_dispatch.h the same check in C++.
+first), csrc/isa_dispatch.h the same check in C++; KVRELAY_CPU_ISA caps both.
 
 Where the build fails (no compiler, no ninja, headers missing) the model keeps the
 pure-PyTorch paths: `status()` says why, and a single warning is logged; the server
@@ -306,9 +306,12 @@ def _register_fake() -> None:
 
 @functools.cache
 def status() -> KernelStatus:
-    """Build/load the extension once per process; never raises. In the background
-    (`build_in_background`) it answers `building` without waiting; call again after
-    `status.cache_clear()` once `background_build().done` is set."""
+    """Build/load the extension once per process; never raises for the build. In the
+    background (`build_in_background`) it answers `building` without waiting; call again after
+    `status.cache_clear()` once `background_build().done` is set. A KVRELAY_CPU_ISA this CPU
+    cannot run is a configuration error, not a reason to serve without the kernels: its
+    ValueError is raised (`isa.cap`)."""
+    isa.cap()
     try:
         library = _library()
         if library is None:
@@ -323,8 +326,8 @@ def status() -> KernelStatus:
         logger.warning("native CPU kernels unavailable, using the PyTorch reference paths "
                        "(slower MoE/MXFP4 and decode attention): %s", reason)
         return KernelStatus(False, None, (), reason)
-    logger.info("native CPU kernels loaded: %s (ISA %s of %s; dense %s)", library, isas[0],
-                ", ".join(isas), dense_isa)
+    logger.info("native CPU kernels loaded: %s (ISA %s of %s; dense %s)%s", library, isas[0],
+                ", ".join(isas), dense_isa, f", capped by {envs.CPU_ISA.name}" if isa.cap() else "")
     if isas != isa.variants("moe"):
         logger.warning("the kernels' CPU check (%s) disagrees with isa.py's (%s) on this CPU",
                        ", ".join(isas), ", ".join(isa.variants("moe")))

@@ -15,6 +15,13 @@ every `*_op.cpp` picks its variants with (csrc/isa_dispatch.h `cpu_runs`). Sourc
 the naming convention `<family>_op.cpp` (the torch op, generic code) and
 `<family>_<variant>.cpp` (one variant's build); `sources()` finds them.
 
+KVRELAY_CPU_ISA caps the table (generic < avx2 < avx512 < avx512_bf16), so that a lesser
+CPU's kernels can be measured on this one: `cpu_features()` is then the CPU's features
+within the capped variant's, every family's `variants`/`best` follow, and the C++ rule
+(`cpu_runs`) reads the same variable, so every op's default ("" isa) is the capped best.
+`hardware_features()` stays the CPU's own. A cap this CPU cannot run is a ValueError
+(`cap()`), never a silent downgrade.
+
 Imports no torch: the execution plan and the test log read the CPU from here.
 """
 from __future__ import annotations
@@ -26,9 +33,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvrelay import envs
+
 CSRC = Path(__file__).parent / "csrc"
 
-# the flags `cpu_features()` reports (others in /proc/cpuinfo are of no use to the kernels)
+# the flags `hardware_features()` reports (others in /proc/cpuinfo are of no use to the kernels)
 KNOWN_FEATURES = ("sse4_1", "sse4_2", "popcnt", "avx", "avx2", "fma", "f16c", "avx512f",
                   "avx512bw", "avx512dq", "avx512vl", "avx512_bf16", "avx512_vnni",
                   "amx_tile", "amx_bf16", "amx_int8")
@@ -75,8 +84,12 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
 )}
 
 
+# KVRELAY_CPU_ISA's values: no cap, or a variant (ISA_FEATURES lists them worst first)
+CAP_VALUES = ("native", *ISA_FEATURES)
+
+
 @functools.cache
-def cpu_features() -> frozenset[str]:
+def hardware_features() -> frozenset[str]:
     """The KNOWN_FEATURES this CPU has (Linux: the kernel's flags, which it clears where the
     OS does not save the registers); empty where they cannot be read (the generic builds)."""
     if not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "i686"):
@@ -88,6 +101,43 @@ def cpu_features() -> frozenset[str]:
     match = re.search(r"^flags\s*:(.*)$", text, re.MULTILINE)
     flags = set(match.group(1).split()) if match else set()
     return frozenset(f for f in KNOWN_FEATURES if f in flags)
+
+
+def top(features: frozenset[str]) -> str:
+    """The best variant of the table that a CPU with `features` runs ("generic" at least)."""
+    return next(v for v in reversed(ISA_FEATURES) if ISA_FEATURES[v] <= features)
+
+
+def parse_cap(value: str, features: frozenset[str]) -> str | None:
+    """The variant KVRELAY_CPU_ISA=`value` caps the kernels at on a CPU with `features`
+    (None: "native", no cap). ValueError for an unknown name, or a variant that CPU cannot
+    run: emulating a better CPU is not possible, and a silent downgrade would measure
+    something else than what was asked."""
+    if value == "native":
+        return None
+    if value not in ISA_FEATURES:
+        raise ValueError(f"{envs.CPU_ISA.name}: expected {', '.join(CAP_VALUES[:-1])} or "
+                         f"{CAP_VALUES[-1]}, got {value!r}")
+    lacking = sorted(ISA_FEATURES[value] - features)
+    if lacking:
+        raise ValueError(f"{envs.CPU_ISA.name}={value}: this CPU cannot run it (its best is "
+                         f"{top(features)}; it lacks {', '.join(lacking)})")
+    return value
+
+
+@functools.cache
+def cap() -> str | None:
+    """This process's cap (KVRELAY_CPU_ISA), checked against this CPU; None: no cap."""
+    return parse_cap(envs.CPU_ISA.raw() or "native", hardware_features())
+
+
+def cpu_features() -> frozenset[str]:
+    """The features this process's kernels may use: the CPU's, within the capped variant's
+    where KVRELAY_CPU_ISA caps them (a generic cap: none, as on a CPU whose flags cannot be
+    read). ValueError where the cap is unknown or above this CPU."""
+    limit = cap()
+    features = hardware_features()
+    return features if limit is None else features & ISA_FEATURES[limit]
 
 
 def missing(isa: str, features: frozenset[str] | None = None) -> tuple[str, ...]:
@@ -116,19 +166,27 @@ def why_not(family: str, isa: str, features: frozenset[str] | None = None) -> st
     skipped test gives."""
     if isa not in FAMILIES[family].variants:
         return f"{family} has no {isa} build"
-    lacking = missing(isa, features)
+    hardware = hardware_features() if features is None else features
+    if not runs(isa, features) and runs(isa, hardware):
+        return f"{family} {isa} build: above {envs.CPU_ISA.name}={cap()}"
+    lacking = missing(isa, hardware)
     return f"{family} {isa} build: this CPU lacks {', '.join(lacking)}" if lacking else ""
 
 
 def report(features: frozenset[str] | None = None) -> str:
-    """One line: the variants run here and those this CPU cannot, with what it lacks."""
+    """One line: the variants run here, those above KVRELAY_CPU_ISA's cap (this process's
+    report only) and those this CPU cannot run, with what it lacks."""
     names = sorted({v for f in FAMILIES.values() for v in f.variants},
                    key=list(ISA_FEATURES).index)
+    hardware = hardware_features() if features is None else features
     ran = [v for v in names if runs(v, features)]
-    skipped = [f"{v} (lacks {' '.join(missing(v, features))})" for v in names
-               if not runs(v, features)]
+    capped = [v for v in names if runs(v, hardware) and not runs(v, features)]
+    skipped = [f"{v} (lacks {' '.join(missing(v, hardware))})" for v in names
+               if not runs(v, hardware)]
     families = [f.name for f in FAMILIES.values() if not variants(f.name, features)]
     line = f"kernel ISA builds run: {', '.join(ran) or 'none'}"
+    if capped:
+        line += f"; above {envs.CPU_ISA.name}={cap()}: {', '.join(capped)}"
     if skipped:
         line += f"; not on this CPU: {', '.join(skipped)}"
     if families:

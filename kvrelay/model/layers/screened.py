@@ -25,12 +25,15 @@ exact path's logits and the candidates' computation for every vocabulary row, an
 the screen for that key only where the bits agree (for torch's GEMM that is the bet
 layers/ordered.py makes and checks the same way). An input that is not finite, logits that
 could overflow, or more candidates than `max_candidates` answer None: the caller takes the
-exact path.
+exact path. The copy (seconds at gpt-oss-20b's head) and the checks its decode steps'
+keys need are made in the engine's warm-up (`ModelRunner.warm_greedy_head`, through the
+head's own `greedy`; `warmed_ahead` says which), not in the first requests' steps; any other
+key is checked on its first call.
 
 Memory: the codes are the head's K bytes per row, plus 6 bytes (scale, ‖w‖, ‖e‖); made on
-first use and again when the weight changes in place. The plan decides where it runs
-(`ExecutionPlan.screened_head`: KVRELAY_SCREENED_HEAD=off turns it off); `ScreenStats`
-counts what it saw.
+first use (the warm-up's) and again when the weight changes in place. The plan decides where
+it runs (`ExecutionPlan.screened_head`: KVRELAY_SCREENED_HEAD=off turns it off);
+`ScreenStats` counts what it saw.
 """
 from __future__ import annotations
 
@@ -43,7 +46,7 @@ import torch
 
 from kvrelay.model.execution_plan import ExecutionPlan
 from kvrelay.model.layers.linear import fp32_product, runs_on_dense_kernel
-from kvrelay.model.layers.ordered import block_size
+from kvrelay.model.layers.ordered import OrderedProduct, block_size
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +98,18 @@ def exact_mode(x: torch.Tensor, weight: torch.Tensor, plan: ExecutionPlan) -> in
     return None
 
 
+def warmed_ahead(x: torch.Tensor, weight: torch.Tensor, plan: ExecutionPlan) -> bool:
+    """Whether the engine's warm-up checks x's key ahead (`ModelRunner.warm_greedy_head`):
+    where the exact path is a native kernel (the dense kernel, or the ordered product of a
+    shallow weight) a check is two passes over the head. Where it is torch's fp32 GEMM of a
+    wide weight, upcast per call, a check costs that GEMM for every row count (the embedded
+    model's 49,152 x 576 bf16 head past 4 rows: ~0.25 s of CPU each on a loaded 2-core AVX2
+    EPYC, 12 row counts): those keys are checked on first use, which adds a native pass to a
+    step that computes that GEMM anyway."""
+    mode = exact_mode(x, weight, plan)
+    return mode == DENSE or (mode == ORDERED and OrderedProduct(weight).usable)
+
+
 STATS_RECENT = 4096        # input rows whose candidate counts ScreenStats keeps
 
 
@@ -132,6 +147,7 @@ class ScreenedHead:
                        and weight.shape[0] >= 1 and _op("screen_quantize") is not None)
         # (rows, threads, plan, mode, x dtype) -> whether the candidates get the exact bits
         self.verdicts: dict[tuple[int, int, ExecutionPlan, int, torch.dtype], bool] = {}
+        self.checks = 0                       # keys checked (`_check` calls), for tests and logs
         self.stats = ScreenStats()
 
     def _current_copy(self) -> Int8Copy | None:
@@ -179,6 +195,7 @@ class ScreenedHead:
         """The first call of a key: the exact path's answer, and the verdict on the screen."""
         op = _op("screen_exact_rows")
         assert op is not None
+        self.checks += 1
         want = reference.argmax(dim=-1)          # argmax_rows' answer (first max, NaN)
         if not bool(torch.isfinite(reference).all()):   # overflowed: ask again another time
             return want

@@ -1,5 +1,6 @@
-// The one runtime rule for which ISA variant (isa.h) a CPU runs, and the per-family list
-// the torch ops pick from. Included by the `*_op.cpp` files only (generic code, STL).
+// The one runtime rule for which ISA variant (isa.h) a CPU runs (capped by KVRELAY_CPU_ISA),
+// and the per-family list the torch ops pick from. Included by the `*_op.cpp` files only
+// (generic code, STL).
 //
 //   Variants<K> v("grammar_rows");             an op family's kernels of type K
 //   v.add(Isa::kAvx2, &build_avx2);            kept where the CPU runs AVX2 and the build
@@ -11,6 +12,7 @@
 #pragma once
 #include <c10/util/Exception.h>
 
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -28,9 +30,28 @@ inline const char* isa_name(Isa isa) {
   return "generic";
 }
 
-// Whether this CPU executes the instructions isa.h lists for `isa` (and the OS saves
-// their registers: __builtin_cpu_supports checks both).
+// KVRELAY_CPU_ISA (kvrelay/envs.py): the best variant any family may pick, so that a lesser
+// CPU's kernels can be measured on this one; unset, "" or "native": no cap. Read once, when
+// the first family lists its variants. Python checks the value before it loads this library
+// (isa.py `cap`: an unknown name, or one this CPU cannot run, is an error there).
+inline Isa isa_cap() {
+  static const Isa cap = [] {
+    const char* raw = std::getenv("KVRELAY_CPU_ISA");
+    const std::string name = raw ? raw : "";
+    for (Isa isa : {Isa::kAvx512Bf16, Isa::kAvx512, Isa::kAvx2, Isa::kGeneric})
+      if (name == isa_name(isa)) return isa;
+    TORCH_CHECK(name.empty() || name == "native", "KVRELAY_CPU_ISA: expected native, generic, "
+                "avx2, avx512 or avx512_bf16, got '", name, "'");
+    return Isa::kAvx512Bf16;
+  }();
+  return cap;
+}
+
+// Whether this process runs `isa`: not above the cap (the enum is best first), and this CPU
+// executes the instructions isa.h lists for it (and the OS saves their registers:
+// __builtin_cpu_supports checks both).
 inline bool cpu_runs(Isa isa) {
+  if (static_cast<int>(isa) < static_cast<int>(isa_cap())) return false;
 #if defined(__x86_64__) || defined(__i386__)
   __builtin_cpu_init();
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
