@@ -60,6 +60,28 @@ def bench(url: str, args: argparse.Namespace, tag: str, out_dir: Path) -> dict:
     return json.loads((out_dir / f"{tag}.json").read_text())
 
 
+STAMP = re.compile(r"^INFO (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) (\S+): (.*)$", re.M)
+
+
+def kv_touch_s(log_dir: Path) -> dict[str, float]:
+    """Each server's seconds from its weights loaded to its KV cache allocated, from the
+    last run in its log: the first touch of ~1 GiB, which this benchmark's VMs serve from
+    memory the host gives back lazily (0.3 s warm, up to ~10 s a GiB cold) — the one step
+    that swings a bring-up by itself, so each round records it beside its ready time."""
+    out = {}
+    for log in sorted(log_dir.glob("*.log")):
+        loaded = kv = None
+        for when, who, what in STAMP.findall(log.read_text(errors="replace")):
+            t = time.mktime(time.strptime(when[:19], "%Y-%m-%d %H:%M:%S")) + int(when[20:]) / 1e3
+            if who == "kvrelay.model.loader" and what.startswith("loaded"):
+                loaded, kv = t, None
+            elif who == "kvrelay.engine.runner" and what.startswith("KV cache:"):
+                kv = t
+        if loaded is not None and kv is not None:
+            out[log.stem] = round(kv - loaded, 2)
+    return out
+
+
 def topology(args: argparse.Namespace) -> list[str]:
     model = ["--model", args.model] if args.model else []
     return [*model, "--prefill", "2", "--decode", "1", "--port", str(BASE),
@@ -68,6 +90,7 @@ def topology(args: argparse.Namespace) -> list[str]:
 
 def local_run(args: argparse.Namespace, out_dir: Path) -> dict:
     say("local deploy: starting")
+    load = os.getloadavg()[0]
     t0, started = time.monotonic(), time.strftime("%H:%M:%S")   # wall clock: the servers' logs
     proc = subprocess.Popen(KVRELAY + ["deploy", *topology(args), "--no-validate",
                                        "--log-dir", str(out_dir / "local-logs")],
@@ -86,12 +109,13 @@ def local_run(args: argparse.Namespace, out_dir: Path) -> dict:
         proc.wait(120)
     return {"ready_s": ready, "output_throughput": result["output_throughput"],
             "median_ttft_ms": result["median_ttft_ms"], "median_tpot_ms": result["median_tpot_ms"],
-            "started": started}
+            "started": started, "load": load, "kv_touch_s": kv_touch_s(out_dir / "local-logs")}
 
 
 def ray_run(args: argparse.Namespace, address: str, out_dir: Path) -> dict:
     common = ["--name", "bench", "--ray-address", address]
     say("Ray deploy: placing")
+    load = os.getloadavg()[0]
     t0, started = time.monotonic(), time.strftime("%H:%M:%S")
     up = subprocess.run(KVRELAY + ["deploy", "--backend", "ray", *common, *topology(args),
                                    "--log-dir", str(out_dir / "ray-logs")],
@@ -110,10 +134,12 @@ def ray_run(args: argparse.Namespace, address: str, out_dir: Path) -> dict:
     finally:
         subprocess.run(KVRELAY + ["deploy", "--down", *common], capture_output=True)
     said = [ln for ln in up.stdout.splitlines() if "ready in" in ln or "placed" in ln]
+    (out_dir / f"ray-deploy-{started}.out").write_text(up.stdout)
     return {"ready_s": ready, "output_throughput": result["output_throughput"],
             "median_ttft_ms": result["median_ttft_ms"],
             "median_tpot_ms": result["median_tpot_ms"], **back, "scale": scale,
-            "deploy_said": said, "started": started}  # said: its phases
+            "deploy_said": said, "started": started, "load": load,  # said: its phases
+            "kv_touch_s": kv_touch_s(out_dir / "ray-logs")}
 
 
 def serve_pid(port: int) -> int:
@@ -194,6 +220,8 @@ def main() -> int:
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--repeat", type=int, default=2, help="rounds of local then Ray")
     p.add_argument("--out", type=Path, default=Path("ray_deploy.json"))
+    p.add_argument("--settle", type=float, default=10.0,
+                   help="seconds of quiet before each bring-up (the last one's teardown done)")
     args = p.parse_args()
     out_dir = args.out.parent / (args.out.stem + "-runs")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -207,7 +235,9 @@ def main() -> int:
         locals_, rays = [], []
         for r in range(args.repeat):                 # alternated: drift hits both alike
             say(f"round {r + 1} of {args.repeat}")
+            time.sleep(args.settle)        # after a teardown: the same start for both
             locals_.append(local_run(args, out_dir))
+            time.sleep(args.settle)
             rays.append(ray_run(args, cluster.address, out_dir))
     finally:
         cluster.shutdown()

@@ -27,6 +27,12 @@ STEPS = (
     (READY_LINE, READY_STEP),
 )
 _LONGEST_STEP = max(len(text) for text, _ in STEPS)
+_ORDER = [STARTING] + [step for _, step in STEPS]
+
+
+def step_reached(step: str | None, goal: str) -> bool:
+    """Whether a process at `step` is at `goal` or past it (STEPS' order)."""
+    return step in _ORDER and _ORDER.index(step) >= _ORDER.index(goal)
 
 
 @dataclass

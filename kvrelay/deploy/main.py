@@ -292,13 +292,19 @@ def _ray_command(command: str, argv: list[str]) -> int:
 
 
 def _one_line(run: Callable[[], int]) -> int:
-    """Ray commands: a cluster that cannot be joined (or a bad layout) is one line, exit 1."""
+    """Ray commands: a cluster that cannot be joined (or a bad layout) is one line, exit 1.
+    The command leaves the cluster itself once done (the actors are detached): left to the
+    interpreter's exit, Ray's teardown took ~1 s more (0.28 s this way)."""
     try:
         return run()
     except (ConnectionError, ValueError, TopologyError) as e:
         text = "; ".join(e.problems) if isinstance(e, TopologyError) else str(e)
         print(f"{PROG}: error: {text}", file=sys.stderr)
         return 1
+    finally:
+        ray = sys.modules.get("ray")
+        if ray is not None and ray.is_initialized():
+            ray.shutdown()
 
 
 # ---------------------------------------------------------------------------- launching

@@ -7,7 +7,8 @@ actors on a running cluster, supervised and scaled by Ray (the actors: ray_actor
     kvrelay deploy --down [--name NAME]
 
 `deploy` places a `ServerActor` per server (spread over the nodes, restarted by Ray), then the
-proxy's actor once the servers' actors exist, and waits on one `wait_ready` call per server.
+proxy's actor once a server has loaded its weights, and waits on one `wait_ready` call per
+server (answered at each step the server's log shows).
 
 The KV secret is generated here and reaches each actor in its creation arguments (Ray keeps
 them to restart it; a runtime_env would cost a fresh worker process per actor), and the
@@ -32,7 +33,7 @@ from typing import Any, TextIO
 
 from kvrelay import envs
 from kvrelay.deploy.layout import KV_SECRET_ENV, Plan, ServerPlan
-from kvrelay.deploy.log_steps import STARTING
+from kvrelay.deploy.log_steps import STARTING, step_reached
 from kvrelay.deploy.ray_actors import (
     NOT_SHIPPED,
     PROXY,
@@ -79,6 +80,9 @@ def _connect(address: str | None) -> Any:
     return connect(address, log_to_driver=False)     # the servers log to files on their nodes
 
 
+PROXY_AFTER = "allocating the KV cache"    # the proxy is placed once a server is this far
+
+
 def _server_env(plan: Plan, server: ServerPlan, secret: str) -> dict[str, str]:
     env = dict(plan.exports) | dict(server.env) | {KV_SECRET_ENV: secret}
     return {k: v for k, v in env.items() if k not in NOT_SHIPPED}
@@ -105,20 +109,17 @@ def start_servers(ray: Any, plan: Plan, servers: list[ServerPlan], ns: str, secr
     return out
 
 
-def await_actors(ray: Any, handles: list[Any], timeout_s: float) -> None:
-    """Until every actor has been created (its server process started) or `timeout_s`."""
-    ray.wait([h.__ray_ready__.remote() for h in handles], num_returns=len(handles),
-             timeout=timeout_s)
-
-
-def await_ready(ray: Any, handles: list[Any], timeout_s: float,
-                say: Callable[[str], None]) -> list[dict[str, Any]]:
+def await_ready(ray: Any, handles: list[Any], timeout_s: float, say: Callable[[str], None],
+                then: tuple[str, Callable[[], Any]] | None = None) -> list[dict[str, Any]]:
     """Every handle's status once all are ready (in order); TimeoutError naming those that
     are not. One `wait_ready` call per server at a time, answered when the server moves to
     another step (said as the local deploy says it), when it is ready, or after WAIT_S
-    (then a line says where each one is, and it asks again)."""
+    (then a line says where each one is, and it asks again). `then` = (step, place): once
+    the first server reaches that step (log_steps.STEPS), `place()` gives one more actor
+    (the proxy) to wait for, whose status comes last."""
     t0 = time.monotonic()
     deadline = t0 + timeout_s
+    handles = list(handles)
     states: dict[int, dict[str, Any]] = {}
     last: dict[int, dict[str, Any]] = {}
     pending = {h.wait_ready.remote(WAIT_S, STARTING): i for i, h in enumerate(handles)}
@@ -141,6 +142,10 @@ def await_ready(ray: Any, handles: list[Any], timeout_s: float,
                 if st.get("step") and st.get("step") != last.get(i, {}).get("step"):
                     say(f"{st['name']}: {st['step']} ({time.time() - st['started']:.1f}s)")
                 last[i] = st
+                if then is not None and step_reached(st.get("step"), then[0]):
+                    handles.append(then[1]())
+                    pending[handles[-1].wait_ready.remote(WAIT_S, STARTING)] = len(handles) - 1
+                    then = None
                 if st["ready"]:
                     states[i] = st
                     continue
@@ -150,6 +155,9 @@ def await_ready(ray: Any, handles: list[Any], timeout_s: float,
             say(f"waiting {time.monotonic() - t0:.0f}s: " + ", ".join(
                 f"{st['name']} {st.get('step') or 'starting'}" for st in last.values()))
             said = time.monotonic()
+    if then is not None:                        # no server reported that step (all ready)
+        handles.append(then[1]())
+        states[len(handles) - 1] = await_ready(ray, handles[-1:], timeout_s, say)[0]
     return [states[i] for i in range(len(handles))]
 
 
@@ -176,15 +184,15 @@ def up(plan: Plan, args: argparse.Namespace, settings: dict[str, Any],
         f"their environment (not shown); logs on each node in {log_dir}")
     timeout = float(args.engine_ready_timeout or envs.ENGINE_READY_TIMEOUT_S.as_float() or 600)
     try:
-        # the proxy once the servers' actors exist (their processes are starting): its
-        # actor's start (a Python worker importing Ray) then does not delay theirs, and it
-        # is up long before they are — it answers 503 until its backends file lists them,
-        # and lists each as soon as it is ready
-        await_actors(ray, handles, 60)
-        proxy_env = {KV_SECRET_ENV: secret} | dict(plan.exports)
-        proxy = _place(ray, ProxyActor, PROXY, ns, 1, proxy_command(plan), plan.proxy.port,
-                       proxy_env, log_dir, ns, settings)
-        *states, proxy_state = await_ready(ray, handles + [proxy], timeout + 15, say)
+        # the proxy once a server has loaded its weights: its actor's worker (a Python
+        # process importing Ray) and the proxy's own start then take no CPU from the
+        # servers' imports and loads, and are done by the time the last server is ready —
+        # it lists each server in its backends file as soon as that one is ready
+        proxy_env, port = {KV_SECRET_ENV: secret} | dict(plan.exports), plan.proxy.port
+        *states, proxy_state = await_ready(
+            ray, handles, timeout + 15, say, then=(PROXY_AFTER, lambda: _place(
+                ray, ProxyActor, PROXY, ns, 1, proxy_command(plan), port, proxy_env, log_dir,
+                ns, settings)))
         ready_s = time.monotonic() - t0
         await_backends(proxy_state["url"], len(plan.role_servers("prefill")),
                        len(plan.role_servers("decode")), 120)

@@ -90,9 +90,16 @@ class AsyncEngine(CoreClient):
                                    args=(args, child, logging.getLogger().level),
                                    name="kvrelay-engine-core", daemon=False)
 
+    def launch(self) -> None:
+        """Start the engine-core process now (idempotent): its imports and weights then
+        overlap the API server's own start-up instead of following it. Its first messages
+        wait in the pipe until `start` reads them."""
+        if self.process.pid is None:
+            self.process.start()
+
     def start(self) -> None:
         super().start()
-        self.process.start()
+        self.launch()
         assert self._loop is not None, "CoreClient.start set the running loop"
         fd = self._conn.fileno()
         self._frames = FrameReader(fd)

@@ -87,10 +87,7 @@ def uvicorn_proxy_options(forwarded_allow_ips: str | None) -> dict[str, Any]:
 
 def serve(config: EngineConfig, http: HTTPOptions, agent: AgentOptions | None = None) -> int:
     """Serve `config`'s engine over HTTP as `http` says, until stopped; the exit code."""
-    model_dir, names, args = config.model_dir, list(config.served_names), config.args
-    limits = http.limits(args.max_num_seqs * args.data_parallel_size)
-    tokenizer = load_tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
-    configure_grammar_checks(model_dir if tokenizer is not None else None)  # its worker starts
+    args = config.args
     timeout = envs.EXECUTE_MODEL_TIMEOUT_S.as_float()
     core: EngineClient
     if args.data_parallel_size > 1:
@@ -98,6 +95,21 @@ def serve(config: EngineConfig, http: HTTPOptions, agent: AgentOptions | None = 
         core = DataParallelEngine(args, step_timeout_s=timeout)
     else:
         core = AsyncEngine(args, step_timeout_s=timeout)
+        core.launch()             # the engine core loads while this process sets up its API
+    try:
+        return _serve_http(config, http, agent, core)
+    finally:
+        if isinstance(core, AsyncEngine) and core.process.pid is not None:
+            core.shutdown()       # uvicorn never started it (a port taken meanwhile): no orphan
+
+
+def _serve_http(config: EngineConfig, http: HTTPOptions, agent: AgentOptions | None,
+                core: EngineClient) -> int:
+    """`serve`'s API server around `core`, until stopped; the exit code."""
+    model_dir, names, args = config.model_dir, list(config.served_names), config.args
+    limits = http.limits(args.max_num_seqs * args.data_parallel_size)
+    tokenizer = load_tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
+    configure_grammar_checks(model_dir if tokenizer is not None else None)  # its worker starts
     admission = Admission(limits)
     engine = AdmittedEngine(core, admission)
     facts = tokenizer_facts(tokenizer)     # bytes-per-token bound, once (server/prompt_tokens.py)

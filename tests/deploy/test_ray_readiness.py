@@ -86,6 +86,29 @@ def test_await_ready_says_each_step_once_and_passes_back_the_step_it_saw(monkeyp
     assert seen == ["starting", "loading the weights", "loading the weights", "warming up"]
 
 
+def test_the_proxy_is_placed_once_a_server_has_loaded_its_weights_and_comes_last():
+    def at(name: str, step: str) -> dict[str, Any]:
+        return state(name, step == "ready") | {"step": step, "started": 0.0}
+    a = Handle("prefill-0", [at("prefill-0", "loading the weights"),
+                             at("prefill-0", "allocating the KV cache"), at("prefill-0", "ready")])
+    b = Handle("decode-0", [at("decode-0", "starting up"), at("decode-0", "ready")])
+    placed: list[str] = []
+
+    def place() -> Handle:
+        placed.append("proxy")
+        return Handle("proxy", [at("proxy", "ready")])
+    said: list[str] = []
+    states = ray_backend.await_ready(FakeRay(), [a, b], 60, said.append,
+                                     then=(ray_backend.PROXY_AFTER, place))
+    assert [s["name"] for s in states] == ["prefill-0", "decode-0", "proxy"]
+    assert placed == ["proxy"]
+    # placed right after prefill-0 said it was allocating its KV cache, not before
+    said = [line.split(" (")[0] for line in said]
+    first = said.index("prefill-0: allocating the KV cache")
+    assert not any(line.startswith("proxy") for line in said[:first])
+    assert "proxy: ready" in said[first:]
+
+
 def test_await_ready_names_who_is_not_ready_at_the_deadline(monkeypatch):
     monkeypatch.setattr(ray_backend.time, "sleep", lambda s: None)
     clock = iter(range(0, 10_000, 7))
