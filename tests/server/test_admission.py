@@ -227,7 +227,7 @@ def test_a_full_queue_is_503_with_retry_after_for_every_endpoint():
 
 def test_serve_flags_defaults_and_one_line_errors(serve_config):
     from kvrelay.server.admission import DEFAULT_MAX_QUEUED_REQUESTS, DEFAULT_MAX_SEQS_PER_REQUEST
-    from kvrelay.server.launch import uvicorn_proxy_options
+    from kvrelay.server.http_server import uvicorn_proxy_options
     from kvrelay.server.options import HTTPOptions
     opts = serve_config().http
     assert opts == HTTPOptions()                   # the flags' defaults are the options' own
