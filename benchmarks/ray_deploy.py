@@ -142,6 +142,39 @@ def ray_run(args: argparse.Namespace, address: str, out_dir: Path) -> dict:
             "kv_touch_s": kv_touch_s(out_dir / "ray-logs")}
 
 
+def local_up_down(args: argparse.Namespace, out_dir: Path) -> float:
+    """One local bring-up's ready seconds (as local_run measures it), then down."""
+    t0 = time.monotonic()
+    proc = subprocess.Popen(KVRELAY + ["deploy", *topology(args), "--no-validate",
+                                       "--log-dir", str(out_dir / "local-logs")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if "Ctrl-C stops everything" in line:
+            break
+    ready = time.monotonic() - t0
+    os.killpg(proc.pid, signal.SIGINT)
+    proc.wait(120)
+    say(f"local deploy: ready in {ready:.1f}s")
+    return ready
+
+
+def ray_up_down(args: argparse.Namespace, address: str, out_dir: Path) -> float:
+    """One Ray bring-up's ready seconds (as ray_run measures it), then down."""
+    common = ["--name", "bench", "--ray-address", address]
+    t0 = time.monotonic()
+    up = subprocess.run(KVRELAY + ["deploy", "--backend", "ray", *common, *topology(args),
+                                   "--log-dir", str(out_dir / "ray-logs")],
+                        capture_output=True, text=True)
+    ready = time.monotonic() - t0
+    subprocess.run(KVRELAY + ["deploy", "--down", *common], capture_output=True)
+    if up.returncode != 0:
+        raise RuntimeError(up.stdout + up.stderr)
+    say(f"Ray deploy: ready in {ready:.1f}s")
+    return ready
+
+
 def serve_pid(port: int) -> int:
     for pid in os.listdir("/proc"):
         if pid.isdigit():
@@ -214,11 +247,14 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="checkpoint (default: the embedded model)")
     p.add_argument("--tokenizer", default=None)
-    p.add_argument("--num-prompts", type=int, default=24)
+    p.add_argument("--num-prompts", type=int, default=48)
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--repeat", type=int, default=2, help="rounds of local then Ray")
+    p.add_argument("--ready-repeat", type=int, default=0,
+                   help="more rounds of bring-up only (local up/down, then Ray up/down): the "
+                        "ready figure, the noisiest, from more samples")
     p.add_argument("--out", type=Path, default=Path("ray_deploy.json"))
     p.add_argument("--settle", type=float, default=10.0,
                    help="seconds of quiet before each bring-up (the last one's teardown done)")
@@ -233,20 +269,33 @@ def main() -> int:
         cluster.add_node(num_cpus=3)
         cluster.wait_for_nodes()
         locals_, rays = [], []
+        ready_local: list[float] = []
+        ready_ray: list[float] = []
         for r in range(args.repeat):                 # alternated: drift hits both alike
             say(f"round {r + 1} of {args.repeat}")
             time.sleep(args.settle)        # after a teardown: the same start for both
             locals_.append(local_run(args, out_dir))
             time.sleep(args.settle)
             rays.append(ray_run(args, cluster.address, out_dir))
+        for r in range(args.ready_repeat):
+            say(f"bring-up round {r + 1} of {args.ready_repeat}")
+            time.sleep(args.settle)
+            ready_local.append(local_up_down(args, out_dir))
+            time.sleep(args.settle)
+            ready_ray.append(ray_up_down(args, cluster.address, out_dir))
     finally:
         cluster.shutdown()
     local, ray = _median_run(locals_), _median_run(rays)
+    if ready_local:                        # every bring-up counts for the ready figure
+        import statistics
+        local["ready_s"] = statistics.median([r["ready_s"] for r in locals_] + ready_local)
+        ray["ready_s"] = statistics.median([r["ready_s"] for r in rays] + ready_ray)
     result = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
               "load": os.getloadavg(), "model": args.model or "embedded",
               "workload": {k: getattr(args, k) for k in ("num_prompts", "concurrency",
                                                          "input_len", "output_len")},
               "local": local, "ray": ray, "rounds": {"local": locals_, "ray": rays},
+              "bring_up_only": {"local_ready_s": ready_local, "ray_ready_s": ready_ray},
               "ratios": {"throughput_ray_over_local":
                          ray["output_throughput"] / local["output_throughput"],
                          "ready_ray_over_local": ray["ready_s"] / local["ready_s"]}}

@@ -56,8 +56,9 @@ def connect(address: str | None, log_to_driver: bool = True) -> Any:
             f"cannot join a Ray cluster at {target!r}: {first}. kvrelay never starts one: run "
             "`ray start --head` (and `ray start --address HEAD:6379` on the other nodes), then "
             "set RAY_ADDRESS or --ray-address") from None
-    logger.info("joined the Ray cluster at %s (%d nodes alive)", target,
-                sum(1 for n in ray.nodes() if n.get("Alive")))
+    if logger.isEnabledFor(logging.INFO):       # ray.nodes() is a call to the cluster
+        logger.info("joined the Ray cluster at %s (%d nodes alive)", target,
+                    sum(1 for n in ray.nodes() if n.get("Alive")))
     return ray
 
 
