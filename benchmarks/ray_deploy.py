@@ -91,16 +91,8 @@ def topology(args: argparse.Namespace) -> list[str]:
 def local_run(args: argparse.Namespace, out_dir: Path) -> dict:
     say("local deploy: starting")
     load = os.getloadavg()[0]
-    t0, started = time.monotonic(), time.strftime("%H:%M:%S")   # wall clock: the servers' logs
-    proc = subprocess.Popen(KVRELAY + ["deploy", *topology(args), "--no-validate",
-                                       "--log-dir", str(out_dir / "local-logs")],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if "Ctrl-C stops everything" in line:
-            break
-    ready = time.monotonic() - t0
+    started = time.strftime("%H:%M:%S")   # wall clock: the servers' logs
+    proc, ready = local_up(args, out_dir)
     say(f"local deploy: ready in {ready:.1f}s; benchmarking")
     try:
         result = bench(f"http://127.0.0.1:{BASE}", args, "local", out_dir)
@@ -142,8 +134,8 @@ def ray_run(args: argparse.Namespace, address: str, out_dir: Path) -> dict:
             "kv_touch_s": kv_touch_s(out_dir / "ray-logs")}
 
 
-def local_up_down(args: argparse.Namespace, out_dir: Path) -> float:
-    """One local bring-up's ready seconds (as local_run measures it), then down."""
+def local_up(args: argparse.Namespace, out_dir: Path) -> tuple[subprocess.Popen, float]:
+    """`kvrelay deploy` started here, once it says it is ready: (its process, seconds)."""
     t0 = time.monotonic()
     proc = subprocess.Popen(KVRELAY + ["deploy", *topology(args), "--no-validate",
                                        "--log-dir", str(out_dir / "local-logs")],
@@ -153,7 +145,12 @@ def local_up_down(args: argparse.Namespace, out_dir: Path) -> float:
     for line in proc.stdout:
         if "Ctrl-C stops everything" in line:
             break
-    ready = time.monotonic() - t0
+    return proc, time.monotonic() - t0
+
+
+def local_up_down(args: argparse.Namespace, out_dir: Path) -> float:
+    """One local bring-up's ready seconds (as local_run measures it), then down."""
+    proc, ready = local_up(args, out_dir)
     os.killpg(proc.pid, signal.SIGINT)
     proc.wait(120)
     say(f"local deploy: ready in {ready:.1f}s")
