@@ -89,13 +89,15 @@ class AsyncEngine(CoreClient):
         self.process = ctx.Process(target=run_engine_core,
                                    args=(args, child, logging.getLogger().level),
                                    name="kvrelay-engine-core", daemon=False)
+        self.launched = False
 
     def launch(self) -> None:
         """Start the engine-core process now (idempotent): its imports and weights then
         overlap the API server's own start-up instead of following it. Its first messages
         wait in the pipe until `start` reads them."""
-        if self.process.pid is None:
+        if not self.launched:
             self.process.start()
+            self.launched = True
 
     def start(self) -> None:
         super().start()

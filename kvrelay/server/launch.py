@@ -30,5 +30,5 @@ def serve(config: EngineConfig, http: HTTPOptions, agent: AgentOptions | None = 
     try:
         return serve_http(config, http, agent, core)
     finally:
-        if isinstance(core, AsyncEngine) and core.process.pid is not None:
+        if isinstance(core, AsyncEngine) and core.launched:
             core.shutdown()       # uvicorn never started it (a port taken meanwhile): no orphan

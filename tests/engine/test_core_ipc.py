@@ -339,3 +339,46 @@ def test_frame_reader_returns_whole_messages_however_the_bytes_arrive():
     finally:
         reader.close()
         b.close()
+
+
+def test_the_core_process_is_launched_once_however_often_asked():
+    """`serve` launches the core before it imports its HTTP stack; uvicorn's start-up then
+    calls `start`, which must not start a second process."""
+    class Counting(_NoProcess):
+        starts = 0
+
+        def start(self) -> None:
+            Counting.starts += 1
+
+    async def scenario() -> None:
+        engine = AsyncEngine(EngineArgs())
+        engine.process = Counting()                        # type: ignore[assignment]
+        engine.launch()
+        engine.launch()
+        engine.start()
+        engine.shutdown()
+    asyncio.run(scenario())
+    assert Counting.starts == 1
+
+
+def test_serve_stops_a_launched_core_when_the_http_side_fails(monkeypatch):
+    """A port taken between the check and uvicorn's bind: the core already loading must be
+    stopped, or the API process would wait on its non-daemon child forever."""
+    from kvrelay.server import http_server, launch
+    stopped: list[bool] = []
+
+    class Engine(AsyncEngine):
+        def launch(self) -> None:
+            self.launched = True
+
+        def shutdown(self, timeout_s: float = 10.0) -> None:
+            stopped.append(self.launched)
+
+    def fails(*args: object) -> int:
+        raise OSError("address already in use")
+    monkeypatch.setattr(launch, "AsyncEngine", Engine)
+    monkeypatch.setattr(http_server, "serve_http", fails)
+    config = type("C", (), {"args": EngineArgs()})()
+    with pytest.raises(OSError, match="already in use"):
+        launch.serve(config, None)                         # type: ignore[arg-type]
+    assert stopped == [True]
