@@ -40,7 +40,8 @@ group included, whatever happens):
   llamacpp  DEST/build/bin/llama-server -m M.gguf -np 64 -c 32768 --kv-unified -t 2 --no-webui
 Client: `kvrelay bench serve` (random dataset, exact prompt lengths through the checkpoint's
 tokenizer, `--ignore-eos`, greedy, seed 0) at each concurrency. Rounds alternate the peers
-(A B C, A B C); a table cell is the median over rounds.
+(A B C, C B A, ...: odd rounds reverse the models and the peers); a table cell is the
+median over rounds.
 
 Besides throughput, every cell records the CPU seconds per output token of the server's
 processes (kvrelay: the API process and the engine core apart) and of the client, which
@@ -726,8 +727,12 @@ def main() -> None:
     }
     ckpts = {m: checkpoint(m) for m in models}
     for round_no in range(a.rounds):
-        for model in models:
-            for p in active:
+        # odd rounds run the models and the peers in reverse (A B, B A): whatever ran first
+        # in a round ran on a quieter machine (measured: a model's ratio to another swung
+        # 0.88 -> 1.11 with the order alone), so each gets both places
+        step = -1 if round_no % 2 else 1
+        for model in list(models)[::step]:
+            for p in list(active)[::step]:
                 if model in peers[p].skip_models:
                     continue
                 result["runs"] += run_peer(p, model, ckpts[model], a, work, round_no)
