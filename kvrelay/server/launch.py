@@ -31,4 +31,6 @@ def serve(config: EngineConfig, http: HTTPOptions, agent: AgentOptions | None = 
         return serve_http(config, http, agent, core)
     finally:
         if isinstance(core, AsyncEngine) and core.launched:
-            core.shutdown()       # uvicorn never started it (a port taken meanwhile): no orphan
+            # a no-op after uvicorn's lifespan stopped it; the one stop where uvicorn never
+            # ran (a port taken meanwhile): no orphaned core
+            core.shutdown()
