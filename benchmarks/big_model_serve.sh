@@ -48,13 +48,22 @@ wait_up() {  # until a 1-token completion succeeds (the API answers 503 while th
 C1_PROMPTS=${C1_PROMPTS:-8}
 # Prompt tokens per request (8: decode-dominated; longer prompts measure TTFT too).
 INPUT_LEN=${INPUT_LEN:-8}
+# Context room for 4 concurrent requests of INPUT_LEN + 32 tokens (and the warm-up's):
+# kvrelay's --max-model-len per request, llama.cpp's -c shared by its 4 slots (--kv-unified).
+MAX_LEN=$(( INPUT_LEN + 64 > 256 ? INPUT_LEN + 64 : 256 ))
+LLAMA_CTX=$(( 4 * MAX_LEN > 1024 ? 4 * MAX_LEN : 1024 ))
+KV_BYTES=$(( (4 * MAX_LEN * 49152 > (64 << 20) ? 4 * MAX_LEN * 49152 : (64 << 20)) ))
 
+# Each pass draws its own prompts (its own seed): a pass that repeated the warm-up's prompts
+# would measure prefix-cache hits (both servers reuse a matching prompt) instead of prefill.
+SEED=0
 bench() {  # NAME CONCURRENCY
   local prompts=$2
   [ "$2" = 1 ] && prompts=$C1_PROMPTS
+  SEED=$((SEED + 1))
   echo "$1 c=$2 start: $(uptime)" | tee -a "$OUT/uptime.txt"
   kvrelay bench serve --port "$PORT" --tokenizer "$CKPT" --dataset-name random \
-    --random-input-len "$INPUT_LEN" --random-output-len 32 --num-prompts "$prompts" \
+    --random-input-len "$INPUT_LEN" --random-output-len 32 --num-prompts "$prompts" --seed "$SEED" \
     --max-concurrency "$2" --ignore-eos --temperature 0 --disable-tqdm --no-plot \
     --save-result --result-dir "$OUT" --result-filename "$1-c$2.json" > "$OUT/$1-c$2.txt" \
     || echo "$1 c=$2: bench failed" >&2
@@ -64,7 +73,7 @@ bench() {  # NAME CONCURRENCY
 run_llamacpp() {
   [ -x "$LLAMA" ] && [ -f "$GGUF" ] || return 0
   T0=$(date +%s)
-  "$LLAMA" -m "$GGUF" --host 127.0.0.1 --port "$PORT" -np 4 -c 1024 --kv-unified -t 2 \
+  "$LLAMA" -m "$GGUF" --host 127.0.0.1 --port "$PORT" -np 4 -c "$LLAMA_CTX" --kv-unified -t 2 \
     --no-webui -a gpt-oss-20b-shaped > "$OUT/llama-server.log" 2>&1 &
   PID=$!
   wait_up && echo "llama.cpp up in $(( $(date +%s) - T0 )) s" | tee -a "$OUT/uptime.txt"
@@ -74,8 +83,8 @@ run_llamacpp() {
 
 run_kvrelay() {
   T0=$(date +%s)
-  kvrelay serve "$CKPT" --host 127.0.0.1 --port "$PORT" --max-model-len 256 \
-    --kv-cache-memory-bytes $((64 << 20)) --served-model-name gpt-oss-20b-shaped \
+  kvrelay serve "$CKPT" --host 127.0.0.1 --port "$PORT" --max-model-len "$MAX_LEN" \
+    --kv-cache-memory-bytes "$KV_BYTES" --served-model-name gpt-oss-20b-shaped \
     > "$OUT/kvrelay-serve.log" 2>&1 &
   PID=$!
   wait_up && echo "kvrelay up in $(( $(date +%s) - T0 )) s" | tee -a "$OUT/uptime.txt"
