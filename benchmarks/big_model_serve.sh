@@ -51,7 +51,7 @@ INPUT_LEN=${INPUT_LEN:-8}
 # Context room for 4 concurrent requests of INPUT_LEN + 32 tokens (and the warm-up's):
 # kvrelay's --max-model-len per request, llama.cpp's -c shared by its 4 slots (--kv-unified).
 MAX_LEN=$(( INPUT_LEN + 64 > 256 ? INPUT_LEN + 64 : 256 ))
-LLAMA_CTX=$(( 4 * MAX_LEN > 1024 ? 4 * MAX_LEN : 1024 ))
+LLAMA_CTX=$(( 8 * MAX_LEN > 1024 ? 8 * MAX_LEN : 1024 ))   # twice the room: llama.cpp re-tokenizes the prompt text
 KV_BYTES=$(( (4 * MAX_LEN * 49152 > (64 << 20) ? 4 * MAX_LEN * 49152 : (64 << 20)) ))
 
 # Each pass draws its own prompts (its own seed): a pass that repeated the warm-up's prompts
