@@ -185,7 +185,10 @@ def engine_profile(
     for rep in range(2):  # the first request warms caches up
         steps.clear()
         for i in range(concurrency):
-            prompt = list(range(1 + i, prompt_len + 1 + i))
+            # each request its own first token: the second prompt must not be a
+            # prefix-cache hit on the first (its prefill is the one reported)
+            first = 1 + i + rep * (concurrency + 1)
+            prompt = list(range(first, prompt_len + first))
             engine.add_request(f"r{rep}-{i}", prompt, params)
         while engine.has_unfinished_requests():
             SPANS.clear()
@@ -392,7 +395,8 @@ def main() -> None:
         CLOCK = time.thread_time_ns
         os.environ["BENCH_THREADS"] = "1"
     model = str(build_checkpoint("tiny", CONFIGS["tiny"])) if a.model == "tiny" else a.model
-    engine_args: dict[str, Any] = {"dtype": "bfloat16", "max_model_len": 512, "max_num_seqs": 64}
+    room = max(512, a.prompt_len + a.tokens + 16)     # a 512-token prompt needs more than 512
+    engine_args: dict[str, Any] = {"dtype": "bfloat16", "max_model_len": room, "max_num_seqs": 64}
     serve_args: list[str] = []
     if a.eager:
         engine_args["enforce_eager"] = True
