@@ -220,6 +220,59 @@ def test_every_isa_on_the_shapes_the_simd_builds_specialise(dtype, heads, kv_hea
                                        msg=f"{isa} window={window}")
 
 
+def _exact_decode(q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, lens: list[int],
+                  sinks: torch.Tensor, scale: float, window: int) -> torch.Tensor:
+    """Decode attention in float64 straight from the paged cache (positions
+    [max(0, len - window), len) of each sequence; the sink joins the softmax's denominator)."""
+    S, H, D = q.shape
+    B, KVH = cache.shape[3], cache.shape[2]
+    out = torch.empty(S, H, D, dtype=torch.float64)
+    for s, n in enumerate(lens):
+        pos = torch.arange(max(0, n - window) if window else 0, n)   # [n_visible]
+        blocks = table[s, pos // B]
+        k = cache[0, blocks, :, pos % B].double()                   # [n_visible, KVH, D]
+        v = cache[1, blocks, :, pos % B].double()
+        for h in range(H):
+            kh = h // (H // KVH)
+            logits = k[:, kh] @ q[s, h].double() * scale            # [n_visible]
+            full = torch.cat([logits, sinks[h:h + 1].double()]).softmax(0)
+            out[s, h] = full[:-1] @ v[:, kh]
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,B",
+    [(64, 8, 64, 16), (9, 3, 64, 16), (10, 2, 128, 8), (20, 4, 32, 32), (6, 2, 64, 160),
+     (5, 1, 64, 16), (3, 3, 64, 16)],
+)
+def test_every_isa_on_long_gqa_contexts(dtype, heads, kv_heads, head_dim, B):
+    """Long contexts over many softmax chunks (kDecodeChunk = 128 positions; blocks of 160
+    make one-block chunks) with GQA 1, 2, 3, 5 (a head tile cut short) and 8 (gpt-oss-20b's
+    64 over 8), lengths ending inside a block, windows starting inside a block and spanning
+    chunks, and sinks: every ISA this CPU runs equals attention computed in float64 to the
+    output's rounding."""
+    from kvrelay.model.kernels import isa as isa_table
+
+    torch.manual_seed(heads * head_dim + B)
+    seq_lens = [1, 17, 8 * B - 1, 1000, 2051]
+    NB = sum(-(-n // B) for n in seq_lens) + 1
+    meta = _step(seq_lens, [1] * len(seq_lens), B, NB, seed=B)
+    table = meta.block_tables[0]
+    q = (2 * torch.randn(len(seq_lens), heads, head_dim)).to(dtype)
+    cache = torch.randn(2, NB, kv_heads, B, head_dim).to(dtype)
+    sinks = 2 * torch.randn(heads)
+    scale = head_dim ** -0.5
+    rtol = 1e-5 if dtype == torch.float32 else 4e-3   # bf16: half an ulp of the output
+    for window in (0, 200, 1500):
+        exact = _exact_decode(q, cache, table, seq_lens, sinks, scale, window).float()
+        for isa in isa_table.variants("paged_decode"):
+            got = torch.ops.kvrelay_kernels.paged_decode(q, cache, table, meta.seq_lens, sinks,
+                                                         scale, window, isa)
+            torch.testing.assert_close(got.float(), exact, rtol=rtol, atol=1e-5,
+                                       msg=f"{isa} window={window}")
+
+
 @pytest.mark.parametrize(
     "heads,kv_heads,head_dim,B",
     [(4, 2, 32, 16), (3, 1, 64, 32), (9, 3, 96, 8), (16, 2, 128, 16), (5, 5, 64, 48),

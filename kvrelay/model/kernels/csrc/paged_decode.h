@@ -45,12 +45,13 @@ inline int64_t decode_chunk(int64_t B) { return B >= kDecodeChunk ? B : kDecodeC
 inline int64_t decode_chunk_stride(int64_t B) { return decode_padded(decode_chunk(B)) + kDecodePad; }
 
 // Floats of scratch one thread needs for `DecodeFn` (q, accumulators, running max/sum and
-// rescale per head, the running sum by lane, scores, one block of K and V in f32), enough
-// for every build.
+// rescale per head, the running sum by lane, scores, one block of K and V in f32, and q
+// as the AVX2 build's tiles lay it out), enough for every build.
 inline int64_t decode_scratch_floats(const DecodeProblem& p) {
   const int64_t G = p.H / p.KVH, Dp = decode_padded(p.D), Bp = decode_padded(p.B);
   // a score row per head (decode_chunk_stride >= Bp: the generic build's rows fit too)
-  return 2 * G * Dp + 3 * G + G * kDecodePad + G * decode_chunk_stride(p.B) + 2 * Bp * Dp;
+  return 2 * G * Dp + 3 * G + G * kDecodePad + G * decode_chunk_stride(p.B) + 2 * Bp * Dp +
+         4 * G * Dp;
 }
 
 // Runs work items [begin, end) with `scratch` (decode_scratch_floats of them).

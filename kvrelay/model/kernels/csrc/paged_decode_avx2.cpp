@@ -55,12 +55,13 @@ struct P {
 };
 
 #include "paged_decode_simd.h"
+#include "paged_decode_avx2_tiles.h"
 
 }  // namespace
 
 void kvrelay::decode_tasks_avx2(const DecodeProblem& p, int64_t begin, int64_t end,
                                 float* scratch) {
-  pick_decode<1, 8>(decode_padded(p.D) / P::W)(p, begin, end, scratch);
+  pick_decode<1, 8, Bf16Tiles>(decode_padded(p.D) / P::W)(p, begin, end, scratch);
 }
 
 #endif

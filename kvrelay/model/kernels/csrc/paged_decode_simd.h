@@ -22,6 +22,8 @@
 // The softmax's serial tail (maximum, scalar exp, the accumulators' rescale) is paid per
 // chunk, not per block (session 12: see paged_decode_avx512_bf16.cpp).
 // The learned sink joins the denominator at the end (as in paged_decode_generic.cpp).
+// A build may pass its own steps 1, 2 and 4 as `Tiles` (the AVX2 build's for a bf16 cache:
+// paged_decode_avx2_tiles.h); the AVX-512 build passes none.
 #pragma once
 
 constexpr int kHeadTile = P::W == 16 ? 8 : 4;   // accumulators in registers in P·V
@@ -179,7 +181,14 @@ inline void all_values(const kvrelay::DecodeProblem& p, const ChunkRows& rows,
   }
 }
 
-template <int DC>
+// The default `Tiles` of simd_decode_tasks: none (every problem on the steps above). A
+// build's own (paged_decode_avx2_tiles.h) provides kEnabled = true, applies(p), and
+// prepare_q / scores / values to run in place of the q copy, the block's scores and P·V.
+struct Untiled {
+  static constexpr bool kEnabled = false;
+};
+
+template <int DC, class Tiles>
 void simd_decode_tasks(const kvrelay::DecodeProblem& p, int64_t begin, int64_t end,
                        float* scratch) {
   using T = typename P::T;
@@ -196,6 +205,9 @@ void simd_decode_tasks(const kvrelay::DecodeProblem& p, int64_t begin, int64_t e
   float* lv = cs + G;                                  // [G, kDecodePad] sums by lane
   float* sc = lv + G * kvrelay::kDecodePad;            // [G, Cs] scores, then probabilities
   float* kf = sc + G * Cs;                             // [Bp, Dp] a block's keys
+  float* qt = kf + 2 * kvrelay::decode_padded(B) * Dp;  // [G, 4 Dp] the tiles' q
+  bool tiled = false;
+  if constexpr (Tiles::kEnabled) tiled = Tiles::applies(p);
   int64_t vat[kvrelay::kDecodeChunk + 1], ns[kvrelay::kDecodeChunk + 1];   // the chunk's blocks
   for (int64_t task = begin; task < end; ++task) {
     const int64_t seq = task / p.KVH, kh = task % p.KVH;
@@ -205,6 +217,9 @@ void simd_decode_tasks(const kvrelay::DecodeProblem& p, int64_t begin, int64_t e
     if (task + 1 < end)
       kvrelay::prefetch_block(p, task + 1, kvrelay::first_position(p, task + 1));
     const float* qs = p.q + (seq * p.H + kh * G) * D;
+    if constexpr (Tiles::kEnabled) {
+      if (tiled) Tiles::prepare_q(qs, p.scale, G, D, qt);
+    }
     for (int64_t g = 0; g < G; ++g) {
       for (int64_t d = 0; d < Dp; ++d) {
         qf[g * Dp + d] = d < D ? qs[g * D + d] * p.scale : 0.f;
@@ -216,16 +231,24 @@ void simd_decode_tasks(const kvrelay::DecodeProblem& p, int64_t begin, int64_t e
     for (int64_t p0 = first; p0 < len;) {
       // 1. the chunk: whole blocks of up to C positions; every head's scores of them
       int64_t nblk = 0, o = 0;
+      // the tiles ask for a chunk's rows while the chunk before computes P·V: all but the
+      // range's first chunk are on their way
+      const bool asked = tiled && !(task == begin && p0 == first);
       while (p0 < len) {
         const auto [n, k_at] = kvrelay::chunk_block(p, task, p0, o, C);
         if (n == 0) break;
-        kvrelay::prefetch_block(p, task, p0 + n);
-        rows_to_f32(p, k_at, n, Dp, kf);
-        for (int64_t g = 0; g < G; ++g)
-          for (int64_t j0 = 0; j0 < n; j0 += P::W) {
-            const int64_t nj = n - j0 < P::W ? n - j0 : P::W;
-            P::store(sc + g * Cs + o + j0, head_scores<DC>(qf + g * Dp, kf + j0 * Dp, Dp, nj, dc));
-          }
+        if (!asked) kvrelay::prefetch_block(p, task, p0 + n);
+        if (tiled) {
+          if constexpr (Tiles::kEnabled) Tiles::scores(p, k_at, n, qt, kf, sc + o, G, Cs);
+        } else {
+          rows_to_f32(p, k_at, n, Dp, kf);
+          for (int64_t g = 0; g < G; ++g)
+            for (int64_t j0 = 0; j0 < n; j0 += P::W) {
+              const int64_t nj = n - j0 < P::W ? n - j0 : P::W;
+              P::store(sc + g * Cs + o + j0,
+                       head_scores<DC>(qf + g * Dp, kf + j0 * Dp, Dp, nj, dc));
+            }
+        }
         vat[nblk] = k_at + v_off;
         ns[nblk++] = n;
         o += n;
@@ -253,7 +276,12 @@ void simd_decode_tasks(const kvrelay::DecodeProblem& p, int64_t begin, int64_t e
         m[g] = mnew;
       }
       // 3. P·V over the chunk's V rows
-      all_values(p, ChunkRows{vat, ns, nblk, Cs}, sc, cs, acc, G, Dp);
+      if (tiled) {
+        if constexpr (Tiles::kEnabled)
+          Tiles::values(p, task, p0, end, ChunkRows{vat, ns, nblk, Cs}, sc, cs, acc, G, Dp);
+      } else {
+        all_values(p, ChunkRows{vat, ns, nblk, Cs}, sc, cs, acc, G, Dp);
+      }
     }
     float* os = p.out + (seq * p.H + kh * G) * D;
     for (int64_t g = 0; g < G; ++g) l[g] = P::hsum(P::load(lv + g * kvrelay::kDecodePad));
@@ -269,12 +297,12 @@ void simd_decode_tasks(const kvrelay::DecodeProblem& p, int64_t begin, int64_t e
 
 // The build for this problem: head dims of up to kMaxDC vectors with their count fixed at
 // compile time (q in registers), longer ones with a run-time count.
-template <int DC, int kMaxDC>
+template <int DC, int kMaxDC, class Tiles = Untiled>
 kvrelay::DecodeFn pick_decode(int64_t dc) {
   if constexpr (DC <= kMaxDC) {
-    if (dc == DC) return &simd_decode_tasks<DC>;
-    return pick_decode<DC + 1, kMaxDC>(dc);
+    if (dc == DC) return &simd_decode_tasks<DC, Tiles>;
+    return pick_decode<DC + 1, kMaxDC, Tiles>(dc);
   } else {
-    return &simd_decode_tasks<0>;
+    return &simd_decode_tasks<0, Tiles>;
   }
 }
