@@ -140,17 +140,19 @@ inline int64_t next_chunk(const kvrelay::DecodeProblem& p, int64_t task, int64_t
   return nb;
 }
 
-// Asks for the next chunk's K and V rows while P·V runs, `per_row` lines of each per V row
-// a P·V tile reads (asked a block's worth at a time), so the requests spread over the
-// chunk's P·V instead of queueing at once; `rest` asks for what is left.
+// Asks for the next chunk's K and V rows while P·V runs, spread evenly over it so the
+// requests never queue up at once: each V row a P·V tile reads earns `lines` credits
+// (the next chunk's K lines), and each `steps` of them (the V rows all the chunk's P·V
+// tiles read) ask for one line of K and one of V; `rest` asks for what is left.
 struct NextChunk {
   const char* kv;          // the cache, bytes
   const ChunkRows& next;   // K rows: element offsets, row counts
-  int64_t row_bytes, v_off, per_row;
+  int64_t row_bytes, v_off, lines, steps, credit = 0;   // steps > 0
   int64_t b = 0, off = 0;  // the next line: block b, byte offset within its K (and V) rows
 
   void rows(int64_t n) {
-    for (int64_t i = 0; i < n * per_row && b < next.nblk; ++i) step();
+    credit += n * lines;
+    for (; credit >= steps && b < next.nblk; credit -= steps) step();
   }
   void rest() {
     while (b < next.nblk) step();
@@ -300,10 +302,12 @@ struct Bf16Tiles {
     const uint16_t* kv = static_cast<const uint16_t*>(p.kv);
     int64_t at[kvrelay::kDecodeChunk + 1], ns[kvrelay::kDecodeChunk + 1];
     const ChunkRows next{at, ns, next_chunk(p, task, p0, end, at, ns), 0};
-    const int64_t lines = (next.nblk * p.B * p.D * 2 + 63) / 64;   // K rows, at most
-    const int64_t steps = value_passes(G, p.D) * kvrelay::decode_chunk(p.B);
+    int64_t lines = 0, steps = 0;
+    for (int64_t b = 0; b < next.nblk; ++b) lines += (next.ns[b] * p.D * 2 + 63) / 64;
+    for (int64_t b = 0; b < rows.nblk; ++b) steps += rows.ns[b];
+    steps *= value_passes(G, p.D);
     NextChunk ahead{static_cast<const char*>(p.kv), next, p.D * 2,
-                    p.NB * p.KVH * p.B * p.D * 2, (lines + steps - 1) / steps};
+                    p.NB * p.KVH * p.B * p.D * 2, lines, steps};
     for (int64_t g0 = 0; g0 < G;) {
       // heads per tile: 6, then what is left (8 = 6 + 2; 3 as one)
       const int64_t nh = G - g0 > 6 ? 6 : G - g0;
