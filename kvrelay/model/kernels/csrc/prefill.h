@@ -35,15 +35,23 @@ struct PrefillProblem {
   float scale;
   // K transposed and V in f32, converted once per call by the op (every query tile of a
   // prompt reads the same key blocks): kt [KVH][D][ld_kt] with token columns (zero from T
-  // to ld_kt = T + kPrefillKeys), vf [T][KVH][Dp] (head dims zero-padded to Dp, a multiple
-  // of 16)
+  // to ld_kt, `prefill_ld_kt`), vf [KVH][T][Dp] (one head's values contiguous; head dims
+  // zero-padded to Dp, a multiple of 16)
   const float* kt;
   const float* vf;
   int64_t ld_kt;
+  int64_t tokens;  // T
 };
 
-// Keys per block of the kernel's loop (four 16-float vectors of scores per query row).
+// Keys per block of the kernel's loop (64 floats of scores per query row).
 constexpr int64_t kPrefillKeys = 64;
+
+// The row stride of PrefillProblem::kt for T tokens: at least T + kPrefillKeys (a block
+// starting at the last token reads zeros past it), an odd number of 64-byte lines, so a
+// block's D rows fall in different cache sets (a multiple of 4 KB put them all in one set).
+inline int64_t prefill_ld_kt(int64_t T) {
+  return ((T + kPrefillKeys + 15) / 16 | 1) * 16;
+}
 
 // Floats of scratch one thread needs for `PrefillFn` (the tile's queries and accumulators
 // with head dims padded to 16, its running max and sum, its scores).

@@ -6,6 +6,7 @@
 KVRELAY_TARGET(KVRELAY_ISA_AVX512)
 
 namespace {
+constexpr int64_t kVecFloats = 16;  // zmm
 #include "prefill_impl.h"
 }  // namespace
 

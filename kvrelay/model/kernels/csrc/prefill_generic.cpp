@@ -2,6 +2,7 @@
 #include "prefill.h"
 
 namespace {
+constexpr int64_t kVecFloats = 4;  // the baseline's 128-bit vectors (SSE2, NEON)
 #include "prefill_impl.h"
 }  // namespace
 

@@ -1,7 +1,8 @@
 // The prefill attention kernel (contract: prefill.h), written once and compiled once per
-// ISA: included inside an anonymous namespace by each `#pragma GCC target` file. Vectors are
-// GCC vector extensions of 16 floats, which each build lowers to its own registers (one
-// zmm, two ymm, four xmm).
+// ISA: included inside an anonymous namespace by each `#pragma GCC target` file, after the
+// file defines `kVecFloats`, the floats of its own vector register (AVX-512 16, AVX2 8,
+// generic 4). Vectors are GCC vector extensions of that width: a type wider than the
+// registers is split into pieces the compiler spills to the stack.
 //
 // A work item is one tile of kPrefillTile query positions of one prompt for one KV head: its
 // R = G · tile rows (the G query heads of the KV head at each position) walk the visible keys
@@ -12,11 +13,18 @@
 // key load feeds four rows. The sink joins the denominator last.
 #pragma once
 
-typedef float vf16 __attribute__((vector_size(64)));
-typedef float vf16u __attribute__((vector_size(64), aligned(4)));
+typedef float vec __attribute__((vector_size(4 * kVecFloats)));
+typedef float vecu __attribute__((vector_size(4 * kVecFloats), aligned(4)));
 
-inline vf16 ld16(const float* p) { return *reinterpret_cast<const vf16u*>(p); }
-inline void st16(float* p, vf16 x) { *reinterpret_cast<vf16u*>(p) = x; }
+inline vec vload(const float* p) { return *reinterpret_cast<const vecu*>(p); }
+inline void vstore(float* p, vec x) { *reinterpret_cast<vecu*>(p) = x; }
+
+// The products run in passes of 4 rows × kCols vectors, their accumulators held in
+// registers: 16 of AVX-512's 32 (a pass is a whole block of 64 keys), 8 of AVX2's or
+// SSE's 16 (each pass leaves room for its key or value loads and the broadcast).
+constexpr int64_t W = kVecFloats;
+constexpr int kCols = W == 16 ? 4 : 2;
+constexpr int64_t kPass = kCols * W;    // keys (scores4) or head dims (values4) per pass
 
 #include "simd_generic.h"   // bf16_to_f32, exp_neg
 
@@ -59,38 +67,39 @@ inline void row_from_f32(int32_t format, const float* src, float mul, int64_t n,
   }
 }
 
-// s[4][KB] = the 4 query rows q (stride Dp) · the block's keys kt [D][ldk] (KB columns)
+// s[4][KB] = the 4 query rows q (stride Dp) · the block's keys kt [D][ldk]: its n columns,
+// rounded up to a pass (those past n stay unread: softmax_row reads the visible ones only)
 inline void scores4(const float* q, int64_t Dp, int64_t D, const float* kt, int64_t ldk,
-                    float* s) {
-  vf16 a[4][4] = {};
-  for (int64_t d = 0; d < D; ++d) {
-    const float* k = kt + d * ldk;
-    const vf16 k0 = ld16(k), k1 = ld16(k + 16), k2 = ld16(k + 32), k3 = ld16(k + 48);
+                    int64_t n, float* s) {
+  for (int64_t c0 = 0; c0 < n; c0 += kPass) {
+    vec a[4][kCols] = {};
+    for (int64_t d = 0; d < D; ++d) {
+      const float* k = kt + d * ldk + c0;
+      vec kv[kCols];
+      for (int c = 0; c < kCols; ++c) kv[c] = vload(k + c * W);
 #pragma GCC unroll 4
-    for (int r = 0; r < 4; ++r) {
-      const float x = q[r * Dp + d];
-      a[r][0] += k0 * x;
-      a[r][1] += k1 * x;
-      a[r][2] += k2 * x;
-      a[r][3] += k3 * x;
+      for (int r = 0; r < 4; ++r) {
+        const float x = q[r * Dp + d];
+        for (int c = 0; c < kCols; ++c) a[r][c] += kv[c] * x;
+      }
     }
-  }
 #pragma GCC unroll 4
-  for (int r = 0; r < 4; ++r)
-    for (int c = 0; c < 4; ++c) st16(s + r * KB + c * 16, a[r][c]);
+    for (int r = 0; r < 4; ++r)
+      for (int c = 0; c < kCols; ++c) vstore(s + r * KB + c0 + c * W, a[r][c]);
+  }
 }
 
-// acc[4][NV·16] += p[4][n] · v[n][NV·16] (v rows of stride ldv, acc rows of stride Dp)
+// acc[4][NV·W] += p[4][n] · v[n][NV·W] (v rows of stride ldv, acc rows of stride Dp)
 template <int NV>
 inline void values4(const float* p, const float* v, int64_t n, int64_t ldv, int64_t Dp,
                     float* acc) {
-  vf16 a[4][NV];
+  vec a[4][NV];
 #pragma GCC unroll 4
   for (int r = 0; r < 4; ++r)
-    for (int c = 0; c < NV; ++c) a[r][c] = ld16(acc + r * Dp + c * 16);
+    for (int c = 0; c < NV; ++c) a[r][c] = vload(acc + r * Dp + c * W);
   for (int64_t j = 0; j < n; ++j) {
-    vf16 x[NV];
-    for (int c = 0; c < NV; ++c) x[c] = ld16(v + j * ldv + c * 16);
+    vec x[NV];
+    for (int c = 0; c < NV; ++c) x[c] = vload(v + j * ldv + c * W);
 #pragma GCC unroll 4
     for (int r = 0; r < 4; ++r) {
       const float w = p[r * KB + j];
@@ -99,14 +108,15 @@ inline void values4(const float* p, const float* v, int64_t n, int64_t ldv, int6
   }
 #pragma GCC unroll 4
   for (int r = 0; r < 4; ++r)
-    for (int c = 0; c < NV; ++c) st16(acc + r * Dp + c * 16, a[r][c]);
+    for (int c = 0; c < NV; ++c) vstore(acc + r * Dp + c * W, a[r][c]);
 }
 
+// values4 over the Dp head dims (a multiple of 16: of every build's W)
 inline void values4_all(const float* p, const float* v, int64_t n, int64_t ldv, int64_t Dp,
                         float* acc) {
-  for (int64_t c0 = 0; c0 < Dp; c0 += 64) {
-    const int64_t left = (Dp - c0) / 16;
-    if (left >= 4) values4<4>(p, v + c0, n, ldv, Dp, acc + c0);
+  for (int64_t c0 = 0; c0 < Dp; c0 += kPass) {
+    const int64_t left = (Dp - c0) / W;
+    if (left >= kCols) values4<kCols>(p, v + c0, n, ldv, Dp, acc + c0);
     else if (left == 3) values4<3>(p, v + c0, n, ldv, Dp, acc + c0);
     else if (left == 2) values4<2>(p, v + c0, n, ldv, Dp, acc + c0);
     else values4<1>(p, v + c0, n, ldv, Dp, acc + c0);
@@ -115,30 +125,30 @@ inline void values4_all(const float* p, const float* v, int64_t n, int64_t ldv, 
 
 // Row r's scores in block [kb0, kb0 + n) → probabilities (0 where the key is not visible
 // from `pos`); updates m, l and rescales the row's accumulator. False: nothing visible.
+// The visible keys are one run [j_lo, j_hi): the loops take its bounds (no mask per key),
+// and only they read the scores.
 inline bool softmax_row(float* s, int64_t kb0, int64_t n, int64_t pos, int64_t window,
                         float* m, float* l, float* acc, int64_t Dp) {
   const int64_t lo = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
   const int64_t j_lo = lo - kb0 > 0 ? lo - kb0 : 0;
   const int64_t j_hi = pos - kb0 + 1 < n ? pos - kb0 + 1 : n;
   if (j_lo >= j_hi) {
-    for (int64_t j = 0; j < KB; ++j) s[j] = 0.f;
+    for (int64_t j = 0; j < n; ++j) s[j] = 0.f;
     return false;
   }
   float mx = *m;
 #pragma omp simd reduction(max : mx)
-  for (int64_t j = 0; j < KB; ++j) {
-    const float x = (j >= j_lo && j < j_hi) ? s[j] : -__builtin_inff();
-    mx = x > mx ? x : mx;
-  }
+  for (int64_t j = j_lo; j < j_hi; ++j) mx = s[j] > mx ? s[j] : mx;
   const float c = __builtin_isinf(*m) ? 0.f : exp_neg(*m - mx);
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-  for (int64_t j = 0; j < KB; ++j) {
+  for (int64_t j = j_lo; j < j_hi; ++j) {
     const float e = exp_neg(s[j] - mx);
-    const float w = (j >= j_lo && j < j_hi) ? e : 0.f;
-    s[j] = w;
-    sum += w;
+    s[j] = e;
+    sum += e;
   }
+  for (int64_t j = 0; j < j_lo; ++j) s[j] = 0.f;     // values4 reads the block's n columns
+  for (int64_t j = j_hi; j < n; ++j) s[j] = 0.f;
   *l = *l * c + sum;
   *m = mx;
 #pragma omp simd
@@ -155,7 +165,7 @@ void prefill_tasks(const kvrelay::PrefillProblem& p, int64_t begin, int64_t end,
   float* m = acc + R * Dp;          // [R]
   float* l = m + R;                 // [R]
   float* s = l + R;                 // [R][KB]
-  const int64_t ldv = p.KVH * Dp;   // rows of p.vf
+  const int64_t ldv = Dp;           // rows of p.vf
   for (int64_t it = begin; it < end; ++it) {
     const int64_t code = p.items[it];
     const int64_t seq = code >> 32, kh = (code >> 16) & 0xFFFF, tile = code & 0xFFFF;
@@ -180,12 +190,12 @@ void prefill_tasks(const kvrelay::PrefillProblem& p, int64_t begin, int64_t end,
     for (int64_t kb0 = k_lo; kb0 < k_hi; kb0 += KB) {
       const int64_t n = k_hi - kb0 < KB ? k_hi - kb0 : KB;
       const float* kt = p.kt + kh * D * p.ld_kt + base + kb0;  // keys past n: masked below
-      const float* vb = p.vf + ((base + kb0) * p.KVH + kh) * Dp;
+      const float* vb = p.vf + (kh * p.tokens + base + kb0) * Dp;
       for (int64_t r0 = 0; r0 < rows4; r0 += 4)
-        scores4(qf + r0 * Dp, Dp, D, kt, p.ld_kt, s + r0 * KB);
+        scores4(qf + r0 * Dp, Dp, D, kt, p.ld_kt, n, s + r0 * KB);
       for (int64_t r = 0; r < rows4; ++r) {
         if (r >= rows) {                                  // padding rows: no weight
-          for (int64_t j = 0; j < KB; ++j) s[r * KB + j] = 0.f;
+          for (int64_t j = 0; j < n; ++j) s[r * KB + j] = 0.f;
           continue;
         }
         softmax_row(s + r * KB, kb0, n, q0 + r % nq, p.window, m + r, l + r, acc + r * Dp, Dp);

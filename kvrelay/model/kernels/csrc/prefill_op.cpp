@@ -40,7 +40,7 @@ std::vector<std::string> prefill_isas() { return variants().names(); }
 template <class T>
 float to_f32(T x) { return static_cast<float>(x); }
 
-// K transposed to [KVH][D][ld_kt] and V to [T][KVH][Dp], in f32 (PrefillProblem::kt, vf),
+// K transposed to [KVH][D][ld_kt] and V to [KVH][T][Dp], in f32 (PrefillProblem::kt, vf),
 // 16 tokens at a time: each (head, dim) row of the block is one contiguous 64-byte store.
 template <class T>
 void keys_values_f32(const at::Tensor& k, const at::Tensor& v, int64_t ld_kt, int64_t Dp,
@@ -58,7 +58,7 @@ void keys_values_f32(const at::Tensor& k, const at::Tensor& v, int64_t ld_kt, in
       }
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t h = 0; h < KVH; ++h) {
-        float* row = vf + (t * KVH + h) * Dp;
+        float* row = vf + (h * n + t) * Dp;
         for (int64_t d = 0; d < D; ++d) row[d] = to_f32(vp[t * vs + h * D + d]);
         for (int64_t d = D; d < Dp; ++d) row[d] = 0.f;
       }
@@ -140,7 +140,8 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   p.out = out.data_ptr();
   // keys and values in f32 once (the kernel's blocks point into them)
   const int64_t T = q.size(0), Dp = (p.D + 15) / 16 * 16;
-  p.ld_kt = T + kPrefillKeys;
+  p.ld_kt = prefill_ld_kt(T);
+  p.tokens = T;
   const at::Tensor kv32 = kept_f32(p.KVH * p.D * p.ld_kt + T * p.KVH * Dp, q.options());
   float* const kt = kv32.data_ptr<float>();
   float* const vf32 = kt + p.KVH * p.D * p.ld_kt;
