@@ -9,7 +9,7 @@
 // and shifts are what bound it on Zen 3 (two pipes, one shared with the FMAs): 13 per
 // two groups against moe_impl.h's 18 (fp4x2: lookups, byte shifts, sign extensions) and
 // its 8 multiplies by the scales. Measured (20b rows, one thread, Zen 3, core cycles per
-// group and weight row, L2-resident): 9.6 -> 5.8 at 1 token row; 14 -> 8.1 at 2; 20 -> 17.6
+// group and weight row, L2-resident): 9.6 -> 5.5 at 1 token row; 14 -> 8.1 at 2; 20 -> 17.5
 // at 4. A 20b layer's 4 experts from DRAM at 1 token: 5.4 -> 8.4 GB/s on one thread.
 #include "moe.h"
 
