@@ -164,8 +164,12 @@ class SafetensorsWeights:
         from disk a page at a time. Returns the bytes so mapped."""
         done = 0
         for t in tensors:
-            storage = t.untyped_storage()
-            ptr, n = storage.data_ptr(), storage.nbytes()
+            if t.numel() == 0:
+                continue
+            # the view's own bytes (a rank's experts of a file's tensor, not the whole tensor)
+            ptr = t.data_ptr()
+            n = (1 + sum((d - 1) * st for d, st in zip(t.shape, t.stride(), strict=True))) \
+                * t.element_size()
             for m in self._maps.values():
                 if m.address <= ptr < m.address + len(m.map):
                     m.populate(ptr - m.address, ptr - m.address + n)
